@@ -1,0 +1,39 @@
+"""hetsplit: uneven data parallelism across mixed devices (GPUs of different speeds and the CPU).
+
+The pipeline, one module a step: :mod:`~hetsplit.devices` (what runs) →
+:mod:`~hetsplit.profiler` (how fast) → :mod:`~hetsplit.costmodel` (step-time curves) →
+:mod:`~hetsplit.solver` (the split) → :mod:`~hetsplit.scatter_gather` (moving the shards),
+with :mod:`~hetsplit.store` keeping profiles on disk and :mod:`~hetsplit.cli` on top.
+"""
+
+__version__ = "0.1.0"
+
+from .costmodel import Curve, DeviceProfile, Measurement, Profile
+from .devices import Device, DeviceInfo, discover, parse_device, parse_devices
+from .profiler import calibrate, profile
+from .scatter_gather import gather, scatter
+from .solver import Plan, solve
+from .split import balanced_split, split_sizes
+from .store import ProfileFileError
+
+__all__ = [
+    "__version__",
+    "Curve",
+    "Device",
+    "DeviceInfo",
+    "DeviceProfile",
+    "Measurement",
+    "Plan",
+    "Profile",
+    "ProfileFileError",
+    "balanced_split",
+    "calibrate",
+    "discover",
+    "gather",
+    "parse_device",
+    "parse_devices",
+    "profile",
+    "scatter",
+    "solve",
+    "split_sizes",
+]

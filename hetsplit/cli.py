@@ -1,0 +1,221 @@
+"""CLI: `hetsplit devices | profile | plan` on top of the library."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+__all__ = ["main", "build_parser"]
+
+_DTYPES = ("float32", "float64", "float16", "bfloat16")
+
+
+class CLIError(Exception):
+    """An error the CLI reports as one line and exit status 1."""
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.replace(" ", "").split(",") if v]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``hetsplit`` argument parser, one subcommand per job."""
+    parser = argparse.ArgumentParser(
+        prog="hetsplit",
+        description="Split training batches unevenly across mixed devices so that all finish together.",
+    )
+    parser.add_argument("--debug", action="store_true", help="show the full traceback on errors")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    p = sub.add_parser("devices", help="list usable devices")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+    p = sub.add_parser("profile", help="time a training step on each device and store the profile")
+    p.add_argument("--devices", help="comma-separated devices, e.g. cuda:0,cpu or cpu,cpu@0.25 "
+                   "(default: every local device, plus an emulated cpu@0.25 when there is only one)")
+    p.add_argument("--model", default="lenet", help="built-in model (lenet, resnet18, mlp) or package.module:factory")
+    p.add_argument("--input-shape", type=_ints, help="shape of one sample, e.g. 3,32,32 (needed for your own model)")
+    p.add_argument("--dtype", choices=_DTYPES, default="float32", help="parameter and input dtype")
+    p.add_argument("--batch-sizes", type=_ints, help="the ladder of batch sizes (default 2,4,8,...,256)")
+    p.add_argument("--batch-size", type=_positive_int, default=256, help="batch to show the split of (default 256)")
+    p.add_argument("--budget", type=_positive_float, default=30.0, help="time budget in seconds (default 30)")
+    p.add_argument("--repeats", type=_positive_int, default=5, help="timed steps per batch size (default 5)")
+    p.add_argument("--out", type=Path, help="profile file to write (default: a new file in the profile directory)")
+    p.add_argument("--profile-dir", type=Path, help="profile directory (default $HETSPLIT_PROFILE_DIR or ./profiles)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+
+    p = sub.add_parser("plan", help="solve the split of a batch for a stored profile")
+    p.add_argument("profile", type=Path, help="a profile file written by 'hetsplit profile'")
+    p.add_argument("--batch-size", type=_positive_int, required=True, help="samples per step")
+    p.add_argument("--devices", help="use only these devices of the profile, in this order")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    return parser
+
+
+def _fmt_bytes(n: int | None) -> str:
+    return "-" if n is None else f"{n / 2**30:.1f} GiB"
+
+
+def _fmt_time(t: float) -> str:
+    if not math.isfinite(t):
+        return "inf"
+    return f"{t * 1000:.2f} ms" if t < 10 else f"{t:.2f} s"
+
+
+def _table(rows: Sequence[Sequence[str]], header: Sequence[str]) -> str:
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    lines = ["  ".join(str(h).ljust(w) for h, w in zip(header, widths))]
+    lines.append("  ".join("-" * w for w in widths))
+    lines += ["  ".join(str(c).ljust(w) for c, w in zip(r, widths)) for r in rows]
+    return "\n".join(lines)
+
+
+def _cmd_devices(args: argparse.Namespace) -> int:
+    from .devices import discover
+
+    infos = discover()
+    if args.json:
+        print(json.dumps([i.to_dict() for i in infos], indent=1))
+        return 0
+    rows = [[i.name, i.kind, i.description, _fmt_bytes(i.memory_bytes), i.capability or "-", i.uuid or "-"] for i in infos]
+    print(_table(rows, ["device", "kind", "name", "memory", "capability", "uuid"]))
+    import torch
+
+    print(f"\ntorch {torch.__version__}" + (f", CUDA {torch.version.cuda}" if torch.version.cuda else ""))
+    print("Emulate a slower device with NAME@SPEED, e.g. cpu@0.25 (the CPU at a quarter speed).")
+    return 0
+
+
+def _default_devices() -> list[str]:
+    from .devices import discover
+
+    names = [i.name for i in discover()]
+    if len(names) == 1:
+        # One device shows no split: add an emulated slower CPU, labelled as such everywhere.
+        names.append("cpu@0.25")
+    return names
+
+
+def _cmd_profile(args: argparse.Namespace) -> int:
+    import torch
+    import torch.nn.functional as F
+
+    from . import profiler, solver, store
+    from .devices import parse_devices
+    from .models import BUILTIN_MODELS, load_model, synthetic_batch
+
+    devs = parse_devices(args.devices) if args.devices else parse_devices(_default_devices())
+    spec = load_model(args.model, tuple(args.input_shape) if args.input_shape else None)
+    dtype = getattr(torch, args.dtype)
+    model = spec.factory().to(dtype)
+    x, y = synthetic_batch(spec, 16, dtype=dtype)
+    builtin = args.model in BUILTIN_MODELS
+    emulated = [d.name for d in devs if d.emulated]
+    print(f"profiling {spec.name} (input {tuple(spec.input_shape)}, {args.dtype}, synthetic data) on "
+          f"{', '.join(d.name for d in devs)}")
+    if emulated:
+        print(f"emulated devices: {', '.join(emulated)} (a real device slowed down by sleeping; not real hardware)")
+    prof = profiler.profile(
+        model, x, devs, F.cross_entropy if builtin else None, args.batch_sizes,
+        target=y if builtin else None, repeats=args.repeats, time_budget=args.budget,
+        progress=False if args.quiet else None, model_name=spec.name,
+    )
+    path = store.save_profile(prof, args.out, directory=args.profile_dir)
+    plan = solver.solve(prof, args.batch_size)
+    rows = []
+    for e, size in zip(prof.entries, plan.sizes):
+        top = e.measurements[-1].batch
+        rows.append([
+            e.name + (" (emulated)" if e.info.emulated else ""),
+            e.info.description,
+            f"{prof.throughput(e.name, top):,.0f} @ {top}",
+            "-" if e.memory_cap is None else str(e.memory_cap),
+            f"{size} ({size / args.batch_size:.0%})",
+        ])
+    print(_table(rows, ["device", "hardware", "samples/s @ batch", "memory cap", f"share of {args.batch_size}"]))
+    print(f"\npredicted step {_fmt_time(plan.step_time)}: {plan.speedup_vs_even:.2f}x the even split, "
+          f"{plan.speedup_vs_single:.2f}x {plan.single_device} alone")
+    print(f"profile written to {path}")
+    return 0
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from . import solver, store
+
+    prof = store.load_profile(args.profile)
+    devices = [d for d in args.devices.split(",") if d] if args.devices else None
+    if devices is not None:
+        try:
+            for d in devices:
+                prof.entry(d)
+        except KeyError as e:
+            raise CLIError(f"{e.args[0]} (profile {args.profile})") from None
+    plan = solver.solve(prof, args.batch_size, devices=devices)
+    if args.json:
+        print(json.dumps(plan.to_dict(), indent=1))
+        return 0
+    rows = []
+    for name, size, t, extra in zip(plan.devices, plan.sizes, plan.times, plan.extrapolated):
+        notes = [n for n, on in (("emulated", name in plan.emulated), ("beyond measured sizes", extra)) if on]
+        rows.append([name, str(size), f"{size / plan.batch_size:.1%}", _fmt_time(t), ", ".join(notes)])
+    print(f"split of a batch of {plan.batch_size} ({prof.model.get('name', 'model')}, profile from {prof.host})")
+    print(_table(rows, ["device", "samples", "share", "predicted time", "note"]))
+    print(f"\npredicted step time {_fmt_time(plan.step_time)}")
+    print(f"even split: {_fmt_time(plan.even_time)} -> {plan.speedup_vs_even:.2f}x faster balanced")
+    print(f"{plan.single_device} alone: {_fmt_time(plan.single_time)} -> {plan.speedup_vs_single:.2f}x faster balanced")
+    return 0
+
+
+_COMMANDS = {"devices": _cmd_devices, "profile": _cmd_profile, "plan": _cmd_plan}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the CLI; returns the exit status (errors are one line on stderr, status 1)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return _COMMANDS[args.command](args)
+    except KeyboardInterrupt:
+        print("hetsplit: interrupted", file=sys.stderr)
+        return 130
+    except (CLIError, ValueError, TypeError, KeyError, OSError, RuntimeError) as e:
+        if args.debug:
+            raise
+        message = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
+        print(f"hetsplit {args.command}: error: {message}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,104 @@
+"""Models: the built-in models the CLI profiles and benchmarks, and loading a user's own."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+__all__ = ["ModelSpec", "BUILTIN_MODELS", "lenet", "resnet18", "mlp", "load_model", "synthetic_batch"]
+
+
+def lenet(num_classes: int = 10) -> nn.Module:
+    """LeNet-5 for 1x28x28 images (the course's multi-GPU example network), no BatchNorm."""
+    return nn.Sequential(
+        nn.Conv2d(1, 6, kernel_size=5, padding=2), nn.ReLU(),
+        nn.AvgPool2d(kernel_size=2, stride=2),
+        nn.Conv2d(6, 16, kernel_size=5), nn.ReLU(),
+        nn.AvgPool2d(kernel_size=2, stride=2),
+        nn.Flatten(),
+        nn.Linear(16 * 5 * 5, 120), nn.ReLU(),
+        nn.Linear(120, 84), nn.ReLU(),
+        nn.Linear(84, num_classes),
+    )  # fmt: skip
+
+
+def resnet18(num_classes: int = 10, in_channels: int = 1) -> nn.Module:
+    """torchvision's ResNet-18 adapted to small 1-channel images (Fashion-MNIST)."""
+    import torchvision
+
+    net = torchvision.models.resnet18(weights=None, num_classes=num_classes)
+    net.conv1 = nn.Conv2d(in_channels, 64, kernel_size=3, stride=1, padding=1, bias=False)
+    net.maxpool = nn.Identity()
+    return net
+
+
+def mlp(num_classes: int = 10, width: int = 256, in_features: int = 256) -> nn.Module:
+    """A small two-layer perceptron; the workload of the quick built-in calibration."""
+    return nn.Sequential(nn.Linear(in_features, width), nn.ReLU(), nn.Linear(width, num_classes))
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """A model the CLI can build, with the shape of one input sample.
+
+    Attributes:
+        name: The name on the command line, or ``package.module:factory``.
+        factory: Builds the model.
+        input_shape: Shape of one sample, without the batch dimension.
+        num_classes: Classes of the output (targets are drawn in ``range(num_classes)``).
+    """
+
+    name: str
+    factory: Callable[[], nn.Module]
+    input_shape: tuple[int, ...]
+    num_classes: int = 10
+
+
+BUILTIN_MODELS: dict[str, ModelSpec] = {
+    "lenet": ModelSpec("lenet", lenet, (1, 28, 28)),
+    "resnet18": ModelSpec("resnet18", resnet18, (1, 32, 32)),
+    "mlp": ModelSpec("mlp", mlp, (256,)),
+}
+
+
+def load_model(name: str, input_shape: tuple[int, ...] | None = None) -> ModelSpec:
+    """Resolve a built-in model name or ``package.module:factory`` to a :class:`ModelSpec`.
+
+    Args:
+        name: ``lenet``, ``resnet18``, ``mlp``, or ``package.module:factory`` where
+            ``factory()`` returns an ``nn.Module``.
+        input_shape: Shape of one sample; required for a user's model.
+
+    Raises:
+        ValueError: If the name is unknown, the factory cannot be imported, or a user
+            model comes without ``input_shape``.
+    """
+    if name in BUILTIN_MODELS:
+        spec = BUILTIN_MODELS[name]
+        return dataclasses.replace(spec, input_shape=tuple(input_shape)) if input_shape else spec
+    if ":" not in name:
+        raise ValueError(
+            f"unknown model {name!r}; use one of {sorted(BUILTIN_MODELS)} or 'package.module:factory'"
+        )
+    module_name, _, attr = name.partition(":")
+    try:
+        factory = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"cannot load model factory {name!r}: {e}; check the module is importable") from e
+    if not callable(factory):
+        raise ValueError(f"model factory {name!r} is not callable")
+    if not input_shape:
+        raise ValueError(f"model {name!r} needs --input-shape, the shape of one sample such as 3,32,32")
+    return ModelSpec(name, factory, tuple(input_shape))
+
+
+def synthetic_batch(spec: ModelSpec, batch: int, *, seed: int = 0, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """A synthetic (random) batch of inputs and class targets for ``spec``."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn((batch, *spec.input_shape), generator=gen, dtype=dtype)
+    y = torch.randint(0, spec.num_classes, (batch,), generator=gen)
+    return x, y

@@ -1,0 +1,333 @@
+"""Profiler: time a real training step of the user's model on each device over a ladder of batch sizes."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import gc
+import hashlib
+import sys
+import time
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from .costmodel import Curve, DeviceProfile, Measurement, Profile
+from .devices import Device, DeviceLike, describe, parse_devices
+from .scatter_gather import batch_length, flatten, to_device
+
+__all__ = ["profile", "calibrate", "default_ladder", "fingerprint", "train_step"]
+
+LossFn = Callable[..., torch.Tensor]
+
+
+def default_ladder(max_batch: int = 256) -> list[int]:
+    """Powers of two from 2 up to ``max_batch`` (and ``max_batch`` itself).
+
+    It starts at 2, not 1: BatchNorm cannot train on a single sample, and the fixed
+    per-step cost shows as well at 2.
+    """
+    ladder, b = [], 2
+    while b < max_batch:
+        ladder.append(b)
+        b *= 2
+    return ladder + [max_batch]
+
+
+def fingerprint(model: nn.Module) -> str:
+    """A short hash of the model's class and parameter/buffer names, shapes and dtypes (not values)."""
+    h = hashlib.sha256(type(model).__qualname__.encode())
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        h.update(f"{name}:{tuple(t.shape)}:{t.dtype};".encode())
+    return h.hexdigest()[:16]
+
+
+def _rows(tree: Any, n: int, index: torch.Tensor) -> Any:
+    """Pick rows ``index`` of every batched tensor in ``tree`` (cycling through a short sample)."""
+    import torch.utils._pytree as pytree
+
+    leaves, spec = flatten(tree)
+    picked = [
+        leaf.index_select(0, index % n) if isinstance(leaf, torch.Tensor) and leaf.dim() > 0 else leaf
+        for leaf in leaves
+    ]
+    return pytree.tree_unflatten(picked, spec)
+
+
+def _move(tree: Any, device: torch.device) -> Any:
+    import torch.utils._pytree as pytree
+
+    leaves, spec = flatten(tree)
+    return pytree.tree_unflatten([to_device(x, device) if isinstance(x, torch.Tensor) else x for x in leaves], spec)
+
+
+def _call(model: nn.Module, inputs: Any) -> Any:
+    if isinstance(inputs, dict):
+        return model(**inputs)
+    if isinstance(inputs, (tuple, list)) and not hasattr(inputs, "_fields"):
+        return model(*inputs)
+    return model(inputs)
+
+
+def _default_loss(output: Any) -> torch.Tensor:
+    leaves, _ = flatten(output)
+    parts = [t.float().sum() for t in leaves if isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad]
+    if not parts:
+        raise ValueError("the model's output has no differentiable tensor; pass loss_fn=... that returns a scalar loss")
+    return torch.stack(parts).sum()
+
+
+def train_step(model: nn.Module, inputs: Any, target: Any = None, loss_fn: LossFn | None = None) -> torch.Tensor:
+    """One training step without the optimizer: forward, loss, backward. Returns the loss.
+
+    ``inputs`` is passed as ``model(inputs)``, ``model(*inputs)`` for a tuple/list, or
+    ``model(**inputs)`` for a dict. The loss is ``loss_fn(output, target)`` when a
+    target is given, ``loss_fn(output)`` otherwise, and by default the sum of the
+    output's floating-point tensors.
+    """
+    output = _call(model, inputs)
+    if loss_fn is None:
+        loss = _default_loss(output)
+    else:
+        loss = loss_fn(output, target) if target is not None else loss_fn(output)
+    loss.backward()
+    return loss
+
+
+@contextlib.contextmanager
+def _released(device: torch.device) -> Iterator[None]:
+    try:
+        yield
+    finally:
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def _is_oom(e: BaseException) -> bool:
+    return isinstance(e, torch.cuda.OutOfMemoryError) or (isinstance(e, RuntimeError) and "out of memory" in str(e))
+
+
+class _Runner:
+    """Runs timed training steps of one replica on one device."""
+
+    def __init__(self, model: nn.Module, dev: Device, sample: Any, target: Any, loss_fn: LossFn | None) -> None:
+        self.dev, self.device = dev, dev.torch_device
+        self.replica = copy.deepcopy(model).to(self.device).train()
+        self.n = batch_length(sample)
+        self.sample, self.target, self.loss_fn = sample, target, loss_fn
+
+    def step(self, batch: int, *, throttled: bool = True) -> float:
+        index = torch.arange(batch)
+        inputs = _move(_rows(self.sample, self.n, index), self.device)
+        target = _move(_rows(self.target, self.n, index), self.device) if self.target is not None else None
+        self.replica.zero_grad(set_to_none=True)
+        self.dev.synchronize()
+        start = time.perf_counter()
+        with self.dev.throttle() if throttled else contextlib.nullcontext():
+            train_step(self.replica, inputs, target, self.loss_fn)
+            self.dev.synchronize()
+        return time.perf_counter() - start
+
+    def try_step(self, batch: int) -> bool:
+        """Run one untimed step; False if it ran out of memory."""
+        with _released(self.device):
+            try:
+                self.step(batch, throttled=False)
+                return True
+            except Exception as e:
+                if not _is_oom(e):
+                    raise RuntimeError(
+                        f"a training step of batch {batch} failed on {self.dev.name}: {type(e).__name__}: {e}; "
+                        "check the model runs on this sample (BatchNorm needs batches of 2 or more)"
+                    ) from e
+                self.replica.zero_grad(set_to_none=True)
+                return False
+
+
+def profile(
+    model: nn.Module,
+    sample: Any,
+    devices: str | Sequence[DeviceLike],
+    loss_fn: LossFn | None = None,
+    batch_sizes: Sequence[int] | None = None,
+    *,
+    target: Any = None,
+    repeats: int = 5,
+    warmup: int = 2,
+    time_budget: float = 60.0,
+    find_memory_cap: bool = True,
+    max_probe: int = 1 << 16,
+    progress: bool | None = None,
+    model_name: str | None = None,
+) -> Profile:
+    """Measure a full training step (forward, loss, backward) of ``model`` on each device.
+
+    For each device a copy of the model is timed over a ladder of batch sizes, with
+    warm-up steps, device synchronisation and ``repeats`` timed steps whose median is
+    kept. The ladder is climbed until the device's share of ``time_budget`` runs out
+    (at least two sizes are measured). On CUDA the largest batch that fits in memory is
+    found by probing with out-of-memory errors caught and memory released. The model
+    itself is not touched: parameters, gradients, buffers, mode, device and the global
+    RNG state are as they were.
+
+    Args:
+        model: The model to profile.
+        sample: Example input: a tensor or a nest of tensors with the batch on dim 0
+            (one row or many; rows are cycled to build larger batches).
+        devices: Devices to profile, e.g. ``"cuda:0,cpu"`` or ``["cpu", "cpu@0.25"]``.
+        loss_fn: ``loss_fn(output, target)`` (or ``loss_fn(output)`` without a target);
+            default: the sum of the output's floating-point tensors.
+        batch_sizes: The ladder (default: 2, 4, 8, ..., 256).
+        target: Example targets matching ``sample`` row for row.
+        repeats: Timed steps per batch size.
+        warmup: Untimed steps before timing each batch size.
+        time_budget: Seconds for the whole profile, shared equally by the devices.
+        find_memory_cap: Probe CUDA devices for their largest batch.
+        max_probe: Largest batch tried when probing for the memory cap.
+        progress: Show a progress bar (default: when stderr is a terminal).
+        model_name: Name recorded in the profile (default: the model's class name).
+
+    Returns:
+        The :class:`Profile`, with raw measurements and fitted curves.
+
+    Raises:
+        ValueError: On invalid devices, batch sizes or sample, before any device work.
+    """
+    devs = parse_devices(devices)
+    names = [d.name for d in devs]
+    if len(set(names)) != len(names):
+        raise ValueError(f"devices {names} repeat a device; profile each device once")
+    ladder = sorted(set(default_ladder() if batch_sizes is None else batch_sizes))
+    bad = [b for b in ladder if isinstance(b, bool) or not isinstance(b, int) or b < 1]
+    if bad or not ladder:
+        raise ValueError(f"batch sizes must be positive integers, got {list(batch_sizes or [])}")
+    if repeats < 1 or warmup < 0 or time_budget <= 0:
+        raise ValueError(f"need repeats >= 1, warmup >= 0, time_budget > 0; got {repeats}, {warmup}, {time_budget}")
+    n = batch_length(sample)
+    if target is not None and batch_length(target) != n:
+        raise ValueError(f"target has {batch_length(target)} rows but sample has {n}; they must match")
+    show = sys.stderr.isatty() if progress is None else progress
+    entries = []
+    cuda_ids = [d.index for d in devs if d.type == "cuda"]
+    with torch.random.fork_rng(devices=cuda_ids), tqdm(
+        total=len(devs) * len(ladder), disable=not show, unit="step", desc="profiling", leave=False
+    ) as bar:
+        for dev in devs:
+            entries.append(_profile_one(model, dev, sample, target, loss_fn, ladder, repeats, warmup,
+                                        time_budget / len(devs), find_memory_cap, max_probe, bar))
+    return Profile(
+        entries,
+        model={
+            "name": model_name or type(model).__name__,
+            "fingerprint": fingerprint(model),
+            "input_shape": _input_shape(sample),
+            "dtype": _dtype(sample),
+        },
+        source="measured",
+    )
+
+
+def _profile_one(model: nn.Module, dev: Device, sample: Any, target: Any, loss_fn: LossFn | None,
+                 ladder: list[int], repeats: int, warmup: int, budget: float, find_cap: bool,
+                 max_probe: int, bar: tqdm) -> DeviceProfile:
+    runner = _Runner(model, dev, sample, target, loss_fn)
+    deadline = time.perf_counter() + budget
+    measurements: list[Measurement] = []
+    cap: int | None = None
+    for i, b in enumerate(ladder):
+        bar.set_postfix_str(f"{dev.name} batch {b}")
+        if measurements and len(measurements) >= 2:
+            # Stop climbing when the next size (about twice the work) would overrun.
+            expected = measurements[-1].median * (b / measurements[-1].batch) * (repeats + warmup)
+            if time.perf_counter() + expected > deadline:
+                bar.update(len(ladder) - i)
+                break
+        if not runner.try_step(b):  # warm-up and memory check in one
+            cap = measurements[-1].batch if measurements else 0
+            bar.update(len(ladder) - i)
+            break
+        for _ in range(max(warmup - 1, 0)):
+            runner.step(b, throttled=False)
+        times = [runner.step(b) for _ in range(repeats)]
+        measurements.append(Measurement(b, times))
+        bar.update(1)
+    if not measurements:
+        raise RuntimeError(f"device {dev.name} cannot run even batch {ladder[0]}: out of memory")
+    probed = measurements[-1].batch
+    if cap is None and find_cap and dev.type == "cuda":
+        cap, probed = _probe_cap(runner, measurements[-1].batch, max_probe, deadline + budget)
+    info = describe(dev)
+    curve = Curve.fit([(m.batch, m.median) for m in measurements], cap)
+    del runner
+    gc.collect()
+    return DeviceProfile(info, measurements, curve, memory_cap=cap, memory_probed_to=probed)
+
+
+def _probe_cap(runner: _Runner, ok: int, max_probe: int, deadline: float) -> tuple[int | None, int]:
+    """Double the batch until out of memory, then bisect; returns (cap or None, largest tried)."""
+    bad = None
+    b = ok * 2
+    while b <= max_probe and time.perf_counter() < deadline:
+        if runner.try_step(b):
+            ok, b = b, b * 2
+        else:
+            bad = b
+            break
+    if bad is None:
+        return None, ok
+    while bad - ok > max(1, ok // 16) and time.perf_counter() < deadline:
+        mid = (ok + bad) // 2
+        if runner.try_step(mid):
+            ok = mid
+        else:
+            bad = mid
+    return ok, bad
+
+
+def _input_shape(sample: Any) -> list[list[int]]:
+    leaves, _ = flatten(sample)
+    return [list(t.shape[1:]) for t in leaves if isinstance(t, torch.Tensor) and t.dim() > 0]
+
+
+def _dtype(sample: Any) -> str:
+    leaves, _ = flatten(sample)
+    dtypes = [str(t.dtype).replace("torch.", "") for t in leaves if isinstance(t, torch.Tensor)]
+    return ",".join(dict.fromkeys(dtypes))
+
+
+_CALIBRATION: dict[str, DeviceProfile] = {}
+_NOTICE_SHOWN = False
+
+
+def calibrate(devices: str | Sequence[DeviceLike]) -> Profile:
+    """A quick, model-agnostic profile of each device (a small MLP), cached for the process.
+
+    Used by :func:`hetsplit.balanced_split` when neither weights nor a profile is given
+    and no stored profile covers the devices. The first call warns once that a profile
+    of the real model (``hetsplit.profile`` or ``hetsplit profile``) is more accurate.
+    """
+    global _NOTICE_SHOWN
+    devs = parse_devices(devices)
+    missing = [d for d in dict.fromkeys(devs) if d.name not in _CALIBRATION]
+    if missing:
+        from .models import mlp
+
+        gen = torch.Generator().manual_seed(0)
+        sample = torch.randn(64, 256, generator=gen)
+        prof = profile(mlp(), sample, missing, batch_sizes=[16, 64, 256], repeats=3, warmup=1,
+                       time_budget=0.5 * len(missing), find_memory_cap=False, progress=False, model_name="calibration-mlp")
+        _CALIBRATION.update({e.name: e for e in prof.entries})
+    if not _NOTICE_SHOWN:
+        _NOTICE_SHOWN = True
+        warnings.warn(
+            "hetsplit: splitting by a quick built-in calibration of each device; a profile of your own model "
+            "(hetsplit.profile(...) or 'hetsplit profile') gives a more accurate split",
+            stacklevel=3,
+        )
+    return Profile([_CALIBRATION[d.name] for d in dict.fromkeys(devs)], model={"name": "calibration-mlp"},
+                   source="calibration")

@@ -1,0 +1,181 @@
+"""Store: profiles and plans as versioned JSON files, written atomically, found by device set."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import re
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .costmodel import Profile
+    from .devices import DeviceLike
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "ENV_PROFILE_DIR",
+    "ProfileFileError",
+    "profile_dir",
+    "write_json",
+    "read_json",
+    "save_profile",
+    "load_profile",
+    "find_profiles",
+    "latest_profile",
+]
+
+SCHEMA_VERSION = 1
+ENV_PROFILE_DIR = "HETSPLIT_PROFILE_DIR"
+
+
+class ProfileFileError(ValueError):
+    """A profile or plan file is missing, damaged, or of another schema version."""
+
+
+def profile_dir(directory: str | Path | None = None) -> Path:
+    """Where profiles are stored and looked up.
+
+    Lookup order: the ``directory`` argument (``--profile-dir`` on the CLI), then the
+    ``HETSPLIT_PROFILE_DIR`` environment variable, then ``./profiles`` in the current
+    working directory.
+    """
+    if directory is not None:
+        return Path(directory)
+    env = os.environ.get(ENV_PROFILE_DIR)
+    return Path(env) if env else Path.cwd() / "profiles"
+
+
+def write_json(path: str | Path, kind: str, payload: dict[str, Any]) -> Path:
+    """Write ``payload`` with a schema header to ``path`` atomically.
+
+    The JSON goes to a temporary file in the same directory, is flushed to disk, then
+    renamed over ``path``: an interrupted write leaves the old file (or none), never a
+    half-written one.
+
+    Args:
+        path: Target file; parent directories are created.
+        kind: What the file holds (``"profile"``, ``"plan"``, ``"bench"``).
+        payload: JSON-ready data.
+
+    Returns:
+        The path written.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    doc = {"schema": "hetsplit", "kind": kind, "schema_version": SCHEMA_VERSION, **payload}
+    text = json.dumps(doc, indent=1, allow_nan=False)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(text + "\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        # Ctrl-C or a full disk: drop the temporary file, leave the target untouched.
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def read_json(path: str | Path, kind: str) -> dict[str, Any]:
+    """Read a file written by :func:`write_json`, checking its kind and schema version.
+
+    Raises:
+        ProfileFileError: If the file is missing, not valid JSON, not a hetsplit file of
+            this ``kind``, or of another schema version; the message names the file.
+    """
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ProfileFileError(f"{path}: no such file; run 'hetsplit profile' to make one") from None
+    except OSError as e:
+        raise ProfileFileError(f"{path}: cannot read it ({e.strerror})") from e
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ProfileFileError(f"{path}: damaged file, not valid JSON ({e.msg} at line {e.lineno}); re-create it") from e
+    if not isinstance(doc, dict) or doc.get("schema") != "hetsplit":
+        raise ProfileFileError(f"{path}: not a hetsplit file")
+    if doc.get("kind") != kind:
+        raise ProfileFileError(f"{path}: holds a {doc.get('kind')!r}, expected a {kind!r}")
+    version = doc.get("schema_version")
+    if version != SCHEMA_VERSION:
+        raise ProfileFileError(
+            f"{path}: schema version {version!r}, but this hetsplit reads version {SCHEMA_VERSION}; "
+            "re-create it with 'hetsplit profile'"
+        )
+    return doc
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9.]+", "-", text).strip("-") or "x"
+
+
+def save_profile(profile: Profile, path: str | Path | None = None, *, directory: str | Path | None = None) -> Path:
+    """Write ``profile`` as JSON (see :meth:`hetsplit.Profile.save`)."""
+    if path is None:
+        model = profile.model.get("name", "model")
+        stamp = re.sub(r"[^0-9]", "", profile.created)[:14]
+        name = f"{_slug(profile.host)}_{_slug(model)}_{_slug('+'.join(profile.devices))}_{stamp}.json"
+        path = profile_dir(directory) / name
+    return write_json(path, "profile", profile.to_dict())
+
+
+def load_profile(path: str | Path) -> Profile:
+    """Read a profile file (see :meth:`hetsplit.Profile.load`)."""
+    from .costmodel import Profile
+
+    doc = read_json(path, "profile")
+    try:
+        return Profile.from_dict(doc)
+    except (KeyError, TypeError, ValueError) as e:
+        raise ProfileFileError(f"{path}: damaged profile ({type(e).__name__}: {e}); re-create it") from e
+
+
+def find_profiles(
+    devices: Sequence[DeviceLike] | None = None,
+    directory: str | Path | None = None,
+    *,
+    host: str | None = None,
+) -> list[Path]:
+    """Profile files in the profile directory, newest first.
+
+    Args:
+        devices: If given, keep only profiles that cover all these devices (by name,
+            including the emulation suffix).
+        directory: Where to look (see :func:`profile_dir`).
+        host: Keep only profiles measured on this host (default: this machine; ``"*"``: any).
+
+    Returns:
+        Paths of readable profiles of the current schema; damaged files are skipped.
+    """
+    from .costmodel import _key
+
+    root = profile_dir(directory)
+    if not root.is_dir():
+        return []
+    want = {_key(d) for d in devices} if devices is not None else set()
+    host = platform.node() if host is None else host
+    found: list[tuple[str, Path]] = []
+    for path in root.glob("*.json"):
+        try:
+            doc = read_json(path, "profile")
+        except ProfileFileError:
+            continue
+        names = {d.get("info", {}).get("name") for d in doc.get("devices", [])}
+        if want <= names and (host == "*" or doc.get("host") == host):
+            found.append((str(doc.get("created", "")), path))
+    found.sort(key=lambda item: (item[0], item[1].stat().st_mtime), reverse=True)
+    return [p for _, p in found]
+
+
+def latest_profile(devices: Sequence[DeviceLike], directory: str | Path | None = None) -> Profile | None:
+    """The newest profile measured on this machine that covers ``devices``, or ``None``."""
+    paths = find_profiles(devices, directory)
+    return load_profile(paths[0]) if paths else None

@@ -1,0 +1,81 @@
+import json
+
+import pytest
+
+from hetsplit import Profile
+from hetsplit.cli import main
+
+
+def _run(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_devices_table_and_json(capsys):
+    code, out, _ = _run(capsys, "devices")
+    assert code == 0 and "cpu" in out and "memory" in out
+    code, out, _ = _run(capsys, "devices", "--json")
+    assert code == 0 and any(d["kind"] == "cpu" for d in json.loads(out))
+
+
+def test_profile_then_plan(capsys, tmp_path):
+    out_file = tmp_path / "p.json"
+    code, out, _ = _run(capsys, "profile", "--devices", "cpu,cpu@0.5", "--model", "mlp", "--batch-sizes", "4,16",
+                        "--repeats", "2", "--budget", "5", "--out", str(out_file), "--quiet", "--batch-size", "64")
+    assert code == 0, out
+    assert "cpu@0.5 (emulated)" in out and "emulated devices: cpu@0.5" in out and "synthetic" in out
+    assert "share of 64" in out and str(out_file) in out
+    prof = Profile.load(out_file)
+    assert prof.devices == ["cpu", "cpu@0.5"] and prof.model["name"] == "mlp"
+    code, out, _ = _run(capsys, "plan", str(out_file), "--batch-size", "40")
+    assert code == 0 and "predicted step time" in out and "even split" in out and "emulated" in out
+    code, out, _ = _run(capsys, "plan", str(out_file), "--batch-size", "40", "--json")
+    plan = json.loads(out)
+    assert sum(plan["sizes"]) == 40 and plan["devices"] == ["cpu", "cpu@0.5"]
+
+
+def test_profile_defaults_add_an_emulated_cpu_on_a_one_device_machine(capsys, tmp_path, monkeypatch):
+    import hetsplit.cli as cli
+
+    monkeypatch.setattr(cli, "_default_devices", lambda: ["cpu", "cpu@0.25"] if True else None)
+    from hetsplit.devices import DeviceInfo
+
+    monkeypatch.setattr("hetsplit.devices.discover", lambda: [DeviceInfo("cpu", "cpu", "test cpu")])
+    monkeypatch.undo()  # use the real helper with a faked discovery
+    monkeypatch.setenv("HETSPLIT_PROFILE_DIR", str(tmp_path / "profiles"))
+    monkeypatch.setattr("hetsplit.devices.discover", lambda: [DeviceInfo("cpu", "cpu", "test cpu")])
+    assert cli._default_devices() == ["cpu", "cpu@0.25"]
+    code, out, _ = _run(capsys, "profile", "--batch-sizes", "2,8", "--repeats", "1", "--budget", "3", "--quiet")
+    assert code == 0 and "cpu@0.25 (emulated)" in out
+    assert len(list((tmp_path / "profiles").glob("*.json"))) == 1
+
+
+@pytest.mark.parametrize(
+    "argv, fragment",
+    [
+        (["plan", "missing.json", "--batch-size", "4"], "missing.json: no such file"),
+        (["profile", "--devices", "cuda:9"], "'cuda:9' is not available"),
+        (["profile", "--devices", "cpu", "--model", "nosuch"], "unknown model 'nosuch'"),
+        (["profile", "--devices", "cpu", "--model", "os.path:join"], "needs --input-shape"),
+    ],
+)
+def test_errors_are_one_line_and_nonzero(capsys, argv, fragment):
+    code, out, err = _run(capsys, *argv)
+    assert code == 1 and fragment in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_plan_of_damaged_profile_and_unknown_device(capsys, tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    code, _, err = _run(capsys, "plan", str(bad), "--batch-size", "4")
+    assert code == 1 and "bad.json: damaged file" in err
+    good = Profile.from_measurements({"a": [(1, 0.1)]}).save(tmp_path / "g.json")
+    code, _, err = _run(capsys, "plan", str(good), "--batch-size", "4", "--devices", "b")
+    assert code == 1 and "'b' is not in this profile" in err
+
+
+def test_argument_errors_exit_2(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["plan", "x.json", "--batch-size", "0"])
+    assert exc.value.code == 2 and "positive integer" in capsys.readouterr().err

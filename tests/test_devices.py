@@ -1,0 +1,117 @@
+import time
+
+import pytest
+import torch
+
+from hetsplit.devices import Device, describe, discover, parse_device, parse_devices
+
+
+@pytest.mark.parametrize(
+    "spec, name, speed, emulated",
+    [
+        ("cpu", "cpu", 1.0, False),
+        (" CPU ", "cpu", 1.0, False),
+        ("cpu@0.25", "cpu@0.25", 0.25, True),
+        ("cpu@1", "cpu@1", 1.0, True),
+        ("cpu@.5", "cpu@0.5", 0.5, True),
+    ],
+)
+def test_parse_cpu_forms(spec, name, speed, emulated):
+    d = parse_device(spec)
+    assert (d.name, d.speed, d.emulated) == (name, speed, emulated)
+    assert d.torch_device == torch.device("cpu")
+
+
+def test_parse_cuda_forms_without_checking():
+    assert parse_device("cuda:1", check=False).name == "cuda:1"
+    assert parse_device("cuda:0@0.5", check=False).name == "cuda:0@0.5"
+    assert parse_device("cuda", check=False).type == "cuda"
+    assert parse_device(torch.device("cpu")).name == "cpu"
+
+
+@pytest.mark.parametrize(
+    "spec, fragment",
+    [
+        ("gpu", "cannot parse device 'gpu'"),
+        ("cpu:1", "takes no index"),
+        ("cpu@0", "must be in (0, 1]"),
+        ("cpu@1.5", "must be in (0, 1]"),
+        ("cuda:0@-1", "cannot parse"),
+    ],
+)
+def test_parse_rejects_bad_strings(spec, fragment):
+    with pytest.raises(ValueError, match=None) as err:
+        parse_device(spec)
+    assert fragment in str(err.value)
+
+
+def test_parse_rejects_non_strings():
+    with pytest.raises(TypeError, match="got int"):
+        parse_device(3)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without this GPU")
+def test_unavailable_cuda_is_named():
+    with pytest.raises(ValueError, match="'cuda:7' is not available"):
+        parse_device("cuda:7")
+
+
+def test_parse_devices_string_and_list():
+    assert [d.name for d in parse_devices("cpu, cpu@0.25")] == ["cpu", "cpu@0.25"]
+    assert [d.name for d in parse_devices(["cpu", torch.device("cpu")])] == ["cpu", "cpu"]
+    with pytest.raises(ValueError, match="no devices"):
+        parse_devices("")
+
+
+def test_discover_lists_the_cpu_with_memory():
+    infos = discover()
+    cpu = [i for i in infos if i.kind == "cpu"]
+    assert len(cpu) == 1 and cpu[0].memory_bytes and cpu[0].memory_bytes > 2**28
+    assert all(not i.emulated for i in infos)
+    if torch.cuda.is_available():
+        assert any(i.kind == "cuda" and i.uuid for i in infos)
+
+
+def test_describe_labels_emulation():
+    info = describe("cpu@0.25")
+    assert info.emulated and info.speed == 0.25 and "emulated" in info.description
+    assert not describe("cpu").emulated
+
+
+def _busy(seconds):
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def test_throttle_sleeps_three_times_the_work_at_quarter_speed():
+    dev = parse_device("cpu@0.25")
+    start = time.perf_counter()
+    for _ in range(5):
+        with dev.throttle():
+            _busy(0.01)
+    total = time.perf_counter() - start
+    # 50 ms of work at a quarter speed is 200 ms; sleep overshoot is carried over, so the
+    # total stays close (the upper bound allows for a loaded CI machine).
+    assert 0.19 < total < 0.35
+
+
+def test_real_device_is_never_throttled():
+    dev = parse_device("cpu")
+    start = time.perf_counter()
+    with dev.throttle():
+        _busy(0.02)
+    assert time.perf_counter() - start < 0.06
+
+
+def test_speed_can_change_over_time():
+    dev = parse_device("cpu@0.5")
+    try:
+        dev.set_speed(0.2)
+        assert dev.current_speed == 0.2 and parse_device("cpu@0.5").current_speed == 0.2
+        dev.set_speed(None)
+        assert dev.current_speed == 0.5
+    finally:
+        dev.set_speed(None)
+    with pytest.raises(ValueError, match="only emulated devices"):
+        Device("cpu").set_speed(0.5)

@@ -1,0 +1,126 @@
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hetsplit import profile, solve
+from hetsplit.profiler import default_ladder, fingerprint
+
+
+class Net(nn.Module):
+    """Has BatchNorm (running stats), dropout (RNG) and a buffer the profiler must not touch."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(8, 16)
+        self.bn = nn.BatchNorm1d(16)
+        self.drop = nn.Dropout(0.5)
+        self.fc2 = nn.Linear(16, 3)
+
+    def forward(self, x):
+        return self.fc2(self.drop(torch.relu(self.bn(self.fc1(x)))))
+
+
+def _snapshot(model):
+    return {k: v.clone() for k, v in model.state_dict().items()}, {
+        n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()
+    }
+
+
+def test_model_is_left_exactly_as_found():
+    torch.manual_seed(0)
+    model = Net()
+    model(torch.randn(4, 8)).sum().backward()  # existing gradients
+    model.eval()
+    sample = torch.randn(4, 8)
+    state, grads = _snapshot(model)
+    rng = torch.get_rng_state()
+    profile(model, sample, ["cpu"], batch_sizes=[2, 8], repeats=2, warmup=1, time_budget=5, progress=False)
+    state2, grads2 = _snapshot(model)
+    assert all(torch.equal(state[k], state2[k]) for k in state)
+    assert state["bn.num_batches_tracked"] == state2["bn.num_batches_tracked"]
+    assert all(torch.equal(grads[k], grads2[k]) for k in grads)
+    assert not model.training and next(model.parameters()).device.type == "cpu"
+    assert torch.equal(rng, torch.get_rng_state())
+
+
+def test_profile_records_measurements_and_metadata():
+    x, y = torch.randn(5, 8), torch.randint(0, 3, (5,))
+    p = profile(Net(), x, "cpu,cpu@0.5", F.cross_entropy, [2, 4, 16], target=y, repeats=3, warmup=1,
+                time_budget=10, progress=False, model_name="net")
+    assert p.devices == ["cpu", "cpu@0.5"] and p.emulated == ["cpu@0.5"]
+    cpu = p.entry("cpu")
+    assert [m.batch for m in cpu.measurements] == [2, 4, 16]
+    assert all(len(m.times) == 3 and all(t > 0 for t in m.times) for m in cpu.measurements)
+    assert p.model["name"] == "net" and p.model["input_shape"] == [[8]] and p.model["dtype"] == "float32"
+    assert p.model["fingerprint"] == fingerprint(Net())
+    assert p.entry("cpu@0.5").info.emulated and not cpu.info.emulated
+    assert cpu.memory_cap is None  # the CPU is not probed
+
+
+def test_quarter_speed_cpu_measures_about_a_quarter_throughput():
+    torch.set_num_threads(1)
+    model = nn.Sequential(nn.Conv2d(1, 8, 3), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 26 * 26, 10))
+    p = profile(model, torch.randn(8, 1, 28, 28), ["cpu", "cpu@0.25"], batch_sizes=[64, 128], repeats=5,
+                warmup=2, time_budget=30, progress=False)
+    ratio = p.throughput("cpu", 128) / p.throughput("cpu@0.25", 128)
+    # 4 in theory; a shared 2-core machine makes single timings noisy, hence the band.
+    assert 2.5 < ratio < 6.5, ratio
+    share = solve(p, 500).shares[1]
+    assert 0.1 < share < 0.32, share
+
+
+def test_time_budget_stops_the_ladder_early():
+    model = nn.Linear(256, 256)
+    p = profile(model, torch.randn(4, 256), ["cpu@0.05"], batch_sizes=default_ladder(4096), repeats=3,
+                warmup=1, time_budget=0.3, progress=False)
+    measured = [m.batch for m in p.entries[0].measurements]
+    assert 2 <= len(measured) < len(default_ladder(4096))
+
+
+def test_dict_inputs_and_default_loss():
+    class DictNet(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(3, 2)
+
+        def forward(self, a, b):
+            return {"out": self.lin(a) * b}
+
+    sample = {"a": torch.randn(3, 3), "b": torch.randn(3, 1)}
+    p = profile(DictNet(), sample, ["cpu"], batch_sizes=[2, 5], repeats=1, warmup=0, progress=False)
+    assert [m.batch for m in p.entries[0].measurements] == [2, 5]
+
+
+def test_a_failing_step_names_device_and_batch():
+    with pytest.raises(RuntimeError, match="batch 1 failed on cpu@0.5: ValueError.*BatchNorm needs"):
+        profile(Net(), torch.randn(4, 8), ["cpu@0.5"], batch_sizes=[1, 2], progress=False)
+
+
+@pytest.mark.parametrize(
+    "kwargs, fragment",
+    [
+        ({"devices": ["cpu", "cpu"]}, "repeat a device"),
+        ({"devices": ["cpu", "tpu"]}, "'tpu'"),
+        ({"batch_sizes": [0, 4]}, "positive integers"),
+        ({"repeats": 0}, "repeats >= 1"),
+        ({"target": torch.zeros(3)}, "target has 3 rows but sample has 4"),
+    ],
+)
+def test_bad_arguments_fail_before_work(kwargs, fragment):
+    args = {"devices": ["cpu"], "batch_sizes": [1, 2]} | kwargs
+    with pytest.raises(ValueError) as err:
+        profile(Net(), torch.randn(4, 8), progress=False, **args)
+    assert fragment in str(err.value)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_profile_finds_a_memory_cap():
+    model = nn.Sequential(nn.Linear(4096, 4096), nn.ReLU(), nn.Linear(4096, 4096))
+    p = profile(model, torch.randn(4, 4096), ["cuda:0", "cpu"], batch_sizes=[16, 64], repeats=2,
+                time_budget=60, max_probe=1 << 22, progress=False)
+    gpu = p.entry("cuda:0")
+    assert gpu.info.kind == "cuda" and gpu.info.memory_bytes > 0
+    assert gpu.memory_probed_to >= 64
+    assert torch.cuda.memory_allocated() < 2**30  # memory released after probing
