@@ -8,6 +8,7 @@ with :mod:`~hetsplit.store` keeping profiles on disk and :mod:`~hetsplit.cli` on
 
 __version__ = "0.1.0"
 
+from . import models
 from .costmodel import Curve, DeviceProfile, Measurement, Profile
 from .devices import Device, DeviceInfo, discover, parse_device, parse_devices
 from .profiler import calibrate, profile

@@ -73,6 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=_positive_int, default=5, help="timed steps per batch size (default 5)")
     p.add_argument("--out", type=Path, help="profile file to write (default: a new file in the profile directory)")
     p.add_argument("--profile-dir", type=Path, help="profile directory (default $HETSPLIT_PROFILE_DIR or ./profiles)")
+    p.add_argument("--threads", type=_positive_int, help="torch intra-op CPU threads (default: torch's choice)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
     p = sub.add_parser("plan", help="solve the split of a batch for a stored profile")
@@ -136,6 +137,8 @@ def _cmd_profile(args: argparse.Namespace) -> int:
     from .models import BUILTIN_MODELS, load_model, synthetic_batch
 
     devs = parse_devices(args.devices) if args.devices else parse_devices(_default_devices())
+    if args.threads:
+        torch.set_num_threads(args.threads)
     spec = load_model(args.model, tuple(args.input_shape) if args.input_shape else None)
     dtype = getattr(torch, args.dtype)
     model = spec.factory().to(dtype)
@@ -143,7 +146,7 @@ def _cmd_profile(args: argparse.Namespace) -> int:
     builtin = args.model in BUILTIN_MODELS
     emulated = [d.name for d in devs if d.emulated]
     print(f"profiling {spec.name} (input {tuple(spec.input_shape)}, {args.dtype}, synthetic data) on "
-          f"{', '.join(d.name for d in devs)}")
+          f"{', '.join(d.name for d in devs)}; {torch.get_num_threads()} CPU threads")
     if emulated:
         print(f"emulated devices: {', '.join(emulated)} (a real device slowed down by sleeping; not real hardware)")
     prof = profiler.profile(

@@ -212,14 +212,12 @@ def profile(
     if target is not None and batch_length(target) != n:
         raise ValueError(f"target has {batch_length(target)} rows but sample has {n}; they must match")
     show = sys.stderr.isatty() if progress is None else progress
-    entries = []
     cuda_ids = [d.index for d in devs if d.type == "cuda"]
     with torch.random.fork_rng(devices=cuda_ids), tqdm(
-        total=len(devs) * len(ladder), disable=not show, unit="step", desc="profiling", leave=False
+        total=len(devs) * len(ladder), disable=not show, unit="size", desc="profiling", leave=False
     ) as bar:
-        for dev in devs:
-            entries.append(_profile_one(model, dev, sample, target, loss_fn, ladder, repeats, warmup,
-                                        time_budget / len(devs), find_memory_cap, max_probe, bar))
+        entries = _measure(model, devs, sample, target, loss_fn, ladder, repeats, warmup,
+                           time_budget / len(devs), find_memory_cap, max_probe, bar)
     return Profile(
         entries,
         model={
@@ -232,40 +230,61 @@ def profile(
     )
 
 
-def _profile_one(model: nn.Module, dev: Device, sample: Any, target: Any, loss_fn: LossFn | None,
-                 ladder: list[int], repeats: int, warmup: int, budget: float, find_cap: bool,
-                 max_probe: int, bar: tqdm) -> DeviceProfile:
-    runner = _Runner(model, dev, sample, target, loss_fn)
-    deadline = time.perf_counter() + budget
-    measurements: list[Measurement] = []
-    cap: int | None = None
-    for i, b in enumerate(ladder):
-        bar.set_postfix_str(f"{dev.name} batch {b}")
-        if measurements and len(measurements) >= 2:
-            # Stop climbing when the next size (about twice the work) would overrun.
-            expected = measurements[-1].median * (b / measurements[-1].batch) * (repeats + warmup)
-            if time.perf_counter() + expected > deadline:
-                bar.update(len(ladder) - i)
-                break
-        if not runner.try_step(b):  # warm-up and memory check in one
-            cap = measurements[-1].batch if measurements else 0
-            bar.update(len(ladder) - i)
+def _measure(model: nn.Module, devs: list[Device], sample: Any, target: Any, loss_fn: LossFn | None,
+             ladder: list[int], repeats: int, warmup: int, budget: float, find_cap: bool,
+             max_probe: int, bar: tqdm) -> list[DeviceProfile]:
+    """Climb the ladder on all devices together, interleaving their timed repeats.
+
+    Round-robin timing means every device is measured under the same machine conditions
+    (another job, clock changes), so their ratio is not skewed by when each was measured.
+    """
+    runners = [_Runner(model, dev, sample, target, loss_fn) for dev in devs]
+    measured: list[list[Measurement]] = [[] for _ in devs]
+    caps: list[int | None] = [None] * len(devs)
+    spent = [0.0] * len(devs)
+    active = list(range(len(devs)))
+    for b in ladder:
+        bar.set_postfix_str(f"batch {b}")
+        climbing = []
+        for i in active:
+            last = measured[i][-1] if measured[i] else None
+            # Stop climbing once the next size (proportionally more work) would overrun.
+            if last is not None and len(measured[i]) >= 2:
+                if spent[i] + last.median * (b / last.batch) * (repeats + warmup) > budget:
+                    continue
+            start = time.perf_counter()
+            ok = runners[i].try_step(b)  # warm-up and memory check in one
+            for _ in range(max(warmup - 1, 0) if ok else 0):
+                runners[i].step(b, throttled=False)
+            spent[i] += time.perf_counter() - start
+            if ok:
+                climbing.append(i)
+            else:
+                caps[i] = last.batch if last is not None else 0
+        times: dict[int, list[float]] = {i: [] for i in climbing}
+        for _ in range(repeats):
+            for i in climbing:
+                t = runners[i].step(b)
+                times[i].append(t)
+                spent[i] += t
+        for i in climbing:
+            measured[i].append(Measurement(b, times[i]))
+        bar.update(len(devs))
+        active = climbing
+        if not active:
             break
-        for _ in range(max(warmup - 1, 0)):
-            runner.step(b, throttled=False)
-        times = [runner.step(b) for _ in range(repeats)]
-        measurements.append(Measurement(b, times))
-        bar.update(1)
-    if not measurements:
-        raise RuntimeError(f"device {dev.name} cannot run even batch {ladder[0]}: out of memory")
-    probed = measurements[-1].batch
-    if cap is None and find_cap and dev.type == "cuda":
-        cap, probed = _probe_cap(runner, measurements[-1].batch, max_probe, deadline + budget)
-    info = describe(dev)
-    curve = Curve.fit([(m.batch, m.median) for m in measurements], cap)
-    del runner
+    entries = []
+    for i, (dev, runner) in enumerate(zip(devs, runners)):
+        if not measured[i]:
+            raise RuntimeError(f"device {dev.name} cannot run even batch {ladder[0]}: out of memory")
+        probed = measured[i][-1].batch
+        if caps[i] is None and find_cap and dev.type == "cuda":
+            caps[i], probed = _probe_cap(runner, probed, max_probe, time.perf_counter() + budget)
+        curve = Curve.fit([(m.batch, m.median) for m in measured[i]], caps[i])
+        entries.append(DeviceProfile(describe(dev), measured[i], curve, memory_cap=caps[i], memory_probed_to=probed))
+    del runners
     gc.collect()
-    return DeviceProfile(info, measurements, curve, memory_cap=cap, memory_probed_to=probed)
+    return entries
 
 
 def _probe_cap(runner: _Runner, ok: int, max_probe: int, deadline: float) -> tuple[int | None, int]:

@@ -60,14 +60,17 @@ def test_profile_records_measurements_and_metadata():
 
 def test_quarter_speed_cpu_measures_about_a_quarter_throughput():
     torch.set_num_threads(1)
-    model = nn.Sequential(nn.Conv2d(1, 8, 3), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 26 * 26, 10))
-    p = profile(model, torch.randn(8, 1, 28, 28), ["cpu", "cpu@0.25"], batch_sizes=[64, 128], repeats=5,
-                warmup=2, time_budget=30, progress=False)
-    ratio = p.throughput("cpu", 128) / p.throughput("cpu@0.25", 128)
-    # 4 in theory; a shared 2-core machine makes single timings noisy, hence the band.
-    assert 2.5 < ratio < 6.5, ratio
-    share = solve(p, 500).shares[1]
-    assert 0.1 < share < 0.32, share
+    # Matmul-bound, so the step time is steady on a shared machine (conv steps of the same
+    # size vary 3x here from allocation noise).
+    model = nn.Sequential(nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10))
+    p = profile(model, torch.randn(8, 512), ["cpu", "cpu@0.25"], batch_sizes=[64, 128, 256, 512], repeats=7,
+                warmup=2, time_budget=60, progress=False)
+    ratio = p.throughput("cpu", 512) / p.throughput("cpu@0.25", 512)
+    assert 2.8 < ratio < 5.5, ratio
+    # At 640 samples per-sample cost dominates the fixed cost: close to an 80/20 split.
+    plan = solve(p, 640)
+    assert 0.1 < plan.shares[1] < 0.3, plan.shares
+    assert plan.times[1] == pytest.approx(plan.times[0], rel=0.1)
 
 
 def test_time_budget_stops_the_ladder_early():

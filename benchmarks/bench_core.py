@@ -1,0 +1,77 @@
+"""Benchmark the core: solver time for 10 and 10,000 devices, profiler wall time.
+
+Run: python benchmarks/bench_core.py [--json OUT]
+Timings, not tests: the numbers go to docs/benchmarks.md with date, machine and command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import statistics
+import time
+
+import torch
+
+import hetsplit
+from hetsplit.models import BUILTIN_MODELS, lenet, synthetic_batch
+
+
+def bench_solver(n_devices: int, repeats: int = 15) -> dict:
+    rng = random.Random(n_devices)
+    meas = {
+        f"d{i}": [(b, rng.uniform(1e-3, 1e-2) + b * rng.uniform(1e-4, 1e-2)) for b in (1, 4, 16, 64, 256)]
+        for i in range(n_devices)
+    }
+    caps = {f"d{i}": rng.randint(64, 4096) for i in range(0, n_devices, 3)}
+    profile = hetsplit.Profile.from_measurements(meas, caps)
+    batch = 100 * n_devices
+    hetsplit.solve(profile, batch)  # warm-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        plan = hetsplit.solve(profile, batch)
+        times.append(time.perf_counter() - start)
+    return {"devices": n_devices, "batch": batch, "median_ms": 1e3 * statistics.median(times),
+            "min_ms": 1e3 * min(times), "speedup_vs_even": plan.speedup_vs_even}
+
+
+def bench_profiler() -> dict:
+    torch.manual_seed(0)
+    x, y = synthetic_batch(BUILTIN_MODELS["lenet"], 16)
+    start = time.perf_counter()
+    profile = hetsplit.profile(lenet(), x, ["cpu", "cpu@0.25"], torch.nn.functional.cross_entropy, target=y,
+                               time_budget=30, progress=False)
+    wall = time.perf_counter() - start
+    plan = hetsplit.solve(profile, 256)
+    return {"model": "lenet", "devices": profile.devices, "budget_s": 30, "wall_s": wall,
+            "ladder": [m.batch for m in profile.entries[0].measurements],
+            "throughput_ratio_at_256": profile.throughput("cpu", 256) / profile.throughput("cpu@0.25", 256),
+            "split_of_256": plan.sizes}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", help="also write the results here")
+    parser.add_argument("--threads", type=int, help="torch intra-op threads")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    results = {"machine": f"{platform.node()} {platform.processor() or platform.machine()}, "
+                          f"{torch.get_num_threads()} threads, torch {torch.__version__}",
+               "solver": [bench_solver(10), bench_solver(10_000)], "profiler": bench_profiler()}
+    for r in results["solver"]:
+        print(f"solve {r['devices']:>6} devices, batch {r['batch']:>9}: median {r['median_ms']:.2f} ms "
+              f"(min {r['min_ms']:.2f} ms)")
+    p = results["profiler"]
+    print(f"profile lenet on {p['devices']}: {p['wall_s']:.1f} s wall (budget {p['budget_s']} s), ladder {p['ladder']}, "
+          f"throughput ratio at 256 = {p['throughput_ratio_at_256']:.2f}, split of 256 = {p['split_of_256']}")
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as fh:
+            json.dump(results, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()
