@@ -11,7 +11,9 @@ __version__ = "0.1.0"
 from . import models
 from .costmodel import Curve, DeviceProfile, Measurement, Profile
 from .devices import Device, DeviceInfo, discover, parse_device, parse_devices
+from .parallel import HeteroDataParallel, parallel_apply
 from .profiler import calibrate, profile
+from .reduce import reduce_gradients
 from .scatter_gather import gather, scatter
 from .solver import Plan, solve
 from .split import balanced_split, split_sizes
@@ -21,6 +23,7 @@ __all__ = [
     "__version__",
     "Curve",
     "Device",
+    "HeteroDataParallel",
     "DeviceInfo",
     "DeviceProfile",
     "Measurement",
@@ -32,8 +35,10 @@ __all__ = [
     "discover",
     "gather",
     "parse_device",
+    "parallel_apply",
     "parse_devices",
     "profile",
+    "reduce_gradients",
     "scatter",
     "solve",
     "split_sizes",

@@ -1,4 +1,4 @@
-"""CLI: `hetsplit devices | profile | plan` on top of the library."""
+"""CLI: `hetsplit devices | profile | plan | bench` on top of the library."""
 
 from __future__ import annotations
 
@@ -75,6 +75,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--profile-dir", type=Path, help="profile directory (default $HETSPLIT_PROFILE_DIR or ./profiles)")
     p.add_argument("--threads", type=_positive_int, help="torch intra-op CPU threads (default: torch's choice)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+
+    p = sub.add_parser("bench", help="train on one device, the even split and the balanced split; compare")
+    p.add_argument("--devices", default="cpu,cpu@0.25", help="two or more devices (default cpu,cpu@0.25)")
+    p.add_argument("--model", default="lenet", help="built-in model (lenet, resnet18, mlp) or package.module:factory")
+    p.add_argument("--input-shape", type=_ints, help="shape of one sample, for your own model")
+    p.add_argument("--batch-size", type=_positive_int, default=256, help="samples per step (default 256)")
+    p.add_argument("--steps", type=_positive_int, default=20, help="timed steps per configuration (default 20)")
+    p.add_argument("--mode", choices=("gather", "local"), default="gather",
+                   help="gather: loss on gathered outputs (DataParallel); local: loss per device")
+    p.add_argument("--sync", choices=("copy", "broadcast"), default="copy", help="replica synchronisation")
+    p.add_argument("--profile-budget", type=_positive_float, default=20.0, help="seconds to profile (default 20)")
+    p.add_argument("--threads", type=_positive_int, help="torch intra-op CPU threads (1 is steadiest for emulated CPUs)")
+    p.add_argument("--json", type=Path, help="also write the results to this JSON file")
+    p.add_argument("--quiet", action="store_true", help="no progress lines")
 
     p = sub.add_parser("plan", help="solve the split of a batch for a stored profile")
     p.add_argument("profile", type=Path, help="a profile file written by 'hetsplit profile'")
@@ -200,7 +214,34 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-_COMMANDS = {"devices": _cmd_devices, "profile": _cmd_profile, "plan": _cmd_plan}
+def _cmd_bench(args: argparse.Namespace) -> int:
+    import torch
+
+    from . import store
+    from .bench import bench
+    from .devices import parse_devices
+    from .models import load_model
+
+    devs = parse_devices(args.devices)
+    spec = load_model(args.model, tuple(args.input_shape) if args.input_shape else None)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    emulated = [d.name for d in devs if d.emulated]
+    print(f"bench {spec.name} on {', '.join(d.name for d in devs)}: batch {args.batch_size}, {args.steps} steps each, "
+          f"{args.mode} mode, synthetic data, {torch.get_num_threads()} CPU threads")
+    if emulated:
+        print(f"emulated devices: {', '.join(emulated)} (a real device slowed down by sleeping; not real hardware)")
+    log = None if args.quiet else (lambda line: print(f"  {line}", file=sys.stderr, flush=True))
+    result = bench(spec, devs, batch_size=args.batch_size, steps=args.steps, mode=args.mode, sync=args.sync,
+                   profile_budget=args.profile_budget, log=log)
+    print(result.table())
+    if args.json:
+        store.write_json(args.json, "bench", {"result": result.to_dict()})
+        print(f"results written to {args.json}")
+    return 0
+
+
+_COMMANDS = {"devices": _cmd_devices, "profile": _cmd_profile, "plan": _cmd_plan, "bench": _cmd_bench}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -110,6 +110,13 @@ class Curve:
         """The largest integer batch whose predicted time is at most ``seconds``."""
         return int(CurveTable([self]).capacity(float(seconds))[0])
 
+    def scaled(self, factor: float) -> Curve:
+        """This curve with every time multiplied by ``factor`` (> 0)."""
+        if not factor > 0:
+            raise ValueError(f"a curve can only be scaled by a positive factor, got {factor}")
+        return dataclasses.replace(self, seconds=[t * factor for t in self.seconds],
+                                   intercept=self.intercept * factor, slope=self.slope * factor)
+
     @property
     def max_measured(self) -> int:
         """The largest batch size the curve was fitted on (beyond it, it extrapolates)."""
@@ -377,6 +384,23 @@ class Profile:
     def subset(self, devices: Sequence[DeviceLike]) -> Profile:
         """A profile of just ``devices`` (each once, in the order given)."""
         return dataclasses.replace(self, entries=[self.entry(d) for d in dict.fromkeys(_key(d) for d in devices)])
+
+    def calibrated(self, observed: Mapping[str, tuple[int, float]]) -> Profile:
+        """Correct the curves with step times observed in real training.
+
+        Each device's curve is scaled so that it predicts the observed seconds at the
+        observed batch: ``{"cpu@0.25": (41, 0.026)}`` multiplies that curve by
+        ``0.026 / t(41)``. Devices not observed (or observed at batch 0) keep their curve.
+        The raw measurements are kept; ``source`` records the calibration.
+        """
+        entries = []
+        for e in self.entries:
+            batch, seconds = observed.get(e.name, (0, 0.0))
+            predicted = e.curve(batch) if batch > 0 else 0.0
+            if batch > 0 and seconds > 0 and 0 < predicted < math.inf:
+                e = dataclasses.replace(e, curve=e.curve.scaled(seconds / predicted))
+            entries.append(e)
+        return dataclasses.replace(self, entries=entries, source=f"{self.source}+calibrated")
 
     @classmethod
     def from_measurements(

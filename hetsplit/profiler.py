@@ -6,6 +6,7 @@ import contextlib
 import copy
 import gc
 import hashlib
+import statistics
 import sys
 import time
 import warnings
@@ -81,20 +82,25 @@ def _default_loss(output: Any) -> torch.Tensor:
     return torch.stack(parts).sum()
 
 
-def train_step(model: nn.Module, inputs: Any, target: Any = None, loss_fn: LossFn | None = None) -> torch.Tensor:
+def train_step(model: nn.Module, inputs: Any, target: Any = None, loss_fn: LossFn | None = None,
+               device: Device | None = None) -> torch.Tensor:
     """One training step without the optimizer: forward, loss, backward. Returns the loss.
 
     ``inputs`` is passed as ``model(inputs)``, ``model(*inputs)`` for a tuple/list, or
     ``model(**inputs)`` for a dict. The loss is ``loss_fn(output, target)`` when a
     target is given, ``loss_fn(output)`` otherwise, and by default the sum of the
-    output's floating-point tensors.
+    output's floating-point tensors. With an emulated ``device``, forward and backward
+    are each throttled, as :class:`hetsplit.HeteroDataParallel` runs them.
     """
-    output = _call(model, inputs)
-    if loss_fn is None:
-        loss = _default_loss(output)
-    else:
-        loss = loss_fn(output, target) if target is not None else loss_fn(output)
-    loss.backward()
+    throttle = device.throttle if device is not None else contextlib.nullcontext
+    with throttle():
+        output = _call(model, inputs)
+        if loss_fn is None:
+            loss = _default_loss(output)
+        else:
+            loss = loss_fn(output, target) if target is not None else loss_fn(output)
+    with throttle():
+        loss.backward()
     return loss
 
 
@@ -128,9 +134,8 @@ class _Runner:
         self.replica.zero_grad(set_to_none=True)
         self.dev.synchronize()
         start = time.perf_counter()
-        with self.dev.throttle() if throttled else contextlib.nullcontext():
-            train_step(self.replica, inputs, target, self.loss_fn)
-            self.dev.synchronize()
+        train_step(self.replica, inputs, target, self.loss_fn, self.dev if throttled else None)
+        self.dev.synchronize()
         return time.perf_counter() - start
 
     def try_step(self, batch: int) -> bool:
@@ -169,8 +174,10 @@ def profile(
 
     For each device a copy of the model is timed over a ladder of batch sizes, with
     warm-up steps, device synchronisation and ``repeats`` timed steps whose median is
-    kept. The ladder is climbed until the device's share of ``time_budget`` runs out
-    (at least two sizes are measured). On CUDA the largest batch that fits in memory is
+    kept. The ladder is climbed while the device's projected cost fits its share of
+    ``time_budget`` (at least two sizes are measured). Repeats are taken in passes over
+    all devices and sizes, so that a slow phase of the machine is spread over every
+    point rather than distorting one. On CUDA the largest batch that fits in memory is
     found by probing with out-of-memory errors caught and memory released. The model
     itself is not touched: parameters, gradients, buffers, mode, device and the global
     RNG state are as they were.
@@ -233,55 +240,57 @@ def profile(
 def _measure(model: nn.Module, devs: list[Device], sample: Any, target: Any, loss_fn: LossFn | None,
              ladder: list[int], repeats: int, warmup: int, budget: float, find_cap: bool,
              max_probe: int, bar: tqdm) -> list[DeviceProfile]:
-    """Climb the ladder on all devices together, interleaving their timed repeats.
+    """Time every (device, batch size) point in interleaved passes.
 
-    Round-robin timing means every device is measured under the same machine conditions
-    (another job, clock changes), so their ratio is not skewed by when each was measured.
+    A first pass climbs the ladder on all devices (warm-up, memory check, one timed
+    step) while each device's projected cost fits its budget; then ``repeats - 1``
+    more passes time every point once each. Spreading a point's repeats over the whole
+    profile, and taking devices in turn, means a slow phase of a shared machine (another
+    job, clock changes) is shared by all points instead of distorting one.
     """
     runners = [_Runner(model, dev, sample, target, loss_fn) for dev in devs]
-    measured: list[list[Measurement]] = [[] for _ in devs]
+    times: list[dict[int, list[float]]] = [{} for _ in devs]
     caps: list[int | None] = [None] * len(devs)
-    spent = [0.0] * len(devs)
     active = list(range(len(devs)))
     for b in ladder:
         bar.set_postfix_str(f"batch {b}")
         climbing = []
         for i in active:
-            last = measured[i][-1] if measured[i] else None
-            # Stop climbing once the next size (proportionally more work) would overrun.
-            if last is not None and len(measured[i]) >= 2:
-                if spent[i] + last.median * (b / last.batch) * (repeats + warmup) > budget:
+            sizes = times[i]
+            if len(sizes) >= 2:
+                # Projected cost of the whole profile if this size is added (each point is
+                # timed `repeats` times, plus warm-up): stop climbing once it exceeds the budget.
+                last = max(sizes)
+                per_step = statistics.median(sizes[last]) / last
+                projected = sum(statistics.median(t) for t in sizes.values()) + per_step * b
+                if projected * (repeats + warmup) > budget:
                     continue
-            start = time.perf_counter()
-            ok = runners[i].try_step(b)  # warm-up and memory check in one
-            for _ in range(max(warmup - 1, 0) if ok else 0):
+            if not runners[i].try_step(b):  # warm-up and memory check in one
+                caps[i] = max(sizes) if sizes else 0
+                continue
+            for _ in range(max(warmup - 1, 0)):
                 runners[i].step(b, throttled=False)
-            spent[i] += time.perf_counter() - start
-            if ok:
-                climbing.append(i)
-            else:
-                caps[i] = last.batch if last is not None else 0
-        times: dict[int, list[float]] = {i: [] for i in climbing}
-        for _ in range(repeats):
-            for i in climbing:
-                t = runners[i].step(b)
-                times[i].append(t)
-                spent[i] += t
-        for i in climbing:
-            measured[i].append(Measurement(b, times[i]))
+            sizes[b] = [runners[i].step(b)]
+            climbing.append(i)
         bar.update(len(devs))
         active = climbing
         if not active:
             break
+    for _ in range(repeats - 1):
+        for b in ladder:
+            for i, runner in enumerate(runners):
+                if b in times[i]:
+                    times[i][b].append(runner.step(b))
     entries = []
     for i, (dev, runner) in enumerate(zip(devs, runners)):
-        if not measured[i]:
+        if not times[i]:
             raise RuntimeError(f"device {dev.name} cannot run even batch {ladder[0]}: out of memory")
-        probed = measured[i][-1].batch
+        measured = [Measurement(b, ts) for b, ts in sorted(times[i].items())]
+        probed = measured[-1].batch
         if caps[i] is None and find_cap and dev.type == "cuda":
             caps[i], probed = _probe_cap(runner, probed, max_probe, time.perf_counter() + budget)
-        curve = Curve.fit([(m.batch, m.median) for m in measured[i]], caps[i])
-        entries.append(DeviceProfile(describe(dev), measured[i], curve, memory_cap=caps[i], memory_probed_to=probed))
+        curve = Curve.fit([(m.batch, m.median) for m in measured], caps[i])
+        entries.append(DeviceProfile(describe(dev), measured, curve, memory_cap=caps[i], memory_probed_to=probed))
     del runners
     gc.collect()
     return entries

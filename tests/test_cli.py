@@ -79,3 +79,17 @@ def test_argument_errors_exit_2(capsys):
     with pytest.raises(SystemExit) as exc:
         main(["plan", "x.json", "--batch-size", "0"])
     assert exc.value.code == 2 and "positive integer" in capsys.readouterr().err
+
+
+def test_bench_command_and_json(capsys, tmp_path):
+    out_file = tmp_path / "bench.json"
+    code, out, _ = _run(capsys, "bench", "--devices", "cpu,cpu@0.5", "--model", "mlp", "--batch-size", "32",
+                        "--steps", "2", "--profile-budget", "2", "--json", str(out_file), "--quiet")
+    assert code == 0 and "even split" in out and "efficiency vs ideal" in out and "emulated devices: cpu@0.5" in out
+    doc = json.loads(out_file.read_text())
+    assert doc["kind"] == "bench" and sum(doc["result"]["plan"]["sizes"]) == 32
+
+
+def test_bench_needs_two_devices(capsys):
+    code, _, err = _run(capsys, "bench", "--devices", "cpu", "--model", "mlp", "--steps", "1")
+    assert code == 1 and "two or more devices" in err

@@ -1,0 +1,305 @@
+"""Bench: measure training throughput of single device vs even split vs balanced split."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import datetime as _dt
+import platform
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .devices import Device, DeviceLike, parse_devices
+from .models import ModelSpec, load_model, synthetic_batch
+from .parallel import HeteroDataParallel
+from .profiler import profile as run_profile
+from .costmodel import Profile
+from .solver import Plan, solve
+
+__all__ = ["BenchResult", "bench", "time_steps", "keep_freed_memory"]
+
+
+def keep_freed_memory() -> bool:
+    """Keep memory freed by torch inside the process (glibc only); True if applied.
+
+    By default glibc serves large blocks (activations) with mmap and returns them to the
+    OS on free, so every training step faults its activations in again. On virtual
+    machines that report free pages to the host this makes CPU step times erratic
+    (the same LeNet step varies 2.4-9 ms here). Benchmarks call this so that every
+    configuration runs under the same, steady allocator; for your own CPU training the
+    environment variables ``MALLOC_MMAP_THRESHOLD_=33554432 MALLOC_TRIM_THRESHOLD_=4294967296``
+    (or jemalloc/tcmalloc, as PyTorch's tuning guide suggests) do the same.
+    """
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    if platform.system() != "Linux" or not name:
+        return False
+    try:
+        libc = ctypes.CDLL(name)
+        m_trim_threshold, m_mmap_threshold = -1, -3
+        # 32 MiB is glibc's largest mmap threshold on 64-bit; larger values are refused.
+        return bool(libc.mallopt(m_mmap_threshold, 32 << 20)) and bool(libc.mallopt(m_trim_threshold, 2**31 - 1))
+    except (OSError, AttributeError):
+        return False
+
+
+@dataclasses.dataclass
+class BenchResult:
+    """Measured throughput of each way to train on the devices.
+
+    Attributes:
+        devices: The devices (emulated ones keep their ``@speed`` suffix).
+        model: The model's name.
+        batch_size: Samples per step.
+        mode: ``"gather"`` (loss on gathered outputs) or ``"local"`` (loss per device).
+        single: Samples/s of each device alone at the full batch.
+        even: Samples/s of the even split.
+        balanced: Samples/s of the balanced split.
+        plan: The balanced plan used (solved from the profile).
+        calibrated: Samples/s of the calibrated split.
+        calibrated_plan: The plan re-solved after correcting the profile with the
+            devices' busy times in real steps.
+        step_times: Median seconds per step of each configuration.
+        overhead: HeteroDataParallel's step time on one real device over the plain
+            module's, minus 1 (``None`` when no real device is in the set).
+        meta: Date, host, torch version, threads, steps.
+    """
+
+    devices: list[str]
+    model: str
+    batch_size: int
+    mode: str
+    single: dict[str, float]
+    even: float
+    balanced: float
+    plan: Plan
+    calibrated: float
+    calibrated_plan: Plan
+    step_times: dict[str, float]
+    overhead: float | None
+    meta: dict[str, Any]
+
+    @property
+    def fastest(self) -> str:
+        """The fastest single device."""
+        return max(self.single, key=self.single.__getitem__)
+
+    @property
+    def ideal(self) -> float:
+        """The ideal: the sum of the devices' single-device throughputs."""
+        return sum(self.single.values())
+
+    @property
+    def speedup_vs_single(self) -> float:
+        """Balanced over the fastest single device."""
+        return self.balanced / self.single[self.fastest]
+
+    @property
+    def speedup_vs_even(self) -> float:
+        """Balanced over the even split."""
+        return self.balanced / self.even
+
+    @property
+    def efficiency(self) -> float:
+        """Balanced throughput as a fraction of the ideal."""
+        return self.balanced / self.ideal
+
+    def to_dict(self) -> dict[str, Any]:
+        """Return the result as a JSON-ready dict, derived figures included."""
+        data = dataclasses.asdict(self)
+        data["plan"] = self.plan.to_dict()
+        data["calibrated_plan"] = self.calibrated_plan.to_dict()
+        data.update(fastest=self.fastest, ideal=self.ideal, speedup_vs_single=self.speedup_vs_single,
+                    speedup_vs_even=self.speedup_vs_even, efficiency=self.efficiency)
+        return data
+
+    def table(self) -> str:
+        """A plain-text table of the results."""
+        rows = [(f"{name} alone" + (" (emulated)" if "@" in name else ""), self.single[name],
+                 self.step_times[f"single:{name}"]) for name in self.devices]
+        rows += [("even split", self.even, self.step_times["even"]),
+                 (f"balanced split {self.plan.sizes}", self.balanced, self.step_times["balanced"]),
+                 (f"calibrated split {self.calibrated_plan.sizes}", self.calibrated, self.step_times["calibrated"]),
+                 ("ideal (sum of single devices)", self.ideal, self.batch_size / self.ideal)]
+        width = max(len(r[0]) for r in rows)
+        lines = [f"{'configuration'.ljust(width)}  samples/s  step (ms)", f"{'-' * width}  ---------  ---------"]
+        lines += [f"{name.ljust(width)}  {thr:9.0f}  {1e3 * t:9.2f}" for name, thr, t in rows]
+        lines.append("")
+        lines.append(f"balanced vs {self.fastest} alone: {self.speedup_vs_single:.2f}x; vs even: "
+                     f"{self.speedup_vs_even:.2f}x; efficiency vs ideal: {self.efficiency:.0%}")
+        lines.append(f"calibrated vs {self.fastest} alone: {self.calibrated / self.single[self.fastest]:.2f}x; vs even: "
+                     f"{self.calibrated / self.even:.2f}x; efficiency vs ideal: {self.calibrated / self.ideal:.0%}")
+        if self.overhead is not None:
+            lines.append(f"HeteroDataParallel overhead on one device at the same batch: {self.overhead:+.1%}")
+        return "\n".join(lines)
+
+
+def time_steps(
+    steps_by_name: dict[str, Callable[[], None]], devices: Sequence[Device], steps: int, warmup: int
+) -> dict[str, float]:
+    """Median seconds per call of each step function, timed round-robin.
+
+    The configurations take turns step by step, so a machine whose speed drifts (a
+    shared VM, thermal throttling) slows them all alike instead of whichever ran last.
+    """
+    for fn in steps_by_name.values():
+        for _ in range(warmup):
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in steps_by_name}
+    for _ in range(steps):
+        for name, fn in steps_by_name.items():
+            start = time.perf_counter()
+            fn()
+            for d in devices:
+                d.synchronize()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def _plain_step(model: nn.Module, dev: Device, x: torch.Tensor, y: torch.Tensor) -> Callable[[], None]:
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x, y = x.to(dev.torch_device), y.to(dev.torch_device)
+
+    def step() -> None:
+        # Forward and backward are throttled as separate pieces, as in HeteroDataParallel.
+        opt.zero_grad(set_to_none=True)
+        with dev.throttle():
+            loss = F.cross_entropy(model(x), y)
+        with dev.throttle():
+            loss.backward()
+        opt.step()
+
+    return step
+
+
+def _dp_step(dp: HeteroDataParallel, x: torch.Tensor, y: torch.Tensor, mode: str) -> Callable[[], None]:
+    opt = torch.optim.SGD(dp.parameters(), lr=1e-3)
+    x, y = x.to(dp.home), y.to(dp.home)
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        if mode == "local":
+            dp.train_step(x, y, F.cross_entropy)
+        else:
+            F.cross_entropy(dp(x), y.to(dp.output_device)).backward()
+        opt.step()
+
+    return step
+
+
+def bench(
+    model: str | ModelSpec = "lenet",
+    devices: str | Sequence[DeviceLike] = "cpu,cpu@0.25",
+    *,
+    batch_size: int = 256,
+    steps: int = 20,
+    warmup: int = 3,
+    mode: str = "gather",
+    profile_budget: float = 20.0,
+    calibrate_steps: int = 8,
+    sync: str = "copy",
+    seed: int = 0,
+    log: Callable[[str], None] | None = None,
+) -> BenchResult:
+    """Train ``steps`` steps each on every device alone, on the even split and on the balanced split.
+
+    The balanced split comes from profiling the model on the devices first (at the
+    ladder 2..batch_size). All runs use the same synthetic batch and an SGD step.
+
+    Args:
+        model: A built-in model name, ``package.module:factory``, or a :class:`ModelSpec`.
+        devices: The devices (two or more).
+        batch_size: Samples per step.
+        steps: Timed steps per configuration (the median is kept).
+        warmup: Untimed steps first.
+        mode: ``"gather"`` or ``"local"`` (see :class:`HeteroDataParallel`).
+        profile_budget: Seconds for the profile behind the balanced split.
+        calibrate_steps: Steps of the balanced split whose per-device busy times correct
+            the profile (see :meth:`Profile.calibrated`) for the calibrated split.
+        sync: Replica synchronisation (see :class:`HeteroDataParallel`).
+        seed: Seed of the model and the synthetic data.
+        log: Called with a line of progress per configuration.
+
+    Returns:
+        The :class:`BenchResult`.
+    """
+    if mode not in ("gather", "local"):
+        raise ValueError(f"mode must be 'gather' or 'local', got {mode!r}")
+    devs = parse_devices(devices)
+    tuned = keep_freed_memory()
+    if len(devs) < 2:
+        raise ValueError(f"bench compares splits, so it needs two or more devices; got {[d.name for d in devs]}")
+    spec = load_model(model) if isinstance(model, str) else model
+    say = log or (lambda line: None)
+    torch.manual_seed(seed)
+    base = spec.factory()
+    x, y = synthetic_batch(spec, batch_size, seed=seed)
+    home = _home_device(devs)
+    say(f"profiling {spec.name} on {', '.join(d.name for d in devs)} for the balanced split ...")
+    ladder = [b for b in (2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048) if b < batch_size] + [batch_size]
+    prof = run_profile(base, x[:16], devs, F.cross_entropy, ladder, target=y[:16], time_budget=profile_budget,
+                       progress=False, model_name=spec.name)
+    plan = solve(prof, batch_size)
+    configs: dict[str, Callable[[], None]] = {}
+    for dev in devs:
+        configs[f"single:{dev.name}"] = _plain_step(copy.deepcopy(base).to(dev.torch_device), dev, x, y)
+    even_dp = HeteroDataParallel(copy.deepcopy(base).to(home), devs, weights=[1] * len(devs), sync=sync)
+    configs["even"] = _dp_step(even_dp, x, y, mode)
+    bal_dp = HeteroDataParallel(copy.deepcopy(base).to(home), devs, plan=plan, sync=sync)
+    configs["balanced"] = _dp_step(bal_dp, x, y, mode)
+    real = [d for d in devs if not d.emulated and d.torch_device == home]
+    if real:
+        one = HeteroDataParallel(copy.deepcopy(base).to(home), [real[0]], sync=sync, weights=[1])
+        configs["one-device"] = _dp_step(one, x, y, mode)
+    say(f"calibrating the balanced split in place ({calibrate_steps} steps) ...")
+    calibrated = _calibrate(prof, devs, base, home, x, y, mode, sync, plan, calibrate_steps)
+    configs["calibrated"] = _dp_step(
+        HeteroDataParallel(copy.deepcopy(base).to(home), devs, plan=calibrated, sync=sync), x, y, mode)
+    say(f"timing {len(configs)} configurations round-robin, {steps} steps each (balanced split {plan.sizes}) ...")
+    step_times = time_steps(configs, devs, steps, warmup)
+    single = {d.name: batch_size / step_times[f"single:{d.name}"] for d in devs}
+    overhead = step_times["one-device"] / step_times[f"single:{real[0].name}"] - 1.0 if real else None
+    return BenchResult(
+        devices=[d.name for d in devs], model=spec.name, batch_size=batch_size, mode=mode, single=single,
+        even=batch_size / step_times["even"], balanced=batch_size / step_times["balanced"], plan=plan,
+        calibrated=batch_size / step_times["calibrated"], calibrated_plan=calibrated,
+        step_times=step_times, overhead=overhead,
+        meta={"date": _dt.date.today().isoformat(), "host": platform.node(), "torch": torch.__version__,
+              "threads": torch.get_num_threads(), "steps": steps, "warmup": warmup, "sync": sync,
+              "data": "synthetic", "emulated": [d.name for d in devs if d.emulated],
+              "allocator_kept_memory": tuned},
+    )
+
+
+def _calibrate(prof: Profile, devs: Sequence[Device], base: nn.Module, home: torch.device, x: torch.Tensor,
+               y: torch.Tensor, mode: str, sync: str, plan: Plan, steps: int, rounds: int = 2) -> Plan:
+    """Re-solve the plan from the devices' busy times observed in real steps (twice)."""
+    for _ in range(rounds):
+        dp = HeteroDataParallel(copy.deepcopy(base).to(home), devs, plan=plan, sync=sync)
+        step = _dp_step(dp, x, y, mode)
+        step()
+        observed: dict[str, list[float]] = {}
+        for _ in range(steps):
+            step()
+            for name, t in dp.step_times.items():
+                observed.setdefault(name, []).append(t)
+        sizes = dict(zip(plan.devices, plan.sizes))
+        prof = prof.calibrated({n: (sizes[n], statistics.median(ts)) for n, ts in observed.items()})
+        plan = solve(prof, plan.batch_size)
+    return plan
+
+
+def _home_device(devs: Sequence[Device]) -> torch.device:
+    """Where the module lives: the first real CUDA device if any, else the first device."""
+    for d in devs:
+        if d.type == "cuda" and not d.emulated:
+            return d.torch_device
+    return devs[0].torch_device

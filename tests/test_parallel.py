@@ -1,0 +1,267 @@
+import copy
+import threading
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hetsplit import HeteroDataParallel, Plan, Profile, parallel_apply, parse_devices, reduce_gradients
+from hetsplit.solver import plan_from_sizes
+
+DEVICES = ["cpu", "cpu@0.25"]
+
+
+def _net():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(1, 3, 3), nn.ReLU(), nn.Flatten(), nn.Linear(3 * 6 * 6, 4)).double()
+
+
+def _data(n=50):
+    gen = torch.Generator().manual_seed(1)
+    return torch.randn(n, 1, 8, 8, dtype=torch.float64, generator=gen), torch.randint(0, 4, (n,), generator=gen)
+
+
+def _max_rel_err(a, b):
+    return max(((p.grad - q.grad).abs().max() / q.grad.abs().max()).item() for p, q in zip(a.parameters(), b.parameters()))
+
+
+def _reference(net, x, y):
+    ref = copy.deepcopy(net)
+    F.cross_entropy(ref(x), y).backward()
+    return ref
+
+
+@pytest.mark.parametrize("sync", ["copy", "broadcast"])
+@pytest.mark.parametrize("mode", ["gather", "local"])
+def test_uneven_gradients_equal_full_batch(mode, sync):
+    net, (x, y) = _net(), _data()
+    ref = _reference(net, x, y)
+    dp = HeteroDataParallel(copy.deepcopy(net), DEVICES, weights=[4, 1], sync=sync)
+    if mode == "gather":
+        F.cross_entropy(dp(x), y).backward()
+    else:
+        loss = dp.train_step(x, y, F.cross_entropy)
+        assert float(loss.detach()) == pytest.approx(float(F.cross_entropy(net(x), y)), rel=1e-12)
+    assert dp.plan.sizes == [40, 10]
+    # float64 and a handful of additions in another order: agreement far below 1e-6.
+    assert _max_rel_err(dp.module, ref) < 1e-6
+
+
+@pytest.mark.parametrize("mode", ["gather", "local"])
+def test_parameters_keep_agreeing_over_optimizer_steps(mode):
+    net, (x, y) = _net(), _data(60)
+    ref = copy.deepcopy(net)
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.5, momentum=0.9)
+    dp = HeteroDataParallel(copy.deepcopy(net), DEVICES, weights=[3, 1])
+    opt = torch.optim.SGD(dp.parameters(), lr=0.5, momentum=0.9)
+    for step in range(4):
+        xs, ys = x[step * 15:(step + 1) * 15], y[step * 15:(step + 1) * 15]
+        for o in (opt, opt_ref):
+            o.zero_grad()
+        F.cross_entropy(ref(xs), ys).backward()
+        if mode == "gather":
+            F.cross_entropy(dp(xs), ys).backward()
+        else:
+            dp.train_step(xs, ys, F.cross_entropy)
+        opt.step()
+        opt_ref.step()
+        for p, q in zip(dp.module.parameters(), ref.parameters()):
+            assert torch.allclose(p, q, rtol=1e-9, atol=1e-12)
+
+
+def test_sum_reduction_in_local_mode():
+    net, (x, y) = _net(), _data()
+    ref = copy.deepcopy(net)
+    F.cross_entropy(ref(x), y, reduction="sum").backward()
+    dp = HeteroDataParallel(copy.deepcopy(net), DEVICES, weights=[1, 3])
+    dp.train_step(x, y, lambda out, t: F.cross_entropy(out, t, reduction="sum"), reduction="sum")
+    assert _max_rel_err(dp.module, ref) < 1e-6
+
+
+def test_zero_size_shard_and_tiny_batch():
+    net, (x, y) = _net(), _data(3)
+    ref = _reference(net, x, y)
+    dp = HeteroDataParallel(copy.deepcopy(net), ["cpu", "cpu@0.5", "cpu"], weights=[1, 0, 1])
+    F.cross_entropy(dp(x), y).backward()
+    assert dp.plan.sizes == [2, 0, 1] and _max_rel_err(dp.module, ref) < 1e-6
+    dp2 = HeteroDataParallel(copy.deepcopy(net), ["cpu", "cpu", "cpu", "cpu"], weights=[1, 1, 1, 1])
+    out = dp2(x[:2])  # fewer samples than devices
+    assert out.shape == (2, 4) and dp2.plan.sizes == [1, 1, 0, 0]
+
+
+def test_set_plan_between_steps_and_plan_property():
+    net, (x, y) = _net(), _data(20)
+    ref = _reference(net, x, y)
+    dp = HeteroDataParallel(copy.deepcopy(net), DEVICES, plan=plan_from_sizes(None, DEVICES, [10, 10]))
+    dp(x).sum().backward()
+    assert dp.plan.sizes == [10, 10]
+    dp.module.zero_grad()
+    dp.set_plan(plan_from_sizes(None, DEVICES, [17, 3]))
+    F.cross_entropy(dp(x), y).backward()
+    assert dp.plan.sizes == [17, 3] and _max_rel_err(dp.module, ref) < 1e-6
+    with pytest.raises(ValueError, match="the plan splits 20 samples, but the batch has 10"):
+        dp(x[:10])
+
+
+def test_profile_is_solved_per_batch_size():
+    prof = Profile.from_measurements({"cpu": [(100, 0.1)], "cpu@0.25": [(100, 0.4)]})
+    dp = HeteroDataParallel(_net(), DEVICES, profile=prof)
+    x, _ = _data(50)
+    dp(x)
+    assert dp.plan.sizes == [40, 10] and dp.plan.step_time > 0
+
+
+def test_kwargs_and_dict_outputs():
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(3, 2).double()
+
+        def forward(self, a, *, scale, note="x"):
+            return {"out": self.lin(a) * scale, "note": note, "count": torch.tensor(a.shape[0])}
+
+    net = Net()
+    a, scale = torch.randn(10, 3, dtype=torch.float64), torch.rand(10, 1, dtype=torch.float64)
+    ref = copy.deepcopy(net)
+    ref(a, scale=scale)["out"].pow(2).sum().backward()
+    dp = HeteroDataParallel(copy.deepcopy(net), DEVICES, weights=[7, 3])
+    res = dp(a, scale=scale, note="hi")
+    assert res["note"] == "hi" and res["count"].tolist() == [7, 3]
+    assert torch.allclose(res["out"], net(a, scale=scale)["out"])
+    res["out"].pow(2).sum().backward()
+    assert _max_rel_err(dp.module, ref) < 1e-6
+
+
+def test_replica_exception_names_device():
+    class Boom(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(2, 2)
+
+        def forward(self, x):
+            if x.shape[0] < 5:
+                raise ValueError("shard too small")
+            return self.lin(x)
+
+    dp = HeteroDataParallel(Boom(), DEVICES, weights=[4, 1])
+    with pytest.raises(ValueError, match=r"in replica 1 on device cpu@0.25: ValueError: shard too small"):
+        dp(torch.randn(10, 2))
+
+
+def test_worker_threads_carry_grad_mode_and_autocast():
+    seen = []
+
+    def probe():
+        seen.append((threading.current_thread() is not threading.main_thread(), torch.is_grad_enabled(),
+                     torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")))
+
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        parallel_apply([probe, probe], parse_devices(DEVICES))
+    assert seen == [(True, False, True, torch.bfloat16)] * 2
+
+
+def test_state_dict_is_the_plain_modules():
+    net = _net()
+    dp = HeteroDataParallel(net, DEVICES, weights=[1, 1])
+    assert list(dp.state_dict()) == list(net.state_dict())
+    other = _net()
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(1.0)
+    dp.load_state_dict(other.state_dict())
+    x, _ = _data(6)
+    assert torch.allclose(dp(x), other(x))
+
+
+def test_batchnorm_running_stats_are_shard_weighted():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4, momentum=0.5)).double()
+    x = torch.randn(40, 3, dtype=torch.float64) * 3 + 1
+    ref = copy.deepcopy(net)
+    ref(x)
+    dp = HeteroDataParallel(copy.deepcopy(net), DEVICES, weights=[3, 1])
+    dp(x)
+    bn, bn_ref = dp.module[1], ref[1]
+    # The weighted mean of shard means is the full-batch mean: the running mean is exact.
+    assert torch.allclose(bn.running_mean, bn_ref.running_mean, rtol=1e-12)
+    assert int(bn.num_batches_tracked) == 1
+    # Variance: the weighted mean of within-shard variances, close to the full-batch one.
+    assert torch.allclose(bn.running_var, bn_ref.running_var, rtol=0.2)
+    for replica in dp._replicas:  # replicas start the next step from the module's buffers
+        dp.replicate()
+        assert torch.equal(replica[1].running_mean.cpu(), bn.running_mean)
+    dp.eval()
+    assert torch.allclose(dp(x), dp.module(x))
+
+
+@pytest.mark.parametrize(
+    "kwargs, fragment",
+    [
+        ({"plan": Plan(["cpu", "cpu@0.5"], [1, 1], [0.0, 0.0], 2)}, "the plan is for devices"),
+        ({"weights": [1, 2, 3]}, "got 3 weights"),
+        ({"weights": [1, -2]}, "-2"),
+        ({"sync": "magic"}, "'magic'"),
+    ],
+)
+def test_bad_construction(kwargs, fragment):
+    with pytest.raises(ValueError) as err:
+        HeteroDataParallel(_net(), DEVICES, **kwargs)
+    assert fragment in str(err.value)
+
+
+def test_bad_batches():
+    dp = HeteroDataParallel(_net(), DEVICES, weights=[1, 1])
+    with pytest.raises(ValueError, match=r"\[6, 5\]"):
+        dp(torch.randn(6, 1, 8, 8, dtype=torch.float64), torch.randn(5))
+    dp.set_plan(plan_from_sizes(None, DEVICES, [3, 3]))
+    with pytest.raises(ValueError, match="the plan splits 6 samples, but the batch has 4"):
+        dp(torch.randn(4, 1, 8, 8, dtype=torch.float64))
+
+
+def test_module_on_several_devices_is_refused(monkeypatch):
+    net = _net()
+    real = net.parameters
+    monkeypatch.setattr(net, "parameters", lambda: iter([next(real()), torch.zeros(1, device="meta")]))
+    with pytest.raises(ValueError, match="on several devices"):
+        HeteroDataParallel(net, DEVICES)
+
+
+def test_reduce_gradients_like_the_course_allreduce_but_weighted():
+    a = [torch.zeros(2, requires_grad=True), torch.zeros(3, requires_grad=True)]
+    b = [torch.zeros(2, requires_grad=True), torch.zeros(3, requires_grad=True)]
+    a[0].grad, a[1].grad = torch.full((2,), 1.0), torch.full((3,), 2.0)
+    b[0].grad, b[1].grad = torch.full((2,), 5.0), None
+    reduce_gradients([a, b], [3, 1])
+    assert a[0].grad.tolist() == [2.0, 2.0] and b[0].grad.tolist() == [2.0, 2.0]
+    assert a[1].grad.tolist() == [1.5] * 3 and b[1].grad.tolist() == [1.5] * 3
+    reduce_gradients([a, b], [3, 1], reduction="sum")
+    assert a[0].grad.tolist() == [4.0, 4.0]
+    with pytest.raises(ValueError, match="differs in shape"):
+        reduce_gradients([a, [b[1], b[0]]], [1, 1])
+    with pytest.raises(ValueError, match="'max'"):
+        reduce_gradients([a, b], [1, 1], reduction="max")
+
+
+def test_emulated_replica_backward_is_throttled_and_concurrent(monkeypatch):
+    """Backward work of every replica runs in its own thread, inside the device's throttle."""
+    import hetsplit.devices as devices_mod
+
+    entered = []
+    original = devices_mod.Device.throttle
+
+    def spy(self):
+        entered.append((self.name, threading.current_thread().name, torch.is_grad_enabled()))
+        return original(self)
+
+    monkeypatch.setattr(devices_mod.Device, "throttle", spy)
+    net, (x, y) = _net(), _data(20)
+    dp = HeteroDataParallel(net, DEVICES, weights=[1, 1])
+    out = dp(x)
+    forward = list(entered)
+    F.cross_entropy(out, y).backward()
+    backward = entered[len(forward):]
+    assert sorted(n for n, _, _ in forward) == sorted(DEVICES)
+    assert sorted(n for n, _, _ in backward) == sorted(DEVICES)
+    assert all(t.startswith("hetsplit") for _, t, _ in backward)
+    assert len({t for _, t, _ in backward}) == 2
