@@ -19,7 +19,6 @@ from .devices import Device, DeviceLike, parse_devices
 from .models import ModelSpec, load_model, synthetic_batch
 from .parallel import HeteroDataParallel
 from .profiler import profile as run_profile
-from .costmodel import Profile
 from .solver import Plan, solve
 
 __all__ = ["BenchResult", "bench", "time_steps", "keep_freed_memory"]
@@ -64,9 +63,6 @@ class BenchResult:
         even: Samples/s of the even split.
         balanced: Samples/s of the balanced split.
         plan: The balanced plan used (solved from the profile).
-        calibrated: Samples/s of the calibrated split.
-        calibrated_plan: The plan re-solved after correcting the profile with the
-            devices' busy times in real steps.
         step_times: Median seconds per step of each configuration.
         overhead: HeteroDataParallel's step time on one real device over the plain
             module's, minus 1 (``None`` when no real device is in the set).
@@ -81,8 +77,6 @@ class BenchResult:
     even: float
     balanced: float
     plan: Plan
-    calibrated: float
-    calibrated_plan: Plan
     step_times: dict[str, float]
     overhead: float | None
     meta: dict[str, Any]
@@ -116,7 +110,6 @@ class BenchResult:
         """Return the result as a JSON-ready dict, derived figures included."""
         data = dataclasses.asdict(self)
         data["plan"] = self.plan.to_dict()
-        data["calibrated_plan"] = self.calibrated_plan.to_dict()
         data.update(fastest=self.fastest, ideal=self.ideal, speedup_vs_single=self.speedup_vs_single,
                     speedup_vs_even=self.speedup_vs_even, efficiency=self.efficiency)
         return data
@@ -127,7 +120,6 @@ class BenchResult:
                  self.step_times[f"single:{name}"]) for name in self.devices]
         rows += [("even split", self.even, self.step_times["even"]),
                  (f"balanced split {self.plan.sizes}", self.balanced, self.step_times["balanced"]),
-                 (f"calibrated split {self.calibrated_plan.sizes}", self.calibrated, self.step_times["calibrated"]),
                  ("ideal (sum of single devices)", self.ideal, self.batch_size / self.ideal)]
         width = max(len(r[0]) for r in rows)
         lines = [f"{'configuration'.ljust(width)}  samples/s  step (ms)", f"{'-' * width}  ---------  ---------"]
@@ -135,8 +127,6 @@ class BenchResult:
         lines.append("")
         lines.append(f"balanced vs {self.fastest} alone: {self.speedup_vs_single:.2f}x; vs even: "
                      f"{self.speedup_vs_even:.2f}x; efficiency vs ideal: {self.efficiency:.0%}")
-        lines.append(f"calibrated vs {self.fastest} alone: {self.calibrated / self.single[self.fastest]:.2f}x; vs even: "
-                     f"{self.calibrated / self.even:.2f}x; efficiency vs ideal: {self.calibrated / self.ideal:.0%}")
         if self.overhead is not None:
             lines.append(f"HeteroDataParallel overhead on one device at the same batch: {self.overhead:+.1%}")
         return "\n".join(lines)
@@ -204,7 +194,6 @@ def bench(
     warmup: int = 3,
     mode: str = "gather",
     profile_budget: float = 20.0,
-    calibrate_steps: int = 8,
     sync: str = "copy",
     seed: int = 0,
     log: Callable[[str], None] | None = None,
@@ -222,8 +211,6 @@ def bench(
         warmup: Untimed steps first.
         mode: ``"gather"`` or ``"local"`` (see :class:`HeteroDataParallel`).
         profile_budget: Seconds for the profile behind the balanced split.
-        calibrate_steps: Steps of the balanced split whose per-device busy times correct
-            the profile (see :meth:`Profile.calibrated`) for the calibrated split.
         sync: Replica synchronisation (see :class:`HeteroDataParallel`).
         seed: Seed of the model and the synthetic data.
         log: Called with a line of progress per configuration.
@@ -259,10 +246,6 @@ def bench(
     if real:
         one = HeteroDataParallel(copy.deepcopy(base).to(home), [real[0]], sync=sync, weights=[1])
         configs["one-device"] = _dp_step(one, x, y, mode)
-    say(f"calibrating the balanced split in place ({calibrate_steps} steps) ...")
-    calibrated = _calibrate(prof, devs, base, home, x, y, mode, sync, plan, calibrate_steps)
-    configs["calibrated"] = _dp_step(
-        HeteroDataParallel(copy.deepcopy(base).to(home), devs, plan=calibrated, sync=sync), x, y, mode)
     say(f"timing {len(configs)} configurations round-robin, {steps} steps each (balanced split {plan.sizes}) ...")
     step_times = time_steps(configs, devs, steps, warmup)
     single = {d.name: batch_size / step_times[f"single:{d.name}"] for d in devs}
@@ -270,31 +253,13 @@ def bench(
     return BenchResult(
         devices=[d.name for d in devs], model=spec.name, batch_size=batch_size, mode=mode, single=single,
         even=batch_size / step_times["even"], balanced=batch_size / step_times["balanced"], plan=plan,
-        calibrated=batch_size / step_times["calibrated"], calibrated_plan=calibrated,
+
         step_times=step_times, overhead=overhead,
         meta={"date": _dt.date.today().isoformat(), "host": platform.node(), "torch": torch.__version__,
               "threads": torch.get_num_threads(), "steps": steps, "warmup": warmup, "sync": sync,
               "data": "synthetic", "emulated": [d.name for d in devs if d.emulated],
               "allocator_kept_memory": tuned},
     )
-
-
-def _calibrate(prof: Profile, devs: Sequence[Device], base: nn.Module, home: torch.device, x: torch.Tensor,
-               y: torch.Tensor, mode: str, sync: str, plan: Plan, steps: int, rounds: int = 2) -> Plan:
-    """Re-solve the plan from the devices' busy times observed in real steps (twice)."""
-    for _ in range(rounds):
-        dp = HeteroDataParallel(copy.deepcopy(base).to(home), devs, plan=plan, sync=sync)
-        step = _dp_step(dp, x, y, mode)
-        step()
-        observed: dict[str, list[float]] = {}
-        for _ in range(steps):
-            step()
-            for name, t in dp.step_times.items():
-                observed.setdefault(name, []).append(t)
-        sizes = dict(zip(plan.devices, plan.sizes))
-        prof = prof.calibrated({n: (sizes[n], statistics.median(ts)) for n, ts in observed.items()})
-        plan = solve(prof, plan.batch_size)
-    return plan
 
 
 def _home_device(devs: Sequence[Device]) -> torch.device:

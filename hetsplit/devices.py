@@ -94,24 +94,32 @@ class Device:
         synchronize(self.torch_device)
 
     @contextlib.contextmanager
-    def throttle(self) -> Iterator[None]:
+    def throttle(self, *, cpu_time: bool = False) -> Iterator[None]:
         """Run the enclosed work at this device's emulated speed.
 
         For a real device this does nothing. For an emulated one it waits for the
         device, measures the enclosed work and sleeps ``(1/speed - 1)`` times its
         duration, so the work appears to run at ``speed`` of the real device.
+
+        Args:
+            cpu_time: Measure the work as this process's CPU time instead of wall time,
+                for an emulated CPU in its own process (one torchrun rank) whose
+                enclosed work also waits on other ranks (DDP's backward): waiting is
+                not work and must not be slowed down.
         """
         speed = self.current_speed
         if speed >= 1.0:
             yield
             return
-        start = time.perf_counter()
+        clock = time.process_time if cpu_time and self.type == "cpu" else time.perf_counter
+        start = clock()
         yield
         self.synchronize()
+        work = clock() - start
         now = time.perf_counter()
         # time.sleep overshoots by tens of microseconds, which would dominate small
         # steps; carry each device's error into its next sleep so the long-run speed is exact.
-        wanted = (now - start) * (1.0 / speed - 1.0) - _SLEEP_DEBT.get(self.name, 0.0)
+        wanted = work * (1.0 / speed - 1.0) - _SLEEP_DEBT.get(self.name, 0.0)
         if wanted > 0:
             time.sleep(wanted)
             _SLEEP_DEBT[self.name] = time.perf_counter() - now - wanted

@@ -7,13 +7,13 @@ from hetsplit.bench import bench, keep_freed_memory, time_steps
 
 
 def test_bench_reports_consistent_figures():
-    r = bench("mlp", "cpu,cpu@0.5", batch_size=32, steps=2, warmup=1, profile_budget=2, calibrate_steps=2)
+    r = bench("mlp", "cpu,cpu@0.5", batch_size=32, steps=2, warmup=1, profile_budget=2)
     assert set(r.single) == {"cpu", "cpu@0.5"}
     assert r.ideal == pytest.approx(sum(r.single.values()))
     assert r.efficiency == pytest.approx(r.balanced / r.ideal)
     assert r.speedup_vs_even == pytest.approx(r.balanced / r.even)
     assert r.speedup_vs_single == pytest.approx(r.balanced / r.single[r.fastest])
-    assert sum(r.plan.sizes) == 32 and sum(r.calibrated_plan.sizes) == 32
+    assert sum(r.plan.sizes) == 32
     assert r.meta["emulated"] == ["cpu@0.5"] and r.meta["data"] == "synthetic"
     assert r.overhead is not None and math.isfinite(r.overhead)
     json.dumps(r.to_dict())  # JSON-ready

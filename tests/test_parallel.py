@@ -265,3 +265,20 @@ def test_emulated_replica_backward_is_throttled_and_concurrent(monkeypatch):
     assert sorted(n for n, _, _ in backward) == sorted(DEVICES)
     assert all(t.startswith("hetsplit") for _, t, _ in backward)
     assert len({t for _, t, _ in backward}) == 2
+
+
+def test_step_times_report_each_active_device():
+    net, (x, y) = _net(), _data(20)
+    dp = HeteroDataParallel(net, ["cpu", "cpu@0.25", "cpu"], weights=[3, 1, 0])
+    F.cross_entropy(dp(x), y).backward()
+    assert set(dp.step_times) == {"cpu", "cpu@0.25"} and all(t > 0 for t in dp.step_times.values())
+    dp.train_step(x, y, F.cross_entropy)
+    assert set(dp.step_times) == {"cpu", "cpu@0.25"}
+
+
+def test_profile_calibrated_scales_observed_devices():
+    prof = Profile.from_measurements({"cpu": [(10, 0.1), (100, 1.0)], "cpu@0.25": [(10, 0.4), (100, 4.0)]})
+    cal = prof.calibrated({"cpu@0.25": (50, 4.0)})  # observed twice as slow as predicted
+    assert cal.step_time("cpu@0.25", 50) == pytest.approx(4.0)
+    assert cal.step_time("cpu", 50) == prof.step_time("cpu", 50)
+    assert cal.source.endswith("+calibrated") and prof.entry("cpu@0.25").measurements == cal.entry("cpu@0.25").measurements

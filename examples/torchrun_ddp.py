@@ -1,0 +1,120 @@
+"""DistributedDataParallel across unequal ranks: each rank's share from one plan, shard-weighted gradients.
+
+Launch one process per device:
+
+  torchrun --nproc_per_node=2 examples/torchrun_ddp.py --devices cpu,cpu@0.25          # CPU-only machine
+  torchrun --nproc_per_node=2 examples/torchrun_ddp.py --devices cuda:0,cuda:1         # two GPUs
+  torchrun --nnodes=2 --node_rank=N --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 \\
+           --nproc_per_node=1 examples/torchrun_ddp.py --devices cuda:0,cpu            # across nodes
+
+--devices lists one device per global rank (cycled if shorter). Data: Fashion-MNIST
+from --data-dir when present, else SYNTHETIC (labelled so; nothing is downloaded).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import hetsplit  # noqa: E402
+import hetsplit.distributed as hd  # noqa: E402
+from common import accuracy, add_data_args, load  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--devices", default="cpu,cpu@0.25", help="one device per rank, e.g. cuda:0,cpu")
+    parser.add_argument("--batch-size", type=int, default=256, help="global batch per step, across all ranks")
+    parser.add_argument("--epochs", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=0, help="stop after this many steps (0: run every epoch fully)")
+    parser.add_argument("--lr", type=float, default=0.1)
+    parser.add_argument("--equal", action="store_true", help="equal shares (as DistributedSampler), for comparison")
+    parser.add_argument("--no-weighting", action="store_true", help="keep DDP's plain mean over ranks (biased)")
+    parser.add_argument("--profile-budget", type=float, default=10.0, help="seconds each rank profiles")
+    parser.add_argument("--timeout", type=float, default=120.0, help="seconds before a dead or hung rank is an error")
+    parser.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto")
+    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads per rank (0: torch's choice)")
+    add_data_args(parser)
+    args = parser.parse_args()
+
+    devices = [d for d in args.devices.split(",") if d]
+    backend = args.backend
+    if backend == "auto":
+        backend = "nccl" if all(d.startswith("cuda") and "@" not in d for d in devices) else "gloo"
+    dist.init_process_group(backend, timeout=hd.init_timeout(args.timeout))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dev = hetsplit.parse_device(hd.rank_device(devices, rank))
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev.index)
+    say = print if rank == 0 else (lambda *a, **k: None)
+
+    train_iter, test_iter, label = load(args, args.batch_size)
+    train_set = train_iter.dataset
+    say(f"data: {label}")
+    say(f"{world} ranks on {', '.join(hd.rank_device(devices, r) for r in range(world))} ({backend})")
+    if any("@" in hd.rank_device(devices, r) for r in range(world)):
+        say("emulated devices are real devices slowed down by sleeping; not real hardware")
+
+    torch.manual_seed(0)
+    model = hetsplit.models.lenet().to(dev.torch_device)
+    x0, y0 = next(iter(train_iter))
+    if args.equal:
+        sizes = hetsplit.solver.even_sizes(args.batch_size, world)
+        plan = hetsplit.solver.plan_from_sizes(None, [f"rank{r}" for r in range(world)], sizes)
+    else:
+        plan = hd.plan(model, x0[:16], args.batch_size, device=dev, loss_fn=F.cross_entropy, target=y0[:16],
+                       time_budget=args.profile_budget)
+    say("plan:", ", ".join(f"{d} {s}" for d, s in zip(plan.devices, plan.sizes)))
+
+    ddp = DDP(model, device_ids=[dev.index] if dev.type == "cuda" else None)
+    if not args.no_weighting:
+        hd.weight_gradients(ddp, plan)
+    sampler = hd.HeteroDistributedSampler(train_set, plan, shuffle=True, seed=0)
+    size = plan.sizes[rank]
+    loader = DataLoader(train_set, batch_size=max(size, 1), sampler=sampler)
+    empty = (x0[:0], y0[:0])  # a rank with no share still takes part in every step
+    opt = torch.optim.SGD(ddp.parameters(), lr=args.lr)
+
+    done = 0
+    for epoch in range(args.epochs):
+        sampler.set_epoch(epoch)
+        batches = iter(loader)
+        start = time.perf_counter()
+        for _ in range(sampler.steps):
+            x, y = next(batches) if size > 0 else empty
+            x, y = x.to(dev.torch_device), y.to(dev.torch_device)
+            # cpu_time: DDP's backward also waits for the other ranks; only work is slowed.
+            with dev.throttle(cpu_time=True):
+                loss = F.cross_entropy(ddp(x), y)
+            opt.zero_grad(set_to_none=True)
+            with dev.throttle(cpu_time=True):
+                loss.backward()
+            opt.step()
+            done += 1
+            if args.steps and done >= args.steps:
+                break
+        seconds = time.perf_counter() - start
+        steps = min(sampler.steps, args.steps) if args.steps else sampler.steps
+        if rank == 0:
+            acc = accuracy(model, test_iter, dev.torch_device)
+            say(f"epoch {epoch + 1}: {steps} steps in {seconds:.2f} s ({seconds / max(steps, 1) * 1e3:.1f} ms/step), "
+                f"loss {loss.item():.3f}, test acc {acc:.3f}")
+        if args.steps and done >= args.steps:
+            break
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,156 @@
+"""hetsplit.distributed on two gloo ranks (file rendezvous in a temp dir, one spawn for the module)."""
+
+import copy
+import datetime
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import hetsplit.distributed as hd
+from hetsplit.solver import plan_from_sizes
+
+WORLD = 2
+
+
+def _net():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3)).double()
+
+
+def _batch(n=10):
+    gen = torch.Generator().manual_seed(3)
+    return torch.randn(n, 6, dtype=torch.float64, generator=gen), torch.randint(0, 3, (n,), generator=gen)
+
+
+def _full_grads(x, y):
+    ref = _net()
+    F.cross_entropy(ref(x), y).backward()
+    return [p.grad for p in ref.parameters()]
+
+
+def _rel_err(model, ref_grads):
+    return max(float((p.grad - g).abs().max() / g.abs().max()) for p, g in zip(model.parameters(), ref_grads))
+
+
+def _ddp_step(sizes, rank, hook):
+    x, y = _batch(sum(sizes))
+    start = sum(sizes[:rank])
+    xs, ys = x[start:start + sizes[rank]], y[start:start + sizes[rank]]
+    ddp = DDP(_net())
+    if hook:
+        hd.weight_gradients(ddp, plan_from_sizes(None, [f"rank{r}" for r in range(WORLD)], sizes))
+    F.cross_entropy(ddp(xs), ys).backward()  # mean over the local shard (NaN for an empty one)
+    return _rel_err(ddp.module, _full_grads(x, y))
+
+
+def _worker(rank, init_file, out_dir):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD,
+                            timeout=datetime.timedelta(seconds=30))
+    res = {}
+    device = "cpu" if rank == 0 else "cpu@0.25"
+    x, y = _batch(8)
+    plan = hd.plan(_net(), x, 40, device=device, loss_fn=F.cross_entropy, target=y, batch_sizes=[2, 8, 32],
+                   repeats=2, time_budget=4)
+    res["plan"] = plan.to_dict()
+    res["err_hook"] = _ddp_step([7, 3], rank, hook=True)
+    res["err_plain"] = _ddp_step([7, 3], rank, hook=False)
+    res["err_zero_rank"] = _ddp_step([10, 0], rank, hook=True)
+    res["err_equal_plain"] = _ddp_step([5, 5], rank, hook=False)
+    sampler = hd.HeteroDistributedSampler(list(range(23)), plan_from_sizes(None, ["a", "b"], [7, 3]), seed=5)
+    res["sampler"] = list(sampler)
+    res["sampler_steps"] = sampler.steps
+    # Mismatched versions: every rank hears of it.
+    real = hd.__version__
+    hd.__version__ = real if rank == 0 else "0.0.0-other"
+    try:
+        hd.plan(_net(), x, 40, device=device)
+    except hd.DistributedError as e:
+        res["version_error"] = str(e)
+    finally:
+        hd.__version__ = real
+    try:
+        hd.verify_plan(plan_from_sizes(None, ["a", "b"], [5, 5] if rank == 0 else [6, 4]))
+    except hd.DistributedError as e:
+        res["plan_error"] = str(e)
+    # A rank that hangs: the other stops with a clear error once the group's timeout ends.
+    short = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=3))
+    if rank == 0:
+        start = time.perf_counter()
+        try:
+            hd.verify_plan(plan, group=short)
+        except hd.DistributedError as e:
+            res["timeout_error"] = str(e)
+        res["timeout_after"] = time.perf_counter() - start
+    else:
+        time.sleep(6)
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(res))
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("dist")
+    mp.spawn(_worker, args=(str(tmp / "rendezvous"), str(tmp)), nprocs=WORLD, join=True)
+    return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(WORLD)]
+
+
+def test_all_ranks_agree_on_the_plan(ranks):
+    plans = [r["plan"] for r in ranks]
+    assert plans[0] == plans[1]
+    assert plans[0]["devices"] == ["rank0:cpu", "rank1:cpu@0.25"] and sum(plans[0]["sizes"]) == 40
+    assert plans[0]["sizes"][0] > plans[0]["sizes"][1]  # the quarter-speed rank gets less
+    assert plans[0]["emulated"] == ["rank1:cpu@0.25"]
+
+
+def test_weighted_hook_gives_full_batch_gradients(ranks):
+    # float64 throughout; the only difference from the reference is summation order.
+    assert all(r["err_hook"] < 1e-6 for r in ranks)
+
+
+def test_plain_ddp_mean_is_biased_on_uneven_shares(ranks):
+    assert all(r["err_plain"] > 1e-2 for r in ranks)  # the bias the hook removes
+    assert all(r["err_equal_plain"] < 1e-6 for r in ranks)  # equal shares: the plain mean is right
+
+
+def test_rank_with_zero_samples_takes_part(ranks):
+    assert all(r["err_zero_rank"] < 1e-6 for r in ranks)
+
+
+def test_sampler_with_process_group_defaults(ranks):
+    a, b = ranks[0]["sampler"], ranks[1]["sampler"]
+    assert ranks[0]["sampler_steps"] == ranks[1]["sampler_steps"] == 3
+    assert len(a) == 21 and len(b) == 9
+    assert set(a) | set(b) == set(range(23))
+
+
+def test_mismatches_are_reported_on_every_rank(ranks):
+    assert all("hetsplit versions differ" in r["version_error"] for r in ranks)
+    assert all("ranks [1] hold a different plan" in r["plan_error"] for r in ranks)
+
+
+def test_a_hung_rank_becomes_a_clear_error(ranks):
+    assert "rank 0: comparing plans failed" in ranks[0]["timeout_error"]
+    assert "died or hangs" in ranks[0]["timeout_error"]
+    assert ranks[0]["timeout_after"] < 15
+
+
+def test_torchrun_launches_the_example(tmp_path):
+    example = Path(__file__).resolve().parent.parent / "examples" / "torchrun_ddp.py"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(example),
+           "--devices", "cpu,cpu@0.25", "--steps", "2", "--data", "synthetic", "--train-size", "512",
+           "--test-size", "128", "--profile-budget", "2", "--threads", "1", "--timeout", "60"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=tmp_path, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "plan: rank0:cpu" in proc.stdout and "epoch 1: 2 steps" in proc.stdout and "SYNTHETIC" in proc.stdout
