@@ -7,6 +7,7 @@ import datetime as _dt
 import math
 import platform
 import statistics
+from itertools import chain
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -150,12 +151,18 @@ class CurveTable:
 
     def __init__(self, curves: Sequence[Curve]) -> None:
         n = len(curves)
-        width = max(len(c.batch) for c in curves)
-        self.x = np.array([c.batch + c.batch[-1:] * (width - len(c.batch)) for c in curves], dtype=float)
-        self.y = np.array([c.seconds + c.seconds[-1:] * (width - len(c.seconds)) for c in curves], dtype=float)
-        self.intercept = np.array([c.intercept for c in curves])
-        self.slope = np.array([c.slope for c in curves])
-        self.cap = np.array([np.inf if c.memory_cap is None else c.memory_cap for c in curves], dtype=float)
+        lengths = {len(c.batch) for c in curves}
+        if len(lengths) == 1:  # the common case: no padding, read straight from the lists
+            (k,) = lengths
+            self.x = np.fromiter(chain.from_iterable(c.batch for c in curves), float, n * k).reshape(n, k)
+            self.y = np.fromiter(chain.from_iterable(c.seconds for c in curves), float, n * k).reshape(n, k)
+        else:
+            width = max(lengths)
+            self.x = np.array([c.batch + c.batch[-1:] * (width - len(c.batch)) for c in curves], dtype=float)
+            self.y = np.array([c.seconds + c.seconds[-1:] * (width - len(c.seconds)) for c in curves], dtype=float)
+        self.intercept = np.fromiter((c.intercept for c in curves), float, n)
+        self.slope = np.fromiter((c.slope for c in curves), float, n)
+        self.cap = np.fromiter((np.inf if c.memory_cap is None else c.memory_cap for c in curves), float, n)
         self._rows = np.arange(n)
 
     def evaluate(self, b: np.ndarray, rows: np.ndarray | None = None) -> np.ndarray:
@@ -358,6 +365,19 @@ class Profile:
         if key in index:
             return index[key]
         raise KeyError(f"device {key!r} is not in this profile; it has {self.devices}")
+
+    def table(self, names: Sequence[str], curves: Sequence[Curve] | None = None) -> CurveTable:
+        """The curves of ``names`` packed for the solver, cached on this profile.
+
+        ``curves``, if given, are those of ``names`` (saves looking them up again).
+        """
+        cache = self.__dict__.setdefault("_tables", {})
+        key = tuple(names)
+        if key not in cache:
+            if len(cache) >= 8:
+                cache.clear()
+            cache[key] = CurveTable(curves if curves is not None else [self.entry(n).curve for n in names])
+        return cache[key]
 
     def curve(self, device: DeviceLike) -> Curve:
         """The step-time curve of ``device``."""

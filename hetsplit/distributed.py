@@ -293,30 +293,49 @@ def _weighted_allreduce(state, bucket):  # type: ignore[no-untyped-def]
 
 
 def weight_gradients(ddp_model: nn.parallel.DistributedDataParallel, plan: Plan | None = None, *,
-                     reduction: str = "mean", dim: int = 0, group: Any = None) -> _WeightState:
+                     reduction: str = "mean", method: str = "hook", dim: int = 0, group: Any = None) -> _WeightState:
     """Make DDP average gradients weighted by each rank's shard: ``sum_r b_r * g_r / B``.
 
-    Registers a comm hook on ``ddp_model`` (instead of DDP's plain mean over ranks,
-    which is biased when shards differ) and a forward pre-hook that records each step's
-    local batch size (the length of the first tensor input along ``dim``). With a
-    per-rank loss that is a mean over the rank's samples, the averaged gradient then
-    equals the full-batch gradient; with ``reduction="sum"`` gradients are summed.
-    Every rank takes part in every step, also with 0 samples.
+    DDP's own average is the plain mean over ranks, biased when shards differ. A forward
+    pre-hook records each step's local batch size (the length of the inputs along
+    ``dim``), and one of two exact mechanisms weights the gradients:
+
+    - ``method="hook"`` (default): a DDP comm hook all-reduces ``[b_r * g_r, b_r]`` in one
+      message and divides by the summed count. Right for any step sizes (a short last
+      batch, a rank with 0 samples).
+    - ``method="plan"``: for steps that follow ``plan`` exactly (as
+      :class:`HeteroDistributedSampler` gives), DDP keeps its built-in C++ all-reduce
+      and the gradient entering the model's outputs is scaled by the constant
+      ``W * b_r / B``, which turns DDP's mean into the weighted one with no Python comm
+      hook and no extra communication. A step whose local size differs from the plan
+      raises on that rank instead of being weighted wrongly.
+
+    With a per-rank loss that is a mean over the rank's samples, the averaged gradient
+    then equals the full-batch gradient; with ``reduction="sum"`` gradients are summed.
 
     Args:
         ddp_model: The DistributedDataParallel model (call before the first backward).
-        plan: The plan; if given, checked to be the same on every rank.
+        plan: The plan; checked to be the same on every rank (required for ``"plan"``).
         reduction: ``"mean"`` or ``"sum"``: how each rank's loss reduces its samples.
+        method: ``"hook"`` or ``"plan"`` (see above).
         dim: The batch dimension of the inputs.
         group: The process group DDP uses (default: the world).
 
     Returns:
         The hook's state; ``state.local`` is the last step's local batch size.
+
+    Raises:
+        ValueError: On an unknown ``reduction`` or ``method``, or ``"plan"`` without a plan.
     """
     shard_weights([1], reduction)  # validates the reduction
+    if method not in ("hook", "plan"):
+        raise ValueError(f"method must be 'hook' or 'plan', got {method!r}")
+    if method == "plan" and plan is None:
+        raise ValueError("method='plan' needs the plan; pass weight_gradients(ddp, plan, method='plan')")
     if plan is not None:
         verify_plan(plan, group)
     state = _WeightState(group, reduction)
+    rank, world = _group_info(group)
 
     def record(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         first = args[0] if args else None
@@ -324,9 +343,28 @@ def weight_gradients(ddp_model: nn.parallel.DistributedDataParallel, plan: Plan 
             state.local = first.shape[dim]  # the common case, without walking the inputs
         else:
             state.local = batch_length((args, kwargs), dim)
+        if method == "plan" and torch.is_grad_enabled() and state.local != plan.sizes[rank]:
+            raise DistributedError(
+                f"rank {rank}: this step has {state.local} samples but the plan gives this rank "
+                f"{plan.sizes[rank]}; method='plan' weights only steps that follow the plan "
+                "(use HeteroDistributedSampler), method='hook' weights any step"
+            )
 
     ddp_model.module.register_forward_pre_hook(record, with_kwargs=True)
-    ddp_model.register_comm_hook(state, _weighted_allreduce)
+    if method == "hook":
+        ddp_model.register_comm_hook(state, _weighted_allreduce)
+        return state
+    size = plan.sizes[rank]
+    factor = (world * size / plan.batch_size) if reduction == "mean" else (float(world) if size else 0.0)
+
+    def scale_outputs(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        import torch.utils._pytree as pytree
+
+        for t in pytree.tree_leaves(output):
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                t.register_hook(lambda g: g * factor)
+
+    ddp_model.module.register_forward_hook(scale_outputs)
     return state
 
 

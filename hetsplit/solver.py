@@ -120,6 +120,10 @@ def check_sizes(sizes: Sequence[Any], total: int, n_devices: int) -> list[int]:
     """
     if len(sizes) != n_devices:
         raise ValueError(f"got {len(sizes)} sizes {list(sizes)} for {n_devices} devices; give one size per device")
+    arr = np.asarray(sizes)
+    if arr.dtype.kind in "iu" and arr.ndim == 1:  # fast path for the solver's own output
+        if (arr >= 0).all() and int(arr.sum()) == total:
+            return arr.tolist()
     out = []
     for i, s in enumerate(sizes):
         if isinstance(s, bool) or not isinstance(s, (int, np.integer)):
@@ -202,18 +206,17 @@ def solve(profile: Profile, batch_size: int, *, devices: Sequence[DeviceLike] | 
     entries = profile.entries if devices is None else [profile.entry(d) for d in devices]
     if not entries:
         raise ValueError("no devices to split across; give at least one")
-    names = [e.name for e in entries]
-    curves = [e.curve for e in entries]
-    table = CurveTable(curves)
+    names = [e.info.name for e in entries]
+    table = profile.table(names, [e.curve for e in entries])
     total_cap = float(table.cap.sum())
     if total_cap < batch_size:
-        caps = ", ".join(f"{n}: {c.memory_cap}" for n, c in zip(names, curves))
+        caps = ", ".join(f"{n}: {e.curve.memory_cap}" for n, e in zip(names, entries))
         raise ValueError(
             f"batch of {batch_size} exceeds what the devices' memory holds together ({int(total_cap)}: {caps}); "
             "use a smaller batch, more devices, or gradient accumulation"
         )
     sizes = _solve_sizes(table, int(batch_size))
-    return _make_plan(entries, table, sizes, int(batch_size))
+    return _make_plan(entries, names, table, sizes, int(batch_size))
 
 
 def plan_from_sizes(profile: Profile | None, devices: Sequence[DeviceLike], sizes: Sequence[int]) -> Plan:
@@ -231,11 +234,12 @@ def plan_from_sizes(profile: Profile | None, devices: Sequence[DeviceLike], size
     if profile is None:
         return Plan(names, [int(s) for s in sizes], [math.nan] * len(names), total, extrapolated=[False] * len(names))
     entries = [profile.entry(n) for n in names]
-    return _make_plan(entries, CurveTable([e.curve for e in entries]), np.asarray(sizes, dtype=np.int64), total)
+    names = [e.info.name for e in entries]
+    return _make_plan(entries, names, profile.table(names), np.asarray(sizes, dtype=np.int64), total)
 
 
-def _make_plan(entries: Sequence[DeviceProfile], table: CurveTable, sizes: np.ndarray, batch_size: int) -> Plan:
-    names = [e.name for e in entries]
+def _make_plan(entries: Sequence[DeviceProfile], names: list[str], table: CurveTable, sizes: np.ndarray,
+               batch_size: int) -> Plan:
     times = table.evaluate(sizes.astype(float))
     even = np.asarray(even_sizes(batch_size, len(names)), dtype=float)
     even_time = float(table.evaluate(even).max())
@@ -250,7 +254,7 @@ def _make_plan(entries: Sequence[DeviceProfile], table: CurveTable, sizes: np.nd
         single_time=float(singles[best]),
         single_device=names[best],
         extrapolated=(sizes > table.x[:, -1]).tolist(),
-        emulated=list(dict.fromkeys(e.name for e in entries if e.info.emulated)),
+        emulated=list(dict.fromkeys(e.info.name for e in entries if e.info.emulated)),
     )
 
 
@@ -265,10 +269,15 @@ def _solve_sizes(table: CurveTable, batch: int) -> np.ndarray:
     a_lo, a_hi = 0, int(table.capacity(hi, exact=False).sum())
     w_lo, w_hi = float(a_lo - batch), float(a_hi - batch)
     side = 0
-    for _ in range(200):
-        if a_hi - a_lo <= 4 * n + 64:
+    # Ranking a few thousand candidates exactly costs microseconds; stop there, or when the
+    # bracket is tight but a flat stretch of some curve makes the count jump inside it.
+    enough = max(n + 64, 4096)
+    for it in range(200):
+        if a_hi - a_lo <= enough or hi - lo <= 1e-9 * hi:
             break
-        mid = lo + (hi - lo) * (-w_lo) / (w_hi - w_lo) if w_hi > w_lo else 0.5 * (lo + hi)
+        # Every third step bisects: caps make F flat in places, where false position stalls.
+        secant = it % 3 != 2 and w_hi > w_lo
+        mid = lo + (hi - lo) * (-w_lo) / (w_hi - w_lo) if secant else 0.5 * (lo + hi)
         if not lo < mid < hi:
             mid = 0.5 * (lo + hi)
             if not lo < mid < hi:

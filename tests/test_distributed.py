@@ -43,13 +43,13 @@ def _rel_err(model, ref_grads):
     return max(float((p.grad - g).abs().max() / g.abs().max()) for p, g in zip(model.parameters(), ref_grads))
 
 
-def _ddp_step(sizes, rank, hook):
+def _ddp_step(sizes, rank, hook, method="hook"):
     x, y = _batch(sum(sizes))
     start = sum(sizes[:rank])
     xs, ys = x[start:start + sizes[rank]], y[start:start + sizes[rank]]
     ddp = DDP(_net())
     if hook:
-        hd.weight_gradients(ddp, plan_from_sizes(None, [f"rank{r}" for r in range(WORLD)], sizes))
+        hd.weight_gradients(ddp, plan_from_sizes(None, [f"rank{r}" for r in range(WORLD)], sizes), method=method)
     F.cross_entropy(ddp(xs), ys).backward()  # mean over the local shard (NaN for an empty one)
     return _rel_err(ddp.module, _full_grads(x, y))
 
@@ -67,6 +67,14 @@ def _worker(rank, init_file, out_dir):
     res["err_hook"] = _ddp_step([7, 3], rank, hook=True)
     res["err_plain"] = _ddp_step([7, 3], rank, hook=False)
     res["err_zero_rank"] = _ddp_step([10, 0], rank, hook=True)
+    res["err_plan_method"] = _ddp_step([7, 3], rank, hook=True, method="plan")
+    res["err_plan_method_zero"] = _ddp_step([10, 0], rank, hook=True, method="plan")
+    ddp = DDP(_net())
+    hd.weight_gradients(ddp, plan_from_sizes(None, ["a", "b"], [7, 3]), method="plan")
+    try:
+        ddp(_batch(5)[0])  # 5 samples where the plan says 7 or 3
+    except hd.DistributedError as e:
+        res["plan_method_error"] = str(e)
     res["err_equal_plain"] = _ddp_step([5, 5], rank, hook=False)
     sampler = hd.HeteroDistributedSampler(list(range(23)), plan_from_sizes(None, ["a", "b"], [7, 3]), seed=5)
     res["sampler"] = list(sampler)
@@ -125,6 +133,12 @@ def test_plain_ddp_mean_is_biased_on_uneven_shares(ranks):
 
 def test_rank_with_zero_samples_takes_part(ranks):
     assert all(r["err_zero_rank"] < 1e-6 for r in ranks)
+
+
+def test_plan_method_is_exact_and_refuses_off_plan_steps(ranks):
+    assert all(r["err_plan_method"] < 1e-6 and r["err_plan_method_zero"] < 1e-6 for r in ranks)
+    assert "rank 0: this step has 5 samples but the plan gives this rank 7" in ranks[0]["plan_method_error"]
+    assert "plan gives this rank 3" in ranks[1]["plan_method_error"]
 
 
 def test_sampler_with_process_group_defaults(ranks):
