@@ -64,7 +64,7 @@ def main() -> None:
 
             model.register_comm_hook(None, default_hooks.allreduce_hook)
         elif weighted:
-            hd.weight_gradients(model, plan, method=weighted)
+            hd.weight_gradients(model, plan)
         sampler = hd.HeteroDistributedSampler(data, plan, seed=0)
         size = plan.sizes[rank]
         loader = DataLoader(data, batch_size=max(size, 1), sampler=sampler)
@@ -72,7 +72,6 @@ def main() -> None:
 
     configs = {"equal shares, plain DDP mean": setup(equal, False),
                "balanced shares, weighted": setup(balanced, "hook"),
-               "balanced, weighted by plan": setup(balanced, "plan"),
                "balanced shares, plain mean": setup(balanced, False),
                "balanced, torch's Python hook": setup(balanced, "python-hook")}
     epochs = {name: [] for name in configs}
@@ -103,9 +102,8 @@ def main() -> None:
     if rank == 0:
         eq, bal = statistics.median(epochs["equal shares, plain DDP mean"]), statistics.median(
             epochs["balanced shares, weighted"])
-        s_bal, s_planw, s_plain, s_py = (statistics.median(steps_time[n]) for n in (
-            "balanced shares, weighted", "balanced, weighted by plan", "balanced shares, plain mean",
-            "balanced, torch's Python hook"))
+        s_bal, s_plain, s_py = (statistics.median(steps_time[n]) for n in (
+            "balanced shares, weighted", "balanced shares, plain mean", "balanced, torch's Python hook"))
         result = {
             "date": datetime.date.today().isoformat(), "host": platform.node(), "torch": torch.__version__,
             "devices": [hd.rank_device(args.devices, r) for r in range(world)], "batch_size": args.batch_size,
@@ -113,14 +111,12 @@ def main() -> None:
             "epoch_s": {n: statistics.median(v) for n, v in epochs.items()},
             "speedup_balanced_vs_equal": eq / bal,
             "weighting_overhead": s_bal / s_plain - 1.0,
-            "plan_weighting_overhead": s_planw / s_plain - 1.0,
             "python_hook_overhead": s_py / s_plain - 1.0,
         }
         for n, v in epochs.items():
             print(f"{n:32s} epoch {statistics.median(v):6.2f} s  (median of {len(v)})")
         print(f"balanced shares {balanced.sizes}: {eq / bal:.2f}x faster per epoch than equal shares")
-        print(f"weighting with method='plan': {s_planw / s_plain - 1.0:+.1%} per step (median {s_planw * 1e3:.1f} ms)")
-        print(f"weighting with the comm hook: {s_bal / s_plain - 1.0:+.1%} per step (median step {s_bal * 1e3:.1f} vs "
+        print(f"shard weighting: {s_bal / s_plain - 1.0:+.1%} per step (median step {s_bal * 1e3:.1f} vs "
               f"{s_plain * 1e3:.1f} ms); torch's plain Python all-reduce hook: {s_py / s_plain - 1.0:+.1%}")
         if args.json:
             with open(args.json, "w", encoding="utf-8") as fh:

@@ -252,6 +252,7 @@ class _WeightState:
         self.group, self.reduction = group, reduction
         self.local = 0
         self.buffers: dict[int, torch.Tensor] = {}  # per bucket: the packing buffer, reused every step
+        self.weight: float | None = None  # with a plan: this rank's constant weight b_r / B
 
 
 def _weighted_allreduce(state, bucket):  # type: ignore[no-untyped-def]
@@ -265,6 +266,14 @@ def _weighted_allreduce(state, bucket):  # type: ignore[no-untyped-def]
     NaN) gradient holds.
     """
     grads = bucket.buffer()
+    if state.weight is not None:
+        # Steps follow the plan (checked in the forward pre-hook): the weights are known, so
+        # the bucket is scaled in place and summed, as cheaply as DDP's own Python hook.
+        if state.weight:
+            grads.mul_(state.weight)
+        else:
+            grads.zero_()  # a rank with no samples (its empty-batch gradient may be NaN)
+        return dist.all_reduce(grads, group=state.group, async_op=True).get_future().then(lambda f: f.value()[0])
     b = float(state.local)
     weight = b if state.reduction == "mean" else (1.0 if b > 0 else 0.0)
     packed = state.buffers.get(bucket.index())
@@ -293,31 +302,28 @@ def _weighted_allreduce(state, bucket):  # type: ignore[no-untyped-def]
 
 
 def weight_gradients(ddp_model: nn.parallel.DistributedDataParallel, plan: Plan | None = None, *,
-                     reduction: str = "mean", method: str = "hook", dim: int = 0, group: Any = None) -> _WeightState:
+                     reduction: str = "mean", dim: int = 0, group: Any = None) -> _WeightState:
     """Make DDP average gradients weighted by each rank's shard: ``sum_r b_r * g_r / B``.
 
-    DDP's own average is the plain mean over ranks, biased when shards differ. A forward
-    pre-hook records each step's local batch size (the length of the inputs along
-    ``dim``), and one of two exact mechanisms weights the gradients:
+    DDP's own average is the plain mean over ranks, biased when shards differ. This
+    registers a DDP comm hook (and a forward pre-hook recording each step's local batch
+    size, the length of the inputs along ``dim``). With a per-rank loss that is a mean
+    over the rank's samples, the weighted average equals the full-batch gradient; with
+    ``reduction="sum"`` gradients are summed. Every rank takes part in every step, also
+    with 0 samples.
 
-    - ``method="hook"`` (default): a DDP comm hook all-reduces ``[b_r * g_r, b_r]`` in one
-      message and divides by the summed count. Right for any step sizes (a short last
-      batch, a rank with 0 samples).
-    - ``method="plan"``: for steps that follow ``plan`` exactly (as
-      :class:`HeteroDistributedSampler` gives), DDP keeps its built-in C++ all-reduce
-      and the gradient entering the model's outputs is scaled by the constant
-      ``W * b_r / B``, which turns DDP's mean into the weighted one with no Python comm
-      hook and no extra communication. A step whose local size differs from the plan
-      raises on that rank instead of being weighted wrongly.
-
-    With a per-rank loss that is a mean over the rank's samples, the averaged gradient
-    then equals the full-batch gradient; with ``reduction="sum"`` gradients are summed.
+    With a ``plan``, every step must follow it (as :class:`HeteroDistributedSampler`
+    gives; a step of another size raises on that rank rather than being weighted
+    wrongly): each bucket is scaled in place by the constant ``b_r / B`` and summed, which
+    costs what any Python comm hook costs. Without a plan, steps may have any sizes: each
+    bucket travels as ``[b_r * g_r, b_r]`` in one message and is divided by the summed
+    count.
 
     Args:
         ddp_model: The DistributedDataParallel model (call before the first backward).
-        plan: The plan; checked to be the same on every rank (required for ``"plan"``).
+        plan: The plan every rank holds (checked to be the same everywhere), or ``None``
+            for steps of any size.
         reduction: ``"mean"`` or ``"sum"``: how each rank's loss reduces its samples.
-        method: ``"hook"`` or ``"plan"`` (see above).
         dim: The batch dimension of the inputs.
         group: The process group DDP uses (default: the world).
 
@@ -325,17 +331,14 @@ def weight_gradients(ddp_model: nn.parallel.DistributedDataParallel, plan: Plan 
         The hook's state; ``state.local`` is the last step's local batch size.
 
     Raises:
-        ValueError: On an unknown ``reduction`` or ``method``, or ``"plan"`` without a plan.
+        ValueError: On an unknown ``reduction``.
     """
     shard_weights([1], reduction)  # validates the reduction
-    if method not in ("hook", "plan"):
-        raise ValueError(f"method must be 'hook' or 'plan', got {method!r}")
-    if method == "plan" and plan is None:
-        raise ValueError("method='plan' needs the plan; pass weight_gradients(ddp, plan, method='plan')")
     if plan is not None:
         verify_plan(plan, group)
     state = _WeightState(group, reduction)
-    rank, world = _group_info(group)
+    rank, _ = _group_info(group)
+    planned = plan.sizes[rank] if plan is not None else None
 
     def record(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         first = args[0] if args else None
@@ -343,28 +346,17 @@ def weight_gradients(ddp_model: nn.parallel.DistributedDataParallel, plan: Plan 
             state.local = first.shape[dim]  # the common case, without walking the inputs
         else:
             state.local = batch_length((args, kwargs), dim)
-        if method == "plan" and torch.is_grad_enabled() and state.local != plan.sizes[rank]:
+        if planned is not None and torch.is_grad_enabled() and state.local != planned:
             raise DistributedError(
-                f"rank {rank}: this step has {state.local} samples but the plan gives this rank "
-                f"{plan.sizes[rank]}; method='plan' weights only steps that follow the plan "
-                "(use HeteroDistributedSampler), method='hook' weights any step"
+                f"rank {rank}: this step has {state.local} samples but the plan gives this rank {planned}; "
+                "steps must follow the plan (use HeteroDistributedSampler), or call weight_gradients(ddp) "
+                "without a plan to weight steps of any size"
             )
 
     ddp_model.module.register_forward_pre_hook(record, with_kwargs=True)
-    if method == "hook":
-        ddp_model.register_comm_hook(state, _weighted_allreduce)
-        return state
-    size = plan.sizes[rank]
-    factor = (world * size / plan.batch_size) if reduction == "mean" else (float(world) if size else 0.0)
-
-    def scale_outputs(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-        import torch.utils._pytree as pytree
-
-        for t in pytree.tree_leaves(output):
-            if isinstance(t, torch.Tensor) and t.requires_grad:
-                t.register_hook(lambda g: g * factor)
-
-    ddp_model.module.register_forward_hook(scale_outputs)
+    if plan is not None:
+        state.weight = plan.sizes[rank] / plan.batch_size if reduction == "mean" else float(plan.sizes[rank] > 0)
+    ddp_model.register_comm_hook(state, _weighted_allreduce)
     return state
 
 

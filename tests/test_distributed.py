@@ -43,13 +43,14 @@ def _rel_err(model, ref_grads):
     return max(float((p.grad - g).abs().max() / g.abs().max()) for p, g in zip(model.parameters(), ref_grads))
 
 
-def _ddp_step(sizes, rank, hook, method="hook"):
+def _ddp_step(sizes, rank, hook, with_plan=True):
     x, y = _batch(sum(sizes))
     start = sum(sizes[:rank])
     xs, ys = x[start:start + sizes[rank]], y[start:start + sizes[rank]]
     ddp = DDP(_net())
     if hook:
-        hd.weight_gradients(ddp, plan_from_sizes(None, [f"rank{r}" for r in range(WORLD)], sizes), method=method)
+        plan = plan_from_sizes(None, [f"rank{r}" for r in range(WORLD)], sizes) if with_plan else None
+        hd.weight_gradients(ddp, plan)
     F.cross_entropy(ddp(xs), ys).backward()  # mean over the local shard (NaN for an empty one)
     return _rel_err(ddp.module, _full_grads(x, y))
 
@@ -67,10 +68,10 @@ def _worker(rank, init_file, out_dir):
     res["err_hook"] = _ddp_step([7, 3], rank, hook=True)
     res["err_plain"] = _ddp_step([7, 3], rank, hook=False)
     res["err_zero_rank"] = _ddp_step([10, 0], rank, hook=True)
-    res["err_plan_method"] = _ddp_step([7, 3], rank, hook=True, method="plan")
-    res["err_plan_method_zero"] = _ddp_step([10, 0], rank, hook=True, method="plan")
+    res["err_any_size"] = _ddp_step([7, 3], rank, hook=True, with_plan=False)
+    res["err_any_size_zero"] = _ddp_step([10, 0], rank, hook=True, with_plan=False)
     ddp = DDP(_net())
-    hd.weight_gradients(ddp, plan_from_sizes(None, ["a", "b"], [7, 3]), method="plan")
+    hd.weight_gradients(ddp, plan_from_sizes(None, ["a", "b"], [7, 3]))
     try:
         ddp(_batch(5)[0])  # 5 samples where the plan says 7 or 3
     except hd.DistributedError as e:
@@ -135,8 +136,9 @@ def test_rank_with_zero_samples_takes_part(ranks):
     assert all(r["err_zero_rank"] < 1e-6 for r in ranks)
 
 
-def test_plan_method_is_exact_and_refuses_off_plan_steps(ranks):
-    assert all(r["err_plan_method"] < 1e-6 and r["err_plan_method_zero"] < 1e-6 for r in ranks)
+def test_every_weighting_path_is_exact_and_off_plan_steps_are_refused(ranks):
+    for key in ("err_any_size", "err_any_size_zero"):
+        assert all(r[key] < 1e-6 for r in ranks), key
     assert "rank 0: this step has 5 samples but the plan gives this rank 7" in ranks[0]["plan_method_error"]
     assert "plan gives this rank 3" in ranks[1]["plan_method_error"]
 
