@@ -1,17 +1,22 @@
 """hetsplit: uneven data parallelism across mixed devices (GPUs of different speeds and the CPU).
 
 The pipeline, one module a step: :mod:`~hetsplit.devices` (what runs) →
-:mod:`~hetsplit.profiler` (how fast) → :mod:`~hetsplit.costmodel` (step-time curves) →
-:mod:`~hetsplit.solver` (the split) → :mod:`~hetsplit.scatter_gather` (moving the shards),
-with :mod:`~hetsplit.store` keeping profiles on disk and :mod:`~hetsplit.cli` on top.
+:mod:`~hetsplit.profiler` (how fast, into :mod:`~hetsplit.profiles`) →
+:mod:`~hetsplit.costmodel` (step-time curves) → :mod:`~hetsplit.solver` (the split) →
+:mod:`~hetsplit.scatter_gather` (moving the shards) → :mod:`~hetsplit.apply` and
+:mod:`~hetsplit.parallel` (training in one process, gradients via :mod:`~hetsplit.reduce`)
+→ :mod:`~hetsplit.distributed` (torchrun). :mod:`~hetsplit.store` keeps profiles on
+disk; :mod:`~hetsplit.bench` measures; :mod:`~hetsplit.cli` sits on top.
 """
 
 __version__ = "0.1.0"
 
 from . import models
-from .costmodel import Curve, DeviceProfile, Measurement, Profile
+from .costmodel import Curve
+from .profiles import DeviceProfile, Measurement, Profile
 from .devices import Device, DeviceInfo, discover, parse_device, parse_devices
-from .parallel import HeteroDataParallel, parallel_apply
+from .apply import parallel_apply
+from .parallel import HeteroDataParallel
 from .profiler import calibrate, profile
 from .reduce import reduce_gradients
 from .scatter_gather import gather, scatter
@@ -34,6 +39,7 @@ __all__ = [
     "calibrate",
     "discover",
     "gather",
+    "models",
     "parse_device",
     "parallel_apply",
     "parse_devices",

@@ -6,8 +6,9 @@ import argparse
 import json
 import math
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 __all__ = ["main", "build_parser"]
 
@@ -28,24 +29,23 @@ def _ints(text: str) -> list[int]:
     return values
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
+def _positive(kind: type) -> Callable[[str], Any]:
+    """An argparse type: a positive ``int`` or ``float``, with a message naming the value."""
+    noun = "a positive integer" if kind is int else "a positive number"
+
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {noun}, got {text!r}") from None
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"expected {noun}, got {text!r}")
+        return value
+
+    return parse
 
 
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
-    return value
+_positive_int, _positive_float = _positive(int), _positive(float)
 
 
 def build_parser() -> argparse.ArgumentParser:

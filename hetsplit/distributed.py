@@ -15,7 +15,7 @@ from torch import nn
 from torch.utils.data import Dataset, Sampler
 
 from . import __version__
-from .costmodel import Profile
+from .profiles import Profile
 from .devices import DeviceLike, parse_device
 from .reduce import shard_weights
 from .scatter_gather import batch_length
@@ -147,7 +147,7 @@ def plan(
     gathered = _all_gather({"entry": entry.to_dict(), "model": profile.model}, "gathering profiles", group)
     holder: list[Any] = [None]
     if rank == 0:
-        from .costmodel import DeviceProfile
+        from .profiles import DeviceProfile
 
         entries = []
         for r, item in enumerate(gathered):

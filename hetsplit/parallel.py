@@ -13,107 +13,14 @@ import torch.utils._pytree as pytree
 from torch import nn
 from torch.func import functional_call
 
-from .costmodel import Profile
+from .apply import parallel_apply
 from .devices import Device, DeviceLike, parse_devices
+from .profiles import Profile
 from .reduce import average_buffers, shard_weights
 from .scatter_gather import batch_length, flatten, scatter, to_device
 from .solver import Plan, check_sizes, plan_from_sizes, sizes_from_weights, solve
 
-__all__ = ["HeteroDataParallel", "parallel_apply"]
-
-
-class _Context:
-    """The caller's grad mode and autocast state, re-entered in a worker thread."""
-
-    def __init__(self) -> None:
-        self.grad = torch.is_grad_enabled()
-        self.autocast = {
-            kind: (torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind)) for kind in ("cpu", "cuda")
-        }
-
-    def enter(self, stack: Any, device: torch.device) -> None:
-        stack.enter_context(torch.set_grad_enabled(self.grad))
-        for kind, (enabled, dtype) in self.autocast.items():
-            if enabled:
-                stack.enter_context(torch.autocast(kind, dtype=dtype))
-        if device.type == "cuda":
-            stack.enter_context(torch.cuda.device(device))
-
-
-def _reraise(e: BaseException, where: str) -> None:
-    message = f"{where}: {type(e).__name__}: {e}"
-    try:
-        new = type(e)(message)
-    except Exception:  # exception types whose constructor takes other arguments
-        new = RuntimeError(message)
-    raise new from e
-
-
-def parallel_apply(
-    fns: Sequence[Callable[[], Any]],
-    devices: Sequence[Device],
-    pool: ThreadPoolExecutor | None = None,
-    names: Sequence[str] | None = None,
-    timings: list[float] | None = None,
-) -> list[Any]:
-    """Run ``fns[i]()`` for every device concurrently, each at its device's emulated speed.
-
-    Each call runs in a worker thread that carries the caller's grad mode and autocast
-    state. An exception in one call is re-raised in the caller, naming the replica and
-    device.
-
-    Args:
-        fns: One zero-argument callable per device.
-        devices: The devices, for throttling and CUDA device selection.
-        pool: Threads to use (default: a fresh pool for this call).
-        names: Replica labels for error messages (default: ``0, 1, ...``).
-        timings: If given, receives each call's wall seconds (emulated slowdown included;
-            CUDA devices are synchronised for it), in order.
-    """
-    import contextlib
-    import time
-
-    ctx = _Context()
-    spent = [0.0] * len(fns)
-
-    def run(i: int) -> Any:
-        with contextlib.ExitStack() as stack:
-            ctx.enter(stack, devices[i].torch_device)
-            start = time.perf_counter()
-            with devices[i].throttle():
-                out = fns[i]()
-            if timings is not None:
-                devices[i].synchronize()
-                spent[i] = time.perf_counter() - start
-            return out
-
-    if len(fns) == 1:
-        futures_results = [_capture(run, 0)]
-    else:
-        own = pool is None
-        executor = pool or ThreadPoolExecutor(max_workers=len(fns))
-        try:
-            futures = [executor.submit(_capture, run, i) for i in range(len(fns))]
-            futures_results = [f.result() for f in futures]
-        finally:
-            if own:
-                executor.shutdown()
-    results = []
-    for i, (ok, value) in enumerate(futures_results):
-        if not ok:
-            label = names[i] if names is not None else str(i)
-            _reraise(value, f"in replica {label} on device {devices[i].name}")
-        results.append(value)
-    if timings is not None:
-        timings.extend(spent)
-    return results
-
-
-def _capture(fn: Callable[[int], Any], i: int) -> tuple[bool, Any]:
-    try:
-        return True, fn(i)
-    except BaseException as e:  # re-raised in the caller with the device named
-        return False, e
+__all__ = ["HeteroDataParallel"]
 
 
 class _GatherBackward(torch.autograd.Function):

@@ -17,7 +17,8 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from .costmodel import Curve, DeviceProfile, Measurement, Profile
+from .costmodel import Curve
+from .profiles import DeviceProfile, Measurement, Profile
 from .devices import Device, DeviceLike, describe, parse_devices
 from .scatter_gather import batch_length, flatten, to_device
 
@@ -347,8 +348,10 @@ def calibrate(devices: str | Sequence[DeviceLike]) -> Profile:
 
         gen = torch.Generator().manual_seed(0)
         sample = torch.randn(64, 256, generator=gen)
-        prof = profile(mlp(), sample, missing, batch_sizes=[16, 64, 256], repeats=3, warmup=1,
-                       time_budget=0.5 * len(missing), find_memory_cap=False, progress=False, model_name="calibration-mlp")
+        # Steps of about a millisecond: long enough that scheduling noise on a busy machine
+        # cannot reorder devices, short enough that calibration stays well under a second.
+        prof = profile(mlp(), sample, missing, batch_sizes=[64, 256, 1024], repeats=3, warmup=1,
+                       time_budget=1.0 * len(missing), find_memory_cap=False, progress=False, model_name="calibration-mlp")
         _CALIBRATION.update({e.name: e for e in prof.entries})
     if not _NOTICE_SHOWN:
         _NOTICE_SHOWN = True

@@ -9,7 +9,8 @@ from typing import Any
 
 import numpy as np
 
-from .costmodel import CurveTable, DeviceProfile, Profile
+from .costmodel import CurveTable
+from .profiles import DeviceProfile, Profile
 from .devices import DeviceLike
 
 __all__ = ["Plan", "solve", "plan_from_sizes", "sizes_from_weights", "even_sizes", "check_sizes"]

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .costmodel import Profile
+from .profiles import Profile
 from .devices import DeviceLike, parse_devices
 from .scatter_gather import batch_length, scatter
 from .solver import Plan, check_sizes, sizes_from_weights, solve

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .costmodel import Profile
+    from .profiles import Profile
     from .devices import DeviceLike
 
 __all__ = [
@@ -129,7 +129,7 @@ def save_profile(profile: Profile, path: str | Path | None = None, *, directory:
 
 def load_profile(path: str | Path) -> Profile:
     """Read a profile file (see :meth:`hetsplit.Profile.load`)."""
-    from .costmodel import Profile
+    from .profiles import Profile
 
     doc = read_json(path, "profile")
     try:
@@ -155,7 +155,7 @@ def find_profiles(
     Returns:
         Paths of readable profiles of the current schema; damaged files are skipped.
     """
-    from .costmodel import _key
+    from .profiles import _key
 
     root = profile_dir(directory)
     if not root.is_dir():

@@ -1,6 +1,5 @@
 """hetsplit.distributed on two gloo ranks (file rendezvous in a temp dir, one spawn for the module)."""
 
-import copy
 import datetime
 import json
 import os

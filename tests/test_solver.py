@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from hetsplit.costmodel import Profile
+from hetsplit.profiles import Profile
 from hetsplit.solver import Plan, check_sizes, even_sizes, plan_from_sizes, sizes_from_weights, solve
 
 

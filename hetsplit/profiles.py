@@ -1,0 +1,320 @@
+"""Profiles: the measurements and fitted curves of a set of devices for one model (Profile)."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as _dt
+import math
+import platform
+import statistics
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from .costmodel import Curve, CurveTable
+from .devices import DeviceInfo, DeviceLike, parse_device
+
+__all__ = ["Measurement", "DeviceProfile", "Profile"]
+
+
+@dataclasses.dataclass
+class Measurement:
+    """Repeated timings of one training step at one batch size on one device.
+
+    Attributes:
+        batch: The batch size.
+        times: Each repeat's seconds (after warm-up).
+    """
+
+    batch: int
+    times: list[float]
+
+    @property
+    def median(self) -> float:
+        """The median of the repeats, the figure the curve is fitted to."""
+        return float(statistics.median(self.times))
+
+    def to_dict(self) -> dict[str, Any]:
+        """Return the measurement as a JSON-ready dict."""
+        return {"batch": self.batch, "times": list(self.times), "median": self.median}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Measurement:
+        """Build a measurement from :meth:`to_dict` output."""
+        return cls(int(data["batch"]), [float(t) for t in data["times"]])
+
+
+@dataclasses.dataclass
+class DeviceProfile:
+    """One device's measurements and fitted curve.
+
+    Attributes:
+        info: What the device is (name, hardware, memory, emulation).
+        measurements: Raw timings per batch size.
+        curve: The fitted step-time curve.
+        memory_cap: Largest batch that fitted in memory (``None``: not probed or never hit).
+        memory_probed_to: The largest batch tried while looking for the cap.
+    """
+
+    info: DeviceInfo
+    measurements: list[Measurement]
+    curve: Curve
+    memory_cap: int | None = None
+    memory_probed_to: int | None = None
+
+    @property
+    def name(self) -> str:
+        """The device's name in the profile (``"cuda:0"``, ``"cpu@0.25"``, ``"v100"``)."""
+        return self.info.name
+
+    def to_dict(self) -> dict[str, Any]:
+        """Return the device profile as a JSON-ready dict."""
+        return {
+            "info": self.info.to_dict(),
+            "measurements": [m.to_dict() for m in self.measurements],
+            "curve": self.curve.to_dict(),
+            "memory_cap": self.memory_cap,
+            "memory_probed_to": self.memory_probed_to,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> DeviceProfile:
+        """Build a device profile from :meth:`to_dict` output."""
+        return cls(
+            info=DeviceInfo.from_dict(data["info"]),
+            measurements=[Measurement.from_dict(m) for m in data["measurements"]],
+            curve=Curve.from_dict(data["curve"]),
+            memory_cap=data.get("memory_cap"),
+            memory_probed_to=data.get("memory_probed_to"),
+        )
+
+
+def _now() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat()
+
+
+@dataclasses.dataclass
+class Profile:
+    """Step-time curves of a set of devices for one model: the input to :func:`hetsplit.solve`.
+
+    Build one with :func:`hetsplit.profile` (measured here), :meth:`from_measurements`
+    (timings taken elsewhere) or :meth:`load` (a stored file).
+
+    Attributes:
+        entries: One :class:`DeviceProfile` per device, in order.
+        model: What was profiled: ``name``, ``fingerprint``, ``input_shape``, ``dtype``.
+        host: The machine's host name.
+        created: ISO-8601 time of the measurement.
+        versions: ``hetsplit`` and ``torch`` versions that measured it.
+        source: ``"measured"``, ``"external"`` or ``"calibration"``.
+    """
+
+    entries: list[DeviceProfile]
+    model: dict[str, Any] = dataclasses.field(default_factory=dict)
+    host: str = dataclasses.field(default_factory=platform.node)
+    created: str = dataclasses.field(default_factory=_now)
+    versions: dict[str, str] = dataclasses.field(default_factory=dict)
+    source: str = "measured"
+
+    def __post_init__(self) -> None:
+        names = [e.name for e in self.entries]
+        if not names:
+            raise ValueError("a profile needs at least one device")
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"device names in a profile must be unique, got {dupes} more than once")
+        if not self.versions:
+            self.versions = _versions()
+
+    @property
+    def devices(self) -> list[str]:
+        """The devices' names, in order."""
+        return [e.name for e in self.entries]
+
+    @property
+    def emulated(self) -> list[str]:
+        """Names of the emulated devices in this profile."""
+        return [e.name for e in self.entries if e.info.emulated]
+
+    def entry(self, device: DeviceLike) -> DeviceProfile:
+        """Return the :class:`DeviceProfile` of ``device`` (a name, or a device spec).
+
+        Raises:
+            KeyError: If the profile has no such device; the message lists those it has.
+        """
+        index = self.__dict__.get("_index")
+        if index is None or len(index) != len(self.entries):
+            index = self.__dict__["_index"] = {e.name: e for e in self.entries}
+        found = index.get(device) if isinstance(device, str) else None
+        if found is not None:
+            return found
+        key = _key(device)
+        if key in index:
+            return index[key]
+        raise KeyError(f"device {key!r} is not in this profile; it has {self.devices}")
+
+    def table(self, names: Sequence[str], curves: Sequence[Curve] | None = None) -> CurveTable:
+        """The curves of ``names`` packed for the solver, cached on this profile.
+
+        ``curves``, if given, are those of ``names`` (saves looking them up again).
+        """
+        cache = self.__dict__.setdefault("_tables", {})
+        key = tuple(names)
+        if key not in cache:
+            if len(cache) >= 8:
+                cache.clear()
+            cache[key] = CurveTable(curves if curves is not None else [self.entry(n).curve for n in names])
+        return cache[key]
+
+    def curve(self, device: DeviceLike) -> Curve:
+        """The step-time curve of ``device``."""
+        return self.entry(device).curve
+
+    def step_time(self, device: DeviceLike, batch: int) -> float:
+        """Predicted seconds of a training step of ``batch`` samples on ``device``.
+
+        Returns ``0.0`` for a batch of 0 and ``inf`` above the device's memory cap.
+        """
+        if batch < 0:
+            raise ValueError(f"batch must be >= 0, got {batch}")
+        return self.curve(device)(batch)
+
+    def throughput(self, device: DeviceLike, batch: int) -> float:
+        """Predicted samples per second of ``device`` at ``batch``."""
+        t = self.step_time(device, batch)
+        return batch / t if t > 0 else 0.0
+
+    def memory_caps(self) -> dict[str, int | None]:
+        """Each device's memory cap (``None`` where none is known)."""
+        return {e.name: e.curve.memory_cap for e in self.entries}
+
+    def subset(self, devices: Sequence[DeviceLike]) -> Profile:
+        """A profile of just ``devices`` (each once, in the order given)."""
+        return dataclasses.replace(self, entries=[self.entry(d) for d in dict.fromkeys(_key(d) for d in devices)])
+
+    def calibrated(self, observed: Mapping[str, tuple[int, float]]) -> Profile:
+        """Correct the curves with step times observed in real training.
+
+        Each device's curve is scaled so that it predicts the observed seconds at the
+        observed batch: ``{"cpu@0.25": (41, 0.026)}`` multiplies that curve by
+        ``0.026 / t(41)``. Devices not observed (or observed at batch 0) keep their curve.
+        The raw measurements are kept; ``source`` records the calibration.
+        """
+        entries = []
+        for e in self.entries:
+            batch, seconds = observed.get(e.name, (0, 0.0))
+            predicted = e.curve(batch) if batch > 0 else 0.0
+            if batch > 0 and seconds > 0 and 0 < predicted < math.inf:
+                e = dataclasses.replace(e, curve=e.curve.scaled(seconds / predicted))
+            entries.append(e)
+        return dataclasses.replace(self, entries=entries, source=f"{self.source}+calibrated")
+
+    @classmethod
+    def from_measurements(
+        cls,
+        measurements: Mapping[str, Iterable[tuple[int, float]]],
+        memory_caps: Mapping[str, int] | None = None,
+        *,
+        model: Mapping[str, Any] | None = None,
+        host: str = "external",
+    ) -> Profile:
+        """Build a profile from timings taken elsewhere, to plan for hardware not at hand.
+
+        Args:
+            measurements: ``{label: [(batch, seconds), ...]}``; labels are free-form
+                (``"v100"``, ``"node3:cuda:1"``).
+            memory_caps: ``{label: largest batch that fits}`` for the devices where known.
+            model: Optional description of the model the timings are for.
+            host: Where the timings come from.
+
+        Returns:
+            A profile whose ``source`` is ``"external"``.
+
+        Raises:
+            ValueError: If a cap names an unknown label, or a measurement is invalid.
+
+        Example:
+            >>> p = Profile.from_measurements({"v100": [(16, 0.082), (64, 0.221)],
+            ...                                "k80": [(16, 0.30), (64, 1.10)]}, memory_caps={"k80": 100})
+            >>> p.step_time("k80", 101)
+            inf
+        """
+        caps = dict(memory_caps or {})
+        unknown = sorted(set(caps) - set(measurements))
+        if unknown:
+            raise ValueError(f"memory_caps names devices without measurements: {unknown}; known: {sorted(measurements)}")
+        entries = []
+        for label, points in measurements.items():
+            pts = [(int(b), float(t)) for b, t in points]
+            cap = caps.get(label)
+            if cap is not None and (int(cap) != cap or cap < 0):
+                raise ValueError(f"memory cap of {label!r} must be a non-negative integer, got {cap!r}")
+            info = DeviceInfo(name=str(label), kind="external", description=str(label))
+            ms = [Measurement(b, [t]) for b, t in pts]
+            entries.append(DeviceProfile(info, ms, Curve.fit(pts, cap), memory_cap=cap))
+        return cls(entries, model=dict(model or {}), host=host, source="external")
+
+    def to_dict(self) -> dict[str, Any]:
+        """Return the profile as a JSON-ready dict (without the schema header)."""
+        return {
+            "source": self.source,
+            "created": self.created,
+            "host": self.host,
+            "versions": dict(self.versions),
+            "model": dict(self.model),
+            "emulated": self.emulated,
+            "devices": [e.to_dict() for e in self.entries],
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Profile:
+        """Build a profile from :meth:`to_dict` output."""
+        return cls(
+            entries=[DeviceProfile.from_dict(d) for d in data["devices"]],
+            model=dict(data.get("model", {})),
+            host=str(data.get("host", "")),
+            created=str(data.get("created", "")),
+            versions=dict(data.get("versions", {})),
+            source=str(data.get("source", "measured")),
+        )
+
+    def save(self, path: str | Path | None = None, *, directory: str | Path | None = None) -> Path:
+        """Write the profile as JSON, atomically; return the path written.
+
+        Args:
+            path: Target file. Default: a new file in the profile directory
+                (see :func:`hetsplit.store.profile_dir`).
+            directory: Profile directory to use when ``path`` is not given.
+        """
+        from . import store
+
+        return store.save_profile(self, path, directory=directory)
+
+    @classmethod
+    def load(cls, path: str | Path) -> Profile:
+        """Read a profile file written by :meth:`save`.
+
+        Raises:
+            hetsplit.store.ProfileFileError: If the file is missing, damaged, or of
+                another schema version; the message names the file.
+        """
+        from . import store
+
+        return store.load_profile(path)
+
+
+def _key(device: DeviceLike) -> str:
+    if isinstance(device, str):
+        try:
+            return parse_device(device, check=False).name
+        except ValueError:
+            return device  # a free-form label from measurements taken elsewhere
+    return parse_device(device, check=False).name
+
+
+def _versions() -> dict[str, str]:
+    import torch
+
+    from . import __version__
+
+    return {"hetsplit": __version__, "torch": torch.__version__}
