@@ -232,13 +232,12 @@ class HeteroDataParallel(nn.Module):
             self._replicas = [self._build_replica(d) for d in self.devices]
         with torch.no_grad():
             own = dict(self.module.named_buffers())
+            own_params = dict(self.module.named_parameters()) if self.sync == "broadcast" else {}
             for r in self._replicas:
                 for name, buf in r.named_buffers():
                     buf.copy_(own[name])
-                if self.sync == "broadcast":
-                    own_params = dict(self.module.named_parameters())
-                    for name, p in r.named_parameters():
-                        p.copy_(own_params[name])
+                for name, p in (r.named_parameters() if own_params else ()):
+                    p.copy_(own_params[name])
                 r.train(self.module.training)
         return self._replicas
 
@@ -312,21 +311,25 @@ class HeteroDataParallel(nn.Module):
             if fns:
                 self._apply(fns, [active[j] for j, _, _ in jobs], " (backward)")
             if self.sync == "broadcast":
-                self._reduce_replica_grads(active, [1.0] * len(active))
+                self._reduce_replica_grads(active)
             self._end_step()
 
         return run
 
-    def _reduce_replica_grads(self, active: Sequence[int], weights: Sequence[float]) -> None:
-        """``sync="broadcast"``: add the replicas' weighted gradients into the module's, then clear them."""
+    def _reduce_replica_grads(self, active: Sequence[int]) -> None:
+        """``sync="broadcast"``: add the replicas' gradients into the module's, then clear them.
+
+        Each replica's gradient is already its shard's share of the full-batch gradient
+        (the loss was over the gathered batch, or weighted in :meth:`train_step`).
+        """
         assert self._replicas is not None
         with torch.no_grad():
             for name, p in self.module.named_parameters():
                 total = None
-                for i, w in zip(active, weights):
+                for i in active:
                     g = self._replicas[i].get_parameter(name).grad
                     if g is not None:
-                        g = g.to(p.device) * w
+                        g = g.to(p.device)
                         total = g if total is None else total + g
                 if total is not None:
                     p.grad = total if p.grad is None else p.grad + total
@@ -393,7 +396,7 @@ class HeteroDataParallel(nn.Module):
             losses = self._apply([lambda i=i: step(i) for i in active], active, "")
             self._end_step()
             if self.sync == "broadcast":
-                self._reduce_replica_grads(active, [1.0] * len(active))
+                self._reduce_replica_grads(active)
             self._sync_buffers(replicas, active, sizes)
             total = sum(to_device(loss, self.output_device) * weights[i] for loss, i in zip(losses, active))
             return total if isinstance(total, torch.Tensor) else torch.tensor(float(total))
