@@ -258,12 +258,13 @@ class _WeightState:
 def _weighted_allreduce(state, bucket):  # type: ignore[no-untyped-def]
     # No annotations: DDP compares them with dist.GradBucket, and this module's postponed
     # annotations would be strings. (state: _WeightState, bucket: GradBucket) -> Future[Tensor]
-    """All-reduce ``[b_r * g_r, b_r]`` in one collective, then divide by the summed count.
+    """The comm hook: each bucket becomes ``sum_r b_r * g_r / B`` on every rank.
 
-    The count travels in the same message as the gradients, so no extra round trip is
-    needed and every step (a short last one, a rank with 0 samples) is weighted by what
-    really ran. A rank with 0 samples sends zeros, whatever its (empty-batch, possibly
-    NaN) gradient holds.
+    With a plan the weights ``b_r / B`` are constants. Without one, ``[b_r * g_r, b_r]``
+    is all-reduced in one collective and divided by the summed count: the count travels
+    with the gradients, so no extra round trip is needed and every step (a short last
+    one, a rank with 0 samples) is weighted by what really ran. A rank with 0 samples
+    sends zeros, whatever its (empty-batch, possibly NaN) gradient holds.
     """
     grads = bucket.buffer()
     if state.weight is not None:
