@@ -18,6 +18,7 @@ from .devices import Device, DeviceInfo, discover, parse_device, parse_devices
 from .apply import parallel_apply
 from .parallel import HeteroDataParallel
 from .profiler import calibrate, profile
+from .rebalance import PlanChange, Rebalancer
 from .reduce import reduce_gradients
 from .scatter_gather import gather, scatter
 from .solver import Plan, solve
@@ -33,8 +34,10 @@ __all__ = [
     "DeviceProfile",
     "Measurement",
     "Plan",
+    "PlanChange",
     "Profile",
     "ProfileFileError",
+    "Rebalancer",
     "balanced_split",
     "calibrate",
     "discover",

@@ -16,6 +16,7 @@ from torch.func import functional_call
 from .apply import parallel_apply
 from .devices import Device, DeviceLike, parse_devices
 from .profiles import Profile
+from .rebalance import Rebalancer
 from .reduce import average_buffers, shard_weights
 from .scatter_gather import batch_length, flatten, scatter, to_device
 from .solver import Plan, check_sizes, plan_from_sizes, sizes_from_weights, solve
@@ -118,6 +119,10 @@ class HeteroDataParallel(nn.Module):
         output_device: Where outputs are gathered (default: the module's device).
         dim: The batch dimension.
         sync: ``"copy"`` or ``"broadcast"`` (see above).
+        rebalance: ``True`` (or a configured :class:`~hetsplit.rebalance.Rebalancer`)
+            to re-solve the split from the measured :attr:`step_times` while training;
+            off by default. Plan changes apply from the next step; :attr:`plan` is
+            always the plan in force.
 
     Raises:
         ValueError: If the module spans devices, the plan's devices differ from
@@ -139,6 +144,7 @@ class HeteroDataParallel(nn.Module):
         output_device: DeviceLike | None = None,
         dim: int = 0,
         sync: str = "copy",
+        rebalance: bool | Rebalancer = False,
     ) -> None:
         super().__init__()
         self.devices = parse_devices(devices)
@@ -167,6 +173,9 @@ class HeteroDataParallel(nn.Module):
         self._plans: dict[int, Plan] = {}
         if plan is not None:
             self.set_plan(plan)
+        self.rebalancer: Rebalancer | None = (
+            rebalance if isinstance(rebalance, Rebalancer) else Rebalancer(profile) if rebalance else None
+        )
         self._replicas: list[nn.Module] | None = None
         self._busy: dict[str, float] = {}
         self.step_times: dict[str, float] = {}
@@ -207,6 +216,11 @@ class HeteroDataParallel(nn.Module):
         return plan.sizes
 
     def _make_plan(self, batch: int) -> Plan:
+        if self.rebalancer is not None and self.rebalancer.log_factors:
+            if self._profile is not None or self.rebalancer.profile is not None:
+                return solve(self.rebalancer.corrected(self.device_names), batch, devices=self.device_names)
+            if self._plan is not None:  # learned proportions, applied to a batch of another size
+                return plan_from_sizes(None, self.device_names, sizes_from_weights(batch, self._plan.sizes))
         if self._weights is not None:
             return plan_from_sizes(None, self.device_names, sizes_from_weights(batch, self._weights))
         if self._profile is not None:
@@ -280,6 +294,11 @@ class HeteroDataParallel(nn.Module):
 
     def _end_step(self) -> None:
         self.step_times = dict(self._busy)
+        if self.rebalancer is not None and self._plan is not None and self.step_times:
+            new = self.rebalancer.observe(self._plan, self.step_times)
+            if new is not None:
+                self._plan = new
+                self._plans = {new.batch_size: new}
 
     def gather(self, outputs: Sequence[Any], output_device: torch.device, active: Sequence[int] = ()) -> Any:
         """Concatenate the replicas' outputs on ``output_device``; backward runs per replica."""

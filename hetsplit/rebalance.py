@@ -1,0 +1,184 @@
+"""Rebalance: follow devices whose speed changes during training, without oscillating."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from .costmodel import Curve
+from .profiles import DeviceProfile, Profile
+from .solver import Plan, plan_from_sizes, solve
+
+__all__ = ["PlanChange", "Rebalancer"]
+
+
+@dataclasses.dataclass
+class PlanChange:
+    """One switch of plan by a :class:`Rebalancer`.
+
+    Attributes:
+        step: The step after which the new plan applies.
+        old_sizes: Shard sizes before.
+        new_sizes: Shard sizes after.
+        predicted_gain: Predicted step-time reduction, e.g. 0.25 for 25 % faster.
+        factors: Each device's speed correction at the time (observed / profiled time).
+    """
+
+    step: int
+    old_sizes: list[int]
+    new_sizes: list[int]
+    predicted_gain: float
+    factors: dict[str, float]
+
+    def to_dict(self) -> dict[str, Any]:
+        """Return the change as a JSON-ready dict."""
+        return dataclasses.asdict(self)
+
+    def __str__(self) -> str:
+        return (f"step {self.step}: {self.old_sizes} -> {self.new_sizes} "
+                f"(predicted {self.predicted_gain:+.0%} faster)")
+
+
+class Rebalancer:
+    """Re-solve the split from measured step times, with hysteresis and bounded moves.
+
+    Each step, :meth:`observe` takes every active device's measured busy seconds and
+    records that device's correction (the log of observed over predicted time). A
+    device's factor is the median of its last ``window`` corrections, so outlier steps do
+    not move it. Every ``every`` steps it re-solves the profile scaled by the factors and
+    switches plans only when the predicted gain exceeds ``threshold`` plus twice the
+    estimate's own uncertainty (from the corrections' spread): a steady but noisy mix
+    does not flip back and forth, a real change of speed is followed. A switch moves at
+    most ``max_move`` of the batch.
+
+    Args:
+        profile: The devices' profile; without one, each device starts from a model
+            where time is proportional to its shard (learned from the first steps).
+        every: Steps between re-solves.
+        threshold: Minimum predicted gain (fraction of step time) to switch plans.
+        max_move: Largest fraction of the batch moved between devices in one switch.
+        window: Corrections kept per device (the factor is their median).
+        on_change: Called with each :class:`PlanChange`.
+
+    Example:
+        >>> dp = HeteroDataParallel(net, ["cpu", "cpu@0.25"], profile=prof, rebalance=True)
+        >>> dp.rebalancer.history  # the plan changes so far
+    """
+
+    def __init__(self, profile: Profile | None = None, *, every: int = 10, threshold: float = 0.05,
+                 max_move: float = 0.5, window: int = 6,
+                 on_change: Callable[[PlanChange], None] | None = None) -> None:
+        if every < 1 or window < 1 or not 0 < max_move <= 1 or threshold < 0:
+            raise ValueError(f"need every >= 1, window >= 1, 0 < max_move <= 1, threshold >= 0; "
+                             f"got {every}, {window}, {max_move}, {threshold}")
+        self.profile = profile
+        self.every, self.threshold, self.max_move, self.window = every, threshold, max_move, window
+        self.on_change = on_change
+        self.corrections: dict[str, deque[float]] = {}
+        self.log_factors: dict[str, float] = {}
+        self.history: list[PlanChange] = []
+        self.steps = 0
+
+    def factors(self) -> dict[str, float]:
+        """Each observed device's current correction: observed time over profiled time."""
+        return {name: math.exp(v) for name, v in self.log_factors.items()}
+
+    def corrected(self, devices: Sequence[str]) -> Profile:
+        """The profile of ``devices`` with every curve scaled by its device's factor."""
+        entries = []
+        for name in dict.fromkeys(devices):
+            base = self._entry(name)
+            factor = math.exp(self.log_factors.get(name, 0.0))
+            entries.append(dataclasses.replace(base, curve=base.curve.scaled(factor)))
+        source = self.profile.source if self.profile is not None else "observed"
+        return Profile(entries, source=f"{source}+rebalanced")
+
+    def _entry(self, name: str) -> DeviceProfile:
+        if self.profile is not None:
+            return self.profile.entry(name)
+        # No profile: time proportional to the shard, one second per sample, which the
+        # factor then scales to the device's measured seconds per sample.
+        from .devices import DeviceInfo
+
+        return DeviceProfile(DeviceInfo(name=name, kind="observed", description=name), [],
+                             Curve([1.0], [1.0], 0.0, 1.0))
+
+    def observe(self, plan: Plan, step_times: Mapping[str, float]) -> Plan | None:
+        """Record one step's measured busy seconds; return a new plan when one is due.
+
+        Args:
+            plan: The plan the step ran with.
+            step_times: Busy seconds of each active device in that step.
+
+        Returns:
+            The plan to use from the next step on, or ``None`` to keep ``plan``.
+        """
+        self.steps += 1
+        for name, size in zip(plan.devices, plan.sizes):
+            seconds = step_times.get(name)
+            if size <= 0 or not seconds or seconds <= 0:
+                continue
+            base = self._entry(name).curve(size)
+            if not 0 < base < math.inf:
+                continue
+            seen = self.corrections.setdefault(name, deque(maxlen=self.window))
+            seen.append(math.log(seconds / base))
+            self.log_factors[name] = statistics.median(seen)
+        if self.steps % self.every or len(self.log_factors) < len(set(plan.devices)) - plan.sizes.count(0):
+            return None
+        return self._maybe_switch(plan)
+
+    def uncertainty(self, devices: Sequence[str]) -> float:
+        """Relative uncertainty of the factors of ``devices`` (standard error of the medians)."""
+        total = 0.0
+        for name in dict.fromkeys(devices):
+            seen = self.corrections.get(name)
+            if not seen or len(seen) < 2:
+                continue
+            mid = statistics.median(seen)
+            sigma = 1.4826 * statistics.median(abs(v - mid) for v in seen)  # robust spread (MAD)
+            total += (1.2533 * sigma) ** 2 / len(seen)  # variance of a median
+        return math.sqrt(total)
+
+    def _maybe_switch(self, plan: Plan) -> Plan | None:
+        profile = self.corrected(plan.devices)
+        current = plan_from_sizes(profile, plan.devices, plan.sizes)
+        target = solve(profile, plan.batch_size, devices=plan.devices)
+        sizes = _bounded(plan.sizes, target.sizes, int(self.max_move * plan.batch_size))
+        candidate = plan_from_sizes(profile, plan.devices, sizes)
+        if not (math.isfinite(candidate.step_time) and candidate.step_time > 0):
+            return None
+        gain = current.step_time / candidate.step_time - 1.0 if math.isfinite(current.step_time) else math.inf
+        active = [n for n, s in zip(plan.devices, plan.sizes) if s > 0]
+        if gain <= self.threshold + 2.0 * self.uncertainty(active) or sizes == list(plan.sizes):
+            return None
+        change = PlanChange(self.steps, list(plan.sizes), sizes, gain, self.factors())
+        self.history.append(change)
+        if self.on_change is not None:
+            self.on_change(change)
+        return candidate
+
+
+def _bounded(old: Sequence[int], new: Sequence[int], budget: int) -> list[int]:
+    """Move from ``old`` towards ``new`` shifting at most ``budget`` samples (same total)."""
+    delta = [n - o for o, n in zip(old, new)]
+    moving = sum(d for d in delta if d > 0)
+    if moving <= budget:
+        return list(new)
+    scale = budget / moving
+    out = [o + (math.floor(d * scale) if d > 0 else -math.floor(-d * scale)) for o, d in zip(old, delta)]
+    # Rounding can leave the total off by a few samples: settle it on the largest receivers.
+    diff = sum(old) - sum(out)
+    order = sorted(range(len(out)), key=lambda i: -delta[i] if diff > 0 else delta[i])
+    for i in order:
+        if diff == 0:
+            break
+        step = 1 if diff > 0 else -1
+        if out[i] + step >= 0:
+            out[i] += step
+            diff -= step
+    return out

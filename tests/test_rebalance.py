@@ -1,0 +1,108 @@
+"""Rebalancer on simulated devices (seeded noise), and exact gradients across a plan change."""
+
+import copy
+import math
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hetsplit import HeteroDataParallel, Profile, Rebalancer, solve
+from hetsplit.rebalance import _bounded
+from hetsplit.solver import plan_from_sizes
+
+DEVICES = ["fast", "slow"]
+
+
+def _simulate(rebalancer, plan, speeds, steps, noise=0.10, seed=0, change=None):
+    """Feed the rebalancer step times of devices costing 0.5 ms + seconds_per_sample * b."""
+    rng = random.Random(seed)
+    history = []
+    for step in range(steps):
+        if change and step == change[0]:
+            speeds = change[1]
+        times = {d: (5e-4 + speeds[d] * b) * math.exp(rng.gauss(0, noise))
+                 for d, b in zip(plan.devices, plan.sizes) if b > 0}
+        history.append(max((5e-4 + speeds[d] * b) for d, b in zip(plan.devices, plan.sizes) if b > 0))
+        new = rebalancer.observe(plan, times)
+        if new is not None:
+            plan = new
+    return plan, history
+
+
+def _optimum(speeds, batch):
+    truth = Profile.from_measurements({d: [(1, 5e-4 + s), (batch, 5e-4 + s * batch)] for d, s in speeds.items()})
+    return solve(truth, batch).step_time
+
+
+def test_converges_from_a_wrong_plan():
+    speeds = {"fast": 1e-4, "slow": 4e-4}
+    plan, history = _simulate(Rebalancer(every=5), plan_from_sizes(None, DEVICES, [128, 128]), speeds, 60)
+    assert plan.sizes[1] < 70  # from an even split towards ~20 %
+    assert history[-1] <= 1.1 * _optimum(speeds, 256)
+
+
+def test_recovers_within_twenty_steps_after_a_fourfold_slowdown():
+    equal = {"fast": 1e-4, "slow": 1e-4}
+    slowed = {"fast": 1e-4, "slow": 4e-4}
+    reb = Rebalancer(every=5)
+    plan, history = _simulate(reb, plan_from_sizes(None, DEVICES, [128, 128]), equal, 80, change=(30, slowed), seed=2)
+    assert history[29] <= 1.1 * _optimum(equal, 256)
+    assert max(history[50:]) <= 1.1 * _optimum(slowed, 256)
+    assert [c.step for c in reb.history] and all(c.step > 30 for c in reb.history)
+
+
+def test_steady_noisy_mix_does_not_oscillate():
+    speeds = {"fast": 1e-4, "slow": 4e-4}
+    start = plan_from_sizes(None, DEVICES, [205, 51])  # already right
+    reb = Rebalancer(every=5)
+    _simulate(reb, start, speeds, 200, noise=0.15, seed=2)
+    assert len(reb.history) <= 1
+
+
+def test_with_a_profile_and_bounded_moves():
+    prof = Profile.from_measurements({"fast": [(1, 6e-4), (256, 0.0261)], "slow": [(1, 6e-4), (256, 0.0261)]})
+    events = []
+    reb = Rebalancer(prof, every=4, max_move=0.1, on_change=events.append)
+    plan, _ = _simulate(reb, solve(prof, 256), {"fast": 1e-4, "slow": 4e-4}, 40)
+    assert events and all(sum(abs(a - b) for a, b in zip(e.old_sizes, e.new_sizes)) <= 2 * 25 for e in events)
+    assert events[0].predicted_gain > 0.05 and "faster" in str(events[0]) and events[0].to_dict()["step"] == 4
+    assert reb.factors()["slow"] > 2 * reb.factors()["fast"]
+
+
+def test_bounded_moves_keep_the_total():
+    assert _bounded([128, 128], [220, 36], 40) == [168, 88]
+    assert _bounded([10, 10, 10], [0, 0, 30], 100) == [0, 0, 30]
+    out = _bounded([7, 7, 7], [1, 1, 19], 5)
+    assert sum(out) == 21 and out[2] - 7 <= 5
+
+
+def test_bad_settings():
+    with pytest.raises(ValueError, match="every >= 1"):
+        Rebalancer(every=0)
+
+
+def test_gradients_stay_exact_across_a_plan_change():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+    x, y = torch.randn(40, 6, dtype=torch.float64), torch.randint(0, 3, (40,))
+    reb = Rebalancer(every=2, threshold=0.0)
+    dp = HeteroDataParallel(copy.deepcopy(net), ["cpu", "cpu@0.2"], weights=[1, 1], rebalance=reb)
+    opt = torch.optim.SGD(dp.parameters(), lr=0.1)
+    for _ in range(12):
+        opt.zero_grad()
+        F.cross_entropy(dp(x), y).backward()
+        opt.step()
+        if reb.history:
+            break
+    assert reb.history, "the quarter-speed device should have lost samples"
+    assert dp.plan.sizes != [20, 20] and dp.plan.sizes[1] < 20
+    ref = copy.deepcopy(dp.module)
+    ref.zero_grad()
+    F.cross_entropy(ref(x), y).backward()
+    opt.zero_grad()
+    F.cross_entropy(dp(x), y).backward()  # the first step on the new plan
+    for p, q in zip(dp.module.parameters(), ref.parameters()):
+        assert torch.allclose(p.grad, q.grad, rtol=1e-9, atol=1e-12)
