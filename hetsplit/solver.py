@@ -221,20 +221,19 @@ def solve(profile: Profile, batch_size: int, *, devices: Sequence[DeviceLike] | 
 
 
 def plan_from_sizes(profile: Profile | None, devices: Sequence[DeviceLike], sizes: Sequence[int]) -> Plan:
-    """Wrap given sizes in a :class:`Plan`, with predicted times when a profile is given."""
-    from .devices import parse_device
+    """Wrap given sizes in a :class:`Plan`, with predicted times when a profile is given.
 
-    names = []
-    for d in devices:
-        try:
-            names.append(profile.entry(d).name if profile is not None else parse_device(d, check=False).name)
-        except ValueError:
-            names.append(str(d))
+    Without a profile, devices are named as given (free-form labels allowed) and the
+    predicted times are NaN.
+    """
     total = sum(int(s) for s in sizes)
-    check_sizes(list(sizes), total, len(names))
+    sizes = check_sizes(list(sizes), total, len(devices))
     if profile is None:
-        return Plan(names, [int(s) for s in sizes], [math.nan] * len(names), total, extrapolated=[False] * len(names))
-    entries = [profile.entry(n) for n in names]
+        from .profiles import _key
+
+        names = [_key(d) for d in devices]
+        return Plan(names, sizes, [math.nan] * len(names), total, extrapolated=[False] * len(names))
+    entries = [profile.entry(d) for d in devices]
     names = [e.info.name for e in entries]
     return _make_plan(entries, names, profile.table(names), np.asarray(sizes, dtype=np.int64), total)
 
