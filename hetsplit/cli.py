@@ -73,7 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=_positive_int, default=5, help="timed steps per batch size (default 5)")
     p.add_argument("--out", type=Path, help="profile file to write (default: a new file in the profile directory)")
     p.add_argument("--profile-dir", type=Path, help="profile directory (default $HETSPLIT_PROFILE_DIR or ./profiles)")
-    p.add_argument("--threads", type=_positive_int, help="torch intra-op CPU threads (default: torch's choice)")
+    p.add_argument("--threads", type=_positive_int, help="torch intra-op CPU threads (default: 1 when every device is the CPU, "
+                   "real or emulated; else torch's choice)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
     p = sub.add_parser("bench", help="train on one device, the even split and the balanced split; compare")
@@ -106,6 +107,10 @@ def _fmt_time(t: float) -> str:
     if not math.isfinite(t):
         return "inf"
     return f"{t * 1000:.2f} ms" if t < 10 else f"{t:.2f} s"
+
+
+def _threads(n: int) -> str:
+    return f"{n} CPU thread" + ("" if n == 1 else "s")
 
 
 def _table(rows: Sequence[Sequence[str]], header: Sequence[str]) -> str:
@@ -153,6 +158,10 @@ def _cmd_profile(args: argparse.Namespace) -> int:
     devs = parse_devices(args.devices) if args.devices else parse_devices(_default_devices())
     if args.threads:
         torch.set_num_threads(args.threads)
+    elif all(d.type == "cpu" for d in devs) and any(d.emulated for d in devs):
+        # These devices share the CPU's cores and train side by side, a thread each; and
+        # with several threads, CPU work after an emulated sleep is erratic on small VMs.
+        torch.set_num_threads(1)
     spec = load_model(args.model, tuple(args.input_shape) if args.input_shape else None)
     dtype = getattr(torch, args.dtype)
     model = spec.factory().to(dtype)
@@ -160,7 +169,7 @@ def _cmd_profile(args: argparse.Namespace) -> int:
     builtin = args.model in BUILTIN_MODELS
     emulated = [d.name for d in devs if d.emulated]
     print(f"profiling {spec.name} (input {tuple(spec.input_shape)}, {args.dtype}, synthetic data) on "
-          f"{', '.join(d.name for d in devs)}; {torch.get_num_threads()} CPU threads")
+          f"{', '.join(d.name for d in devs)}; {_threads(torch.get_num_threads())}")
     if emulated:
         print(f"emulated devices: {', '.join(emulated)} (a real device slowed down by sleeping; not real hardware)")
     prof = profiler.profile(
@@ -228,7 +237,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     emulated = [d.name for d in devs if d.emulated]
     print(f"bench {spec.name} on {', '.join(d.name for d in devs)}: batch {args.batch_size}, {args.steps} steps each, "
-          f"{args.mode} mode, synthetic data, {torch.get_num_threads()} CPU threads")
+          f"{args.mode} mode, synthetic data, {_threads(torch.get_num_threads())}")
     if emulated:
         print(f"emulated devices: {', '.join(emulated)} (a real device slowed down by sleeping; not real hardware)")
     log = None if args.quiet else (lambda line: print(f"  {line}", file=sys.stderr, flush=True))

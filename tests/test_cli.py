@@ -25,6 +25,7 @@ def test_profile_then_plan(capsys, tmp_path):
                         "--repeats", "2", "--budget", "5", "--out", str(out_file), "--quiet", "--batch-size", "64")
     assert code == 0, out
     assert "cpu@0.5 (emulated)" in out and "emulated devices: cpu@0.5" in out and "synthetic" in out
+    assert "; 1 CPU thread\n" in out  # CPU-only sets with an emulated CPU profile on one thread each
     assert "share of 64" in out and str(out_file) in out
     prof = Profile.load(out_file)
     assert prof.devices == ["cpu", "cpu@0.5"] and prof.model["name"] == "mlp"
