@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
 
-from .devices import Device
+from .devices import Device, Lap
 
 __all__ = ["parallel_apply"]
 
@@ -47,7 +46,7 @@ def parallel_apply(
     devices: Sequence[Device],
     pool: ThreadPoolExecutor | None = None,
     names: Sequence[str] | None = None,
-    timings: list[float] | None = None,
+    laps: list[Lap] | None = None,
 ) -> list[Any]:
     """Run ``fns[i]()`` for every device concurrently, each at its device's emulated speed.
 
@@ -60,21 +59,19 @@ def parallel_apply(
         devices: The devices, for throttling and CUDA device selection.
         pool: Threads to use (default: a fresh pool for this call).
         names: Replica labels for error messages (default: ``0, 1, ...``).
-        timings: If given, receives each call's wall seconds (emulated slowdown included;
-            CUDA devices are synchronised for it), in order.
+        laps: If given, receives one :class:`~hetsplit.devices.Lap` per call, in order:
+            its busy time on the device (emulated slowdown included), measured without
+            synchronising a CUDA device.
     """
     ctx = _Context()
-    spent = [0.0] * len(fns)
+    spent: list[Lap | None] = [None] * len(fns)
 
     def run(i: int) -> Any:
         with contextlib.ExitStack() as stack:
             ctx.enter(stack, devices[i].torch_device)
-            start = time.perf_counter()
-            with devices[i].throttle():
+            with devices[i].lap() as lap, devices[i].throttle():
                 out = fns[i]()
-            if timings is not None:
-                devices[i].synchronize()
-                spent[i] = time.perf_counter() - start
+            spent[i] = lap
             return out
 
     if len(fns) == 1:
@@ -94,8 +91,8 @@ def parallel_apply(
             label = names[i] if names is not None else str(i)
             _reraise(value, f"in replica {label} on device {devices[i].name}")
         results.append(value)
-    if timings is not None:
-        timings.extend(spent)
+    if laps is not None:
+        laps.extend(lap for lap in spent if lap is not None)
     return results
 
 

@@ -77,12 +77,14 @@ def build_parser() -> argparse.ArgumentParser:
                    "real or emulated; else torch's choice)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
-    p = sub.add_parser("bench", help="train on one device, the even split and the balanced split; compare")
+    p = sub.add_parser("bench", help="train on one device, the even split and the balanced split; compare",
+                       description="Compare the fastest single device, the even split and the balanced split; "
+                       "with --rebalance, train with online rebalancing from the even split instead.")
     p.add_argument("--devices", default="cpu,cpu@0.25", help="two or more devices (default cpu,cpu@0.25)")
     p.add_argument("--model", default="lenet", help="built-in model (lenet, resnet18, mlp) or package.module:factory")
     p.add_argument("--input-shape", type=_ints, help="shape of one sample, for your own model")
     p.add_argument("--batch-size", type=_positive_int, default=256, help="samples per step (default 256)")
-    p.add_argument("--steps", type=_positive_int, default=20, help="timed steps per configuration (default 20)")
+    p.add_argument("--steps", type=_positive_int, help="timed steps per configuration (default 20; 120 with --rebalance)")
     p.add_argument("--mode", choices=("gather", "local"), default="gather",
                    help="gather: loss on gathered outputs (DataParallel); local: loss per device")
     p.add_argument("--sync", choices=("copy", "broadcast"), default="copy", help="replica synchronisation")
@@ -90,6 +92,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=_positive_int, help="torch intra-op CPU threads (1 is steadiest for emulated CPUs)")
     p.add_argument("--json", type=Path, help="also write the results to this JSON file")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
+    p.add_argument("--rebalance", action="store_true",
+                   help="train --steps steps (default then 120) with online rebalancing, starting from the even split")
+    p.add_argument("--every", type=_positive_int, default=5, help="with --rebalance: steps between re-solves (default 5)")
+    p.add_argument("--change", metavar="DEVICE=SPEED@STEP",
+                   help="with --rebalance: an emulated device's new speed from a step on, e.g. cpu@1=0.25@30")
 
     p = sub.add_parser("plan", help="solve the split of a batch for a stored profile")
     p.add_argument("profile", type=Path, help="a profile file written by 'hetsplit profile'")
@@ -227,21 +234,34 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     import torch
 
     from . import store
-    from .bench import bench
+    from .bench import bench, bench_rebalance, parse_change
     from .devices import parse_devices
     from .models import load_model
 
     devs = parse_devices(args.devices)
     spec = load_model(args.model, tuple(args.input_shape) if args.input_shape else None)
+    if args.change and not args.rebalance:
+        raise CLIError("--change needs --rebalance (it changes a device's speed during a rebalancing run)")
+    change = parse_change(args.change) if args.change else None
     if args.threads:
         torch.set_num_threads(args.threads)
+    steps = args.steps or (120 if args.rebalance else 20)
     emulated = [d.name for d in devs if d.emulated]
-    print(f"bench {spec.name} on {', '.join(d.name for d in devs)}: batch {args.batch_size}, {args.steps} steps each, "
+    what = "with online rebalancing from the even split" if args.rebalance else "each"
+    print(f"bench {spec.name} on {', '.join(d.name for d in devs)}: batch {args.batch_size}, {steps} steps {what}, "
           f"{args.mode} mode, synthetic data, {_threads(torch.get_num_threads())}")
     if emulated:
         print(f"emulated devices: {', '.join(emulated)} (a real device slowed down by sleeping; not real hardware)")
     log = None if args.quiet else (lambda line: print(f"  {line}", file=sys.stderr, flush=True))
-    result = bench(spec, devs, batch_size=args.batch_size, steps=args.steps, mode=args.mode, sync=args.sync,
+    if args.rebalance:
+        outcome = bench_rebalance(spec, devs, batch_size=args.batch_size, steps=steps, every=args.every,
+                                  change=change, log=log)
+        print(outcome.table())
+        if args.json:
+            store.write_json(args.json, "bench-rebalance", {"result": outcome.to_dict()})
+            print(f"results written to {args.json}")
+        return 0
+    result = bench(spec, devs, batch_size=args.batch_size, steps=steps, mode=args.mode, sync=args.sync,
                    profile_budget=args.profile_budget, log=log)
     print(result.table())
     if args.json:

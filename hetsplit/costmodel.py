@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import math
 import statistics
@@ -93,8 +94,19 @@ class Curve:
         return cls([float(x) for x in xs], [float(y) for y in ys], float(intercept), float(slope), memory_cap)
 
     def __call__(self, b: float) -> float:
-        """Predicted seconds for a batch of ``b`` samples."""
-        return float(self.evaluate(np.asarray([b], dtype=float))[0])
+        """Predicted seconds for a batch of ``b`` samples (the same arithmetic as :meth:`evaluate`)."""
+        b = float(b)
+        if self.memory_cap is not None and b > self.memory_cap:
+            return math.inf
+        if b <= 0:
+            return 0.0
+        xs, ys = self.batch, self.seconds
+        if b < xs[0]:
+            return self.intercept + (ys[0] - self.intercept) * b / xs[0]
+        k = bisect.bisect_right(xs, b) - 1
+        if k == len(xs) - 1:
+            return ys[k] + self.slope * (b - xs[k])
+        return ys[k] + (ys[k + 1] - ys[k]) * (b - xs[k]) / (xs[k + 1] - xs[k])
 
     def evaluate(self, b: np.ndarray) -> np.ndarray:
         """Vectorised :meth:`__call__` over an array of batch sizes."""

@@ -16,6 +16,7 @@ import torch
 __all__ = [
     "Device",
     "DeviceInfo",
+    "Lap",
     "DeviceLike",
     "parse_device",
     "parse_devices",
@@ -33,6 +34,7 @@ _SPEC = re.compile(r"^(?P<type>cpu|cuda|mps)(?::(?P<index>\d+))?(?:@(?P<speed>[0
 # value sees the change.
 _SPEED_OVERRIDES: dict[str, float] = {}
 _SLEEP_DEBT: dict[str, float] = {}
+_DELAYED: dict[str, float] = {}  # seconds each emulated device has slept in this process
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,17 +83,35 @@ class Device:
         Raises:
             ValueError: If the device is not emulated or the speed is not in (0, 1].
         """
-        if not self.emulated:
-            raise ValueError(f"device {self.name!r} is real; only emulated devices (e.g. 'cpu@0.5') change speed")
-        if speed is None:
+        if speed is None:  # restoring is harmless for any device
             _SPEED_OVERRIDES.pop(self.name, None)
             return
+        if not self.emulated:
+            raise ValueError(f"device {self.name!r} is real; only emulated devices (e.g. 'cpu@0.5') change speed")
         _check_speed(speed, self.name)
         _SPEED_OVERRIDES[self.name] = float(speed)
+
+    @property
+    def delayed(self) -> float:
+        """Seconds this emulated device has slept so far in this process (0 for a real one)."""
+        return _DELAYED.get(self.name, 0.0)
 
     def synchronize(self) -> None:
         """Wait for all queued work on the real device to finish."""
         synchronize(self.torch_device)
+
+    @contextlib.contextmanager
+    def lap(self) -> Iterator[Lap]:
+        """Measure the enclosed work on this device without synchronising it.
+
+        Yields a :class:`Lap` whose :meth:`Lap.seconds` is read later: on a CUDA device
+        from two events on the current stream, elsewhere from a monotonic clock.
+        """
+        lap = Lap(self)
+        try:
+            yield lap
+        finally:
+            lap.stop()
 
     @contextlib.contextmanager
     def throttle(self, *, cpu_time: bool = False) -> Iterator[None]:
@@ -122,12 +142,60 @@ class Device:
         wanted = work * (1.0 / speed - 1.0) - _SLEEP_DEBT.get(self.name, 0.0)
         if wanted > 0:
             time.sleep(wanted)
-            _SLEEP_DEBT[self.name] = time.perf_counter() - now - wanted
+            slept = time.perf_counter() - now
+            _SLEEP_DEBT[self.name] = slept - wanted
+            _DELAYED[self.name] = _DELAYED.get(self.name, 0.0) + slept
         else:
             _SLEEP_DEBT[self.name] = -wanted
 
     def __str__(self) -> str:
         return self.name
+
+
+class Lap:
+    """An interval of work on a device, read later without forcing a synchronisation.
+
+    On a CUDA device the interval is a pair of CUDA events recorded on the current
+    stream, so measuring adds no synchronisation to the step; reading it waits only for
+    the end event, which is normally long done by then (see :meth:`ready`). Elsewhere
+    the interval is read from a monotonic clock when it ends. Build one with
+    :meth:`Device.lap`.
+    """
+
+    def __init__(self, device: Device) -> None:
+        self.device = device
+        self._events: tuple[Any, Any] | None = None
+        self._seconds: float | None = None
+        self.extra = 0.0  # seconds added to the measured interval (e.g. emulated delay after it)
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            self._events = (start, end)
+        self._start = time.perf_counter()
+
+    def stop(self) -> None:
+        """Mark the end of the interval (on CUDA: record the end event; no wait).
+
+        It may be called again before the lap is read: the last call marks the end.
+        """
+        if self._events is not None:
+            self._events[1].record()
+        else:
+            self._seconds = time.perf_counter() - self._start
+
+    def ready(self) -> bool:
+        """Whether :meth:`seconds` can be read without waiting for the device."""
+        return self._seconds is not None or (self._events is not None and bool(self._events[1].query()))
+
+    def seconds(self) -> float:
+        """The interval's length in seconds plus :attr:`extra` (waits for the end event if still queued)."""
+        if self._seconds is None:
+            if self._events is None:
+                raise RuntimeError("the lap has not been stopped; use it as `with device.lap() as lap:`")
+            start, end = self._events
+            end.synchronize()
+            self._seconds = start.elapsed_time(end) / 1e3
+        return self._seconds + self.extra
 
 
 @dataclasses.dataclass

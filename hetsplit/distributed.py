@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import hashlib
 import json
@@ -16,16 +17,19 @@ from torch.utils.data import Dataset, Sampler
 
 from . import __version__
 from .profiles import Profile
-from .devices import DeviceLike, parse_device
+from .devices import Device, DeviceLike, Lap, parse_device
+from .rebalance import PlanChange, Rebalancer
 from .reduce import shard_weights
 from .scatter_gather import batch_length
-from .solver import Plan, solve
+from .solver import Plan, plan_from_sizes, solve
 
 __all__ = [
     "DistributedError",
     "plan",
     "verify_plan",
     "HeteroDistributedSampler",
+    "HeteroBatchSampler",
+    "DistributedRebalancer",
     "weight_gradients",
     "scale_loss",
     "rank_device",
@@ -201,15 +205,7 @@ class HeteroDistributedSampler(Sampler[int]):
 
     def __init__(self, dataset: Dataset, plan: Plan, *, num_replicas: int | None = None, rank: int | None = None,
                  shuffle: bool = True, seed: int = 0, drop_last: bool = False) -> None:
-        if num_replicas is None or rank is None:
-            r, w = _group_info(None)
-            num_replicas = w if num_replicas is None else num_replicas
-            rank = r if rank is None else rank
-        if len(plan.sizes) != num_replicas:
-            raise ValueError(f"the plan has {len(plan.sizes)} shares for {num_replicas} ranks; "
-                             "solve it for this world size")
-        if not 0 <= rank < num_replicas:
-            raise ValueError(f"rank {rank} is out of range for {num_replicas} ranks")
+        num_replicas, rank = _world(num_replicas, rank, plan)
         self.dataset, self.plan = dataset, plan
         self.num_replicas, self.rank = num_replicas, rank
         self.shuffle, self.seed, self.drop_last = shuffle, seed, drop_last
@@ -224,16 +220,8 @@ class HeteroDistributedSampler(Sampler[int]):
         self.epoch = epoch
 
     def _order(self) -> list[int]:
-        n = len(self.dataset)  # type: ignore[arg-type]
-        if self.shuffle:
-            gen = torch.Generator().manual_seed(self.seed + self.epoch)
-            order = torch.randperm(n, generator=gen).tolist()
-        else:
-            order = list(range(n))
-        need = self.steps * self.plan.batch_size
-        while len(order) < need:  # pad by wrapping around, as DistributedSampler does
-            order += order[: need - len(order)]
-        return order[:need]
+        return _epoch_order(len(self.dataset), self.steps * self.plan.batch_size,  # type: ignore[arg-type]
+                            self.shuffle, self.seed + self.epoch)
 
     def __iter__(self) -> Iterator[int]:
         order, b = self._order(), self.plan.batch_size
@@ -245,14 +233,142 @@ class HeteroDistributedSampler(Sampler[int]):
         return self.steps * self.size
 
 
-class _WeightState:
-    """What the comm hook needs: this step's local batch size and the reduction."""
+def _epoch_order(n: int, need: int, shuffle: bool, seed: int) -> list[int]:
+    """An epoch's ``need`` indices: shuffled with ``seed`` or in order, padded by wrapping around."""
+    if shuffle:
+        order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
+    else:
+        order = list(range(n))
+    while 0 < len(order) < need:  # pad by wrapping around, as DistributedSampler does
+        order += order[: need - len(order)]
+    return order[:need]
 
-    def __init__(self, group: Any, reduction: str) -> None:
-        self.group, self.reduction = group, reduction
+
+def _world(num_replicas: int | None, rank: int | None, plan: Plan) -> tuple[int, int]:
+    if num_replicas is None or rank is None:
+        r, w = _group_info(None)
+        num_replicas = w if num_replicas is None else num_replicas
+        rank = r if rank is None else rank
+    if len(plan.sizes) != num_replicas:
+        raise ValueError(f"the plan has {len(plan.sizes)} shares for {num_replicas} ranks; "
+                         "solve it for this world size")
+    if not 0 <= rank < num_replicas:
+        raise ValueError(f"rank {rank} is out of range for {num_replicas} ranks")
+    return num_replicas, rank
+
+
+class HeteroBatchSampler(Sampler[list[int]]):
+    """This rank's share of every global batch, one step at a time, following plan changes.
+
+    The batch-sampler form of :class:`HeteroDistributedSampler`, for online
+    rebalancing: each yielded list is one step's indices for this rank, cut from the
+    global batch by the plan in force *for that step*. :meth:`set_plan` schedules a new
+    plan from a given step on (``DistributedRebalancer`` does this on every rank with
+    the same step), so the ranks' shares stay disjoint and cover each global batch
+    while the sizes change, even with a ``DataLoader`` that prefetches. Use it as::
+
+        loader = DataLoader(dataset, batch_sampler=sampler, collate_fn=sampler.collate)
+
+    (:meth:`collate` also turns a share of 0 samples into an empty batch). Steps are
+    counted across epochs (:attr:`yielded`); epochs, shuffling, padding and
+    ``drop_last`` work as in :class:`HeteroDistributedSampler`.
+
+    Args:
+        dataset: The dataset (its length; :meth:`collate` also reads one item).
+        plan: The starting plan, the same on every rank.
+        num_replicas: World size (default: the process group's).
+        rank: This rank (default: the process group's).
+        shuffle: Shuffle each epoch.
+        seed: Seed of the shuffle, the same on every rank.
+        drop_last: Drop the last incomplete global batch instead of padding it.
+
+    Raises:
+        ValueError: If the plan's device count differs from ``num_replicas`` or ``rank``
+            is out of range.
+    """
+
+    def __init__(self, dataset: Dataset, plan: Plan, *, num_replicas: int | None = None, rank: int | None = None,
+                 shuffle: bool = True, seed: int = 0, drop_last: bool = False) -> None:
+        self.num_replicas, self.rank = _world(num_replicas, rank, plan)
+        self.dataset, self.shuffle, self.seed, self.drop_last = dataset, shuffle, seed, drop_last
+        self.epoch = 0
+        self.yielded = 0  # steps handed out so far, across epochs
+        self.schedule: list[tuple[int, Plan]] = [(0, plan)]
+        n, b = len(dataset), plan.batch_size  # type: ignore[arg-type]
+        self.steps = n // b if drop_last else math.ceil(n / b)
+
+    @property
+    def batch_size(self) -> int:
+        """The global batch: samples per step across all ranks."""
+        return self.schedule[0][1].batch_size
+
+    def plan_at(self, step: int) -> Plan:
+        """The plan in force at global step ``step``."""
+        current = self.schedule[0][1]
+        for start, p in self.schedule:
+            if start > step:
+                break
+            current = p
+        return current
+
+    def set_plan(self, plan: Plan, from_step: int) -> None:
+        """Use ``plan`` from global step ``from_step`` on (call it with the same values on every rank).
+
+        Raises:
+            ValueError: If the plan changes the global batch or the number of ranks, or
+                ``from_step`` is a step already handed out.
+        """
+        if plan.batch_size != self.batch_size or len(plan.sizes) != self.num_replicas:
+            raise ValueError(f"the new plan splits {plan.batch_size} samples over {len(plan.sizes)} ranks; "
+                             f"this sampler's global batch is {self.batch_size} over {self.num_replicas} ranks")
+        if from_step < self.yielded:
+            raise ValueError(f"step {from_step} has already been handed out (next is {self.yielded}); "
+                             "schedule plans from a later step")
+        self.schedule = [(s, p) for s, p in self.schedule if s < from_step] + [(from_step, plan)]
+
+    def set_epoch(self, epoch: int) -> None:
+        """Shuffle differently for ``epoch`` (call it on every rank before each epoch)."""
+        self.epoch = epoch
+
+    def __iter__(self) -> Iterator[list[int]]:
+        b = self.batch_size
+        order = _epoch_order(len(self.dataset), self.steps * b, self.shuffle, self.seed + self.epoch)  # type: ignore[arg-type]
+        for step in range(self.steps):
+            sizes = self.plan_at(self.yielded).sizes
+            start = step * b + sum(sizes[: self.rank])
+            self.yielded += 1
+            yield order[start : start + sizes[self.rank]]
+
+    def __len__(self) -> int:
+        return self.steps
+
+    def collate(self, batch: list[Any]) -> Any:
+        """``default_collate``, with an empty share collated to empty tensors of the right shape."""
+        from torch.utils.data import default_collate
+
+        if batch:
+            return default_collate(batch)
+        one = default_collate([self.dataset[0]])  # type: ignore[index]
+        return torch.utils._pytree.tree_map(lambda t: t[:0] if isinstance(t, torch.Tensor) else t, one)
+
+
+class _WeightState:
+    """What the comm hook needs: this step's local batch size, the reduction, and the plan's weight."""
+
+    def __init__(self, group: Any, reduction: str, rank: int) -> None:
+        self.group, self.reduction, self.rank = group, reduction, rank
         self.local = 0
         self.buffers: dict[int, torch.Tensor] = {}  # per bucket: the packing buffer, reused every step
         self.weight: float | None = None  # with a plan: this rank's constant weight b_r / B
+        self.planned: int | None = None  # with a plan: this rank's samples per step
+
+    def set_plan(self, plan: Plan | None) -> None:
+        """Weight the following steps by ``plan`` (``None``: by each step's real sizes)."""
+        if plan is None:
+            self.weight = self.planned = None
+            return
+        self.planned = plan.sizes[self.rank]
+        self.weight = self.planned / plan.batch_size if self.reduction == "mean" else float(self.planned > 0)
 
 
 def _weighted_allreduce(state, bucket):  # type: ignore[no-untyped-def]
@@ -337,9 +453,9 @@ def weight_gradients(ddp_model: nn.parallel.DistributedDataParallel, plan: Plan 
     shard_weights([1], reduction)  # validates the reduction
     if plan is not None:
         verify_plan(plan, group)
-    state = _WeightState(group, reduction)
     rank, _ = _group_info(group)
-    planned = plan.sizes[rank] if plan is not None else None
+    state = _WeightState(group, reduction, rank)
+    state.set_plan(plan)
 
     def record(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         first = args[0] if args else None
@@ -347,18 +463,159 @@ def weight_gradients(ddp_model: nn.parallel.DistributedDataParallel, plan: Plan 
             state.local = first.shape[dim]  # the common case, without walking the inputs
         else:
             state.local = batch_length((args, kwargs), dim)
-        if planned is not None and torch.is_grad_enabled() and state.local != planned:
+        if state.planned is not None and torch.is_grad_enabled() and state.local != state.planned:
             raise DistributedError(
-                f"rank {rank}: this step has {state.local} samples but the plan gives this rank {planned}; "
+                f"rank {rank}: this step has {state.local} samples but the plan gives this rank {state.planned}; "
                 "steps must follow the plan (use HeteroDistributedSampler), or call weight_gradients(ddp) "
                 "without a plan to weight steps of any size"
             )
 
     ddp_model.module.register_forward_pre_hook(record, with_kwargs=True)
-    if plan is not None:
-        state.weight = plan.sizes[rank] / plan.batch_size if reduction == "mean" else float(plan.sizes[rank] > 0)
     ddp_model.register_comm_hook(state, _weighted_allreduce)
     return state
+
+
+class DistributedRebalancer:
+    """Online rebalancing for a torchrun job: all ranks' step times pooled, one switch step for all.
+
+    Wrap each training step's work in :meth:`step`. The rank's busy time is measured
+    without a device synchronisation (CUDA events on a GPU, a monotonic clock
+    elsewhere); with ``model`` given, it ends when the step's last gradient is computed,
+    so waiting for other ranks in DDP's all-reduce is not counted as work (without
+    ``model``, wrap only the compute). Every ``rebalancer.every`` steps the timings are
+    all-gathered and every rank feeds the same :class:`~hetsplit.rebalance.Rebalancer`
+    the same data, so all reach the same decision. A new plan starts at the first step
+    no rank's sampler has handed out yet: ``sampler`` (a :class:`HeteroBatchSampler`)
+    and ``gradients`` (the state returned by :func:`weight_gradients`) follow it from
+    that step on, on every rank at once.
+
+    Args:
+        plan: The starting plan, the same on every rank (e.g. from :func:`plan`).
+        rebalancer: The policy (default: ``Rebalancer()``: every 10 steps, 5 %
+            threshold, at most half the batch moved at once).
+        sampler: This rank's :class:`HeteroBatchSampler`, to follow plan changes.
+        gradients: The state from :func:`weight_gradients` with a plan, to weight each
+            step by the plan in force (without a plan the hook weights by real sizes).
+        model: The model (or DDP module) whose last gradient marks the end of the work.
+        device: This rank's device (default: parsed from the plan's ``rank{r}:DEVICE``
+            label, else the CPU).
+        group: The process group (default: the world).
+
+    Attributes:
+        steps: Steps completed on this rank.
+        schedule: ``(first step, plan)`` pairs, oldest first.
+
+    Example:
+        >>> rb = hd.DistributedRebalancer(plan, sampler=sampler, gradients=state, model=ddp, device=dev)
+        >>> for x, y in loader:
+        ...     with rb.step():
+        ...         loss = F.cross_entropy(ddp(x), y); opt.zero_grad(); loss.backward()
+        ...     opt.step()
+    """
+
+    def __init__(self, plan: Plan, rebalancer: Rebalancer | None = None, *, sampler: HeteroBatchSampler | None = None,
+                 gradients: _WeightState | None = None, model: nn.Module | None = None,
+                 device: DeviceLike | None = None, group: Any = None) -> None:
+        self.rank, self.world = _group_info(group)
+        if len(plan.sizes) != self.world:
+            raise ValueError(f"the plan has {len(plan.sizes)} shares for {self.world} ranks")
+        if sampler is not None and sampler.plan_at(sampler.yielded).sizes != plan.sizes:
+            raise ValueError(f"the sampler follows sizes {sampler.plan_at(sampler.yielded).sizes}, "
+                             f"the plan has {plan.sizes}; build both from the same plan")
+        self.rebalancer = rebalancer if rebalancer is not None else Rebalancer()
+        self.sampler, self.gradients, self.group = sampler, gradients, group
+        self.device = parse_device(device) if device is not None else _device_from_label(plan.devices[self.rank])
+        self.schedule: list[tuple[int, Plan]] = [(0, plan)]
+        self.steps = 0
+        self._mine: dict[int, tuple[int, Lap]] = {}  # step -> (size, lap), until every rank has sent it
+        self._lap: Lap | None = None
+        self._marked = False
+        self._delay_at_mark = 0.0
+        if model is not None:
+            for p in model.parameters():
+                if p.requires_grad:
+                    p.register_post_accumulate_grad_hook(self._mark)
+        verify_plan(plan, group)
+
+    @property
+    def plan(self) -> Plan:
+        """The plan in force for the current step (or the next one, between steps)."""
+        return self.plan_at(self.steps)
+
+    @property
+    def history(self) -> list[PlanChange]:
+        """The plan changes so far; each one's ``step`` is the first step that ran the new plan."""
+        return self.rebalancer.history
+
+    def plan_at(self, step: int) -> Plan:
+        """The plan in force at step ``step``."""
+        current = self.schedule[0][1]
+        for start, p in self.schedule:
+            if start > step:
+                break
+            current = p
+        return current
+
+    def _mark(self, _param: torch.Tensor) -> None:
+        if self._lap is not None:
+            self._lap.stop()
+            self._delay_at_mark = self.device.delayed
+            self._marked = True
+
+    @contextlib.contextmanager
+    def step(self) -> Iterator[Plan]:
+        """Measure one training step on this rank; yields the plan in force for it.
+
+        Every ``rebalancer.every`` steps, on leaving, the ranks exchange timings
+        (one small all-gather) and possibly schedule a new plan.
+        """
+        current = self.plan
+        if self.gradients is not None and self.gradients.weight is not None:
+            self.gradients.set_plan(current)
+        self._marked = False
+        lap = self._lap = Lap(self.device)
+        try:
+            yield current
+        finally:
+            self._lap = None
+        if self._marked:  # the work ended at the last gradient; emulated delay after it still counts
+            lap.extra = self.device.delayed - self._delay_at_mark
+        else:
+            lap.stop()
+        self._mine[self.steps] = (current.sizes[self.rank], lap)
+        self.steps += 1
+        if self.steps % self.rebalancer.every == 0:
+            self._exchange()
+
+    def _exchange(self) -> None:
+        ready = {j: (size, lap.seconds()) for j, (size, lap) in self._mine.items() if lap.ready()}
+        handed_out = self.sampler.yielded if self.sampler is not None else self.steps
+        gathered = _all_gather({"times": ready, "next": max(handed_out, self.steps)}, "exchanging step times",
+                               self.group)
+        common = sorted(set.intersection(*(set(g["times"]) for g in gathered)))
+        names = self.plan.devices
+        for j in common:
+            sizes = [g["times"][j][0] for g in gathered]
+            times = {names[r]: g["times"][j][1] for r, g in enumerate(gathered)}
+            self.rebalancer.record(plan_from_sizes(None, names, sizes), times)
+            self._mine.pop(j, None)
+        start = max(g["next"] for g in gathered)
+        current = self.plan_at(start)
+        new = self.rebalancer.propose(current, step=start)
+        if new is None or new.sizes == current.sizes:
+            return
+        self.schedule = [(s, p) for s, p in self.schedule if s < start] + [(start, new)]
+        if self.sampler is not None:
+            self.sampler.set_plan(new, start)
+
+
+def _device_from_label(label: str) -> Device:
+    """``rank1:cuda:0`` → ``cuda:0``; a label without a device gives the CPU."""
+    head, _, rest = label.partition(":")
+    try:
+        return parse_device(rest if head.startswith("rank") and rest else label)
+    except ValueError:
+        return parse_device("cpu")
 
 
 def scale_loss(loss: torch.Tensor, local_size: int, global_size: int, *, world_size: int | None = None) -> torch.Tensor:

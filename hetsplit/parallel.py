@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import threading
+from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -14,7 +15,7 @@ from torch import nn
 from torch.func import functional_call
 
 from .apply import parallel_apply
-from .devices import Device, DeviceLike, parse_devices
+from .devices import Device, DeviceLike, Lap, parse_devices
 from .profiles import Profile
 from .rebalance import Rebalancer
 from .reduce import average_buffers, shard_weights
@@ -102,7 +103,10 @@ class HeteroDataParallel(nn.Module):
 
     After each step, :attr:`step_times` holds every active device's busy seconds in it
     (forward and backward, emulated slowdown included): what a device really costs
-    while the others run, the input for recalibrating a plan.
+    while the others run, the input for recalibrating a plan. On CUDA devices they are
+    measured with events, so training never waits for them; the rebalancer reads each
+    step's times once the device has finished it (usually by the next step), and
+    reading :attr:`step_times` yourself waits for the last step.
 
     BatchNorm: every replica normalises with its own shard's statistics; after each
     training forward the running statistics become the shard-size-weighted average of
@@ -177,8 +181,9 @@ class HeteroDataParallel(nn.Module):
             rebalance if isinstance(rebalance, Rebalancer) else Rebalancer(profile) if rebalance else None
         )
         self._replicas: list[nn.Module] | None = None
-        self._busy: dict[str, float] = {}
-        self.step_times: dict[str, float] = {}
+        self._busy: dict[str, list[Lap]] = {}
+        self._last: dict[str, list[Lap]] = {}
+        self._unread: deque[tuple[Plan, dict[str, list[Lap]]]] = deque()
         self._pool = ThreadPoolExecutor(max_workers=max(1, len(self.devices)), thread_name_prefix="hetsplit")
         self._lock = threading.Lock()
 
@@ -282,23 +287,35 @@ class HeteroDataParallel(nn.Module):
 
     def _apply(self, fns: Sequence[Callable[[], Any]], active: Sequence[int], what: str) -> list[Any]:
         """parallel_apply on the active devices, adding each one's busy seconds to this step's."""
-        spent: list[float] = []
-        out = parallel_apply(fns, [self.devices[i] for i in active], self._pool, [f"{i}{what}" for i in active], spent)
-        for i, t in zip(active, spent):
-            name = self.device_names[i]
-            self._busy[name] = self._busy.get(name, 0.0) + t
+        laps: list[Lap] = []
+        out = parallel_apply(fns, [self.devices[i] for i in active], self._pool, [f"{i}{what}" for i in active], laps)
+        for i, lap in zip(active, laps):
+            self._busy.setdefault(self.device_names[i], []).append(lap)
         return out
+
+    @property
+    def step_times(self) -> dict[str, float]:
+        """Busy seconds of each active device in the last step (waits for a CUDA device to finish it)."""
+        return {name: sum(lap.seconds() for lap in laps) for name, laps in self._last.items()}
 
     def _start_step(self) -> None:
         self._busy = {}
 
     def _end_step(self) -> None:
-        self.step_times = dict(self._busy)
-        if self.rebalancer is not None and self._plan is not None and self.step_times:
-            new = self.rebalancer.observe(self._plan, self.step_times)
-            if new is not None:
-                self._plan = new
-                self._plans = {new.batch_size: new}
+        self._last = self._busy
+        if self.rebalancer is None or self._plan is None or not self._busy:
+            return
+        self._unread.append((self._plan, self._busy))
+        # Feed the rebalancer every step whose laps can be read without waiting (at once
+        # on the CPU; on a GPU once it has run them), so measuring never stalls training.
+        new = None
+        while self._unread and all(lap.ready() for laps in self._unread[0][1].values() for lap in laps):
+            plan, busy = self._unread.popleft()
+            times = {name: sum(lap.seconds() for lap in laps) for name, laps in busy.items()}
+            new = self.rebalancer.observe(plan, times) or new
+        if new is not None and new.sizes != self._plan.sizes:
+            self._plan = new
+            self._plans = {new.batch_size: new}
 
     def gather(self, outputs: Sequence[Any], output_device: torch.device, active: Sequence[int] = ()) -> Any:
         """Concatenate the replicas' outputs on ``output_device``; backward runs per replica."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import statistics
+import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -21,7 +22,7 @@ class PlanChange:
     """One switch of plan by a :class:`Rebalancer`.
 
     Attributes:
-        step: The step after which the new plan applies.
+        step: The first step (counted from 0) that runs with the new plan.
         old_sizes: Shard sizes before.
         new_sizes: Shard sizes after.
         predicted_gain: Predicted step-time reduction, e.g. 0.25 for 25 % faster.
@@ -82,6 +83,9 @@ class Rebalancer:
         self.log_factors: dict[str, float] = {}
         self.history: list[PlanChange] = []
         self.steps = 0
+        self.seconds = 0.0  # time spent in the rebalancer itself, to report its overhead
+        self._entries: dict[str, DeviceProfile] = {}
+        self._last_check: tuple[list[int], dict[str, float], float] | None = None
 
     def factors(self) -> dict[str, float]:
         """Each observed device's current correction: observed time over profiled time."""
@@ -98,6 +102,12 @@ class Rebalancer:
         return Profile(entries, source=f"{source}+rebalanced")
 
     def _entry(self, name: str) -> DeviceProfile:
+        entry = self._entries.get(name)
+        if entry is None:
+            entry = self._entries[name] = self._make_entry(name)
+        return entry
+
+    def _make_entry(self, name: str) -> DeviceProfile:
         if self.profile is not None:
             return self.profile.entry(name)
         # No profile: time proportional to the shard, one second per sample, which the
@@ -110,6 +120,8 @@ class Rebalancer:
     def observe(self, plan: Plan, step_times: Mapping[str, float]) -> Plan | None:
         """Record one step's measured busy seconds; return a new plan when one is due.
 
+        The same as :meth:`record` followed, every ``every`` steps, by :meth:`propose`.
+
         Args:
             plan: The plan the step ran with.
             step_times: Busy seconds of each active device in that step.
@@ -117,6 +129,18 @@ class Rebalancer:
         Returns:
             The plan to use from the next step on, or ``None`` to keep ``plan``.
         """
+        self.record(plan, step_times)
+        return self.propose(plan) if self.steps % self.every == 0 else None
+
+    def record(self, plan: Plan, step_times: Mapping[str, float]) -> None:
+        """Record one step's measured busy seconds, without deciding anything.
+
+        Args:
+            plan: The plan the step ran with (its devices and sizes).
+            step_times: Busy seconds of each active device in that step; devices
+                with no samples or no time are skipped.
+        """
+        started = time.perf_counter()
         self.steps += 1
         for name, size in zip(plan.devices, plan.sizes):
             seconds = step_times.get(name)
@@ -128,9 +152,47 @@ class Rebalancer:
             seen = self.corrections.setdefault(name, deque(maxlen=self.window))
             seen.append(math.log(seconds / base))
             self.log_factors[name] = statistics.median(seen)
-        if self.steps % self.every or len(self.log_factors) < len(set(plan.devices)) - plan.sizes.count(0):
+        self.seconds += time.perf_counter() - started
+
+    def propose(self, plan: Plan, step: int | None = None) -> Plan | None:
+        """Re-solve now; return a better plan than ``plan``, or ``None`` to keep it.
+
+        A plan is returned only when every active device has been observed and its
+        predicted gain beats the threshold and the estimate's uncertainty; it is then
+        recorded in :attr:`history` (and passed to ``on_change``).
+
+        Args:
+            plan: The plan in force.
+            step: The first step the new plan will run (default: the number of steps
+                recorded, i.e. the next one); kept in the :class:`PlanChange`.
+        """
+        if not all(d in self.log_factors for d, s in zip(plan.devices, plan.sizes) if s > 0):
             return None
-        return self._maybe_switch(plan)
+        started = time.perf_counter()
+        try:
+            return self._maybe_switch(plan, self.steps if step is None else step)
+        finally:
+            self.seconds += time.perf_counter() - started
+
+    def _settled(self, plan: Plan) -> bool:
+        """Whether the last re-solve proves no switch can pay now, so solving again is wasted.
+
+        If every factor moved by ``d_i`` (in log) since a re-solve of the same sizes that
+        found at best a ratio ``r0`` of current over optimal time, the ratio now is at
+        most ``r0 * exp(max d - min d)``; below ``1 + threshold`` plus the uncertainty
+        margin nothing would switch.
+        """
+        if self._last_check is None:
+            return False
+        sizes, factors, best = self._last_check
+        if sizes != list(plan.sizes) or not math.isfinite(best):
+            return False
+        moved = [self.log_factors.get(n, 0.0) - factors.get(n, 0.0) for n in plan.devices]
+        bound = best * math.exp(max(moved) - min(moved))
+        if bound <= 1.0 + self.threshold:
+            return True
+        active = [n for n, s in zip(plan.devices, plan.sizes) if s > 0]
+        return bound <= 1.0 + self.threshold + 2.0 * self.uncertainty(active)
 
     def uncertainty(self, devices: Sequence[str]) -> float:
         """Relative uncertainty of the factors of ``devices`` (standard error of the medians)."""
@@ -144,23 +206,31 @@ class Rebalancer:
             total += (1.2533 * sigma) ** 2 / len(seen)  # variance of a median
         return math.sqrt(total)
 
-    def _maybe_switch(self, plan: Plan) -> Plan | None:
+    def _maybe_switch(self, plan: Plan, step: int) -> Plan | None:
+        if self._settled(plan):
+            return None
         profile = self.corrected(plan.devices)
-        current = plan_from_sizes(profile, plan.devices, plan.sizes)
+        curves = [profile.entry(name).curve for name in plan.devices]
+
+        def step_time(sizes: Sequence[int]) -> float:
+            return max(c(b) for c, b in zip(curves, sizes))
+
         target = solve(profile, plan.batch_size, devices=plan.devices)
         sizes = _bounded(plan.sizes, target.sizes, int(self.max_move * plan.batch_size))
-        candidate = plan_from_sizes(profile, plan.devices, sizes)
-        if not (math.isfinite(candidate.step_time) and candidate.step_time > 0):
+        now, then = step_time(plan.sizes), step_time(sizes)
+        best = now / target.step_time if target.step_time > 0 else math.inf
+        self._last_check = (list(plan.sizes), {n: self.log_factors.get(n, 0.0) for n in plan.devices}, best)
+        if sizes == list(plan.sizes) or not (math.isfinite(then) and then > 0):
             return None
-        gain = current.step_time / candidate.step_time - 1.0 if math.isfinite(current.step_time) else math.inf
+        gain = now / then - 1.0 if math.isfinite(now) else math.inf
         active = [n for n, s in zip(plan.devices, plan.sizes) if s > 0]
-        if gain <= self.threshold + 2.0 * self.uncertainty(active) or sizes == list(plan.sizes):
+        if gain <= self.threshold + 2.0 * self.uncertainty(active):
             return None
-        change = PlanChange(self.steps, list(plan.sizes), sizes, gain, self.factors())
+        change = PlanChange(step, list(plan.sizes), sizes, gain, self.factors())
         self.history.append(change)
         if self.on_change is not None:
             self.on_change(change)
-        return candidate
+        return plan_from_sizes(profile, plan.devices, sizes)
 
 
 def _bounded(old: Sequence[int], new: Sequence[int], budget: int) -> list[int]:

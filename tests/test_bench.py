@@ -38,3 +38,28 @@ def test_time_steps_runs_every_configuration_round_robin():
 
 def test_keep_freed_memory_is_a_flag():
     assert keep_freed_memory() in (True, False)
+
+
+def test_bench_rebalance_follows_a_slowdown_and_reports_it():
+    from hetsplit.bench import bench_rebalance
+
+    r = bench_rebalance("mlp", "cpu,cpu@1", batch_size=64, steps=24, every=3, change=("cpu@1", 0.2, 6),
+                        settle=12, sweep_steps=2)
+    assert len(r.step_times) == 24 and len(r.sizes) == 24 and r.sizes[0] == [32, 32]
+    assert any(c["step"] > 6 for c in r.changes)
+    assert r.sizes[-1][1] < r.sizes[-1][0]  # the slowed device ends with the smaller share
+    assert r.optimum > 0 and sum(r.optimum_sizes) == 64 and r.change == {"device": "cpu@1", "speed": 0.2, "step": 6}
+    assert 0 <= r.overhead < 1 and r.late_steps == 24 - 6 - 12
+    text = r.table()
+    assert "plan changes:" in text and "best split found by a sweep" in text and "rebalancer cost" in text
+    json.dumps(r.to_dict())
+
+
+@pytest.mark.parametrize("text, fragment", [("cpu=0.5@3", "real device"), ("cpu@1=2@3", "0 < SPEED <= 1"),
+                                            ("cpu@1:0.5", "DEVICE=SPEED@STEP")])
+def test_parse_change_rejects_bad_text(text, fragment):
+    from hetsplit.bench import parse_change
+
+    with pytest.raises(ValueError, match=fragment):
+        parse_change(text)
+    assert parse_change("cpu@0.5=0.25@30") == ("cpu@0.5", 0.25, 30)

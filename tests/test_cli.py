@@ -94,3 +94,18 @@ def test_bench_command_and_json(capsys, tmp_path):
 def test_bench_needs_two_devices(capsys):
     code, _, err = _run(capsys, "bench", "--devices", "cpu", "--model", "mlp", "--steps", "1")
     assert code == 1 and "two or more devices" in err
+
+
+def test_bench_rebalance_command(capsys, tmp_path):
+    out_file = tmp_path / "reb.json"
+    code, out, _ = _run(capsys, "bench", "--rebalance", "--devices", "cpu,cpu@1", "--model", "mlp", "--batch-size",
+                        "32", "--steps", "12", "--every", "3", "--change", "cpu@1=0.25@4", "--json", str(out_file),
+                        "--quiet")
+    assert code == 0 and "online rebalancing from the even split" in out and "rebalancer cost" in out
+    doc = json.loads(out_file.read_text())
+    assert doc["kind"] == "bench-rebalance" and len(doc["result"]["step_times"]) == 12
+    code, _, err = _run(capsys, "bench", "--change", "cpu@1=0.25@4", "--devices", "cpu,cpu@1")
+    assert code == 1 and "--change needs --rebalance" in err
+    code, _, err = _run(capsys, "bench", "--rebalance", "--change", "cpu@0.5=0.25@4", "--devices", "cpu,cpu@1",
+                        "--model", "mlp")
+    assert code == 1 and "not among the devices" in err

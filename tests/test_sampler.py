@@ -53,3 +53,50 @@ def test_zero_share_rank_has_steps_but_no_samples():
 def test_bad_arguments(kw, fragment):
     with pytest.raises(ValueError, match=fragment):
         HeteroDistributedSampler(list(range(10)), PLAN, **kw)
+
+
+# -- HeteroBatchSampler: one list per step, following plan changes --------------------------------
+
+def _batch_samplers(n, plan=PLAN, **kw):
+    from hetsplit.distributed import HeteroBatchSampler
+
+    return [HeteroBatchSampler(list(range(n)), plan, num_replicas=3, rank=r, **kw) for r in range(3)]
+
+
+def test_batch_sampler_follows_a_plan_change_from_the_scheduled_step():
+    samplers = _batch_samplers(47, seed=2)
+    new = plan_from_sizes(None, ["rank0", "rank1", "rank2"], [2, 3, 5])
+    iters = [iter(s) for s in samplers]
+    steps = [[next(it) for it in iters] for _ in range(2)]
+    for s in samplers:
+        s.set_plan(new, 2)
+    steps += [list(group) for group in zip(*iters)]
+    assert [[len(b) for b in step] for step in steps] == [[6, 3, 1]] * 2 + [[2, 3, 5]] * 3
+    flat = [i for step in steps for b in step for i in b]
+    assert set(flat) == set(range(47)) and len(flat) == 50  # still disjoint, covering, padded as before
+    per_rank = [list(s) for s in samplers]  # the next epoch, same seed: the new plan throughout
+    assert [len(b) for b in per_rank[2]] == [5] * 5 and samplers[0].yielded == 10
+
+
+def test_batch_sampler_matches_the_flat_sampler_and_checks_changes():
+    flat = _all(30, seed=4)
+    batched = _batch_samplers(30, seed=4)
+    assert [[i for b in s for i in b] for s in batched] == flat
+    with pytest.raises(ValueError, match="global batch is 10"):
+        batched[0].set_plan(plan_from_sizes(None, ["a", "b", "c"], [6, 3, 2]), 5)
+    next(iter(batched[0]))
+    with pytest.raises(ValueError, match="already been handed out"):
+        batched[0].set_plan(PLAN, 0)
+
+
+def test_batch_sampler_collates_an_empty_share_to_empty_tensors():
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from hetsplit.distributed import HeteroBatchSampler
+
+    data = TensorDataset(torch.randn(20, 3), torch.arange(20))
+    plan = plan_from_sizes(None, ["rank0", "rank1"], [10, 0])
+    sampler = HeteroBatchSampler(data, plan, num_replicas=2, rank=1)
+    x, y = next(iter(DataLoader(data, batch_sampler=sampler, collate_fn=sampler.collate)))
+    assert x.shape == (0, 3) and y.shape == (0,) and y.dtype == torch.int64
