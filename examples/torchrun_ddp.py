@@ -14,6 +14,7 @@ from --data-dir when present, else SYNTHETIC (labelled so; nothing is downloaded
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
@@ -44,6 +45,10 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds before a dead or hung rank is an error")
     parser.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads per rank (0: torch's choice)")
+    parser.add_argument("--rebalance", type=int, default=0, metavar="K",
+                        help="re-solve the shares from measured step times every K steps (0: off)")
+    parser.add_argument("--slow-down", metavar="STEP", type=int, default=0,
+                        help="demo: from this step on, emulated ranks run 4x slower than their --devices speed")
     add_data_args(parser)
     args = parser.parse_args()
 
@@ -79,40 +84,49 @@ def main() -> None:
     say("plan:", ", ".join(f"{d} {s}" for d, s in zip(plan.devices, plan.sizes)))
 
     ddp = DDP(model, device_ids=[dev.index] if dev.type == "cuda" else None)
-    if not args.no_weighting:
-        hd.weight_gradients(ddp, plan)
-    sampler = hd.HeteroDistributedSampler(train_set, plan, shuffle=True, seed=0)
-    size = plan.sizes[rank]
-    loader = DataLoader(train_set, batch_size=max(size, 1), sampler=sampler)
-    empty = (x0[:0], y0[:0])  # a rank with no share still takes part in every step
+    grads = None if args.no_weighting else hd.weight_gradients(ddp, plan)
+    # One list of indices per step: the shares can change between steps (--rebalance).
+    sampler = hd.HeteroBatchSampler(train_set, plan, shuffle=True, seed=0)
+    loader = DataLoader(train_set, batch_sampler=sampler, collate_fn=sampler.collate)
+    rebalancer = None
+    if args.rebalance:
+        rebalancer = hd.DistributedRebalancer(
+            plan, hetsplit.Rebalancer(every=args.rebalance, on_change=lambda c: say(f"  plan change at {c}")),
+            sampler=sampler, gradients=grads, model=ddp, device=dev)
     opt = torch.optim.SGD(ddp.parameters(), lr=args.lr)
 
     done = 0
     for epoch in range(args.epochs):
         sampler.set_epoch(epoch)
-        batches = iter(loader)
         start = time.perf_counter()
-        for _ in range(sampler.steps):
-            x, y = next(batches) if size > 0 else empty
+        steps = 0
+        for x, y in loader:
+            if args.slow_down and done == args.slow_down and dev.emulated:
+                dev.set_speed(dev.speed / 4)
+                print(f"rank {rank}: {dev.name} now runs at {dev.speed / 4:g}x", flush=True)
             x, y = x.to(dev.torch_device), y.to(dev.torch_device)
-            # cpu_time: DDP's backward also waits for the other ranks; only work is slowed.
-            with dev.throttle(cpu_time=True):
-                loss = F.cross_entropy(ddp(x), y)
-            opt.zero_grad(set_to_none=True)
-            with dev.throttle(cpu_time=True):
-                loss.backward()
+            with rebalancer.step() if rebalancer else contextlib.nullcontext():
+                # cpu_time: DDP's backward also waits for the other ranks; only work is slowed.
+                with dev.throttle(cpu_time=True):
+                    loss = F.cross_entropy(ddp(x), y)
+                opt.zero_grad(set_to_none=True)
+                with dev.throttle(cpu_time=True):
+                    loss.backward()
             opt.step()
             done += 1
+            steps += 1
             if args.steps and done >= args.steps:
                 break
         seconds = time.perf_counter() - start
-        steps = min(sampler.steps, args.steps) if args.steps else sampler.steps
         if rank == 0:
             acc = accuracy(model, test_iter, dev.torch_device)
             say(f"epoch {epoch + 1}: {steps} steps in {seconds:.2f} s ({seconds / max(steps, 1) * 1e3:.1f} ms/step), "
                 f"loss {loss.item():.3f}, test acc {acc:.3f}")
         if args.steps and done >= args.steps:
             break
+    if rebalancer is not None:
+        say(f"{len(rebalancer.history)} plan changes; final shares {rebalancer.plan.sizes}")
+    dev.set_speed(None)
     dist.destroy_process_group()
 
 
