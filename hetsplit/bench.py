@@ -69,6 +69,9 @@ class BenchResult:
         step_times: Median seconds per step of each configuration.
         overhead: HeteroDataParallel's step time on one real device over the plain
             module's, minus 1 (``None`` when no real device is in the set).
+        busy: For ``"even"`` and ``"balanced"``: each device's median busy seconds in a
+            step (its forward and backward; the rest of the step it waits, or the caller
+            scatters, gathers, computes the loss and steps the optimizer).
         meta: Date, host, torch version, threads, steps.
     """
 
@@ -82,7 +85,16 @@ class BenchResult:
     plan: Plan
     step_times: dict[str, float]
     overhead: float | None
+    busy: dict[str, dict[str, float]]
     meta: dict[str, Any]
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> BenchResult:
+        """Build the result from :meth:`to_dict` output (derived figures are recomputed)."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        fields = {k: v for k, v in data.items() if k in known}
+        fields["plan"] = Plan.from_dict(fields["plan"])
+        return cls(**fields)
 
     @property
     def fastest(self) -> str:
@@ -136,24 +148,41 @@ class BenchResult:
 
 
 def time_steps(
-    steps_by_name: dict[str, Callable[[], None]], devices: Sequence[Device], steps: int, warmup: int
+    steps_by_name: dict[str, Callable[[], None]], devices: Sequence[Device], steps: int, warmup: int,
+    *, progress: bool = False, samples: dict[str, list[float]] | None = None,
 ) -> dict[str, float]:
     """Median seconds per call of each step function, timed round-robin.
 
     The configurations take turns step by step, so a machine whose speed drifts (a
     shared VM, thermal throttling) slows them all alike instead of whichever ran last.
+
+    Args:
+        steps_by_name: One zero-argument step function per configuration.
+        devices: Devices to synchronise after each step, so it is timed whole.
+        steps: Timed steps per configuration.
+        warmup: Untimed steps per configuration first.
+        progress: Show a progress bar (tqdm).
+        samples: If given, receives every step's seconds per configuration.
     """
-    for fn in steps_by_name.values():
-        for _ in range(warmup):
-            fn()
-    times: dict[str, list[float]] = {name: [] for name in steps_by_name}
-    for _ in range(steps):
-        for name, fn in steps_by_name.items():
-            start = time.perf_counter()
-            fn()
-            for d in devices:
-                d.synchronize()
-            times[name].append(time.perf_counter() - start)
+    from tqdm.auto import tqdm
+
+    total = (warmup + steps) * len(steps_by_name)
+    with tqdm(total=total, disable=not progress, desc="training", unit="step", leave=False) as bar:
+        for fn in steps_by_name.values():
+            for _ in range(warmup):
+                fn()
+                bar.update()
+        times: dict[str, list[float]] = {name: [] for name in steps_by_name}
+        for _ in range(steps):
+            for name, fn in steps_by_name.items():
+                start = time.perf_counter()
+                fn()
+                for d in devices:
+                    d.synchronize()
+                times[name].append(time.perf_counter() - start)
+                bar.update()
+    if samples is not None:
+        samples.update(times)
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
@@ -173,7 +202,8 @@ def _plain_step(model: nn.Module, dev: Device, x: torch.Tensor, y: torch.Tensor)
     return step
 
 
-def _dp_step(dp: HeteroDataParallel, x: torch.Tensor, y: torch.Tensor, mode: str) -> Callable[[], None]:
+def _dp_step(dp: HeteroDataParallel, x: torch.Tensor, y: torch.Tensor, mode: str,
+             busy: list[dict[str, float]] | None = None) -> Callable[[], None]:
     opt = torch.optim.SGD(dp.parameters(), lr=1e-3)
     x, y = x.to(dp.home), y.to(dp.home)
 
@@ -184,6 +214,8 @@ def _dp_step(dp: HeteroDataParallel, x: torch.Tensor, y: torch.Tensor, mode: str
         else:
             F.cross_entropy(dp(x), y.to(dp.output_device)).backward()
         opt.step()
+        if busy is not None:
+            busy.append(dp.step_times)
 
     return step
 
@@ -200,6 +232,7 @@ def bench(
     sync: str = "copy",
     seed: int = 0,
     log: Callable[[str], None] | None = None,
+    progress: bool = False,
 ) -> BenchResult:
     """Train ``steps`` steps each on every device alone, on the even split and on the balanced split.
 
@@ -217,6 +250,7 @@ def bench(
         sync: Replica synchronisation (see :class:`HeteroDataParallel`).
         seed: Seed of the model and the synthetic data.
         log: Called with a line of progress per configuration.
+        progress: Show progress bars (tqdm) while profiling and training.
 
     Returns:
         The :class:`BenchResult`.
@@ -236,28 +270,33 @@ def bench(
     say(f"profiling {spec.name} on {', '.join(d.name for d in devs)} for the balanced split ...")
     ladder = [b for b in (2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048) if b < batch_size] + [batch_size]
     prof = run_profile(base, x[:16], devs, F.cross_entropy, ladder, target=y[:16], time_budget=profile_budget,
-                       progress=False, model_name=spec.name)
+                       progress=progress, model_name=spec.name)
     plan = solve(prof, batch_size)
     configs: dict[str, Callable[[], None]] = {}
     for dev in devs:
         configs[f"single:{dev.name}"] = _plain_step(copy.deepcopy(base).to(dev.torch_device), dev, x, y)
+    busy: dict[str, list[dict[str, float]]] = {"even": [], "balanced": []}
     even_dp = HeteroDataParallel(copy.deepcopy(base).to(home), devs, weights=[1] * len(devs), sync=sync)
-    configs["even"] = _dp_step(even_dp, x, y, mode)
+    configs["even"] = _dp_step(even_dp, x, y, mode, busy["even"])
     bal_dp = HeteroDataParallel(copy.deepcopy(base).to(home), devs, plan=plan, sync=sync)
-    configs["balanced"] = _dp_step(bal_dp, x, y, mode)
+    configs["balanced"] = _dp_step(bal_dp, x, y, mode, busy["balanced"])
     real = [d for d in devs if not d.emulated and d.torch_device == home]
     if real:
         one = HeteroDataParallel(copy.deepcopy(base).to(home), [real[0]], sync=sync, weights=[1])
         configs["one-device"] = _dp_step(one, x, y, mode)
     say(f"timing {len(configs)} configurations round-robin, {steps} steps each (balanced split {plan.sizes}) ...")
-    step_times = time_steps(configs, devs, steps, warmup)
+    step_times = time_steps(configs, devs, steps, warmup, progress=progress)
     single = {d.name: batch_size / step_times[f"single:{d.name}"] for d in devs}
+    timeline = {
+        name: {d.name: statistics.median(b.get(d.name, 0.0) for b in busy[name]) for d in devs}
+        for name in ("even", "balanced")
+    }
     overhead = step_times["one-device"] / step_times[f"single:{real[0].name}"] - 1.0 if real else None
     return BenchResult(
         devices=[d.name for d in devs], model=spec.name, batch_size=batch_size, mode=mode, single=single,
         even=batch_size / step_times["even"], balanced=batch_size / step_times["balanced"], plan=plan,
 
-        step_times=step_times, overhead=overhead,
+        step_times=step_times, overhead=overhead, busy=timeline,
         meta={"date": _dt.date.today().isoformat(), "host": platform.node(), "torch": torch.__version__,
               "threads": torch.get_num_threads(), "steps": steps, "warmup": warmup, "sync": sync,
               "data": "synthetic", "emulated": [d.name for d in devs if d.emulated],

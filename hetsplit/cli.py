@@ -1,4 +1,4 @@
-"""CLI: `hetsplit devices | profile | plan | bench` on top of the library."""
+"""CLI: `hetsplit demo | devices | profile | plan | bench | show` on top of the library."""
 
 from __future__ import annotations
 
@@ -57,6 +57,19 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--debug", action="store_true", help="show the full traceback on errors")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
+
+    p = sub.add_parser("demo", help="a one-minute demo: profile, then train even vs balanced, and a verdict",
+                       description="Profile a built-in model on every local device (plus an emulated cpu@0.25 when "
+                       "there is only one), train it on each device alone, on the even split and on the balanced "
+                       "split, and print how much the balanced split wins. Synthetic data.")
+    p.add_argument("--devices", help="comma-separated devices (default: every local device, plus cpu@0.25 if only one)")
+    p.add_argument("--model", default="lenet", help="built-in model (lenet, resnet18, mlp) or package.module:factory")
+    p.add_argument("--batch-size", type=_positive_int, default=256, help="samples per step (default 256)")
+    p.add_argument("--steps", type=_positive_int, default=30, help="timed steps per configuration (default 30)")
+    p.add_argument("--budget", type=_positive_float, default=10.0, help="seconds to profile (default 10)")
+    p.add_argument("--threads", type=_positive_int, help="torch CPU threads (default 1 when every device is the CPU)")
+    p.add_argument("--json", type=Path, help="also write the results to this JSON file (for 'hetsplit show')")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
 
     p = sub.add_parser("devices", help="list usable devices")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -135,11 +148,17 @@ def _cmd_devices(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps([i.to_dict() for i in infos], indent=1))
         return 0
-    rows = [[i.name, i.kind, i.description, _fmt_bytes(i.memory_bytes), i.capability or "-", i.uuid or "-"] for i in infos]
-    print(_table(rows, ["device", "kind", "name", "memory", "capability", "uuid"]))
+    rows = [[i.name, i.kind, i.description, _fmt_bytes(i.memory_bytes), i.capability or "-", i.driver or "-",
+             i.uuid or "-"] for i in infos]
+    print(_table(rows, ["device", "kind", "name", "memory", "capability", "driver", "uuid"]))
     import torch
 
-    print(f"\ntorch {torch.__version__}" + (f", CUDA {torch.version.cuda}" if torch.version.cuda else ""))
+    from . import __version__
+
+    cuda = f", built for CUDA {torch.version.cuda}" if torch.version.cuda else ""
+    usable = "" if torch.cuda.is_available() else " (no CUDA device usable here)" if torch.version.cuda else ""
+    print(f"\nhetsplit {__version__}, torch {torch.__version__}{cuda}{usable}")
+    print("GPUs are matched to stored profiles by UUID, so a profile survives CUDA_VISIBLE_DEVICES changes.")
     print("Emulate a slower device with NAME@SPEED, e.g. cpu@0.25 (the CPU at a quarter speed).")
     return 0
 
@@ -270,7 +289,21 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-_COMMANDS = {"devices": _cmd_devices, "profile": _cmd_profile, "plan": _cmd_plan, "bench": _cmd_bench}
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from . import store
+    from .demo import run_demo
+
+    devices = [d for d in args.devices.split(",") if d] if args.devices else None
+    result = run_demo(devices, model=args.model, batch_size=args.batch_size, steps=args.steps,
+                      profile_budget=args.budget, threads=args.threads,
+                      progress=not args.quiet and sys.stderr.isatty())
+    if args.json:
+        store.write_json(args.json, "bench", {"result": result.to_dict()})
+        print(f"results written to {args.json} (draw them with: hetsplit show {args.json})")
+    return 0
+
+
+_COMMANDS = {"demo": _cmd_demo, "devices": _cmd_devices, "profile": _cmd_profile, "plan": _cmd_plan, "bench": _cmd_bench}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 import platform
 import re
@@ -212,7 +213,9 @@ class DeviceInfo:
         uuid: A stable identifier for GPUs (survives ``CUDA_VISIBLE_DEVICES`` changes).
         capability: CUDA compute capability such as ``"9.0"``.
         threads: Intra-op threads torch uses on the CPU.
-        driver: CUDA runtime version torch was built with.
+        driver: The NVIDIA driver version (from ``nvidia-smi``), if known.
+        runtime: The CUDA runtime torch was built with, e.g. ``"12.8"``.
+        torch: The torch version that saw the device.
     """
 
     name: str
@@ -225,6 +228,8 @@ class DeviceInfo:
     capability: str | None = None
     threads: int | None = None
     driver: str | None = None
+    runtime: str | None = None
+    torch: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """Return the info as a JSON-ready dict."""
@@ -358,6 +363,23 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine() or "CPU"
 
 
+@functools.lru_cache(maxsize=1)
+def _nvidia_driver() -> str | None:
+    """The NVIDIA driver version from ``nvidia-smi``, or ``None`` where it can't be asked."""
+    import shutil
+    import subprocess
+
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return None
+    try:
+        out = subprocess.run([exe, "--query-gpu=driver_version", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=10, check=True).stdout.split()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out[0] if out else None
+
+
 def _host_memory() -> int | None:
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -385,7 +407,8 @@ def describe(device: DeviceLike) -> DeviceInfo:
             memory_bytes=int(props.total_memory),
             uuid=f"GPU-{uuid}" if uuid is not None and not str(uuid).startswith("GPU-") else (str(uuid) if uuid else None),
             capability=f"{props.major}.{props.minor}",
-            driver=f"CUDA {torch.version.cuda}" if torch.version.cuda else None,
+            driver=_nvidia_driver(),
+            runtime=torch.version.cuda,
         )
     elif dev.type == "mps":
         info = DeviceInfo(name=dev.name, kind="mps", description="Apple MPS", memory_bytes=_host_memory())
@@ -397,6 +420,7 @@ def describe(device: DeviceLike) -> DeviceInfo:
             memory_bytes=_host_memory(),
             threads=torch.get_num_threads(),
         )
+    info.torch = torch.__version__
     if dev.emulated:
         info.emulated = True
         info.speed = dev.speed

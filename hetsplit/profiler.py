@@ -231,6 +231,8 @@ def profile(
         model={
             "name": model_name or type(model).__name__,
             "fingerprint": fingerprint(model),
+            "parameters": sum(p.numel() for p in model.parameters()),
+            "parameter_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
             "input_shape": _input_shape(sample),
             "dtype": _dtype(sample),
         },

@@ -14,7 +14,7 @@ from typing import Any
 from .costmodel import Curve, CurveTable
 from .devices import DeviceInfo, DeviceLike, parse_device
 
-__all__ = ["Measurement", "DeviceProfile", "Profile"]
+__all__ = ["Measurement", "DeviceProfile", "Profile", "local_gpus"]
 
 
 @dataclasses.dataclass
@@ -188,6 +188,28 @@ class Profile:
         """Each device's memory cap (``None`` where none is known)."""
         return {e.name: e.curve.memory_cap for e in self.entries}
 
+    def matched_to_local(self, gpus: Mapping[str, str] | None = None) -> Profile:
+        """This profile with its GPUs renamed to their names on this machine, matched by UUID.
+
+        GPU indices change with ``CUDA_VISIBLE_DEVICES`` and driver ordering; UUIDs do
+        not. An entry whose GPU is here under another index gets that index (an emulated
+        one keeps its ``@speed``); other entries are unchanged.
+
+        Args:
+            gpus: ``{uuid: "cuda:N"}`` (default: this machine's GPUs).
+        """
+        local = dict(gpus) if gpus is not None else local_gpus()
+        entries = []
+        for e in self.entries:
+            name = local.get(e.info.uuid or "") if e.info.kind == "cuda" else None
+            if name is not None:
+                if e.info.emulated:
+                    name = f"{name}@{e.info.speed:g}"
+                if name != e.info.name:
+                    e = dataclasses.replace(e, info=dataclasses.replace(e.info, name=name))
+            entries.append(e)
+        return dataclasses.replace(self, entries=entries)
+
     def subset(self, devices: Sequence[DeviceLike]) -> Profile:
         """A profile of just ``devices`` (each once, in the order given)."""
         return dataclasses.replace(self, entries=[self.entry(d) for d in dict.fromkeys(_key(d) for d in devices)])
@@ -301,6 +323,22 @@ class Profile:
         from . import store
 
         return store.load_profile(path)
+
+
+def local_gpus() -> dict[str, str]:
+    """``{uuid: "cuda:N"}`` for the GPUs visible to this process (empty without CUDA)."""
+    import torch
+
+    from .devices import describe
+
+    if not torch.cuda.is_available():
+        return {}
+    found = {}
+    for i in range(torch.cuda.device_count()):
+        info = describe(f"cuda:{i}")
+        if info.uuid:
+            found[info.uuid] = info.name
+    return found
 
 
 def _key(device: DeviceLike) -> str:

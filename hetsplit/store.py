@@ -155,27 +155,40 @@ def find_profiles(
     Returns:
         Paths of readable profiles of the current schema; damaged files are skipped.
     """
-    from .profiles import _key
+    from .profiles import _key, local_gpus
 
     root = profile_dir(directory)
     if not root.is_dir():
         return []
     want = {_key(d) for d in devices} if devices is not None else set()
     host = platform.node() if host is None else host
+    gpus = local_gpus() if want else {}
     found: list[tuple[str, Path]] = []
     for path in root.glob("*.json"):
         try:
             doc = read_json(path, "profile")
         except ProfileFileError:
             continue
-        names = {d.get("info", {}).get("name") for d in doc.get("devices", [])}
+        names = {_local_name(d.get("info", {}), gpus) for d in doc.get("devices", [])}
         if want <= names and (host == "*" or doc.get("host") == host):
             found.append((str(doc.get("created", "")), path))
     found.sort(key=lambda item: (item[0], item[1].stat().st_mtime), reverse=True)
     return [p for _, p in found]
 
 
+def _local_name(info: dict[str, Any], gpus: dict[str, str]) -> Any:
+    """A stored device's name on this machine: its GPU's current index when the UUID is here."""
+    name = gpus.get(info.get("uuid") or "") if info.get("kind") == "cuda" else None
+    if name is None:
+        return info.get("name")
+    return f"{name}@{info.get('speed', 1.0):g}" if info.get("emulated") else name
+
+
 def latest_profile(devices: Sequence[DeviceLike], directory: str | Path | None = None) -> Profile | None:
-    """The newest profile measured on this machine that covers ``devices``, or ``None``."""
+    """The newest profile measured on this machine that covers ``devices``, or ``None``.
+
+    GPUs are matched by UUID, so a profile still serves after ``CUDA_VISIBLE_DEVICES``
+    or the device order changes (see :meth:`Profile.matched_to_local`).
+    """
     paths = find_profiles(devices, directory)
-    return load_profile(paths[0]) if paths else None
+    return load_profile(paths[0]).matched_to_local() if paths else None

@@ -79,3 +79,20 @@ def test_find_profiles_newest_first_and_filtered(tmp_path):
     assert len(store.find_profiles(["cpu"], tmp_path, host="h1")) == 3
     assert store.find_profiles(["cpu"], tmp_path) == []  # measured on another host
     assert store.latest_profile(["cuda:0"], tmp_path) is None
+
+
+def test_gpus_are_matched_by_uuid_when_their_index_changes():
+    from hetsplit.devices import DeviceInfo
+    from hetsplit.profiles import DeviceProfile
+    from hetsplit.costmodel import Curve
+
+    def entry(name, uuid, emulated=False):
+        info = DeviceInfo(name=name, kind="cuda", description="GPU", uuid=uuid, emulated=emulated,
+                          speed=0.5 if emulated else 1.0)
+        return DeviceProfile(info, [], Curve([1.0], [0.01], 0.0, 0.01))
+
+    prof = Profile([entry("cuda:0", "GPU-a"), entry("cuda:1", "GPU-b"), entry("cuda:1@0.5", "GPU-b", True)])
+    moved = prof.matched_to_local({"GPU-a": "cuda:1", "GPU-b": "cuda:0"})  # CUDA_VISIBLE_DEVICES=1,0
+    assert moved.devices == ["cuda:1", "cuda:0", "cuda:0@0.5"]
+    assert moved.entry("cuda:1").info.uuid == "GPU-a" and prof.devices == ["cuda:0", "cuda:1", "cuda:1@0.5"]
+    assert prof.matched_to_local({}).devices == prof.devices  # no GPU here: unchanged
