@@ -111,11 +111,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--change", metavar="DEVICE=SPEED@STEP",
                    help="with --rebalance: an emulated device's new speed from a step on, e.g. cpu@1=0.25@30")
 
-    p = sub.add_parser("plan", help="solve the split of a batch for a stored profile")
-    p.add_argument("profile", type=Path, help="a profile file written by 'hetsplit profile'")
+    p = sub.add_parser(
+        "plan", help="solve the split of a batch for stored profiles; what-if for devices you don't have together",
+        description="Solve the split of a batch for one or more profiles. With several profiles (from different "
+        "machines) or --use, plan a combined set of devices you may not have together yet, with an estimate of the "
+        "gradient all-reduce over a link of --link-gbps. Every figure is a prediction from the profiles' curves.")
+    p.add_argument("profile", type=Path, nargs="*", help="profile files written by 'hetsplit profile' (all their devices)")
+    p.add_argument("--use", action="append", default=[], metavar="FILE:DEVICE[*N]",
+                   help="one device of a profile, N times (e.g. profiles/a.json:cuda:0*8); repeatable")
     p.add_argument("--batch-size", type=_positive_int, required=True, help="samples per step")
-    p.add_argument("--devices", help="use only these devices of the profile, in this order")
+    p.add_argument("--devices", help="with one profile: use only these of its devices, in this order")
+    p.add_argument("--link-gbps", type=_positive_float,
+                   help="bandwidth of the slowest link between the devices (Gbit/s), to estimate the all-reduce")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
+
+    p = sub.add_parser("show", help="draw a profile (curves, memory caps, split) or a bench (step timeline) to PNG",
+                       description="Draw a profile file (step time and throughput against batch size, memory caps, "
+                       "the split) or a results file of 'hetsplit bench/demo --json' (one step per device, even vs "
+                       "balanced). Needs matplotlib: pip install 'hetsplit[plot]'.")
+    p.add_argument("file", type=Path, help="a profile file, or a bench results file")
+    p.add_argument("--plan", type=Path, help="a plan file (from 'hetsplit plan --json > FILE') to draw as the split")
+    p.add_argument("--batch-size", type=_positive_int, help="draw the split of this batch (default: largest measured)")
+    p.add_argument("--out", type=Path, help="picture to write (default: FILE with .png)")
     return parser
 
 
@@ -222,30 +239,140 @@ def _cmd_profile(args: argparse.Namespace) -> int:
     return 0
 
 
+def _parse_use(text: str) -> tuple[Path, str, int]:
+    """``profiles/a.json:cuda:0*8`` -> (path, "cuda:0", 8)."""
+    head, star, count = text.rpartition("*")
+    if not star:
+        head, count = text, "1"
+    path, sep, device = head.partition(".json:")
+    if not sep:
+        path, sep, device = head.partition(":")
+    else:
+        path += ".json"
+    try:
+        n = int(count)
+    except ValueError:
+        n = 0
+    if not sep or not device or n < 1:
+        raise CLIError(f"bad --use {text!r}; write FILE:DEVICE or FILE:DEVICE*N, e.g. profiles/a.json:cuda:0*8")
+    return Path(path), device, n
+
+
 def _cmd_plan(args: argparse.Namespace) -> int:
     from . import solver, store
+    from .profiles import Profile
 
-    prof = store.load_profile(args.profile)
-    devices = [d for d in args.devices.split(",") if d] if args.devices else None
-    if devices is not None:
-        try:
-            for d in devices:
-                prof.entry(d)
-        except KeyError as e:
-            raise CLIError(f"{e.args[0]} (profile {args.profile})") from None
-    plan = solver.solve(prof, args.batch_size, devices=devices)
+    if not args.profile and not args.use:
+        raise CLIError("give a profile file, or --use FILE:DEVICE[*N] (see 'hetsplit plan --help')")
+    if args.devices and (len(args.profile) != 1 or args.use):
+        raise CLIError("--devices picks devices of one profile; with several, use --use FILE:DEVICE[*N]")
+    loaded: dict[Path, Profile] = {}
+
+    def load(path: Path) -> Profile:
+        if path not in loaded:
+            loaded[path] = store.load_profile(path)
+        return loaded[path]
+
+    parts: list[tuple[Profile, str, int]] = []
+    for path in args.profile:
+        prof = load(path)
+        wanted = [d for d in args.devices.split(",") if d] if args.devices else prof.devices
+        parts += [(prof, d, 1) for d in wanted]
+    for text in args.use:
+        path, device, n = _parse_use(text)
+        parts.append((load(path), device, n))
+    try:
+        combined = Profile.merge(parts)
+    except KeyError as e:
+        raise CLIError(f"{e.args[0]}") from None
+    whatif = len(loaded) > 1 or bool(args.use)
+    plan = solver.solve(combined, args.batch_size)
+    fingerprints = {p.model.get("fingerprint") for p in loaded.values()}
+    params = [p.model.get("parameter_bytes") for p in loaded.values()]
+    comm = None
+    if args.link_gbps:
+        if None in params:
+            raise CLIError("--link-gbps needs the model's size, which these profiles do not record; "
+                           "re-profile with this hetsplit version")
+        comm = solver.allreduce_time(max(params), sum(1 for s in plan.sizes if s > 0), args.link_gbps)
     if args.json:
-        print(json.dumps(plan.to_dict(), indent=1))
+        doc = plan.to_dict()
+        if comm is not None:
+            doc["allreduce_time"] = comm
+        print(json.dumps(doc, indent=1))
         return 0
     rows = []
     for name, size, t, extra in zip(plan.devices, plan.sizes, plan.times, plan.extrapolated):
         notes = [n for n, on in (("emulated", name in plan.emulated), ("beyond measured sizes", extra)) if on]
         rows.append([name, str(size), f"{size / plan.batch_size:.1%}", _fmt_time(t), ", ".join(notes)])
-    print(f"split of a batch of {plan.batch_size} ({prof.model.get('name', 'model')}, profile from {prof.host})")
+    model = next(iter(loaded.values())).model.get("name", "model")
+    sources = ", ".join(f"{path} ({p.host}, {p.created[:10]})" for path, p in loaded.items())
+    print(f"{'what-if ' if whatif else ''}split of a batch of {plan.batch_size} ({model}; profiles: {sources})")
+    if len(fingerprints) > 1:
+        print("warning: the profiles are of different models; their times do not add up to one job")
     print(_table(rows, ["device", "samples", "share", "predicted time", "note"]))
-    print(f"\npredicted step time {_fmt_time(plan.step_time)}")
-    print(f"even split: {_fmt_time(plan.even_time)} -> {plan.speedup_vs_even:.2f}x faster balanced")
-    print(f"{plan.single_device} alone: {_fmt_time(plan.single_time)} -> {plan.speedup_vs_single:.2f}x faster balanced")
+    print(f"\npredicted compute per step {_fmt_time(plan.step_time)}")
+    if comm is not None:
+        print(f"predicted gradient all-reduce {_fmt_time(comm)} ({max(params) / 2**20:.1f} MiB over "
+              f"{args.link_gbps:g} Gbit/s, ring, not overlapped); step {_fmt_time(plan.step_time + comm)} at most")
+    elif len(plan.devices) > 1:
+        print("gradient exchange not included (give --link-gbps to estimate it)")
+    total = plan.step_time + (comm or 0.0)
+    n_dev = len(plan.devices)
+    even_comm = solver.allreduce_time(max(params), n_dev, args.link_gbps) if comm is not None else 0.0
+    even_total = plan.even_time + even_comm
+    print(f"even split: {_fmt_time(even_total)} -> balanced is {even_total / total:.2f}x faster")
+    print(f"{plan.single_device} alone: {_fmt_time(plan.single_time)} (no exchange) -> balanced is "
+          f"{plan.single_time / total:.2f}x " + ("faster" if plan.single_time >= total else "as fast: adding devices loses"))
+    if whatif and len(parts) > 1:
+        print("\nwhat each addition is worth (step without it" + (", all-reduce included):" if comm is not None else "):"))
+        for k, (prof, device, n) in enumerate(parts):
+            rest = solver.solve(Profile.merge(parts[:k] + parts[k + 1 :]), args.batch_size)
+            t = rest.step_time
+            if comm is not None:
+                t += solver.allreduce_time(max(params), sum(1 for s in rest.sizes if s > 0), args.link_gbps)
+            label = f"{device}{'*' + str(n) if n > 1 else ''} of {prof.host}"
+            print(f"  without {label}: {_fmt_time(t)} ({t / total:.2f}x the full set's step)")
+    print("\nThese are predictions from the profiles' fitted curves, not measurements.")
+    return 0
+
+
+def _cmd_show(args: argparse.Namespace) -> int:
+    from . import store
+    from .bench import BenchResult
+    from .profiles import Profile
+    from .show import plot_profile, plot_timeline
+    from .solver import Plan
+
+    doc = store.read_json(args.file, ("profile", "bench"))
+    out = args.out or args.file.with_suffix(".png")
+    if doc["kind"] == "bench":
+        if args.plan or args.batch_size:
+            raise CLIError(f"{args.file} holds bench results; --plan and --batch-size are for profiles")
+        try:
+            result = BenchResult.from_dict(doc["result"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise CLIError(f"{args.file}: damaged bench results ({type(e).__name__}: {e}); re-run the bench") from None
+        if not result.busy:
+            raise CLIError(f"{args.file}: no per-device busy times (made by an older hetsplit); re-run the bench")
+        path = plot_timeline(result, out)
+    else:
+        prof = store.load_profile(args.file)
+        plan = None
+        if args.plan:
+            try:
+                raw = json.loads(args.plan.read_text(encoding="utf-8"))
+                plan = Plan.from_dict(raw.get("plan", raw) if isinstance(raw, dict) else raw)
+            except FileNotFoundError:
+                raise CLIError(f"{args.plan}: no such file") from None
+            except (ValueError, KeyError, TypeError, AttributeError) as e:
+                raise CLIError(f"{args.plan}: not a plan ({type(e).__name__}: {e}); write one with "
+                               "'hetsplit plan PROFILE --batch-size N --json > FILE'") from None
+            missing = [d for d in plan.devices if d not in prof.devices]
+            if missing:
+                raise CLIError(f"{args.plan}: devices {missing} are not in the profile {args.file} ({prof.devices})")
+        path = plot_profile(prof, out, plan=plan, batch_size=args.batch_size)
+    print(f"picture written to {path}")
     return 0
 
 
@@ -303,7 +430,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
-_COMMANDS = {"demo": _cmd_demo, "devices": _cmd_devices, "profile": _cmd_profile, "plan": _cmd_plan, "bench": _cmd_bench}
+_COMMANDS = {"demo": _cmd_demo, "devices": _cmd_devices, "profile": _cmd_profile, "plan": _cmd_plan, "bench": _cmd_bench,
+             "show": _cmd_show}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -315,7 +443,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("hetsplit: interrupted", file=sys.stderr)
         return 130
-    except (CLIError, ValueError, TypeError, KeyError, OSError, RuntimeError) as e:
+    except (CLIError, ValueError, TypeError, KeyError, OSError, RuntimeError, ImportError) as e:
         if args.debug:
             raise
         message = e.args[0] if isinstance(e, KeyError) and e.args else str(e)

@@ -188,6 +188,38 @@ class Profile:
         """Each device's memory cap (``None`` where none is known)."""
         return {e.name: e.curve.memory_cap for e in self.entries}
 
+    @classmethod
+    def merge(cls, parts: Sequence[tuple[Profile, str, int]]) -> Profile:
+        """One profile of devices taken from several profiles, each used one or more times.
+
+        For what-if planning: ``[(gpu_box, "cuda:0", 8), (old_box, "cpu", 1)]`` is eight
+        copies of one machine's GPU and another machine's CPU. Copies are named
+        ``NAME#1``, ``NAME#2``, ...; a name found in two profiles is prefixed with its
+        profile's host (``hostB/cpu``).
+
+        Raises:
+            KeyError: If a profile lacks the device (the message lists what it has).
+            ValueError: If a count is below 1.
+        """
+        picked = []
+        for prof, device, copies in parts:
+            if copies < 1:
+                raise ValueError(f"device {device!r} is used {copies} times; use it at least once")
+            picked.append((prof, prof.entry(device), copies))
+        names = [e.name for _, e, _ in picked]
+        entries = []
+        for k, (prof, e, copies) in enumerate(picked):
+            base = e.name
+            if names.count(base) > 1 and len({id(p) for p, x, _ in picked if x.name == base}) > 1:
+                base = f"{prof.host}/{base}" if [p.host for p, x, _ in picked if x.name == e.name].count(prof.host) == 1 \
+                    else f"{prof.host}#{k}/{base}"
+            for i in range(copies):
+                name = f"{base}#{i + 1}" if copies > 1 else base
+                entries.append(dataclasses.replace(e, info=dataclasses.replace(e.info, name=name)))
+        first = parts[0][0] if parts else None
+        hosts = sorted({p.host for p, _, _ in parts})
+        return cls(entries, model=dict(first.model) if first else {}, host="+".join(hosts), source="merged")
+
     def matched_to_local(self, gpus: Mapping[str, str] | None = None) -> Profile:
         """This profile with its GPUs renamed to their names on this machine, matched by UUID.
 

@@ -13,7 +13,7 @@ from .costmodel import CurveTable
 from .profiles import DeviceProfile, Profile
 from .devices import DeviceLike
 
-__all__ = ["Plan", "solve", "plan_from_sizes", "sizes_from_weights", "even_sizes", "check_sizes"]
+__all__ = ["Plan", "solve", "plan_from_sizes", "sizes_from_weights", "even_sizes", "check_sizes", "allreduce_time"]
 
 # Past this many candidate (device, sample) items left after bisection, stop enumerating
 # them one by one: bisection only stops that wide when floating point can't separate
@@ -312,3 +312,24 @@ def _solve_sizes(table: CurveTable, batch: int) -> np.ndarray:
     cost = table.evaluate((c_lo[dev] + k + 1).astype(float), dev)
     order = np.lexsort((dev, k, cost))[:need]
     return c_lo + np.bincount(dev[order], minlength=n)
+
+
+def allreduce_time(parameter_bytes: float, participants: int, link_gbps: float, *, latency: float = 50e-6) -> float:
+    """Predicted seconds of one ring all-reduce of the gradients, without overlap with compute.
+
+    A ring all-reduce sends ``2 (n - 1) / n`` times the gradient bytes over each
+    participant's link, in ``2 (n - 1)`` rounds of ``latency`` each. DDP overlaps much
+    of it with the backward pass, so this is an upper bound on what it adds to a step.
+
+    Args:
+        parameter_bytes: Bytes of the gradients (the parameters' size).
+        participants: Devices taking part.
+        link_gbps: Bandwidth of the slowest link, in gigabits per second.
+        latency: Seconds per round.
+    """
+    if participants <= 1:
+        return 0.0
+    if not link_gbps > 0:
+        raise ValueError(f"the link bandwidth must be > 0 Gbit/s, got {link_gbps}")
+    n = participants
+    return 2 * (n - 1) / n * parameter_bytes / (link_gbps * 1e9 / 8) + 2 * (n - 1) * latency

@@ -82,7 +82,7 @@ def write_json(path: str | Path, kind: str, payload: dict[str, Any]) -> Path:
     return path
 
 
-def read_json(path: str | Path, kind: str) -> dict[str, Any]:
+def read_json(path: str | Path, kind: str | tuple[str, ...]) -> dict[str, Any]:
     """Read a file written by :func:`write_json`, checking its kind and schema version.
 
     Raises:
@@ -102,8 +102,10 @@ def read_json(path: str | Path, kind: str) -> dict[str, Any]:
         raise ProfileFileError(f"{path}: damaged file, not valid JSON ({e.msg} at line {e.lineno}); re-create it") from e
     if not isinstance(doc, dict) or doc.get("schema") != "hetsplit":
         raise ProfileFileError(f"{path}: not a hetsplit file")
-    if doc.get("kind") != kind:
-        raise ProfileFileError(f"{path}: holds a {doc.get('kind')!r}, expected a {kind!r}")
+    kinds = (kind,) if isinstance(kind, str) else kind
+    if doc.get("kind") not in kinds:
+        wanted = " or ".join(repr(k) for k in kinds)
+        raise ProfileFileError(f"{path}: holds a {doc.get('kind')!r}, expected a {wanted}")
     version = doc.get("schema_version")
     if version != SCHEMA_VERSION:
         raise ProfileFileError(

@@ -30,7 +30,7 @@ def test_profile_then_plan(capsys, tmp_path):
     prof = Profile.load(out_file)
     assert prof.devices == ["cpu", "cpu@0.5"] and prof.model["name"] == "mlp"
     code, out, _ = _run(capsys, "plan", str(out_file), "--batch-size", "40")
-    assert code == 0 and "predicted step time" in out and "even split" in out and "emulated" in out
+    assert code == 0 and "predicted compute per step" in out and "even split" in out and "emulated" in out
     code, out, _ = _run(capsys, "plan", str(out_file), "--batch-size", "40", "--json")
     plan = json.loads(out)
     assert sum(plan["sizes"]) == 40 and plan["devices"] == ["cpu", "cpu@0.5"]
@@ -109,3 +109,93 @@ def test_bench_rebalance_command(capsys, tmp_path):
     code, _, err = _run(capsys, "bench", "--rebalance", "--change", "cpu@0.5=0.25@4", "--devices", "cpu,cpu@1",
                         "--model", "mlp")
     assert code == 1 and "not among the devices" in err
+
+
+def test_demo_runs_end_to_end_and_writes_results_for_show(capsys, tmp_path):
+    out_file = tmp_path / "demo.json"
+    code, out, _ = _run(capsys, "demo", "--devices", "cpu,cpu@0.5", "--model", "mlp", "--batch-size", "32",
+                        "--steps", "2", "--budget", "2", "--quiet", "--json", str(out_file))
+    assert code == 0, out
+    assert "emulated: cpu@0.5" in out and "synthetic data" in out
+    assert "balanced split of 32" in out and "of the ideal" in out and "sits idle" in out
+    code, out, _ = _run(capsys, "show", str(out_file), "--out", str(tmp_path / "timeline.png"))
+    assert code == 0 and (tmp_path / "timeline.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_demo_devices_add_an_emulated_cpu_on_a_one_device_machine(monkeypatch):
+    import hetsplit.demo as demo
+    from hetsplit.devices import DeviceInfo
+
+    monkeypatch.setattr(demo, "discover", lambda: [DeviceInfo(name="cpu", kind="cpu", description="CPU")])
+    assert demo.demo_devices() == ["cpu", "cpu@0.25"]
+
+
+def _two_machines(tmp_path):
+    model = {"name": "resnet18", "parameter_bytes": 44_700_000, "fingerprint": "f"}
+    a = Profile.from_measurements({"cuda:0": [(16, 0.004), (256, 0.012)], "cpu": [(16, 0.05), (256, 0.8)]},
+                                  host="gpubox", model=model).save(tmp_path / "a.json")
+    b = Profile.from_measurements({"cpu": [(16, 0.1), (256, 1.6)]}, host="oldbox", model=model).save(tmp_path / "b.json")
+    return a, b
+
+
+def test_plan_what_if_across_profiles_with_copies_and_a_link(capsys, tmp_path):
+    a, b = _two_machines(tmp_path)
+    code, out, _ = _run(capsys, "plan", "--use", f"{a}:cuda:0*4", "--use", f"{b}:cpu", "--batch-size", "1024",
+                        "--link-gbps", "10")
+    assert code == 0, out
+    assert "what-if split of a batch of 1024" in out and "cuda:0#4" in out
+    assert "predicted gradient all-reduce" in out and "not measurements" in out
+    assert "without cpu of oldbox" in out and "without cuda:0*4 of gpubox" in out
+    code, out, _ = _run(capsys, "plan", str(a), str(b), "--batch-size", "64", "--json")
+    plan = json.loads(out)
+    assert plan["devices"] == ["cuda:0", "gpubox/cpu", "oldbox/cpu"] and sum(plan["sizes"]) == 64
+
+
+def test_show_draws_a_profile_with_a_plan_file(capsys, tmp_path):
+    a, _ = _two_machines(tmp_path)
+    code, out, _ = _run(capsys, "plan", str(a), "--batch-size", "100", "--json")
+    (tmp_path / "plan.json").write_text(out)
+    code, out, _ = _run(capsys, "show", str(a), "--plan", str(tmp_path / "plan.json"))
+    assert code == 0 and "picture written to" in out and a.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize(
+    "argv, fragment",
+    [
+        (["demo", "--devices", "cpu,cuda:7"], "'cuda:7' is not available"),
+        (["demo", "--devices", "cpu,cpu@2"], "must be in (0, 1]"),
+        (["demo", "--devices", "cpu,cpu@0.5", "--model", "nosuch"], "unknown model 'nosuch'"),
+        (["profile", "--devices", "gpu0"], "gpu0"),
+        (["plan", "--batch-size", "4"], "give a profile file"),
+        (["plan", "--use", "a.json", "--batch-size", "4"], "bad --use 'a.json'"),
+        (["plan", "--use", "nosuch.json:cpu*2", "--batch-size", "4"], "nosuch.json: no such file"),
+        (["bench", "--devices", "cpu,cuda:3", "--model", "mlp"], "'cuda:3' is not available"),
+        (["bench", "--rebalance", "--devices", "cpu,cpu@1", "--change", "cpu@1=x@3"], "bad speed change"),
+        (["show", "nosuch.json"], "nosuch.json: no such file"),
+    ],
+)
+def test_every_command_reports_bad_input_in_one_line(capsys, argv, fragment):
+    code, out, err = _run(capsys, *argv)
+    assert code == 1 and fragment in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_damaged_and_wrong_files_are_one_line_errors(capsys, tmp_path):
+    a, _ = _two_machines(tmp_path)
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"schema": "hetsplit", "kind": "profile", "schema_version": 1, "devices": [{}]}')
+    for argv, fragment in [
+        (["show", str(bad)], "damaged profile"),
+        (["plan", f"{a}", str(bad), "--batch-size", "8"], "damaged profile"),
+        (["plan", "--use", f"{a}:cuda:5", "--batch-size", "8"], "'cuda:5' is not in this profile"),
+        (["show", str(a), "--plan", str(tmp_path / "none.json")], "none.json: no such file"),
+        (["show", str(a), "--plan", str(bad)], "not a plan"),
+        (["plan", str(a), str(a), "--devices", "cpu", "--batch-size", "8"], "--devices picks devices of one profile"),
+    ]:
+        code, _, err = _run(capsys, *argv)
+        assert code == 1 and fragment in err and len(err.strip().splitlines()) == 1, (argv, err)
+    tmp_bench = tmp_path / "bench.json"
+    from hetsplit import store
+
+    store.write_json(tmp_bench, "bench", {"result": {"devices": ["cpu"]}})
+    code, _, err = _run(capsys, "show", str(tmp_bench))
+    assert code == 1 and "damaged bench results" in err

@@ -1,0 +1,202 @@
+"""Show: pictures of profiles (curves, memory caps), splits, and per-device step timelines (matplotlib, optional)."""
+
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from .profiles import Profile
+from .solver import Plan, even_sizes, solve
+
+if TYPE_CHECKING:
+    from .bench import BenchResult
+
+__all__ = ["MissingPlotExtra", "plot_profile", "plot_timeline"]
+
+_COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf"]
+
+
+class MissingPlotExtra(ImportError):
+    """matplotlib is not installed (the optional ``plot`` extra)."""
+
+
+def _pyplot() -> Any:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")  # files only; never needs a display
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        raise MissingPlotExtra(
+            "pictures need matplotlib: pip install 'hetsplit[plot]' (or pip install matplotlib)"
+        ) from e
+    return plt
+
+
+def _label(name: str, emulated: bool) -> str:
+    return f"{name} (emulated)" if emulated else name
+
+
+def _save(fig: Any, out: str | Path) -> Path:
+    """Write the figure atomically (a temporary file renamed into place)."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=out.suffix or ".png", dir=out.parent)
+    os.close(fd)
+    try:
+        fig.savefig(tmp, dpi=110, bbox_inches="tight")
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out
+
+
+def plot_profile(profile: Profile, out: str | Path, *, plan: Plan | None = None, batch_size: int | None = None) -> Path:
+    """Draw a profile: step time and throughput against batch size per device, and a split.
+
+    Top left: each device's measured step times (every repeat as a faint dot, the median
+    as a marker) and its fitted curve, memory caps as dashed lines. Top right:
+    throughput (samples/s) from the same data. Bottom: the split of ``plan`` (or of
+    ``batch_size`` solved on the profile, default the largest measured batch) as a
+    stacked bar, and each device's predicted time at its share.
+
+    Args:
+        profile: The profile.
+        out: The PNG (or any matplotlib format) to write.
+        plan: The split to draw.
+        batch_size: The batch to solve for when no plan is given.
+
+    Returns:
+        The path written.
+
+    Raises:
+        MissingPlotExtra: Without matplotlib, with the command that installs it.
+    """
+    plt = _pyplot()
+    if plan is None:
+        top = max((m.batch for e in profile.entries for m in e.measurements), default=256)
+        plan = solve(profile, batch_size or top)
+    fig, axes = plt.subplots(2, 2, figsize=(12, 8.5), gridspec_kw={"height_ratios": [3, 2]})
+    ax_t, ax_thr, ax_split, ax_pred = axes.ravel()
+    biggest = max([m.batch for e in profile.entries for m in e.measurements] + [plan.batch_size, 2])
+    for k, e in enumerate(profile.entries):
+        color = _COLORS[k % len(_COLORS)]
+        label = _label(e.name, e.info.emulated)
+        xs = [m.batch for m in e.measurements]
+        meds = [m.median for m in e.measurements]
+        for m in e.measurements:
+            ax_t.scatter([m.batch] * len(m.times), [t * 1e3 for t in m.times], s=6, color=color, alpha=0.25)
+        ax_t.scatter(xs, [t * 1e3 for t in meds], s=28, color=color, label=f"{label}: measured (median)")
+        grid = np.unique(np.geomspace(1, biggest, 200).round())
+        cap = e.curve.memory_cap
+        grid = grid[grid <= cap] if cap is not None else grid
+        fit = [e.curve(b) for b in grid]
+        ax_t.plot(grid, [t * 1e3 for t in fit], color=color, lw=1.5, label=f"{label}: fitted curve")
+        ax_thr.plot(grid, [b / t if t > 0 else math.nan for b, t in zip(grid, fit)], color=color, lw=1.5, label=label)
+        ax_thr.scatter(xs, [b / t for b, t in zip(xs, meds)], s=28, color=color)
+        if cap is not None:
+            for ax in (ax_t, ax_thr):
+                ax.axvline(cap, color=color, ls="--", lw=1)
+            ax_t.annotate(f"memory cap {cap}", (cap, ax_t.get_ylim()[1]), rotation=90, va="top", ha="right",
+                          fontsize=8, color=color)
+    for ax, ylabel, title in ((ax_t, "step time (ms)", "Training step time (forward + loss + backward)"),
+                              (ax_thr, "throughput (samples/s)", "Throughput")):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("batch size (samples)")
+        ax.set_ylabel(ylabel)
+        ax.set_title(title)
+        ax.grid(True, which="both", alpha=0.3)
+    ax_t.legend(fontsize=8, loc="upper left")
+    ax_thr.legend(fontsize=8, loc="lower right")
+
+    left = 0
+    emulated = set(plan.emulated)
+    for k, (name, size) in enumerate(zip(plan.devices, plan.sizes)):
+        color = _COLORS[k % len(_COLORS)]
+        ax_split.barh([0], [size], left=left, color=color, edgecolor="white", label=_label(name, name in emulated))
+        if size:
+            ax_split.text(left + size / 2, 0, f"{size}\n({size / plan.batch_size:.0%})", ha="center", va="center",
+                          color="white", fontsize=9, fontweight="bold")
+        left += size
+    ax_split.set_xlim(0, plan.batch_size)
+    ax_split.set_yticks([])
+    ax_split.set_xlabel("samples of the batch")
+    ax_split.set_title(f"Balanced split of a batch of {plan.batch_size}")
+    ax_split.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.3), ncol=min(4, len(plan.devices)))
+
+    times = [t * 1e3 if math.isfinite(t) else 0.0 for t in plan.times]
+    colors = [_COLORS[k % len(_COLORS)] for k in range(len(plan.devices))]
+    ax_pred.bar(range(len(plan.devices)), times, color=colors)
+    ax_pred.set_xticks(range(len(plan.devices)),
+                       [f"{_label(d, d in emulated)}\n{s} samples" for d, s in zip(plan.devices, plan.sizes)], fontsize=8)
+    ax_pred.axhline(plan.step_time * 1e3, color="black", ls=":", lw=1, label=f"step {plan.step_time * 1e3:.2f} ms")
+    if math.isfinite(plan.even_time):
+        ax_pred.axhline(plan.even_time * 1e3, color="grey", ls="--", lw=1, label=f"even split {plan.even_time * 1e3:.2f} ms")
+    ax_pred.set_ylabel("predicted time (ms)")
+    ax_pred.set_title("Predicted time per device at its share")
+    ax_pred.legend(fontsize=8)
+    model = profile.model.get("name", "model")
+    fig.suptitle(f"{model} on {profile.host} ({profile.created[:10]}); predictions from the fitted curves", fontsize=11)
+    fig.tight_layout()
+    try:
+        return _save(fig, out)
+    finally:
+        plt.close(fig)
+
+
+def plot_timeline(result: BenchResult, out: str | Path) -> Path:
+    """Draw one training step per device for the even and the balanced split (from ``hetsplit bench``).
+
+    Each device's bar shows its busy time (forward and backward on its shard), then the
+    time it waits for the slowest device, then the part of the step outside the
+    replicas that every device waits for (scatter, gather, loss and optimizer step, on
+    the calling thread). Medians over the benchmark's steps.
+
+    Args:
+        result: A :class:`~hetsplit.bench.BenchResult`.
+        out: The PNG (or any matplotlib format) to write.
+
+    Returns:
+        The path written.
+
+    Raises:
+        MissingPlotExtra: Without matplotlib, with the command that installs it.
+    """
+    plt = _pyplot()
+    configs = [("even", even_sizes(result.batch_size, len(result.devices))), ("balanced", result.plan.sizes)]
+    fig, axes = plt.subplots(2, 1, figsize=(11, 2.2 + 1.1 * len(result.devices) * 2), sharex=True)
+    emulated = set(result.meta.get("emulated", []))
+    longest = max(result.step_times[name] for name, _ in configs) * 1e3
+    for ax, (name, sizes) in zip(axes, configs):
+        step = result.step_times[name] * 1e3
+        busy = {d: result.busy.get(name, {}).get(d, 0.0) * 1e3 for d in result.devices}
+        slowest = min(max(busy.values(), default=0.0), step)
+        for row, d in enumerate(result.devices):
+            b = min(busy[d], step)
+            ax.barh(row, b, color="#2ca02c", label="compute (forward + backward)" if row == 0 else None)
+            ax.barh(row, slowest - b, left=b, color="#d9d9d9", label="idle, waiting for the slowest device" if row == 0 else None)
+            ax.barh(row, step - slowest, left=slowest, color="#ff7f0e",
+                    label="scatter, gather, loss, optimizer (outside the replicas)" if row == 0 else None)
+            ax.text(step + longest * 0.01, row, f"{b:.1f} ms busy of {step:.1f}", va="center", fontsize=8)
+        labels = [f"{_label(d, d in emulated)}\n{s} samples" for d, s in zip(result.devices, sizes)]
+        ax.set_yticks(range(len(result.devices)), labels, fontsize=8)
+        ax.invert_yaxis()
+        ax.set_title(f"{name} split: {step:.1f} ms per step ({result.batch_size / step * 1e3:,.0f} samples/s)")
+        ax.set_xlim(0, longest * 1.25)
+        ax.grid(True, axis="x", alpha=0.3)
+    axes[-1].set_xlabel("time within one training step (ms)")
+    axes[-1].legend(fontsize=8, loc="center right")
+    fig.suptitle(f"{result.model}, batch {result.batch_size}, {result.meta.get('date', '')} on {result.meta.get('host', '')}: "
+                 f"balanced is {result.speedup_vs_even:.2f}x the even split", fontsize=11)
+    fig.tight_layout()
+    try:
+        return _save(fig, out)
+    finally:
+        plt.close(fig)

@@ -1,0 +1,65 @@
+"""Pictures: a profile (curves, caps, split) and a bench timeline render to real PNG files."""
+
+import builtins
+
+import pytest
+
+from hetsplit import Profile, solve
+from hetsplit.bench import BenchResult
+from hetsplit.show import MissingPlotExtra, plot_profile, plot_timeline
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def _profile():
+    return Profile.from_measurements(
+        {"cuda:0": [(2, 0.004), (16, 0.0045), (64, 0.006), (256, 0.012)],
+         "cpu": [(2, 0.001), (16, 0.006), (64, 0.02), (256, 0.08)]},
+        memory_caps={"cuda:0": 512}, model={"name": "lenet"}, host="box")
+
+
+def _bench():
+    prof = _profile()
+    plan = solve(prof, 256)
+    return BenchResult(devices=["cuda:0", "cpu"], model="lenet", batch_size=256, mode="gather",
+                       single={"cuda:0": 21000.0, "cpu": 3200.0}, even=6000.0, balanced=19000.0, plan=plan,
+                       step_times={"even": 0.043, "balanced": 0.0135, "single:cuda:0": 0.012, "single:cpu": 0.08},
+                       overhead=0.02, busy={"even": {"cuda:0": 0.007, "cpu": 0.041}, "balanced": {"cuda:0": 0.011, "cpu": 0.0105}},
+                       meta={"date": "2026-11-21", "host": "box", "emulated": []})
+
+
+def _is_png(path):
+    data = path.read_bytes()
+    return data[:8] == PNG and len(data) > 20_000  # a real picture, not an empty canvas
+
+
+def test_profile_picture_with_solved_and_given_plans(tmp_path):
+    out = plot_profile(_profile(), tmp_path / "sub" / "p.png", batch_size=200)
+    assert out == tmp_path / "sub" / "p.png" and _is_png(out)
+    plan = solve(_profile(), 100)
+    assert _is_png(plot_profile(_profile(), tmp_path / "q.png", plan=plan))
+    assert not list(tmp_path.glob(".*"))  # written atomically: no temporary file left behind
+
+
+def test_timeline_picture(tmp_path):
+    assert _is_png(plot_timeline(_bench(), tmp_path / "t.png"))
+
+
+def test_bench_result_round_trips_through_a_dict():
+    r = _bench()
+    back = BenchResult.from_dict(r.to_dict())
+    assert back.plan.sizes == r.plan.sizes and back.busy == r.busy and back.speedup_vs_even == r.speedup_vs_even
+
+
+def test_missing_matplotlib_gives_a_one_line_hint(tmp_path, monkeypatch):
+    real_import = builtins.__import__
+
+    def no_matplotlib(name, *args, **kwargs):
+        if name.startswith("matplotlib"):
+            raise ImportError("No module named 'matplotlib'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_matplotlib)
+    with pytest.raises(MissingPlotExtra, match=r"pip install 'hetsplit\[plot\]'"):
+        plot_profile(_profile(), tmp_path / "p.png")
+    assert not (tmp_path / "p.png").exists()
