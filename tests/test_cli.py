@@ -199,3 +199,9 @@ def test_damaged_and_wrong_files_are_one_line_errors(capsys, tmp_path):
     store.write_json(tmp_bench, "bench", {"result": {"devices": ["cpu"]}})
     code, _, err = _run(capsys, "show", str(tmp_bench))
     assert code == 1 and "damaged bench results" in err
+
+
+def test_devices_rejects_unknown_arguments(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["devices", "--bogus"])
+    assert exc.value.code == 2 and "unrecognized arguments: --bogus" in capsys.readouterr().err
