@@ -472,13 +472,13 @@ def bench_rebalance(
     x, y = synthetic_batch(spec, batch_size, seed=seed)
     home = _home_device(devs)
     reb = Rebalancer(every=every, on_change=lambda c: say(f"plan change at {c}"))
-    dp = HeteroDataParallel(spec.factory().to(home), devs, weights=[1] * len(devs), rebalance=reb)
+    dp = HeteroDataParallel(spec.factory().to(home), devs, weights=[1] * len(devs))
     step = _dp_step(dp, x, y, "gather")
     times: list[float] = []
     sizes: list[list[int]] = []
     try:
-        step()  # warm up
-        reb.__init__(every=every, on_change=reb.on_change)  # forget the warm-up step
+        step()  # warm up, unobserved
+        dp.rebalancer = reb
         for k in range(steps):
             if changed is not None and k == change[2]:  # type: ignore[index]
                 changed.set_speed(change[1])  # type: ignore[index]

@@ -257,6 +257,16 @@ def _world(num_replicas: int | None, rank: int | None, plan: Plan) -> tuple[int,
     return num_replicas, rank
 
 
+def _plan_at(schedule: Sequence[tuple[int, Plan]], step: int) -> Plan:
+    """The plan of a ``(first step, plan)`` schedule (oldest first) in force at ``step``."""
+    current = schedule[0][1]
+    for start, p in schedule:
+        if start > step:
+            break
+        current = p
+    return current
+
+
 class HeteroBatchSampler(Sampler[list[int]]):
     """This rank's share of every global batch, one step at a time, following plan changes.
 
@@ -304,12 +314,7 @@ class HeteroBatchSampler(Sampler[list[int]]):
 
     def plan_at(self, step: int) -> Plan:
         """The plan in force at global step ``step``."""
-        current = self.schedule[0][1]
-        for start, p in self.schedule:
-            if start > step:
-                break
-            current = p
-        return current
+        return _plan_at(self.schedule, step)
 
     def set_plan(self, plan: Plan, from_step: int) -> None:
         """Use ``plan`` from global step ``from_step`` on (call it with the same values on every rank).
@@ -549,12 +554,7 @@ class DistributedRebalancer:
 
     def plan_at(self, step: int) -> Plan:
         """The plan in force at step ``step``."""
-        current = self.schedule[0][1]
-        for start, p in self.schedule:
-            if start > step:
-                break
-            current = p
-        return current
+        return _plan_at(self.schedule, step)
 
     def _mark(self, _param: torch.Tensor) -> None:
         if self._lap is not None:
