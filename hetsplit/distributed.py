@@ -192,11 +192,8 @@ class HeteroDistributedSampler(Sampler[int]):
     Args:
         dataset: The dataset (only its length is used).
         plan: The plan every rank holds (see :func:`plan`).
-        num_replicas: World size (default: the process group's).
-        rank: This rank (default: the process group's).
-        shuffle: Shuffle each epoch.
-        seed: Seed of the shuffle, the same on every rank.
-        drop_last: Drop the last incomplete global batch instead of padding it.
+        num_replicas, rank, shuffle, seed, drop_last: As for :class:`HeteroBatchSampler`
+            (this sampler is its flat form, with a plan that never changes).
 
     Raises:
         ValueError: If the plan's device count differs from ``num_replicas`` or ``rank``
@@ -205,29 +202,26 @@ class HeteroDistributedSampler(Sampler[int]):
 
     def __init__(self, dataset: Dataset, plan: Plan, *, num_replicas: int | None = None, rank: int | None = None,
                  shuffle: bool = True, seed: int = 0, drop_last: bool = False) -> None:
-        num_replicas, rank = _world(num_replicas, rank, plan)
+        self._batches = HeteroBatchSampler(dataset, plan, num_replicas=num_replicas, rank=rank, shuffle=shuffle,
+                                           seed=seed, drop_last=drop_last)
         self.dataset, self.plan = dataset, plan
-        self.num_replicas, self.rank = num_replicas, rank
+        self.num_replicas, self.rank = self._batches.num_replicas, self._batches.rank
         self.shuffle, self.seed, self.drop_last = shuffle, seed, drop_last
-        self.epoch = 0
-        self.offset = sum(plan.sizes[:rank])
-        self.size = plan.sizes[rank]
-        n, b = len(dataset), plan.batch_size  # type: ignore[arg-type]
-        self.steps = n // b if drop_last else math.ceil(n / b)
+        self.size = plan.sizes[self.rank]
+        self.steps = self._batches.steps
+
+    @property
+    def epoch(self) -> int:
+        """The epoch whose order :meth:`__iter__` gives (see :meth:`set_epoch`)."""
+        return self._batches.epoch
 
     def set_epoch(self, epoch: int) -> None:
         """Shuffle differently for ``epoch`` (call it on every rank before each epoch)."""
-        self.epoch = epoch
-
-    def _order(self) -> list[int]:
-        return _epoch_order(len(self.dataset), self.steps * self.plan.batch_size,  # type: ignore[arg-type]
-                            self.shuffle, self.seed + self.epoch)
+        self._batches.set_epoch(epoch)
 
     def __iter__(self) -> Iterator[int]:
-        order, b = self._order(), self.plan.batch_size
-        for step in range(self.steps):
-            start = step * b + self.offset
-            yield from order[start : start + self.size]
+        for batch in self._batches:
+            yield from batch
 
     def __len__(self) -> int:
         return self.steps * self.size
