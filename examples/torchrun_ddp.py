@@ -40,7 +40,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=0, help="stop after this many steps (0: run every epoch fully)")
     parser.add_argument("--lr", type=float, default=0.1)
     parser.add_argument("--equal", action="store_true", help="equal shares (as DistributedSampler), for comparison")
-    parser.add_argument("--no-weighting", action="store_true", help="keep DDP's plain mean over ranks (biased)")
+    parser.add_argument("--weighting", choices=("hook", "outputs", "none"), default="hook",
+                        help="shard weighting: a DDP comm hook (general), scaling at the model's outputs "
+                             "(cheapest; leaves the comm hook free), or none (DDP's plain mean: biased)")
     parser.add_argument("--profile-budget", type=float, default=10.0, help="seconds each rank profiles")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds before a dead or hung rank is an error")
     parser.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto")
@@ -84,7 +86,7 @@ def main() -> None:
     say("plan:", ", ".join(f"{d} {s}" for d, s in zip(plan.devices, plan.sizes)))
 
     ddp = DDP(model, device_ids=[dev.index] if dev.type == "cuda" else None)
-    grads = None if args.no_weighting else hd.weight_gradients(ddp, plan)
+    grads = None if args.weighting == "none" else hd.weight_gradients(ddp, plan, method=args.weighting)
     # One list of indices per step: the shares can change between steps (--rebalance).
     sampler = hd.HeteroBatchSampler(train_set, plan, shuffle=True, seed=0)
     loader = DataLoader(train_set, batch_sampler=sampler, collate_fn=sampler.collate)

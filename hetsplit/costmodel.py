@@ -125,6 +125,16 @@ class Curve:
         return dataclasses.replace(self, seconds=[t * factor for t in self.seconds],
                                    intercept=self.intercept * factor, slope=self.slope * factor)
 
+    def shifted(self, seconds: float) -> Curve:
+        """This curve with ``seconds`` (>= 0) of fixed overhead added to every used batch.
+
+        ``t(0)`` stays 0: an unused device pays nothing.
+        """
+        if not (math.isfinite(seconds) and seconds >= 0):
+            raise ValueError(f"a curve can only be shifted by a finite overhead >= 0 seconds, got {seconds}")
+        return dataclasses.replace(self, seconds=[t + seconds for t in self.seconds],
+                                   intercept=self.intercept + seconds)
+
     @property
     def max_measured(self) -> int:
         """The largest batch size the curve was fitted on (beyond it, it extrapolates)."""

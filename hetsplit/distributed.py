@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import copy
+import dataclasses
 import datetime as _dt
 import hashlib
 import json
 import math
+import statistics
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -16,6 +19,7 @@ from torch import nn
 from torch.utils.data import Dataset, Sampler
 
 from . import __version__
+from .costmodel import Curve
 from .profiles import Profile
 from .devices import Device, DeviceLike, Lap, parse_device
 from .rebalance import PlanChange, Rebalancer
@@ -107,6 +111,7 @@ def plan(
     loss_fn: Callable[..., torch.Tensor] | None = None,
     target: Any = None,
     profile: Profile | None = None,
+    calibrate: int = 16,
     group: Any = None,
     **profile_kwargs: Any,
 ) -> Plan:
@@ -118,6 +123,15 @@ def plan(
     the plan are labelled ``rank{r}:{device}`` in rank order, so ``plan.sizes[rank]`` is
     each rank's local batch.
 
+    The profile times the bare model; a DDP step also pays DDP's own per-step work (its
+    forward, gradient bucketing, the all-reduce's CPU time), which weighs most on a slow
+    rank. With ``calibrate`` steps, every rank then runs that many real DDP steps of a
+    copy of ``model`` on its planned share, its work timed up to its last gradient
+    (waiting for other ranks is not work); each rank's curve is corrected to pass
+    through its median (work beyond the profile is added as a fixed per-step overhead,
+    work short of it scales the curve down) and the plan is solved again. ``model`` is
+    not touched.
+
     Args:
         model: The model (unwrapped, or the module inside DDP).
         sample: Example input for the profiler (see :func:`hetsplit.profile`).
@@ -127,6 +141,8 @@ def plan(
         loss_fn, target: As for :func:`hetsplit.profile`.
         profile: This rank's profile, to skip profiling (one device, or the device
             named by ``device``).
+        calibrate: DDP steps to calibrate the plan with (after 2 warm-up steps); 0
+            skips it (for a job without DDP, or when a share is 0 it is skipped).
         group: The process group (default: the world).
         **profile_kwargs: Passed to :func:`hetsplit.profile` (``time_budget``, ...).
 
@@ -134,11 +150,14 @@ def plan(
         The same :class:`Plan` on every rank.
 
     Raises:
-        DistributedError: If hetsplit versions differ across ranks, or a rank dies or
-            hangs past the group's timeout.
+        ValueError: On a negative ``calibrate``, before anything else runs.
+        DistributedError: If hetsplit versions differ across ranks, a calibration step
+            fails on some rank, or a rank dies or hangs past the group's timeout.
     """
     from .profiler import profile as run_profile
 
+    if isinstance(calibrate, bool) or not isinstance(calibrate, int) or calibrate < 0:
+        raise ValueError(f"calibrate must be a number of steps >= 0, got {calibrate!r}")
     rank, world = _group_info(group)
     dev = parse_device(device if device is not None else _default_device())
     versions = _all_gather(__version__, "comparing hetsplit versions", group)
@@ -149,7 +168,7 @@ def plan(
         profile = run_profile(model, sample, [dev], loss_fn, target=target, progress=False, **profile_kwargs)
     entry = profile.entry(dev.name) if len(profile.entries) > 1 else profile.entries[0]
     gathered = _all_gather({"entry": entry.to_dict(), "model": profile.model}, "gathering profiles", group)
-    holder: list[Any] = [None]
+    combined = None
     if rank == 0:
         from .profiles import DeviceProfile
 
@@ -159,13 +178,96 @@ def plan(
             e.info.name = f"rank{r}:{e.info.name}"
             entries.append(e)
         combined = Profile(entries, model=gathered[0]["model"], host="torchrun", source="distributed")
-        holder[0] = solve(combined, batch_size).to_dict()
+    result = _broadcast_plan(lambda: solve(combined, batch_size), group, rank, world)
+    if calibrate and min(result.sizes) > 0:
+        work = _calibration_work(model, sample, target, loss_fn, dev, result.sizes[rank], calibrate, group, rank)
+        if rank == 0:
+            combined = dataclasses.replace(combined, entries=[
+                dataclasses.replace(e, curve=_through(e.curve, size, seconds))
+                for e, size, seconds in zip(combined.entries, result.sizes, work)])
+        result = _broadcast_plan(lambda: solve(combined, batch_size), group, rank, world)
+    return result
+
+
+def _through(curve: Curve, size: int, seconds: float) -> Curve:
+    """``curve`` corrected to pass through a measured ``(size, seconds)``.
+
+    Work beyond the prediction is a fixed per-step overhead (what DDP adds to a step);
+    work short of it scales the curve down.
+    """
+    predicted = curve(size)
+    if not (math.isfinite(seconds) and seconds > 0 and math.isfinite(predicted) and predicted > 0):
+        return curve
+    return curve.shifted(seconds - predicted) if seconds >= predicted else curve.scaled(seconds / predicted)
+
+
+def _broadcast_plan(make: Callable[[], Plan], group: Any, rank: int, world: int) -> Plan:
+    """Rank 0 makes the plan; every rank receives it."""
+    holder: list[Any] = [make().to_dict() if rank == 0 else None]
     src = dist.get_global_rank(group, 0) if group is not None else 0
     _collective("broadcasting the plan", lambda: dist.broadcast_object_list(holder, src=src, group=group), rank)
     result = Plan.from_dict(holder[0])
     if len(result.devices) != world:
         raise DistributedError(f"the plan has {len(result.devices)} devices for {world} ranks")
     return result
+
+
+def _calibration_work(model: nn.Module, sample: Any, target: Any, loss_fn: Callable[..., torch.Tensor] | None,
+                      dev: Device, size: int, steps: int, group: Any, rank: int) -> list[float]:
+    """Every rank's median seconds of work in a real DDP step on its share (all-gathered)."""
+    from .profiler import _call, _default_loss, _move, _rows
+
+    replica = copy.deepcopy(model).to(dev.torch_device).train()
+    index = torch.arange(size)
+    inputs = _move(_rows(sample, batch_length(sample), index), dev.torch_device)
+    labels = _move(_rows(target, batch_length(target), index), dev.torch_device) if target is not None else None
+
+    def loss_of(net: nn.Module) -> torch.Tensor:
+        out = _call(net, inputs)
+        if loss_fn is None:
+            return _default_loss(out)
+        return loss_fn(out, labels) if labels is not None else loss_fn(out)
+
+    try:  # one step alone first: a failing step is reported on every rank, not left hanging in DDP
+        loss_of(replica).backward()
+        failure = None
+    except Exception as e:  # noqa: BLE001 -- reported below, on every rank
+        failure = f"{type(e).__name__}: {e}"
+    failures = _all_gather(failure, "calibrating the plan", group)
+    if any(failures):
+        bad = {r: f for r, f in enumerate(failures) if f}
+        raise DistributedError(f"a DDP step on the planned shares failed on ranks {bad}; check the model runs "
+                               "on these batch sizes, or pass calibrate=0")
+    ddp = nn.parallel.DistributedDataParallel(replica, device_ids=[dev.index] if dev.type == "cuda" else None,
+                                              process_group=group)
+    lap: Lap | None = None
+    delay_at_mark = 0.0
+
+    def mark(_param: torch.Tensor) -> None:
+        nonlocal delay_at_mark
+        if lap is not None:
+            lap.stop()
+            delay_at_mark = dev.delayed
+
+    handles = [p.register_post_accumulate_grad_hook(mark) for p in replica.parameters() if p.requires_grad]
+    laps = []
+    try:
+        for i in range(2 + steps):
+            replica.zero_grad(set_to_none=True)
+            lap = Lap(dev)
+            with dev.throttle(cpu_time=True):  # DDP's backward also waits for other ranks: only work is slowed
+                loss = loss_of(ddp)
+            with dev.throttle(cpu_time=True):
+                loss.backward()
+            lap.extra = dev.delayed - delay_at_mark  # the emulated delay after the last gradient is work too
+            if i >= 2:
+                laps.append(lap)
+            lap = None
+    finally:
+        for h in handles:
+            h.remove()
+    mine = statistics.median(x.seconds() for x in laps)
+    return [float(t) for t in _all_gather(mine, "gathering calibration times", group)]
 
 
 def _default_device() -> str:
@@ -417,60 +519,120 @@ def _weighted_allreduce(state, bucket):  # type: ignore[no-untyped-def]
     return fut.then(finish)
 
 
+class _ScaleGradient(torch.autograd.Function):
+    """The identity forward; the gradient flowing back is multiplied by a constant."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, factor: float) -> torch.Tensor:  # type: ignore[override]
+        ctx.factor = factor
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        # A factor of 0 (a rank with no samples) gives zeros even where the gradient is NaN.
+        return (grad * ctx.factor if ctx.factor else torch.zeros_like(grad)), None
+
+
+_METHODS = ("hook", "outputs")
+
+
 def weight_gradients(ddp_model: nn.parallel.DistributedDataParallel, plan: Plan | None = None, *,
-                     reduction: str = "mean", dim: int = 0, group: Any = None) -> _WeightState:
+                     method: str = "hook", reduction: str = "mean", dim: int = 0, group: Any = None) -> _WeightState:
     """Make DDP average gradients weighted by each rank's shard: ``sum_r b_r * g_r / B``.
 
-    DDP's own average is the plain mean over ranks, biased when shards differ. This
-    registers a DDP comm hook (and a forward pre-hook recording each step's local batch
-    size, the length of the inputs along ``dim``). With a per-rank loss that is a mean
-    over the rank's samples, the weighted average equals the full-batch gradient; with
-    ``reduction="sum"`` gradients are summed. Every rank takes part in every step, also
-    with 0 samples.
+    DDP's own average is the plain mean over ranks, biased when shards differ. With a
+    per-rank loss that is a mean over the rank's samples, the weighted average equals
+    the full-batch gradient; with ``reduction="sum"`` gradients are summed. Every rank
+    takes part in every step, also with 0 samples. A forward hook records each step's
+    local batch size (the length of the inputs along ``dim``).
+
+    Two ways to weight:
+
+    - ``method="hook"`` (the default) registers a DDP comm hook. With a ``plan``, each
+      bucket is scaled in place by the constant ``b_r / B`` and summed: the cost of any
+      Python comm hook. Without a plan, steps may have any sizes: each bucket travels
+      as ``[b_r * g_r, b_r]`` in one message and is divided by the summed count. Every
+      gradient DDP reduces is weighted, whatever path it took.
+    - ``method="outputs"`` (needs a ``plan``) registers no comm hook: the gradient
+      flowing back into the module's outputs is multiplied by ``world * b_r / B``, and
+      DDP's built-in C++ mean does the rest. No Python runs per bucket, the scaling
+      touches the outputs rather than every gradient, and any comm hook of the user's
+      own that averages (compression, PowerSGD) can still be registered. Exact when
+      every per-sample loss term reaches the parameters through the module's outputs,
+      as in ``loss_fn(model(x), y)`` (a penalty on the parameters themselves is fine
+      too); a loss term built from activations stored elsewhere would not be weighted:
+      use the hook then.
 
     With a ``plan``, every step must follow it (as :class:`HeteroDistributedSampler`
     gives; a step of another size raises on that rank rather than being weighted
-    wrongly): each bucket is scaled in place by the constant ``b_r / B`` and summed, which
-    costs what any Python comm hook costs. Without a plan, steps may have any sizes: each
-    bucket travels as ``[b_r * g_r, b_r]`` in one message and is divided by the summed
-    count.
+    wrongly).
 
     Args:
         ddp_model: The DistributedDataParallel model (call before the first backward).
         plan: The plan every rank holds (checked to be the same everywhere), or ``None``
-            for steps of any size.
+            for steps of any size (``method="hook"`` only).
+        method: ``"hook"`` or ``"outputs"``, as above.
         reduction: ``"mean"`` or ``"sum"``: how each rank's loss reduces its samples.
         dim: The batch dimension of the inputs.
         group: The process group DDP uses (default: the world).
 
     Returns:
-        The hook's state; ``state.local`` is the last step's local batch size.
+        The weighting's state; ``state.local`` is the last step's local batch size and
+        ``state.set_plan(plan)`` weights the following steps by another plan (what
+        :class:`DistributedRebalancer` does).
 
     Raises:
-        ValueError: On an unknown ``reduction``.
+        ValueError: On an unknown ``reduction`` or ``method``, or ``method="outputs"``
+            without a plan.
     """
     shard_weights([1], reduction)  # validates the reduction
+    if method not in _METHODS:
+        raise ValueError(f"unknown method {method!r}; use one of {', '.join(_METHODS)}")
+    if method == "outputs" and plan is None:
+        raise ValueError('method="outputs" needs the plan (the weights must be known before the step); '
+                         'use method="hook" for steps of any size')
     if plan is not None:
         verify_plan(plan, group)
-    rank, _ = _group_info(group)
+    rank, world = _group_info(group)
     state = _WeightState(group, reduction, rank)
     state.set_plan(plan)
 
-    def record(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    def record(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         first = args[0] if args else None
         if isinstance(first, torch.Tensor) and first.dim() > 0 and not kwargs:
             state.local = first.shape[dim]  # the common case, without walking the inputs
         else:
             state.local = batch_length((args, kwargs), dim)
-        if state.planned is not None and torch.is_grad_enabled() and state.local != state.planned:
+        if state.planned is not None and state.local != state.planned:
             raise DistributedError(
                 f"rank {rank}: this step has {state.local} samples but the plan gives this rank {state.planned}; "
                 "steps must follow the plan (use HeteroDistributedSampler), or call weight_gradients(ddp) "
                 "without a plan to weight steps of any size"
             )
 
-    ddp_model.module.register_forward_pre_hook(record, with_kwargs=True)
-    ddp_model.register_comm_hook(state, _weighted_allreduce)
+    if method == "hook":
+        def before(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            if torch.is_grad_enabled():
+                record(args, kwargs)
+
+        ddp_model.module.register_forward_pre_hook(before, with_kwargs=True)
+        ddp_model.register_comm_hook(state, _weighted_allreduce)
+        return state
+
+    def scale(t: Any) -> Any:
+        if isinstance(t, torch.Tensor) and t.requires_grad and (t.is_floating_point() or t.is_complex()):
+            return _ScaleGradient.apply(t, world * state.weight)
+        return t
+
+    def after(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return None
+        record(args, kwargs)  # after the forward: one Python call per step; an off-plan step still raises
+        if isinstance(output, torch.Tensor):
+            return scale(output)
+        return torch.utils._pytree.tree_map(scale, output)
+
+    ddp_model.module.register_forward_hook(after, with_kwargs=True)
     return state
 
 

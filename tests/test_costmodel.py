@@ -85,3 +85,14 @@ def test_profile_dict_round_trip():
     q = Profile.from_dict(p.to_dict())
     assert q.to_dict() == p.to_dict()
     assert q.step_time("a", 5) == p.step_time("a", 5)
+
+
+def test_shifted_adds_a_fixed_overhead_to_every_used_batch():
+    c = Curve.fit([(4, 0.02), (16, 0.05), (64, 0.2)], memory_cap=100)
+    s = c.shifted(0.003)
+    for b in (1, 3, 4, 10, 64, 90):
+        assert s(b) == pytest.approx(c(b) + 0.003, rel=1e-12)
+    assert s(0) == 0.0 and s(101) == math.inf  # an unused device still costs nothing; the cap stays
+    assert s.evaluate(np.array([10.0]))[0] == pytest.approx(s(10), rel=1e-12)
+    with pytest.raises(ValueError, match="overhead >= 0 seconds, got -0.1"):
+        c.shifted(-0.1)

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+import hetsplit
 import hetsplit.distributed as hd
 from hetsplit.solver import plan_from_sizes
 
@@ -32,26 +33,25 @@ def _batch(n=10):
     return torch.randn(n, 6, dtype=torch.float64, generator=gen), torch.randint(0, 3, (n,), generator=gen)
 
 
-def _full_grads(x, y):
-    ref = _net()
-    F.cross_entropy(ref(x), y).backward()
-    return [p.grad for p in ref.parameters()]
-
-
 def _rel_err(model, ref_grads):
     return max(float((p.grad - g).abs().max() / g.abs().max()) for p, g in zip(model.parameters(), ref_grads))
 
 
-def _ddp_step(sizes, rank, hook, with_plan=True):
+def _ddp_step(sizes, rank, hook, with_plan=True, method="hook", reduction="mean", user_hook=None):
     x, y = _batch(sum(sizes))
     start = sum(sizes[:rank])
     xs, ys = x[start:start + sizes[rank]], y[start:start + sizes[rank]]
     ddp = DDP(_net())
     if hook:
         plan = plan_from_sizes(None, [f"rank{r}" for r in range(WORLD)], sizes) if with_plan else None
-        hd.weight_gradients(ddp, plan)
-    F.cross_entropy(ddp(xs), ys).backward()  # mean over the local shard (NaN for an empty one)
-    return _rel_err(ddp.module, _full_grads(x, y))
+        hd.weight_gradients(ddp, plan, method=method, reduction=reduction)
+    if user_hook is not None:
+        ddp.register_comm_hook(None, user_hook)
+    # mean over the local shard (NaN for an empty one), or a sum
+    F.cross_entropy(ddp(xs), ys, reduction=reduction).backward()
+    ref = _net()
+    F.cross_entropy(ref(x), y, reduction=reduction).backward()
+    return _rel_err(ddp.module, [p.grad for p in ref.parameters()])
 
 
 def _worker(rank, init_file, out_dir):
@@ -64,11 +64,59 @@ def _worker(rank, init_file, out_dir):
     plan = hd.plan(_net(), x, 40, device=device, loss_fn=F.cross_entropy, target=y, batch_sizes=[2, 8, 32],
                    repeats=2, time_budget=4)
     res["plan"] = plan.to_dict()
+    # Calibration: both ranks plan from rank 0's profile of the real CPU, as if equally fast;
+    # the DDP steps show rank 1 is emulated at a quarter speed and the plan moves off it.
+    prof = [hetsplit.profile(_net(), x, ["cpu"], F.cross_entropy, target=y, batch_sizes=[2, 8, 32], repeats=3,
+                             time_budget=3, progress=False).to_dict()]
+    dist.broadcast_object_list(prof, src=0)
+    prof = hetsplit.Profile.from_dict(prof[0])
+    net = _net()
+    res["uncalibrated"] = hd.plan(net, x, 40, device=device, loss_fn=F.cross_entropy, target=y, profile=prof,
+                                  calibrate=0).sizes
+    res["calibrated"] = hd.plan(net, x, 40, device=device, loss_fn=F.cross_entropy, target=y, profile=prof).sizes
+    res["model_untouched"] = all(p.grad is None for p in net.parameters()) and all(
+        torch.equal(p, q) for p, q in zip(net.parameters(), _net().parameters()))
+
+    def failing_loss(out, tgt):
+        if rank == 1:
+            raise RuntimeError("this loss fails on rank 1")
+        return F.cross_entropy(out, tgt)
+
+    try:
+        hd.plan(net, x, 40, device=device, loss_fn=failing_loss, target=y, profile=prof)
+    except hd.DistributedError as e:
+        res["calibration_error"] = str(e)
     res["err_hook"] = _ddp_step([7, 3], rank, hook=True)
     res["err_plain"] = _ddp_step([7, 3], rank, hook=False)
     res["err_zero_rank"] = _ddp_step([10, 0], rank, hook=True)
     res["err_any_size"] = _ddp_step([7, 3], rank, hook=True, with_plan=False)
     res["err_any_size_zero"] = _ddp_step([10, 0], rank, hook=True, with_plan=False)
+    res["err_hook_sum"] = _ddp_step([7, 3], rank, hook=True, reduction="sum")
+    res["err_outputs"] = _ddp_step([7, 3], rank, hook=True, method="outputs")
+    res["err_outputs_zero"] = _ddp_step([10, 0], rank, hook=True, method="outputs")
+    res["err_outputs_sum"] = _ddp_step([7, 3], rank, hook=True, method="outputs", reduction="sum")
+    # The outputs method leaves the comm hook free: torch's own averaging hook still gives the full batch.
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    res["err_outputs_user_hook"] = _ddp_step([7, 3], rank, hook=True, method="outputs",
+                                             user_hook=default_hooks.allreduce_hook)
+    # A plan change (what DistributedRebalancer does): the next step is weighted by the new plan.
+    ddp = DDP(_net())
+    state = hd.weight_gradients(ddp, plan_from_sizes(None, ["a", "b"], [7, 3]), method="outputs")
+    state.set_plan(plan_from_sizes(None, ["a", "b"], [2, 8]))
+    xf, yf = _batch(10)
+    xs, ys = (xf[:2], yf[:2]) if rank == 0 else (xf[2:], yf[2:])
+    F.cross_entropy(ddp(xs), ys).backward()
+    ref = _net()
+    F.cross_entropy(ref(xf), yf).backward()
+    res["err_outputs_new_plan"] = _rel_err(ddp.module, [p.grad for p in ref.parameters()])
+    ddp = DDP(_net())
+    hd.weight_gradients(ddp, plan_from_sizes(None, ["a", "b"], [7, 3]), method="outputs")
+    with torch.no_grad():
+        res["outputs_eval_shape"] = list(ddp(_batch(5)[0]).shape)  # evaluation: any size, no check
+    try:
+        ddp(_batch(5)[0])
+    except hd.DistributedError as e:
+        res["outputs_method_error"] = str(e)
     ddp = DDP(_net())
     hd.weight_gradients(ddp, plan_from_sizes(None, ["a", "b"], [7, 3]))
     try:
@@ -121,6 +169,16 @@ def test_all_ranks_agree_on_the_plan(ranks):
     assert plans[0]["emulated"] == ["rank1:cpu@0.25"]
 
 
+def test_calibration_moves_the_plan_off_a_rank_slower_than_its_profile(ranks):
+    for r in ranks:
+        assert r["uncalibrated"] == [20, 20]  # the shared profile says the ranks are equally fast
+        assert r["calibrated"][0] >= 26, r["calibrated"]  # rank 1 really runs at a quarter speed
+        assert r["model_untouched"]
+    assert ranks[0]["calibrated"] == ranks[1]["calibrated"]
+    for r in ranks:  # a step failing on one rank is reported on every rank, not left hanging in DDP
+        assert "failed on ranks {1: 'RuntimeError: this loss fails on rank 1'}" in r["calibration_error"]
+
+
 def test_weighted_hook_gives_full_batch_gradients(ranks):
     # float64 throughout; the only difference from the reference is summation order.
     assert all(r["err_hook"] < 1e-6 for r in ranks)
@@ -136,10 +194,13 @@ def test_rank_with_zero_samples_takes_part(ranks):
 
 
 def test_every_weighting_path_is_exact_and_off_plan_steps_are_refused(ranks):
-    for key in ("err_any_size", "err_any_size_zero"):
+    for key in ("err_any_size", "err_any_size_zero", "err_hook_sum", "err_outputs", "err_outputs_zero",
+                "err_outputs_sum", "err_outputs_user_hook", "err_outputs_new_plan"):
         assert all(r[key] < 1e-6 for r in ranks), key
     assert "rank 0: this step has 5 samples but the plan gives this rank 7" in ranks[0]["plan_method_error"]
     assert "plan gives this rank 3" in ranks[1]["plan_method_error"]
+    assert "rank 1: this step has 5 samples but the plan gives this rank 3" in ranks[1]["outputs_method_error"]
+    assert all(r["outputs_eval_shape"] == [5, 3] for r in ranks)
 
 
 def test_sampler_with_process_group_defaults(ranks):
@@ -164,7 +225,8 @@ def test_torchrun_launches_the_example(tmp_path):
     example = Path(__file__).resolve().parent.parent / "examples" / "torchrun_ddp.py"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(example),
            "--devices", "cpu,cpu@0.25", "--steps", "2", "--data", "synthetic", "--train-size", "512",
-           "--test-size", "128", "--profile-budget", "2", "--threads", "1", "--timeout", "60", "--rebalance", "1"]
+           "--test-size", "128", "--profile-budget", "2", "--threads", "1", "--timeout", "60", "--rebalance", "1",
+           "--weighting", "outputs"]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=tmp_path, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -100,3 +100,35 @@ def test_batch_sampler_collates_an_empty_share_to_empty_tensors():
     sampler = HeteroBatchSampler(data, plan, num_replicas=2, rank=1)
     x, y = next(iter(DataLoader(data, batch_sampler=sampler, collate_fn=sampler.collate)))
     assert x.shape == (0, 3) and y.shape == (0,) and y.dtype == torch.int64
+
+
+@pytest.mark.parametrize("kw, fragment", [
+    ({"method": "outputs"}, 'method="outputs" needs the plan'),
+    ({"method": "buckets"}, "unknown method 'buckets'; use one of hook, outputs"),
+    ({"reduction": "max"}, "max"),
+])
+def test_weight_gradients_rejects_bad_arguments_before_any_collective(kw, fragment):
+    # No process group exists here: the arguments are refused before anything distributed runs.
+    from hetsplit.distributed import weight_gradients
+
+    with pytest.raises(ValueError, match=fragment.replace("(", r"\(")):
+        weight_gradients(object(), None, **kw)
+
+
+def test_plan_rejects_a_negative_calibration_before_any_collective():
+    from hetsplit.distributed import plan
+
+    with pytest.raises(ValueError, match="calibrate must be a number of steps >= 0, got -1"):
+        plan(None, None, 8, calibrate=-1)
+
+
+def test_calibration_correction_passes_the_curve_through_the_measurement():
+    from hetsplit.costmodel import Curve
+    from hetsplit.distributed import _through
+
+    c = Curve.fit([(4, 0.02), (16, 0.05), (64, 0.2)])
+    slower, faster = _through(c, 16, 0.06), _through(c, 16, 0.04)
+    assert slower(16) == pytest.approx(0.06) and faster(16) == pytest.approx(0.04)
+    assert slower(64) - c(64) == pytest.approx(0.01)  # more work: a fixed overhead, same slope
+    assert faster(64) / c(64) == pytest.approx(0.8)  # less work: scaled down
+    assert _through(c, 16, float("nan")) is c
