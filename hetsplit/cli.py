@@ -340,7 +340,6 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 def _cmd_show(args: argparse.Namespace) -> int:
     from . import store
     from .bench import BenchResult
-    from .profiles import Profile
     from .show import plot_profile, plot_timeline
     from .solver import Plan
 

@@ -215,21 +215,15 @@ def _broadcast_plan(make: Callable[[], Plan], group: Any, rank: int, world: int)
 def _calibration_work(model: nn.Module, sample: Any, target: Any, loss_fn: Callable[..., torch.Tensor] | None,
                       dev: Device, size: int, steps: int, group: Any, rank: int) -> list[float]:
     """Every rank's median seconds of work in a real DDP step on its share (all-gathered)."""
-    from .profiler import _call, _default_loss, _move, _rows
+    from .profiler import _move, _rows, train_step
 
     replica = copy.deepcopy(model).to(dev.torch_device).train()
     index = torch.arange(size)
     inputs = _move(_rows(sample, batch_length(sample), index), dev.torch_device)
     labels = _move(_rows(target, batch_length(target), index), dev.torch_device) if target is not None else None
 
-    def loss_of(net: nn.Module) -> torch.Tensor:
-        out = _call(net, inputs)
-        if loss_fn is None:
-            return _default_loss(out)
-        return loss_fn(out, labels) if labels is not None else loss_fn(out)
-
     try:  # one step alone first: a failing step is reported on every rank, not left hanging in DDP
-        loss_of(replica).backward()
+        train_step(replica, inputs, labels, loss_fn)
         failure = None
     except Exception as e:  # noqa: BLE001 -- reported below, on every rank
         failure = f"{type(e).__name__}: {e}"
@@ -255,10 +249,7 @@ def _calibration_work(model: nn.Module, sample: Any, target: Any, loss_fn: Calla
         for i in range(2 + steps):
             replica.zero_grad(set_to_none=True)
             lap = Lap(dev)
-            with dev.throttle(cpu_time=True):  # DDP's backward also waits for other ranks: only work is slowed
-                loss = loss_of(ddp)
-            with dev.throttle(cpu_time=True):
-                loss.backward()
+            train_step(ddp, inputs, labels, loss_fn, dev, cpu_time=True)  # waiting for other ranks is not slowed
             lap.extra = dev.delayed - delay_at_mark  # the emulated delay after the last gradient is work too
             if i >= 2:
                 laps.append(lap)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import gc
 import hashlib
 import statistics
@@ -84,16 +85,17 @@ def _default_loss(output: Any) -> torch.Tensor:
 
 
 def train_step(model: nn.Module, inputs: Any, target: Any = None, loss_fn: LossFn | None = None,
-               device: Device | None = None) -> torch.Tensor:
+               device: Device | None = None, *, cpu_time: bool = False) -> torch.Tensor:
     """One training step without the optimizer: forward, loss, backward. Returns the loss.
 
     ``inputs`` is passed as ``model(inputs)``, ``model(*inputs)`` for a tuple/list, or
     ``model(**inputs)`` for a dict. The loss is ``loss_fn(output, target)`` when a
     target is given, ``loss_fn(output)`` otherwise, and by default the sum of the
     output's floating-point tensors. With an emulated ``device``, forward and backward
-    are each throttled, as :class:`hetsplit.HeteroDataParallel` runs them.
+    are each throttled, as :class:`hetsplit.HeteroDataParallel` runs them (``cpu_time``:
+    as :meth:`Device.throttle`, for a DDP rank whose backward also waits for others).
     """
-    throttle = device.throttle if device is not None else contextlib.nullcontext
+    throttle = functools.partial(device.throttle, cpu_time=cpu_time) if device is not None else contextlib.nullcontext
     with throttle():
         output = _call(model, inputs)
         if loss_fn is None:
