@@ -42,6 +42,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import hetsplit
 import hetsplit.distributed as hd
 from hetsplit.bench import keep_freed_memory
+from hetsplit.profiler import train_step
 from hetsplit.solver import even_sizes, plan_from_sizes
 
 EQUAL, BALANCED, BALANCED_OUT = ("equal shares, plain DDP mean", "balanced, weighted by comm hook",
@@ -97,11 +98,8 @@ def main() -> None:
         return model, torch.optim.SGD(model.parameters(), lr=0.01)
 
     def step(model, opt, x, y) -> None:  # type: ignore[no-untyped-def]
-        with dev.throttle(cpu_time=True):
-            loss = F.cross_entropy(model(x), y)
         opt.zero_grad(set_to_none=True)
-        with dev.throttle(cpu_time=True):
-            loss.backward()
+        train_step(model, x, y, F.cross_entropy, dev, cpu_time=True)  # waiting for other ranks is not slowed
         opt.step()
 
     # Phase 1: whole epochs, equal vs balanced shares.

@@ -107,13 +107,11 @@ def main() -> None:
                 dev.set_speed(dev.speed / 4)
                 print(f"rank {rank}: {dev.name} now runs at {dev.speed / 4:g}x", flush=True)
             x, y = x.to(dev.torch_device), y.to(dev.torch_device)
+            opt.zero_grad(set_to_none=True)
             with rebalancer.step() if rebalancer else contextlib.nullcontext():
-                # cpu_time: DDP's backward also waits for the other ranks; only work is slowed.
-                with dev.throttle(cpu_time=True):
-                    loss = F.cross_entropy(ddp(x), y)
-                opt.zero_grad(set_to_none=True)
-                with dev.throttle(cpu_time=True):
-                    loss.backward()
+                # Forward, loss, backward, each at the device's (emulated) speed; cpu_time:
+                # DDP's backward also waits for the other ranks, and only work is slowed.
+                loss = hetsplit.profiler.train_step(ddp, x, y, F.cross_entropy, dev, cpu_time=True)
             opt.step()
             done += 1
             steps += 1
