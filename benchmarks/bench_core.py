@@ -16,7 +16,7 @@ import time
 import torch
 
 import hetsplit
-from hetsplit.models import BUILTIN_MODELS, lenet, synthetic_batch
+from hetsplit.apps.models import BUILTIN_MODELS, lenet, synthetic_batch
 
 
 def bench_solver(n_devices: int, repeats: int = 15) -> dict:

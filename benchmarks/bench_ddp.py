@@ -41,9 +41,9 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import hetsplit
 import hetsplit.distributed as hd
-from hetsplit.bench import keep_freed_memory
+from hetsplit.apps.bench import keep_freed_memory
 from hetsplit.profiler import train_step
-from hetsplit.solver import even_sizes, plan_from_sizes
+from hetsplit.planning import even_sizes, plan_from_sizes
 
 EQUAL, BALANCED, BALANCED_OUT = ("equal shares, plain DDP mean", "balanced, weighted by comm hook",
                                  "balanced, weighted at outputs")

@@ -26,7 +26,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import hetsplit
 import hetsplit.distributed as hd
-from hetsplit.solver import plan_from_sizes
+from hetsplit.planning import plan_from_sizes
 
 
 def trimmed_mean(values: list[float], cut: float = 0.1) -> float:

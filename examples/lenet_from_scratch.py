@@ -41,8 +41,12 @@ def lenet(x: torch.Tensor, p: list[torch.Tensor]) -> torch.Tensor:
 
 
 def copy_params(params: list[torch.Tensor], device: hetsplit.Device) -> list[torch.Tensor]:
-    """The course's get_params: a gradient-tracking copy of every parameter on ``device``."""
-    return [p.detach().to(device.torch_device).requires_grad_() for p in params]
+    """The course's get_params: a gradient-tracking copy of every parameter on ``device``.
+
+    ``clone()``: two "devices" that are both the CPU (``cpu`` and ``cpu@0.25``) would
+    otherwise share one tensor, and every SGD update would be applied to it twice.
+    """
+    return [p.detach().clone().to(device.torch_device).requires_grad_() for p in params]
 
 
 def train_batch(x, y, device_params, devices, sizes, lr) -> float:
@@ -56,11 +60,11 @@ def train_batch(x, y, device_params, devices, sizes, lr) -> float:
                 loss = F.cross_entropy(lenet(xs[i], device_params[i]), ys[i], reduction="sum")
             with devices[i].throttle():
                 loss.backward()
-            return float(loss)
+            return float(loss.detach())
         return run
 
     # The devices work concurrently, as GPUs with asynchronous kernels would.
-    losses = hetsplit.parallel_apply([work(i) for i in active], [devices[i] for i in active])
+    losses = hetsplit.run_parallel([work(i) for i in active], [devices[i] for i in active])
     # Summed losses: the full-batch gradient is the plain sum of the shards' gradients.
     hetsplit.reduce_gradients(device_params, sizes, reduction="sum")
     with torch.no_grad():
@@ -87,7 +91,7 @@ def main() -> None:
     if any(d.emulated for d in devices):
         print("emulated devices:", ", ".join(d.name for d in devices if d.emulated))
     if args.even:
-        sizes = hetsplit.solver.even_sizes(args.batch_size, len(devices))
+        sizes = hetsplit.planning.even_sizes(args.batch_size, len(devices))
     else:
         x0, y0 = next(iter(train_iter))
         prof = hetsplit.profile(hetsplit.models.lenet(), x0[:16], devices, F.cross_entropy, target=y0[:16],

@@ -46,7 +46,7 @@ def train(net: nn.Module, devices: str, train_iter, test_iter, epochs: int, lr: 
         seconds = time.perf_counter() - start
         net.eval()
         acc = accuracy(net, test_iter, torch.device("cpu"))
-        print(f"  epoch {epoch + 1}: loss {float(loss):.3f}, test acc {acc:.3f}, {seconds:.1f} s/epoch, "
+        print(f"  epoch {epoch + 1}: loss {float(loss.detach()):.3f}, test acc {acc:.3f}, {seconds:.1f} s/epoch, "
               f"split {dict(zip(dp.device_names, dp.plan.sizes))}")
 
 

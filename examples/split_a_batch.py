@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import hetsplit
-from hetsplit.models import BUILTIN_MODELS, lenet, synthetic_batch
+from hetsplit.apps.models import BUILTIN_MODELS, lenet, synthetic_batch
 
 
 def main() -> None:

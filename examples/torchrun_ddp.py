@@ -78,8 +78,8 @@ def main() -> None:
     model = hetsplit.models.lenet().to(dev.torch_device)
     x0, y0 = next(iter(train_iter))
     if args.equal:
-        sizes = hetsplit.solver.even_sizes(args.batch_size, world)
-        plan = hetsplit.solver.plan_from_sizes(None, [f"rank{r}" for r in range(world)], sizes)
+        sizes = hetsplit.planning.even_sizes(args.batch_size, world)
+        plan = hetsplit.planning.plan_from_sizes(None, [f"rank{r}" for r in range(world)], sizes)
     else:
         plan = hd.plan(model, x0[:16], args.batch_size, device=dev, loss_fn=F.cross_entropy, target=y0[:16],
                        time_budget=args.profile_budget)

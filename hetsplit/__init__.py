@@ -1,37 +1,40 @@
 """hetsplit: uneven data parallelism across mixed devices (GPUs of different speeds and the CPU).
 
-The pipeline, one module a step: :mod:`~hetsplit.devices` (what runs) →
-:mod:`~hetsplit.profiler` (how fast, into :mod:`~hetsplit.profiles`) →
-:mod:`~hetsplit.costmodel` (step-time curves) → :mod:`~hetsplit.solver` (the split) →
-:mod:`~hetsplit.scatter_gather` (moving the shards) → :mod:`~hetsplit.apply` and
-:mod:`~hetsplit.parallel` (training in one process, gradients via :mod:`~hetsplit.reduce`)
-→ :mod:`~hetsplit.distributed` (torchrun). :mod:`~hetsplit.store` keeps profiles on
-disk; :mod:`~hetsplit.bench` measures; :mod:`~hetsplit.cli` sits on top.
+The package reads top to bottom as the pipeline: :mod:`~hetsplit.devices` (what runs;
+:mod:`~hetsplit.emulation` slows devices down; :mod:`~hetsplit.timing` measures them)
+→ :mod:`~hetsplit.profiler` (how fast; :mod:`~hetsplit.store` keeps it on disk) →
+:mod:`~hetsplit.planning` (curves, the exact split, rebalancing) →
+:mod:`~hetsplit.parallel` (one process: scatter, replicas, gather, gradients) and
+:mod:`~hetsplit.distributed` (torchrun ranks) → :mod:`~hetsplit.apps` (the CLI, bench,
+demo, pictures, built-in models). :mod:`~hetsplit.tree` walks nested batches for all.
 """
 
-__version__ = "0.1.0"
+from .version import __version__  # isort: skip  (first: the modules below read it)
 
-from . import models
-from .costmodel import Curve
-from .profiles import DeviceProfile, Measurement, Profile
+from .apps import models
 from .devices import Device, DeviceInfo, discover, parse_device, parse_devices
-from .apply import parallel_apply
-from .parallel import HeteroDataParallel
-from .profiler import calibrate, profile
-from .rebalance import PlanChange, Rebalancer
-from .reduce import reduce_gradients
-from .scatter_gather import gather, scatter
-from .solver import Plan, solve
-from .split import balanced_split, split_sizes
+from .parallel import (
+    HeteroDataParallel,
+    balanced_split,
+    count_tokens,
+    gather,
+    parallel_apply,
+    reduce_gradients,
+    run_parallel,
+    scatter,
+    split_sizes,
+)
+from .planning import Curve, DeviceProfile, Measurement, Plan, PlanChange, Profile, Rebalancer, solve, solver
+from .profiler import profile, quick_profile
 from .store import ProfileFileError
 
 __all__ = [
     "__version__",
     "Curve",
     "Device",
-    "HeteroDataParallel",
     "DeviceInfo",
     "DeviceProfile",
+    "HeteroDataParallel",
     "Measurement",
     "Plan",
     "PlanChange",
@@ -39,16 +42,19 @@ __all__ = [
     "ProfileFileError",
     "Rebalancer",
     "balanced_split",
-    "calibrate",
+    "count_tokens",
     "discover",
     "gather",
     "models",
-    "parse_device",
     "parallel_apply",
+    "parse_device",
     "parse_devices",
     "profile",
+    "quick_profile",
     "reduce_gradients",
+    "run_parallel",
     "scatter",
     "solve",
+    "solver",
     "split_sizes",
 ]

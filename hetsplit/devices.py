@@ -1,4 +1,4 @@
-"""Devices: parse and validate device strings, discover local hardware, emulate slower devices."""
+"""Devices: parse and validate device strings, canonical names, discover local hardware."""
 
 from __future__ import annotations
 
@@ -8,34 +8,29 @@ import functools
 import os
 import platform
 import re
-import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, Union
 
 import torch
 
+from . import emulation
+
 __all__ = [
     "Device",
     "DeviceInfo",
-    "Lap",
     "DeviceLike",
     "parse_device",
     "parse_devices",
+    "canonical_name",
     "discover",
     "describe",
+    "local_gpus",
     "synchronize",
 ]
 
 DeviceLike = Union[str, torch.device, "Device"]
 
 _SPEC = re.compile(r"^(?P<type>cpu|cuda|mps)(?::(?P<index>\d+))?(?:@(?P<speed>[0-9]*\.?[0-9]+(?:[eE][-+]?\d+)?))?$")
-
-# Emulated speeds can be changed while a job runs (issue: devices whose speed changes
-# mid-training); they live here, keyed by the device's name, so every copy of a Device
-# value sees the change.
-_SPEED_OVERRIDES: dict[str, float] = {}
-_SLEEP_DEBT: dict[str, float] = {}
-_DELAYED: dict[str, float] = {}  # seconds each emulated device has slept in this process
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,127 +71,31 @@ class Device:
     @property
     def current_speed(self) -> float:
         """The speed factor in force now (see :meth:`set_speed`)."""
-        return _SPEED_OVERRIDES.get(self.name, self.speed) if self.emulated else 1.0
+        return emulation.current_speed(self)
 
     def set_speed(self, speed: float | None) -> None:
         """Change this emulated device's speed from now on (``None`` restores its own).
 
         Raises:
-            ValueError: If the device is not emulated or the speed is not in (0, 1].
+            ValueError: If the device is not emulated or the speed is out of range.
         """
-        if speed is None:  # restoring is harmless for any device
-            _SPEED_OVERRIDES.pop(self.name, None)
-            return
-        if not self.emulated:
-            raise ValueError(f"device {self.name!r} is real; only emulated devices (e.g. 'cpu@0.5') change speed")
-        _check_speed(speed, self.name)
-        _SPEED_OVERRIDES[self.name] = float(speed)
+        emulation.set_speed(self, speed)
 
     @property
     def delayed(self) -> float:
         """Seconds this emulated device has slept so far in this process (0 for a real one)."""
-        return _DELAYED.get(self.name, 0.0)
+        return emulation.delayed(self)
 
     def synchronize(self) -> None:
         """Wait for all queued work on the real device to finish."""
         synchronize(self.torch_device)
 
-    @contextlib.contextmanager
-    def lap(self) -> Iterator[Lap]:
-        """Measure the enclosed work on this device without synchronising it.
-
-        Yields a :class:`Lap` whose :meth:`Lap.seconds` is read later: on a CUDA device
-        from two events on the current stream, elsewhere from a monotonic clock.
-        """
-        lap = Lap(self)
-        try:
-            yield lap
-        finally:
-            lap.stop()
-
-    @contextlib.contextmanager
-    def throttle(self, *, cpu_time: bool = False) -> Iterator[None]:
-        """Run the enclosed work at this device's emulated speed.
-
-        For a real device this does nothing. For an emulated one it waits for the
-        device, measures the enclosed work and sleeps ``(1/speed - 1)`` times its
-        duration, so the work appears to run at ``speed`` of the real device.
-
-        Args:
-            cpu_time: Measure the work as this process's CPU time instead of wall time,
-                for an emulated CPU in its own process (one torchrun rank) whose
-                enclosed work also waits on other ranks (DDP's backward): waiting is
-                not work and must not be slowed down.
-        """
-        speed = self.current_speed
-        if speed >= 1.0:
-            yield
-            return
-        clock = time.process_time if cpu_time and self.type == "cpu" else time.perf_counter
-        start = clock()
-        yield
-        self.synchronize()
-        work = clock() - start
-        now = time.perf_counter()
-        # time.sleep overshoots by tens of microseconds, which would dominate small
-        # steps; carry each device's error into its next sleep so the long-run speed is exact.
-        wanted = work * (1.0 / speed - 1.0) - _SLEEP_DEBT.get(self.name, 0.0)
-        if wanted > 0:
-            time.sleep(wanted)
-            slept = time.perf_counter() - now
-            _SLEEP_DEBT[self.name] = slept - wanted
-            _DELAYED[self.name] = _DELAYED.get(self.name, 0.0) + slept
-        else:
-            _SLEEP_DEBT[self.name] = -wanted
+    def throttle(self, *, cpu_time: bool = False) -> contextlib.AbstractContextManager[None]:
+        """Run the enclosed work at this device's emulated speed (see :func:`hetsplit.emulation.throttle`)."""
+        return emulation.throttle(self, cpu_time=cpu_time)
 
     def __str__(self) -> str:
         return self.name
-
-
-class Lap:
-    """An interval of work on a device, read later without forcing a synchronisation.
-
-    On a CUDA device the interval is a pair of CUDA events recorded on the current
-    stream, so measuring adds no synchronisation to the step; reading it waits only for
-    the end event, which is normally long done by then (see :meth:`ready`). Elsewhere
-    the interval is read from a monotonic clock when it ends. Build one with
-    :meth:`Device.lap`.
-    """
-
-    def __init__(self, device: Device) -> None:
-        self.device = device
-        self._events: tuple[Any, Any] | None = None
-        self._seconds: float | None = None
-        self.extra = 0.0  # seconds added to the measured interval (e.g. emulated delay after it)
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            self._events = (start, end)
-        self._start = time.perf_counter()
-
-    def stop(self) -> None:
-        """Mark the end of the interval (on CUDA: record the end event; no wait).
-
-        It may be called again before the lap is read: the last call marks the end.
-        """
-        if self._events is not None:
-            self._events[1].record()
-        else:
-            self._seconds = time.perf_counter() - self._start
-
-    def ready(self) -> bool:
-        """Whether :meth:`seconds` can be read without waiting for the device."""
-        return self._seconds is not None or (self._events is not None and bool(self._events[1].query()))
-
-    def seconds(self) -> float:
-        """The interval's length in seconds plus :attr:`extra` (waits for the end event if still queued)."""
-        if self._seconds is None:
-            if self._events is None:
-                raise RuntimeError("the lap has not been stopped; use it as `with device.lap() as lap:`")
-            start, end = self._events
-            end.synchronize()
-            self._seconds = start.elapsed_time(end) / 1e3
-        return self._seconds + self.extra
 
 
 @dataclasses.dataclass
@@ -240,14 +139,6 @@ class DeviceInfo:
         """Build the info from :meth:`to_dict` output (unknown keys are ignored)."""
         known = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in known})
-
-
-def _check_speed(speed: float, spec: str) -> None:
-    if not (0.0 < speed <= 1.0):
-        raise ValueError(
-            f"emulated speed in {spec!r} must be in (0, 1], got {speed:g}; "
-            "write e.g. 'cpu@0.25' for the CPU at a quarter speed"
-        )
 
 
 def parse_device(spec: DeviceLike, *, check: bool = True) -> Device:
@@ -296,7 +187,7 @@ def parse_device(spec: DeviceLike, *, check: bool = True) -> Device:
         emulated = match["speed"] is not None
         if emulated:
             speed = float(match["speed"])
-            _check_speed(speed, spec)
+            emulation.check_speed(speed, spec)
         dev = Device(kind, index, speed, emulated)
     else:
         raise TypeError(f"a device must be a string or torch.device, got {type(spec).__name__}: {spec!r}")
@@ -440,4 +331,30 @@ def discover() -> list[DeviceInfo]:
     if hasattr(torch.backends, "mps") and torch.backends.mps.is_available():
         found.append(describe("mps"))
     found.append(describe("cpu"))
+    return found
+
+
+def canonical_name(device: DeviceLike) -> str:
+    """A device's canonical name (``"cuda:0"``, ``"cpu@0.25"``); a free-form label is kept as it is.
+
+    Labels such as ``"v100"`` or ``"rank1:cuda:0"`` name devices in profiles of hardware
+    measured elsewhere; they are returned unchanged.
+    """
+    if isinstance(device, str):
+        try:
+            return parse_device(device, check=False).name
+        except ValueError:
+            return device
+    return parse_device(device, check=False).name
+
+
+def local_gpus() -> dict[str, str]:
+    """``{uuid: "cuda:N"}`` for the GPUs visible to this process (empty without CUDA)."""
+    if not torch.cuda.is_available():
+        return {}
+    found = {}
+    for i in range(torch.cuda.device_count()):
+        info = describe(f"cuda:{i}")
+        if info.uuid:
+            found[info.uuid] = info.name
     return found

@@ -18,12 +18,12 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from .costmodel import Curve
-from .profiles import DeviceProfile, Measurement, Profile
 from .devices import Device, DeviceLike, describe, parse_devices
-from .scatter_gather import batch_length, flatten, to_device
+from .planning.curve import Curve
+from .planning.profile import DeviceProfile, Measurement, Profile
+from .tree import batch_length, flatten, move, take_rows
 
-__all__ = ["profile", "calibrate", "default_ladder", "fingerprint", "train_step"]
+__all__ = ["profile", "quick_profile", "default_ladder", "fingerprint", "call_model", "train_step"]
 
 LossFn = Callable[..., torch.Tensor]
 
@@ -49,26 +49,8 @@ def fingerprint(model: nn.Module) -> str:
     return h.hexdigest()[:16]
 
 
-def _rows(tree: Any, n: int, index: torch.Tensor) -> Any:
-    """Pick rows ``index`` of every batched tensor in ``tree`` (cycling through a short sample)."""
-    import torch.utils._pytree as pytree
-
-    leaves, spec = flatten(tree)
-    picked = [
-        leaf.index_select(0, index % n) if isinstance(leaf, torch.Tensor) and leaf.dim() > 0 else leaf
-        for leaf in leaves
-    ]
-    return pytree.tree_unflatten(picked, spec)
-
-
-def _move(tree: Any, device: torch.device) -> Any:
-    import torch.utils._pytree as pytree
-
-    leaves, spec = flatten(tree)
-    return pytree.tree_unflatten([to_device(x, device) if isinstance(x, torch.Tensor) else x for x in leaves], spec)
-
-
-def _call(model: nn.Module, inputs: Any) -> Any:
+def call_model(model: nn.Module, inputs: Any) -> Any:
+    """``model(inputs)``; ``model(*inputs)`` for a tuple or list; ``model(**inputs)`` for a dict."""
     if isinstance(inputs, dict):
         return model(**inputs)
     if isinstance(inputs, (tuple, list)) and not hasattr(inputs, "_fields"):
@@ -97,7 +79,7 @@ def train_step(model: nn.Module, inputs: Any, target: Any = None, loss_fn: LossF
     """
     throttle = functools.partial(device.throttle, cpu_time=cpu_time) if device is not None else contextlib.nullcontext
     with throttle():
-        output = _call(model, inputs)
+        output = call_model(model, inputs)
         if loss_fn is None:
             loss = _default_loss(output)
         else:
@@ -132,8 +114,8 @@ class _Runner:
 
     def step(self, batch: int, *, throttled: bool = True) -> float:
         index = torch.arange(batch)
-        inputs = _move(_rows(self.sample, self.n, index), self.device)
-        target = _move(_rows(self.target, self.n, index), self.device) if self.target is not None else None
+        inputs = move(take_rows(self.sample, index), self.device)
+        target = move(take_rows(self.target, index), self.device) if self.target is not None else None
         self.replica.zero_grad(set_to_none=True)
         self.dev.synchronize()
         start = time.perf_counter()
@@ -333,11 +315,11 @@ def _dtype(sample: Any) -> str:
     return ",".join(dict.fromkeys(dtypes))
 
 
-_CALIBRATION: dict[str, DeviceProfile] = {}
+_QUICK: dict[str, DeviceProfile] = {}
 _NOTICE_SHOWN = False
 
 
-def calibrate(devices: str | Sequence[DeviceLike]) -> Profile:
+def quick_profile(devices: str | Sequence[DeviceLike]) -> Profile:
     """A quick, model-agnostic profile of each device (a small MLP), cached for the process.
 
     Used by :func:`hetsplit.balanced_split` when neither weights nor a profile is given
@@ -346,17 +328,16 @@ def calibrate(devices: str | Sequence[DeviceLike]) -> Profile:
     """
     global _NOTICE_SHOWN
     devs = parse_devices(devices)
-    missing = [d for d in dict.fromkeys(devs) if d.name not in _CALIBRATION]
+    missing = [d for d in dict.fromkeys(devs) if d.name not in _QUICK]
     if missing:
-        from .models import mlp
-
         gen = torch.Generator().manual_seed(0)
         sample = torch.randn(64, 256, generator=gen)
         # Steps of about a millisecond: long enough that scheduling noise on a busy machine
         # cannot reorder devices, short enough that calibration stays well under a second.
-        prof = profile(mlp(), sample, missing, batch_sizes=[64, 256, 1024], repeats=3, warmup=1,
+        workload = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10))
+        prof = profile(workload, sample, missing, batch_sizes=[64, 256, 1024], repeats=3, warmup=1,
                        time_budget=1.0 * len(missing), find_memory_cap=False, progress=False, model_name="calibration-mlp")
-        _CALIBRATION.update({e.name: e for e in prof.entries})
+        _QUICK.update({e.name: e for e in prof.entries})
     if not _NOTICE_SHOWN:
         _NOTICE_SHOWN = True
         warnings.warn(
@@ -364,5 +345,5 @@ def calibrate(devices: str | Sequence[DeviceLike]) -> Profile:
             "(hetsplit.profile(...) or 'hetsplit profile') gives a more accurate split",
             stacklevel=3,
         )
-    return Profile([_CALIBRATION[d.name] for d in dict.fromkeys(devs)], model={"name": "calibration-mlp"},
+    return Profile([_QUICK[d.name] for d in dict.fromkeys(devs)], model={"name": "calibration-mlp"},
                    source="calibration")

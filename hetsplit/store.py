@@ -9,11 +9,9 @@ import re
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-if TYPE_CHECKING:
-    from .profiles import Profile
-    from .devices import DeviceLike
+from .devices import DeviceLike, canonical_name, local_gpus
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -23,9 +21,7 @@ __all__ = [
     "write_json",
     "read_json",
     "save_profile",
-    "load_profile",
     "find_profiles",
-    "latest_profile",
 ]
 
 SCHEMA_VERSION = 1
@@ -119,7 +115,18 @@ def _slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9.]+", "-", text).strip("-") or "x"
 
 
-def save_profile(profile: Profile, path: str | Path | None = None, *, directory: str | Path | None = None) -> Path:
+class _Saveable(Protocol):
+    model: dict[str, Any]
+    host: str
+    created: str
+
+    @property
+    def devices(self) -> list[str]: ...
+
+    def to_dict(self) -> dict[str, Any]: ...
+
+
+def save_profile(profile: _Saveable, path: str | Path | None = None, *, directory: str | Path | None = None) -> Path:
     """Write ``profile`` as JSON (see :meth:`hetsplit.Profile.save`)."""
     if path is None:
         model = profile.model.get("name", "model")
@@ -127,17 +134,6 @@ def save_profile(profile: Profile, path: str | Path | None = None, *, directory:
         name = f"{_slug(profile.host)}_{_slug(model)}_{_slug('+'.join(profile.devices))}_{stamp}.json"
         path = profile_dir(directory) / name
     return write_json(path, "profile", profile.to_dict())
-
-
-def load_profile(path: str | Path) -> Profile:
-    """Read a profile file (see :meth:`hetsplit.Profile.load`)."""
-    from .profiles import Profile
-
-    doc = read_json(path, "profile")
-    try:
-        return Profile.from_dict(doc)
-    except (KeyError, TypeError, ValueError) as e:
-        raise ProfileFileError(f"{path}: damaged profile ({type(e).__name__}: {e}); re-create it") from e
 
 
 def find_profiles(
@@ -157,12 +153,10 @@ def find_profiles(
     Returns:
         Paths of readable profiles of the current schema; damaged files are skipped.
     """
-    from .profiles import _key, local_gpus
-
     root = profile_dir(directory)
     if not root.is_dir():
         return []
-    want = {_key(d) for d in devices} if devices is not None else set()
+    want = {canonical_name(d) for d in devices} if devices is not None else set()
     host = platform.node() if host is None else host
     gpus = local_gpus() if want else {}
     found: list[tuple[str, Path]] = []
@@ -184,13 +178,3 @@ def _local_name(info: dict[str, Any], gpus: dict[str, str]) -> Any:
     if name is None:
         return info.get("name")
     return f"{name}@{info.get('speed', 1.0):g}" if info.get("emulated") else name
-
-
-def latest_profile(devices: Sequence[DeviceLike], directory: str | Path | None = None) -> Profile | None:
-    """The newest profile measured on this machine that covers ``devices``, or ``None``.
-
-    GPUs are matched by UUID, so a profile still serves after ``CUDA_VISIBLE_DEVICES``
-    or the device order changes (see :meth:`Profile.matched_to_local`).
-    """
-    paths = find_profiles(devices, directory)
-    return load_profile(paths[0]).matched_to_local() if paths else None

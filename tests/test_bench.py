@@ -3,7 +3,7 @@ import math
 
 import pytest
 
-from hetsplit.bench import bench, keep_freed_memory, time_steps
+from hetsplit.apps.bench import bench, keep_freed_memory, time_steps
 
 
 def test_bench_reports_consistent_figures():
@@ -41,7 +41,7 @@ def test_keep_freed_memory_is_a_flag():
 
 
 def test_bench_rebalance_follows_a_slowdown_and_reports_it():
-    from hetsplit.bench import bench_rebalance
+    from hetsplit.apps.bench_rebalance import bench_rebalance
 
     r = bench_rebalance("mlp", "cpu,cpu@1", batch_size=64, steps=24, every=3, change=("cpu@1", 0.2, 6),
                         settle=12, sweep_steps=2)
@@ -58,7 +58,7 @@ def test_bench_rebalance_follows_a_slowdown_and_reports_it():
 @pytest.mark.parametrize("text, fragment", [("cpu=0.5@3", "real device"), ("cpu@1=2@3", "0 < SPEED <= 1"),
                                             ("cpu@1:0.5", "DEVICE=SPEED@STEP")])
 def test_parse_change_rejects_bad_text(text, fragment):
-    from hetsplit.bench import parse_change
+    from hetsplit.apps.bench_rebalance import parse_change
 
     with pytest.raises(ValueError, match=fragment):
         parse_change(text)

@@ -3,7 +3,7 @@ import json
 import pytest
 
 from hetsplit import Profile
-from hetsplit.cli import main
+from hetsplit.apps.cli import main
 
 
 def _run(capsys, *argv):
@@ -37,7 +37,7 @@ def test_profile_then_plan(capsys, tmp_path):
 
 
 def test_profile_defaults_add_an_emulated_cpu_on_a_one_device_machine(capsys, tmp_path, monkeypatch):
-    import hetsplit.cli as cli
+    import hetsplit.apps.cli as cli
 
     monkeypatch.setattr(cli, "_default_devices", lambda: ["cpu", "cpu@0.25"] if True else None)
     from hetsplit.devices import DeviceInfo
@@ -123,7 +123,7 @@ def test_demo_runs_end_to_end_and_writes_results_for_show(capsys, tmp_path):
 
 
 def test_demo_devices_add_an_emulated_cpu_on_a_one_device_machine(monkeypatch):
-    import hetsplit.demo as demo
+    import hetsplit.apps.demo as demo
     from hetsplit.devices import DeviceInfo
 
     monkeypatch.setattr(demo, "discover", lambda: [DeviceInfo(name="cpu", kind="cpu", description="CPU")])

@@ -4,8 +4,8 @@ import random
 import numpy as np
 import pytest
 
-from hetsplit.costmodel import Curve, CurveTable
-from hetsplit.profiles import Profile
+from hetsplit.planning.curve import Curve, CurveTable
+from hetsplit.planning.profile import Profile
 
 
 def test_fit_is_monotone_with_fixed_overhead():

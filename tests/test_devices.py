@@ -3,6 +3,7 @@ import time
 import pytest
 import torch
 
+from hetsplit import timing
 from hetsplit.devices import Device, describe, discover, parse_device, parse_devices
 
 
@@ -120,11 +121,11 @@ def test_speed_can_change_over_time():
 def test_lap_measures_work_and_emulated_delay():
     import time as _time
 
-    from hetsplit.devices import Lap
+    from hetsplit.timing import Lap
 
     slow = parse_device("cpu@0.5")
     before = slow.delayed
-    with slow.lap() as lap, slow.throttle():
+    with timing.lap(slow) as lap, slow.throttle():
         _time.sleep(0.01)  # the "work"
     assert lap.ready() and lap.seconds() >= 0.019  # the work plus as long again asleep
     assert slow.delayed - before >= 0.009 and parse_device("cpu").delayed == 0.0
@@ -142,7 +143,7 @@ def test_cuda_lap_reads_events_without_synchronising_first():
     a = torch.randn(4096, 4096, device="cuda")
     torch.cuda.synchronize()
     start = time.perf_counter()
-    with dev.lap() as lap:
+    with timing.lap(dev) as lap:
         for _ in range(20):
             a = a @ a / 4096
     torch.cuda.synchronize()

@@ -18,7 +18,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import hetsplit
 import hetsplit.distributed as hd
-from hetsplit.solver import plan_from_sizes
+from hetsplit.planning import plan_from_sizes
 
 WORLD = 2
 
@@ -128,14 +128,16 @@ def _worker(rank, init_file, out_dir):
     res["sampler"] = list(sampler)
     res["sampler_steps"] = sampler.steps
     # Mismatched versions: every rank hears of it.
-    real = hd.__version__
-    hd.__version__ = real if rank == 0 else "0.0.0-other"
+    import hetsplit.distributed.rank_plan as plan_module  # where the version is read
+
+    real = plan_module.__version__
+    plan_module.__version__ = real if rank == 0 else "0.0.0-other"
     try:
         hd.plan(_net(), x, 40, device=device)
     except hd.DistributedError as e:
         res["version_error"] = str(e)
     finally:
-        hd.__version__ = real
+        plan_module.__version__ = real
     try:
         hd.verify_plan(plan_from_sizes(None, ["a", "b"], [5, 5] if rank == 0 else [6, 4]))
     except hd.DistributedError as e:

@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import hetsplit
 import hetsplit.distributed as hd
-from hetsplit.solver import plan_from_sizes
+from hetsplit.planning import plan_from_sizes
 
 WORLD, BATCH, STEPS, SLOW_AT = 2, 128, 48, 12
 

@@ -10,8 +10,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from hetsplit import HeteroDataParallel, Profile, Rebalancer, solve
-from hetsplit.rebalance import _bounded
-from hetsplit.solver import plan_from_sizes
+from hetsplit.planning.rebalance import _bounded
+from hetsplit.planning import plan_from_sizes
 
 DEVICES = ["fast", "slow"]
 

@@ -3,7 +3,7 @@
 import pytest
 
 from hetsplit.distributed import HeteroDistributedSampler
-from hetsplit.solver import plan_from_sizes
+from hetsplit.planning import plan_from_sizes
 
 PLAN = plan_from_sizes(None, ["rank0", "rank1", "rank2"], [6, 3, 1])
 
@@ -123,8 +123,8 @@ def test_plan_rejects_a_negative_calibration_before_any_collective():
 
 
 def test_calibration_correction_passes_the_curve_through_the_measurement():
-    from hetsplit.costmodel import Curve
-    from hetsplit.distributed import _through
+    from hetsplit.planning.curve import Curve
+    from hetsplit.distributed.rank_plan import _through
 
     c = Curve.fit([(4, 0.02), (16, 0.05), (64, 0.2)])
     slower, faster = _through(c, 16, 0.06), _through(c, 16, 0.04)

@@ -4,8 +4,9 @@ from collections import namedtuple
 import pytest
 import torch
 
-import hetsplit.scatter_gather as sg
-from hetsplit.scatter_gather import batch_length, gather, scatter
+import hetsplit.parallel.scatter_gather as sg
+from hetsplit.parallel.scatter_gather import gather, scatter
+from hetsplit.tree import batch_length
 
 Pair = namedtuple("Pair", "a b")
 

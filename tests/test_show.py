@@ -5,8 +5,8 @@ import builtins
 import pytest
 
 from hetsplit import Profile, solve
-from hetsplit.bench import BenchResult
-from hetsplit.show import MissingPlotExtra, plot_profile, plot_timeline
+from hetsplit.apps.bench import BenchResult
+from hetsplit.apps.show import MissingPlotExtra, plot_profile, plot_timeline
 
 PNG = b"\x89PNG\r\n\x1a\n"
 

@@ -4,8 +4,8 @@ import random
 
 import pytest
 
-from hetsplit.profiles import Profile
-from hetsplit.solver import Plan, check_sizes, even_sizes, plan_from_sizes, sizes_from_weights, solve
+from hetsplit.planning.profile import Profile
+from hetsplit.planning import Plan, check_sizes, even_sizes, plan_from_sizes, sizes_from_weights, solve
 
 
 def _brute_force(profile, names, batch):

@@ -6,7 +6,7 @@ import torch
 
 import hetsplit.profiler as profiler
 from hetsplit import Profile, balanced_split, solve
-from hetsplit.split import split_sizes
+from hetsplit.parallel.sizes import split_sizes
 
 
 def test_weights_4_to_1_on_100_rows():
@@ -39,7 +39,7 @@ def test_two_arguments_use_the_newest_stored_profile():
 
 
 def test_two_arguments_fall_back_to_calibration_with_one_notice(monkeypatch):
-    monkeypatch.setattr(profiler, "_CALIBRATION", {})
+    monkeypatch.setattr(profiler, "_QUICK", {})
     monkeypatch.setattr(profiler, "_NOTICE_SHOWN", False)
     x = torch.randn(200, 2)
     with warnings.catch_warnings(record=True) as caught:

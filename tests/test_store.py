@@ -5,6 +5,7 @@ import pytest
 
 import hetsplit.store as store
 from hetsplit import Profile, ProfileFileError
+from hetsplit.planning import latest_profile
 
 
 def _profile(**kw):
@@ -78,13 +79,13 @@ def test_find_profiles_newest_first_and_filtered(tmp_path):
     assert store.find_profiles(["cpu", "cpu@0.25"], tmp_path, host="h1") == [pb, pa]
     assert len(store.find_profiles(["cpu"], tmp_path, host="h1")) == 3
     assert store.find_profiles(["cpu"], tmp_path) == []  # measured on another host
-    assert store.latest_profile(["cuda:0"], tmp_path) is None
+    assert latest_profile(["cuda:0"], tmp_path) is None
 
 
 def test_gpus_are_matched_by_uuid_when_their_index_changes():
     from hetsplit.devices import DeviceInfo
-    from hetsplit.profiles import DeviceProfile
-    from hetsplit.costmodel import Curve
+    from hetsplit.planning.profile import DeviceProfile
+    from hetsplit.planning.curve import Curve
 
     def entry(name, uuid, emulated=False):
         info = DeviceInfo(name=name, kind="cuda", description="GPU", uuid=uuid, emulated=emulated,

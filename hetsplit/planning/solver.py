@@ -2,177 +2,23 @@
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-from .costmodel import CurveTable
-from .profiles import DeviceProfile, Profile
-from .devices import DeviceLike
+from ..devices import DeviceLike, canonical_name
+from .curve import CurveTable
+from .plan import Plan, check_sizes, even_sizes
+from .profile import DeviceProfile, Profile
 
-__all__ = ["Plan", "solve", "plan_from_sizes", "sizes_from_weights", "even_sizes", "check_sizes", "allreduce_time"]
+__all__ = ["solve", "plan_from_sizes", "allreduce_time"]
 
 # Past this many candidate (device, sample) items left after bisection, stop enumerating
 # them one by one: bisection only stops that wide when floating point can't separate
 # the candidates' times, so they are all equal and any choice among them is optimal.
 _ENUMERATE_LIMIT = 1 << 20
-
-
-@dataclasses.dataclass
-class Plan:
-    """How a batch is split across devices, with the predicted times.
-
-    Attributes:
-        devices: Device names, in shard order.
-        sizes: Samples per device, same order; they sum to ``batch_size``.
-        times: Predicted seconds per device at its size (0 for an unused device).
-        batch_size: The whole batch.
-        even_time: Predicted step time of the even split (``inf`` if it breaks a memory cap).
-        single_time: Predicted step time of the whole batch on the best single device.
-        single_device: That device.
-        extrapolated: Per device, whether its size lies beyond its largest measured batch.
-        emulated: Names of emulated devices in the plan.
-    """
-
-    devices: list[str]
-    sizes: list[int]
-    times: list[float]
-    batch_size: int
-    even_time: float = math.nan
-    single_time: float = math.nan
-    single_device: str = ""
-    extrapolated: list[bool] = dataclasses.field(default_factory=list)
-    emulated: list[str] = dataclasses.field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        check_sizes(self.sizes, self.batch_size, len(self.devices))
-
-    @property
-    def step_time(self) -> float:
-        """Predicted seconds of the whole step: the slowest device's time."""
-        return max(self.times) if self.times else 0.0
-
-    @property
-    def shares(self) -> list[float]:
-        """Each device's fraction of the batch."""
-        return [s / self.batch_size for s in self.sizes]
-
-    @property
-    def speedup_vs_even(self) -> float:
-        """Predicted speedup of this plan over the even split."""
-        return _ratio(self.even_time, self.step_time)
-
-    @property
-    def speedup_vs_single(self) -> float:
-        """Predicted speedup of this plan over the best single device alone."""
-        return _ratio(self.single_time, self.step_time)
-
-    def to_dict(self) -> dict[str, Any]:
-        """Return the plan as a JSON-ready dict (infinite times as ``null``)."""
-        data = dataclasses.asdict(self)
-        for key in ("even_time", "single_time"):
-            data[key] = _finite_or_none(data[key])
-        data["times"] = [_finite_or_none(t) for t in self.times]
-        data["step_time"] = _finite_or_none(self.step_time)
-        return data
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> Plan:
-        """Build a plan from :meth:`to_dict` output."""
-
-        def num(v: Any) -> float:
-            return math.inf if v is None else float(v)
-
-        return cls(
-            devices=list(data["devices"]),
-            sizes=[int(s) for s in data["sizes"]],
-            times=[num(t) for t in data.get("times", [0.0] * len(data["sizes"]))],
-            batch_size=int(data["batch_size"]),
-            even_time=num(data.get("even_time", math.nan)),
-            single_time=num(data.get("single_time", math.nan)),
-            single_device=str(data.get("single_device", "")),
-            extrapolated=list(data.get("extrapolated", [])),
-            emulated=list(data.get("emulated", [])),
-        )
-
-
-def _ratio(a: float, b: float) -> float:
-    if b <= 0 or math.isnan(a):
-        return math.nan
-    return a / b
-
-
-def _finite_or_none(x: float) -> float | None:
-    return float(x) if math.isfinite(x) else None
-
-
-def check_sizes(sizes: Sequence[Any], total: int, n_devices: int) -> list[int]:
-    """Validate shard sizes: one non-negative integer per device, summing to ``total``.
-
-    Returns:
-        The sizes as plain ints.
-
-    Raises:
-        TypeError: If a size is not an integer.
-        ValueError: If the count, a sign or the sum is wrong.
-    """
-    if len(sizes) != n_devices:
-        raise ValueError(f"got {len(sizes)} sizes {list(sizes)} for {n_devices} devices; give one size per device")
-    arr = np.asarray(sizes)
-    if arr.dtype.kind in "iu" and arr.ndim == 1:  # fast path for the solver's own output
-        if (arr >= 0).all() and int(arr.sum()) == total:
-            return arr.tolist()
-    out = []
-    for i, s in enumerate(sizes):
-        if isinstance(s, bool) or not isinstance(s, (int, np.integer)):
-            raise TypeError(f"size {i} must be an integer, got {type(s).__name__}: {s!r}")
-        if s < 0:
-            raise ValueError(f"size {i} must be >= 0, got {s}")
-        out.append(int(s))
-    if sum(out) != total:
-        raise ValueError(f"sizes {out} sum to {sum(out)}, but the batch has {total} samples")
-    return out
-
-
-def even_sizes(total: int, n: int) -> list[int]:
-    """The even split (as ``torch.chunk`` would, but always ``n`` pieces): first pieces get the remainder."""
-    base, extra = divmod(total, n)
-    return [base + (1 if i < extra else 0) for i in range(n)]
-
-
-def sizes_from_weights(total: int, weights: Sequence[float]) -> list[int]:
-    """Split ``total`` in proportion to ``weights`` with largest-remainder rounding.
-
-    Args:
-        total: The number of samples.
-        weights: Relative throughputs, one per device, non-negative, not all zero.
-
-    Returns:
-        Integer sizes summing to ``total``; ties in the remainder go to earlier devices.
-
-    Raises:
-        ValueError: If a weight is negative or not finite, or all are zero.
-
-    Example:
-        >>> sizes_from_weights(100, [4, 1])
-        [80, 20]
-    """
-    w = np.asarray([float(x) for x in weights], dtype=float)
-    if w.size == 0:
-        raise ValueError("weights is empty; give one weight per device")
-    if not np.all(np.isfinite(w)) or np.any(w < 0):
-        raise ValueError(f"weights must be finite and >= 0, got {list(weights)}")
-    if w.sum() <= 0:
-        raise ValueError(f"weights must not all be zero, got {list(weights)}")
-    exact = total * w / w.sum()
-    sizes = np.floor(exact).astype(np.int64)
-    left = total - int(sizes.sum())
-    order = np.lexsort((np.arange(len(w)), -(exact - sizes)))  # largest remainder, then earliest
-    sizes[order[:left]] += 1
-    return [int(s) for s in sizes]
 
 
 def solve(profile: Profile, batch_size: int, *, devices: Sequence[DeviceLike] | None = None) -> Plan:
@@ -229,9 +75,7 @@ def plan_from_sizes(profile: Profile | None, devices: Sequence[DeviceLike], size
     total = sum(int(s) for s in sizes)
     sizes = check_sizes(list(sizes), total, len(devices))
     if profile is None:
-        from .profiles import _key
-
-        names = [_key(d) for d in devices]
+        names = [canonical_name(d) for d in devices]
         return Plan(names, sizes, [math.nan] * len(names), total, extrapolated=[False] * len(names))
     entries = [profile.entry(d) for d in devices]
     names = [e.info.name for e in entries]

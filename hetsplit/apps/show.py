@@ -10,8 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .profiles import Profile
-from .solver import Plan, even_sizes, solve
+from ..planning import Plan, Profile, even_sizes, solve
 
 if TYPE_CHECKING:
     from .bench import BenchResult

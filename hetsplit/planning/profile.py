@@ -1,4 +1,4 @@
-"""Profiles: the measurements and fitted curves of a set of devices for one model (Profile)."""
+"""Profile: the measurements and fitted curves of a set of devices for one model, as data."""
 
 from __future__ import annotations
 
@@ -11,10 +11,14 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from .costmodel import Curve, CurveTable
-from .devices import DeviceInfo, DeviceLike, parse_device
+import torch
 
-__all__ = ["Measurement", "DeviceProfile", "Profile", "local_gpus"]
+from .. import store
+from ..version import __version__
+from ..devices import DeviceInfo, DeviceLike, canonical_name, local_gpus
+from .curve import Curve, CurveTable
+
+__all__ = ["Measurement", "DeviceProfile", "Profile", "latest_profile"]
 
 
 @dataclasses.dataclass
@@ -148,7 +152,7 @@ class Profile:
         found = index.get(device) if isinstance(device, str) else None
         if found is not None:
             return found
-        key = _key(device)
+        key = canonical_name(device)
         if key in index:
             return index[key]
         raise KeyError(f"device {key!r} is not in this profile; it has {self.devices}")
@@ -244,7 +248,7 @@ class Profile:
 
     def subset(self, devices: Sequence[DeviceLike]) -> Profile:
         """A profile of just ``devices`` (each once, in the order given)."""
-        return dataclasses.replace(self, entries=[self.entry(d) for d in dict.fromkeys(_key(d) for d in devices)])
+        return dataclasses.replace(self, entries=[self.entry(d) for d in dict.fromkeys(canonical_name(d) for d in devices)])
 
     def calibrated(self, observed: Mapping[str, tuple[int, float]]) -> Profile:
         """Correct the curves with step times observed in real training.
@@ -340,8 +344,6 @@ class Profile:
                 (see :func:`hetsplit.store.profile_dir`).
             directory: Profile directory to use when ``path`` is not given.
         """
-        from . import store
-
         return store.save_profile(self, path, directory=directory)
 
     @classmethod
@@ -352,39 +354,22 @@ class Profile:
             hetsplit.store.ProfileFileError: If the file is missing, damaged, or of
                 another schema version; the message names the file.
         """
-        from . import store
-
-        return store.load_profile(path)
-
-
-def local_gpus() -> dict[str, str]:
-    """``{uuid: "cuda:N"}`` for the GPUs visible to this process (empty without CUDA)."""
-    import torch
-
-    from .devices import describe
-
-    if not torch.cuda.is_available():
-        return {}
-    found = {}
-    for i in range(torch.cuda.device_count()):
-        info = describe(f"cuda:{i}")
-        if info.uuid:
-            found[info.uuid] = info.name
-    return found
-
-
-def _key(device: DeviceLike) -> str:
-    if isinstance(device, str):
+        doc = store.read_json(path, "profile")
         try:
-            return parse_device(device, check=False).name
-        except ValueError:
-            return device  # a free-form label from measurements taken elsewhere
-    return parse_device(device, check=False).name
+            return cls.from_dict(doc)
+        except (KeyError, TypeError, ValueError) as e:
+            raise store.ProfileFileError(f"{path}: damaged profile ({type(e).__name__}: {e}); re-create it") from e
+
+
+def latest_profile(devices: Sequence[DeviceLike], directory: str | Path | None = None) -> Profile | None:
+    """The newest profile measured on this machine that covers ``devices``, or ``None``.
+
+    GPUs are matched by UUID, so a profile still serves after ``CUDA_VISIBLE_DEVICES``
+    or the device order changes (see :meth:`Profile.matched_to_local`).
+    """
+    paths = store.find_profiles(devices, directory)
+    return Profile.load(paths[0]).matched_to_local() if paths else None
 
 
 def _versions() -> dict[str, str]:
-    import torch
-
-    from . import __version__
-
     return {"hetsplit": __version__, "torch": torch.__version__}

@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from .bench import BenchResult, bench
-from .devices import DeviceLike, discover, parse_devices
+from ..devices import DeviceLike, discover, parse_devices
 
 __all__ = ["demo_devices", "run_demo", "verdict"]
 

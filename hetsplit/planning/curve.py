@@ -1,4 +1,4 @@
-"""Cost model: per-device step-time curves t(b) fitted to measurements, evaluated and inverted in bulk."""
+"""Curve: per-device step-time curves t(b) fitted to measurements, evaluated and inverted in bulk."""
 
 from __future__ import annotations
 

@@ -100,7 +100,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=_positive_int, help="timed steps per configuration (default 20; 120 with --rebalance)")
     p.add_argument("--mode", choices=("gather", "local"), default="gather",
                    help="gather: loss on gathered outputs (DataParallel); local: loss per device")
-    p.add_argument("--sync", choices=("copy", "broadcast"), default="copy", help="replica synchronisation")
     p.add_argument("--profile-budget", type=_positive_float, default=20.0, help="seconds to profile (default 20)")
     p.add_argument("--threads", type=_positive_int, help="torch intra-op CPU threads (1 is steadiest for emulated CPUs)")
     p.add_argument("--json", type=Path, help="also write the results to this JSON file")
@@ -159,7 +158,7 @@ def _table(rows: Sequence[Sequence[str]], header: Sequence[str]) -> str:
 
 
 def _cmd_devices(args: argparse.Namespace) -> int:
-    from .devices import discover
+    from ..devices import discover
 
     infos = discover()
     if args.json:
@@ -170,7 +169,7 @@ def _cmd_devices(args: argparse.Namespace) -> int:
     print(_table(rows, ["device", "kind", "name", "memory", "capability", "driver", "uuid"]))
     import torch
 
-    from . import __version__
+    from ..version import __version__
 
     cuda = f", built for CUDA {torch.version.cuda}" if torch.version.cuda else ""
     usable = "" if torch.cuda.is_available() else " (no CUDA device usable here)" if torch.version.cuda else ""
@@ -181,7 +180,7 @@ def _cmd_devices(args: argparse.Namespace) -> int:
 
 
 def _default_devices() -> list[str]:
-    from .devices import discover
+    from ..devices import discover
 
     names = [i.name for i in discover()]
     if len(names) == 1:
@@ -194,8 +193,9 @@ def _cmd_profile(args: argparse.Namespace) -> int:
     import torch
     import torch.nn.functional as F
 
-    from . import profiler, solver, store
-    from .devices import parse_devices
+    from .. import profiler, store
+    from ..planning import solver
+    from ..devices import parse_devices
     from .models import BUILTIN_MODELS, load_model, synthetic_batch
 
     devs = parse_devices(args.devices) if args.devices else parse_devices(_default_devices())
@@ -259,8 +259,8 @@ def _parse_use(text: str) -> tuple[Path, str, int]:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    from . import solver, store
-    from .profiles import Profile
+    from .. import store
+    from ..planning import Profile, solver
 
     if not args.profile and not args.use:
         raise CLIError("give a profile file, or --use FILE:DEVICE[*N] (see 'hetsplit plan --help')")
@@ -270,7 +270,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
     def load(path: Path) -> Profile:
         if path not in loaded:
-            loaded[path] = store.load_profile(path)
+            loaded[path] = Profile.load(path)
         return loaded[path]
 
     parts: list[tuple[Profile, str, int]] = []
@@ -338,10 +338,10 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _cmd_show(args: argparse.Namespace) -> int:
-    from . import store
+    from .. import store
     from .bench import BenchResult
     from .show import plot_profile, plot_timeline
-    from .solver import Plan
+    from ..planning import Plan, Profile
 
     doc = store.read_json(args.file, ("profile", "bench"))
     out = args.out or args.file.with_suffix(".png")
@@ -356,7 +356,7 @@ def _cmd_show(args: argparse.Namespace) -> int:
             raise CLIError(f"{args.file}: no per-device busy times (made by an older hetsplit); re-run the bench")
         path = plot_timeline(result, out)
     else:
-        prof = store.load_profile(args.file)
+        prof = Profile.load(args.file)
         plan = None
         if args.plan:
             try:
@@ -378,9 +378,10 @@ def _cmd_show(args: argparse.Namespace) -> int:
 def _cmd_bench(args: argparse.Namespace) -> int:
     import torch
 
-    from . import store
-    from .bench import bench, bench_rebalance, parse_change
-    from .devices import parse_devices
+    from .. import store
+    from .bench import bench
+    from .bench_rebalance import bench_rebalance, parse_change
+    from ..devices import parse_devices
     from .models import load_model
 
     devs = parse_devices(args.devices)
@@ -406,7 +407,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             store.write_json(args.json, "bench-rebalance", {"result": outcome.to_dict()})
             print(f"results written to {args.json}")
         return 0
-    result = bench(spec, devs, batch_size=args.batch_size, steps=steps, mode=args.mode, sync=args.sync,
+    result = bench(spec, devs, batch_size=args.batch_size, steps=steps, mode=args.mode,
                    profile_budget=args.profile_budget, log=log)
     print(result.table())
     if args.json:
@@ -416,7 +417,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from . import store
+    from .. import store
     from .demo import run_demo
 
     devices = [d for d in args.devices.split(",") if d] if args.devices else None

@@ -10,9 +10,12 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from .costmodel import Curve
-from .profiles import DeviceProfile, Profile
-from .solver import Plan, plan_from_sizes, solve
+from ..devices import DeviceInfo
+from .curve import Curve
+from .plan import Plan
+from .profile import DeviceProfile, Profile
+from .sizes import resolve_plan
+from .solver import plan_from_sizes
 
 __all__ = ["PlanChange", "Rebalancer"]
 
@@ -112,8 +115,6 @@ class Rebalancer:
             return self.profile.entry(name)
         # No profile: time proportional to the shard, one second per sample, which the
         # factor then scales to the device's measured seconds per sample.
-        from .devices import DeviceInfo
-
         return DeviceProfile(DeviceInfo(name=name, kind="observed", description=name), [],
                              Curve([1.0], [1.0], 0.0, 1.0))
 
@@ -215,7 +216,7 @@ class Rebalancer:
         def step_time(sizes: Sequence[int]) -> float:
             return max(c(b) for c, b in zip(curves, sizes))
 
-        target = solve(profile, plan.batch_size, devices=plan.devices)
+        target = resolve_plan(plan.batch_size, plan.devices, profile=profile)
         sizes = _bounded(plan.sizes, target.sizes, int(self.max_move * plan.batch_size))
         now, then = step_time(plan.sizes), step_time(sizes)
         best = now / target.step_time if target.step_time > 0 else math.inf

@@ -1,0 +1,27 @@
+"""Distributed: heterogeneous torchrun ranks — one plan for all, per-rank shares, shard-weighted DDP gradients.
+
+``_group`` (ranks, collectives that fail with one clear error) → ``rank_plan`` (each rank
+profiles its device, rank 0 solves, DDP steps calibrate) → ``sampler`` (each rank's
+share of every global batch) → ``comm_hooks`` (gradients weighted by shard) →
+``rebalance`` (online rebalancing across ranks).
+"""
+
+from ._group import DistributedError, init_timeout, verify_plan
+from .comm_hooks import WeightingState, scale_loss, weight_gradients
+from .rank_plan import plan, rank_device
+from .rebalance import DistributedRebalancer
+from .sampler import HeteroBatchSampler, HeteroDistributedSampler
+
+__all__ = [
+    "DistributedError",
+    "DistributedRebalancer",
+    "HeteroBatchSampler",
+    "HeteroDistributedSampler",
+    "WeightingState",
+    "init_timeout",
+    "plan",
+    "rank_device",
+    "scale_loss",
+    "verify_plan",
+    "weight_gradients",
+]

@@ -1,0 +1,216 @@
+"""Comm hooks: DDP gradients weighted by each rank's shard, ``sum_r b_r * g_r / B``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..parallel.reduce import shard_weights
+from ..planning.plan import Plan
+from ..tree import batch_length, tree_map
+from ._group import DistributedError, group_info, verify_plan
+
+__all__ = ["WeightingState", "weight_gradients", "scale_loss"]
+
+
+class WeightingState:
+    """What the comm hook needs: this step's local batch size, the reduction, and the plan's weight."""
+
+    def __init__(self, group: Any, reduction: str, rank: int) -> None:
+        self.group, self.reduction, self.rank = group, reduction, rank
+        self.local = 0
+        self.buffers: dict[int, torch.Tensor] = {}  # per bucket: the packing buffer, reused every step
+        self.weight: float | None = None  # with a plan: this rank's constant weight b_r / B
+        self.planned: int | None = None  # with a plan: this rank's samples per step
+
+    def set_plan(self, plan: Plan | None) -> None:
+        """Weight the following steps by ``plan`` (``None``: by each step's real sizes)."""
+        if plan is None:
+            self.weight = self.planned = None
+            return
+        self.planned = plan.sizes[self.rank]
+        self.weight = self.planned / plan.batch_size if self.reduction == "mean" else float(self.planned > 0)
+
+
+def _weighted_allreduce(state, bucket):  # type: ignore[no-untyped-def]
+    # No annotations: DDP compares them with dist.GradBucket, and this module's postponed
+    # annotations would be strings. (state: WeightingState, bucket: GradBucket) -> Future[Tensor]
+    """The comm hook: each bucket becomes ``sum_r b_r * g_r / B`` on every rank.
+
+    With a plan the weights ``b_r / B`` are constants. Without one, ``[b_r * g_r, b_r]``
+    is all-reduced in one collective and divided by the summed count: the count travels
+    with the gradients, so no extra round trip is needed and every step (a short last
+    one, a rank with 0 samples) is weighted by what really ran. A rank with 0 samples
+    sends zeros, whatever its (empty-batch, possibly NaN) gradient holds.
+    """
+    grads = bucket.buffer()
+    if state.weight is not None:
+        # Steps follow the plan (checked in the forward pre-hook): the weights are known, so
+        # the bucket is scaled in place and summed, as cheaply as DDP's own Python hook.
+        if state.weight:
+            grads.mul_(state.weight)
+        else:
+            grads.zero_()  # a rank with no samples (its empty-batch gradient may be NaN)
+        return dist.all_reduce(grads, group=state.group, async_op=True).get_future().then(lambda f: f.value()[0])
+    b = float(state.local)
+    weight = b if state.reduction == "mean" else (1.0 if b > 0 else 0.0)
+    packed = state.buffers.get(bucket.index())
+    if packed is None or packed.numel() != grads.numel() + 1 or packed.dtype != grads.dtype:
+        packed = state.buffers[bucket.index()] = torch.empty(grads.numel() + 1, dtype=grads.dtype, device=grads.device)
+    if b > 0:
+        torch.mul(grads, weight, out=packed[:-1])
+    else:
+        packed[:-1].zero_()
+    packed[-1] = b
+    fut = dist.all_reduce(packed, group=state.group, async_op=True).get_future()
+
+    def finish(f):  # type: ignore[no-untyped-def]
+        total = f.value()[0]
+        if state.reduction == "sum":
+            grads.copy_(total[:-1])
+            return grads
+        count = total[-1].item()
+        if count > 0:
+            torch.div(total[:-1], count, out=grads)
+        else:
+            grads.zero_()
+        return grads
+
+    return fut.then(finish)
+
+
+class _ScaleGradient(torch.autograd.Function):
+    """The identity forward; the gradient flowing back is multiplied by a constant."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, factor: float) -> torch.Tensor:  # type: ignore[override]
+        ctx.factor = factor
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        # A factor of 0 (a rank with no samples) gives zeros even where the gradient is NaN.
+        return (grad * ctx.factor if ctx.factor else torch.zeros_like(grad)), None
+
+
+_METHODS = ("hook", "outputs")
+
+
+def weight_gradients(ddp_model: nn.parallel.DistributedDataParallel, plan: Plan | None = None, *,
+                     method: str = "hook", reduction: str = "mean", dim: int = 0, group: Any = None) -> WeightingState:
+    """Make DDP average gradients weighted by each rank's shard: ``sum_r b_r * g_r / B``.
+
+    DDP's own average is the plain mean over ranks, biased when shards differ. With a
+    per-rank loss that is a mean over the rank's samples, the weighted average equals
+    the full-batch gradient; with ``reduction="sum"`` gradients are summed. Every rank
+    takes part in every step, also with 0 samples. A forward hook records each step's
+    local batch size (the length of the inputs along ``dim``).
+
+    Two ways to weight:
+
+    - ``method="hook"`` (the default) registers a DDP comm hook. With a ``plan``, each
+      bucket is scaled in place by the constant ``b_r / B`` and summed: the cost of any
+      Python comm hook. Without a plan, steps may have any sizes: each bucket travels
+      as ``[b_r * g_r, b_r]`` in one message and is divided by the summed count. Every
+      gradient DDP reduces is weighted, whatever path it took.
+    - ``method="outputs"`` (needs a ``plan``) registers no comm hook: the gradient
+      flowing back into the module's outputs is multiplied by ``world * b_r / B``, and
+      DDP's built-in C++ mean does the rest. No Python runs per bucket, the scaling
+      touches the outputs rather than every gradient, and any comm hook of the user's
+      own that averages (compression, PowerSGD) can still be registered. Exact when
+      every per-sample loss term reaches the parameters through the module's outputs,
+      as in ``loss_fn(model(x), y)`` (a penalty on the parameters themselves is fine
+      too); a loss term built from activations stored elsewhere would not be weighted:
+      use the hook then.
+
+    With a ``plan``, every step must follow it (as :class:`HeteroDistributedSampler`
+    gives; a step of another size raises on that rank rather than being weighted
+    wrongly).
+
+    Args:
+        ddp_model: The DistributedDataParallel model (call before the first backward).
+        plan: The plan every rank holds (checked to be the same everywhere), or ``None``
+            for steps of any size (``method="hook"`` only).
+        method: ``"hook"`` or ``"outputs"``, as above.
+        reduction: ``"mean"`` or ``"sum"``: how each rank's loss reduces its samples.
+        dim: The batch dimension of the inputs.
+        group: The process group DDP uses (default: the world).
+
+    Returns:
+        The weighting's state; ``state.local`` is the last step's local batch size and
+        ``state.set_plan(plan)`` weights the following steps by another plan (what
+        :class:`DistributedRebalancer` does).
+
+    Raises:
+        ValueError: On an unknown ``reduction`` or ``method``, or ``method="outputs"``
+            without a plan.
+    """
+    shard_weights([1], reduction)  # validates the reduction
+    if method not in _METHODS:
+        raise ValueError(f"unknown method {method!r}; use one of {', '.join(_METHODS)}")
+    if method == "outputs" and plan is None:
+        raise ValueError('method="outputs" needs the plan (the weights must be known before the step); '
+                         'use method="hook" for steps of any size')
+    if plan is not None:
+        verify_plan(plan, group)
+    rank, world = group_info(group)
+    state = WeightingState(group, reduction, rank)
+    state.set_plan(plan)
+
+    def record(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        first = args[0] if args else None
+        if isinstance(first, torch.Tensor) and first.dim() > 0 and not kwargs:
+            state.local = first.shape[dim]  # the common case, without walking the inputs
+        else:
+            state.local = batch_length((args, kwargs), dim)
+        if state.planned is not None and state.local != state.planned:
+            raise DistributedError(
+                f"rank {rank}: this step has {state.local} samples but the plan gives this rank {state.planned}; "
+                "steps must follow the plan (use HeteroDistributedSampler), or call weight_gradients(ddp) "
+                "without a plan to weight steps of any size"
+            )
+
+    if method == "hook":
+        def before(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            if torch.is_grad_enabled():
+                record(args, kwargs)
+
+        ddp_model.module.register_forward_pre_hook(before, with_kwargs=True)
+        ddp_model.register_comm_hook(state, _weighted_allreduce)
+        return state
+
+    def scale(t: Any) -> Any:
+        if isinstance(t, torch.Tensor) and t.requires_grad and (t.is_floating_point() or t.is_complex()):
+            return _ScaleGradient.apply(t, world * state.weight)
+        return t
+
+    def after(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return None
+        record(args, kwargs)  # after the forward: one Python call per step; an off-plan step still raises
+        if isinstance(output, torch.Tensor):
+            return scale(output)
+        return tree_map(scale, output)
+
+    ddp_model.module.register_forward_hook(after, with_kwargs=True)
+    return state
+
+
+def scale_loss(loss: torch.Tensor, local_size: int, global_size: int, *, world_size: int | None = None) -> torch.Tensor:
+    """Scale a rank's mean loss so that averaging gradients over ranks weighs shards by size.
+
+    For code that averages gradients itself (an all-reduce divided by the world size,
+    or DDP without :func:`weight_gradients`): each rank's loss is multiplied by
+    ``world_size * local_size / global_size``, turning the plain mean over ranks into
+    ``sum_r b_r * g_r / B``.
+    """
+    if world_size is None:
+        _, world_size = group_info(None)
+    if global_size <= 0:
+        raise ValueError(f"global_size must be > 0, got {global_size}")
+    return loss * (world_size * local_size / global_size)
+
+

@@ -1,0 +1,190 @@
+"""Rank plan: one plan for all ranks — each profiles its own device, rank 0 solves, DDP steps calibrate it."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+import os
+import statistics
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..devices import Device, DeviceLike, parse_device
+from ..planning.curve import Curve
+from ..planning.plan import Plan
+from ..planning.profile import DeviceProfile, Profile
+from ..planning.sizes import resolve_plan
+from ..profiler import profile as run_profile
+from ..profiler import train_step
+from ..timing import WorkTimer
+from ..tree import move, take_rows
+from ..version import __version__
+from ._group import DistributedError, all_gather, collective, group_info
+
+__all__ = ["plan", "rank_device"]
+
+
+def rank_device(devices: str | Sequence[DeviceLike], rank: int | None = None) -> str:
+    """This rank's device from a per-rank list: ``"cuda:0,cpu@0.25"`` gives rank 1 ``cpu@0.25``.
+
+    The list is indexed by the global rank, cycling when shorter than the world.
+    """
+    items = [d.strip() for d in devices.split(",") if d.strip()] if isinstance(devices, str) else [str(d) for d in devices]
+    if not items:
+        raise ValueError(f"no devices in {devices!r}; give one per rank, e.g. 'cuda:0,cpu'")
+    if rank is None:
+        rank, _ = group_info(None)
+    return items[rank % len(items)]
+
+
+def plan(
+    model: nn.Module,
+    sample: Any,
+    batch_size: int,
+    *,
+    device: DeviceLike | None = None,
+    loss_fn: Callable[..., torch.Tensor] | None = None,
+    target: Any = None,
+    profile: Profile | None = None,
+    calibrate: int = 16,
+    group: Any = None,
+    **profile_kwargs: Any,
+) -> Plan:
+    """One plan for all ranks: each profiles its own device, rank 0 solves, all receive it.
+
+    Every rank calls this collectively. Each rank profiles ``model`` on its own
+    ``device`` (or contributes the given ``profile``); the profiles and hetsplit versions
+    are all-gathered; rank 0 solves the global batch and broadcasts the plan. Devices in
+    the plan are labelled ``rank{r}:{device}`` in rank order, so ``plan.sizes[rank]`` is
+    each rank's local batch.
+
+    The profile times the bare model; a DDP step also pays DDP's own per-step work (its
+    forward, gradient bucketing, the all-reduce's CPU time), which weighs most on a slow
+    rank. With ``calibrate`` steps, every rank then runs that many real DDP steps of a
+    copy of ``model`` on its planned share, its work timed up to its last gradient
+    (waiting for other ranks is not work); each rank's curve is corrected to pass
+    through its median (work beyond the profile is added as a fixed per-step overhead,
+    work short of it scales the curve down) and the plan is solved again. ``model`` is
+    not touched.
+
+    Args:
+        model: The model (unwrapped, or the module inside DDP).
+        sample: Example input for the profiler (see :func:`hetsplit.profile`).
+        batch_size: The global batch: samples per step across all ranks.
+        device: This rank's device (default: ``cuda:LOCAL_RANK`` if CUDA is available,
+            else ``cpu``).
+        loss_fn, target: As for :func:`hetsplit.profile`.
+        profile: This rank's profile, to skip profiling (one device, or the device
+            named by ``device``).
+        calibrate: DDP steps to calibrate the plan with (after 2 warm-up steps); 0
+            skips it (for a job without DDP, or when a share is 0 it is skipped).
+        group: The process group (default: the world).
+        **profile_kwargs: Passed to :func:`hetsplit.profile` (``time_budget``, ...).
+
+    Returns:
+        The same :class:`Plan` on every rank.
+
+    Raises:
+        ValueError: On a negative ``calibrate``, before anything else runs.
+        DistributedError: If hetsplit versions differ across ranks, a calibration step
+            fails on some rank, or a rank dies or hangs past the group's timeout.
+    """
+    if isinstance(calibrate, bool) or not isinstance(calibrate, int) or calibrate < 0:
+        raise ValueError(f"calibrate must be a number of steps >= 0, got {calibrate!r}")
+    rank, world = group_info(group)
+    dev = parse_device(device if device is not None else _default_device())
+    versions = all_gather(__version__, "comparing hetsplit versions", group)
+    if len(set(versions)) > 1:
+        raise DistributedError(f"hetsplit versions differ across ranks: {dict(enumerate(versions))}; "
+                               "install the same version on every node")
+    if profile is None:
+        profile = run_profile(model, sample, [dev], loss_fn, target=target, progress=False, **profile_kwargs)
+    entry = profile.entry(dev.name) if len(profile.entries) > 1 else profile.entries[0]
+    gathered = all_gather({"entry": entry.to_dict(), "model": profile.model}, "gathering profiles", group)
+    combined = None
+    if rank == 0:
+        entries = []
+        for r, item in enumerate(gathered):
+            e = DeviceProfile.from_dict(item["entry"])
+            e.info.name = f"rank{r}:{e.info.name}"
+            entries.append(e)
+        combined = Profile(entries, model=gathered[0]["model"], host="torchrun", source="distributed")
+    result = _broadcast_plan(lambda: resolve_plan(batch_size, combined.devices, profile=combined), group, rank, world)
+    if calibrate and min(result.sizes) > 0:
+        work = _calibration_work(model, sample, target, loss_fn, dev, result.sizes[rank], calibrate, group, rank)
+        if rank == 0:
+            combined = dataclasses.replace(combined, entries=[
+                dataclasses.replace(e, curve=_through(e.curve, size, seconds))
+                for e, size, seconds in zip(combined.entries, result.sizes, work)])
+        result = _broadcast_plan(lambda: resolve_plan(batch_size, combined.devices, profile=combined), group, rank, world)
+    return result
+
+
+def _through(curve: Curve, size: int, seconds: float) -> Curve:
+    """``curve`` corrected to pass through a measured ``(size, seconds)``.
+
+    Work beyond the prediction is a fixed per-step overhead (what DDP adds to a step);
+    work short of it scales the curve down.
+    """
+    predicted = curve(size)
+    if not (math.isfinite(seconds) and seconds > 0 and math.isfinite(predicted) and predicted > 0):
+        return curve
+    return curve.shifted(seconds - predicted) if seconds >= predicted else curve.scaled(seconds / predicted)
+
+
+def _broadcast_plan(make: Callable[[], Plan], group: Any, rank: int, world: int) -> Plan:
+    """Rank 0 makes the plan; every rank receives it."""
+    holder: list[Any] = [make().to_dict() if rank == 0 else None]
+    src = dist.get_global_rank(group, 0) if group is not None else 0
+    collective("broadcasting the plan", lambda: dist.broadcast_object_list(holder, src=src, group=group), rank)
+    result = Plan.from_dict(holder[0])
+    if len(result.devices) != world:
+        raise DistributedError(f"the plan has {len(result.devices)} devices for {world} ranks")
+    return result
+
+
+def _calibration_work(model: nn.Module, sample: Any, target: Any, loss_fn: Callable[..., torch.Tensor] | None,
+                      dev: Device, size: int, steps: int, group: Any, rank: int) -> list[float]:
+    """Every rank's median seconds of work in a real DDP step on its share (all-gathered)."""
+    replica = copy.deepcopy(model).to(dev.torch_device).train()
+    index = torch.arange(size)
+    inputs = move(take_rows(sample, index), dev.torch_device)
+    labels = move(take_rows(target, index), dev.torch_device) if target is not None else None
+
+    try:  # one step alone first: a failing step is reported on every rank, not left hanging in DDP
+        train_step(replica, inputs, labels, loss_fn)
+        failure = None
+    except Exception as e:  # noqa: BLE001 -- reported below, on every rank
+        failure = f"{type(e).__name__}: {e}"
+    failures = all_gather(failure, "calibrating the plan", group)
+    if any(failures):
+        bad = {r: f for r, f in enumerate(failures) if f}
+        raise DistributedError(f"a DDP step on the planned shares failed on ranks {bad}; check the model runs "
+                               "on these batch sizes, or pass calibrate=0")
+    ddp = nn.parallel.DistributedDataParallel(replica, device_ids=[dev.index] if dev.type == "cuda" else None,
+                                              process_group=group)
+    timer = WorkTimer(dev, replica)
+    laps = []
+    try:
+        for i in range(2 + steps):
+            replica.zero_grad(set_to_none=True)
+            with timer.step() as lap:
+                train_step(ddp, inputs, labels, loss_fn, dev, cpu_time=True)  # waiting for other ranks is not slowed
+            if i >= 2:
+                laps.append(lap)
+    finally:
+        timer.remove()
+    mine = statistics.median(x.seconds() for x in laps)
+    return [float(t) for t in all_gather(mine, "gathering calibration times", group)]
+
+
+def _default_device() -> str:
+    if torch.cuda.is_available():
+        return f"cuda:{int(os.environ.get('LOCAL_RANK', 0)) % torch.cuda.device_count()}"
+    return "cpu"
+

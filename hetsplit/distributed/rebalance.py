@@ -1,0 +1,139 @@
+"""Rebalance: online rebalancing for a torchrun job — all ranks' step times pooled, one switch step for all."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+from torch import nn
+
+from ..devices import Device, DeviceLike, parse_device
+from ..planning.plan import Plan
+from ..planning.rebalance import PlanChange, Rebalancer
+from ..planning.solver import plan_from_sizes
+from ..timing import Lap, WorkTimer
+from ._group import all_gather, group_info, verify_plan
+from .comm_hooks import WeightingState
+from .sampler import HeteroBatchSampler, plan_at
+
+__all__ = ["DistributedRebalancer"]
+
+
+class DistributedRebalancer:
+    """Online rebalancing for a torchrun job: all ranks' step times pooled, one switch step for all.
+
+    Wrap each training step's work in :meth:`step`. The rank's busy time is measured
+    without a device synchronisation (CUDA events on a GPU, a monotonic clock
+    elsewhere); with ``model`` given, it ends when the step's last gradient is computed,
+    so waiting for other ranks in DDP's all-reduce is not counted as work (without
+    ``model``, wrap only the compute). Every ``rebalancer.every`` steps the timings are
+    all-gathered and every rank feeds the same :class:`~hetsplit.rebalance.Rebalancer`
+    the same data, so all reach the same decision. A new plan starts at the first step
+    no rank's sampler has handed out yet: ``sampler`` (a :class:`HeteroBatchSampler`)
+    and ``gradients`` (the state returned by :func:`weight_gradients`) follow it from
+    that step on, on every rank at once.
+
+    Args:
+        plan: The starting plan, the same on every rank (e.g. from :func:`plan`).
+        rebalancer: The policy (default: ``Rebalancer()``: every 10 steps, 5 %
+            threshold, at most half the batch moved at once).
+        sampler: This rank's :class:`HeteroBatchSampler`, to follow plan changes.
+        gradients: The state from :func:`weight_gradients` with a plan, to weight each
+            step by the plan in force (without a plan the hook weights by real sizes).
+        model: The model (or DDP module) whose last gradient marks the end of the work.
+        device: This rank's device (default: parsed from the plan's ``rank{r}:DEVICE``
+            label, else the CPU).
+        group: The process group (default: the world).
+
+    Attributes:
+        steps: Steps completed on this rank.
+        schedule: ``(first step, plan)`` pairs, oldest first.
+
+    Example:
+        >>> rb = hd.DistributedRebalancer(plan, sampler=sampler, gradients=state, model=ddp, device=dev)
+        >>> for x, y in loader:
+        ...     with rb.step():
+        ...         loss = F.cross_entropy(ddp(x), y); opt.zero_grad(); loss.backward()
+        ...     opt.step()
+    """
+
+    def __init__(self, plan: Plan, rebalancer: Rebalancer | None = None, *, sampler: HeteroBatchSampler | None = None,
+                 gradients: WeightingState | None = None, model: nn.Module | None = None,
+                 device: DeviceLike | None = None, group: Any = None) -> None:
+        self.rank, self.world = group_info(group)
+        if len(plan.sizes) != self.world:
+            raise ValueError(f"the plan has {len(plan.sizes)} shares for {self.world} ranks")
+        if sampler is not None and sampler.plan_at(sampler.yielded).sizes != plan.sizes:
+            raise ValueError(f"the sampler follows sizes {sampler.plan_at(sampler.yielded).sizes}, "
+                             f"the plan has {plan.sizes}; build both from the same plan")
+        self.rebalancer = rebalancer if rebalancer is not None else Rebalancer()
+        self.sampler, self.gradients, self.group = sampler, gradients, group
+        self.device = parse_device(device) if device is not None else _device_from_label(plan.devices[self.rank])
+        self.schedule: list[tuple[int, Plan]] = [(0, plan)]
+        self.steps = 0
+        self._mine: dict[int, tuple[int, Lap]] = {}  # step -> (size, lap), until every rank has sent it
+        self._timer = WorkTimer(self.device, model)
+        verify_plan(plan, group)
+
+    @property
+    def plan(self) -> Plan:
+        """The plan in force for the current step (or the next one, between steps)."""
+        return self.plan_at(self.steps)
+
+    @property
+    def history(self) -> list[PlanChange]:
+        """The plan changes so far; each one's ``step`` is the first step that ran the new plan."""
+        return self.rebalancer.history
+
+    def plan_at(self, step: int) -> Plan:
+        """The plan in force at step ``step``."""
+        return plan_at(self.schedule, step)
+
+    @contextlib.contextmanager
+    def step(self) -> Iterator[Plan]:
+        """Measure one training step on this rank; yields the plan in force for it.
+
+        Every ``rebalancer.every`` steps, on leaving, the ranks exchange timings
+        (one small all-gather) and possibly schedule a new plan.
+        """
+        current = self.plan
+        if self.gradients is not None and self.gradients.weight is not None:
+            self.gradients.set_plan(current)
+        with self._timer.step() as lap:
+            yield current
+        self._mine[self.steps] = (current.sizes[self.rank], lap)
+        self.steps += 1
+        if self.steps % self.rebalancer.every == 0:
+            self._exchange()
+
+    def _exchange(self) -> None:
+        ready = {j: (size, lap.seconds()) for j, (size, lap) in self._mine.items() if lap.ready()}
+        handed_out = self.sampler.yielded if self.sampler is not None else self.steps
+        gathered = all_gather({"times": ready, "next": max(handed_out, self.steps)}, "exchanging step times",
+                               self.group)
+        common = sorted(set.intersection(*(set(g["times"]) for g in gathered)))
+        names = self.plan.devices
+        for j in common:
+            sizes = [g["times"][j][0] for g in gathered]
+            times = {names[r]: g["times"][j][1] for r, g in enumerate(gathered)}
+            self.rebalancer.record(plan_from_sizes(None, names, sizes), times)
+            self._mine.pop(j, None)
+        start = max(g["next"] for g in gathered)
+        current = self.plan_at(start)
+        new = self.rebalancer.propose(current, step=start)
+        if new is None or new.sizes == current.sizes:
+            return
+        self.schedule = [(s, p) for s, p in self.schedule if s < start] + [(start, new)]
+        if self.sampler is not None:
+            self.sampler.set_plan(new, start)
+
+
+def _device_from_label(label: str) -> Device:
+    """``rank1:cuda:0`` → ``cuda:0``; a label without a device gives the CPU."""
+    head, _, rest = label.partition(":")
+    try:
+        return parse_device(rest if head.startswith("rank") and rest else label)
+    except ValueError:
+        return parse_device("cpu")
+

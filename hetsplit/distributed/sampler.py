@@ -1,0 +1,190 @@
+"""Samplers: each rank's share of every global batch, sized by the plan (the uneven DistributedSampler)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+from torch.utils.data import Dataset, Sampler, default_collate
+
+from ..planning.plan import Plan
+from ..tree import tree_map
+from ._group import group_info
+
+__all__ = ["HeteroDistributedSampler", "HeteroBatchSampler", "plan_at"]
+
+
+class HeteroDistributedSampler(Sampler[int]):
+    """Per-rank shares of every global batch, sized by the plan (the uneven ``DistributedSampler``).
+
+    Each epoch's indices (shuffled with ``seed + epoch`` when ``shuffle``) are cut into
+    global batches of ``plan.batch_size``; rank ``r`` takes the ``plan.sizes[r]``
+    indices at its offset in every global batch. Use it with
+    ``DataLoader(dataset, batch_size=plan.sizes[rank], sampler=sampler)``: every rank
+    then runs :attr:`steps` steps, so no rank waits for another at the end of an epoch.
+
+    With ``drop_last=True`` a last, incomplete global batch is dropped; with
+    ``drop_last=False`` it is completed with indices from the start of the epoch, as
+    ``DistributedSampler`` pads, so every sample is seen.
+
+    Args:
+        dataset: The dataset (only its length is used).
+        plan: The plan every rank holds (see :func:`plan`).
+        num_replicas, rank, shuffle, seed, drop_last: As for :class:`HeteroBatchSampler`
+            (this sampler is its flat form, with a plan that never changes).
+
+    Raises:
+        ValueError: If the plan's device count differs from ``num_replicas`` or ``rank``
+            is out of range.
+    """
+
+    def __init__(self, dataset: Dataset, plan: Plan, *, num_replicas: int | None = None, rank: int | None = None,
+                 shuffle: bool = True, seed: int = 0, drop_last: bool = False) -> None:
+        self._batches = HeteroBatchSampler(dataset, plan, num_replicas=num_replicas, rank=rank, shuffle=shuffle,
+                                           seed=seed, drop_last=drop_last)
+        self.dataset, self.plan = dataset, plan
+        self.num_replicas, self.rank = self._batches.num_replicas, self._batches.rank
+        self.shuffle, self.seed, self.drop_last = shuffle, seed, drop_last
+        self.size = plan.sizes[self.rank]
+        self.steps = self._batches.steps
+
+    @property
+    def epoch(self) -> int:
+        """The epoch whose order :meth:`__iter__` gives (see :meth:`set_epoch`)."""
+        return self._batches.epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        """Shuffle differently for ``epoch`` (call it on every rank before each epoch)."""
+        self._batches.set_epoch(epoch)
+
+    def __iter__(self) -> Iterator[int]:
+        for batch in self._batches:
+            yield from batch
+
+    def __len__(self) -> int:
+        return self.steps * self.size
+
+
+def _epoch_order(n: int, need: int, shuffle: bool, seed: int) -> list[int]:
+    """An epoch's ``need`` indices: shuffled with ``seed`` or in order, padded by wrapping around."""
+    if shuffle:
+        order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
+    else:
+        order = list(range(n))
+    while 0 < len(order) < need:  # pad by wrapping around, as DistributedSampler does
+        order += order[: need - len(order)]
+    return order[:need]
+
+
+def _world(num_replicas: int | None, rank: int | None, plan: Plan) -> tuple[int, int]:
+    if num_replicas is None or rank is None:
+        r, w = group_info(None)
+        num_replicas = w if num_replicas is None else num_replicas
+        rank = r if rank is None else rank
+    if len(plan.sizes) != num_replicas:
+        raise ValueError(f"the plan has {len(plan.sizes)} shares for {num_replicas} ranks; "
+                         "solve it for this world size")
+    if not 0 <= rank < num_replicas:
+        raise ValueError(f"rank {rank} is out of range for {num_replicas} ranks")
+    return num_replicas, rank
+
+
+def plan_at(schedule: Sequence[tuple[int, Plan]], step: int) -> Plan:
+    """The plan of a ``(first step, plan)`` schedule (oldest first) in force at ``step``."""
+    current = schedule[0][1]
+    for start, p in schedule:
+        if start > step:
+            break
+        current = p
+    return current
+
+
+class HeteroBatchSampler(Sampler[list[int]]):
+    """This rank's share of every global batch, one step at a time, following plan changes.
+
+    The batch-sampler form of :class:`HeteroDistributedSampler`, for online
+    rebalancing: each yielded list is one step's indices for this rank, cut from the
+    global batch by the plan in force *for that step*. :meth:`set_plan` schedules a new
+    plan from a given step on (``DistributedRebalancer`` does this on every rank with
+    the same step), so the ranks' shares stay disjoint and cover each global batch
+    while the sizes change, even with a ``DataLoader`` that prefetches. Use it as::
+
+        loader = DataLoader(dataset, batch_sampler=sampler, collate_fn=sampler.collate)
+
+    (:meth:`collate` also turns a share of 0 samples into an empty batch). Steps are
+    counted across epochs (:attr:`yielded`); epochs, shuffling, padding and
+    ``drop_last`` work as in :class:`HeteroDistributedSampler`.
+
+    Args:
+        dataset: The dataset (its length; :meth:`collate` also reads one item).
+        plan: The starting plan, the same on every rank.
+        num_replicas: World size (default: the process group's).
+        rank: This rank (default: the process group's).
+        shuffle: Shuffle each epoch.
+        seed: Seed of the shuffle, the same on every rank.
+        drop_last: Drop the last incomplete global batch instead of padding it.
+
+    Raises:
+        ValueError: If the plan's device count differs from ``num_replicas`` or ``rank``
+            is out of range.
+    """
+
+    def __init__(self, dataset: Dataset, plan: Plan, *, num_replicas: int | None = None, rank: int | None = None,
+                 shuffle: bool = True, seed: int = 0, drop_last: bool = False) -> None:
+        self.num_replicas, self.rank = _world(num_replicas, rank, plan)
+        self.dataset, self.shuffle, self.seed, self.drop_last = dataset, shuffle, seed, drop_last
+        self.epoch = 0
+        self.yielded = 0  # steps handed out so far, across epochs
+        self.schedule: list[tuple[int, Plan]] = [(0, plan)]
+        n, b = len(dataset), plan.batch_size  # type: ignore[arg-type]
+        self.steps = n // b if drop_last else math.ceil(n / b)
+
+    @property
+    def batch_size(self) -> int:
+        """The global batch: samples per step across all ranks."""
+        return self.schedule[0][1].batch_size
+
+    def plan_at(self, step: int) -> Plan:
+        """The plan in force at global step ``step``."""
+        return plan_at(self.schedule, step)
+
+    def set_plan(self, plan: Plan, from_step: int) -> None:
+        """Use ``plan`` from global step ``from_step`` on (call it with the same values on every rank).
+
+        Raises:
+            ValueError: If the plan changes the global batch or the number of ranks, or
+                ``from_step`` is a step already handed out.
+        """
+        if plan.batch_size != self.batch_size or len(plan.sizes) != self.num_replicas:
+            raise ValueError(f"the new plan splits {plan.batch_size} samples over {len(plan.sizes)} ranks; "
+                             f"this sampler's global batch is {self.batch_size} over {self.num_replicas} ranks")
+        if from_step < self.yielded:
+            raise ValueError(f"step {from_step} has already been handed out (next is {self.yielded}); "
+                             "schedule plans from a later step")
+        self.schedule = [(s, p) for s, p in self.schedule if s < from_step] + [(from_step, plan)]
+
+    def set_epoch(self, epoch: int) -> None:
+        """Shuffle differently for ``epoch`` (call it on every rank before each epoch)."""
+        self.epoch = epoch
+
+    def __iter__(self) -> Iterator[list[int]]:
+        b = self.batch_size
+        order = _epoch_order(len(self.dataset), self.steps * b, self.shuffle, self.seed + self.epoch)  # type: ignore[arg-type]
+        for step in range(self.steps):
+            sizes = self.plan_at(self.yielded).sizes
+            start = step * b + sum(sizes[: self.rank])
+            self.yielded += 1
+            yield order[start : start + sizes[self.rank]]
+
+    def __len__(self) -> int:
+        return self.steps
+
+    def collate(self, batch: list[Any]) -> Any:
+        """``default_collate``, with an empty share collated to empty tensors of the right shape."""
+        if batch:
+            return default_collate(batch)
+        one = default_collate([self.dataset[0]])  # type: ignore[index]
+        return tree_map(lambda t: t[:0] if isinstance(t, torch.Tensor) else t, one)
+

@@ -1,0 +1,106 @@
+"""Emulation: slowed devices (``cpu@0.25``), so mixed hardware can be shown and tested on one machine.
+
+An emulated device does its real work on the real device, then sleeps so that the work
+appears to run at a fraction of the real speed. The state here (speed changes, sleep
+debt, time slept) is keyed by the device's name, so every copy of a device value sees it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Callable, Iterator
+from typing import Protocol
+
+__all__ = ["MIN_SPEED", "check_speed", "current_speed", "set_speed", "delayed", "throttle"]
+
+# Below this an emulated step takes over 1000 times its real duration: a typo, not a device.
+MIN_SPEED = 1e-3
+
+_SPEED_OVERRIDES: dict[str, float] = {}
+_SLEEP_DEBT: dict[str, float] = {}
+_DELAYED: dict[str, float] = {}  # seconds each emulated device has slept in this process
+
+
+class _Emulated(Protocol):
+    name: str
+    type: str
+    speed: float
+    emulated: bool
+
+    def synchronize(self) -> None: ...
+
+
+def check_speed(speed: float, spec: str) -> None:
+    """Raise unless ``speed`` is a usable emulated speed factor.
+
+    Raises:
+        ValueError: If ``speed`` is not finite or not in ``[MIN_SPEED, 1]``.
+    """
+    if not (math.isfinite(speed) and MIN_SPEED <= speed <= 1.0):
+        raise ValueError(
+            f"emulated speed in {spec!r} must be in (0, 1] and at least {MIN_SPEED:g}, got {speed:g}; "
+            "write e.g. 'cpu@0.25' for the CPU at a quarter speed"
+        )
+
+
+def current_speed(device: _Emulated) -> float:
+    """The speed factor in force now for ``device`` (1.0 for a real device)."""
+    return _SPEED_OVERRIDES.get(device.name, device.speed) if device.emulated else 1.0
+
+
+def set_speed(device: _Emulated, speed: float | None) -> None:
+    """Change an emulated device's speed from now on (``None`` restores its own).
+
+    Raises:
+        ValueError: If the device is real or the speed is out of range.
+    """
+    if speed is None:  # restoring is harmless for any device
+        _SPEED_OVERRIDES.pop(device.name, None)
+        return
+    if not device.emulated:
+        raise ValueError(f"device {device.name!r} is real; only emulated devices (e.g. 'cpu@0.5') change speed")
+    check_speed(speed, device.name)
+    _SPEED_OVERRIDES[device.name] = float(speed)
+
+
+def delayed(device: _Emulated) -> float:
+    """Seconds ``device`` has slept for emulation so far in this process (0 for a real one)."""
+    return _DELAYED.get(device.name, 0.0)
+
+
+@contextlib.contextmanager
+def throttle(device: _Emulated, *, cpu_time: bool = False) -> Iterator[None]:
+    """Run the enclosed work at ``device``'s emulated speed (nothing for a real device).
+
+    Waits for the device, measures the enclosed work and sleeps ``(1/speed - 1)`` times
+    its duration.
+
+    Args:
+        device: The (possibly emulated) device.
+        cpu_time: Measure the work as this process's CPU time instead of wall time,
+            for an emulated CPU in its own process (one torchrun rank) whose enclosed
+            work also waits on other ranks (DDP's backward): waiting is not work and
+            must not be slowed down.
+    """
+    speed = current_speed(device)
+    if speed >= 1.0:
+        yield
+        return
+    clock: Callable[[], float] = time.process_time if cpu_time and device.type == "cpu" else time.perf_counter
+    start = clock()
+    yield
+    device.synchronize()
+    work = clock() - start
+    now = time.perf_counter()
+    # time.sleep overshoots by tens of microseconds, which would dominate small steps;
+    # carry each device's error into its next sleep so the long-run speed is exact.
+    wanted = work * (1.0 / speed - 1.0) - _SLEEP_DEBT.get(device.name, 0.0)
+    if wanted > 0:
+        time.sleep(wanted)
+        slept = time.perf_counter() - now
+        _SLEEP_DEBT[device.name] = slept - wanted
+        _DELAYED[device.name] = _DELAYED.get(device.name, 0.0) + slept
+    else:
+        _SLEEP_DEBT[device.name] = -wanted

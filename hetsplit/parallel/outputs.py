@@ -1,0 +1,195 @@
+"""Outputs: the replicas' outputs combined into one, with each replica's backward run in its own thread."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any, Union
+
+import torch
+
+from ..tree import flatten, leaf_paths, to_device, unflatten
+from .scatter_gather import concat_column
+
+__all__ = ["ScalarPolicy", "SCALAR_POLICIES", "check_policy", "policy_weights", "combine", "count_tokens"]
+
+# How 0-dim floating outputs of the replicas (per-shard losses) become one: a named rule,
+# or a callable giving each replica's weight from its input shard (args, kwargs).
+ScalarPolicy = Union[str, Callable[[tuple[Any, ...], dict[str, Any]], Any]]
+SCALAR_POLICIES = ("mean", "sum", "stack")
+
+BackwardRunner = Callable[[list[tuple[list[torch.Tensor], list[torch.Tensor]]]], None]
+
+
+def check_policy(policy: ScalarPolicy, what: str = "scalar_outputs") -> ScalarPolicy:
+    """Return ``policy`` if it is one of :data:`SCALAR_POLICIES` or a callable.
+
+    Raises:
+        ValueError: Naming the value and the choices.
+    """
+    if callable(policy) or policy in SCALAR_POLICIES:
+        return policy
+    raise ValueError(f"{what} must be one of {', '.join(map(repr, SCALAR_POLICIES))} or a callable "
+                     f"(args, kwargs) -> weight, got {policy!r}")
+
+
+def policy_weights(policy: ScalarPolicy, sizes: Sequence[int],
+                   shards: Sequence[tuple[tuple[Any, ...], dict[str, Any]]]) -> list[float] | None:
+    """Each active replica's weight under ``policy`` (``None`` for ``"stack"``).
+
+    ``"mean"`` weighs replica ``i`` by ``b_i / B`` (a per-shard mean becomes the
+    full-batch mean); ``"sum"`` by 1; a callable's weights are normalised to sum to 1.
+
+    Raises:
+        ValueError: If a callable returns a negative or non-finite weight, or all zero.
+    """
+    if policy == "stack":
+        return None
+    if policy == "sum":
+        return [1.0] * len(sizes)
+    if policy == "mean":
+        total = sum(sizes)
+        return [s / total for s in sizes]
+    raw = [float(policy(args, kwargs)) for args, kwargs in shards]
+    if any(not math.isfinite(w) or w < 0 for w in raw) or sum(raw) <= 0:
+        raise ValueError(f"the scalar weighting returned {raw} for the replicas' shards; "
+                         "weights must be finite, >= 0 and not all zero")
+    total = sum(raw)
+    return [w / total for w in raw]
+
+
+def count_tokens(key: str | int = "labels", *, ignore_index: int = -100,
+                 shift: bool = True) -> Callable[[tuple[Any, ...], dict[str, Any]], int]:
+    """A scalar weighting that counts a shard's non-ignored label tokens.
+
+    For a token loss that averages over non-padded tokens (Hugging Face's causal-LM
+    loss), a shard's weight in the full-batch mean is its token count, not its sample
+    count: ``HeteroDataParallel(model, devices, scalar_outputs=count_tokens("labels"))``.
+
+    Args:
+        key: The keyword argument holding the labels, or the index of a positional one.
+        ignore_index: The label value that is not counted.
+        shift: Drop the first position along dim 1, as a causal LM predicts token
+            ``t + 1`` from token ``t`` (``False`` for masked-LM or token classification).
+    """
+
+    def weight(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
+        labels = args[key] if isinstance(key, int) else kwargs.get(key)
+        if not isinstance(labels, torch.Tensor):
+            raise ValueError(f"count_tokens: the shard has no label tensor under {key!r}; pass the labels there")
+        if shift:
+            labels = labels[:, 1:]
+        return int((labels != ignore_index).sum())
+
+    return weight
+
+
+class _GatherBackward(torch.autograd.Function):
+    """Combine replica outputs; on backward, run every replica's backward concurrently.
+
+    The forward receives *detached* copies of the outputs, so the autograd engine never
+    walks into the replicas' graphs from the caller's thread (where it would run all CPU
+    backward work serially and unthrottled). Instead, backward cuts the incoming
+    gradient into one piece per replica and hands each to its replica's thread.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, runner: BackwardRunner, layout: _Layout, *detached: torch.Tensor) -> Any:
+        ctx.runner, ctx.layout = runner, layout
+        out = layout.combine(detached)
+        ctx.mark_non_differentiable(*[t for t in out if not t.is_floating_point() and not t.is_complex()])
+        return tuple(out)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> Any:
+        ctx.runner(ctx.layout.split(grads))
+        return (None, None) + (None,) * ctx.layout.n_inputs
+
+
+class _Layout:
+    """Where each replica's output tensors sit in the combined output, and how they combine."""
+
+    def __init__(self, columns: list[list[torch.Tensor]], paths: list[str], target: torch.device, dim: int,
+                 weights: Callable[[], list[float] | None]) -> None:
+        self.columns, self.paths, self.target, self.dim = columns, paths, target, dim  # columns[k][j]: leaf k of replica j
+        floating = [c[0].dim() == 0 and (c[0].is_floating_point() or c[0].is_complex()) for c in columns]
+        # The weights are asked for only when a floating scalar is there to combine (a
+        # callable policy may cost a device sync per replica).
+        self.weights = weights() if any(floating) else None
+        self.floating = floating
+        self.n_inputs = sum(len(c) for c in columns)
+
+    def _weighted(self, k: int) -> bool:
+        return self.floating[k] and self.weights is not None
+
+    def combine(self, flat: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        out, pos = [], 0
+        for k, (column, path) in enumerate(zip(self.columns, self.paths)):
+            parts = flat[pos : pos + len(column)]
+            pos += len(column)
+            if self._weighted(k):
+                assert self.weights is not None
+                moved = [to_device(t, self.target) for t in parts]
+                out.append(sum((t * w for t, w in zip(moved[1:], self.weights[1:])), moved[0] * self.weights[0]))
+            elif column[0].dim() == 0:
+                out.append(torch.stack([to_device(t, self.target) for t in parts]))
+            else:
+                out.append(concat_column(parts, self.target, self.dim, path))
+        return out
+
+    def split(self, grads: Sequence[torch.Tensor | None]) -> list[tuple[list[torch.Tensor], list[torch.Tensor]]]:
+        """Per replica: (its output tensors, the matching gradient pieces) that need backward."""
+        work: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = [([], []) for _ in self.columns[0]]
+        for k, (column, grad) in enumerate(zip(self.columns, grads)):
+            if grad is None:
+                continue
+            if self._weighted(k):
+                assert self.weights is not None
+                pieces = [grad * w for w in self.weights]
+            elif column[0].dim() == 0:
+                pieces = list(grad.unbind(0))
+            else:
+                pieces = list(torch.split(grad, [t.shape[self.dim] for t in column], dim=self.dim))
+            for j, (t, g) in enumerate(zip(column, pieces)):
+                if t.requires_grad:
+                    work[j][0].append(t)
+                    work[j][1].append(to_device(g, t.device))
+        return work
+
+
+def combine(outputs: Sequence[Any], target: torch.device, dim: int, weights: Callable[[], list[float] | None],
+            runner: BackwardRunner, labels: Sequence[str]) -> Any:
+    """The replicas' outputs as one output on ``target``; backward goes through ``runner``.
+
+    Tensors are concatenated along ``dim``; 0-dim floating tensors are combined with
+    the replicas' ``weights()`` (stacked when it gives ``None``); other 0-dim tensors are stacked; any other
+    object comes back as a list with one entry per replica.
+
+    Raises:
+        ValueError: If the replicas' outputs differ in structure or cannot be
+            concatenated, naming the replica or the output's path.
+    """
+    flat = [flatten(o) for o in outputs]
+    spec = flat[0][1]
+    for j, (_, s) in enumerate(flat[1:], start=1):
+        if s != spec:
+            raise ValueError(f"replica {labels[j]} returned a different structure from replica {labels[0]}: {s} vs {spec}")
+    paths = leaf_paths(outputs[0])
+    leaves: list[Any] = [[leaves[k] for leaves, _ in flat] for k in range(len(flat[0][0]))]
+    positions = [k for k, column in enumerate(leaves) if isinstance(column[0], torch.Tensor)]
+    for k, column in enumerate(leaves):
+        if k in positions and not all(isinstance(x, torch.Tensor) for x in column):
+            raise ValueError(f"output {paths[k]} is a tensor on some replicas and not on others: "
+                             f"{[type(x).__name__ for x in column]}")
+    if not positions:
+        return unflatten(leaves, spec)
+    columns = [leaves[k] for k in positions]
+    layout = _Layout(columns, [paths[k] for k in positions], target, dim, weights)
+    if torch.is_grad_enabled() and any(t.requires_grad for c in columns for t in c):
+        detached = [t.detach().requires_grad_(t.requires_grad) for c in columns for t in c]
+        combined = _GatherBackward.apply(runner, layout, *detached)
+    else:
+        combined = layout.combine([t for c in columns for t in c])
+    for k, value in zip(positions, combined):
+        leaves[k] = value
+    return unflatten(leaves, spec)

@@ -1,0 +1,134 @@
+"""Replicas: one copy of the module per device, kept in step with it, and its buffers merged back."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from ..devices import Device
+from ..tree import to_device
+
+__all__ = ["Replicas", "BufferMarks"]
+
+# torch's norm layers count their training steps in this integer buffer; a full-batch
+# step advances it by one however many replicas ran.
+_STEP_COUNTER = "num_batches_tracked"
+
+
+class BufferMarks:
+    """What the replicas' buffers were before a forward: to tell which ones it changed."""
+
+    def __init__(self, module: nn.Module, replicas: Sequence[nn.Module]) -> None:
+        self.marks = [[(id(b), b._version) for b in r.buffers()] for r in replicas]
+        self.integers = {
+            name: b.clone() for name, b in module.named_buffers() if not (b.is_floating_point() or b.is_complex())
+        }
+
+    def changed(self, k: int, current: Sequence[Sequence[torch.Tensor]], own: torch.Tensor) -> bool:
+        """Whether any replica's ``k``-th buffer was reassigned or changed (``own``: the module's).
+
+        Every replica started the step with the module's values, so after it they all
+        still equal the module's unless one changed. Version counters alone would miss
+        BatchNorm, whose kernel updates its running statistics without bumping them.
+        """
+        if any(id(bufs[k]) != marks[k][0] or bufs[k]._version != marks[k][1] for bufs, marks in zip(current, self.marks)):
+            return True
+        return any(not torch.equal(to_device(bufs[k], own.device), own) for bufs in current)
+
+
+class Replicas:
+    """Per-device replicas of ``module``, kept in step with it.
+
+    A replica on the module's device shares the module's parameter storage (no copy);
+    one on another device holds its own parameters, copied from the module before every
+    step. Buffers are copied into every replica before each step, so each starts from
+    the module's state, and merged back after it (:meth:`merge_buffers`). The module
+    itself never runs: its buffers are written while the replicas' graphs still hold
+    their own (BatchNorm's backward checks its running statistics are unchanged), and
+    gradients stay on the replicas until :meth:`sources` hands them to the reducer.
+
+    Args:
+        module: The wrapped module (all on one device).
+        devices: The devices, in shard order.
+    """
+
+    def __init__(self, module: nn.Module, devices: Sequence[Device]) -> None:
+        self.module, self.devices = module, list(devices)
+        self.copies: dict[int, nn.Module] = {}
+
+    def get(self, indices: Sequence[int]) -> list[nn.Module]:
+        """The replicas of devices ``indices``, synchronised with the module for a step."""
+        params = list(self.module.parameters())
+        buffers = list(self.module.buffers())
+        out = []
+        for i in indices:
+            replica = self.copies.get(i)
+            if replica is None or not self._sync(replica, params, buffers):
+                replica = self.copies[i] = self._build(i)
+                self._sync(replica, params, buffers)
+            out.append(replica)
+        return out
+
+    def _build(self, i: int) -> nn.Module:
+        replica = copy.deepcopy(self.module).to(self.devices[i].torch_device)
+        for p in replica.parameters():
+            p.grad = None
+        return replica
+
+    @torch.no_grad()
+    def _sync(self, replica: nn.Module, params: list[torch.Tensor], buffers: list[torch.Tensor]) -> bool:
+        """Bring ``replica`` up to the module's state; ``False`` if it must be rebuilt."""
+        own_params, own_buffers = list(replica.parameters()), list(replica.buffers())
+        if len(own_params) != len(params) or len(own_buffers) != len(buffers):
+            return False
+        for rp, mp in zip(own_params, params):
+            if rp.dtype != mp.dtype or rp.shape != mp.shape:
+                return False
+            if rp.device == mp.device:
+                if rp.data_ptr() != mp.data_ptr():
+                    rp.data = mp.data  # share the module's storage: optimizer steps are seen at once
+            else:
+                rp.copy_(mp, non_blocking=True)
+            if rp.requires_grad != mp.requires_grad:
+                rp.requires_grad_(mp.requires_grad)
+        for rb, mb in zip(own_buffers, buffers):
+            if rb.dtype != mb.dtype or rb.shape != mb.shape:
+                return False
+            rb.copy_(mb, non_blocking=True)
+        for rm, mm in zip(replica.modules(), self.module.modules()):
+            rm.training = mm.training
+        return True
+
+    def sources(self, indices: Sequence[int]) -> list[list[torch.Tensor]]:
+        """The parameters of the replicas of devices ``indices``."""
+        return [list(self.copies[i].parameters()) for i in indices if i in self.copies]
+
+    @torch.no_grad()
+    def merge_buffers(self, replicas: Sequence[nn.Module], sizes: Sequence[int], marks: BufferMarks) -> None:
+        """Write the replicas' buffer updates of one step into the module.
+
+        Only buffers some replica changed (in place or by reassignment) are touched.
+        Floating-point buffers become the shard-size-weighted average of the replicas'
+        values, so a running mean of batch means equals the full-batch one. Integer
+        buffers advance by the sum of the replicas' increments (a counter of samples
+        counts them all), except ``num_batches_tracked``, which advances as in one
+        full-batch step (by the largest increment).
+        """
+        own = dict(self.module.named_buffers())
+        current = [list(r.buffers()) for r in replicas]
+        total = float(sum(sizes))
+        for k, (name, target) in enumerate(own.items()):
+            if not marks.changed(k, current, target):
+                continue
+            values = [to_device(bufs[k], target.device) for bufs in current]
+            if target.is_floating_point() or target.is_complex():
+                merged = sum((v * (s / total) for v, s in zip(values[1:], sizes[1:])), values[0] * (sizes[0] / total))
+            else:
+                old = marks.integers[name].to(target.device)
+                deltas = [v - old for v in values]
+                step = torch.stack(deltas).amax(0) if name.rsplit(".", 1)[-1] == _STEP_COUNTER else sum(deltas)
+                merged = old + step
+            target.copy_(merged)

@@ -1,0 +1,86 @@
+"""Sizes: a batch's per-device shares for the single-process engines, and ``balanced_split``."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ..devices import Device, DeviceLike, parse_devices
+from ..planning.plan import Plan
+from ..planning.profile import Profile, latest_profile
+from ..planning.sizes import resolve_plan
+from ..profiler import quick_profile
+from ..tree import batch_length
+from .scatter_gather import scatter_to
+
+__all__ = ["default_profile", "split_sizes", "balanced_split"]
+
+
+def default_profile(devices: Sequence[Device]) -> Profile:
+    """The profile used when nothing else says how to split: the newest stored one, else a quick one.
+
+    The stored profile is the newest in the profile directory measured on this host
+    that covers the devices (see :func:`hetsplit.planning.latest_profile`); the quick
+    one times a small built-in model (see :func:`hetsplit.profiler.quick_profile`).
+    """
+    names = [d.name for d in devices]
+    return latest_profile(names) or quick_profile(list(devices))
+
+
+def split_sizes(
+    batch: int,
+    devices: str | Sequence[DeviceLike],
+    *,
+    weights: Sequence[float] | None = None,
+    profile: Profile | Plan | None = None,
+) -> list[int]:
+    """The per-device sizes :func:`balanced_split` uses for a batch of ``batch`` samples.
+
+    Sources, in order (see :func:`hetsplit.planning.resolve_plan`): a :class:`Plan`
+    (its sizes, which must match the batch) or a :class:`Profile` (solved for this
+    batch); ``weights`` (relative throughputs, largest-remainder rounding); else the
+    newest stored profile covering the devices; else a quick built-in calibration.
+
+    Raises:
+        ValueError: If ``weights`` has the wrong length or invalid values, both weights
+            and a profile are given, or a plan does not match the devices or batch.
+    """
+    devs = parse_devices(devices)
+    plan = profile if isinstance(profile, Plan) else None
+    prof = profile if isinstance(profile, Profile) else None
+    return resolve_plan(batch, devs, plan=plan, profile=prof, weights=weights,
+                        fallback=lambda: default_profile(devs)).sizes
+
+
+def balanced_split(
+    X: torch.Tensor,
+    devices: str | Sequence[DeviceLike],
+    *,
+    weights: Sequence[float] | None = None,
+    profile: Profile | Plan | None = None,
+    dim: int = 0,
+) -> list[torch.Tensor]:
+    """Cut ``X`` into shards sized to each device's speed, each moved to its device.
+
+    The uneven counterpart of ``nn.parallel.scatter(X, devices)``: concatenating the
+    shards (on one device) gives ``X`` back exactly. It always works with just
+    ``(X, devices)``; see :func:`split_sizes` for where the sizes come from.
+
+    Args:
+        X: The batch (a tensor, or a nest of tensors of equal length along ``dim``).
+        devices: ``"cuda:0,cpu"`` or a list of device specs.
+        weights: Relative throughputs, e.g. ``[4, 1]`` splits 100 rows 80/20.
+        profile: A :class:`Profile` to solve, or a :class:`Plan` to follow.
+        dim: The dimension to split.
+
+    Returns:
+        One shard per device, in order (a shard may be empty).
+
+    Example:
+        >>> [s.shape[0] for s in balanced_split(torch.zeros(100, 3), ["cpu", "cpu@0.25"], weights=[4, 1])]
+        [80, 20]
+    """
+    devs = parse_devices(devices)
+    sizes = split_sizes(batch_length(X, dim), devs, weights=weights, profile=profile)
+    return scatter_to(X, devs, sizes, dim)

@@ -1,0 +1,92 @@
+"""Sizes: the one policy that turns whatever the user gave into a batch's per-device shares."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from ..devices import DeviceLike, canonical_name
+from .plan import Plan, sizes_from_weights
+from .profile import Profile
+from .solver import plan_from_sizes, solve
+
+__all__ = ["resolve_plan", "check_weights"]
+
+
+def check_weights(weights: Sequence[float], n_devices: int) -> list[float]:
+    """Validate relative throughputs: one finite, non-negative number per device, not all zero.
+
+    Raises:
+        TypeError: If ``weights`` is a string or holds booleans or non-numbers.
+        ValueError: On the wrong count or bad values; the message quotes them.
+    """
+    if isinstance(weights, (str, bytes)) or not isinstance(weights, Sequence | np.ndarray):
+        raise TypeError(f"weights must be a list of numbers, one per device, got {type(weights).__name__}: {weights!r}")
+    values = list(weights)
+    bad = [w for w in values if isinstance(w, bool) or not isinstance(w, int | float | np.integer | np.floating)]
+    if bad:
+        raise TypeError(f"weights must be numbers, got {values!r}; e.g. weights=[4, 1] for an 80/20 split")
+    if len(values) != n_devices:
+        raise ValueError(f"got {len(values)} weights {values} for {n_devices} devices; give one weight per device")
+    sizes_from_weights(1, values)  # finite, >= 0, not all zero
+    return [float(w) for w in values]
+
+
+def resolve_plan(
+    batch: int,
+    devices: Sequence[DeviceLike],
+    *,
+    plan: Plan | None = None,
+    profile: Profile | None = None,
+    weights: Sequence[float] | None = None,
+    fallback: Callable[[], Profile] | None = None,
+) -> Plan:
+    """The plan for a batch of ``batch`` samples over ``devices``, from whatever was given.
+
+    Every engine asks this one function, so the order of sources and the checks are
+    the same everywhere:
+
+    1. ``plan``, if it splits exactly ``batch`` samples;
+    2. ``profile`` (possibly corrected by a rebalancer), solved for ``batch``;
+    3. ``weights`` (relative throughputs), with largest-remainder rounding;
+    4. a ``plan`` for another batch size with nothing to re-solve it is an error;
+    5. ``fallback()`` (a stored profile or a quick calibration), solved for ``batch``.
+
+    Args:
+        batch: Samples to split (>= 1).
+        devices: The devices, in shard order (names or device specs).
+        plan: A plan to follow.
+        profile: Step-time curves to solve.
+        weights: Relative throughputs, one per device (not with ``plan``/``profile``).
+        fallback: Called for a profile when nothing else decides.
+
+    Raises:
+        ValueError: On an empty batch, weights together with a plan or profile, bad
+            weights, a plan over other devices, or a plan for another batch size with
+            no profile or weights to re-solve it.
+    """
+    names = [canonical_name(d) for d in devices]
+    if isinstance(batch, bool) or not isinstance(batch, int | np.integer):
+        raise TypeError(f"the batch size must be an integer, got {type(batch).__name__}: {batch!r}")
+    if batch < 1:
+        raise ValueError(f"the batch is empty (0 samples); nothing to split across {names}")
+    if weights is not None and (plan is not None or profile is not None):
+        raise ValueError("give weights, or a plan and/or profile, not both")
+    if plan is not None and list(plan.devices) != names:
+        raise ValueError(f"the plan is for devices {plan.devices}, but the split is over {names}")
+    if plan is not None and plan.batch_size == batch:
+        return plan
+    if profile is not None:
+        return solve(profile, int(batch), devices=names)
+    if weights is not None:
+        return plan_from_sizes(None, names, sizes_from_weights(int(batch), check_weights(weights, len(names))))
+    if plan is not None:
+        raise ValueError(
+            f"the plan splits {plan.batch_size} samples, but the batch has {batch} (its sizes {plan.sizes} sum to "
+            f"{plan.batch_size}, but the batch has {batch}); pass profile= to solve every "
+            "batch size, weights= to split any batch in proportion, or drop_last=True to the DataLoader"
+        )
+    if fallback is None:
+        raise ValueError(f"nothing says how to split {batch} samples over {names}; give weights, a plan or a profile")
+    return solve(fallback(), int(batch), devices=names)

@@ -1,0 +1,128 @@
+"""Timing: how every engine measures a device's busy time without adding a synchronisation."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from .devices import Device
+
+__all__ = ["Lap", "lap", "WorkTimer"]
+
+
+class Lap:
+    """An interval of work on a device, read later without forcing a synchronisation.
+
+    On a CUDA device the interval is a pair of CUDA events recorded on the current
+    stream, so measuring adds no synchronisation to the step; reading it waits only for
+    the end event, which is normally long done by then (see :meth:`ready`). Elsewhere
+    the interval is read from a monotonic clock when it ends. Build one with
+    :func:`lap`.
+    """
+
+    def __init__(self, device: Device) -> None:
+        self.device = device
+        self._events: tuple[Any, Any] | None = None
+        self._seconds: float | None = None
+        self.extra = 0.0  # seconds added to the measured interval (e.g. emulated delay after it)
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            self._events = (start, end)
+        self._start = time.perf_counter()
+
+    def stop(self) -> None:
+        """Mark the end of the interval (on CUDA: record the end event; no wait).
+
+        It may be called again before the lap is read: the last call marks the end.
+        """
+        if self._events is not None:
+            self._events[1].record()
+        else:
+            self._seconds = time.perf_counter() - self._start
+
+    def ready(self) -> bool:
+        """Whether :meth:`seconds` can be read without waiting for the device."""
+        return self._seconds is not None or (self._events is not None and bool(self._events[1].query()))
+
+    def seconds(self) -> float:
+        """The interval's length in seconds plus :attr:`extra` (waits for the end event if still queued)."""
+        if self._seconds is None:
+            if self._events is None:
+                raise RuntimeError("the lap has not been stopped; use it as `with hetsplit.timing.lap(device) as lap:`")
+            start, end = self._events
+            end.synchronize()
+            self._seconds = start.elapsed_time(end) / 1e3
+        return self._seconds + self.extra
+
+
+@contextlib.contextmanager
+def lap(device: Device) -> Iterator[Lap]:
+    """Measure the enclosed work on ``device`` without synchronising it.
+
+    Yields a :class:`Lap` whose :meth:`Lap.seconds` is read later: on a CUDA device
+    from two events on the current stream, elsewhere from a monotonic clock.
+    """
+    timed = Lap(device)
+    try:
+        yield timed
+    finally:
+        timed.stop()
+
+
+class WorkTimer:
+    """A step's work on one device, ending at the model's last gradient.
+
+    In a DDP step a rank's backward also waits for the other ranks' gradients; that
+    wait is not this rank's work. With ``model`` given, the lap of :meth:`step` ends
+    when the last parameter gradient of the step is accumulated (a post-accumulate
+    hook on every trainable parameter), and the emulated delay spent after that
+    gradient is added back, since it stands for work. Without ``model`` (or if no
+    gradient arrives) the lap covers the whole enclosed block.
+
+    Args:
+        device: The device doing the work.
+        model: The model whose last gradient ends the work.
+    """
+
+    def __init__(self, device: Device, model: nn.Module | None = None) -> None:
+        self.device = device
+        self._lap: Lap | None = None
+        self._marked = False
+        self._delay_at_mark = 0.0
+        self._handles: list[Any] = []
+        if model is not None:
+            self._handles = [
+                p.register_post_accumulate_grad_hook(self._mark) for p in model.parameters() if p.requires_grad
+            ]
+
+    def _mark(self, _param: torch.Tensor) -> None:
+        if self._lap is not None:
+            self._lap.stop()
+            self._delay_at_mark = self.device.delayed
+            self._marked = True
+
+    @contextlib.contextmanager
+    def step(self) -> Iterator[Lap]:
+        """Time one step's work; yields its :class:`Lap` (read it later, without waiting)."""
+        self._marked = False
+        current = self._lap = Lap(self.device)
+        try:
+            yield current
+        finally:
+            self._lap = None
+        if self._marked:  # the work ended at the last gradient; emulated delay after it still counts
+            current.extra = self.device.delayed - self._delay_at_mark
+        else:
+            current.stop()
+
+    def remove(self) -> None:
+        """Remove the gradient hooks from the model."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
