@@ -36,23 +36,34 @@ def bench_solver(n_devices: int, repeats: int = 15) -> dict:
         start = time.perf_counter()
         plan = hetsplit.solve(profile, batch - 1)  # same profile, another batch: packed curves reused
         warm.append(time.perf_counter() - start)
-    return {"devices": n_devices, "batch": batch, "median_ms": 1e3 * statistics.median(cold),
-            "min_ms": 1e3 * min(cold), "warm_median_ms": 1e3 * statistics.median(warm),
-            "speedup_vs_even": plan.speedup_vs_even}
+    return {
+        "devices": n_devices,
+        "batch": batch,
+        "median_ms": 1e3 * statistics.median(cold),
+        "min_ms": 1e3 * min(cold),
+        "warm_median_ms": 1e3 * statistics.median(warm),
+        "speedup_vs_even": plan.speedup_vs_even,
+    }
 
 
 def bench_profiler() -> dict:
     torch.manual_seed(0)
     x, y = synthetic_batch(BUILTIN_MODELS["lenet"], 16)
     start = time.perf_counter()
-    profile = hetsplit.profile(lenet(), x, ["cpu", "cpu@0.25"], torch.nn.functional.cross_entropy, target=y,
-                               time_budget=30, progress=False)
+    profile = hetsplit.profile(
+        lenet(), x, ["cpu", "cpu@0.25"], torch.nn.functional.cross_entropy, target=y, time_budget=30, progress=False
+    )
     wall = time.perf_counter() - start
     plan = hetsplit.solve(profile, 256)
-    return {"model": "lenet", "devices": profile.devices, "budget_s": 30, "wall_s": wall,
-            "ladder": [m.batch for m in profile.entries[0].measurements],
-            "throughput_ratio_at_256": profile.throughput("cpu", 256) / profile.throughput("cpu@0.25", 256),
-            "split_of_256": plan.sizes}
+    return {
+        "model": "lenet",
+        "devices": profile.devices,
+        "budget_s": 30,
+        "wall_s": wall,
+        "ladder": [m.batch for m in profile.entries[0].measurements],
+        "throughput_ratio_at_256": profile.throughput("cpu", 256) / profile.throughput("cpu@0.25", 256),
+        "split_of_256": plan.sizes,
+    }
 
 
 def main() -> None:
@@ -62,15 +73,22 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    results = {"machine": f"{platform.node()} {platform.processor() or platform.machine()}, "
-                          f"{torch.get_num_threads()} threads, torch {torch.__version__}",
-               "solver": [bench_solver(10), bench_solver(10_000)], "profiler": bench_profiler()}
+    results = {
+        "machine": f"{platform.node()} {platform.processor() or platform.machine()}, "
+        f"{torch.get_num_threads()} threads, torch {torch.__version__}",
+        "solver": [bench_solver(10), bench_solver(10_000)],
+        "profiler": bench_profiler(),
+    }
     for r in results["solver"]:
-        print(f"solve {r['devices']:>6} devices, batch {r['batch']:>9}: median {r['median_ms']:.2f} ms "
-              f"(min {r['min_ms']:.2f} ms); again on the same profile: median {r['warm_median_ms']:.2f} ms")
+        print(
+            f"solve {r['devices']:>6} devices, batch {r['batch']:>9}: median {r['median_ms']:.2f} ms "
+            f"(min {r['min_ms']:.2f} ms); again on the same profile: median {r['warm_median_ms']:.2f} ms"
+        )
     p = results["profiler"]
-    print(f"profile lenet on {p['devices']}: {p['wall_s']:.1f} s wall (budget {p['budget_s']} s), ladder {p['ladder']}, "
-          f"throughput ratio at 256 = {p['throughput_ratio_at_256']:.2f}, split of 256 = {p['split_of_256']}")
+    print(
+        f"profile lenet on {p['devices']}: {p['wall_s']:.1f} s wall (budget {p['budget_s']} s), ladder {p['ladder']}, "
+        f"throughput ratio at 256 = {p['throughput_ratio_at_256']:.2f}, split of 256 = {p['split_of_256']}"
+    )
     if args.json:
         with open(args.json, "w", encoding="utf-8") as fh:
             json.dump(results, fh, indent=1)

@@ -42,20 +42,28 @@ from torch.utils.data import DataLoader, TensorDataset
 import hetsplit
 import hetsplit.distributed as hd
 from hetsplit.apps.bench import keep_freed_memory
-from hetsplit.profiler import train_step
 from hetsplit.planning import even_sizes, plan_from_sizes
+from hetsplit.profiler import train_step
 
-EQUAL, BALANCED, BALANCED_OUT = ("equal shares, plain DDP mean", "balanced, weighted by comm hook",
-                                 "balanced, weighted at outputs")
-PLAIN, WEIGHTED, OUTPUTS, PYHOOK = ("built-in mean", "hetsplit, comm hook", "hetsplit, outputs",
-                                    "torch's Python hook")
+EQUAL, BALANCED, BALANCED_OUT = (
+    "equal shares, plain DDP mean",
+    "balanced, weighted by comm hook",
+    "balanced, weighted at outputs",
+)
+PLAIN, WEIGHTED, OUTPUTS, PYHOOK = ("built-in mean", "hetsplit, comm hook", "hetsplit, outputs", "torch's Python hook")
 
 
 def median_interval(ratios: list[float]) -> tuple[float, float, float]:
     """The median of ``ratios`` and a bootstrap 95 % confidence interval for it."""
     data = np.asarray(ratios)
-    ci = bootstrap((data,), np.median, confidence_level=0.95, n_resamples=2000, method="percentile",
-                   random_state=np.random.default_rng(0)).confidence_interval
+    ci = bootstrap(
+        (data,),
+        np.median,
+        confidence_level=0.95,
+        n_resamples=2000,
+        method="percentile",
+        random_state=np.random.default_rng(0),
+    ).confidence_interval
     return float(np.median(data)), float(ci.low), float(ci.high)
 
 
@@ -82,8 +90,9 @@ def main() -> None:
 
     torch.manual_seed(0)
     x0, y0 = data.tensors[0][:16], data.tensors[1][:16]
-    balanced = hd.plan(spec.factory(), x0, args.batch_size, device=dev, loss_fn=F.cross_entropy, target=y0,
-                       time_budget=20)
+    balanced = hd.plan(
+        spec.factory(), x0, args.batch_size, device=dev, loss_fn=F.cross_entropy, target=y0, time_budget=20
+    )
     equal = plan_from_sizes(None, balanced.devices, even_sizes(args.batch_size, world))
 
     def make(plan, hook):  # type: ignore[no-untyped-def]
@@ -107,8 +116,12 @@ def main() -> None:
     runs = {}
     for name, plan, hook in ((EQUAL, equal, None), (BALANCED, balanced, WEIGHTED), (BALANCED_OUT, balanced, OUTPUTS)):
         sampler = hd.HeteroDistributedSampler(data, plan, seed=0)
-        runs[name] = (*make(plan, hook), sampler, DataLoader(data, batch_size=max(plan.sizes[rank], 1), sampler=sampler),
-                      plan.sizes[rank])
+        runs[name] = (
+            *make(plan, hook),
+            sampler,
+            DataLoader(data, batch_size=max(plan.sizes[rank], 1), sampler=sampler),
+            plan.sizes[rank],
+        )
     for rnd in range(args.rounds + 1):  # the first round warms up
         order = list(runs)
         random.Random(rnd).shuffle(order)  # the same order on every rank
@@ -155,26 +168,40 @@ def main() -> None:
         step_ms = {n: 1e3 * float(wall[:, j].median()) for j, n in enumerate(names)}
         overhead = {n: median_interval((wall[:, j] / wall[:, 0] - 1.0).tolist()) for j, n in enumerate(names) if j}
         cpu_ms = {n: [1e3 * float(c[:, j].median()) for c in cpus] for j, n in enumerate(names)}
-        cpu_added = {n: [median_interval((c[:, j] / c[:, 0] - 1.0).tolist()) for c in cpus]
-                     for j, n in enumerate(names) if j}
+        cpu_added = {
+            n: [median_interval((c[:, j] / c[:, 0] - 1.0).tolist()) for c in cpus] for j, n in enumerate(names) if j
+        }
         result = {
-            "date": datetime.date.today().isoformat(), "host": platform.node(), "torch": torch.__version__,
-            "devices": [hd.rank_device(args.devices, r) for r in range(world)], "batch_size": args.batch_size,
-            "model": spec.name, "samples": args.samples, "threads": args.threads, "balanced_sizes": balanced.sizes,
+            "date": datetime.date.today().isoformat(),
+            "host": platform.node(),
+            "torch": torch.__version__,
+            "devices": [hd.rank_device(args.devices, r) for r in range(world)],
+            "batch_size": args.batch_size,
+            "model": spec.name,
+            "samples": args.samples,
+            "threads": args.threads,
+            "balanced_sizes": balanced.sizes,
             "epoch_s": {n: statistics.median(v) for n, v in epochs.items()},
-            "speedup_per_round": ratios, "speedup_median": {n: statistics.median(r) for n, r in ratios.items()},
-            "step_ms": step_ms, "overhead_median_ci95": overhead,
-            "cpu_ms_per_rank": cpu_ms, "cpu_added_median_ci95_per_rank": cpu_added,
+            "speedup_per_round": ratios,
+            "speedup_median": {n: statistics.median(r) for n, r in ratios.items()},
+            "step_ms": step_ms,
+            "overhead_median_ci95": overhead,
+            "cpu_ms_per_rank": cpu_ms,
+            "cpu_added_median_ci95_per_rank": cpu_added,
         }
         for n, v in epochs.items():
             print(f"{n:32s} epoch {statistics.median(v):6.3f} s  (median of {len(v)})")
         for n, r in ratios.items():
-            print(f"{n} {balanced.sizes}: {statistics.median(r):.2f}x faster per epoch than equal shares "
-                  f"(median of {len(r)} paired rounds; {min(r):.2f}-{max(r):.2f})")
+            print(
+                f"{n} {balanced.sizes}: {statistics.median(r):.2f}x faster per epoch than equal shares "
+                f"(median of {len(r)} paired rounds; {min(r):.2f}-{max(r):.2f})"
+            )
         print(f"per step, slowest rank, vs DDP's built-in mean ({step_ms[PLAIN]:.2f} ms); CPU time per rank:")
         for n, (mid, low, high) in overhead.items():
-            work = ", ".join(f"rank {r} {cpu_ms[n][r]:.2f} ms {c[0]:+.1%} ({c[1]:+.1%} .. {c[2]:+.1%})"
-                             for r, c in enumerate(cpu_added[n]))
+            work = ", ".join(
+                f"rank {r} {cpu_ms[n][r]:.2f} ms {c[0]:+.1%} ({c[1]:+.1%} .. {c[2]:+.1%})"
+                for r, c in enumerate(cpu_added[n])
+            )
             print(f"  {n:20s} {step_ms[n]:6.2f} ms {mid:+.2%} (95% CI {low:+.2%} .. {high:+.2%}); CPU: {work}")
         if args.json:
             with open(args.json, "w", encoding="utf-8") as fh:

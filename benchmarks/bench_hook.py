@@ -33,7 +33,7 @@ def trimmed_mean(values: list[float], cut: float = 0.1) -> float:
     """The mean of ``values`` without the lowest and highest ``cut`` fraction."""
     ordered = sorted(values)
     k = int(len(ordered) * cut)
-    return statistics.fmean(ordered[k:len(ordered) - k])
+    return statistics.fmean(ordered[k : len(ordered) - k])
 
 
 def main() -> None:
@@ -51,7 +51,7 @@ def main() -> None:
         x, y = hetsplit.models.synthetic_batch(spec, batch)
         plan = plan_from_sizes(None, ["rank0"], [batch])
 
-        def make(kind: str) -> DDP:
+        def make(kind: str, plan=plan) -> DDP:
             torch.manual_seed(0)
             model = DDP(spec.factory())
             if kind == "hetsplit, comm hook":
@@ -62,8 +62,9 @@ def main() -> None:
                 model.register_comm_hook(None, default_hooks.allreduce_hook)
             return model
 
-        models = {k: make(k) for k in ("built-in mean", "hetsplit, comm hook", "hetsplit, outputs",
-                                       "torch's Python hook")}
+        models = {
+            k: make(k) for k in ("built-in mean", "hetsplit, comm hook", "hetsplit, outputs", "torch's Python hook")
+        }
         cpu: dict[str, list[float]] = {k: [] for k in models}
         for i in range(args.steps + 40):
             name = rng.choice(list(models))

@@ -12,8 +12,12 @@ from torch.utils.data import DataLoader, TensorDataset
 
 def add_data_args(parser: argparse.ArgumentParser) -> None:
     """The data options every example shares."""
-    parser.add_argument("--data", choices=("auto", "fashion-mnist", "synthetic"), default="auto",
-                        help="auto: Fashion-MNIST if found under --data-dir, else synthetic")
+    parser.add_argument(
+        "--data",
+        choices=("auto", "fashion-mnist", "synthetic"),
+        default="auto",
+        help="auto: Fashion-MNIST if found under --data-dir, else synthetic",
+    )
     parser.add_argument("--data-dir", default="data", help="where torchvision's FashionMNIST folder is")
     parser.add_argument("--train-size", type=int, default=6000, help="training samples to use")
     parser.add_argument("--test-size", type=int, default=1000, help="test samples to use")
@@ -34,8 +38,10 @@ def load(args: argparse.Namespace, batch_size: int, size: int = 28) -> tuple[Dat
     root = Path(args.data_dir)
     found = (root / "FashionMNIST" / "raw").is_dir()
     if args.data == "fashion-mnist" and not found:
-        raise SystemExit(f"Fashion-MNIST not found under {root}/FashionMNIST/raw; this example never downloads, "
-                         "so copy it there or use --data synthetic")
+        raise SystemExit(
+            f"Fashion-MNIST not found under {root}/FashionMNIST/raw; this example never downloads, "
+            "so copy it there or use --data synthetic"
+        )
     if args.data == "fashion-mnist" or (args.data == "auto" and found):
         import torchvision
         from torchvision import transforms
@@ -49,8 +55,11 @@ def load(args: argparse.Namespace, batch_size: int, size: int = 28) -> tuple[Dat
     else:
         train, test = synthetic(args.train_size, size, seed=1), synthetic(args.test_size, size, seed=2)
         label = f"SYNTHETIC data (class patterns + noise, {args.train_size} train / {args.test_size} test; no download)"
-    return (DataLoader(train, batch_size=batch_size, shuffle=True, drop_last=True),
-            DataLoader(test, batch_size=512), label)
+    return (
+        DataLoader(train, batch_size=batch_size, shuffle=True, drop_last=True),
+        DataLoader(test, batch_size=512),
+        label,
+    )
 
 
 @torch.no_grad()

@@ -57,8 +57,10 @@ def main() -> None:
     loader = DataLoader(RandomDataset(5, args.data_size), batch_size=args.batch_size, shuffle=True)
     for batch in loader:
         output = model(batch)
-        print(f"Outside: input size {tuple(batch.shape)}, output size {tuple(output.shape)}, "
-              f"split {dict(zip(model.device_names, model.plan.sizes))}")
+        print(
+            f"Outside: input size {tuple(batch.shape)}, output size {tuple(output.shape)}, "
+            f"split {dict(zip(model.device_names, model.plan.sizes))}"
+        )
 
 
 if __name__ == "__main__":

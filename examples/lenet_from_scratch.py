@@ -16,9 +16,9 @@ import time
 
 import torch
 import torch.nn.functional as F
+from common import accuracy, add_data_args, load
 
 import hetsplit
-from common import accuracy, add_data_args, load
 
 
 def init_params(seed: int = 0) -> list[torch.Tensor]:
@@ -28,8 +28,18 @@ def init_params(seed: int = 0) -> list[torch.Tensor]:
     def w(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=gen) * 0.1
 
-    return [w(6, 1, 5, 5), torch.zeros(6), w(16, 6, 5, 5), torch.zeros(16),
-            w(16 * 5 * 5, 120), torch.zeros(120), w(120, 84), torch.zeros(84), w(84, 10), torch.zeros(10)]
+    return [
+        w(6, 1, 5, 5),
+        torch.zeros(6),
+        w(16, 6, 5, 5),
+        torch.zeros(16),
+        w(16 * 5 * 5, 120),
+        torch.zeros(120),
+        w(120, 84),
+        torch.zeros(84),
+        w(84, 10),
+        torch.zeros(10),
+    ]
 
 
 def lenet(x: torch.Tensor, p: list[torch.Tensor]) -> torch.Tensor:
@@ -61,6 +71,7 @@ def train_batch(x, y, device_params, devices, sizes, lr) -> float:
             with devices[i].throttle():
                 loss.backward()
             return float(loss.detach())
+
         return run
 
     # The devices work concurrently, as GPUs with asynchronous kernels would.
@@ -94,8 +105,16 @@ def main() -> None:
         sizes = hetsplit.planning.even_sizes(args.batch_size, len(devices))
     else:
         x0, y0 = next(iter(train_iter))
-        prof = hetsplit.profile(hetsplit.models.lenet(), x0[:16], devices, F.cross_entropy, target=y0[:16],
-                                batch_sizes=[8, 16, 32, 64, 128, 256], time_budget=10, progress=False)
+        prof = hetsplit.profile(
+            hetsplit.models.lenet(),
+            x0[:16],
+            devices,
+            F.cross_entropy,
+            target=y0[:16],
+            batch_sizes=[8, 16, 32, 64, 128, 256],
+            time_budget=10,
+            progress=False,
+        )
         sizes = hetsplit.solve(prof, args.batch_size).sizes
     print("split per batch:", dict(zip([d.name for d in devices], sizes)))
 

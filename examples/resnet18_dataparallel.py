@@ -14,10 +14,10 @@ import time
 
 import torch
 import torch.nn.functional as F
+from common import accuracy, add_data_args, load
 from torch import nn
 
 import hetsplit
-from common import accuracy, add_data_args, load
 
 
 def init_weights(m: nn.Module) -> None:
@@ -29,8 +29,16 @@ def train(net: nn.Module, devices: str, train_iter, test_iter, epochs: int, lr: 
     devs = hetsplit.parse_devices(devices)
     x0, y0 = next(iter(train_iter))
     if len(devs) > 1:
-        prof = hetsplit.profile(net, x0[:8], devs, F.cross_entropy, target=y0[:8],
-                                batch_sizes=sorted({4, 8, 16, 32, len(x0)}), time_budget=budget, progress=False)
+        prof = hetsplit.profile(
+            net,
+            x0[:8],
+            devs,
+            F.cross_entropy,
+            target=y0[:8],
+            batch_sizes=sorted({4, 8, 16, 32, len(x0)}),
+            time_budget=budget,
+            progress=False,
+        )
         dp = hetsplit.HeteroDataParallel(net, devs, profile=prof)
     else:
         dp = hetsplit.HeteroDataParallel(net, devs, weights=[1])
@@ -46,8 +54,10 @@ def train(net: nn.Module, devices: str, train_iter, test_iter, epochs: int, lr: 
         seconds = time.perf_counter() - start
         net.eval()
         acc = accuracy(net, test_iter, torch.device("cpu"))
-        print(f"  epoch {epoch + 1}: loss {float(loss.detach()):.3f}, test acc {acc:.3f}, {seconds:.1f} s/epoch, "
-              f"split {dict(zip(dp.device_names, dp.plan.sizes))}")
+        print(
+            f"  epoch {epoch + 1}: loss {float(loss.detach()):.3f}, test acc {acc:.3f}, {seconds:.1f} s/epoch, "
+            f"split {dict(zip(dp.device_names, dp.plan.sizes))}"
+        )
 
 
 def main() -> None:

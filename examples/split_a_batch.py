@@ -27,8 +27,10 @@ def main() -> None:
     plan = hetsplit.solve(prof, args.batch_size)
     for name, size, t in zip(plan.devices, plan.sizes, plan.times):
         print(f"{name:>12}: {size:4d} samples, predicted {t * 1e3:.2f} ms")
-    print(f"predicted speedup: {plan.speedup_vs_even:.2f}x over the even split, "
-          f"{plan.speedup_vs_single:.2f}x over {plan.single_device} alone")
+    print(
+        f"predicted speedup: {plan.speedup_vs_even:.2f}x over the even split, "
+        f"{plan.speedup_vs_single:.2f}x over {plan.single_device} alone"
+    )
     shards = hetsplit.scatter((x, y), plan.devices, plan.sizes)
     assert torch.equal(hetsplit.gather(shards, "cpu")[0], x)
     print("scattered and gathered back exactly:", [tuple(s[0].shape) for s in shards])

@@ -27,9 +27,10 @@ from torch.utils.data import DataLoader
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import hetsplit  # noqa: E402
-import hetsplit.distributed as hd  # noqa: E402
-from common import accuracy, add_data_args, load  # noqa: E402
+from common import accuracy, add_data_args, load
+
+import hetsplit
+import hetsplit.distributed as hd
 
 
 def main() -> None:
@@ -40,17 +41,31 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=0, help="stop after this many steps (0: run every epoch fully)")
     parser.add_argument("--lr", type=float, default=0.1)
     parser.add_argument("--equal", action="store_true", help="equal shares (as DistributedSampler), for comparison")
-    parser.add_argument("--weighting", choices=("hook", "outputs", "none"), default="hook",
-                        help="shard weighting: a DDP comm hook (general), scaling at the model's outputs "
-                             "(cheapest; leaves the comm hook free), or none (DDP's plain mean: biased)")
+    parser.add_argument(
+        "--weighting",
+        choices=("hook", "outputs", "none"),
+        default="hook",
+        help="shard weighting: a DDP comm hook (general), scaling at the model's outputs "
+        "(cheapest; leaves the comm hook free), or none (DDP's plain mean: biased)",
+    )
     parser.add_argument("--profile-budget", type=float, default=10.0, help="seconds each rank profiles")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds before a dead or hung rank is an error")
     parser.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads per rank (0: torch's choice)")
-    parser.add_argument("--rebalance", type=int, default=0, metavar="K",
-                        help="re-solve the shares from measured step times every K steps (0: off)")
-    parser.add_argument("--slow-down", metavar="STEP", type=int, default=0,
-                        help="demo: from this step on, emulated ranks run 4x slower than their --devices speed")
+    parser.add_argument(
+        "--rebalance",
+        type=int,
+        default=0,
+        metavar="K",
+        help="re-solve the shares from measured step times every K steps (0: off)",
+    )
+    parser.add_argument(
+        "--slow-down",
+        metavar="STEP",
+        type=int,
+        default=0,
+        help="demo: from this step on, emulated ranks run 4x slower than their --devices speed",
+    )
     add_data_args(parser)
     args = parser.parse_args()
 
@@ -81,8 +96,15 @@ def main() -> None:
         sizes = hetsplit.planning.even_sizes(args.batch_size, world)
         plan = hetsplit.planning.plan_from_sizes(None, [f"rank{r}" for r in range(world)], sizes)
     else:
-        plan = hd.plan(model, x0[:16], args.batch_size, device=dev, loss_fn=F.cross_entropy, target=y0[:16],
-                       time_budget=args.profile_budget)
+        plan = hd.plan(
+            model,
+            x0[:16],
+            args.batch_size,
+            device=dev,
+            loss_fn=F.cross_entropy,
+            target=y0[:16],
+            time_budget=args.profile_budget,
+        )
     say("plan:", ", ".join(f"{d} {s}" for d, s in zip(plan.devices, plan.sizes)))
 
     ddp = DDP(model, device_ids=[dev.index] if dev.type == "cuda" else None)
@@ -93,8 +115,13 @@ def main() -> None:
     rebalancer = None
     if args.rebalance:
         rebalancer = hd.DistributedRebalancer(
-            plan, hetsplit.Rebalancer(every=args.rebalance, on_change=lambda c: say(f"  plan change at {c}")),
-            sampler=sampler, gradients=grads, model=ddp, device=dev)
+            plan,
+            hetsplit.Rebalancer(every=args.rebalance, on_change=lambda c: say(f"  plan change at {c}")),
+            sampler=sampler,
+            gradients=grads,
+            model=ddp,
+            device=dev,
+        )
     opt = torch.optim.SGD(ddp.parameters(), lr=args.lr)
 
     done = 0
@@ -120,8 +147,10 @@ def main() -> None:
         seconds = time.perf_counter() - start
         if rank == 0:
             acc = accuracy(model, test_iter, dev.torch_device)
-            say(f"epoch {epoch + 1}: {steps} steps in {seconds:.2f} s ({seconds / max(steps, 1) * 1e3:.1f} ms/step), "
-                f"loss {loss.item():.3f}, test acc {acc:.3f}")
+            say(
+                f"epoch {epoch + 1}: {steps} steps in {seconds:.2f} s ({seconds / max(steps, 1) * 1e3:.1f} ms/step), "
+                f"loss {loss.item():.3f}, test acc {acc:.3f}"
+            )
         if args.steps and done >= args.steps:
             break
     if rebalancer is not None:

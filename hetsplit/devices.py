@@ -205,9 +205,10 @@ def _check_available(dev: Device, spec: Any) -> None:
                 f"device {str(spec)!r} is not available: this machine has CUDA devices: {seen}; "
                 "run 'hetsplit devices' to list usable devices, or emulate one with e.g. 'cpu@0.5'"
             )
-    elif dev.type == "mps":
-        if not (hasattr(torch.backends, "mps") and torch.backends.mps.is_available()):
-            raise ValueError(f"device {str(spec)!r} is not available: MPS needs an Apple-silicon Mac; run 'hetsplit devices'")
+    elif dev.type == "mps" and not (hasattr(torch.backends, "mps") and torch.backends.mps.is_available()):
+        raise ValueError(
+            f"device {str(spec)!r} is not available: MPS needs an Apple-silicon Mac; run 'hetsplit devices'"
+        )
 
 
 def parse_devices(specs: str | Iterable[DeviceLike], *, check: bool = True) -> list[Device]:
@@ -264,8 +265,13 @@ def _nvidia_driver() -> str | None:
     if exe is None:
         return None
     try:
-        out = subprocess.run([exe, "--query-gpu=driver_version", "--format=csv,noheader"], capture_output=True,
-                             text=True, timeout=10, check=True).stdout.split()
+        out = subprocess.run(
+            [exe, "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout.split()
     except (OSError, subprocess.SubprocessError):
         return None
     return out[0] if out else None
@@ -296,7 +302,9 @@ def describe(device: DeviceLike) -> DeviceInfo:
             kind="cuda",
             description=props.name,
             memory_bytes=int(props.total_memory),
-            uuid=f"GPU-{uuid}" if uuid is not None and not str(uuid).startswith("GPU-") else (str(uuid) if uuid else None),
+            uuid=f"GPU-{uuid}"
+            if uuid is not None and not str(uuid).startswith("GPU-")
+            else (str(uuid) if uuid else None),
             capability=f"{props.major}.{props.minor}",
             driver=_nvidia_driver(),
             runtime=torch.version.cuda,

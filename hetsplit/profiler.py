@@ -38,7 +38,7 @@ def default_ladder(max_batch: int = 256) -> list[int]:
     while b < max_batch:
         ladder.append(b)
         b *= 2
-    return ladder + [max_batch]
+    return [*ladder, max_batch]
 
 
 def fingerprint(model: nn.Module) -> str:
@@ -60,14 +60,23 @@ def call_model(model: nn.Module, inputs: Any) -> Any:
 
 def _default_loss(output: Any) -> torch.Tensor:
     leaves, _ = flatten(output)
-    parts = [t.float().sum() for t in leaves if isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad]
+    parts = [
+        t.float().sum() for t in leaves if isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad
+    ]
     if not parts:
         raise ValueError("the model's output has no differentiable tensor; pass loss_fn=... that returns a scalar loss")
     return torch.stack(parts).sum()
 
 
-def train_step(model: nn.Module, inputs: Any, target: Any = None, loss_fn: LossFn | None = None,
-               device: Device | None = None, *, cpu_time: bool = False) -> torch.Tensor:
+def train_step(
+    model: nn.Module,
+    inputs: Any,
+    target: Any = None,
+    loss_fn: LossFn | None = None,
+    device: Device | None = None,
+    *,
+    cpu_time: bool = False,
+) -> torch.Tensor:
     """One training step without the optimizer: forward, loss, backward. Returns the loss.
 
     ``inputs`` is passed as ``model(inputs)``, ``model(*inputs)`` for a tuple/list, or
@@ -205,11 +214,24 @@ def profile(
         raise ValueError(f"target has {batch_length(target)} rows but sample has {n}; they must match")
     show = sys.stderr.isatty() if progress is None else progress
     cuda_ids = [d.index for d in devs if d.type == "cuda"]
-    with torch.random.fork_rng(devices=cuda_ids), tqdm(
-        total=len(devs) * len(ladder), disable=not show, unit="size", desc="profiling", leave=False
-    ) as bar:
-        entries = _measure(model, devs, sample, target, loss_fn, ladder, repeats, warmup,
-                           time_budget / len(devs), find_memory_cap, max_probe, bar)
+    with (
+        torch.random.fork_rng(devices=cuda_ids),
+        tqdm(total=len(devs) * len(ladder), disable=not show, unit="size", desc="profiling", leave=False) as bar,
+    ):
+        entries = _measure(
+            model,
+            devs,
+            sample,
+            target,
+            loss_fn,
+            ladder,
+            repeats,
+            warmup,
+            time_budget / len(devs),
+            find_memory_cap,
+            max_probe,
+            bar,
+        )
     return Profile(
         entries,
         model={
@@ -224,9 +246,20 @@ def profile(
     )
 
 
-def _measure(model: nn.Module, devs: list[Device], sample: Any, target: Any, loss_fn: LossFn | None,
-             ladder: list[int], repeats: int, warmup: int, budget: float, find_cap: bool,
-             max_probe: int, bar: tqdm) -> list[DeviceProfile]:
+def _measure(
+    model: nn.Module,
+    devs: list[Device],
+    sample: Any,
+    target: Any,
+    loss_fn: LossFn | None,
+    ladder: list[int],
+    repeats: int,
+    warmup: int,
+    budget: float,
+    find_cap: bool,
+    max_probe: int,
+    bar: tqdm,
+) -> list[DeviceProfile]:
     """Time every (device, batch size) point in interleaved passes.
 
     A first pass climbs the ladder on all devices (warm-up, memory check, one timed
@@ -335,8 +368,18 @@ def quick_profile(devices: str | Sequence[DeviceLike]) -> Profile:
         # Steps of about a millisecond: long enough that scheduling noise on a busy machine
         # cannot reorder devices, short enough that calibration stays well under a second.
         workload = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10))
-        prof = profile(workload, sample, missing, batch_sizes=[64, 256, 1024], repeats=3, warmup=1,
-                       time_budget=1.0 * len(missing), find_memory_cap=False, progress=False, model_name="calibration-mlp")
+        prof = profile(
+            workload,
+            sample,
+            missing,
+            batch_sizes=[64, 256, 1024],
+            repeats=3,
+            warmup=1,
+            time_budget=1.0 * len(missing),
+            find_memory_cap=False,
+            progress=False,
+            model_name="calibration-mlp",
+        )
         _QUICK.update({e.name: e for e in prof.entries})
     if not _NOTICE_SHOWN:
         _NOTICE_SHOWN = True
@@ -345,5 +388,6 @@ def quick_profile(devices: str | Sequence[DeviceLike]) -> Profile:
             "(hetsplit.profile(...) or 'hetsplit profile') gives a more accurate split",
             stacklevel=3,
         )
-    return Profile([_QUICK[d.name] for d in dict.fromkeys(devs)], model={"name": "calibration-mlp"},
-                   source="calibration")
+    return Profile(
+        [_QUICK[d.name] for d in dict.fromkeys(devs)], model={"name": "calibration-mlp"}, source="calibration"
+    )

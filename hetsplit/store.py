@@ -95,7 +95,9 @@ def read_json(path: str | Path, kind: str | tuple[str, ...]) -> dict[str, Any]:
     try:
         doc = json.loads(text)
     except json.JSONDecodeError as e:
-        raise ProfileFileError(f"{path}: damaged file, not valid JSON ({e.msg} at line {e.lineno}); re-create it") from e
+        raise ProfileFileError(
+            f"{path}: damaged file, not valid JSON ({e.msg} at line {e.lineno}); re-create it"
+        ) from e
     if not isinstance(doc, dict) or doc.get("schema") != "hetsplit":
         raise ProfileFileError(f"{path}: not a hetsplit file")
     kinds = (kind,) if isinstance(kind, str) else kind

@@ -20,8 +20,9 @@ def test_bench_reports_consistent_figures():
     assert "ideal (sum of single devices)" in r.table()
 
 
-@pytest.mark.parametrize("kwargs, fragment", [({"devices": "cpu"}, "two or more devices"),
-                                              ({"mode": "scatter"}, "'scatter'")])
+@pytest.mark.parametrize(
+    "kwargs, fragment", [({"devices": "cpu"}, "two or more devices"), ({"mode": "scatter"}, "'scatter'")]
+)
 def test_bench_bad_arguments(kwargs, fragment):
     args = {"model": "mlp", "devices": "cpu,cpu@0.5"} | kwargs
     with pytest.raises(ValueError) as err:
@@ -43,8 +44,9 @@ def test_keep_freed_memory_is_a_flag():
 def test_bench_rebalance_follows_a_slowdown_and_reports_it():
     from hetsplit.apps.bench_rebalance import bench_rebalance
 
-    r = bench_rebalance("mlp", "cpu,cpu@1", batch_size=64, steps=24, every=3, change=("cpu@1", 0.2, 6),
-                        settle=12, sweep_steps=2)
+    r = bench_rebalance(
+        "mlp", "cpu,cpu@1", batch_size=64, steps=24, every=3, change=("cpu@1", 0.2, 6), settle=12, sweep_steps=2
+    )
     assert len(r.step_times) == 24 and len(r.sizes) == 24 and r.sizes[0] == [32, 32]
     assert any(c["step"] > 6 for c in r.changes)
     assert r.sizes[-1][1] < r.sizes[-1][0]  # the slowed device ends with the smaller share
@@ -55,8 +57,10 @@ def test_bench_rebalance_follows_a_slowdown_and_reports_it():
     json.dumps(r.to_dict())
 
 
-@pytest.mark.parametrize("text, fragment", [("cpu=0.5@3", "real device"), ("cpu@1=2@3", "0 < SPEED <= 1"),
-                                            ("cpu@1:0.5", "DEVICE=SPEED@STEP")])
+@pytest.mark.parametrize(
+    "text, fragment",
+    [("cpu=0.5@3", "real device"), ("cpu@1=2@3", "0 < SPEED <= 1"), ("cpu@1:0.5", "DEVICE=SPEED@STEP")],
+)
 def test_parse_change_rejects_bad_text(text, fragment):
     from hetsplit.apps.bench_rebalance import parse_change
 

@@ -21,8 +21,25 @@ def test_devices_table_and_json(capsys):
 
 def test_profile_then_plan(capsys, tmp_path):
     out_file = tmp_path / "p.json"
-    code, out, _ = _run(capsys, "profile", "--devices", "cpu,cpu@0.5", "--model", "mlp", "--batch-sizes", "4,16",
-                        "--repeats", "2", "--budget", "5", "--out", str(out_file), "--quiet", "--batch-size", "64")
+    code, out, _ = _run(
+        capsys,
+        "profile",
+        "--devices",
+        "cpu,cpu@0.5",
+        "--model",
+        "mlp",
+        "--batch-sizes",
+        "4,16",
+        "--repeats",
+        "2",
+        "--budget",
+        "5",
+        "--out",
+        str(out_file),
+        "--quiet",
+        "--batch-size",
+        "64",
+    )
     assert code == 0, out
     assert "cpu@0.5 (emulated)" in out and "emulated devices: cpu@0.5" in out and "synthetic" in out
     assert "; 1 CPU thread\n" in out  # CPU-only sets with an emulated CPU profile on one thread each
@@ -62,7 +79,7 @@ def test_profile_defaults_add_an_emulated_cpu_on_a_one_device_machine(capsys, tm
     ],
 )
 def test_errors_are_one_line_and_nonzero(capsys, argv, fragment):
-    code, out, err = _run(capsys, *argv)
+    code, _out, err = _run(capsys, *argv)
     assert code == 1 and fragment in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
 
 
@@ -84,8 +101,23 @@ def test_argument_errors_exit_2(capsys):
 
 def test_bench_command_and_json(capsys, tmp_path):
     out_file = tmp_path / "bench.json"
-    code, out, _ = _run(capsys, "bench", "--devices", "cpu,cpu@0.5", "--model", "mlp", "--batch-size", "32",
-                        "--steps", "2", "--profile-budget", "2", "--json", str(out_file), "--quiet")
+    code, out, _ = _run(
+        capsys,
+        "bench",
+        "--devices",
+        "cpu,cpu@0.5",
+        "--model",
+        "mlp",
+        "--batch-size",
+        "32",
+        "--steps",
+        "2",
+        "--profile-budget",
+        "2",
+        "--json",
+        str(out_file),
+        "--quiet",
+    )
     assert code == 0 and "even split" in out and "efficiency vs ideal" in out and "emulated devices: cpu@0.5" in out
     doc = json.loads(out_file.read_text())
     assert doc["kind"] == "bench" and sum(doc["result"]["plan"]["sizes"]) == 32
@@ -98,23 +130,56 @@ def test_bench_needs_two_devices(capsys):
 
 def test_bench_rebalance_command(capsys, tmp_path):
     out_file = tmp_path / "reb.json"
-    code, out, _ = _run(capsys, "bench", "--rebalance", "--devices", "cpu,cpu@1", "--model", "mlp", "--batch-size",
-                        "32", "--steps", "12", "--every", "3", "--change", "cpu@1=0.25@4", "--json", str(out_file),
-                        "--quiet")
+    code, out, _ = _run(
+        capsys,
+        "bench",
+        "--rebalance",
+        "--devices",
+        "cpu,cpu@1",
+        "--model",
+        "mlp",
+        "--batch-size",
+        "32",
+        "--steps",
+        "12",
+        "--every",
+        "3",
+        "--change",
+        "cpu@1=0.25@4",
+        "--json",
+        str(out_file),
+        "--quiet",
+    )
     assert code == 0 and "online rebalancing from the even split" in out and "rebalancer cost" in out
     doc = json.loads(out_file.read_text())
     assert doc["kind"] == "bench-rebalance" and len(doc["result"]["step_times"]) == 12
     code, _, err = _run(capsys, "bench", "--change", "cpu@1=0.25@4", "--devices", "cpu,cpu@1")
     assert code == 1 and "--change needs --rebalance" in err
-    code, _, err = _run(capsys, "bench", "--rebalance", "--change", "cpu@0.5=0.25@4", "--devices", "cpu,cpu@1",
-                        "--model", "mlp")
+    code, _, err = _run(
+        capsys, "bench", "--rebalance", "--change", "cpu@0.5=0.25@4", "--devices", "cpu,cpu@1", "--model", "mlp"
+    )
     assert code == 1 and "not among the devices" in err
 
 
 def test_demo_runs_end_to_end_and_writes_results_for_show(capsys, tmp_path):
     out_file = tmp_path / "demo.json"
-    code, out, _ = _run(capsys, "demo", "--devices", "cpu,cpu@0.5", "--model", "mlp", "--batch-size", "32",
-                        "--steps", "2", "--budget", "2", "--quiet", "--json", str(out_file))
+    code, out, _ = _run(
+        capsys,
+        "demo",
+        "--devices",
+        "cpu,cpu@0.5",
+        "--model",
+        "mlp",
+        "--batch-size",
+        "32",
+        "--steps",
+        "2",
+        "--budget",
+        "2",
+        "--quiet",
+        "--json",
+        str(out_file),
+    )
     assert code == 0, out
     assert "emulated: cpu@0.5" in out and "synthetic data" in out
     assert "balanced split of 32" in out and "of the ideal" in out and "sits idle" in out
@@ -132,16 +197,20 @@ def test_demo_devices_add_an_emulated_cpu_on_a_one_device_machine(monkeypatch):
 
 def _two_machines(tmp_path):
     model = {"name": "resnet18", "parameter_bytes": 44_700_000, "fingerprint": "f"}
-    a = Profile.from_measurements({"cuda:0": [(16, 0.004), (256, 0.012)], "cpu": [(16, 0.05), (256, 0.8)]},
-                                  host="gpubox", model=model).save(tmp_path / "a.json")
-    b = Profile.from_measurements({"cpu": [(16, 0.1), (256, 1.6)]}, host="oldbox", model=model).save(tmp_path / "b.json")
+    a = Profile.from_measurements(
+        {"cuda:0": [(16, 0.004), (256, 0.012)], "cpu": [(16, 0.05), (256, 0.8)]}, host="gpubox", model=model
+    ).save(tmp_path / "a.json")
+    b = Profile.from_measurements({"cpu": [(16, 0.1), (256, 1.6)]}, host="oldbox", model=model).save(
+        tmp_path / "b.json"
+    )
     return a, b
 
 
 def test_plan_what_if_across_profiles_with_copies_and_a_link(capsys, tmp_path):
     a, b = _two_machines(tmp_path)
-    code, out, _ = _run(capsys, "plan", "--use", f"{a}:cuda:0*4", "--use", f"{b}:cpu", "--batch-size", "1024",
-                        "--link-gbps", "10")
+    code, out, _ = _run(
+        capsys, "plan", "--use", f"{a}:cuda:0*4", "--use", f"{b}:cpu", "--batch-size", "1024", "--link-gbps", "10"
+    )
     assert code == 0, out
     assert "what-if split of a batch of 1024" in out and "cuda:0#4" in out
     assert "predicted gradient all-reduce" in out and "not measurements" in out
@@ -175,7 +244,7 @@ def test_show_draws_a_profile_with_a_plan_file(capsys, tmp_path):
     ],
 )
 def test_every_command_reports_bad_input_in_one_line(capsys, argv, fragment):
-    code, out, err = _run(capsys, *argv)
+    code, _out, err = _run(capsys, *argv)
     assert code == 1 and fragment in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
 
 

@@ -46,7 +46,9 @@ def test_fit_rejects_bad_measurements(bad):
 def test_capacity_inverts_evaluate_exactly():
     rng = random.Random(1)
     for _ in range(50):
-        pts = [(b, rng.uniform(0.001, 0.01) + b * rng.uniform(1e-4, 1e-2)) for b in sorted(rng.sample(range(1, 300), 4))]
+        pts = [
+            (b, rng.uniform(0.001, 0.01) + b * rng.uniform(1e-4, 1e-2)) for b in sorted(rng.sample(range(1, 300), 4))
+        ]
         c = Curve.fit(pts, memory_cap=rng.choice([None, 150]))
         for t in [rng.uniform(0, 3) for _ in range(20)]:
             k = c.capacity(t)
@@ -62,8 +64,9 @@ def test_table_evaluates_each_row_with_its_own_curve():
 
 
 def test_from_measurements_and_step_time():
-    p = Profile.from_measurements({"v100": [(16, 0.082), (64, 0.221)], "k80": [(16, 0.3), (64, 1.1)]},
-                                  memory_caps={"k80": 100})
+    p = Profile.from_measurements(
+        {"v100": [(16, 0.082), (64, 0.221)], "k80": [(16, 0.3), (64, 1.1)]}, memory_caps={"k80": 100}
+    )
     assert p.devices == ["v100", "k80"]
     assert p.step_time("v100", 0) == 0.0
     assert p.step_time("v100", 64) == pytest.approx(0.221)

@@ -40,7 +40,7 @@ def _rel_err(model, ref_grads):
 def _ddp_step(sizes, rank, hook, with_plan=True, method="hook", reduction="mean", user_hook=None):
     x, y = _batch(sum(sizes))
     start = sum(sizes[:rank])
-    xs, ys = x[start:start + sizes[rank]], y[start:start + sizes[rank]]
+    xs, ys = x[start : start + sizes[rank]], y[start : start + sizes[rank]]
     ddp = DDP(_net())
     if hook:
         plan = plan_from_sizes(None, [f"rank{r}" for r in range(WORLD)], sizes) if with_plan else None
@@ -56,26 +56,49 @@ def _ddp_step(sizes, rank, hook, with_plan=True, method="hook", reduction="mean"
 
 def _worker(rank, init_file, out_dir):
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD,
-                            timeout=datetime.timedelta(seconds=30))
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=30)
+    )
     res = {}
     device = "cpu" if rank == 0 else "cpu@0.25"
     x, y = _batch(8)
-    plan = hd.plan(_net(), x, 40, device=device, loss_fn=F.cross_entropy, target=y, batch_sizes=[2, 8, 32],
-                   repeats=2, time_budget=4)
+    plan = hd.plan(
+        _net(),
+        x,
+        40,
+        device=device,
+        loss_fn=F.cross_entropy,
+        target=y,
+        batch_sizes=[2, 8, 32],
+        repeats=2,
+        time_budget=4,
+    )
     res["plan"] = plan.to_dict()
     # Calibration: both ranks plan from rank 0's profile of the real CPU, as if equally fast;
     # the DDP steps show rank 1 is emulated at a quarter speed and the plan moves off it.
-    prof = [hetsplit.profile(_net(), x, ["cpu"], F.cross_entropy, target=y, batch_sizes=[2, 8, 32], repeats=3,
-                             time_budget=3, progress=False).to_dict()]
+    prof = [
+        hetsplit.profile(
+            _net(),
+            x,
+            ["cpu"],
+            F.cross_entropy,
+            target=y,
+            batch_sizes=[2, 8, 32],
+            repeats=3,
+            time_budget=3,
+            progress=False,
+        ).to_dict()
+    ]
     dist.broadcast_object_list(prof, src=0)
     prof = hetsplit.Profile.from_dict(prof[0])
     net = _net()
-    res["uncalibrated"] = hd.plan(net, x, 40, device=device, loss_fn=F.cross_entropy, target=y, profile=prof,
-                                  calibrate=0).sizes
+    res["uncalibrated"] = hd.plan(
+        net, x, 40, device=device, loss_fn=F.cross_entropy, target=y, profile=prof, calibrate=0
+    ).sizes
     res["calibrated"] = hd.plan(net, x, 40, device=device, loss_fn=F.cross_entropy, target=y, profile=prof).sizes
     res["model_untouched"] = all(p.grad is None for p in net.parameters()) and all(
-        torch.equal(p, q) for p, q in zip(net.parameters(), _net().parameters()))
+        torch.equal(p, q) for p, q in zip(net.parameters(), _net().parameters())
+    )
 
     def failing_loss(out, tgt):
         if rank == 1:
@@ -97,8 +120,10 @@ def _worker(rank, init_file, out_dir):
     res["err_outputs_sum"] = _ddp_step([7, 3], rank, hook=True, method="outputs", reduction="sum")
     # The outputs method leaves the comm hook free: torch's own averaging hook still gives the full batch.
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-    res["err_outputs_user_hook"] = _ddp_step([7, 3], rank, hook=True, method="outputs",
-                                             user_hook=default_hooks.allreduce_hook)
+
+    res["err_outputs_user_hook"] = _ddp_step(
+        [7, 3], rank, hook=True, method="outputs", user_hook=default_hooks.allreduce_hook
+    )
     # A plan change (what DistributedRebalancer does): the next step is weighted by the new plan.
     ddp = DDP(_net())
     state = hd.weight_gradients(ddp, plan_from_sizes(None, ["a", "b"], [7, 3]), method="outputs")
@@ -196,8 +221,16 @@ def test_rank_with_zero_samples_takes_part(ranks):
 
 
 def test_every_weighting_path_is_exact_and_off_plan_steps_are_refused(ranks):
-    for key in ("err_any_size", "err_any_size_zero", "err_hook_sum", "err_outputs", "err_outputs_zero",
-                "err_outputs_sum", "err_outputs_user_hook", "err_outputs_new_plan"):
+    for key in (
+        "err_any_size",
+        "err_any_size_zero",
+        "err_hook_sum",
+        "err_outputs",
+        "err_outputs_zero",
+        "err_outputs_sum",
+        "err_outputs_user_hook",
+        "err_outputs_new_plan",
+    ):
         assert all(r[key] < 1e-6 for r in ranks), key
     assert "rank 0: this step has 5 samples but the plan gives this rank 7" in ranks[0]["plan_method_error"]
     assert "plan gives this rank 3" in ranks[1]["plan_method_error"]
@@ -225,10 +258,34 @@ def test_a_hung_rank_becomes_a_clear_error(ranks):
 
 def test_torchrun_launches_the_example(tmp_path):
     example = Path(__file__).resolve().parent.parent / "examples" / "torchrun_ddp.py"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(example),
-           "--devices", "cpu,cpu@0.25", "--steps", "2", "--data", "synthetic", "--train-size", "512",
-           "--test-size", "128", "--profile-budget", "2", "--threads", "1", "--timeout", "60", "--rebalance", "1",
-           "--weighting", "outputs"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        str(example),
+        "--devices",
+        "cpu,cpu@0.25",
+        "--steps",
+        "2",
+        "--data",
+        "synthetic",
+        "--train-size",
+        "512",
+        "--test-size",
+        "128",
+        "--profile-budget",
+        "2",
+        "--threads",
+        "1",
+        "--timeout",
+        "60",
+        "--rebalance",
+        "1",
+        "--weighting",
+        "outputs",
+    ]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=tmp_path, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]

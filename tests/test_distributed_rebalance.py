@@ -30,8 +30,10 @@ WORLD, BATCH, STEPS, SLOW_AT = 2, 128, 48, 12
 
 def _data():
     gen = torch.Generator().manual_seed(7)
-    return TensorDataset(torch.randn(BATCH * 6, 256, dtype=torch.float64, generator=gen),
-                         torch.randint(0, 4, (BATCH * 6,), generator=gen))
+    return TensorDataset(
+        torch.randn(BATCH * 6, 256, dtype=torch.float64, generator=gen),
+        torch.randint(0, 4, (BATCH * 6,), generator=gen),
+    )
 
 
 def _net():
@@ -53,8 +55,9 @@ def _batches(loader, ahead):
 
 def _worker(rank, init_file, out_dir):
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD,
-                            timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=60)
+    )
     device = hetsplit.parse_device("cpu" if rank == 0 else "cpu@1")
     data = _data()
     plan = plan_from_sizes(None, ["rank0:cpu", "rank1:cpu@1"], [BATCH // 2, BATCH // 2])
@@ -62,8 +65,9 @@ def _worker(rank, init_file, out_dir):
     loader = DataLoader(data, batch_sampler=sampler, collate_fn=sampler.collate)
     model = DDP(_net())
     grads = hd.weight_gradients(model, plan)
-    rb = hd.DistributedRebalancer(plan, hetsplit.Rebalancer(every=4), sampler=sampler, gradients=grads,
-                                  model=model, device=device)
+    rb = hd.DistributedRebalancer(
+        plan, hetsplit.Rebalancer(every=4), sampler=sampler, gradients=grads, model=model, device=device
+    )
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     res = {"sizes": [], "distinct": [], "grad_err": None}
     step, epoch = 0, 0
@@ -89,8 +93,10 @@ def _worker(rank, init_file, out_dir):
                     ref = _net()
                     ref.load_state_dict(before)
                     F.cross_entropy(ref(rows[0]), rows[1]).backward()
-                    res["grad_err"] = max(float((p.grad - q.grad).abs().max() / q.grad.abs().max())
-                                          for p, q in zip(model.module.parameters(), ref.parameters()))
+                    res["grad_err"] = max(
+                        float((p.grad - q.grad).abs().max() / q.grad.abs().max())
+                        for p, q in zip(model.module.parameters(), ref.parameters())
+                    )
                 opt.step()
                 step += 1
                 if step >= STEPS:

@@ -23,7 +23,9 @@ def _data(n=50):
 
 
 def _max_rel_err(a, b):
-    return max(((p.grad - q.grad).abs().max() / q.grad.abs().max()).item() for p, q in zip(a.parameters(), b.parameters()))
+    return max(
+        ((p.grad - q.grad).abs().max() / q.grad.abs().max()).item() for p, q in zip(a.parameters(), b.parameters())
+    )
 
 
 def _reference(net, x, y):
@@ -57,7 +59,7 @@ def test_parameters_keep_agreeing_over_optimizer_steps(mode):
     dp = HeteroDataParallel(copy.deepcopy(net), DEVICES, weights=[3, 1])
     opt = torch.optim.SGD(dp.parameters(), lr=0.5, momentum=0.9)
     for step in range(4):
-        xs, ys = x[step * 15:(step + 1) * 15], y[step * 15:(step + 1) * 15]
+        xs, ys = x[step * 15 : (step + 1) * 15], y[step * 15 : (step + 1) * 15]
         for o in (opt, opt_ref):
             o.zero_grad()
         F.cross_entropy(ref(xs), ys).backward()
@@ -128,7 +130,10 @@ def test_kwargs_and_dict_outputs():
     ref(a, scale=scale)["out"].pow(2).sum().backward()
     dp = HeteroDataParallel(copy.deepcopy(net), DEVICES, weights=[7, 3])
     res = dp(a, scale=scale, note="hi")
-    assert res["note"] == ["hi", "hi"] and res["count"].tolist() == [7, 3]  # one per replica, never replica 0 alone (issue 12)
+    assert res["note"] == ["hi", "hi"] and res["count"].tolist() == [
+        7,
+        3,
+    ]  # one per replica, never replica 0 alone (issue 12)
     assert torch.allclose(res["out"], net(a, scale=scale)["out"])
     res["out"].pow(2).sum().backward()
     assert _max_rel_err(dp.module, ref) < 1e-6
@@ -154,8 +159,14 @@ def test_worker_threads_carry_grad_mode_and_autocast():
     seen = []
 
     def probe():
-        seen.append((threading.current_thread() is not threading.main_thread(), torch.is_grad_enabled(),
-                     torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")))
+        seen.append(
+            (
+                threading.current_thread() is not threading.main_thread(),
+                torch.is_grad_enabled(),
+                torch.is_autocast_enabled("cpu"),
+                torch.get_autocast_dtype("cpu"),
+            )
+        )
 
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         run_parallel([probe, probe], parse_devices(DEVICES))
@@ -263,7 +274,7 @@ def test_emulated_replica_backward_is_throttled_and_concurrent(monkeypatch):
     out = dp(x)
     forward = list(entered)
     F.cross_entropy(out, y).backward()
-    backward = entered[len(forward):]
+    backward = entered[len(forward) :]
     assert sorted(n for n, _, _ in forward) == sorted(DEVICES)
     assert sorted(n for n, _, _ in backward) == sorted(DEVICES)
     assert all(t.startswith("hetsplit") for _, t, _ in backward)
@@ -284,4 +295,6 @@ def test_profile_calibrated_scales_observed_devices():
     cal = prof.calibrated({"cpu@0.25": (50, 4.0)})  # observed twice as slow as predicted
     assert cal.step_time("cpu@0.25", 50) == pytest.approx(4.0)
     assert cal.step_time("cpu", 50) == prof.step_time("cpu", 50)
-    assert cal.source.endswith("+calibrated") and prof.entry("cpu@0.25").measurements == cal.entry("cpu@0.25").measurements
+    assert (
+        cal.source.endswith("+calibrated") and prof.entry("cpu@0.25").measurements == cal.entry("cpu@0.25").measurements
+    )

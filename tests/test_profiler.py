@@ -46,8 +46,19 @@ def test_model_is_left_exactly_as_found():
 
 def test_profile_records_measurements_and_metadata():
     x, y = torch.randn(5, 8), torch.randint(0, 3, (5,))
-    p = profile(Net(), x, "cpu,cpu@0.5", F.cross_entropy, [2, 4, 16], target=y, repeats=3, warmup=1,
-                time_budget=10, progress=False, model_name="net")
+    p = profile(
+        Net(),
+        x,
+        "cpu,cpu@0.5",
+        F.cross_entropy,
+        [2, 4, 16],
+        target=y,
+        repeats=3,
+        warmup=1,
+        time_budget=10,
+        progress=False,
+        model_name="net",
+    )
     assert p.devices == ["cpu", "cpu@0.5"] and p.emulated == ["cpu@0.5"]
     cpu = p.entry("cpu")
     assert [m.batch for m in cpu.measurements] == [2, 4, 16]
@@ -63,8 +74,16 @@ def test_quarter_speed_cpu_measures_about_a_quarter_throughput():
     # Matmul-bound, so the step time is steady on a shared machine (conv steps of the same
     # size vary 3x here from allocation noise).
     model = nn.Sequential(nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10))
-    p = profile(model, torch.randn(8, 512), ["cpu", "cpu@0.25"], batch_sizes=[64, 128, 256, 512], repeats=7,
-                warmup=2, time_budget=60, progress=False)
+    p = profile(
+        model,
+        torch.randn(8, 512),
+        ["cpu", "cpu@0.25"],
+        batch_sizes=[64, 128, 256, 512],
+        repeats=7,
+        warmup=2,
+        time_budget=60,
+        progress=False,
+    )
     ratio = p.throughput("cpu", 512) / p.throughput("cpu@0.25", 512)
     assert 2.8 < ratio < 5.5, ratio
     # At 640 samples per-sample cost dominates the fixed cost: close to an 80/20 split.
@@ -75,8 +94,16 @@ def test_quarter_speed_cpu_measures_about_a_quarter_throughput():
 
 def test_time_budget_stops_the_ladder_early():
     model = nn.Linear(256, 256)
-    p = profile(model, torch.randn(4, 256), ["cpu@0.05"], batch_sizes=default_ladder(4096), repeats=3,
-                warmup=1, time_budget=0.3, progress=False)
+    p = profile(
+        model,
+        torch.randn(4, 256),
+        ["cpu@0.05"],
+        batch_sizes=default_ladder(4096),
+        repeats=3,
+        warmup=1,
+        time_budget=0.3,
+        progress=False,
+    )
     measured = [m.batch for m in p.entries[0].measurements]
     assert 2 <= len(measured) < len(default_ladder(4096))
 
@@ -121,8 +148,16 @@ def test_bad_arguments_fail_before_work(kwargs, fragment):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_profile_finds_a_memory_cap():
     model = nn.Sequential(nn.Linear(4096, 4096), nn.ReLU(), nn.Linear(4096, 4096))
-    p = profile(model, torch.randn(4, 4096), ["cuda:0", "cpu"], batch_sizes=[16, 64], repeats=2,
-                time_budget=60, max_probe=1 << 22, progress=False)
+    p = profile(
+        model,
+        torch.randn(4, 4096),
+        ["cuda:0", "cpu"],
+        batch_sizes=[16, 64],
+        repeats=2,
+        time_budget=60,
+        max_probe=1 << 22,
+        progress=False,
+    )
     gpu = p.entry("cuda:0")
     assert gpu.info.kind == "cuda" and gpu.info.memory_bytes > 0
     assert gpu.memory_probed_to >= 64

@@ -10,8 +10,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from hetsplit import HeteroDataParallel, Profile, Rebalancer, solve
-from hetsplit.planning.rebalance import _bounded
 from hetsplit.planning import plan_from_sizes
+from hetsplit.planning.rebalance import _bounded
 
 DEVICES = ["fast", "slow"]
 
@@ -23,8 +23,9 @@ def _simulate(rebalancer, plan, speeds, steps, noise=0.10, seed=0, change=None):
     for step in range(steps):
         if change and step == change[0]:
             speeds = change[1]
-        times = {d: (5e-4 + speeds[d] * b) * math.exp(rng.gauss(0, noise))
-                 for d, b in zip(plan.devices, plan.sizes) if b > 0}
+        times = {
+            d: (5e-4 + speeds[d] * b) * math.exp(rng.gauss(0, noise)) for d, b in zip(plan.devices, plan.sizes) if b > 0
+        }
         history.append(max((5e-4 + speeds[d] * b) for d, b in zip(plan.devices, plan.sizes) if b > 0))
         new = rebalancer.observe(plan, times)
         if new is not None:
@@ -48,7 +49,7 @@ def test_recovers_within_twenty_steps_after_a_fourfold_slowdown():
     equal = {"fast": 1e-4, "slow": 1e-4}
     slowed = {"fast": 1e-4, "slow": 4e-4}
     reb = Rebalancer(every=5)
-    plan, history = _simulate(reb, plan_from_sizes(None, DEVICES, [128, 128]), equal, 80, change=(30, slowed), seed=2)
+    _plan, history = _simulate(reb, plan_from_sizes(None, DEVICES, [128, 128]), equal, 80, change=(30, slowed), seed=2)
     assert history[29] <= 1.1 * _optimum(equal, 256)
     assert max(history[50:]) <= 1.1 * _optimum(slowed, 256)
     assert [c.step for c in reb.history] and all(c.step > 30 for c in reb.history)
@@ -66,7 +67,7 @@ def test_with_a_profile_and_bounded_moves():
     prof = Profile.from_measurements({"fast": [(1, 6e-4), (256, 0.0261)], "slow": [(1, 6e-4), (256, 0.0261)]})
     events = []
     reb = Rebalancer(prof, every=4, max_move=0.1, on_change=events.append)
-    plan, _ = _simulate(reb, solve(prof, 256), {"fast": 1e-4, "slow": 4e-4}, 40)
+    _plan, _ = _simulate(reb, solve(prof, 256), {"fast": 1e-4, "slow": 4e-4}, 40)
     assert events and all(sum(abs(a - b) for a, b in zip(e.old_sizes, e.new_sizes)) <= 2 * 25 for e in events)
     assert events[0].predicted_gain > 0.05 and "faster" in str(events[0]) and events[0].to_dict()["step"] == 4
     assert reb.factors()["slow"] > 2 * reb.factors()["fast"]

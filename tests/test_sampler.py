@@ -48,14 +48,20 @@ def test_zero_share_rank_has_steps_but_no_samples():
     assert len(s) == 0 and list(s) == [] and s.steps == 3
 
 
-@pytest.mark.parametrize("kw, fragment", [({"num_replicas": 2, "rank": 0}, "3 shares for 2 ranks"),
-                                          ({"num_replicas": 3, "rank": 3}, "rank 3 is out of range")])
+@pytest.mark.parametrize(
+    "kw, fragment",
+    [
+        ({"num_replicas": 2, "rank": 0}, "3 shares for 2 ranks"),
+        ({"num_replicas": 3, "rank": 3}, "rank 3 is out of range"),
+    ],
+)
 def test_bad_arguments(kw, fragment):
     with pytest.raises(ValueError, match=fragment):
         HeteroDistributedSampler(list(range(10)), PLAN, **kw)
 
 
 # -- HeteroBatchSampler: one list per step, following plan changes --------------------------------
+
 
 def _batch_samplers(n, plan=PLAN, **kw):
     from hetsplit.distributed import HeteroBatchSampler
@@ -102,11 +108,14 @@ def test_batch_sampler_collates_an_empty_share_to_empty_tensors():
     assert x.shape == (0, 3) and y.shape == (0,) and y.dtype == torch.int64
 
 
-@pytest.mark.parametrize("kw, fragment", [
-    ({"method": "outputs"}, 'method="outputs" needs the plan'),
-    ({"method": "buckets"}, "unknown method 'buckets'; use one of hook, outputs"),
-    ({"reduction": "max"}, "max"),
-])
+@pytest.mark.parametrize(
+    "kw, fragment",
+    [
+        ({"method": "outputs"}, 'method="outputs" needs the plan'),
+        ({"method": "buckets"}, "unknown method 'buckets'; use one of hook, outputs"),
+        ({"reduction": "max"}, "max"),
+    ],
+)
 def test_weight_gradients_rejects_bad_arguments_before_any_collective(kw, fragment):
     # No process group exists here: the arguments are refused before anything distributed runs.
     from hetsplit.distributed import weight_gradients
@@ -123,8 +132,8 @@ def test_plan_rejects_a_negative_calibration_before_any_collective():
 
 
 def test_calibration_correction_passes_the_curve_through_the_measurement():
-    from hetsplit.planning.curve import Curve
     from hetsplit.distributed.rank_plan import _through
+    from hetsplit.planning.curve import Curve
 
     c = Curve.fit([(4, 0.02), (16, 0.05), (64, 0.2)])
     slower, faster = _through(c, 16, 0.06), _through(c, 16, 0.04)

@@ -13,19 +13,33 @@ PNG = b"\x89PNG\r\n\x1a\n"
 
 def _profile():
     return Profile.from_measurements(
-        {"cuda:0": [(2, 0.004), (16, 0.0045), (64, 0.006), (256, 0.012)],
-         "cpu": [(2, 0.001), (16, 0.006), (64, 0.02), (256, 0.08)]},
-        memory_caps={"cuda:0": 512}, model={"name": "lenet"}, host="box")
+        {
+            "cuda:0": [(2, 0.004), (16, 0.0045), (64, 0.006), (256, 0.012)],
+            "cpu": [(2, 0.001), (16, 0.006), (64, 0.02), (256, 0.08)],
+        },
+        memory_caps={"cuda:0": 512},
+        model={"name": "lenet"},
+        host="box",
+    )
 
 
 def _bench():
     prof = _profile()
     plan = solve(prof, 256)
-    return BenchResult(devices=["cuda:0", "cpu"], model="lenet", batch_size=256, mode="gather",
-                       single={"cuda:0": 21000.0, "cpu": 3200.0}, even=6000.0, balanced=19000.0, plan=plan,
-                       step_times={"even": 0.043, "balanced": 0.0135, "single:cuda:0": 0.012, "single:cpu": 0.08},
-                       overhead=0.02, busy={"even": {"cuda:0": 0.007, "cpu": 0.041}, "balanced": {"cuda:0": 0.011, "cpu": 0.0105}},
-                       meta={"date": "2026-11-21", "host": "box", "emulated": []})
+    return BenchResult(
+        devices=["cuda:0", "cpu"],
+        model="lenet",
+        batch_size=256,
+        mode="gather",
+        single={"cuda:0": 21000.0, "cpu": 3200.0},
+        even=6000.0,
+        balanced=19000.0,
+        plan=plan,
+        step_times={"even": 0.043, "balanced": 0.0135, "single:cuda:0": 0.012, "single:cpu": 0.08},
+        overhead=0.02,
+        busy={"even": {"cuda:0": 0.007, "cpu": 0.041}, "balanced": {"cuda:0": 0.011, "cpu": 0.0105}},
+        meta={"date": "2026-11-21", "host": "box", "emulated": []},
+    )
 
 
 def _is_png(path):

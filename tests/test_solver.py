@@ -4,8 +4,8 @@ import random
 
 import pytest
 
-from hetsplit.planning.profile import Profile
 from hetsplit.planning import Plan, check_sizes, even_sizes, plan_from_sizes, sizes_from_weights, solve
+from hetsplit.planning.profile import Profile
 
 
 def _brute_force(profile, names, batch):
@@ -61,8 +61,9 @@ def test_device_that_only_slows_the_step_gets_zero():
 
 
 def test_memory_cap_is_respected_and_excess_is_reported():
-    p = Profile.from_measurements({"big": [(1, 0.1), (10, 1.0)], "small": [(1, 0.001), (10, 0.01)]},
-                                  memory_caps={"small": 5})
+    p = Profile.from_measurements(
+        {"big": [(1, 0.1), (10, 1.0)], "small": [(1, 0.001), (10, 0.01)]}, memory_caps={"small": 5}
+    )
     assert solve(p, 20).sizes[1] == 5
     p2 = Profile.from_measurements({"a": [(1, 1.0)], "b": [(1, 1.0)]}, memory_caps={"a": 3, "b": 4})
     with pytest.raises(ValueError, match=r"batch of 8 exceeds .*\(7: a: 3, b: 4\)"):
@@ -77,8 +78,10 @@ def test_repeated_devices_and_order():
 
 def test_ten_thousand_devices_solve_correctly():
     rng = random.Random(3)
-    meas = {f"d{i}": [(b, rng.uniform(1e-3, 1e-2) + b * rng.uniform(1e-4, 1e-2)) for b in (1, 16, 256)]
-            for i in range(10_000)}
+    meas = {
+        f"d{i}": [(b, rng.uniform(1e-3, 1e-2) + b * rng.uniform(1e-4, 1e-2)) for b in (1, 16, 256)]
+        for i in range(10_000)
+    }
     p = Profile.from_measurements(meas)
     plan = solve(p, 500_000)
     assert sum(plan.sizes) == 500_000
@@ -104,7 +107,9 @@ def test_weights_use_largest_remainder():
     assert sum(sizes_from_weights(1001, [0.3, 2.7, 1.1])) == 1001
 
 
-@pytest.mark.parametrize("weights, fragment", [([1, -1], "-1"), ([0, 0], "all be zero"), ([], "empty"), ([1, float("inf")], "inf")])
+@pytest.mark.parametrize(
+    "weights, fragment", [([1, -1], "-1"), ([0, 0], "all be zero"), ([], "empty"), ([1, float("inf")], "inf")]
+)
 def test_bad_weights_are_named(weights, fragment):
     with pytest.raises(ValueError) as err:
         sizes_from_weights(10, weights)

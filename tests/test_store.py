@@ -9,8 +9,9 @@ from hetsplit.planning import latest_profile
 
 
 def _profile(**kw):
-    return Profile.from_measurements({"cpu": [(1, 0.1), (8, 0.4)], "cpu@0.25": [(1, 0.4), (8, 1.6)]},
-                                     memory_caps={"cpu": 1000}, **kw)
+    return Profile.from_measurements(
+        {"cpu": [(1, 0.1), (8, 0.4)], "cpu@0.25": [(1, 0.4), (8, 1.6)]}, memory_caps={"cpu": 1000}, **kw
+    )
 
 
 def test_save_load_round_trip_with_schema_header(tmp_path):
@@ -84,12 +85,13 @@ def test_find_profiles_newest_first_and_filtered(tmp_path):
 
 def test_gpus_are_matched_by_uuid_when_their_index_changes():
     from hetsplit.devices import DeviceInfo
-    from hetsplit.planning.profile import DeviceProfile
     from hetsplit.planning.curve import Curve
+    from hetsplit.planning.profile import DeviceProfile
 
     def entry(name, uuid, emulated=False):
-        info = DeviceInfo(name=name, kind="cuda", description="GPU", uuid=uuid, emulated=emulated,
-                          speed=0.5 if emulated else 1.0)
+        info = DeviceInfo(
+            name=name, kind="cuda", description="GPU", uuid=uuid, emulated=emulated, speed=0.5 if emulated else 1.0
+        )
         return DeviceProfile(info, [], Curve([1.0], [0.01], 0.0, 0.01))
 
     prof = Profile([entry("cuda:0", "GPU-a"), entry("cuda:1", "GPU-b"), entry("cuda:1@0.5", "GPU-b", True)])

@@ -5,7 +5,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import datetime as _dt
-import json
 import platform
 import statistics
 import time
@@ -18,7 +17,7 @@ from torch import nn
 
 from ..devices import Device, DeviceLike, parse_devices
 from ..parallel.data_parallel import HeteroDataParallel
-from ..planning.plan import Plan, even_sizes
+from ..planning.plan import Plan
 from ..planning.solver import solve
 from ..profiler import profile as run_profile
 from .models import ModelSpec, load_model, synthetic_batch
@@ -124,31 +123,51 @@ class BenchResult:
         """Return the result as a JSON-ready dict, derived figures included."""
         data = dataclasses.asdict(self)
         data["plan"] = self.plan.to_dict()
-        data.update(fastest=self.fastest, ideal=self.ideal, speedup_vs_single=self.speedup_vs_single,
-                    speedup_vs_even=self.speedup_vs_even, efficiency=self.efficiency)
+        data.update(
+            fastest=self.fastest,
+            ideal=self.ideal,
+            speedup_vs_single=self.speedup_vs_single,
+            speedup_vs_even=self.speedup_vs_even,
+            efficiency=self.efficiency,
+        )
         return data
 
     def table(self) -> str:
         """A plain-text table of the results."""
-        rows = [(f"{name} alone" + (" (emulated)" if "@" in name else ""), self.single[name],
-                 self.step_times[f"single:{name}"]) for name in self.devices]
-        rows += [("even split", self.even, self.step_times["even"]),
-                 (f"balanced split {self.plan.sizes}", self.balanced, self.step_times["balanced"]),
-                 ("ideal (sum of single devices)", self.ideal, self.batch_size / self.ideal)]
+        rows = [
+            (
+                f"{name} alone" + (" (emulated)" if "@" in name else ""),
+                self.single[name],
+                self.step_times[f"single:{name}"],
+            )
+            for name in self.devices
+        ]
+        rows += [
+            ("even split", self.even, self.step_times["even"]),
+            (f"balanced split {self.plan.sizes}", self.balanced, self.step_times["balanced"]),
+            ("ideal (sum of single devices)", self.ideal, self.batch_size / self.ideal),
+        ]
         width = max(len(r[0]) for r in rows)
         lines = [f"{'configuration'.ljust(width)}  samples/s  step (ms)", f"{'-' * width}  ---------  ---------"]
         lines += [f"{name.ljust(width)}  {thr:9.0f}  {1e3 * t:9.2f}" for name, thr, t in rows]
         lines.append("")
-        lines.append(f"balanced vs {self.fastest} alone: {self.speedup_vs_single:.2f}x; vs even: "
-                     f"{self.speedup_vs_even:.2f}x; efficiency vs ideal: {self.efficiency:.0%}")
+        lines.append(
+            f"balanced vs {self.fastest} alone: {self.speedup_vs_single:.2f}x; vs even: "
+            f"{self.speedup_vs_even:.2f}x; efficiency vs ideal: {self.efficiency:.0%}"
+        )
         if self.overhead is not None:
             lines.append(f"HeteroDataParallel overhead on one device at the same batch: {self.overhead:+.1%}")
         return "\n".join(lines)
 
 
 def time_steps(
-    steps_by_name: dict[str, Callable[[], None]], devices: Sequence[Device], steps: int, warmup: int,
-    *, progress: bool = False, samples: dict[str, list[float]] | None = None,
+    steps_by_name: dict[str, Callable[[], None]],
+    devices: Sequence[Device],
+    steps: int,
+    warmup: int,
+    *,
+    progress: bool = False,
+    samples: dict[str, list[float]] | None = None,
 ) -> dict[str, float]:
     """Median seconds per call of each step function, timed round-robin.
 
@@ -201,8 +220,9 @@ def plain_step(model: nn.Module, dev: Device, x: torch.Tensor, y: torch.Tensor) 
     return step
 
 
-def dp_step(dp: HeteroDataParallel, x: torch.Tensor, y: torch.Tensor, mode: str,
-             busy: list[dict[str, float]] | None = None) -> Callable[[], None]:
+def dp_step(
+    dp: HeteroDataParallel, x: torch.Tensor, y: torch.Tensor, mode: str, busy: list[dict[str, float]] | None = None
+) -> Callable[[], None]:
     opt = torch.optim.SGD(dp.parameters(), lr=1e-3)
     x, y = x.to(dp.output_device), y.to(dp.output_device)
 
@@ -266,8 +286,17 @@ def bench(
     home = home_device(devs)
     say(f"profiling {spec.name} on {', '.join(d.name for d in devs)} for the balanced split ...")
     ladder = [b for b in (2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048) if b < batch_size] + [batch_size]
-    prof = run_profile(base, x[:16], devs, F.cross_entropy, ladder, target=y[:16], time_budget=profile_budget,
-                       progress=progress, model_name=spec.name)
+    prof = run_profile(
+        base,
+        x[:16],
+        devs,
+        F.cross_entropy,
+        ladder,
+        target=y[:16],
+        time_budget=profile_budget,
+        progress=progress,
+        model_name=spec.name,
+    )
     plan = solve(prof, batch_size)
     configs: dict[str, Callable[[], None]] = {}
     for dev in devs:
@@ -290,14 +319,28 @@ def bench(
     }
     overhead = step_times["one-device"] / step_times[f"single:{real[0].name}"] - 1.0 if real else None
     return BenchResult(
-        devices=[d.name for d in devs], model=spec.name, batch_size=batch_size, mode=mode, single=single,
-        even=batch_size / step_times["even"], balanced=batch_size / step_times["balanced"], plan=plan,
-
-        step_times=step_times, overhead=overhead, busy=timeline,
-        meta={"date": _dt.date.today().isoformat(), "host": platform.node(), "torch": torch.__version__,
-              "threads": torch.get_num_threads(), "steps": steps, "warmup": warmup,
-              "data": "synthetic", "emulated": [d.name for d in devs if d.emulated],
-              "allocator_kept_memory": tuned},
+        devices=[d.name for d in devs],
+        model=spec.name,
+        batch_size=batch_size,
+        mode=mode,
+        single=single,
+        even=batch_size / step_times["even"],
+        balanced=batch_size / step_times["balanced"],
+        plan=plan,
+        step_times=step_times,
+        overhead=overhead,
+        busy=timeline,
+        meta={
+            "date": _dt.date.today().isoformat(),
+            "host": platform.node(),
+            "torch": torch.__version__,
+            "threads": torch.get_num_threads(),
+            "steps": steps,
+            "warmup": warmup,
+            "data": "synthetic",
+            "emulated": [d.name for d in devs if d.emulated],
+            "allocator_kept_memory": tuned,
+        },
     )
 
 

@@ -2,25 +2,21 @@
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import datetime as _dt
 import json
 import platform
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
-from ..devices import Device, DeviceLike, parse_device, parse_devices
+from ..devices import DeviceLike, parse_device, parse_devices
 from ..parallel.data_parallel import HeteroDataParallel
-from ..planning.plan import Plan, even_sizes
+from ..planning.plan import even_sizes
 from ..planning.rebalance import PlanChange, Rebalancer
-from ..planning.solver import plan_from_sizes, solve
-from ..profiler import profile as run_profile
 from .bench import dp_step, home_device, keep_freed_memory, time_steps
 from .models import ModelSpec, load_model, synthetic_batch
 
@@ -110,8 +106,12 @@ class RebalanceResult:
     def to_dict(self) -> dict[str, Any]:
         """Return the result as a JSON-ready dict, derived figures included."""
         data = dataclasses.asdict(self)
-        data.update(recovered_after=self.recovered_after, late_changes=self.late_changes, late_steps=self.late_steps,
-                    overhead=self.overhead)
+        data.update(
+            recovered_after=self.recovered_after,
+            late_changes=self.late_changes,
+            late_steps=self.late_steps,
+            overhead=self.overhead,
+        )
         return data
 
     def table(self) -> str:
@@ -122,14 +122,19 @@ class RebalanceResult:
         lines.append("steps      median step (ms)  split")
         for a in range(0, len(self.step_times), 10):
             block = self.step_times[a : a + 10]
-            lines.append(f"{a:4d}-{a + len(block) - 1:<4d}  {1e3 * statistics.median(block):16.2f}  {self.sizes[a + len(block) - 1]}")
+            lines.append(
+                f"{a:4d}-{a + len(block) - 1:<4d}  {1e3 * statistics.median(block):16.2f}  "
+                f"{self.sizes[a + len(block) - 1]}"
+            )
         lines.append("")
         lines.append(f"best split found by a sweep at the end: {self.optimum_sizes}, {1e3 * self.optimum:.2f} ms/step")
         rec = self.recovered_after
         what = f"the change at step {self.change['step']}" if self.change else "the start"
         lines.append("within 10% of it " + (f"{rec} steps after {what}" if rec is not None else f"never after {what}"))
-        lines.append(f"plan changes after settling ({self.settle} steps): {self.late_changes} in {self.late_steps} steps; "
-                     f"rebalancer cost {self.overhead:.3%} of step time")
+        lines.append(
+            f"plan changes after settling ({self.settle} steps): {self.late_changes} in {self.late_steps} steps; "
+            f"rebalancer cost {self.overhead:.3%} of step time"
+        )
         return "\n".join(lines)
 
 
@@ -214,13 +219,28 @@ def bench_rebalance(
             changed.set_speed(None)
     best = min(medians, key=medians.__getitem__)
     return RebalanceResult(
-        devices=names, model=spec.name, batch_size=batch_size, every=every,
+        devices=names,
+        model=spec.name,
+        batch_size=batch_size,
+        every=every,
         change=None if change is None else {"device": change[0], "speed": change[1], "step": change[2]},
-        step_times=times, sizes=sizes, changes=[c.to_dict() for c in reb.history], optimum=medians[best],
-        optimum_sizes=json.loads(best), settle=settle, rebalancer_seconds=reb.seconds,
-        meta={"date": _dt.date.today().isoformat(), "host": platform.node(), "torch": torch.__version__,
-              "threads": torch.get_num_threads(), "data": "synthetic", "emulated": [d.name for d in devs if d.emulated],
-              "allocator_kept_memory": tuned, "start": even_sizes(batch_size, len(devs))},
+        step_times=times,
+        sizes=sizes,
+        changes=[c.to_dict() for c in reb.history],
+        optimum=medians[best],
+        optimum_sizes=json.loads(best),
+        settle=settle,
+        rebalancer_seconds=reb.seconds,
+        meta={
+            "date": _dt.date.today().isoformat(),
+            "host": platform.node(),
+            "torch": torch.__version__,
+            "threads": torch.get_num_threads(),
+            "data": "synthetic",
+            "emulated": [d.name for d in devs if d.emulated],
+            "allocator_kept_memory": tuned,
+            "start": even_sizes(batch_size, len(devs)),
+        },
     )
 
 

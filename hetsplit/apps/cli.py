@@ -58,10 +58,13 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
 
-    p = sub.add_parser("demo", help="a one-minute demo: profile, then train even vs balanced, and a verdict",
-                       description="Profile a built-in model on every local device (plus an emulated cpu@0.25 when "
-                       "there is only one), train it on each device alone, on the even split and on the balanced "
-                       "split, and print how much the balanced split wins. Synthetic data.")
+    p = sub.add_parser(
+        "demo",
+        help="a one-minute demo: profile, then train even vs balanced, and a verdict",
+        description="Profile a built-in model on every local device (plus an emulated cpu@0.25 when "
+        "there is only one), train it on each device alone, on the even split and on the balanced "
+        "split, and print how much the balanced split wins. Synthetic data.",
+    )
     p.add_argument("--devices", help="comma-separated devices (default: every local device, plus cpu@0.25 if only one)")
     p.add_argument("--model", default="lenet", help="built-in model (lenet, resnet18, mlp) or package.module:factory")
     p.add_argument("--batch-size", type=_positive_int, default=256, help="samples per step (default 256)")
@@ -75,8 +78,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
     p = sub.add_parser("profile", help="time a training step on each device and store the profile")
-    p.add_argument("--devices", help="comma-separated devices, e.g. cuda:0,cpu or cpu,cpu@0.25 "
-                   "(default: every local device, plus an emulated cpu@0.25 when there is only one)")
+    p.add_argument(
+        "--devices",
+        help="comma-separated devices, e.g. cuda:0,cpu or cpu,cpu@0.25 "
+        "(default: every local device, plus an emulated cpu@0.25 when there is only one)",
+    )
     p.add_argument("--model", default="lenet", help="built-in model (lenet, resnet18, mlp) or package.module:factory")
     p.add_argument("--input-shape", type=_ints, help="shape of one sample, e.g. 3,32,32 (needed for your own model)")
     p.add_argument("--dtype", choices=_DTYPES, default="float32", help="parameter and input dtype")
@@ -86,48 +92,86 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=_positive_int, default=5, help="timed steps per batch size (default 5)")
     p.add_argument("--out", type=Path, help="profile file to write (default: a new file in the profile directory)")
     p.add_argument("--profile-dir", type=Path, help="profile directory (default $HETSPLIT_PROFILE_DIR or ./profiles)")
-    p.add_argument("--threads", type=_positive_int, help="torch intra-op CPU threads (default: 1 when every device is the CPU, "
-                   "real or emulated; else torch's choice)")
+    p.add_argument(
+        "--threads",
+        type=_positive_int,
+        help="torch intra-op CPU threads (default: 1 when every device is the CPU, "
+        "real or emulated; else torch's choice)",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
-    p = sub.add_parser("bench", help="train on one device, the even split and the balanced split; compare",
-                       description="Compare the fastest single device, the even split and the balanced split; "
-                       "with --rebalance, train with online rebalancing from the even split instead.")
+    p = sub.add_parser(
+        "bench",
+        help="train on one device, the even split and the balanced split; compare",
+        description="Compare the fastest single device, the even split and the balanced split; "
+        "with --rebalance, train with online rebalancing from the even split instead.",
+    )
     p.add_argument("--devices", default="cpu,cpu@0.25", help="two or more devices (default cpu,cpu@0.25)")
     p.add_argument("--model", default="lenet", help="built-in model (lenet, resnet18, mlp) or package.module:factory")
     p.add_argument("--input-shape", type=_ints, help="shape of one sample, for your own model")
     p.add_argument("--batch-size", type=_positive_int, default=256, help="samples per step (default 256)")
-    p.add_argument("--steps", type=_positive_int, help="timed steps per configuration (default 20; 120 with --rebalance)")
-    p.add_argument("--mode", choices=("gather", "local"), default="gather",
-                   help="gather: loss on gathered outputs (DataParallel); local: loss per device")
+    p.add_argument(
+        "--steps", type=_positive_int, help="timed steps per configuration (default 20; 120 with --rebalance)"
+    )
+    p.add_argument(
+        "--mode",
+        choices=("gather", "local"),
+        default="gather",
+        help="gather: loss on gathered outputs (DataParallel); local: loss per device",
+    )
     p.add_argument("--profile-budget", type=_positive_float, default=20.0, help="seconds to profile (default 20)")
-    p.add_argument("--threads", type=_positive_int, help="torch intra-op CPU threads (1 is steadiest for emulated CPUs)")
+    p.add_argument(
+        "--threads", type=_positive_int, help="torch intra-op CPU threads (1 is steadiest for emulated CPUs)"
+    )
     p.add_argument("--json", type=Path, help="also write the results to this JSON file")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
-    p.add_argument("--rebalance", action="store_true",
-                   help="train --steps steps (default then 120) with online rebalancing, starting from the even split")
-    p.add_argument("--every", type=_positive_int, default=5, help="with --rebalance: steps between re-solves (default 5)")
-    p.add_argument("--change", metavar="DEVICE=SPEED@STEP",
-                   help="with --rebalance: an emulated device's new speed from a step on, e.g. cpu@1=0.25@30")
+    p.add_argument(
+        "--rebalance",
+        action="store_true",
+        help="train --steps steps (default then 120) with online rebalancing, starting from the even split",
+    )
+    p.add_argument(
+        "--every", type=_positive_int, default=5, help="with --rebalance: steps between re-solves (default 5)"
+    )
+    p.add_argument(
+        "--change",
+        metavar="DEVICE=SPEED@STEP",
+        help="with --rebalance: an emulated device's new speed from a step on, e.g. cpu@1=0.25@30",
+    )
 
     p = sub.add_parser(
-        "plan", help="solve the split of a batch for stored profiles; what-if for devices you don't have together",
+        "plan",
+        help="solve the split of a batch for stored profiles; what-if for devices you don't have together",
         description="Solve the split of a batch for one or more profiles. With several profiles (from different "
         "machines) or --use, plan a combined set of devices you may not have together yet, with an estimate of the "
-        "gradient all-reduce over a link of --link-gbps. Every figure is a prediction from the profiles' curves.")
-    p.add_argument("profile", type=Path, nargs="*", help="profile files written by 'hetsplit profile' (all their devices)")
-    p.add_argument("--use", action="append", default=[], metavar="FILE:DEVICE[*N]",
-                   help="one device of a profile, N times (e.g. profiles/a.json:cuda:0*8); repeatable")
+        "gradient all-reduce over a link of --link-gbps. Every figure is a prediction from the profiles' curves.",
+    )
+    p.add_argument(
+        "profile", type=Path, nargs="*", help="profile files written by 'hetsplit profile' (all their devices)"
+    )
+    p.add_argument(
+        "--use",
+        action="append",
+        default=[],
+        metavar="FILE:DEVICE[*N]",
+        help="one device of a profile, N times (e.g. profiles/a.json:cuda:0*8); repeatable",
+    )
     p.add_argument("--batch-size", type=_positive_int, required=True, help="samples per step")
     p.add_argument("--devices", help="with one profile: use only these of its devices, in this order")
-    p.add_argument("--link-gbps", type=_positive_float,
-                   help="bandwidth of the slowest link between the devices (Gbit/s), to estimate the all-reduce")
+    p.add_argument(
+        "--link-gbps",
+        type=_positive_float,
+        help="bandwidth of the slowest link between the devices (Gbit/s), to estimate the all-reduce",
+    )
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
 
-    p = sub.add_parser("show", help="draw a profile (curves, memory caps, split) or a bench (step timeline) to PNG",
-                       description="Draw a profile file (step time and throughput against batch size, memory caps, "
-                       "the split) or a results file of 'hetsplit bench/demo --json' (one step per device, even vs "
-                       "balanced). Needs matplotlib: pip install 'hetsplit[plot]'.")
+    p = sub.add_parser(
+        "show",
+        help="draw a profile (curves, memory caps, split) or a bench (step timeline) to PNG",
+        description="Draw a profile file (step time and throughput against batch size, memory caps, "
+        "the split) or a results file of 'hetsplit bench/demo --json' (one step per device, even vs "
+        "balanced). Needs matplotlib: pip install 'hetsplit[plot]'.",
+    )
     p.add_argument("file", type=Path, help="a profile file, or a bench results file")
     p.add_argument("--plan", type=Path, help="a plan file (from 'hetsplit plan --json > FILE') to draw as the split")
     p.add_argument("--batch-size", type=_positive_int, help="draw the split of this batch (default: largest measured)")
@@ -164,8 +208,10 @@ def _cmd_devices(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps([i.to_dict() for i in infos], indent=1))
         return 0
-    rows = [[i.name, i.kind, i.description, _fmt_bytes(i.memory_bytes), i.capability or "-", i.driver or "-",
-             i.uuid or "-"] for i in infos]
+    rows = [
+        [i.name, i.kind, i.description, _fmt_bytes(i.memory_bytes), i.capability or "-", i.driver or "-", i.uuid or "-"]
+        for i in infos
+    ]
     print(_table(rows, ["device", "kind", "name", "memory", "capability", "driver", "uuid"]))
     import torch
 
@@ -194,8 +240,8 @@ def _cmd_profile(args: argparse.Namespace) -> int:
     import torch.nn.functional as F
 
     from .. import profiler, store
-    from ..planning import solver
     from ..devices import parse_devices
+    from ..planning import solver
     from .models import BUILTIN_MODELS, load_model, synthetic_batch
 
     devs = parse_devices(args.devices) if args.devices else parse_devices(_default_devices())
@@ -211,30 +257,43 @@ def _cmd_profile(args: argparse.Namespace) -> int:
     x, y = synthetic_batch(spec, 16, dtype=dtype)
     builtin = args.model in BUILTIN_MODELS
     emulated = [d.name for d in devs if d.emulated]
-    print(f"profiling {spec.name} (input {tuple(spec.input_shape)}, {args.dtype}, synthetic data) on "
-          f"{', '.join(d.name for d in devs)}; {_threads(torch.get_num_threads())}")
+    print(
+        f"profiling {spec.name} (input {tuple(spec.input_shape)}, {args.dtype}, synthetic data) on "
+        f"{', '.join(d.name for d in devs)}; {_threads(torch.get_num_threads())}"
+    )
     if emulated:
         print(f"emulated devices: {', '.join(emulated)} (a real device slowed down by sleeping; not real hardware)")
     prof = profiler.profile(
-        model, x, devs, F.cross_entropy if builtin else None, args.batch_sizes,
-        target=y if builtin else None, repeats=args.repeats, time_budget=args.budget,
-        progress=False if args.quiet else None, model_name=spec.name,
+        model,
+        x,
+        devs,
+        F.cross_entropy if builtin else None,
+        args.batch_sizes,
+        target=y if builtin else None,
+        repeats=args.repeats,
+        time_budget=args.budget,
+        progress=False if args.quiet else None,
+        model_name=spec.name,
     )
     path = store.save_profile(prof, args.out, directory=args.profile_dir)
     plan = solver.solve(prof, args.batch_size)
     rows = []
     for e, size in zip(prof.entries, plan.sizes):
         top = e.measurements[-1].batch
-        rows.append([
-            e.name + (" (emulated)" if e.info.emulated else ""),
-            e.info.description,
-            f"{prof.throughput(e.name, top):,.0f} @ {top}",
-            "-" if e.memory_cap is None else str(e.memory_cap),
-            f"{size} ({size / args.batch_size:.0%})",
-        ])
+        rows.append(
+            [
+                e.name + (" (emulated)" if e.info.emulated else ""),
+                e.info.description,
+                f"{prof.throughput(e.name, top):,.0f} @ {top}",
+                "-" if e.memory_cap is None else str(e.memory_cap),
+                f"{size} ({size / args.batch_size:.0%})",
+            ]
+        )
     print(_table(rows, ["device", "hardware", "samples/s @ batch", "memory cap", f"share of {args.batch_size}"]))
-    print(f"\npredicted step {_fmt_time(plan.step_time)}: {plan.speedup_vs_even:.2f}x the even split, "
-          f"{plan.speedup_vs_single:.2f}x {plan.single_device} alone")
+    print(
+        f"\npredicted step {_fmt_time(plan.step_time)}: {plan.speedup_vs_even:.2f}x the even split, "
+        f"{plan.speedup_vs_single:.2f}x {plan.single_device} alone"
+    )
     print(f"profile written to {path}")
     return 0
 
@@ -259,7 +318,6 @@ def _parse_use(text: str) -> tuple[Path, str, int]:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    from .. import store
     from ..planning import Profile, solver
 
     if not args.profile and not args.use:
@@ -292,8 +350,10 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     comm = None
     if args.link_gbps:
         if None in params:
-            raise CLIError("--link-gbps needs the model's size, which these profiles do not record; "
-                           "re-profile with this hetsplit version")
+            raise CLIError(
+                "--link-gbps needs the model's size, which these profiles do not record; "
+                "re-profile with this hetsplit version"
+            )
         comm = solver.allreduce_time(max(params), sum(1 for s in plan.sizes if s > 0), args.link_gbps)
     if args.json:
         doc = plan.to_dict()
@@ -313,8 +373,10 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     print(_table(rows, ["device", "samples", "share", "predicted time", "note"]))
     print(f"\npredicted compute per step {_fmt_time(plan.step_time)}")
     if comm is not None:
-        print(f"predicted gradient all-reduce {_fmt_time(comm)} ({max(params) / 2**20:.1f} MiB over "
-              f"{args.link_gbps:g} Gbit/s, ring, not overlapped); step {_fmt_time(plan.step_time + comm)} at most")
+        print(
+            f"predicted gradient all-reduce {_fmt_time(comm)} ({max(params) / 2**20:.1f} MiB over "
+            f"{args.link_gbps:g} Gbit/s, ring, not overlapped); step {_fmt_time(plan.step_time + comm)} at most"
+        )
     elif len(plan.devices) > 1:
         print("gradient exchange not included (give --link-gbps to estimate it)")
     total = plan.step_time + (comm or 0.0)
@@ -322,10 +384,15 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     even_comm = solver.allreduce_time(max(params), n_dev, args.link_gbps) if comm is not None else 0.0
     even_total = plan.even_time + even_comm
     print(f"even split: {_fmt_time(even_total)} -> balanced is {even_total / total:.2f}x faster")
-    print(f"{plan.single_device} alone: {_fmt_time(plan.single_time)} (no exchange) -> balanced is "
-          f"{plan.single_time / total:.2f}x " + ("faster" if plan.single_time >= total else "as fast: adding devices loses"))
+    print(
+        f"{plan.single_device} alone: {_fmt_time(plan.single_time)} (no exchange) -> balanced is "
+        f"{plan.single_time / total:.2f}x "
+        + ("faster" if plan.single_time >= total else "as fast: adding devices loses")
+    )
     if whatif and len(parts) > 1:
-        print("\nwhat each addition is worth (step without it" + (", all-reduce included):" if comm is not None else "):"))
+        print(
+            "\nwhat each addition is worth (step without it" + (", all-reduce included):" if comm is not None else "):")
+        )
         for k, (prof, device, n) in enumerate(parts):
             rest = solver.solve(Profile.merge(parts[:k] + parts[k + 1 :]), args.batch_size)
             t = rest.step_time
@@ -339,9 +406,9 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 def _cmd_show(args: argparse.Namespace) -> int:
     from .. import store
+    from ..planning import Plan, Profile
     from .bench import BenchResult
     from .show import plot_profile, plot_timeline
-    from ..planning import Plan, Profile
 
     doc = store.read_json(args.file, ("profile", "bench"))
     out = args.out or args.file.with_suffix(".png")
@@ -365,8 +432,10 @@ def _cmd_show(args: argparse.Namespace) -> int:
             except FileNotFoundError:
                 raise CLIError(f"{args.plan}: no such file") from None
             except (ValueError, KeyError, TypeError, AttributeError) as e:
-                raise CLIError(f"{args.plan}: not a plan ({type(e).__name__}: {e}); write one with "
-                               "'hetsplit plan PROFILE --batch-size N --json > FILE'") from None
+                raise CLIError(
+                    f"{args.plan}: not a plan ({type(e).__name__}: {e}); write one with "
+                    "'hetsplit plan PROFILE --batch-size N --json > FILE'"
+                ) from None
             missing = [d for d in plan.devices if d not in prof.devices]
             if missing:
                 raise CLIError(f"{args.plan}: devices {missing} are not in the profile {args.file} ({prof.devices})")
@@ -379,9 +448,9 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     import torch
 
     from .. import store
+    from ..devices import parse_devices
     from .bench import bench
     from .bench_rebalance import bench_rebalance, parse_change
-    from ..devices import parse_devices
     from .models import load_model
 
     devs = parse_devices(args.devices)
@@ -394,21 +463,25 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     steps = args.steps or (120 if args.rebalance else 20)
     emulated = [d.name for d in devs if d.emulated]
     what = "with online rebalancing from the even split" if args.rebalance else "each"
-    print(f"bench {spec.name} on {', '.join(d.name for d in devs)}: batch {args.batch_size}, {steps} steps {what}, "
-          f"{args.mode} mode, synthetic data, {_threads(torch.get_num_threads())}")
+    print(
+        f"bench {spec.name} on {', '.join(d.name for d in devs)}: batch {args.batch_size}, {steps} steps {what}, "
+        f"{args.mode} mode, synthetic data, {_threads(torch.get_num_threads())}"
+    )
     if emulated:
         print(f"emulated devices: {', '.join(emulated)} (a real device slowed down by sleeping; not real hardware)")
     log = None if args.quiet else (lambda line: print(f"  {line}", file=sys.stderr, flush=True))
     if args.rebalance:
-        outcome = bench_rebalance(spec, devs, batch_size=args.batch_size, steps=steps, every=args.every,
-                                  change=change, log=log)
+        outcome = bench_rebalance(
+            spec, devs, batch_size=args.batch_size, steps=steps, every=args.every, change=change, log=log
+        )
         print(outcome.table())
         if args.json:
             store.write_json(args.json, "bench-rebalance", {"result": outcome.to_dict()})
             print(f"results written to {args.json}")
         return 0
-    result = bench(spec, devs, batch_size=args.batch_size, steps=steps, mode=args.mode,
-                   profile_budget=args.profile_budget, log=log)
+    result = bench(
+        spec, devs, batch_size=args.batch_size, steps=steps, mode=args.mode, profile_budget=args.profile_budget, log=log
+    )
     print(result.table())
     if args.json:
         store.write_json(args.json, "bench", {"result": result.to_dict()})
@@ -421,17 +494,29 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
     devices = [d for d in args.devices.split(",") if d] if args.devices else None
-    result = run_demo(devices, model=args.model, batch_size=args.batch_size, steps=args.steps,
-                      profile_budget=args.budget, threads=args.threads,
-                      progress=not args.quiet and sys.stderr.isatty())
+    result = run_demo(
+        devices,
+        model=args.model,
+        batch_size=args.batch_size,
+        steps=args.steps,
+        profile_budget=args.budget,
+        threads=args.threads,
+        progress=not args.quiet and sys.stderr.isatty(),
+    )
     if args.json:
         store.write_json(args.json, "bench", {"result": result.to_dict()})
         print(f"results written to {args.json} (draw them with: hetsplit show {args.json})")
     return 0
 
 
-_COMMANDS = {"demo": _cmd_demo, "devices": _cmd_devices, "profile": _cmd_profile, "plan": _cmd_plan, "bench": _cmd_bench,
-             "show": _cmd_show}
+_COMMANDS = {
+    "demo": _cmd_demo,
+    "devices": _cmd_devices,
+    "profile": _cmd_profile,
+    "plan": _cmd_plan,
+    "bench": _cmd_bench,
+    "show": _cmd_show,
+}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,4 +1,4 @@
-"""Demo: in about a minute, how much of this machine an even split leaves idle, and what the balanced split wins back."""
+"""Demo: in about a minute, how much of this machine an even split leaves idle, and what balancing wins back."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from .bench import BenchResult, bench
 from ..devices import DeviceLike, discover, parse_devices
+from .bench import BenchResult, bench
 
 __all__ = ["demo_devices", "run_demo", "verdict"]
 
@@ -55,11 +55,15 @@ def run_demo(
     elif all(d.type == "cpu" for d in devs):
         torch.set_num_threads(1)
     emulated = [d.name for d in devs if d.emulated]
-    say(f"hetsplit demo: {model} on {', '.join(d.name for d in devs)}, batch {batch_size}, synthetic data, "
-        f"{torch.get_num_threads()} CPU thread{'s' if torch.get_num_threads() != 1 else ''}")
+    say(
+        f"hetsplit demo: {model} on {', '.join(d.name for d in devs)}, batch {batch_size}, synthetic data, "
+        f"{torch.get_num_threads()} CPU thread{'s' if torch.get_num_threads() != 1 else ''}"
+    )
     if emulated:
-        say(f"emulated: {', '.join(emulated)} (the real device slowed down by sleeping, to show a split on a "
-            "machine without mixed hardware; not real hardware)")
+        say(
+            f"emulated: {', '.join(emulated)} (the real device slowed down by sleeping, to show a split on a "
+            "machine without mixed hardware; not real hardware)"
+        )
     say(f"1/2 profiling each device (about {profile_budget:g} s) ...")
     log_lines: list[str] = []
 
@@ -68,8 +72,16 @@ def run_demo(
         if line.startswith("timing"):
             say(f"2/2 training {steps} steps each: every device alone, the even split, the balanced split ...")
 
-    result = bench(model, devs, batch_size=batch_size, steps=steps, warmup=3, profile_budget=profile_budget,
-                   log=log, progress=progress)
+    result = bench(
+        model,
+        devs,
+        batch_size=batch_size,
+        steps=steps,
+        warmup=3,
+        profile_budget=profile_budget,
+        log=log,
+        progress=progress,
+    )
     say("")
     say(verdict(result))
     return result
@@ -85,7 +97,8 @@ def verdict(result: BenchResult) -> str:
         f"balanced split of {b}: {split}",
         f"step time: even split {even * 1e3:.1f} ms, balanced {bal * 1e3:.1f} ms, "
         f"{fastest} alone {result.step_times[f'single:{fastest}'] * 1e3:.1f} ms",
-        f"balanced is {result.speedup_vs_even:.2f}x the even split and {result.speedup_vs_single:.2f}x {fastest} alone; "
+        f"balanced is {result.speedup_vs_even:.2f}x the even split and "
+        f"{result.speedup_vs_single:.2f}x {fastest} alone; "
         f"{result.efficiency:.0%} of the ideal ({result.ideal:,.0f} samples/s, every device's own throughput summed)",
     ]
     idle = []
@@ -96,8 +109,10 @@ def verdict(result: BenchResult) -> str:
     lines.append("share of each step a device sits idle: " + "; ".join(idle))
     if result.speedup_vs_single < 1:
         shared = " (emulated devices share the real one's cores and memory)" if result.meta.get("emulated") else ""
-        lines.append(f"on this machine {fastest} alone is faster than all devices together{shared}: "
-                     "the other devices cost more than they add")
+        lines.append(
+            f"on this machine {fastest} alone is faster than all devices together{shared}: "
+            "the other devices cost more than they add"
+        )
     if result.meta.get("emulated"):
         lines.append(f"(emulated: {', '.join(result.meta['emulated'])}; timings from this machine, synthetic data)")
     return "\n".join(lines)

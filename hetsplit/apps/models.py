@@ -81,9 +81,7 @@ def load_model(name: str, input_shape: tuple[int, ...] | None = None) -> ModelSp
         spec = BUILTIN_MODELS[name]
         return dataclasses.replace(spec, input_shape=tuple(input_shape)) if input_shape else spec
     if ":" not in name:
-        raise ValueError(
-            f"unknown model {name!r}; use one of {sorted(BUILTIN_MODELS)} or 'package.module:factory'"
-        )
+        raise ValueError(f"unknown model {name!r}; use one of {sorted(BUILTIN_MODELS)} or 'package.module:factory'")
     module_name, _, attr = name.partition(":")
     try:
         factory = getattr(importlib.import_module(module_name), attr)
@@ -96,7 +94,9 @@ def load_model(name: str, input_shape: tuple[int, ...] | None = None) -> ModelSp
     return ModelSpec(name, factory, tuple(input_shape))
 
 
-def synthetic_batch(spec: ModelSpec, batch: int, *, seed: int = 0, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+def synthetic_batch(
+    spec: ModelSpec, batch: int, *, seed: int = 0, dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor]:
     """A synthetic (random) batch of inputs and class targets for ``spec``."""
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn((batch, *spec.input_shape), generator=gen, dtype=dtype)

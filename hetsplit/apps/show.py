@@ -102,10 +102,19 @@ def plot_profile(profile: Profile, out: str | Path, *, plan: Plan | None = None,
         if cap is not None:
             for ax in (ax_t, ax_thr):
                 ax.axvline(cap, color=color, ls="--", lw=1)
-            ax_t.annotate(f"memory cap {cap}", (cap, ax_t.get_ylim()[1]), rotation=90, va="top", ha="right",
-                          fontsize=8, color=color)
-    for ax, ylabel, title in ((ax_t, "step time (ms)", "Training step time (forward + loss + backward)"),
-                              (ax_thr, "throughput (samples/s)", "Throughput")):
+            ax_t.annotate(
+                f"memory cap {cap}",
+                (cap, ax_t.get_ylim()[1]),
+                rotation=90,
+                va="top",
+                ha="right",
+                fontsize=8,
+                color=color,
+            )
+    for ax, ylabel, title in (
+        (ax_t, "step time (ms)", "Training step time (forward + loss + backward)"),
+        (ax_thr, "throughput (samples/s)", "Throughput"),
+    ):
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("batch size (samples)")
@@ -121,8 +130,16 @@ def plot_profile(profile: Profile, out: str | Path, *, plan: Plan | None = None,
         color = _COLORS[k % len(_COLORS)]
         ax_split.barh([0], [size], left=left, color=color, edgecolor="white", label=_label(name, name in emulated))
         if size:
-            ax_split.text(left + size / 2, 0, f"{size}\n({size / plan.batch_size:.0%})", ha="center", va="center",
-                          color="white", fontsize=9, fontweight="bold")
+            ax_split.text(
+                left + size / 2,
+                0,
+                f"{size}\n({size / plan.batch_size:.0%})",
+                ha="center",
+                va="center",
+                color="white",
+                fontsize=9,
+                fontweight="bold",
+            )
         left += size
     ax_split.set_xlim(0, plan.batch_size)
     ax_split.set_yticks([])
@@ -133,11 +150,16 @@ def plot_profile(profile: Profile, out: str | Path, *, plan: Plan | None = None,
     times = [t * 1e3 if math.isfinite(t) else 0.0 for t in plan.times]
     colors = [_COLORS[k % len(_COLORS)] for k in range(len(plan.devices))]
     ax_pred.bar(range(len(plan.devices)), times, color=colors)
-    ax_pred.set_xticks(range(len(plan.devices)),
-                       [f"{_label(d, d in emulated)}\n{s} samples" for d, s in zip(plan.devices, plan.sizes)], fontsize=8)
+    ax_pred.set_xticks(
+        range(len(plan.devices)),
+        [f"{_label(d, d in emulated)}\n{s} samples" for d, s in zip(plan.devices, plan.sizes)],
+        fontsize=8,
+    )
     ax_pred.axhline(plan.step_time * 1e3, color="black", ls=":", lw=1, label=f"step {plan.step_time * 1e3:.2f} ms")
     if math.isfinite(plan.even_time):
-        ax_pred.axhline(plan.even_time * 1e3, color="grey", ls="--", lw=1, label=f"even split {plan.even_time * 1e3:.2f} ms")
+        ax_pred.axhline(
+            plan.even_time * 1e3, color="grey", ls="--", lw=1, label=f"even split {plan.even_time * 1e3:.2f} ms"
+        )
     ax_pred.set_ylabel("predicted time (ms)")
     ax_pred.set_title("Predicted time per device at its share")
     ax_pred.legend(fontsize=8)
@@ -180,9 +202,20 @@ def plot_timeline(result: BenchResult, out: str | Path) -> Path:
         for row, d in enumerate(result.devices):
             b = min(busy[d], step)
             ax.barh(row, b, color="#2ca02c", label="compute (forward + backward)" if row == 0 else None)
-            ax.barh(row, slowest - b, left=b, color="#d9d9d9", label="idle, waiting for the slowest device" if row == 0 else None)
-            ax.barh(row, step - slowest, left=slowest, color="#ff7f0e",
-                    label="scatter, gather, loss, optimizer (outside the replicas)" if row == 0 else None)
+            ax.barh(
+                row,
+                slowest - b,
+                left=b,
+                color="#d9d9d9",
+                label="idle, waiting for the slowest device" if row == 0 else None,
+            )
+            ax.barh(
+                row,
+                step - slowest,
+                left=slowest,
+                color="#ff7f0e",
+                label="scatter, gather, loss, optimizer (outside the replicas)" if row == 0 else None,
+            )
             ax.text(step + longest * 0.01, row, f"{b:.1f} ms busy of {step:.1f}", va="center", fontsize=8)
         labels = [f"{_label(d, d in emulated)}\n{s} samples" for d, s in zip(result.devices, sizes)]
         ax.set_yticks(range(len(result.devices)), labels, fontsize=8)
@@ -192,8 +225,11 @@ def plot_timeline(result: BenchResult, out: str | Path) -> Path:
         ax.grid(True, axis="x", alpha=0.3)
     axes[-1].set_xlabel("time within one training step (ms)")
     axes[-1].legend(fontsize=8, loc="center right")
-    fig.suptitle(f"{result.model}, batch {result.batch_size}, {result.meta.get('date', '')} on {result.meta.get('host', '')}: "
-                 f"balanced is {result.speedup_vs_even:.2f}x the even split", fontsize=11)
+    fig.suptitle(
+        f"{result.model}, batch {result.batch_size}, {result.meta.get('date', '')} on {result.meta.get('host', '')}: "
+        f"balanced is {result.speedup_vs_even:.2f}x the even split",
+        fontsize=11,
+    )
     fig.tight_layout()
     try:
         return _save(fig, out)

@@ -59,8 +59,10 @@ def verify_plan(p: Plan, group: Any = None) -> None:
     digests = all_gather(_plan_digest(p), "comparing plans", group)
     bad = [r for r, d in enumerate(digests) if d != digests[0]]
     if bad:
-        raise DistributedError(f"ranks {bad} hold a different plan from rank 0; build the plan with "
-                               "hetsplit.distributed.plan(...) on every rank, or load the same plan file everywhere")
+        raise DistributedError(
+            f"ranks {bad} hold a different plan from rank 0; build the plan with "
+            "hetsplit.distributed.plan(...) on every rank, or load the same plan file everywhere"
+        )
 
 
 def init_timeout(seconds: float) -> _dt.timedelta:

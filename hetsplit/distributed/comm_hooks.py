@@ -99,8 +99,15 @@ class _ScaleGradient(torch.autograd.Function):
 _METHODS = ("hook", "outputs")
 
 
-def weight_gradients(ddp_model: nn.parallel.DistributedDataParallel, plan: Plan | None = None, *,
-                     method: str = "hook", reduction: str = "mean", dim: int = 0, group: Any = None) -> WeightingState:
+def weight_gradients(
+    ddp_model: nn.parallel.DistributedDataParallel,
+    plan: Plan | None = None,
+    *,
+    method: str = "hook",
+    reduction: str = "mean",
+    dim: int = 0,
+    group: Any = None,
+) -> WeightingState:
     """Make DDP average gradients weighted by each rank's shard: ``sum_r b_r * g_r / B``.
 
     DDP's own average is the plain mean over ranks, biased when shards differ. With a
@@ -152,8 +159,10 @@ def weight_gradients(ddp_model: nn.parallel.DistributedDataParallel, plan: Plan 
     if method not in _METHODS:
         raise ValueError(f"unknown method {method!r}; use one of {', '.join(_METHODS)}")
     if method == "outputs" and plan is None:
-        raise ValueError('method="outputs" needs the plan (the weights must be known before the step); '
-                         'use method="hook" for steps of any size')
+        raise ValueError(
+            'method="outputs" needs the plan (the weights must be known before the step); '
+            'use method="hook" for steps of any size'
+        )
     if plan is not None:
         verify_plan(plan, group)
     rank, world = group_info(group)
@@ -174,6 +183,7 @@ def weight_gradients(ddp_model: nn.parallel.DistributedDataParallel, plan: Plan 
             )
 
     if method == "hook":
+
         def before(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             if torch.is_grad_enabled():
                 record(args, kwargs)
@@ -212,5 +222,3 @@ def scale_loss(loss: torch.Tensor, local_size: int, global_size: int, *, world_s
     if global_size <= 0:
         raise ValueError(f"global_size must be > 0, got {global_size}")
     return loss * (world_size * local_size / global_size)
-
-

@@ -34,7 +34,9 @@ def rank_device(devices: str | Sequence[DeviceLike], rank: int | None = None) ->
 
     The list is indexed by the global rank, cycling when shorter than the world.
     """
-    items = [d.strip() for d in devices.split(",") if d.strip()] if isinstance(devices, str) else [str(d) for d in devices]
+    items = (
+        [d.strip() for d in devices.split(",") if d.strip()] if isinstance(devices, str) else [str(d) for d in devices]
+    )
     if not items:
         raise ValueError(f"no devices in {devices!r}; give one per rank, e.g. 'cuda:0,cpu'")
     if rank is None:
@@ -100,8 +102,10 @@ def plan(
     dev = parse_device(device if device is not None else _default_device())
     versions = all_gather(__version__, "comparing hetsplit versions", group)
     if len(set(versions)) > 1:
-        raise DistributedError(f"hetsplit versions differ across ranks: {dict(enumerate(versions))}; "
-                               "install the same version on every node")
+        raise DistributedError(
+            f"hetsplit versions differ across ranks: {dict(enumerate(versions))}; "
+            "install the same version on every node"
+        )
     if profile is None:
         profile = run_profile(model, sample, [dev], loss_fn, target=target, progress=False, **profile_kwargs)
     entry = profile.entry(dev.name) if len(profile.entries) > 1 else profile.entries[0]
@@ -118,10 +122,16 @@ def plan(
     if calibrate and min(result.sizes) > 0:
         work = _calibration_work(model, sample, target, loss_fn, dev, result.sizes[rank], calibrate, group, rank)
         if rank == 0:
-            combined = dataclasses.replace(combined, entries=[
-                dataclasses.replace(e, curve=_through(e.curve, size, seconds))
-                for e, size, seconds in zip(combined.entries, result.sizes, work)])
-        result = _broadcast_plan(lambda: resolve_plan(batch_size, combined.devices, profile=combined), group, rank, world)
+            combined = dataclasses.replace(
+                combined,
+                entries=[
+                    dataclasses.replace(e, curve=_through(e.curve, size, seconds))
+                    for e, size, seconds in zip(combined.entries, result.sizes, work)
+                ],
+            )
+        result = _broadcast_plan(
+            lambda: resolve_plan(batch_size, combined.devices, profile=combined), group, rank, world
+        )
     return result
 
 
@@ -148,8 +158,17 @@ def _broadcast_plan(make: Callable[[], Plan], group: Any, rank: int, world: int)
     return result
 
 
-def _calibration_work(model: nn.Module, sample: Any, target: Any, loss_fn: Callable[..., torch.Tensor] | None,
-                      dev: Device, size: int, steps: int, group: Any, rank: int) -> list[float]:
+def _calibration_work(
+    model: nn.Module,
+    sample: Any,
+    target: Any,
+    loss_fn: Callable[..., torch.Tensor] | None,
+    dev: Device,
+    size: int,
+    steps: int,
+    group: Any,
+    rank: int,
+) -> list[float]:
     """Every rank's median seconds of work in a real DDP step on its share (all-gathered)."""
     replica = copy.deepcopy(model).to(dev.torch_device).train()
     index = torch.arange(size)
@@ -159,15 +178,18 @@ def _calibration_work(model: nn.Module, sample: Any, target: Any, loss_fn: Calla
     try:  # one step alone first: a failing step is reported on every rank, not left hanging in DDP
         train_step(replica, inputs, labels, loss_fn)
         failure = None
-    except Exception as e:  # noqa: BLE001 -- reported below, on every rank
+    except Exception as e:
         failure = f"{type(e).__name__}: {e}"
     failures = all_gather(failure, "calibrating the plan", group)
     if any(failures):
         bad = {r: f for r, f in enumerate(failures) if f}
-        raise DistributedError(f"a DDP step on the planned shares failed on ranks {bad}; check the model runs "
-                               "on these batch sizes, or pass calibrate=0")
-    ddp = nn.parallel.DistributedDataParallel(replica, device_ids=[dev.index] if dev.type == "cuda" else None,
-                                              process_group=group)
+        raise DistributedError(
+            f"a DDP step on the planned shares failed on ranks {bad}; check the model runs "
+            "on these batch sizes, or pass calibrate=0"
+        )
+    ddp = nn.parallel.DistributedDataParallel(
+        replica, device_ids=[dev.index] if dev.type == "cuda" else None, process_group=group
+    )
     timer = WorkTimer(dev, replica)
     laps = []
     try:
@@ -187,4 +209,3 @@ def _default_device() -> str:
     if torch.cuda.is_available():
         return f"cuda:{int(os.environ.get('LOCAL_RANK', 0)) % torch.cuda.device_count()}"
     return "cpu"
-

@@ -58,15 +58,25 @@ class DistributedRebalancer:
         ...     opt.step()
     """
 
-    def __init__(self, plan: Plan, rebalancer: Rebalancer | None = None, *, sampler: HeteroBatchSampler | None = None,
-                 gradients: WeightingState | None = None, model: nn.Module | None = None,
-                 device: DeviceLike | None = None, group: Any = None) -> None:
+    def __init__(
+        self,
+        plan: Plan,
+        rebalancer: Rebalancer | None = None,
+        *,
+        sampler: HeteroBatchSampler | None = None,
+        gradients: WeightingState | None = None,
+        model: nn.Module | None = None,
+        device: DeviceLike | None = None,
+        group: Any = None,
+    ) -> None:
         self.rank, self.world = group_info(group)
         if len(plan.sizes) != self.world:
             raise ValueError(f"the plan has {len(plan.sizes)} shares for {self.world} ranks")
         if sampler is not None and sampler.plan_at(sampler.yielded).sizes != plan.sizes:
-            raise ValueError(f"the sampler follows sizes {sampler.plan_at(sampler.yielded).sizes}, "
-                             f"the plan has {plan.sizes}; build both from the same plan")
+            raise ValueError(
+                f"the sampler follows sizes {sampler.plan_at(sampler.yielded).sizes}, "
+                f"the plan has {plan.sizes}; build both from the same plan"
+            )
         self.rebalancer = rebalancer if rebalancer is not None else Rebalancer()
         self.sampler, self.gradients, self.group = sampler, gradients, group
         self.device = parse_device(device) if device is not None else _device_from_label(plan.devices[self.rank])
@@ -110,8 +120,9 @@ class DistributedRebalancer:
     def _exchange(self) -> None:
         ready = {j: (size, lap.seconds()) for j, (size, lap) in self._mine.items() if lap.ready()}
         handed_out = self.sampler.yielded if self.sampler is not None else self.steps
-        gathered = all_gather({"times": ready, "next": max(handed_out, self.steps)}, "exchanging step times",
-                               self.group)
+        gathered = all_gather(
+            {"times": ready, "next": max(handed_out, self.steps)}, "exchanging step times", self.group
+        )
         common = sorted(set.intersection(*(set(g["times"]) for g in gathered)))
         names = self.plan.devices
         for j in common:
@@ -136,4 +147,3 @@ def _device_from_label(label: str) -> Device:
         return parse_device(rest if head.startswith("rank") and rest else label)
     except ValueError:
         return parse_device("cpu")
-

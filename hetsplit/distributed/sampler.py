@@ -40,10 +40,20 @@ class HeteroDistributedSampler(Sampler[int]):
             is out of range.
     """
 
-    def __init__(self, dataset: Dataset, plan: Plan, *, num_replicas: int | None = None, rank: int | None = None,
-                 shuffle: bool = True, seed: int = 0, drop_last: bool = False) -> None:
-        self._batches = HeteroBatchSampler(dataset, plan, num_replicas=num_replicas, rank=rank, shuffle=shuffle,
-                                           seed=seed, drop_last=drop_last)
+    def __init__(
+        self,
+        dataset: Dataset,
+        plan: Plan,
+        *,
+        num_replicas: int | None = None,
+        rank: int | None = None,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = False,
+    ) -> None:
+        self._batches = HeteroBatchSampler(
+            dataset, plan, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed, drop_last=drop_last
+        )
         self.dataset, self.plan = dataset, plan
         self.num_replicas, self.rank = self._batches.num_replicas, self._batches.rank
         self.shuffle, self.seed, self.drop_last = shuffle, seed, drop_last
@@ -69,10 +79,7 @@ class HeteroDistributedSampler(Sampler[int]):
 
 def _epoch_order(n: int, need: int, shuffle: bool, seed: int) -> list[int]:
     """An epoch's ``need`` indices: shuffled with ``seed`` or in order, padded by wrapping around."""
-    if shuffle:
-        order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
-    else:
-        order = list(range(n))
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist() if shuffle else list(range(n))
     while 0 < len(order) < need:  # pad by wrapping around, as DistributedSampler does
         order += order[: need - len(order)]
     return order[:need]
@@ -84,8 +91,9 @@ def _world(num_replicas: int | None, rank: int | None, plan: Plan) -> tuple[int,
         num_replicas = w if num_replicas is None else num_replicas
         rank = r if rank is None else rank
     if len(plan.sizes) != num_replicas:
-        raise ValueError(f"the plan has {len(plan.sizes)} shares for {num_replicas} ranks; "
-                         "solve it for this world size")
+        raise ValueError(
+            f"the plan has {len(plan.sizes)} shares for {num_replicas} ranks; solve it for this world size"
+        )
     if not 0 <= rank < num_replicas:
         raise ValueError(f"rank {rank} is out of range for {num_replicas} ranks")
     return num_replicas, rank
@@ -131,8 +139,17 @@ class HeteroBatchSampler(Sampler[list[int]]):
             is out of range.
     """
 
-    def __init__(self, dataset: Dataset, plan: Plan, *, num_replicas: int | None = None, rank: int | None = None,
-                 shuffle: bool = True, seed: int = 0, drop_last: bool = False) -> None:
+    def __init__(
+        self,
+        dataset: Dataset,
+        plan: Plan,
+        *,
+        num_replicas: int | None = None,
+        rank: int | None = None,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = False,
+    ) -> None:
         self.num_replicas, self.rank = _world(num_replicas, rank, plan)
         self.dataset, self.shuffle, self.seed, self.drop_last = dataset, shuffle, seed, drop_last
         self.epoch = 0
@@ -158,11 +175,15 @@ class HeteroBatchSampler(Sampler[list[int]]):
                 ``from_step`` is a step already handed out.
         """
         if plan.batch_size != self.batch_size or len(plan.sizes) != self.num_replicas:
-            raise ValueError(f"the new plan splits {plan.batch_size} samples over {len(plan.sizes)} ranks; "
-                             f"this sampler's global batch is {self.batch_size} over {self.num_replicas} ranks")
+            raise ValueError(
+                f"the new plan splits {plan.batch_size} samples over {len(plan.sizes)} ranks; "
+                f"this sampler's global batch is {self.batch_size} over {self.num_replicas} ranks"
+            )
         if from_step < self.yielded:
-            raise ValueError(f"step {from_step} has already been handed out (next is {self.yielded}); "
-                             "schedule plans from a later step")
+            raise ValueError(
+                f"step {from_step} has already been handed out (next is {self.yielded}); "
+                "schedule plans from a later step"
+            )
         self.schedule = [(s, p) for s, p in self.schedule if s < from_step] + [(from_step, plan)]
 
     def set_epoch(self, epoch: int) -> None:
@@ -187,4 +208,3 @@ class HeteroBatchSampler(Sampler[list[int]]):
             return default_collate(batch)
         one = default_collate([self.dataset[0]])  # type: ignore[index]
         return tree_map(lambda t: t[:0] if isinstance(t, torch.Tensor) else t, one)
-

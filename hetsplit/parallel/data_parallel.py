@@ -197,8 +197,9 @@ class HeteroDataParallel(nn.Module):
         if plan is None:
             learned = self.rebalancer is not None and bool(self.rebalancer.log_factors)
             profile = self.rebalancer.corrected(self.device_names) if learned else self._profile
-            plan = self._plans[batch] = resolve_plan(batch, self.devices, plan=self._plan, profile=profile,
-                                                     weights=self._weights, fallback=self._fallback)
+            plan = self._plans[batch] = resolve_plan(
+                batch, self.devices, plan=self._plan, profile=profile, weights=self._weights, fallback=self._fallback
+            )
         self._plan = plan
         return plan.sizes
 
@@ -207,8 +208,9 @@ class HeteroDataParallel(nn.Module):
 
     # -- the steps, with nn.DataParallel's signatures --------------------------------------
 
-    def scatter(self, inputs: tuple[Any, ...], kwargs: dict[str, Any] | None,
-                device_ids: Sequence[Device]) -> tuple[list[tuple[Any, ...]], list[dict[str, Any]]]:
+    def scatter(
+        self, inputs: tuple[Any, ...], kwargs: dict[str, Any] | None, device_ids: Sequence[Device]
+    ) -> tuple[list[tuple[Any, ...]], list[dict[str, Any]]]:
         """Cut positional and keyword inputs into this step's shards for ``device_ids`` (the active devices)."""
         assert self._step is not None
         shards = scatter_to((tuple(inputs), dict(kwargs or {})), device_ids, self._step.sizes, self.dim)
@@ -222,11 +224,13 @@ class HeteroDataParallel(nn.Module):
         if step is not None and len(step.active) == len(device_ids):
             return self._replicas.get(step.active)
         free = list(range(len(self.devices)))  # outside a step: match the devices in order
-        return self._replicas.get([free.pop(next(k for k, i in enumerate(free) if self.devices[i] == d))
-                                   for d in device_ids])
+        return self._replicas.get(
+            [free.pop(next(k for k, i in enumerate(free) if self.devices[i] == d)) for d in device_ids]
+        )
 
-    def parallel_apply(self, replicas: Sequence[nn.Module], inputs: Sequence[tuple[Any, ...]],
-                       kwargs: Sequence[dict[str, Any]]) -> list[Any]:
+    def parallel_apply(
+        self, replicas: Sequence[nn.Module], inputs: Sequence[tuple[Any, ...]], kwargs: Sequence[dict[str, Any]]
+    ) -> list[Any]:
         """Run ``replicas[i](*inputs[i], **kwargs[i])`` concurrently, each at its device's speed."""
         fns = [lambda r=r, a=a, k=k: r(*a, **k) for r, a, k in zip(replicas, inputs, kwargs)]
         return self._run(fns, "")
@@ -236,7 +240,7 @@ class HeteroDataParallel(nn.Module):
         step = self._step
         assert step is not None
         labels = [str(i) for i in step.active]
-        weights = lambda: policy_weights(self.scalar_outputs, step.sizes, step.shards)  # noqa: E731 -- only if needed
+        weights = lambda: policy_weights(self.scalar_outputs, step.sizes, step.shards)
         return combine(outputs, output_device, self.dim, weights, self._backward_runner(step), labels)
 
     # -- one step ----------------------------------------------------------------------------
@@ -255,8 +259,15 @@ class HeteroDataParallel(nn.Module):
             self._merge_buffers(replicas, step, marks)
             return self.gather(outputs, self.output_device)
 
-    def train_step(self, inputs: Any, target: Any = None, loss_fn: Callable[..., torch.Tensor] | None = None, *,
-                   reduction: ScalarPolicy = "mean", **kwargs: Any) -> torch.Tensor:
+    def train_step(
+        self,
+        inputs: Any,
+        target: Any = None,
+        loss_fn: Callable[..., torch.Tensor] | None = None,
+        *,
+        reduction: ScalarPolicy = "mean",
+        **kwargs: Any,
+    ) -> torch.Tensor:
         """Local-loss mode: each device computes its own shard's loss; no output is gathered.
 
         Every replica runs forward, ``loss_fn(output, target_shard)`` (``loss_fn(output)``
@@ -281,8 +292,10 @@ class HeteroDataParallel(nn.Module):
         """
         check_policy(reduction, "reduction")
         if reduction == "stack" or loss_fn is None:
-            raise ValueError(f"train_step needs loss_fn and a reduction of 'mean', 'sum' or a callable, "
-                             f"got loss_fn={loss_fn!r}, reduction={reduction!r}")
+            raise ValueError(
+                f"train_step needs loss_fn and a reduction of 'mean', 'sum' or a callable, "
+                f"got loss_fn={loss_fn!r}, reduction={reduction!r}"
+            )
         args = inputs if isinstance(inputs, tuple) else () if isinstance(inputs, dict) else (inputs,)
         kws = {**inputs, **kwargs} if isinstance(inputs, dict) else dict(kwargs)
         with self._lock:
@@ -303,8 +316,10 @@ class HeteroDataParallel(nn.Module):
                 loss = loss_fn(out, t) if target is not None else loss_fn(out)
                 if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
                     shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
-                    raise ValueError(f"loss_fn must return a scalar (0-dim) tensor, got {shape}; reduce it "
-                                     "with .mean() or .sum() and say which with reduction=")
+                    raise ValueError(
+                        f"loss_fn must return a scalar (0-dim) tensor, got {shape}; reduce it "
+                        "with .mean() or .sum() and say which with reduction="
+                    )
                 (loss * weights[j]).backward()
                 return loss.detach()
 

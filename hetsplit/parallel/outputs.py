@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import Any, Union
+from typing import Any, TypeAlias
 
 import torch
 
@@ -15,7 +15,7 @@ __all__ = ["ScalarPolicy", "SCALAR_POLICIES", "check_policy", "policy_weights", 
 
 # How 0-dim floating outputs of the replicas (per-shard losses) become one: a named rule,
 # or a callable giving each replica's weight from its input shard (args, kwargs).
-ScalarPolicy = Union[str, Callable[[tuple[Any, ...], dict[str, Any]], Any]]
+ScalarPolicy: TypeAlias = str | Callable[[tuple[Any, ...], dict[str, Any]], Any]
 SCALAR_POLICIES = ("mean", "sum", "stack")
 
 BackwardRunner = Callable[[list[tuple[list[torch.Tensor], list[torch.Tensor]]]], None]
@@ -29,12 +29,15 @@ def check_policy(policy: ScalarPolicy, what: str = "scalar_outputs") -> ScalarPo
     """
     if callable(policy) or policy in SCALAR_POLICIES:
         return policy
-    raise ValueError(f"{what} must be one of {', '.join(map(repr, SCALAR_POLICIES))} or a callable "
-                     f"(args, kwargs) -> weight, got {policy!r}")
+    raise ValueError(
+        f"{what} must be one of {', '.join(map(repr, SCALAR_POLICIES))} or a callable "
+        f"(args, kwargs) -> weight, got {policy!r}"
+    )
 
 
-def policy_weights(policy: ScalarPolicy, sizes: Sequence[int],
-                   shards: Sequence[tuple[tuple[Any, ...], dict[str, Any]]]) -> list[float] | None:
+def policy_weights(
+    policy: ScalarPolicy, sizes: Sequence[int], shards: Sequence[tuple[tuple[Any, ...], dict[str, Any]]]
+) -> list[float] | None:
     """Each active replica's weight under ``policy`` (``None`` for ``"stack"``).
 
     ``"mean"`` weighs replica ``i`` by ``b_i / B`` (a per-shard mean becomes the
@@ -52,14 +55,17 @@ def policy_weights(policy: ScalarPolicy, sizes: Sequence[int],
         return [s / total for s in sizes]
     raw = [float(policy(args, kwargs)) for args, kwargs in shards]
     if any(not math.isfinite(w) or w < 0 for w in raw) or sum(raw) <= 0:
-        raise ValueError(f"the scalar weighting returned {raw} for the replicas' shards; "
-                         "weights must be finite, >= 0 and not all zero")
+        raise ValueError(
+            f"the scalar weighting returned {raw} for the replicas' shards; "
+            "weights must be finite, >= 0 and not all zero"
+        )
     total = sum(raw)
     return [w / total for w in raw]
 
 
-def count_tokens(key: str | int = "labels", *, ignore_index: int = -100,
-                 shift: bool = True) -> Callable[[tuple[Any, ...], dict[str, Any]], int]:
+def count_tokens(
+    key: str | int = "labels", *, ignore_index: int = -100, shift: bool = True
+) -> Callable[[tuple[Any, ...], dict[str, Any]], int]:
     """A scalar weighting that counts a shard's non-ignored label tokens.
 
     For a token loss that averages over non-padded tokens (Hugging Face's causal-LM
@@ -109,9 +115,20 @@ class _GatherBackward(torch.autograd.Function):
 class _Layout:
     """Where each replica's output tensors sit in the combined output, and how they combine."""
 
-    def __init__(self, columns: list[list[torch.Tensor]], paths: list[str], target: torch.device, dim: int,
-                 weights: Callable[[], list[float] | None]) -> None:
-        self.columns, self.paths, self.target, self.dim = columns, paths, target, dim  # columns[k][j]: leaf k of replica j
+    def __init__(
+        self,
+        columns: list[list[torch.Tensor]],
+        paths: list[str],
+        target: torch.device,
+        dim: int,
+        weights: Callable[[], list[float] | None],
+    ) -> None:
+        self.columns, self.paths, self.target, self.dim = (
+            columns,
+            paths,
+            target,
+            dim,
+        )  # columns[k][j]: leaf k of replica j
         floating = [c[0].dim() == 0 and (c[0].is_floating_point() or c[0].is_complex()) for c in columns]
         # The weights are asked for only when a floating scalar is there to combine (a
         # callable policy may cost a device sync per replica).
@@ -157,8 +174,14 @@ class _Layout:
         return work
 
 
-def combine(outputs: Sequence[Any], target: torch.device, dim: int, weights: Callable[[], list[float] | None],
-            runner: BackwardRunner, labels: Sequence[str]) -> Any:
+def combine(
+    outputs: Sequence[Any],
+    target: torch.device,
+    dim: int,
+    weights: Callable[[], list[float] | None],
+    runner: BackwardRunner,
+    labels: Sequence[str],
+) -> Any:
     """The replicas' outputs as one output on ``target``; backward goes through ``runner``.
 
     Tensors are concatenated along ``dim``; 0-dim floating tensors are combined with
@@ -173,14 +196,18 @@ def combine(outputs: Sequence[Any], target: torch.device, dim: int, weights: Cal
     spec = flat[0][1]
     for j, (_, s) in enumerate(flat[1:], start=1):
         if s != spec:
-            raise ValueError(f"replica {labels[j]} returned a different structure from replica {labels[0]}: {s} vs {spec}")
+            raise ValueError(
+                f"replica {labels[j]} returned a different structure from replica {labels[0]}: {s} vs {spec}"
+            )
     paths = leaf_paths(outputs[0])
     leaves: list[Any] = [[leaves[k] for leaves, _ in flat] for k in range(len(flat[0][0]))]
     positions = [k for k, column in enumerate(leaves) if isinstance(column[0], torch.Tensor)]
     for k, column in enumerate(leaves):
         if k in positions and not all(isinstance(x, torch.Tensor) for x in column):
-            raise ValueError(f"output {paths[k]} is a tensor on some replicas and not on others: "
-                             f"{[type(x).__name__ for x in column]}")
+            raise ValueError(
+                f"output {paths[k]} is a tensor on some replicas and not on others: "
+                f"{[type(x).__name__ for x in column]}"
+            )
     if not positions:
         return unflatten(leaves, spec)
     columns = [leaves[k] for k in positions]

@@ -34,7 +34,9 @@ class BufferMarks:
         still equal the module's unless one changed. Version counters alone would miss
         BatchNorm, whose kernel updates its running statistics without bumping them.
         """
-        if any(id(bufs[k]) != marks[k][0] or bufs[k]._version != marks[k][1] for bufs, marks in zip(current, self.marks)):
+        if any(
+            id(bufs[k]) != marks[k][0] or bufs[k]._version != marks[k][1] for bufs, marks in zip(current, self.marks)
+        ):
             return True
         return any(not torch.equal(to_device(bufs[k], own.device), own) for bufs in current)
 

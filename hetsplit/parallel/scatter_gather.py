@@ -105,7 +105,9 @@ def gather(outputs: Sequence[Any], target_device: DeviceLike, dim: int = 0) -> A
     """
     if not outputs:
         raise ValueError("gather needs at least one output")
-    target = target_device if isinstance(target_device, torch.device) else parse_devices([target_device])[0].torch_device
+    target = (
+        target_device if isinstance(target_device, torch.device) else parse_devices([target_device])[0].torch_device
+    )
     flat = [flatten(o) for o in outputs]
     spec = flat[0][1]
     for i, (_, s) in enumerate(flat[1:], start=1):

@@ -49,8 +49,9 @@ def split_sizes(
     devs = parse_devices(devices)
     plan = profile if isinstance(profile, Plan) else None
     prof = profile if isinstance(profile, Profile) else None
-    return resolve_plan(batch, devs, plan=plan, profile=prof, weights=weights,
-                        fallback=lambda: default_profile(devs)).sizes
+    return resolve_plan(
+        batch, devs, plan=plan, profile=prof, weights=weights, fallback=lambda: default_profile(devs)
+    ).sizes
 
 
 def balanced_split(

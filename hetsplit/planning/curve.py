@@ -48,7 +48,9 @@ class Curve:
         if any(t2 < t1 for t1, t2 in zip(self.seconds, self.seconds[1:])):
             raise ValueError(f"curve times must be non-decreasing, got {self.seconds}")
         if not (0.0 <= self.intercept <= self.seconds[0]) or not self.slope > 0:
-            raise ValueError(f"curve needs 0 <= intercept <= first time and slope > 0, got {self.intercept}, {self.slope}")
+            raise ValueError(
+                f"curve needs 0 <= intercept <= first time and slope > 0, got {self.intercept}, {self.slope}"
+            )
 
     @classmethod
     def fit(cls, points: Iterable[tuple[int, float]], memory_cap: int | None = None) -> Curve:
@@ -77,7 +79,9 @@ class Curve:
                 raise ValueError(f"measured times must be positive finite seconds, got {t!r} at batch {b}")
             by_batch.setdefault(int(b), []).append(float(t))
         if not by_batch:
-            raise ValueError("cannot fit a step-time curve without measurements; give at least one (batch, seconds) pair")
+            raise ValueError(
+                "cannot fit a step-time curve without measurements; give at least one (batch, seconds) pair"
+            )
         xs = np.array(sorted(by_batch), dtype=float)
         ys = np.array([statistics.median(by_batch[int(b)]) for b in xs])
         ys = isotonic_regression(ys, increasing=True).x
@@ -122,8 +126,12 @@ class Curve:
         """This curve with every time multiplied by ``factor`` (> 0)."""
         if not factor > 0:
             raise ValueError(f"a curve can only be scaled by a positive factor, got {factor}")
-        return dataclasses.replace(self, seconds=[t * factor for t in self.seconds],
-                                   intercept=self.intercept * factor, slope=self.slope * factor)
+        return dataclasses.replace(
+            self,
+            seconds=[t * factor for t in self.seconds],
+            intercept=self.intercept * factor,
+            slope=self.slope * factor,
+        )
 
     def shifted(self, seconds: float) -> Curve:
         """This curve with ``seconds`` (>= 0) of fixed overhead added to every used batch.
@@ -132,8 +140,9 @@ class Curve:
         """
         if not (math.isfinite(seconds) and seconds >= 0):
             raise ValueError(f"a curve can only be shifted by a finite overhead >= 0 seconds, got {seconds}")
-        return dataclasses.replace(self, seconds=[t + seconds for t in self.seconds],
-                                   intercept=self.intercept + seconds)
+        return dataclasses.replace(
+            self, seconds=[t + seconds for t in self.seconds], intercept=self.intercept + seconds
+        )
 
     @property
     def max_measured(self) -> int:

@@ -113,9 +113,9 @@ def check_sizes(sizes: Sequence[Any], total: int, n_devices: int) -> list[int]:
     if len(sizes) != n_devices:
         raise ValueError(f"got {len(sizes)} sizes {list(sizes)} for {n_devices} devices; give one size per device")
     arr = np.asarray(sizes)
-    if arr.dtype.kind in "iu" and arr.ndim == 1:  # fast path for the solver's own output
-        if (arr >= 0).all() and int(arr.sum()) == total:
-            return arr.tolist()
+    # The fast path, for the solver's own output.
+    if arr.dtype.kind in "iu" and arr.ndim == 1 and (arr >= 0).all() and int(arr.sum()) == total:
+        return arr.tolist()
     out = []
     for i, s in enumerate(sizes):
         if isinstance(s, bool) or not isinstance(s, (int, np.integer)):

@@ -14,8 +14,8 @@ from typing import Any
 import torch
 
 from .. import store
-from ..version import __version__
 from ..devices import DeviceInfo, DeviceLike, canonical_name, local_gpus
+from ..version import __version__
 from .curve import Curve, CurveTable
 
 __all__ = ["Measurement", "DeviceProfile", "Profile", "latest_profile"]
@@ -215,8 +215,11 @@ class Profile:
         for k, (prof, e, copies) in enumerate(picked):
             base = e.name
             if names.count(base) > 1 and len({id(p) for p, x, _ in picked if x.name == base}) > 1:
-                base = f"{prof.host}/{base}" if [p.host for p, x, _ in picked if x.name == e.name].count(prof.host) == 1 \
+                base = (
+                    f"{prof.host}/{base}"
+                    if [p.host for p, x, _ in picked if x.name == e.name].count(prof.host) == 1
                     else f"{prof.host}#{k}/{base}"
+                )
             for i in range(copies):
                 name = f"{base}#{i + 1}" if copies > 1 else base
                 entries.append(dataclasses.replace(e, info=dataclasses.replace(e.info, name=name)))
@@ -248,7 +251,9 @@ class Profile:
 
     def subset(self, devices: Sequence[DeviceLike]) -> Profile:
         """A profile of just ``devices`` (each once, in the order given)."""
-        return dataclasses.replace(self, entries=[self.entry(d) for d in dict.fromkeys(canonical_name(d) for d in devices)])
+        return dataclasses.replace(
+            self, entries=[self.entry(d) for d in dict.fromkeys(canonical_name(d) for d in devices)]
+        )
 
     def calibrated(self, observed: Mapping[str, tuple[int, float]]) -> Profile:
         """Correct the curves with step times observed in real training.
@@ -300,7 +305,9 @@ class Profile:
         caps = dict(memory_caps or {})
         unknown = sorted(set(caps) - set(measurements))
         if unknown:
-            raise ValueError(f"memory_caps names devices without measurements: {unknown}; known: {sorted(measurements)}")
+            raise ValueError(
+                f"memory_caps names devices without measurements: {unknown}; known: {sorted(measurements)}"
+            )
         entries = []
         for label, points in measurements.items():
             pts = [(int(b), float(t)) for b, t in points]

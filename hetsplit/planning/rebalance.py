@@ -43,8 +43,7 @@ class PlanChange:
         return dataclasses.asdict(self)
 
     def __str__(self) -> str:
-        return (f"step {self.step}: {self.old_sizes} -> {self.new_sizes} "
-                f"(predicted {self.predicted_gain:+.0%} faster)")
+        return f"step {self.step}: {self.old_sizes} -> {self.new_sizes} (predicted {self.predicted_gain:+.0%} faster)"
 
 
 class Rebalancer:
@@ -73,12 +72,21 @@ class Rebalancer:
         >>> dp.rebalancer.history  # the plan changes so far
     """
 
-    def __init__(self, profile: Profile | None = None, *, every: int = 10, threshold: float = 0.05,
-                 max_move: float = 0.5, window: int = 6,
-                 on_change: Callable[[PlanChange], None] | None = None) -> None:
+    def __init__(
+        self,
+        profile: Profile | None = None,
+        *,
+        every: int = 10,
+        threshold: float = 0.05,
+        max_move: float = 0.5,
+        window: int = 6,
+        on_change: Callable[[PlanChange], None] | None = None,
+    ) -> None:
         if every < 1 or window < 1 or not 0 < max_move <= 1 or threshold < 0:
-            raise ValueError(f"need every >= 1, window >= 1, 0 < max_move <= 1, threshold >= 0; "
-                             f"got {every}, {window}, {max_move}, {threshold}")
+            raise ValueError(
+                f"need every >= 1, window >= 1, 0 < max_move <= 1, threshold >= 0; "
+                f"got {every}, {window}, {max_move}, {threshold}"
+            )
         self.profile = profile
         self.every, self.threshold, self.max_move, self.window = every, threshold, max_move, window
         self.on_change = on_change
@@ -115,8 +123,9 @@ class Rebalancer:
             return self.profile.entry(name)
         # No profile: time proportional to the shard, one second per sample, which the
         # factor then scales to the device's measured seconds per sample.
-        return DeviceProfile(DeviceInfo(name=name, kind="observed", description=name), [],
-                             Curve([1.0], [1.0], 0.0, 1.0))
+        return DeviceProfile(
+            DeviceInfo(name=name, kind="observed", description=name), [], Curve([1.0], [1.0], 0.0, 1.0)
+        )
 
     def observe(self, plan: Plan, step_times: Mapping[str, float]) -> Plan | None:
         """Record one step's measured busy seconds; return a new plan when one is due.

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -82,8 +81,9 @@ def plan_from_sizes(profile: Profile | None, devices: Sequence[DeviceLike], size
     return _make_plan(entries, names, profile.table(names), np.asarray(sizes, dtype=np.int64), total)
 
 
-def _make_plan(entries: Sequence[DeviceProfile], names: list[str], table: CurveTable, sizes: np.ndarray,
-               batch_size: int) -> Plan:
+def _make_plan(
+    entries: Sequence[DeviceProfile], names: list[str], table: CurveTable, sizes: np.ndarray, batch_size: int
+) -> Plan:
     times = table.evaluate(sizes.astype(float))
     even = np.asarray(even_sizes(batch_size, len(names)), dtype=float)
     even_time = float(table.evaluate(even).max())
