@@ -54,16 +54,12 @@ def test_profile_then_plan(capsys, tmp_path):
 
 
 def test_profile_defaults_add_an_emulated_cpu_on_a_one_device_machine(capsys, tmp_path, monkeypatch):
-    import hetsplit.apps.cli as cli
-
-    monkeypatch.setattr(cli, "_default_devices", lambda: ["cpu", "cpu@0.25"] if True else None)
+    import hetsplit.apps.commands as commands
     from hetsplit.devices import DeviceInfo
 
-    monkeypatch.setattr("hetsplit.devices.discover", lambda: [DeviceInfo("cpu", "cpu", "test cpu")])
-    monkeypatch.undo()  # use the real helper with a faked discovery
     monkeypatch.setenv("HETSPLIT_PROFILE_DIR", str(tmp_path / "profiles"))
     monkeypatch.setattr("hetsplit.devices.discover", lambda: [DeviceInfo("cpu", "cpu", "test cpu")])
-    assert cli._default_devices() == ["cpu", "cpu@0.25"]
+    assert commands.default_devices() == ["cpu", "cpu@0.25"]
     code, out, _ = _run(capsys, "profile", "--batch-sizes", "2,8", "--repeats", "1", "--budget", "3", "--quiet")
     assert code == 0 and "cpu@0.25 (emulated)" in out
     assert len(list((tmp_path / "profiles").glob("*.json"))) == 1

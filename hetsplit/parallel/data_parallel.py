@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -15,19 +14,19 @@ from ..devices import Device, DeviceLike, parse_devices
 from ..planning.plan import Plan
 from ..planning.profile import Profile
 from ..planning.rebalance import Rebalancer
-from ..planning.sizes import check_weights, resolve_plan
 from ..timing import Lap
 from ..tree import batch_length, to_device
 from .apply import run_parallel
+from .busy import BusyLog
 from .outputs import ScalarPolicy, check_policy, combine, policy_weights
 from .reduce import accumulate_gradients
-from .replicas import BufferMarks, Replicas
+from .replicas import BufferMarks, Replicas, module_device
 from .scatter_gather import scatter_to
-from .sizes import default_profile
+from .sizes import BatchPlans
 
 __all__ = ["HeteroDataParallel"]
 
-_RUNTIME = ("_replicas", "_step", "_busy", "_last", "_unread", "_lock")
+_RUNTIME = ("_replicas", "_step", "_log", "_lock")
 
 
 @dataclasses.dataclass
@@ -36,6 +35,7 @@ class _Step:
 
     plan: Plan
     active: list[int]
+    devices: list[Device]
     shards: list[tuple[tuple[Any, ...], dict[str, Any]]] = dataclasses.field(default_factory=list)
 
     @property
@@ -46,56 +46,38 @@ class _Step:
 class HeteroDataParallel(nn.Module):
     """Data parallelism over mixed devices with uneven shards: a drop-in for ``nn.DataParallel``.
 
-    ``forward(*inputs, **kwargs)`` scatters the batch into shards sized by the plan
-    (any devices, the CPU too), runs the replicas concurrently, and gathers the outputs
-    on ``output_device``, where the loss is computed, as with ``nn.DataParallel``.
-    ``loss.backward()`` runs each replica's backward concurrently in its own thread, and
-    the gradients arrive in the wrapped module's parameters, summed over shards, so they
-    equal the full-batch gradient. For a loss per device without gathering, see
-    :meth:`train_step`. ``forward`` only chains :meth:`scatter`, :meth:`replicate`,
-    :meth:`parallel_apply` and :meth:`gather`, which keep ``nn.DataParallel``'s
-    signatures, so a subclass written for it can override them.
+    ``forward`` scatters the batch into shards sized by the plan (any devices, the CPU
+    too), runs the replicas concurrently and gathers the outputs on ``output_device``;
+    ``loss.backward()`` runs each replica's backward in its own thread and sums their
+    gradients into the module: the full-batch gradient. ``forward`` only chains
+    :meth:`scatter`, :meth:`replicate`, :meth:`parallel_apply` and :meth:`gather`, with
+    ``nn.DataParallel``'s signatures, so its subclasses still override them.
 
-    Outputs: tensors are concatenated along ``dim``; 0-dim floating outputs (a loss the
-    model computes itself) follow ``scalar_outputs``; other 0-dim tensors are stacked;
-    any other object comes back as a list with one entry per replica that ran.
-
-    Replicas: a replica on the module's device shares the module's parameter storage;
-    one on another device holds a copy, refreshed before every step; the module itself
-    never runs. Each step every replica starts from the module's buffers; afterwards
-    the buffers the forward changed are merged back:
-    floating-point ones as the shard-size-weighted average of the replicas' values,
-    integer ones by the sum of the replicas' increments (``num_batches_tracked`` by one
-    step's). BatchNorm therefore normalises each shard with that shard's statistics,
-    as ``nn.DataParallel`` and DDP without ``SyncBatchNorm`` do.
-
-    :attr:`step_times` holds each active device's busy seconds in the last step
-    (forward and backward, emulated slowdown included; on CUDA from events, so
-    measuring never waits). With ``rebalance``, they are fed to the rebalancer at the
-    start of the next step, outside autograd's backward.
+    Outputs: tensors are concatenated along ``dim``; 0-dim floating ones follow
+    ``scalar_outputs``; other 0-dim tensors are stacked; other objects come back as a
+    list, one entry per replica that ran. The module itself never runs: replicas share
+    its parameter storage (copies on other devices), start each step from its buffers,
+    and the buffers a step changed are merged back (floating ones shard-weighted,
+    integer ones by the sum of increments; README: "Buffers"). :attr:`step_times` holds
+    each device's busy seconds in the last step; with ``rebalance`` they feed the
+    rebalancer at the next step.
 
     Args:
-        module: The model; all its parameters and buffers must be on one device.
+        module: The model; all its parameters and buffers on one device.
         devices: Devices to split across, e.g. ``["cuda:0", "cuda:1", "cpu"]``.
-        plan: A :class:`Plan` to follow; a batch of another size is an error unless
-            ``profile`` is given too, which is then solved for that size.
+        plan: A :class:`Plan` to follow (another batch size needs ``profile``).
         profile: A :class:`Profile` to solve for each batch size.
         weights: Relative throughputs per device (``[4, 1]``: 80/20).
         output_device: Where outputs are gathered (default: the module's device).
         dim: The batch dimension.
-        rebalance: ``True`` (or a configured :class:`~hetsplit.Rebalancer`) to re-solve
-            the split from the measured step times while training.
-        scalar_outputs: How 0-dim floating outputs of the replicas combine: ``"mean"``
-            (default: weighted by shard size, so a per-shard mean loss becomes the
-            full-batch mean and ``out.loss.backward()`` is exact), ``"sum"``,
-            ``"stack"`` (a vector, one entry per replica, as ``nn.DataParallel``), or a
-            callable ``(args, kwargs) -> weight`` of a replica's input shard, such as
-            :func:`hetsplit.count_tokens` for a padded token loss.
+        rebalance: ``True`` or a :class:`~hetsplit.Rebalancer`: re-solve while training.
+        scalar_outputs: ``"mean"`` (shard-size weights: a mean loss stays the full-batch
+            mean), ``"sum"``, ``"stack"`` (a vector), or ``(args, kwargs) -> weight`` of a
+            shard, e.g. :func:`hetsplit.count_tokens`.
 
     Raises:
-        ValueError: If the module spans devices, the plan's devices differ from
-            ``devices``, or the weights or ``scalar_outputs`` are invalid; before any
-            device work.
+        ValueError: If the module spans devices, the plan's devices differ, or the
+            weights or ``scalar_outputs`` are invalid; before any device work.
 
     Example:
         >>> dp = HeteroDataParallel(net, ["cpu", "cpu@0.25"], weights=[4, 1])
@@ -117,25 +99,13 @@ class HeteroDataParallel(nn.Module):
     ) -> None:
         super().__init__()
         self.devices: list[Device] = parse_devices(devices)
-        homes = {t.device for t in (*module.parameters(), *module.buffers())}
-        if len(homes) > 1:
-            raise ValueError(
-                f"the module's parameters and buffers are on several devices {sorted(map(str, homes))}; "
-                "move the whole module to one device (e.g. module.to('cpu')) before wrapping it"
-            )
-        if weights is not None and (plan is not None or profile is not None):
-            raise ValueError("give weights, or a plan and/or profile, not both")
+        _check_one_device(module)
         self.module = module
         self.dim = dim
         self.scalar_outputs = check_policy(scalar_outputs)
         self._output_device = parse_devices([output_device])[0].torch_device if output_device is not None else None
-        self._weights = check_weights(weights, len(self.devices)) if weights is not None else None
-        self._profile = profile
-        self._plan: Plan | None = None
-        self._plans: dict[int, Plan] = {}
-        if plan is not None:
-            self.set_plan(plan)
-        self.rebalancer = rebalance if isinstance(rebalance, Rebalancer) else Rebalancer(profile) if rebalance else None
+        rebalancer = rebalance if isinstance(rebalance, Rebalancer) else Rebalancer(profile) if rebalance else None
+        self._plans = BatchPlans(self.devices, plan=plan, profile=profile, weights=weights, rebalancer=rebalancer)
         self.register_state_dict_post_hook(_drop_module_prefix)
         self.register_load_state_dict_pre_hook(_add_module_prefix)
         self._reset_runtime()
@@ -144,9 +114,7 @@ class HeteroDataParallel(nn.Module):
         # Everything here is rebuilt on demand and left out of pickles and deep copies.
         self._replicas: Replicas | None = None
         self._step: _Step | None = None
-        self._busy: dict[str, list[Lap]] = {}
-        self._last: dict[str, list[Lap]] = {}
-        self._unread: deque[tuple[Plan, dict[str, list[Lap]]]] = deque()
+        self._log = BusyLog()
         self._lock = threading.RLock()
 
     def __getstate__(self) -> dict[str, Any]:
@@ -157,54 +125,41 @@ class HeteroDataParallel(nn.Module):
         self._reset_runtime()
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> HeteroDataParallel:
-        # .to()/.double()/.cuda() and a parent's .to() come through here: the replicas are
-        # rebuilt from the moved module at the next step.
+        # .to()/.double() (also a parent's) come here: replicas are rebuilt at the next step.
         self._replicas = None
         return super()._apply(fn, recurse)
 
     @property
     def output_device(self) -> torch.device:
         """Where outputs are gathered: as given, else where the module's parameters are now."""
-        if self._output_device is not None:
-            return self._output_device
-        return next(iter(self.module.parameters()), next(iter(self.module.buffers()), torch.empty(0))).device
+        return self._output_device or module_device(self.module)
 
     @property
     def device_names(self) -> list[str]:
         """The devices' canonical names, in shard order."""
         return [d.name for d in self.devices]
 
-    # -- plans ---------------------------------------------------------------------------
+    @property
+    def rebalancer(self) -> Rebalancer | None:
+        """The online rebalancer (``None``: off); assign one to start rebalancing."""
+        return self._plans.rebalancer
+
+    @rebalancer.setter
+    def rebalancer(self, value: Rebalancer | None) -> None:
+        self._plans.rebalancer = value
 
     @property
     def plan(self) -> Plan | None:
         """The plan in force: the one used by the last step (or set with :meth:`set_plan`)."""
-        return self._plan
+        return self._plans.current
 
     def set_plan(self, plan: Plan) -> None:
-        """Use ``plan`` from the next step on; weights are dropped, a profile still serves other sizes.
-
-        Raises:
-            ValueError: If the plan's devices are not this wrapper's devices.
-        """
-        if list(plan.devices) != self.device_names:
-            raise ValueError(f"the plan is for devices {plan.devices}, but this wrapper runs on {self.device_names}")
-        self._plan, self._plans, self._weights = plan, {plan.batch_size: plan}, None
+        """Use ``plan`` from the next step on; weights are dropped, a profile still serves other sizes."""
+        self._plans.set(plan)
 
     def sizes_for(self, batch: int) -> list[int]:
         """The shard sizes for a batch of ``batch`` samples under the current settings."""
-        plan = self._plans.get(batch)
-        if plan is None:
-            learned = self.rebalancer is not None and bool(self.rebalancer.log_factors)
-            profile = self.rebalancer.corrected(self.device_names) if learned else self._profile
-            plan = self._plans[batch] = resolve_plan(
-                batch, self.devices, plan=self._plan, profile=profile, weights=self._weights, fallback=self._fallback
-            )
-        self._plan = plan
-        return plan.sizes
-
-    def _fallback(self) -> Profile:
-        return default_profile(self.devices)
+        return self._plans.for_batch(batch).sizes
 
     # -- the steps, with nn.DataParallel's signatures --------------------------------------
 
@@ -221,42 +176,38 @@ class HeteroDataParallel(nn.Module):
         if self._replicas is None or self._replicas.module is not module:
             self._replicas = Replicas(module, self.devices)
         step = self._step
-        if step is not None and len(step.active) == len(device_ids):
-            return self._replicas.get(step.active)
-        free = list(range(len(self.devices)))  # outside a step: match the devices in order
-        return self._replicas.get(
-            [free.pop(next(k for k, i in enumerate(free) if self.devices[i] == d)) for d in device_ids]
-        )
+        active = step.active if step is not None and len(step.active) == len(device_ids) else None
+        return self._replicas.get(active if active is not None else _positions(self.devices, device_ids))
 
     def parallel_apply(
         self, replicas: Sequence[nn.Module], inputs: Sequence[tuple[Any, ...]], kwargs: Sequence[dict[str, Any]]
     ) -> list[Any]:
         """Run ``replicas[i](*inputs[i], **kwargs[i])`` concurrently, each at its device's speed."""
+        assert self._step is not None, "parallel_apply runs inside forward, which chooses the step's devices"
         fns = [lambda r=r, a=a, k=k: r(*a, **k) for r, a, k in zip(replicas, inputs, kwargs)]
-        return self._run(fns, "")
+        return self._run(fns, "", self._step.active)
 
     def gather(self, outputs: Sequence[Any], output_device: torch.device) -> Any:
         """Combine the replicas' outputs on ``output_device``; backward runs per replica."""
         step = self._step
-        assert step is not None
-        labels = [str(i) for i in step.active]
+        assert step is not None, "gather runs inside forward"
         weights = lambda: policy_weights(self.scalar_outputs, step.sizes, step.shards)
-        return combine(outputs, output_device, self.dim, weights, self._backward_runner(step), labels)
+        return combine(
+            outputs, output_device, self.dim, weights, self._backward_runner(step), list(map(str, step.active))
+        )
 
     # -- one step ----------------------------------------------------------------------------
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         """Scatter, run the replicas concurrently, gather on the output device."""
         with self._lock:
-            self._begin((inputs, kwargs))
-            step = self._step
-            assert step is not None
-            args, kws = self.scatter(inputs, kwargs, [self.devices[i] for i in step.active])
+            step = self._begin((inputs, kwargs))
+            args, kws = self.scatter(inputs, kwargs, step.devices)
             step.shards = list(zip(args, kws))
-            replicas = self.replicate(self.module, [self.devices[i] for i in step.active])
+            replicas = self.replicate(self.module, step.devices)
             marks = BufferMarks(self.module, replicas)
             outputs = self.parallel_apply(replicas, args, kws)
-            self._merge_buffers(replicas, step, marks)
+            self._replicas.merge_buffers(replicas, step.sizes, marks)  # type: ignore[union-attr]
             return self.gather(outputs, self.output_device)
 
     def train_step(
@@ -268,86 +219,62 @@ class HeteroDataParallel(nn.Module):
         reduction: ScalarPolicy = "mean",
         **kwargs: Any,
     ) -> torch.Tensor:
-        """Local-loss mode: each device computes its own shard's loss; no output is gathered.
-
-        Every replica runs forward, ``loss_fn(output, target_shard)`` (``loss_fn(output)``
-        without a target) and backward in its own thread, its loss weighted as
-        ``reduction`` says (``"mean"``: ``b_i / B``; ``"sum"``: 1; or a callable like
-        ``scalar_outputs``), so the module's gradients equal the full-batch ones. Call
-        ``optimizer.step()`` afterwards as usual.
+        """Local-loss mode: each replica computes its shard's loss and backward; nothing is gathered.
 
         Args:
             inputs: A tensor, a tuple of positional inputs, or a dict of keyword inputs.
-            target: The targets, split like ``inputs`` (or ``None``).
+            target: The targets, split like ``inputs`` (``None``: ``loss_fn(output)``).
             loss_fn: ``loss_fn(output[, target]) -> 0-dim tensor``, e.g. ``F.cross_entropy``.
-            reduction: How ``loss_fn`` reduces over samples (see above).
+            reduction: Each loss's weight: ``"mean"`` (``b_i / B``), ``"sum"`` (1) or a
+                callable as ``scalar_outputs``; the gradients are the full-batch ones.
             **kwargs: More keyword inputs of the model, split like the batch.
 
         Returns:
             The full-batch loss (detached) on the output device.
 
         Raises:
-            ValueError: On a bad ``reduction``, a missing ``loss_fn``, or a loss that is
-                not a scalar (naming its shape).
+            ValueError: On a bad ``reduction`` or ``loss_fn`` (before any device work), or a
+                loss that is not a scalar (naming its shape).
         """
-        check_policy(reduction, "reduction")
-        if reduction == "stack" or loss_fn is None:
-            raise ValueError(
-                f"train_step needs loss_fn and a reduction of 'mean', 'sum' or a callable, "
-                f"got loss_fn={loss_fn!r}, reduction={reduction!r}"
-            )
-        args = inputs if isinstance(inputs, tuple) else () if isinstance(inputs, dict) else (inputs,)
-        kws = {**inputs, **kwargs} if isinstance(inputs, dict) else dict(kwargs)
+        args, kws = _local_inputs(inputs, kwargs, loss_fn, reduction)
         with self._lock:
-            self._begin(((args, kws), target))
-            step = self._step
-            assert step is not None
-            devices = [self.devices[i] for i in step.active]
-            shards = scatter_to(((args, kws), target), devices, step.sizes, self.dim)
+            step = self._begin(((args, kws), target))
+            shards = scatter_to(((args, kws), target), step.devices, step.sizes, self.dim)
             step.shards = [(tuple(a), dict(k)) for (a, k), _ in shards]
             weights = policy_weights(reduction, step.sizes, step.shards)
             assert weights is not None
-            replicas = self.replicate(self.module, devices)
+            replicas = self.replicate(self.module, step.devices)
             marks = BufferMarks(self.module, replicas)
-
-            def local(j: int) -> torch.Tensor:
-                (a, k), t = shards[j]
-                out = replicas[j](*a, **k)
-                loss = loss_fn(out, t) if target is not None else loss_fn(out)
-                if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-                    shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
-                    raise ValueError(
-                        f"loss_fn must return a scalar (0-dim) tensor, got {shape}; reduce it "
-                        "with .mean() or .sum() and say which with reduction="
-                    )
-                (loss * weights[j]).backward()
-                return loss.detach()
-
-            losses = self._run([lambda j=j: local(j) for j in range(len(devices))], "")
-            accumulate_gradients(list(self.module.parameters()), self._sources(step))
-            self._merge_buffers(replicas, step, marks)
-            self._end_step()
+            fns = [
+                lambda r=r, shard=shard, w=w: _local_step(r, shard, target is not None, loss_fn, w)
+                for r, shard, w in zip(replicas, shards, weights)
+            ]
+            losses = self._run(fns, "", step.active)
+            self._replicas.merge_buffers(replicas, step.sizes, marks)  # type: ignore[union-attr]
+            self._finish(step)
             return sum(to_device(x, self.output_device) * w for x, w in zip(losses, weights))  # type: ignore[return-value]
 
-    def _begin(self, batch_tree: Any) -> None:
+    def _begin(self, batch_tree: Any) -> _Step:
         """Start a step: feed the rebalancer the steps it can read, choose this step's plan."""
-        self._feed_rebalancer()
-        sizes = self.sizes_for(batch_length(batch_tree, self.dim))
-        self._step = _Step(self._plan, [i for i, s in enumerate(sizes) if s > 0])  # type: ignore[arg-type]
-        self._busy = {}
+        self._plans.observe(self._log.readable() if self.rebalancer is not None else ())
+        plan = self._plans.for_batch(batch_length(batch_tree, self.dim))
+        active = [i for i, s in enumerate(plan.sizes) if s > 0]
+        self._step = _Step(plan, active, [self.devices[i] for i in active])
+        self._log.start()
+        return self._step
 
-    def _run(self, fns: Sequence[Callable[[], Any]], what: str, active: Sequence[int] | None = None) -> list[Any]:
-        step = self._step
-        assert step is not None
-        active = step.active if active is None else active
+    def _run(self, fns: Sequence[Callable[[], Any]], what: str, active: Sequence[int]) -> list[Any]:
         laps: list[Lap] = []
         out = run_parallel(fns, [self.devices[i] for i in active], [f"{i}{what}" for i in active], laps)
         for i, lap in zip(active, laps):
-            self._busy.setdefault(self.devices[i].name, []).append(lap)
+            self._log.add(self.devices[i].name, lap)
         return out
 
-    def _sources(self, step: _Step) -> list[list[torch.Tensor]]:
-        return self._replicas.sources(step.active) if self._replicas is not None else []
+    def _finish(self, step: _Step) -> None:
+        """End a step whose backward has run: gradients into the module, busy times logged."""
+        sources = self._replicas.sources(step.active) if self._replicas is not None else []
+        accumulate_gradients(list(self.module.parameters()), sources)
+        self._log.end(step.plan, keep=self.rebalancer is not None)
 
     def _backward_runner(self, step: _Step) -> Callable[[list[tuple[list[torch.Tensor], list[torch.Tensor]]]], None]:
         def run(work: list[tuple[list[torch.Tensor], list[torch.Tensor]]]) -> None:
@@ -355,35 +282,61 @@ class HeteroDataParallel(nn.Module):
             fns = [lambda o=o, g=g: torch.autograd.backward(o, g) for _, o, g in jobs]
             if fns:
                 self._run(fns, " (backward)", [i for i, _, _ in jobs])
-            accumulate_gradients(list(self.module.parameters()), self._sources(step))
-            self._end_step()
+            self._finish(step)
 
         return run
-
-    def _merge_buffers(self, replicas: Sequence[nn.Module], step: _Step, marks: BufferMarks) -> None:
-        if self._replicas is not None and replicas:
-            self._replicas.merge_buffers(replicas, step.sizes, marks)
-
-    def _end_step(self) -> None:
-        self._last = self._busy
-        if self.rebalancer is not None and self._step is not None and self._busy:
-            self._unread.append((self._step.plan, self._busy))
-
-    def _feed_rebalancer(self) -> None:
-        # Steps whose laps can be read without waiting (at once on the CPU; on a GPU once
-        # it has run them) go to the rebalancer, so measuring never stalls training.
-        new = None
-        while self._unread and all(lap.ready() for laps in self._unread[0][1].values() for lap in laps):
-            plan, busy = self._unread.popleft()
-            times = {name: sum(lap.seconds() for lap in laps) for name, laps in busy.items()}
-            new = self.rebalancer.observe(plan, times) or new  # type: ignore[union-attr]
-        if new is not None and (self._plan is None or new.sizes != self._plan.sizes):
-            self._plan, self._plans = new, {new.batch_size: new}
 
     @property
     def step_times(self) -> dict[str, float]:
         """Busy seconds of each active device in the last step (waits for a CUDA device to finish it)."""
-        return {name: sum(lap.seconds() for lap in laps) for name, laps in self._last.items()}
+        return self._log.last_times()
+
+
+def _check_one_device(module: nn.Module) -> None:
+    homes = {t.device for t in (*module.parameters(), *module.buffers())}
+    if len(homes) > 1:
+        raise ValueError(
+            f"the module's parameters and buffers are on several devices {sorted(map(str, homes))}; "
+            "move the whole module to one device (e.g. module.to('cpu')) before wrapping it"
+        )
+
+
+def _positions(devices: Sequence[Device], chosen: Sequence[Device]) -> list[int]:
+    """Where each of ``chosen`` sits in ``devices``, taking repeated devices in order."""
+    free = list(range(len(devices)))
+    return [free.pop(next(k for k, i in enumerate(free) if devices[i] == d)) for d in chosen]
+
+
+def _local_inputs(
+    inputs: Any, kwargs: dict[str, Any], loss_fn: Callable[..., torch.Tensor] | None, reduction: ScalarPolicy
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """``train_step``'s inputs as (args, kwargs), its arguments checked before any device work."""
+    check_policy(reduction, "reduction")
+    if reduction == "stack" or loss_fn is None:
+        raise ValueError(
+            f"train_step needs loss_fn and a reduction of 'mean', 'sum' or a callable, "
+            f"got loss_fn={loss_fn!r}, reduction={reduction!r}"
+        )
+    if isinstance(inputs, dict):
+        return (), {**inputs, **kwargs}
+    return (inputs if isinstance(inputs, tuple) else (inputs,)), dict(kwargs)
+
+
+def _local_step(
+    replica: nn.Module, shard: Any, has_target: bool, loss_fn: Callable[..., torch.Tensor], weight: float
+) -> torch.Tensor:
+    """One replica's forward, loss and weighted backward in local-loss mode; its loss, detached."""
+    (args, kwargs), target = shard
+    out = replica(*args, **kwargs)
+    loss = loss_fn(out, target) if has_target else loss_fn(out)
+    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+        shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+        raise ValueError(
+            f"loss_fn must return a scalar (0-dim) tensor, got {shape}; reduce it "
+            "with .mean() or .sum() and say which with reduction="
+        )
+    (loss * weight).backward()
+    return loss.detach()
 
 
 def _drop_module_prefix(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:

@@ -11,11 +11,19 @@ from torch import nn
 from ..devices import Device
 from ..tree import to_device
 
-__all__ = ["Replicas", "BufferMarks"]
+__all__ = ["Replicas", "BufferMarks", "module_device"]
 
 # torch's norm layers count their training steps in this integer buffer; a full-batch
 # step advances it by one however many replicas ran.
 _STEP_COUNTER = "num_batches_tracked"
+
+
+def module_device(module: nn.Module) -> torch.device:
+    """Where a module's parameters (else buffers) live; the CPU for a module with neither."""
+    first = next(iter(module.parameters()), None)
+    if first is None:
+        first = next(iter(module.buffers()), None)
+    return first.device if first is not None else torch.device("cpu")
 
 
 class BufferMarks:

@@ -2,19 +2,20 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 
 from ..devices import Device, DeviceLike, parse_devices
 from ..planning.plan import Plan
 from ..planning.profile import Profile, latest_profile
-from ..planning.sizes import resolve_plan
+from ..planning.rebalance import Rebalancer
+from ..planning.sizes import check_weights, resolve_plan
 from ..profiler import quick_profile
 from ..tree import batch_length
 from .scatter_gather import scatter_to
 
-__all__ = ["default_profile", "split_sizes", "balanced_split"]
+__all__ = ["default_profile", "split_sizes", "balanced_split", "BatchPlans"]
 
 
 def default_profile(devices: Sequence[Device]) -> Profile:
@@ -85,3 +86,71 @@ def balanced_split(
     devs = parse_devices(devices)
     sizes = split_sizes(batch_length(X, dim), devs, weights=weights, profile=profile)
     return scatter_to(X, devs, sizes, dim)
+
+
+class BatchPlans:
+    """The plan of every batch size an engine meets: given, solved once per size, or learned.
+
+    Args:
+        devices: The engine's devices, in shard order.
+        plan: A plan to follow for its batch size.
+        profile: Curves to solve other batch sizes with.
+        weights: Relative throughputs (not with ``plan``/``profile``).
+        rebalancer: Once it has observed the devices, its corrected curves solve new sizes.
+    """
+
+    def __init__(
+        self,
+        devices: Sequence[Device],
+        *,
+        plan: Plan | None = None,
+        profile: Profile | None = None,
+        weights: Sequence[float] | None = None,
+        rebalancer: Rebalancer | None = None,
+    ) -> None:
+        if weights is not None and (plan is not None or profile is not None):
+            raise ValueError("give weights, or a plan and/or profile, not both")
+        self.devices, self.names = list(devices), [d.name for d in devices]
+        self.weights = check_weights(weights, len(self.devices)) if weights is not None else None
+        self.profile, self.rebalancer = profile, rebalancer
+        self.current: Plan | None = None
+        self.by_batch: dict[int, Plan] = {}
+        if plan is not None:
+            self.set(plan)
+
+    def set(self, plan: Plan) -> None:
+        """Follow ``plan`` from now on (weights are dropped; a profile still serves other sizes).
+
+        Raises:
+            ValueError: If the plan's devices are not these devices.
+        """
+        if list(plan.devices) != self.names:
+            raise ValueError(f"the plan is for devices {plan.devices}, but this wrapper runs on {self.names}")
+        self.current, self.by_batch, self.weights = plan, {plan.batch_size: plan}, None
+
+    def for_batch(self, batch: int) -> Plan:
+        """The plan for a batch of ``batch`` samples, which becomes :attr:`current`."""
+        plan = self.by_batch.get(batch)
+        if plan is None:
+            learned = self.rebalancer is not None and bool(self.rebalancer.log_factors)
+            profile = self.rebalancer.corrected(self.names) if learned else self.profile
+            plan = self.by_batch[batch] = resolve_plan(
+                batch,
+                self.devices,
+                plan=self.current,
+                profile=profile,
+                weights=self.weights,
+                fallback=lambda: default_profile(self.devices),
+            )
+        self.current = plan
+        return plan
+
+    def observe(self, steps: Iterable[tuple[Plan, dict[str, float]]]) -> None:
+        """Feed finished steps' busy times to the rebalancer; adopt the plan it proposes."""
+        if self.rebalancer is None:
+            return
+        new = None
+        for plan, times in steps:
+            new = self.rebalancer.observe(plan, times) or new
+        if new is not None and (self.current is None or new.sizes != self.current.sizes):
+            self.current, self.by_batch = new, {new.batch_size: new}
