@@ -1,5 +1,6 @@
 """hetsplit.distributed on two gloo ranks (file rendezvous in a temp dir, one spawn for the module)."""
 
+import copy
 import datetime
 import json
 import os
@@ -124,6 +125,23 @@ def _worker(rank, init_file, out_dir):
     res["err_outputs_user_hook"] = _ddp_step(
         [7, 3], rank, hook=True, method="outputs", user_hook=default_hooks.allreduce_hook
     )
+    # The README's recipe with a rank the plan gives nothing: it still takes part in every step.
+    zero_plan = plan_from_sizes(None, ["rank0", "rank1"], [6, 0])
+    full_x, full_y = _batch(12)
+    loader = hd.data_loader(torch.utils.data.TensorDataset(full_x, full_y), zero_plan, shuffle=False)
+    zddp = DDP(_net())
+    hd.weight_gradients(zddp, zero_plan)
+    shapes = []
+    for bx, by in loader:
+        shapes.append(len(bx))
+        zddp.zero_grad()
+        F.cross_entropy(zddp(bx), by).backward()  # NaN on the empty share: weighted by 0, it adds nothing
+    zref = _net()
+    F.cross_entropy(zref(full_x[6:]), full_y[6:]).backward()  # the last global batch
+    res["zero_share_loader"] = {"shapes": shapes, "err": _rel_err(zddp.module, [p.grad for p in zref.parameters()])}
+    # A deep copy of the weighted model (an EMA or evaluation copy) runs unweighted, any batch size.
+    twin = copy.deepcopy(zddp.module)
+    res["copy_runs"] = tuple(twin(full_x[:5]).shape)
     # A plan change (what DistributedRebalancer does): the next step is weighted by the new plan.
     ddp = DDP(_net())
     state = hd.weight_gradients(ddp, plan_from_sizes(None, ["a", "b"], [7, 3]), method="outputs")
@@ -236,6 +254,13 @@ def test_every_weighting_path_is_exact_and_off_plan_steps_are_refused(ranks):
     assert "plan gives this rank 3" in ranks[1]["plan_method_error"]
     assert "rank 1: this step has 5 samples but the plan gives this rank 3" in ranks[1]["outputs_method_error"]
     assert all(r["outputs_eval_shape"] == [5, 3] for r in ranks)
+
+
+def test_data_loader_serves_a_zero_share_and_copies_run_unweighted(ranks):
+    assert ranks[0]["zero_share_loader"]["shapes"] == [6, 6] and ranks[1]["zero_share_loader"]["shapes"] == [0, 0]
+    for r in ranks:
+        assert r["zero_share_loader"]["err"] < 1e-12  # float64: only rounding
+        assert r["copy_runs"] == [5, 3]
 
 
 def test_sampler_with_process_group_defaults(ranks):

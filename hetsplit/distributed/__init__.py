@@ -10,7 +10,7 @@ from ._group import DistributedError, init_timeout, verify_plan
 from .comm_hooks import WeightingState, scale_loss, weight_gradients
 from .rank_plan import plan, rank_device
 from .rebalance import DistributedRebalancer
-from .sampler import HeteroBatchSampler, HeteroDistributedSampler
+from .sampler import HeteroBatchSampler, HeteroDistributedSampler, data_loader
 
 __all__ = [
     "DistributedError",
@@ -18,6 +18,7 @@ __all__ = [
     "HeteroBatchSampler",
     "HeteroDistributedSampler",
     "WeightingState",
+    "data_loader",
     "init_timeout",
     "plan",
     "rank_device",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -168,6 +169,9 @@ def weight_gradients(
     rank, world = group_info(group)
     state = WeightingState(group, reduction, rank)
     state.set_plan(plan)
+    # The hooks travel with copy.deepcopy(ddp.module) (an EMA model, an evaluation copy);
+    # they act only on the module they were registered on, so a copy runs unweighted.
+    owner = weakref.ref(ddp_model.module)
 
     def record(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         first = args[0] if args else None
@@ -185,7 +189,7 @@ def weight_gradients(
     if method == "hook":
 
         def before(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-            if torch.is_grad_enabled():
+            if torch.is_grad_enabled() and module is owner():
                 record(args, kwargs)
 
         ddp_model.module.register_forward_pre_hook(before, with_kwargs=True)
@@ -198,7 +202,7 @@ def weight_gradients(
         return t
 
     def after(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
-        if not torch.is_grad_enabled():
+        if not torch.is_grad_enabled() or module is not owner():
             return None
         record(args, kwargs)  # after the forward: one Python call per step; an off-plan step still raises
         if isinstance(output, torch.Tensor):

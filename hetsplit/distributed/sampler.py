@@ -3,17 +3,17 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
-from torch.utils.data import Dataset, Sampler, default_collate
+from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
 
 from ..planning.plan import Plan
 from ..tree import tree_map
 from ._group import group_info
 
-__all__ = ["HeteroDistributedSampler", "HeteroBatchSampler", "plan_at"]
+__all__ = ["HeteroDistributedSampler", "HeteroBatchSampler", "data_loader", "plan_at"]
 
 
 class HeteroDistributedSampler(Sampler[int]):
@@ -208,3 +208,53 @@ class HeteroBatchSampler(Sampler[list[int]]):
             return default_collate(batch)
         one = default_collate([self.dataset[0]])  # type: ignore[index]
         return tree_map(lambda t: t[:0] if isinstance(t, torch.Tensor) else t, one)
+
+
+class _Collate:
+    """``collate_fn`` for a :class:`HeteroBatchSampler`: the user's, except for an empty share."""
+
+    def __init__(self, sampler: HeteroBatchSampler, user: Callable[[list[Any]], Any] | None) -> None:
+        self.sampler, self.user = sampler, user
+
+    def __call__(self, batch: list[Any]) -> Any:
+        if batch and self.user is not None:
+            return self.user(batch)
+        return self.sampler.collate(batch)
+
+
+def data_loader(
+    dataset: Dataset,
+    plan: Plan,
+    *,
+    shuffle: bool = True,
+    seed: int = 0,
+    drop_last: bool = False,
+    num_replicas: int | None = None,
+    rank: int | None = None,
+    **loader_kwargs: Any,
+) -> DataLoader:
+    """This rank's ``DataLoader`` over its shares of every global batch, a share of 0 included.
+
+    ``DataLoader(batch_size=0)`` is refused by torch, so a rank the plan gives nothing
+    would fail; this loader yields that rank an empty batch each step instead, so it
+    still takes part in every collective. The batch sampler
+    (``loader.batch_sampler``, a :class:`HeteroBatchSampler`) follows plan changes and
+    needs ``loader.batch_sampler.set_epoch(epoch)`` before each epoch.
+
+    Args:
+        dataset: A map-style dataset.
+        plan: The plan every rank holds.
+        shuffle, seed, drop_last, num_replicas, rank: As for :class:`HeteroBatchSampler`.
+        **loader_kwargs: Passed to ``DataLoader`` (``num_workers``, ``pin_memory``,
+            ``collate_fn``, ...); ``batch_size``, ``sampler`` and ``shuffle`` are the plan's.
+
+    Raises:
+        ValueError: If ``loader_kwargs`` sets the batch size or a sampler.
+    """
+    taken = sorted({"batch_size", "sampler", "batch_sampler", "drop_last"} & set(loader_kwargs))
+    if taken:
+        raise ValueError(f"data_loader sets {taken} from the plan; leave them out")
+    sampler = HeteroBatchSampler(dataset, plan, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed,
+                                 drop_last=drop_last)
+    collate = _Collate(sampler, loader_kwargs.pop("collate_fn", None))
+    return DataLoader(dataset, batch_sampler=sampler, collate_fn=collate, **loader_kwargs)
