@@ -254,7 +254,8 @@ def data_loader(
     taken = sorted({"batch_size", "sampler", "batch_sampler", "drop_last"} & set(loader_kwargs))
     if taken:
         raise ValueError(f"data_loader sets {taken} from the plan; leave them out")
-    sampler = HeteroBatchSampler(dataset, plan, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed,
-                                 drop_last=drop_last)
+    sampler = HeteroBatchSampler(
+        dataset, plan, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed, drop_last=drop_last
+    )
     collate = _Collate(sampler, loader_kwargs.pop("collate_fn", None))
     return DataLoader(dataset, batch_sampler=sampler, collate_fn=collate, **loader_kwargs)
