@@ -91,3 +91,33 @@ def test_missing_fashion_mnist_is_explained(name, tmp_path):
         cwd=EXAMPLES,
     )
     assert proc.returncode != 0 and "never downloads" in proc.stderr
+
+
+def test_lenet_from_scratch_step_equals_one_full_batch_step():
+    """One two-device SGD step of the course's loop (cpu and cpu@1 share one CPU) is one full-batch step."""
+    import importlib.util
+
+    import torch
+    import torch.nn.functional as F
+
+    import hetsplit
+
+    sys.path.insert(0, str(EXAMPLES))
+    try:
+        spec = importlib.util.spec_from_file_location("lenet_from_scratch", EXAMPLES / "lenet_from_scratch.py")
+        example = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(example)
+    finally:
+        sys.path.remove(str(EXAMPLES))
+    params = [p.double() for p in example.init_params()]
+    devices = hetsplit.parse_devices("cpu,cpu@1")
+    device_params = [example.copy_params(params, d) for d in devices]
+    gen = torch.Generator().manual_seed(0)
+    x, y = torch.randn(10, 1, 28, 28, dtype=torch.float64, generator=gen), torch.randint(0, 10, (10,), generator=gen)
+    example.train_batch(x, y, device_params, devices, [7, 3], lr=0.5)
+    ref = [p.clone().requires_grad_() for p in params]
+    F.cross_entropy(example.lenet(x, ref), y).backward()
+    expected = [p.detach() - 0.5 * p.grad for p in ref]
+    for copy in device_params:  # both devices' copies took exactly the one full-batch step
+        for got, want in zip(copy, expected):
+            torch.testing.assert_close(got.detach(), want, rtol=1e-12, atol=1e-14)
