@@ -11,6 +11,7 @@ from .comm_hooks import WeightingState, scale_loss, weight_gradients
 from .rank_plan import plan, rank_device
 from .rebalance import DistributedRebalancer
 from .sampler import HeteroBatchSampler, HeteroDistributedSampler, data_loader
+from .setup import init
 
 __all__ = [
     "DistributedError",
@@ -19,6 +20,7 @@ __all__ = [
     "HeteroDistributedSampler",
     "WeightingState",
     "data_loader",
+    "init",
     "init_timeout",
     "plan",
     "rank_device",

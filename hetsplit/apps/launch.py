@@ -1,0 +1,96 @@
+"""Launch: ``hetsplit launch``, one process per device on top of torchrun (``torch.distributed.run``)."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+from ..devices import parse_devices
+from ..distributed.setup import ENV_DEVICES, rank_devices
+
+__all__ = ["launch", "torchrun_args"]
+
+
+def torchrun_args(
+    devices: str,
+    script: str,
+    script_args: Sequence[str] = (),
+    *,
+    nnodes: int = 1,
+    node_rank: int = 0,
+    rdzv_endpoint: str | None = None,
+    rdzv_backend: str = "c10d",
+    max_restarts: int = 0,
+) -> tuple[list[str], list[str]]:
+    """The torchrun command line for one process per listed device, and this node's devices.
+
+    ``devices`` lists one device per global rank, the same on every node; each of the
+    ``nnodes`` nodes runs ``len(devices) / nnodes`` of them, node ``r`` the ``r``-th slice.
+
+    Raises:
+        ValueError: If the devices do not divide evenly over the nodes, a node rank is
+            out of range, a multi-node job has no rendezvous endpoint, or a device of
+            this node is not present here; before anything starts.
+    """
+    if nnodes < 1 or not 0 <= node_rank < nnodes:
+        raise ValueError(f"node rank {node_rank} is out of range for {nnodes} nodes; give 0 <= --node-rank < --nnodes")
+    spec = [s.strip() for s in devices.split(",") if s.strip()]
+    if len(spec) % nnodes:
+        raise ValueError(
+            f"{len(spec)} devices cannot be shared evenly by {nnodes} nodes (torchrun runs the same number of "
+            "processes on every node); list one device per global rank"
+        )
+    names = rank_devices(devices, len(spec))
+    per_node = len(names) // nnodes
+    local = names[node_rank * per_node : (node_rank + 1) * per_node]
+    parse_devices(local)  # this node must have its devices: fail here, not in a rank waiting for the others
+    argv = ["--nnodes", str(nnodes), "--nproc-per-node", str(per_node), "--max-restarts", str(max_restarts)]
+    if nnodes == 1 and rdzv_endpoint is None:
+        argv.append("--standalone")
+    else:
+        if rdzv_endpoint is None:
+            raise ValueError("a job of several nodes needs --rdzv-endpoint HOST:PORT, the same on every node")
+        argv += ["--node-rank", str(node_rank), "--rdzv-backend", rdzv_backend, "--rdzv-endpoint", rdzv_endpoint]
+    return [*argv, script, *script_args], local
+
+
+def _failure_line(error: BaseException) -> str:
+    """One line for a failed torchrun job: which rank failed first, and how."""
+    failures = getattr(error, "failures", None) or {}
+    if not failures:
+        return f"the job failed: {error}"
+    rank, failure = min(failures.items(), key=lambda item: getattr(item[1], "timestamp", 0))
+    message = ""
+    path = getattr(failure, "error_file", None)
+    if path and Path(path).is_file():
+        try:
+            message = json.loads(Path(path).read_text())["message"]["message"]
+        except (OSError, ValueError, KeyError, TypeError):
+            message = ""
+    how = f"exit code {failure.exitcode}" if getattr(failure, "exitcode", None) is not None else "an error"
+    tail = f": {str(message).strip().splitlines()[-1]}" if message else " (its output above says why)"
+    return f"rank {rank} failed with {how}{tail}; the other ranks were stopped"
+
+
+def launch(devices: str, script: str, script_args: Sequence[str] = (), **options: object) -> None:
+    """Run ``script`` in one process per device of ``devices``, through torchrun.
+
+    Every process finds its device with :func:`hetsplit.distributed.init`. See
+    :func:`torchrun_args` for ``options`` (``nnodes``, ``node_rank``, ``rdzv_endpoint``,
+    ``rdzv_backend``, ``max_restarts``).
+
+    Raises:
+        ValueError: On bad devices or options, before any process starts.
+        RuntimeError: One line naming the rank that failed first, when the job fails.
+    """
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    argv, _ = torchrun_args(devices, script, script_args, **options)  # type: ignore[arg-type]
+    os.environ[ENV_DEVICES] = ",".join(rank_devices(devices, len([s for s in devices.split(",") if s.strip()])))
+    try:
+        run(parse_args(argv))
+    except ChildFailedError as e:
+        raise RuntimeError(_failure_line(e)) from e

@@ -1,0 +1,93 @@
+"""Setup: one process per device — this rank's device, and a process group whose backend fits the mix."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+from ..devices import Device, parse_device
+from ._group import init_timeout
+
+__all__ = ["ENV_DEVICES", "rank_devices", "choose_backend", "init"]
+
+# `hetsplit launch` puts the job's device list here, one device per global rank.
+ENV_DEVICES = "HETSPLIT_DEVICES"
+
+
+def rank_devices(spec: str, world: int) -> list[str]:
+    """The per-rank device list ``spec`` (``"cuda:0,cuda:1,cpu"``), checked against the world size.
+
+    Every entry's syntax is checked here; whether a device exists is checked by the
+    rank that uses it.
+
+    Raises:
+        ValueError: If the list is empty, malformed, or its length is not ``world``.
+    """
+    items = [s.strip() for s in spec.split(",") if s.strip()]
+    if not items:
+        raise ValueError(f"no devices in {spec!r}; list one device per process, e.g. 'cuda:0,cuda:1,cpu'")
+    names = [parse_device(s, check=False).name for s in items]
+    if len(names) != world:
+        raise ValueError(
+            f"{len(names)} devices {names} for {world} processes; list exactly one device per process "
+            "(repeat a device to run several processes on it, e.g. 'cpu,cpu@0.25')"
+        )
+    return names
+
+
+def choose_backend(devices: list[str]) -> str:
+    """``"nccl"`` when every rank is a CUDA GPU (and NCCL is built in), else ``"gloo"``.
+
+    NCCL only moves CUDA tensors; one CPU rank among GPUs makes the whole job gloo,
+    which carries both (a GPU rank's tensors are staged through its host memory).
+    """
+    all_gpu = all(parse_device(d, check=False).type == "cuda" for d in devices)
+    return "nccl" if all_gpu and dist.is_available() and dist.is_nccl_available() else "gloo"
+
+
+def init(timeout: float | None = None, *, devices: str | None = None) -> Device:
+    """Join the job started by ``hetsplit launch`` (or torchrun) on this rank's own device.
+
+    Reads the per-rank device list (``devices``, else ``$HETSPLIT_DEVICES``, which
+    ``hetsplit launch --devices ...`` sets) and this rank from torchrun's environment,
+    checks that the device exists here, selects it (``torch.cuda.set_device`` on a GPU),
+    and initialises the default process group with NCCL when every rank is a GPU, else
+    gloo. Emulated devices (``cpu@0.25``) come back as such: run each step's work under
+    ``device.throttle(cpu_time=True)`` to give the rank that speed.
+
+    Args:
+        timeout: Seconds before a collective waiting for a dead or hung rank fails
+            (default: torch's).
+        devices: The per-rank device list, overriding ``$HETSPLIT_DEVICES``.
+
+    Returns:
+        This rank's :class:`~hetsplit.Device`.
+
+    Raises:
+        ValueError: Without a device list or torchrun's environment, with a list whose
+            length is not the world size, or a device this machine lacks; before the
+            process group is created.
+    """
+    spec = devices if devices is not None else os.environ.get(ENV_DEVICES)
+    if not spec:
+        raise ValueError(
+            f"no device list: start the job with 'hetsplit launch --devices ...', or pass devices= "
+            f"(or set ${ENV_DEVICES}) to list one device per rank"
+        )
+    try:
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    except (KeyError, ValueError) as e:
+        raise ValueError(
+            f"RANK and WORLD_SIZE are not set ({e}); start the script with 'hetsplit launch' or torchrun"
+        ) from e
+    names = rank_devices(spec, world)
+    device = parse_device(names[rank])  # this machine must have it
+    if device.type == "cuda":
+        torch.cuda.set_device(device.index)
+    backend = choose_backend(names)
+    kwargs = {"timeout": init_timeout(timeout)} if timeout is not None else {}
+    if not dist.is_initialized():
+        dist.init_process_group(backend, **kwargs)
+    return device
