@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from .commands import DTYPES, CLIError, cmd_bench, cmd_demo, cmd_devices, cmd_plan, cmd_profile, cmd_show
+from .launch import cmd_launch
 
 __all__ = ["main", "build_parser"]
 
@@ -170,6 +171,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plan", type=Path, help="a plan file (from 'hetsplit plan --json > FILE') to draw as the split")
     p.add_argument("--batch-size", type=_positive_int, help="draw the split of this batch (default: largest measured)")
     p.add_argument("--out", type=Path, help="picture to write (default: FILE with .png)")
+
+    p = sub.add_parser(
+        "launch",
+        help="run a training script in one process per device (torchrun underneath)",
+        description="Start SCRIPT once per listed device through torchrun; in the script, "
+        "hetsplit.distributed.init() returns that process's device and joins the process group "
+        "(NCCL when every device is a GPU, else gloo). --devices lists one device per global rank, the same "
+        "on every node; node R runs the R-th slice.",
+    )
+    p.add_argument("--devices", required=True, help="one device per process, e.g. cuda:0,cuda:1,cpu or cpu,cpu@0.25")
+    p.add_argument("--nnodes", type=_positive_int, default=1, help="number of nodes (default 1)")
+    p.add_argument("--node-rank", type=int, default=0, help="this node's rank (default 0)")
+    p.add_argument("--rdzv-endpoint", help="HOST:PORT of the rendezvous, the same on every node (several nodes)")
+    p.add_argument("--rdzv-backend", default="c10d", help="torchrun's rendezvous backend (default c10d)")
+    p.add_argument("script", help="the training script")
+    p.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")
     return parser
 
 
@@ -180,6 +197,7 @@ _COMMANDS = {
     "plan": cmd_plan,
     "bench": cmd_bench,
     "show": cmd_show,
+    "launch": cmd_launch,
 }
 
 

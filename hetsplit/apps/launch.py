@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 from collections.abc import Sequence
@@ -10,7 +11,7 @@ from pathlib import Path
 from ..devices import parse_devices
 from ..distributed.setup import ENV_DEVICES, rank_devices
 
-__all__ = ["launch", "torchrun_args"]
+__all__ = ["launch", "torchrun_args", "cmd_launch"]
 
 
 def torchrun_args(
@@ -69,7 +70,10 @@ def _failure_line(error: BaseException) -> str:
             message = json.loads(Path(path).read_text())["message"]["message"]
         except (OSError, ValueError, KeyError, TypeError):
             message = ""
-    how = f"exit code {failure.exitcode}" if getattr(failure, "exitcode", None) is not None else "an error"
+    code = getattr(failure, "exitcode", None)
+    how = (
+        f"signal {-code}" if code is not None and code < 0 else f"exit code {code}" if code is not None else "an error"
+    )
     tail = f": {str(message).strip().splitlines()[-1]}" if message else " (its output above says why)"
     return f"rank {rank} failed with {how}{tail}; the other ranks were stopped"
 
@@ -94,3 +98,17 @@ def launch(devices: str, script: str, script_args: Sequence[str] = (), **options
         run(parse_args(argv))
     except ChildFailedError as e:
         raise RuntimeError(_failure_line(e)) from e
+
+
+def cmd_launch(args: argparse.Namespace) -> int:
+    """``hetsplit launch``: run the job; 0 when every rank succeeded."""
+    launch(
+        args.devices,
+        args.script,
+        args.script_args,
+        nnodes=args.nnodes,
+        node_rank=args.node_rank,
+        rdzv_endpoint=args.rdzv_endpoint,
+        rdzv_backend=args.rdzv_backend,
+    )
+    return 0

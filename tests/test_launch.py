@@ -1,0 +1,100 @@
+"""`hetsplit launch` and `hetsplit.distributed.init`: one process per device on top of torchrun."""
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+from hetsplit.apps.launch import torchrun_args
+from hetsplit.distributed.setup import choose_backend, init, rank_devices
+
+SCRIPT = """
+import os, signal, sys
+import torch.distributed as dist
+import hetsplit.distributed as hd
+
+dev = hd.init(timeout=10)
+print(f"rank {dist.get_rank()} of {dist.get_world_size()}: {dev.name} emulated={dev.emulated} "
+      f"backend={dist.get_backend()}", flush=True)
+if sys.argv[1:] == ["kill"] and dist.get_rank() == 1:
+    os.kill(os.getpid(), signal.SIGKILL)
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+def _launch(tmp_path, *args):
+    script = tmp_path / "job.py"
+    script.write_text(SCRIPT)
+    start = time.perf_counter()
+    proc = subprocess.run(
+        [sys.executable, "-m", "hetsplit.apps.cli", "launch", "--devices", "cpu,cpu@0.25", str(script), *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
+    return proc, time.perf_counter() - start
+
+
+def test_each_rank_runs_on_its_own_device(tmp_path):
+    proc, _ = _launch(tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "rank 0 of 2: cpu emulated=False backend=gloo" in proc.stdout
+    assert "rank 1 of 2: cpu@0.25 emulated=True backend=gloo" in proc.stdout
+
+
+def test_a_killed_rank_stops_the_job_with_one_clear_line(tmp_path):
+    proc, seconds = _launch(tmp_path, "kill")
+    assert proc.returncode == 1
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last == (
+        "hetsplit launch: error: rank 1 failed with signal 9 (its output above says why); the other ranks were stopped"
+    )
+    assert seconds < 60  # rank 0 waits in a barrier; torchrun stops it as soon as rank 1 dies, not at the timeout
+
+
+def test_torchrun_arguments_for_one_and_several_nodes():
+    argv, local = torchrun_args("cpu,cpu@0.25", "train.py", ["--lr", "0.1"])
+    assert local == ["cpu", "cpu@0.25"]
+    assert argv[-3:] == ["train.py", "--lr", "0.1"] and "--standalone" in argv
+    assert argv[argv.index("--nproc-per-node") + 1] == "2"
+    argv, local = torchrun_args("cpu,cpu,cpu@0.5,cpu@0.5", "t.py", nnodes=2, node_rank=1, rdzv_endpoint="h:29500")
+    assert local == ["cpu@0.5", "cpu@0.5"] and argv[argv.index("--node-rank") + 1] == "1"
+    assert argv[argv.index("--rdzv-endpoint") + 1] == "h:29500" and "--standalone" not in argv
+
+
+@pytest.mark.parametrize(
+    "devices, options, fragment",
+    [
+        ("cpu,cpu,cpu", {"nnodes": 2, "rdzv_endpoint": "h:1"}, "3 devices cannot be shared evenly by 2 nodes"),
+        ("cpu,cpu", {"nnodes": 2}, "needs --rdzv-endpoint"),
+        ("cpu,cpu", {"nnodes": 2, "node_rank": 2, "rdzv_endpoint": "h:1"}, "node rank 2 is out of range"),
+        ("cpu,cuda:7", {}, "'cuda:7' is not available"),
+        ("cpu,gpu", {}, "cannot parse device 'gpu'"),
+        ("", {}, "no devices"),
+    ],
+)
+def test_bad_launches_fail_before_anything_starts(devices, options, fragment):
+    with pytest.raises(ValueError, match=fragment):
+        torchrun_args(devices, "t.py", **options)
+
+
+def test_init_checks_the_device_list_before_the_process_group(monkeypatch):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    with pytest.raises(ValueError, match=r"2 devices \['cpu', 'cpu@0.25'\] for 3 processes"):
+        init(devices="cpu,cpu@0.25")
+    monkeypatch.delenv("HETSPLIT_DEVICES", raising=False)
+    with pytest.raises(ValueError, match="hetsplit launch --devices"):
+        init()
+    monkeypatch.delenv("RANK")
+    with pytest.raises(ValueError, match="RANK and WORLD_SIZE are not set"):
+        init(devices="cpu")
+
+
+def test_backend_follows_the_device_mix():
+    assert choose_backend(["cpu", "cpu@0.5"]) == "gloo"
+    assert choose_backend(["cuda:0", "cpu"]) == "gloo"  # one CPU rank makes the whole job gloo
+    assert rank_devices(" cuda:0, cuda:1 ", 2) == ["cuda:0", "cuda:1"]
