@@ -75,6 +75,8 @@ def batch_length(tree: Any, dim: int = 0) -> int:
         ValueError: If there is no tensor, ``dim`` is out of range for a tensor, or the
             tensors' lengths differ (the message lists them).
     """
+    if isinstance(tree, torch.Tensor) and -tree.dim() <= dim < tree.dim():
+        return tree.shape[dim]  # the common case, without walking a tree
     leaves, _ = flatten(tree)
     lengths = []
     for i, leaf in enumerate(leaves):
@@ -109,4 +111,6 @@ def to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 def move(tree: Any, device: torch.device) -> Any:
     """Every tensor of a nest moved to ``device`` (see :func:`to_device`)."""
+    if isinstance(tree, torch.Tensor):
+        return to_device(tree, device)
     return tree_map(lambda x: to_device(x, device) if isinstance(x, torch.Tensor) else x, tree)

@@ -298,3 +298,21 @@ def test_profile_calibrated_scales_observed_devices():
     assert (
         cal.source.endswith("+calibrated") and prof.entry("cpu@0.25").measurements == cal.entry("cpu@0.25").measurements
     )
+
+
+def test_one_real_device_runs_the_module_itself():
+    """As nn.DataParallel does with one device: no replica, the module's own output and buffers."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4)).double()
+    ref = copy.deepcopy(net)
+    dp = HeteroDataParallel(net, ["cpu"])
+    x = torch.randn(10, 3, dtype=torch.float64)
+    out = dp(x)
+    ref_out = ref(x)
+    torch.testing.assert_close(out, ref_out, rtol=0, atol=0)
+    out.pow(2).sum().backward()
+    ref_out.pow(2).sum().backward()
+    for p, q in zip(net.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)
+    assert torch.equal(net[1].running_mean, ref[1].running_mean) and int(net[1].num_batches_tracked) == 1
+    assert dp._replicas is None and dp.plan.sizes == [10]  # nothing was copied; the plan is still kept

@@ -15,7 +15,7 @@ from ..planning.plan import Plan
 from ..planning.profile import Profile
 from ..planning.rebalance import Rebalancer
 from ..timing import Lap
-from ..tree import batch_length, to_device
+from ..tree import batch_length, move, to_device
 from .apply import run_parallel
 from .busy import BusyLog
 from .outputs import ScalarPolicy, check_policy, combine, policy_weights
@@ -201,6 +201,16 @@ class HeteroDataParallel(nn.Module):
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         """Scatter, run the replicas concurrently, gather on the output device."""
         with self._lock:
+            home = self._direct()
+            if home is not None:  # one real device, the module's own: run the module, as nn.DataParallel does
+                one = inputs[0] if len(inputs) == 1 and not kwargs and isinstance(inputs[0], torch.Tensor) else None
+                self._plans.for_batch(batch_length(one if one is not None else (inputs, kwargs), self.dim))
+                if one is not None:
+                    out = self.module(to_device(one, home))
+                else:
+                    inputs, kwargs = move((inputs, kwargs), home)
+                    out = self.module(*inputs, **kwargs)
+                return move(out, self._output_device or home)
             step = self._begin((inputs, kwargs))
             args, kws = self.scatter(inputs, kwargs, step.devices)
             step.shards = list(zip(args, kws))
@@ -253,6 +263,14 @@ class HeteroDataParallel(nn.Module):
             self._replicas.merge_buffers(replicas, step.sizes, marks)  # type: ignore[union-attr]
             self._finish(step)
             return sum(to_device(x, self.output_device) * w for x, w in zip(losses, weights))  # type: ignore[return-value]
+
+    def _direct(self) -> torch.device | None:
+        """The module's device when a step can simply run the module there, else ``None``."""
+        dev = self.devices[0]
+        if len(self.devices) > 1 or dev.emulated or self.rebalancer is not None:
+            return None
+        home = module_device(self.module)
+        return home if dev.torch_device == home else None
 
     def _begin(self, batch_tree: Any) -> _Step:
         """Start a step: feed the rebalancer the steps it can read, choose this step's plan."""
