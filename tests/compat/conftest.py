@@ -1,0 +1,9 @@
+"""Fixtures for the compatibility suite: every test starts from the same seed."""
+
+import pytest
+import torch
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
