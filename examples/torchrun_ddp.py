@@ -7,8 +7,13 @@ Launch one process per device:
   torchrun --nnodes=2 --node_rank=N --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 \\
            --nproc_per_node=1 examples/torchrun_ddp.py --devices cuda:0,cpu            # across nodes
 
---devices lists one device per global rank (cycled if shorter). Data: Fashion-MNIST
-from --data-dir when present, else SYNTHETIC (labelled so; nothing is downloaded).
+--devices lists exactly one device per global rank (a list of another length is an error
+on every rank, before any work). Data: Fashion-MNIST from --data-dir when present, else
+SYNTHETIC (labelled so; nothing is downloaded).
+
+A failure ends in one line on stderr and exit status 1 on each rank that sees it: a rank
+that dies or hangs becomes hd.DistributedError on the others, naming the step, the rank
+and the timeout (--timeout); --debug adds the traceback.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import contextlib
 import os
 import sys
 import time
+import traceback
 
 import torch
 import torch.distributed as dist
@@ -33,7 +39,7 @@ import hetsplit
 import hetsplit.distributed as hd
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--devices", default="cpu,cpu@0.25", help="one device per rank, e.g. cuda:0,cpu")
     parser.add_argument("--batch-size", type=int, default=256, help="global batch per step, across all ranks")
@@ -66,27 +72,41 @@ def main() -> None:
         default=0,
         help="demo: from this step on, emulated ranks run 4x slower than their --devices speed",
     )
+    parser.add_argument("--log-every", type=int, default=0, metavar="K", help="print the loss every K steps (rank 0)")
+    parser.add_argument("--debug", action="store_true", help="show the traceback of a failure")
     add_data_args(parser)
-    args = parser.parse_args()
+    return parser.parse_args()
 
-    devices = [d for d in args.devices.split(",") if d]
+
+def train(args: argparse.Namespace) -> None:
+    # Every rank checks the device list against torchrun's WORLD_SIZE before joining the
+    # group: a list of another length fails here, on every rank, before any work.
+    world = int(os.environ.get("WORLD_SIZE", "0"))
+    if world < 1:
+        raise ValueError("WORLD_SIZE is not set: start this script with torchrun (see the top of this file)")
+    try:
+        devices = [hd.rank_device(args.devices, r, world=world) for r in range(world)]
+    except ValueError as e:
+        raise ValueError(f"--devices {args.devices}: {e}") from None
+    timeout = hd.init_timeout(args.timeout)
     backend = args.backend
     if backend == "auto":
         backend = "nccl" if all(d.startswith("cuda") and "@" not in d for d in devices) else "gloo"
-    dist.init_process_group(backend, timeout=hd.init_timeout(args.timeout))
+    with hd.guard(what="joining the process group"):
+        dist.init_process_group(backend, timeout=timeout)
     rank, world = dist.get_rank(), dist.get_world_size()
     if args.threads:
         torch.set_num_threads(args.threads)
-    dev = hetsplit.parse_device(hd.rank_device(devices, rank))
+    dev = hetsplit.parse_device(devices[rank])
     if dev.type == "cuda":
         torch.cuda.set_device(dev.index)
-    say = print if rank == 0 else (lambda *a, **k: None)
+    say = (lambda *a: print(*a, flush=True)) if rank == 0 else (lambda *a: None)
 
     train_iter, test_iter, label = load(args, args.batch_size)
     train_set = train_iter.dataset
     say(f"data: {label}")
-    say(f"{world} ranks on {', '.join(hd.rank_device(devices, r) for r in range(world))} ({backend})")
-    if any("@" in hd.rank_device(devices, r) for r in range(world)):
+    say(f"{world} ranks on {', '.join(devices)} ({backend}); timeout {args.timeout:g} s")
+    if any("@" in d for d in devices):
         say("emulated devices are real devices slowed down by sleeping; not real hardware")
 
     torch.manual_seed(0)
@@ -107,8 +127,9 @@ def main() -> None:
         )
     say("plan:", ", ".join(f"{d} {s}" for d, s in zip(plan.devices, plan.sizes)))
 
-    ddp = DDP(model, device_ids=[dev.index] if dev.type == "cuda" else None)
-    grads = None if args.weighting == "none" else hd.weight_gradients(ddp, plan, method=args.weighting)
+    with hd.guard(what="setting up DDP"):  # DDP broadcasts the model from rank 0
+        ddp = DDP(model, device_ids=[dev.index] if dev.type == "cuda" else None)
+        grads = None if args.weighting == "none" else hd.weight_gradients(ddp, plan, method=args.weighting)
     # One list of indices per step: the shares can change between steps (--rebalance).
     sampler = hd.HeteroBatchSampler(train_set, plan, shuffle=True, seed=0)
     loader = DataLoader(train_set, batch_sampler=sampler, collate_fn=sampler.collate)
@@ -134,12 +155,17 @@ def main() -> None:
                 dev.set_speed(dev.speed / 4)
                 print(f"rank {rank}: {dev.name} now runs at {dev.speed / 4:g}x", flush=True)
             x, y = x.to(dev.torch_device), y.to(dev.torch_device)
-            opt.zero_grad(set_to_none=True)
-            with rebalancer.step() if rebalancer else contextlib.nullcontext():
-                # Forward, loss, backward, each at the device's (emulated) speed; cpu_time:
-                # DDP's backward also waits for the other ranks, and only work is slowed.
-                loss = hetsplit.profiler.train_step(ddp, x, y, F.cross_entropy, dev, cpu_time=True)
-            opt.step()
+            # A dead or hung rank surfaces in backward (DDP's all-reduce, the comm hook) or in
+            # the rebalancer's exchange: the guard makes it one DistributedError naming the step.
+            with hd.guard(step=done):
+                opt.zero_grad(set_to_none=True)
+                with rebalancer.step() if rebalancer else contextlib.nullcontext():
+                    # Forward, loss, backward, each at the device's (emulated) speed; cpu_time:
+                    # DDP's backward also waits for the other ranks, and only work is slowed.
+                    loss = hetsplit.profiler.train_step(ddp, x, y, F.cross_entropy, dev, cpu_time=True)
+                opt.step()
+            if args.log_every and done % args.log_every == 0:
+                say(f"step {done}: loss {loss.item():.3f}")
             done += 1
             steps += 1
             if args.steps and done >= args.steps:
@@ -157,6 +183,28 @@ def main() -> None:
         say(f"{len(rebalancer.history)} plan changes; final shares {rebalancer.plan.sizes}")
     dev.set_speed(None)
     dist.destroy_process_group()
+
+
+def main() -> None:
+    args = parse_args()
+    try:
+        train(args)
+    except Exception as e:  # one line per failed rank; --debug adds the traceback
+        if args.debug:
+            traceback.print_exc()
+        if hd.is_failure(e):  # a torch.distributed error outside the guards
+            e = hd.DistributedError(hd.failure_message(e))
+        text = " ".join(str(e).split()) or "(no message)"
+        if not isinstance(e, hd.DistributedError) and "RANK" in os.environ:
+            text = f"rank {os.environ['RANK']}: {text}"
+        print(f"torchrun_ddp.py: {type(e).__name__}: {text}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        # Leave without tearing the process group down: after a dead or hung peer, gloo's
+        # threads still wait on its sockets, and destroying the group (explicitly or at
+        # interpreter exit) can block or abort with a C++ message and SIGABRT. Exiting at once
+        # also closes this rank's connections, so the other ranks fail now instead of at the
+        # timeout.
+        os._exit(1)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ share of every global batch) â†’ ``comm_hooks`` (gradients weighted by shard) â†
 ``rebalance`` (online rebalancing across ranks).
 """
 
-from ._group import DistributedError, init_timeout, verify_plan
+from ._group import DistributedError, failure_message, guard, init_timeout, is_failure, verify_plan
 from .comm_hooks import WeightingState, scale_loss, weight_gradients
 from .rank_plan import plan, rank_device
 from .rebalance import DistributedRebalancer
@@ -20,8 +20,11 @@ __all__ = [
     "HeteroDistributedSampler",
     "WeightingState",
     "data_loader",
+    "failure_message",
+    "guard",
     "init",
     "init_timeout",
+    "is_failure",
     "plan",
     "rank_device",
     "scale_loss",

@@ -5,18 +5,50 @@ from __future__ import annotations
 import datetime as _dt
 import hashlib
 import json
+import re
 from collections.abc import Callable
+from types import TracebackType
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from ..planning.plan import Plan
 
-__all__ = ["DistributedError", "group_info", "collective", "all_gather", "verify_plan", "init_timeout"]
+__all__ = [
+    "DistributedError",
+    "group_info",
+    "collective",
+    "all_gather",
+    "verify_plan",
+    "init_timeout",
+    "group_timeout",
+    "is_failure",
+    "failure_message",
+    "as_error",
+    "guard",
+    "note_step",
+    "current_step",
+]
 
 
 class DistributedError(RuntimeError):
-    """Ranks disagree (versions, plans) or one of them died or hangs."""
+    """Ranks disagree (versions, plans) or one of them died or hangs.
+
+    Attributes:
+        step: The training step that failed (counted from 0), when known.
+        ranks: The ranks that died or hang, when known (a two-rank job: the other one).
+        timeout: The process group's timeout in seconds, when known.
+    """
+
+    def __init__(
+        self, message: str, *, step: int | None = None, ranks: list[int] | None = None, timeout: float | None = None
+    ) -> None:
+        super().__init__(message)
+        self.step, self.ranks, self.timeout = step, ranks, timeout
+
+
+DistributedError.__module__ = "hetsplit.distributed"  # where users import it from (tracebacks name it so)
 
 
 def group_info(group: Any) -> tuple[int, int]:
@@ -28,20 +60,172 @@ def group_info(group: Any) -> tuple[int, int]:
     return dist.get_rank(group), dist.get_world_size(group)
 
 
-def collective(what: str, fn: Callable[[], Any], rank: int) -> Any:
+# The training step this process is in, as last noted by a guard, the weighting hooks or
+# the rebalancer (one number per process: a failure message names it).
+_progress: dict[str, int | None] = {"step": None}
+
+
+def note_step(step: int) -> None:
+    """Record the training step (from 0) this rank is running; failures name it."""
+    _progress["step"] = step
+
+
+def current_step() -> int | None:
+    """The step last recorded by :func:`note_step`, or ``None`` before training."""
+    return _progress["step"]
+
+
+def group_timeout(group: Any = None) -> float | None:
+    """The process group's timeout in seconds (``init_process_group(timeout=...)``), or ``None`` if unknown."""
+    if not dist.is_available() or not dist.is_initialized():
+        return None
+    pg = group if group is not None else dist.group.WORLD
+    for device in ("cpu", "cuda"):
+        try:  # torch keeps the timeout in each backend's options; no public accessor
+            timeout = pg._get_backend(torch.device(device)).options._timeout
+            return timeout.total_seconds()
+        except Exception:
+            continue
+    return None
+
+
+# What gloo, NCCL and the TCP store say when a peer died or hangs (torch raises them as
+# RuntimeError, or DistBackendError / DistNetworkError / DistStoreError in newer versions).
+_DEAD = re.compile(
+    r"connection (?:reset|closed|refused)|broken pipe|end of file|\beof\b|socket closed|"
+    r"remote process exited|peer .*(?:closed|down)",
+    re.IGNORECASE,
+)
+_HUNG = re.compile(r"timed out|timeout|deadline exceeded|watchdog", re.IGNORECASE)
+_COMM = re.compile(r"gloo|nccl|c10d|processgroup|pair\.cc|tcpstore|socket", re.IGNORECASE)
+_WRAPPED = re.compile(r"DistributedError: ([^\n]*)")  # our own message, raised inside a comm hook's future
+_GLOO_NOISE = re.compile(r"\[[^\]]*\.(?:cc|cpp|h):\d+\]\s*|\s*This is typically caused by.*$|\s*GLHF.*$")
+
+
+def _dist_error_types() -> tuple[type[BaseException], ...]:
+    names = ("DistBackendError", "DistNetworkError", "DistStoreError")
+    return tuple(t for n in names if isinstance(t := getattr(dist, n, None), type))
+
+
+def is_failure(error: BaseException) -> bool:
+    """Whether ``error`` is a communication failure (a dead or hung peer), not a bug in this rank's own step."""
+    if isinstance(error, DistributedError):
+        return False  # already one clear message
+    if isinstance(error, _dist_error_types()):
+        return True
+    if not isinstance(error, RuntimeError):
+        return False
+    text = str(error)
+    return bool(_WRAPPED.search(text)) or (bool(_COMM.search(text)) and bool(_DEAD.search(text) or _HUNG.search(text)))
+
+
+def failure_message(
+    error: BaseException, *, step: int | None = None, what: str = "training step", group: Any = None
+) -> str:
+    """``error`` (a dead or hung peer) as one line naming this rank, the step, the failed rank and the timeout.
+
+    For code that catches torch.distributed's errors itself; :class:`guard` raises the
+    same line as a :class:`DistributedError`.
+    """
+    rank, world = group_info(group) if dist.is_available() and dist.is_initialized() else (None, None)
+    return str(as_error(error, rank=rank, world=world, step=step, what=what, timeout=group_timeout(group)))
+
+
+def as_error(
+    error: BaseException,
+    *,
+    rank: int | None,
+    world: int | None,
+    step: int | None = None,
+    what: str = "training step",
+    timeout: float | None = None,
+) -> DistributedError:
+    """``error`` as a :class:`DistributedError` with one line (see :func:`failure_message`)."""
+    others = [r for r in range(world) if r != rank] if world else []
+    ranks = others if len(others) == 1 else None
+    wrapped = _WRAPPED.search(str(error))
+    if wrapped:  # the comm hook already wrote the line; torch wrapped it in its future's error
+        line = wrapped.group(1).strip()
+        found = re.search(r", step (\d+):", line)
+        return DistributedError(line, step=int(found.group(1)) if found else step, ranks=ranks, timeout=timeout)
+    text = " ".join(str(error).split("\n\nAt:")[0].split())
+    reason = _GLOO_NOISE.sub("", text).strip().rstrip(".")[:200] or type(error).__name__
+    who = f"rank {others[0]}" if ranks else "another rank"
+    limit = f"{timeout:g} s" if timeout is not None else "process group's"
+    hung = not _DEAD.search(text) and bool(_HUNG.search(text))
+    if hung:
+        how = (
+            f"{who} did not answer within the {limit} timeout: it hangs, is stopped, or is slower than "
+            f"the timeout allows ({reason})"
+        )
+    elif _DEAD.search(text):
+        how = f"{who} died or lost its connection ({reason})"
+    else:
+        how = f"{type(error).__name__}: {reason}"
+    where = f"rank {rank}" if rank is not None else "this rank"
+    if step is not None:
+        where += f", step {step}"
+    tail = ""
+    if not hung:
+        tail = f"; process-group timeout {timeout:g} s" if timeout is not None else ""
+        tail += "; that rank's own output says why" if _DEAD.search(text) else ""
+    return DistributedError(f"{where}: {what} failed: {how}{tail}", step=step, ranks=ranks, timeout=timeout)
+
+
+class guard:  # lower case: used like a function, `with hd.guard(step=i):`
+    """Turn a dead or hung peer inside the block into one :class:`DistributedError` line.
+
+    Wrap a training step (forward, ``loss.backward()`` — where DDP's all-reduce and the
+    comm hook fail — and the optimizer step), or any code that calls collectives. A
+    communication failure (gloo/NCCL ``RuntimeError``, ``DistBackendError``) becomes a
+    :class:`DistributedError` naming this rank, ``what``, the step (``step``, else the
+    last one the weighting hooks noted), the rank that failed when it is known (the
+    other rank of a two-rank job) and the process group's timeout; it is raised ``from``
+    the original. Any other exception passes through unchanged.
+
+    Example:
+        >>> for step, (x, y) in enumerate(loader):
+        ...     with hd.guard(step=step):
+        ...         opt.zero_grad(); F.cross_entropy(ddp(x), y).backward(); opt.step()
+    """
+
+    __slots__ = ("group", "step", "what")
+
+    def __init__(self, step: int | None = None, *, what: str = "training step", group: Any = None) -> None:
+        self.step, self.what, self.group = step, what, group
+
+    def __enter__(self) -> guard:
+        if self.step is not None:
+            note_step(self.step)
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None) -> bool:
+        if error is None or not is_failure(error):
+            return False
+        rank = world = None
+        if dist.is_available() and dist.is_initialized():
+            rank, world = dist.get_rank(self.group), dist.get_world_size(self.group)
+        step = self.step if self.step is not None else current_step()
+        raise as_error(
+            error, rank=rank, world=world, step=step, what=self.what, timeout=group_timeout(self.group)
+        ) from error
+
+
+def collective(what: str, fn: Callable[[], Any], rank: int, group: Any = None, *, step: int | None = None) -> Any:
+    """``fn()``, a collective; its failure (any ``RuntimeError``: a dead or hung peer) becomes one clear line."""
     try:
         return fn()
     except RuntimeError as e:  # gloo and NCCL report timeouts and dead peers as RuntimeError
-        raise DistributedError(
-            f"rank {rank}: {what} failed: {e}. Another rank died or hangs, or the process group's timeout "
-            "(init_process_group(timeout=...)) ran out"
-        ) from e
+        if isinstance(e, DistributedError):
+            raise
+        world = dist.get_world_size(group) if dist.is_initialized() else None
+        raise as_error(e, rank=rank, world=world, step=step, what=what, timeout=group_timeout(group)) from e
 
 
-def all_gather(obj: Any, what: str, group: Any) -> list[Any]:
+def all_gather(obj: Any, what: str, group: Any, *, step: int | None = None) -> list[Any]:
     rank, world = group_info(group)
     out: list[Any] = [None] * world
-    collective(what, lambda: dist.all_gather_object(out, obj, group=group), rank)
+    collective(what, lambda: dist.all_gather_object(out, obj, group=group), rank, group, step=step)
     return out
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import weakref
+from functools import partial
 from typing import Any
 
 import torch
@@ -12,17 +13,23 @@ from torch import nn
 from ..parallel.reduce import shard_weights
 from ..planning.plan import Plan
 from ..tree import batch_length, tree_map
-from ._group import DistributedError, group_info, verify_plan
+from ._group import DistributedError, as_error, group_info, group_timeout, note_step, verify_plan
 
 __all__ = ["WeightingState", "weight_gradients", "scale_loss"]
 
 
 class WeightingState:
-    """What the comm hook needs: this step's local batch size, the reduction, and the plan's weight."""
+    """What the comm hook needs: this step's local batch size, the reduction, and the plan's weight.
 
-    def __init__(self, group: Any, reduction: str, rank: int) -> None:
-        self.group, self.reduction, self.rank = group, reduction, rank
+    ``steps`` counts the training forwards (with gradients) of the weighted model;
+    ``step`` is the one running (from 0), named by a failure in its all-reduce.
+    """
+
+    def __init__(self, group: Any, reduction: str, rank: int, world: int | None = None) -> None:
+        self.group, self.reduction, self.rank, self.world = group, reduction, rank, world
         self.local = 0
+        self.steps = 0
+        self.step: int | None = None
         self.buffers: dict[int, torch.Tensor] = {}  # per bucket: the packing buffer, reused every step
         self.weight: float | None = None  # with a plan: this rank's constant weight b_r / B
         self.planned: int | None = None  # with a plan: this rank's samples per step
@@ -34,6 +41,23 @@ class WeightingState:
             return
         self.planned = plan.sizes[self.rank]
         self.weight = self.planned / plan.batch_size if self.reduction == "mean" else float(self.planned > 0)
+
+    def started(self) -> None:
+        """A training forward began: count it as this rank's next step."""
+        self.step = self.steps
+        self.steps += 1
+        note_step(self.step)
+
+    def failed(self, error: BaseException) -> DistributedError:
+        """The all-reduce of this step failed (a dead or hung peer): one line naming the step."""
+        return as_error(
+            error,
+            rank=self.rank,
+            world=self.world,
+            step=self.step,
+            what="gradient all-reduce",
+            timeout=group_timeout(self.group),
+        )
 
 
 def _weighted_allreduce(state, bucket):  # type: ignore[no-untyped-def]
@@ -55,7 +79,7 @@ def _weighted_allreduce(state, bucket):  # type: ignore[no-untyped-def]
             grads.mul_(state.weight)
         else:
             grads.zero_()  # a rank with no samples (its empty-batch gradient may be NaN)
-        return dist.all_reduce(grads, group=state.group, async_op=True).get_future().then(lambda f: f.value()[0])
+        return dist.all_reduce(grads, group=state.group, async_op=True).get_future().then(partial(_first, state))
     b = float(state.local)
     weight = b if state.reduction == "mean" else (1.0 if b > 0 else 0.0)
     packed = state.buffers.get(bucket.index())
@@ -69,7 +93,7 @@ def _weighted_allreduce(state, bucket):  # type: ignore[no-untyped-def]
     fut = dist.all_reduce(packed, group=state.group, async_op=True).get_future()
 
     def finish(f):  # type: ignore[no-untyped-def]
-        total = f.value()[0]
+        total = _first(state, f)
         if state.reduction == "sum":
             grads.copy_(total[:-1])
             return grads
@@ -81,6 +105,18 @@ def _weighted_allreduce(state, bucket):  # type: ignore[no-untyped-def]
         return grads
 
     return fut.then(finish)
+
+
+def _first(state, fut):  # type: ignore[no-untyped-def]
+    """The all-reduced tensor; a dead or hung peer raises one line naming the step.
+
+    torch re-raises it from ``loss.backward()`` as a ``RuntimeError`` that quotes it;
+    :class:`hetsplit.distributed.guard` turns that back into the :class:`DistributedError`.
+    """
+    try:
+        return fut.value()[0]
+    except RuntimeError as e:
+        raise state.failed(e) from e
 
 
 class _ScaleGradient(torch.autograd.Function):
@@ -167,7 +203,7 @@ def weight_gradients(
     if plan is not None:
         verify_plan(plan, group)
     rank, world = group_info(group)
-    state = WeightingState(group, reduction, rank)
+    state = WeightingState(group, reduction, rank, world)
     state.set_plan(plan)
     # The hooks travel with copy.deepcopy(ddp.module) (an EMA model, an evaluation copy);
     # they act only on the module they were registered on, so a copy runs unweighted.
@@ -179,6 +215,7 @@ def weight_gradients(
             state.local = first.shape[dim]  # the common case, without walking the inputs
         else:
             state.local = batch_length((args, kwargs), dim)
+        state.started()
         if state.planned is not None and state.local != state.planned:
             raise DistributedError(
                 f"rank {rank}: this step has {state.local} samples but the plan gives this rank {state.planned}; "

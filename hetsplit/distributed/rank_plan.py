@@ -24,24 +24,43 @@ from ..profiler import train_step
 from ..timing import WorkTimer
 from ..tree import move, take_rows
 from ..version import __version__
-from ._group import DistributedError, all_gather, collective, group_info
+from ._group import DistributedError, all_gather, collective, group_info, guard
+from .setup import rank_devices
 
 __all__ = ["plan", "rank_device"]
 
 
-def rank_device(devices: str | Sequence[DeviceLike], rank: int | None = None) -> str:
+def rank_device(devices: str | Sequence[DeviceLike], rank: int | None = None, *, world: int | None = None) -> str:
     """This rank's device from a per-rank list: ``"cuda:0,cpu@0.25"`` gives rank 1 ``cpu@0.25``.
 
-    The list is indexed by the global rank, cycling when shorter than the world.
+    The list must name exactly one device per rank (repeat a device to put several
+    ranks on it): a list longer or shorter than the world is an error, never a device
+    silently dropped or shared. Call it before ``init_process_group`` to fail before any
+    rendezvous: ``rank`` and ``world`` default to the process group's, else to torchrun's
+    ``RANK`` and ``WORLD_SIZE``.
+
+    Raises:
+        ValueError: If the list is empty or malformed, its length is not the world size
+            (naming both), or the rank or world size cannot be found.
     """
-    items = (
-        [d.strip() for d in devices.split(",") if d.strip()] if isinstance(devices, str) else [str(d) for d in devices]
-    )
-    if not items:
-        raise ValueError(f"no devices in {devices!r}; give one per rank, e.g. 'cuda:0,cpu'")
-    if rank is None:
-        rank, _ = group_info(None)
-    return items[rank % len(items)]
+    spec = devices if isinstance(devices, str) else ",".join(str(d) for d in devices)
+    if rank is None or world is None:
+        if dist.is_available() and dist.is_initialized():
+            here, size = group_info(None)
+        else:
+            try:
+                here, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+            except (KeyError, ValueError) as e:
+                raise ValueError(
+                    f"no process group and no RANK/WORLD_SIZE in the environment ({e}); start the script with "
+                    "torchrun, or pass rank= and world="
+                ) from e
+        rank = here if rank is None else rank
+        world = size if world is None else world
+    names = rank_devices(spec, world)
+    if not 0 <= rank < world:
+        raise ValueError(f"rank {rank} is out of range for {world} ranks")
+    return names[rank]
 
 
 def plan(
@@ -187,15 +206,16 @@ def _calibration_work(
             f"a DDP step on the planned shares failed on ranks {bad}; check the model runs "
             "on these batch sizes, or pass calibrate=0"
         )
-    ddp = nn.parallel.DistributedDataParallel(
-        replica, device_ids=[dev.index] if dev.type == "cuda" else None, process_group=group
-    )
+    with guard(what="calibrating the plan (DDP setup)", group=group):
+        ddp = nn.parallel.DistributedDataParallel(
+            replica, device_ids=[dev.index] if dev.type == "cuda" else None, process_group=group
+        )
     timer = WorkTimer(dev, replica)
     laps = []
     try:
         for i in range(2 + steps):
             replica.zero_grad(set_to_none=True)
-            with timer.step() as lap:
+            with guard(what=f"calibrating the plan (DDP step {i})", group=group), timer.step() as lap:
                 train_step(ddp, inputs, labels, loss_fn, dev, cpu_time=True)  # waiting for other ranks is not slowed
             if i >= 2:
                 laps.append(lap)

@@ -13,7 +13,7 @@ from ..planning.plan import Plan
 from ..planning.rebalance import PlanChange, Rebalancer
 from ..planning.solver import plan_from_sizes
 from ..timing import Lap, WorkTimer
-from ._group import all_gather, group_info, verify_plan
+from ._group import all_gather, group_info, guard, verify_plan
 from .comm_hooks import WeightingState
 from .sampler import HeteroBatchSampler, plan_at
 
@@ -106,11 +106,18 @@ class DistributedRebalancer:
 
         Every ``rebalancer.every`` steps, on leaving, the ranks exchange timings
         (one small all-gather) and possibly schedule a new plan.
+
+        Raises:
+            DistributedError: One line naming this step, the rank that died or hangs
+                (when known) and the process group's timeout, when a peer fails during
+                the step or the exchange (as :class:`hetsplit.distributed.guard`).
         """
         current = self.plan
         if self.gradients is not None and self.gradients.weight is not None:
             self.gradients.set_plan(current)
-        with self._timer.step() as lap:
+        # A dead or hung peer in the step (DDP's all-reduce in backward, the comm hook)
+        # becomes one DistributedError line naming this step.
+        with guard(self.steps, group=self.group), self._timer.step() as lap:
             yield current
         self._mine[self.steps] = (current.sizes[self.rank], lap)
         self.steps += 1
@@ -121,7 +128,10 @@ class DistributedRebalancer:
         ready = {j: (size, lap.seconds()) for j, (size, lap) in self._mine.items() if lap.ready()}
         handed_out = self.sampler.yielded if self.sampler is not None else self.steps
         gathered = all_gather(
-            {"times": ready, "next": max(handed_out, self.steps)}, "exchanging step times", self.group
+            {"times": ready, "next": max(handed_out, self.steps)},
+            "exchanging step times",
+            self.group,
+            step=self.steps - 1,
         )
         common = sorted(set.intersection(*(set(g["times"]) for g in gathered)))
         names = self.plan.devices

@@ -31,7 +31,8 @@ def rank_devices(spec: str, world: int) -> list[str]:
     names = [parse_device(s, check=False).name for s in items]
     if len(names) != world:
         raise ValueError(
-            f"{len(names)} devices {names} for {world} processes; list exactly one device per process "
+            f"{len(names)} device{'' if len(names) == 1 else 's'} {names} for {world} processes; "
+            "list exactly one device per process "
             "(repeat a device to run several processes on it, e.g. 'cpu,cpu@0.25')"
         )
     return names
