@@ -192,25 +192,16 @@ class HeteroDataParallel(nn.Module):
         step = self._step
         assert step is not None, "gather runs inside forward"
         weights = lambda: policy_weights(self.scalar_outputs, step.sizes, step.shards)
-        return combine(
-            outputs, output_device, self.dim, weights, self._backward_runner(step), list(map(str, step.active))
-        )
-
-    # -- one step ----------------------------------------------------------------------------
+        labels = list(map(str, step.active))
+        return combine(outputs, output_device, self.dim, weights, self._backward_runner(step), labels)
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         """Scatter, run the replicas concurrently, gather on the output device."""
         with self._lock:
-            home = self._direct()
+            home = _direct_device(self.devices, self.module) if self.rebalancer is None else None
             if home is not None:  # one real device, the module's own: run the module, as nn.DataParallel does
-                one = inputs[0] if len(inputs) == 1 and not kwargs and isinstance(inputs[0], torch.Tensor) else None
-                self._plans.for_batch(batch_length(one if one is not None else (inputs, kwargs), self.dim))
-                if one is not None:
-                    out = self.module(to_device(one, home))
-                else:
-                    inputs, kwargs = move((inputs, kwargs), home)
-                    out = self.module(*inputs, **kwargs)
-                return move(out, self._output_device or home)
+                self._plans.for_batch(batch_length(_batch_of(inputs, kwargs), self.dim))
+                return move(_call_on(self.module, home, inputs, kwargs), self._output_device or home)
             step = self._begin((inputs, kwargs))
             args, kws = self.scatter(inputs, kwargs, step.devices)
             step.shards = list(zip(args, kws))
@@ -264,14 +255,6 @@ class HeteroDataParallel(nn.Module):
             self._finish(step)
             return sum(to_device(x, self.output_device) * w for x, w in zip(losses, weights))  # type: ignore[return-value]
 
-    def _direct(self) -> torch.device | None:
-        """The module's device when a step can simply run the module there, else ``None``."""
-        dev = self.devices[0]
-        if len(self.devices) > 1 or dev.emulated or self.rebalancer is not None:
-            return None
-        home = module_device(self.module)
-        return home if dev.torch_device == home else None
-
     def _begin(self, batch_tree: Any) -> _Step:
         """Start a step: feed the rebalancer the steps it can read, choose this step's plan."""
         self._plans.observe(self._log.readable() if self.rebalancer is not None else ())
@@ -308,6 +291,27 @@ class HeteroDataParallel(nn.Module):
     def step_times(self) -> dict[str, float]:
         """Busy seconds of each active device in the last step (waits for a CUDA device to finish it)."""
         return self._log.last_times()
+
+
+def _direct_device(devices: Sequence[Device], module: nn.Module) -> torch.device | None:
+    """The module's device when a step can simply run the module there (one real device, its own)."""
+    if len(devices) > 1 or devices[0].emulated:
+        return None
+    home = module_device(module)
+    return home if devices[0].torch_device == home else None
+
+
+def _batch_of(inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The inputs as one tree; a lone tensor as itself (the common case, measured without walking a tree)."""
+    return inputs[0] if len(inputs) == 1 and not kwargs and isinstance(inputs[0], torch.Tensor) else (inputs, kwargs)
+
+
+def _call_on(module: nn.Module, device: torch.device, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``module(*inputs, **kwargs)`` with the inputs moved to ``device`` first."""
+    if len(inputs) == 1 and not kwargs and isinstance(inputs[0], torch.Tensor):
+        return module(to_device(inputs[0], device))
+    inputs, kwargs = move((inputs, kwargs), device)
+    return module(*inputs, **kwargs)
 
 
 def _check_one_device(module: nn.Module) -> None:
