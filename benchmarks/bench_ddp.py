@@ -206,6 +206,7 @@ def main() -> None:
         if args.json:
             with open(args.json, "w", encoding="utf-8") as fh:
                 json.dump(result, fh, indent=1)
+    dist.barrier()  # tear down together: a rank leaving while the other still reads can abort at exit
     dist.destroy_process_group()
 
 

@@ -108,6 +108,7 @@ def _worker(rank, init_file, out_dir):
     res["final"] = rb.plan.sizes
     res["schedule"] = [(s, p.sizes) for s, p in rb.schedule]
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(res))
+    dist.barrier()  # tear down together: a rank leaving while the other still reads can abort at exit
     dist.destroy_process_group()
 
 

@@ -3,6 +3,7 @@
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -98,3 +99,14 @@ def test_backend_follows_the_device_mix():
     assert choose_backend(["cpu", "cpu@0.5"]) == "gloo"
     assert choose_backend(["cuda:0", "cpu"]) == "gloo"  # one CPU rank makes the whole job gloo
     assert rank_devices(" cuda:0, cuda:1 ", 2) == ["cuda:0", "cuda:1"]
+
+
+def test_the_torchrun_example_runs_under_hetsplit_launch(tmp_path):
+    example = Path(__file__).resolve().parents[1] / "examples" / "torchrun_ddp.py"
+    proc = subprocess.run(
+        [sys.executable, "-m", "hetsplit.apps.cli", "launch", "--devices", "cpu,cpu@1", str(example),
+         "--steps", "3", "--profile-budget", "2", "--data", "synthetic", "--train-size", "512", "--test-size", "64"],
+        capture_output=True, text=True, timeout=180, cwd=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "2 ranks on cpu, cpu@1 (gloo)" in proc.stdout and "3 steps in" in proc.stdout

@@ -11,9 +11,10 @@ from .comm_hooks import WeightingState, scale_loss, weight_gradients
 from .rank_plan import plan, rank_device
 from .rebalance import DistributedRebalancer
 from .sampler import HeteroBatchSampler, HeteroDistributedSampler, data_loader
-from .setup import init
+from .setup import ENV_DEVICES, init
 
 __all__ = [
+    "ENV_DEVICES",
     "DistributedError",
     "DistributedRebalancer",
     "HeteroBatchSampler",

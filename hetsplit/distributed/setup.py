@@ -48,7 +48,7 @@ def choose_backend(devices: list[str]) -> str:
     return "nccl" if all_gpu and dist.is_available() and dist.is_nccl_available() else "gloo"
 
 
-def init(timeout: float | None = None, *, devices: str | None = None) -> Device:
+def init(timeout: float | None = None, *, devices: str | None = None, backend: str | None = None) -> Device:
     """Join the job started by ``hetsplit launch`` (or torchrun) on this rank's own device.
 
     Reads the per-rank device list (``devices``, else ``$HETSPLIT_DEVICES``, which
@@ -62,6 +62,7 @@ def init(timeout: float | None = None, *, devices: str | None = None) -> Device:
         timeout: Seconds before a collective waiting for a dead or hung rank fails
             (default: torch's).
         devices: The per-rank device list, overriding ``$HETSPLIT_DEVICES``.
+        backend: Force a backend (``"gloo"``, ``"nccl"``) instead of choosing by the mix.
 
     Returns:
         This rank's :class:`~hetsplit.Device`.
@@ -87,7 +88,7 @@ def init(timeout: float | None = None, *, devices: str | None = None) -> Device:
     device = parse_device(names[rank])  # this machine must have it
     if device.type == "cuda":
         torch.cuda.set_device(device.index)
-    backend = choose_backend(names)
+    backend = backend or choose_backend(names)
     kwargs = {"timeout": init_timeout(timeout)} if timeout is not None else {}
     if not dist.is_initialized():
         dist.init_process_group(backend, **kwargs)
