@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hetsplit import HeteroDataParallel, Plan, Profile, parse_devices, reduce_gradients, run_parallel
+from hetsplit import HeteroDataParallel, Plan, Profile
 from hetsplit.planning import plan_from_sizes
 
 DEVICES = ["cpu", "cpu@0.25"]
@@ -155,24 +155,6 @@ def test_replica_exception_names_device():
         dp(torch.randn(10, 2))
 
 
-def test_worker_threads_carry_grad_mode_and_autocast():
-    seen = []
-
-    def probe():
-        seen.append(
-            (
-                threading.current_thread() is not threading.main_thread(),
-                torch.is_grad_enabled(),
-                torch.is_autocast_enabled("cpu"),
-                torch.get_autocast_dtype("cpu"),
-            )
-        )
-
-    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
-        run_parallel([probe, probe], parse_devices(DEVICES))
-    assert seen == [(True, False, True, torch.bfloat16)] * 2
-
-
 def test_state_dict_is_the_plain_modules():
     net = _net()
     dp = HeteroDataParallel(net, DEVICES, weights=[1, 1])
@@ -236,25 +218,6 @@ def test_module_on_several_devices_is_refused(monkeypatch):
     monkeypatch.setattr(net, "parameters", lambda: iter([next(real()), torch.zeros(1, device="meta")]))
     with pytest.raises(ValueError, match="on several devices"):
         HeteroDataParallel(net, DEVICES)
-
-
-def test_reduce_gradients_like_the_course_allreduce_but_weighted():
-    a = [torch.zeros(2, requires_grad=True), torch.zeros(3, requires_grad=True)]
-    b = [torch.zeros(2, requires_grad=True), torch.zeros(3, requires_grad=True)]
-    a[0].grad, a[1].grad = torch.full((2,), 1.0), torch.full((3,), 2.0)
-    b[0].grad, b[1].grad = torch.full((2,), 5.0), None
-    with pytest.raises(ValueError, match="parameter 1 of device 1 has no gradient"):
-        reduce_gradients([a, b], [3, 1])  # a missing gradient is refused, not counted as zero (issue 17)
-    b[1].grad = torch.zeros(3)
-    reduce_gradients([a, b], [3, 1])
-    assert a[0].grad.tolist() == [2.0, 2.0] and b[0].grad.tolist() == [2.0, 2.0]
-    assert a[1].grad.tolist() == [1.5] * 3 and b[1].grad.tolist() == [1.5] * 3
-    reduce_gradients([a, b], [3, 1], reduction="sum")
-    assert a[0].grad.tolist() == [4.0, 4.0]
-    with pytest.raises(ValueError, match="differs in shape"):
-        reduce_gradients([a, [b[1], b[0]]], [1, 1])
-    with pytest.raises(ValueError, match="'max'"):
-        reduce_gradients([a, b], [1, 1], reduction="max")
 
 
 def test_emulated_replica_backward_is_throttled_and_concurrent(monkeypatch):

@@ -1,0 +1,25 @@
+"""reduce_gradients: the course's allreduce, weighted by shard size, refusing what would be silently wrong."""
+
+import pytest
+import torch
+
+from hetsplit import reduce_gradients
+
+
+def test_reduce_gradients_like_the_course_allreduce_but_weighted():
+    a = [torch.zeros(2, requires_grad=True), torch.zeros(3, requires_grad=True)]
+    b = [torch.zeros(2, requires_grad=True), torch.zeros(3, requires_grad=True)]
+    a[0].grad, a[1].grad = torch.full((2,), 1.0), torch.full((3,), 2.0)
+    b[0].grad, b[1].grad = torch.full((2,), 5.0), None
+    with pytest.raises(ValueError, match="parameter 1 of device 1 has no gradient"):
+        reduce_gradients([a, b], [3, 1])  # a missing gradient is refused, not counted as zero (issue 17)
+    b[1].grad = torch.zeros(3)
+    reduce_gradients([a, b], [3, 1])
+    assert a[0].grad.tolist() == [2.0, 2.0] and b[0].grad.tolist() == [2.0, 2.0]
+    assert a[1].grad.tolist() == [1.5] * 3 and b[1].grad.tolist() == [1.5] * 3
+    reduce_gradients([a, b], [3, 1], reduction="sum")
+    assert a[0].grad.tolist() == [4.0, 4.0]
+    with pytest.raises(ValueError, match="differs in shape"):
+        reduce_gradients([a, [b[1], b[0]]], [1, 1])
+    with pytest.raises(ValueError, match="'max'"):
+        reduce_gradients([a, b], [1, 1], reduction="max")
