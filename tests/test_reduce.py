@@ -23,3 +23,22 @@ def test_reduce_gradients_like_the_course_allreduce_but_weighted():
         reduce_gradients([a, [b[1], b[0]]], [1, 1])
     with pytest.raises(ValueError, match="'max'"):
         reduce_gradients([a, b], [1, 1], reduction="max")
+
+
+def test_parameters_shared_between_devices_are_refused_naming_them():
+    """Two 'devices' on one CPU holding the same tensor would apply every update twice."""
+    base = [torch.zeros(3, requires_grad=True), torch.zeros(2, requires_grad=True)]
+    aliased = [base[0], base[1].detach().clone().requires_grad_()]
+    for p in base + aliased:
+        p.grad = torch.ones_like(p)
+    with pytest.raises(ValueError, match="parameter 0 of device 1 shares its storage with parameter 0 of device 0"):
+        reduce_gradients([base, aliased], [3, 1])
+    assert base[0].grad.tolist() == [1.0, 1.0, 1.0]  # refused before any change
+
+
+@pytest.mark.parametrize("sizes", [[float("nan"), 2], [-1, 5], [1.5, 2], [True, 2]])
+def test_sizes_that_are_not_sample_counts_are_refused(sizes):
+    a, b = [torch.zeros(2, requires_grad=True)], [torch.zeros(2, requires_grad=True)]
+    a[0].grad, b[0].grad = torch.ones(2), torch.ones(2)
+    with pytest.raises(ValueError, match="must be an integer >= 0"):
+        reduce_gradients([a, b], sizes)
