@@ -279,3 +279,16 @@ def test_one_real_device_runs_the_module_itself():
         torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)
     assert torch.equal(net[1].running_mean, ref[1].running_mean) and int(net[1].num_batches_tracked) == 1
     assert dp._replicas is None and dp.plan.sizes == [10]  # nothing was copied; the plan is still kept
+
+
+def test_replicas_follow_a_replaced_parameter_and_a_mode_change():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(3, 3), nn.Dropout(0.5))
+    dp = HeteroDataParallel(net, DEVICES, weights=[1, 1])
+    x = torch.randn(6, 3)
+    dp(x)  # replicas built and paired with the module's tensors
+    net[0].weight = nn.Parameter(torch.eye(3))  # a new tensor, as load_state_dict(assign=True) makes
+    net[0].bias = nn.Parameter(torch.zeros(3))
+    dp.eval()  # and a mode change: dropout off in every replica
+    with torch.no_grad():
+        assert torch.equal(dp(x), x)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -68,19 +69,35 @@ class Replicas:
     def __init__(self, module: nn.Module, devices: Sequence[Device]) -> None:
         self.module, self.devices = module, list(devices)
         self.copies: dict[int, nn.Module] = {}
+        self._key: tuple[tuple[int, ...], tuple[int, ...]] | None = None
+        self._pairs: dict[int, tuple[list[torch.Tensor], list[torch.Tensor], list[nn.Module], list[Any]]] = {}
+        self._module_list: list[nn.Module] | None = None
+        self._module_key: tuple[tuple[int, ...], tuple[int, ...]] | None = None
 
     def get(self, indices: Sequence[int]) -> list[nn.Module]:
         """The replicas of devices ``indices``, synchronised with the module for a step."""
         params = list(self.module.parameters())
         buffers = list(self.module.buffers())
+        # The module's structure (which tensors, in which modules, in which mode) rarely
+        # changes: the pairing of replica and module tensors is kept until it does.
+        key = (tuple(map(id, params)), tuple(map(id, buffers)))
+        if key != self._key:
+            self._key, self._pairs = key, {}
+        modes = [m.training for m in self._modules()]
         out = []
         for i in indices:
             replica = self.copies.get(i)
-            if replica is None or not self._sync(replica, params, buffers):
+            if replica is None or not self._sync(i, replica, params, buffers, modes):
                 replica = self.copies[i] = self._build(i)
-                self._sync(replica, params, buffers)
+                self._pairs.pop(i, None)
+                self._sync(i, replica, params, buffers, modes)
             out.append(replica)
         return out
+
+    def _modules(self) -> list[nn.Module]:
+        if self._module_list is None or self._key != self._module_key:
+            self._module_list, self._module_key = list(self.module.modules()), self._key
+        return self._module_list
 
     def _build(self, i: int) -> nn.Module:
         replica = copy.deepcopy(self.module).to(self.devices[i].torch_device)
@@ -89,11 +106,18 @@ class Replicas:
         return replica
 
     @torch.no_grad()
-    def _sync(self, replica: nn.Module, params: list[torch.Tensor], buffers: list[torch.Tensor]) -> bool:
+    def _sync(
+        self, i: int, replica: nn.Module, params: list[torch.Tensor], buffers: list[torch.Tensor], modes: list[bool]
+    ) -> bool:
         """Bring ``replica`` up to the module's state; ``False`` if it must be rebuilt."""
-        own_params, own_buffers = list(replica.parameters()), list(replica.buffers())
-        if len(own_params) != len(params) or len(own_buffers) != len(buffers):
-            return False
+        pairs = self._pairs.get(i)
+        if pairs is None:
+            own_params, own_buffers, own_modules = list(replica.parameters()), list(replica.buffers()), []
+            own_modules = list(replica.modules())
+            if (len(own_params), len(own_buffers), len(own_modules)) != (len(params), len(buffers), len(modes)):
+                return False
+            pairs = self._pairs[i] = (own_params, own_buffers, own_modules, [None])
+        own_params, own_buffers, own_modules, last_modes = pairs
         for rp, mp in zip(own_params, params):
             if rp.dtype != mp.dtype or rp.shape != mp.shape:
                 return False
@@ -108,8 +132,10 @@ class Replicas:
             if rb.dtype != mb.dtype or rb.shape != mb.shape:
                 return False
             rb.copy_(mb, non_blocking=True)
-        for rm, mm in zip(replica.modules(), self.module.modules()):
-            rm.training = mm.training
+        if last_modes[0] != modes:
+            for rm, mode in zip(own_modules, modes):
+                rm.training = mode
+            last_modes[0] = modes
         return True
 
     def sources(self, indices: Sequence[int]) -> list[list[torch.Tensor]]:
