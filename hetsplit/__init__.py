@@ -25,7 +25,8 @@ from .parallel import (
     split_sizes,
 )
 from .planning import Curve, DeviceProfile, Measurement, Plan, PlanChange, Profile, Rebalancer, solve, solver
-from .profiler import profile, quick_profile
+from .profiler import profile
+from .quick import quick_profile
 from .store import ProfileFileError
 
 __all__ = [

@@ -7,10 +7,10 @@ import copy
 import functools
 import gc
 import hashlib
+import math
 import statistics
 import sys
 import time
-import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -23,7 +23,7 @@ from .planning.curve import Curve
 from .planning.profile import DeviceProfile, Measurement, Profile
 from .tree import batch_length, flatten, move, take_rows
 
-__all__ = ["profile", "quick_profile", "default_ladder", "fingerprint", "call_model", "train_step"]
+__all__ = ["profile", "default_ladder", "fingerprint", "call_model", "train_step"]
 
 LossFn = Callable[..., torch.Tensor]
 
@@ -207,9 +207,16 @@ def profile(
     bad = [b for b in ladder if isinstance(b, bool) or not isinstance(b, int) or b < 1]
     if bad or not ladder:
         raise ValueError(f"batch sizes must be positive integers, got {list(batch_sizes or [])}")
-    if repeats < 1 or warmup < 0 or time_budget <= 0:
+    if ladder[-1] > max_probe:
+        raise ValueError(
+            f"batch size {ladder[-1]} is above max_probe={max_probe}, the largest batch a profile tries; "
+            "profile at the shard sizes you will use (raise max_probe for larger ones)"
+        )
+    if repeats < 1 or warmup < 0 or not (math.isfinite(time_budget) and time_budget > 0):
         raise ValueError(f"need repeats >= 1, warmup >= 0, time_budget > 0; got {repeats}, {warmup}, {time_budget}")
     n = batch_length(sample)
+    if n < 1:
+        raise ValueError("the sample holds no rows (length 0 along dim 0); pass at least one example input")
     if target is not None and batch_length(target) != n:
         raise ValueError(f"target has {batch_length(target)} rows but sample has {n}; they must match")
     show = sys.stderr.isatty() if progress is None else progress
@@ -346,48 +353,3 @@ def _dtype(sample: Any) -> str:
     leaves, _ = flatten(sample)
     dtypes = [str(t.dtype).replace("torch.", "") for t in leaves if isinstance(t, torch.Tensor)]
     return ",".join(dict.fromkeys(dtypes))
-
-
-_QUICK: dict[str, DeviceProfile] = {}
-_NOTICE_SHOWN = False
-
-
-def quick_profile(devices: str | Sequence[DeviceLike]) -> Profile:
-    """A quick, model-agnostic profile of each device (a small MLP), cached for the process.
-
-    Used by :func:`hetsplit.balanced_split` when neither weights nor a profile is given
-    and no stored profile covers the devices. The first call warns once that a profile
-    of the real model (``hetsplit.profile`` or ``hetsplit profile``) is more accurate.
-    """
-    global _NOTICE_SHOWN
-    devs = parse_devices(devices)
-    missing = [d for d in dict.fromkeys(devs) if d.name not in _QUICK]
-    if missing:
-        gen = torch.Generator().manual_seed(0)
-        sample = torch.randn(64, 256, generator=gen)
-        # Steps of about a millisecond: long enough that scheduling noise on a busy machine
-        # cannot reorder devices, short enough that calibration stays well under a second.
-        workload = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10))
-        prof = profile(
-            workload,
-            sample,
-            missing,
-            batch_sizes=[64, 256, 1024],
-            repeats=3,
-            warmup=1,
-            time_budget=1.0 * len(missing),
-            find_memory_cap=False,
-            progress=False,
-            model_name="calibration-mlp",
-        )
-        _QUICK.update({e.name: e for e in prof.entries})
-    if not _NOTICE_SHOWN:
-        _NOTICE_SHOWN = True
-        warnings.warn(
-            "hetsplit: splitting by a quick built-in calibration of each device; a profile of your own model "
-            "(hetsplit.profile(...) or 'hetsplit profile') gives a more accurate split",
-            stacklevel=3,
-        )
-    return Profile(
-        [_QUICK[d.name] for d in dict.fromkeys(devs)], model={"name": "calibration-mlp"}, source="calibration"
-    )

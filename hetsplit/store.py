@@ -7,6 +7,7 @@ import os
 import platform
 import re
 import tempfile
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
@@ -20,6 +21,7 @@ __all__ = [
     "profile_dir",
     "write_json",
     "read_json",
+    "check_writable",
     "save_profile",
     "find_profiles",
 ]
@@ -66,6 +68,8 @@ def write_json(path: str | Path, kind: str, payload: dict[str, Any]) -> Path:
     text = json.dumps(doc, indent=1, allow_nan=False)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        # mkstemp makes the file 0600; a profile is shared data, so follow the umask like open() does.
+        os.chmod(tmp, 0o666 & ~_umask())
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
             fh.write(text + "\n")
             fh.flush()
@@ -75,6 +79,35 @@ def write_json(path: str | Path, kind: str, payload: dict[str, Any]) -> Path:
         # Ctrl-C or a full disk: drop the temporary file, leave the target untouched.
         Path(tmp).unlink(missing_ok=True)
         raise
+    return path
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def check_writable(path: str | Path, *, directory: bool = False) -> Path:
+    """Raise now, before any work, if ``path`` (a file, or with ``directory`` a folder) cannot be written.
+
+    Raises:
+        ProfileFileError: Naming the path and what is wrong.
+    """
+    path = Path(path)
+    folder = path if directory else path.parent
+    if not directory and path.is_dir():
+        raise ProfileFileError(f"{path} is a directory; give a file name, e.g. {path / 'profile.json'}")
+    if folder.exists() and not folder.is_dir():
+        raise ProfileFileError(f"{folder} is not a directory; choose another place to write")
+    existing = folder
+    while not existing.exists():
+        existing = existing.parent
+    try:  # a real write: permission bits say nothing for root, or on /proc and read-only mounts
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as e:
+        raise ProfileFileError(f"cannot write to {folder}: {e.strerror} in {existing}; choose another place") from None
     return path
 
 
@@ -90,6 +123,8 @@ def read_json(path: str | Path, kind: str | tuple[str, ...]) -> dict[str, Any]:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise ProfileFileError(f"{path}: no such file; run 'hetsplit profile' to make one") from None
+    except UnicodeDecodeError as e:
+        raise ProfileFileError(f"{path}: not a text file ({e.reason} at byte {e.start}); not a hetsplit file") from e
     except OSError as e:
         raise ProfileFileError(f"{path}: cannot read it ({e.strerror})") from e
     try:
@@ -98,6 +133,8 @@ def read_json(path: str | Path, kind: str | tuple[str, ...]) -> dict[str, Any]:
         raise ProfileFileError(
             f"{path}: damaged file, not valid JSON ({e.msg} at line {e.lineno}); re-create it"
         ) from e
+    except RecursionError as e:  # absurdly nested JSON: no file of ours looks like that
+        raise ProfileFileError(f"{path}: damaged file, nested too deeply to be a hetsplit file") from e
     if not isinstance(doc, dict) or doc.get("schema") != "hetsplit":
         raise ProfileFileError(f"{path}: not a hetsplit file")
     kinds = (kind,) if isinstance(kind, str) else kind
@@ -133,9 +170,22 @@ def save_profile(profile: _Saveable, path: str | Path | None = None, *, director
     if path is None:
         model = profile.model.get("name", "model")
         stamp = re.sub(r"[^0-9]", "", profile.created)[:14]
-        name = f"{_slug(profile.host)}_{_slug(model)}_{_slug('+'.join(profile.devices))}_{stamp}.json"
-        path = profile_dir(directory) / name
+        base = f"{_slug(profile.host)}_{_slug(model)}_{_slug('+'.join(profile.devices))}_{stamp}"
+        path = _claim(profile_dir(directory), base)
     return write_json(path, "profile", profile.to_dict())
+
+
+def _claim(folder: Path, base: str) -> Path:
+    """A new file name in ``folder``, reserved with O_EXCL: two runs in one second never share one."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for k in range(1, 10_000):
+        path = folder / (f"{base}.json" if k == 1 else f"{base}-{k}.json")
+        try:
+            os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666))
+            return path
+        except FileExistsError:
+            continue
+    raise ProfileFileError(f"{folder}: no free file name for {base}; clean the profile directory")
 
 
 def find_profiles(
@@ -165,9 +215,10 @@ def find_profiles(
     for path in root.glob("*.json"):
         try:
             doc = read_json(path, "profile")
-        except ProfileFileError:
+            names = {_local_name(d.get("info", {}), gpus) for d in doc.get("devices", [])}
+        except (ProfileFileError, AttributeError, TypeError) as e:
+            warnings.warn(f"hetsplit: skipping {path}: {e}", stacklevel=2)
             continue
-        names = {_local_name(d.get("info", {}), gpus) for d in doc.get("devices", [])}
         if want <= names and (host == "*" or doc.get("host") == host):
             found.append((str(doc.get("created", "")), path))
     found.sort(key=lambda item: (item[0], item[1].stat().st_mtime), reverse=True)

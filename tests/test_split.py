@@ -4,7 +4,7 @@ import warnings
 import pytest
 import torch
 
-import hetsplit.profiler as profiler
+import hetsplit.quick as quick
 from hetsplit import Profile, balanced_split, solve
 from hetsplit.parallel.sizes import split_sizes
 
@@ -39,8 +39,8 @@ def test_two_arguments_use_the_newest_stored_profile():
 
 
 def test_two_arguments_fall_back_to_calibration_with_one_notice(monkeypatch):
-    monkeypatch.setattr(profiler, "_QUICK", {})
-    monkeypatch.setattr(profiler, "_NOTICE_SHOWN", False)
+    monkeypatch.setattr(quick, "_QUICK", {})
+    monkeypatch.setattr(quick, "_NOTICE_SHOWN", False)
     x = torch.randn(200, 2)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -20,9 +20,21 @@ from ..parallel.data_parallel import HeteroDataParallel
 from ..planning.plan import Plan
 from ..planning.solver import solve
 from ..profiler import profile as run_profile
-from .models import ModelSpec, load_model, synthetic_batch
+from .models import ModelSpec, build_model, load_model, synthetic_batch
 
-__all__ = ["BenchResult", "bench", "time_steps", "keep_freed_memory", "home_device", "dp_step"]
+__all__ = ["BenchResult", "bench", "time_steps", "keep_freed_memory", "home_device", "dp_step", "cpu_threads"]
+
+
+def cpu_threads(devices: Sequence[Device], requested: int | None = None) -> int:
+    """Torch's intra-op threads for a run on ``devices``: the one rule of profile, bench and demo.
+
+    ``requested`` if given; else 1 when every device is the CPU, real or emulated (they
+    train side by side on its cores, and with several threads CPU work after an emulated
+    sleep is erratic on small machines); else torch's own choice.
+    """
+    if requested:
+        return int(requested)
+    return 1 if all(d.type == "cpu" for d in devices) else torch.get_num_threads()
 
 
 def keep_freed_memory() -> bool:
@@ -281,7 +293,7 @@ def bench(
     spec = load_model(model) if isinstance(model, str) else model
     say = log or (lambda line: None)
     torch.manual_seed(seed)
-    base = spec.factory()
+    base = build_model(spec)
     x, y = synthetic_batch(spec, batch_size, seed=seed)
     home = home_device(devs)
     say(f"profiling {spec.name} on {', '.join(d.name for d in devs)} for the balanced split ...")

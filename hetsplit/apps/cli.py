@@ -62,6 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--devices", help="comma-separated devices (default: every local device, plus cpu@0.25 if only one)")
     p.add_argument("--model", default="lenet", help="built-in model (lenet, resnet18, mlp) or package.module:factory")
+    p.add_argument("--input-shape", type=_ints, help="shape of one sample, e.g. 3,32,32 (needed for your own model)")
     p.add_argument("--batch-size", type=_positive_int, default=256, help="samples per step (default 256)")
     p.add_argument("--steps", type=_positive_int, default=30, help="timed steps per configuration (default 30)")
     p.add_argument("--budget", type=_positive_float, default=10.0, help="seconds to profile (default 10)")
@@ -101,7 +102,10 @@ def build_parser() -> argparse.ArgumentParser:
         description="Compare the fastest single device, the even split and the balanced split; "
         "with --rebalance, train with online rebalancing from the even split instead.",
     )
-    p.add_argument("--devices", default="cpu,cpu@0.25", help="two or more devices (default cpu,cpu@0.25)")
+    p.add_argument(
+        "--devices",
+        help="two or more devices (default cpu,cpu@0.25; with --change DEV=..., cpu and DEV)",
+    )
     p.add_argument("--model", default="lenet", help="built-in model (lenet, resnet18, mlp) or package.module:factory")
     p.add_argument("--input-shape", type=_ints, help="shape of one sample, for your own model")
     p.add_argument("--batch-size", type=_positive_int, default=256, help="samples per step (default 256)")

@@ -91,18 +91,18 @@ def cmd_profile(args: argparse.Namespace) -> int:
     from .. import profiler, store
     from ..devices import parse_devices
     from ..planning import solver
-    from .models import BUILTIN_MODELS, load_model, synthetic_batch
+    from .bench import cpu_threads
+    from .models import BUILTIN_MODELS, build_model, load_model, synthetic_batch
 
-    devs = parse_devices(args.devices) if args.devices else parse_devices(default_devices())
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    elif all(d.type == "cpu" for d in devs) and any(d.emulated for d in devs):
-        # These devices share the CPU's cores and train side by side, a thread each; and
-        # with several threads, CPU work after an emulated sleep is erratic on small VMs.
-        torch.set_num_threads(1)
+    devs = parse_devices(args.devices) if args.devices is not None else parse_devices(default_devices())
+    if args.out is not None:  # where the result goes is checked before any profiling
+        store.check_writable(args.out)
+    else:
+        store.check_writable(store.profile_dir(args.profile_dir), directory=True)
+    torch.set_num_threads(cpu_threads(devs, args.threads))
     spec = load_model(args.model, tuple(args.input_shape) if args.input_shape else None)
     dtype = getattr(torch, args.dtype)
-    model = spec.factory().to(dtype)
+    model = build_model(spec).to(dtype)
     x, y = synthetic_batch(spec, 16, dtype=dtype)
     builtin = args.model in BUILTIN_MODELS
     emulated = [d.name for d in devs if d.emulated]
@@ -298,17 +298,25 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     from .. import store
     from ..devices import parse_devices
-    from .bench import bench
+    from .bench import bench, cpu_threads
     from .bench_rebalance import bench_rebalance, parse_change
     from .models import load_model
 
-    devs = parse_devices(args.devices)
-    spec = load_model(args.model, tuple(args.input_shape) if args.input_shape else None)
     if args.change and not args.rebalance:
         raise CLIError("--change needs --rebalance (it changes a device's speed during a rebalancing run)")
     change = parse_change(args.change) if args.change else None
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    spec_devices = args.devices
+    if spec_devices is None:  # the default pair, or the CPU and the device whose speed --change changes
+        spec_devices = f"cpu,{change[0]}" if change is not None and change[0] != "cpu" else "cpu,cpu@0.25"
+    devs = parse_devices(spec_devices)
+    if change is not None and change[0] not in [d.name for d in devs]:
+        raise CLIError(
+            f"--change names {change[0]}, which is not among the devices ({spec_devices}); list it in --devices"
+        )
+    spec = load_model(args.model, tuple(args.input_shape) if args.input_shape else None)
+    if args.json is not None:
+        store.check_writable(args.json)
+    torch.set_num_threads(cpu_threads(devs, args.threads))
     steps = args.steps or (120 if args.rebalance else 20)
     emulated = [d.name for d in devs if d.emulated]
     what = "with online rebalancing from the even split" if args.rebalance else "each"
@@ -340,12 +348,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     from .. import store
+    from ..devices import parse_devices
     from .demo import run_demo
+    from .models import load_model
 
-    devices = [d for d in args.devices.split(",") if d] if args.devices else None
+    devices = parse_devices(args.devices) if args.devices is not None else None
+    if args.json is not None:
+        store.check_writable(args.json)
     result = run_demo(
         devices,
-        model=args.model,
+        model=load_model(args.model, tuple(args.input_shape) if args.input_shape else None),
         batch_size=args.batch_size,
         steps=args.steps,
         profile_budget=args.budget,

@@ -7,7 +7,8 @@ from collections.abc import Callable, Sequence
 import torch
 
 from ..devices import DeviceLike, discover, parse_devices
-from .bench import BenchResult, bench
+from .bench import BenchResult, bench, cpu_threads
+from .models import ModelSpec
 
 __all__ = ["demo_devices", "run_demo", "verdict"]
 
@@ -23,7 +24,7 @@ def demo_devices() -> list[str]:
 def run_demo(
     devices: str | Sequence[DeviceLike] | None = None,
     *,
-    model: str = "lenet",
+    model: str | ModelSpec = "lenet",
     batch_size: int = 256,
     steps: int = 30,
     profile_budget: float = 10.0,
@@ -50,10 +51,7 @@ def run_demo(
         The :class:`~hetsplit.bench.BenchResult`.
     """
     devs = parse_devices(devices if devices is not None else demo_devices())
-    if threads:
-        torch.set_num_threads(threads)
-    elif all(d.type == "cpu" for d in devs):
-        torch.set_num_threads(1)
+    torch.set_num_threads(cpu_threads(devs, threads))
     emulated = [d.name for d in devs if d.emulated]
     say(
         f"hetsplit demo: {model} on {', '.join(d.name for d in devs)}, batch {batch_size}, synthetic data, "

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import os
+import sys
 from collections.abc import Callable
 
 import torch
 from torch import nn
 
-__all__ = ["ModelSpec", "BUILTIN_MODELS", "lenet", "resnet18", "mlp", "load_model", "synthetic_batch"]
+__all__ = ["ModelSpec", "BUILTIN_MODELS", "lenet", "resnet18", "mlp", "load_model", "build_model", "synthetic_batch"]
 
 
 def lenet(num_classes: int = 10) -> nn.Module:
@@ -83,6 +85,8 @@ def load_model(name: str, input_shape: tuple[int, ...] | None = None) -> ModelSp
     if ":" not in name:
         raise ValueError(f"unknown model {name!r}; use one of {sorted(BUILTIN_MODELS)} or 'package.module:factory'")
     module_name, _, attr = name.partition(":")
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # mymodels.py in the current directory imports, as with `python -m`
     try:
         factory = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as e:
@@ -102,3 +106,18 @@ def synthetic_batch(
     x = torch.randn((batch, *spec.input_shape), generator=gen, dtype=dtype)
     y = torch.randint(0, spec.num_classes, (batch,), generator=gen)
     return x, y
+
+
+def build_model(spec: ModelSpec) -> nn.Module:
+    """``spec.factory()``, checked to be an ``nn.Module``.
+
+    Raises:
+        ValueError: If the factory fails or returns something else, naming it.
+    """
+    try:
+        model = spec.factory()
+    except Exception as e:
+        raise ValueError(f"model factory {spec.name!r} failed: {type(e).__name__}: {e}") from e
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"model factory {spec.name!r} returned {type(model).__name__}, not a torch.nn.Module")
+    return model

@@ -11,7 +11,7 @@ from ..planning.plan import Plan
 from ..planning.profile import Profile, latest_profile
 from ..planning.rebalance import Rebalancer
 from ..planning.sizes import check_weights, resolve_plan
-from ..profiler import quick_profile
+from ..quick import quick_profile
 from ..tree import batch_length
 from .scatter_gather import scatter_to
 

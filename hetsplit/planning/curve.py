@@ -41,6 +41,11 @@ class Curve:
     memory_cap: int | None = None
 
     def __post_init__(self) -> None:
+        numbers = [*self.batch, *self.seconds, self.intercept, self.slope]
+        if not all(isinstance(v, int | float) and math.isfinite(v) for v in numbers):
+            raise ValueError(f"a curve's knots, intercept and slope must be finite numbers, got {numbers}")
+        if self.memory_cap is not None and (isinstance(self.memory_cap, bool) or self.memory_cap < 0):
+            raise ValueError(f"a curve's memory_cap must be None or a whole number >= 0, got {self.memory_cap!r}")
         if not self.batch or len(self.batch) != len(self.seconds):
             raise ValueError(f"a curve needs as many knot times as knot batches, got {self.batch} and {self.seconds}")
         if any(b2 <= b1 for b1, b2 in zip(self.batch, self.batch[1:])) or self.batch[0] < 1:

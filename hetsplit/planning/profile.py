@@ -7,6 +7,7 @@ import datetime as _dt
 import math
 import platform
 import statistics
+import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ import torch
 from .. import store
 from ..devices import DeviceInfo, DeviceLike, canonical_name, local_gpus
 from ..version import __version__
+from . import checks
 from .curve import Curve, CurveTable
 
 __all__ = ["Measurement", "DeviceProfile", "Profile", "latest_profile"]
@@ -45,7 +47,11 @@ class Measurement:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Measurement:
         """Build a measurement from :meth:`to_dict` output."""
-        return cls(int(data["batch"]), [float(t) for t in data["times"]])
+        batch = checks.batch_count(data["batch"], "a measurement's batch")
+        times = data["times"]
+        if not isinstance(times, list) or not times:
+            raise ValueError(f"the measurement at batch {batch} has no list of times, got {times!r}")
+        return cls(batch, [checks.seconds(t, f"a time at batch {batch}") for t in times])
 
 
 @dataclasses.dataclass
@@ -84,13 +90,17 @@ class DeviceProfile:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> DeviceProfile:
         """Build a device profile from :meth:`to_dict` output."""
-        return cls(
-            info=DeviceInfo.from_dict(data["info"]),
-            measurements=[Measurement.from_dict(m) for m in data["measurements"]],
-            curve=Curve.from_dict(data["curve"]),
-            memory_cap=data.get("memory_cap"),
-            memory_probed_to=data.get("memory_probed_to"),
-        )
+        info = DeviceInfo.from_dict(data["info"])
+        try:
+            return cls(
+                info=info,
+                measurements=[Measurement.from_dict(m) for m in data["measurements"]],
+                curve=Curve.from_dict(data["curve"]),
+                memory_cap=checks.memory_cap(data.get("memory_cap"), "memory_cap"),
+                memory_probed_to=checks.memory_cap(data.get("memory_probed_to"), "memory_probed_to"),
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"device {info.name!r}: {e}") from e
 
 
 def _now() -> str:
@@ -310,10 +320,13 @@ class Profile:
             )
         entries = []
         for label, points in measurements.items():
-            pts = [(int(b), float(t)) for b, t in points]
-            cap = caps.get(label)
-            if cap is not None and (int(cap) != cap or cap < 0):
-                raise ValueError(f"memory cap of {label!r} must be a non-negative integer, got {cap!r}")
+            pts = []
+            for point in points:
+                if not isinstance(point, tuple | list) or len(point) != 2:
+                    raise ValueError(f"device {label!r}: a measurement must be a (batch, seconds) pair, got {point!r}")
+                batch = checks.batch_count(point[0], f"device {label!r}: a measured batch")
+                pts.append((batch, checks.seconds(point[1], f"device {label!r}: the time at batch {batch}")))
+            cap = checks.memory_cap(caps.get(label), f"device {label!r}: memory cap")
             info = DeviceInfo(name=str(label), kind="external", description=str(label))
             ms = [Measurement(b, [t]) for b, t in pts]
             entries.append(DeviceProfile(info, ms, Curve.fit(pts, cap), memory_cap=cap))
@@ -374,8 +387,12 @@ def latest_profile(devices: Sequence[DeviceLike], directory: str | Path | None =
     GPUs are matched by UUID, so a profile still serves after ``CUDA_VISIBLE_DEVICES``
     or the device order changes (see :meth:`Profile.matched_to_local`).
     """
-    paths = store.find_profiles(devices, directory)
-    return Profile.load(paths[0]).matched_to_local() if paths else None
+    for path in store.find_profiles(devices, directory):
+        try:
+            return Profile.load(path).matched_to_local()
+        except store.ProfileFileError as e:  # damaged inside: skip it, say so, use the next newest
+            warnings.warn(f"hetsplit: skipping {e}", stacklevel=2)
+    return None
 
 
 def _versions() -> dict[str, str]:

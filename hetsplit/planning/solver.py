@@ -8,6 +8,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from ..devices import DeviceLike, canonical_name
+from . import checks
 from .curve import CurveTable
 from .plan import Plan, check_sizes, even_sizes
 from .profile import DeviceProfile, Profile
@@ -49,6 +50,7 @@ def solve(profile: Profile, batch_size: int, *, devices: Sequence[DeviceLike] | 
         raise TypeError(f"batch_size must be an integer, got {type(batch_size).__name__}: {batch_size!r}")
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}; an empty batch has nothing to split")
+    checks.batch_count(batch_size, "batch_size")  # bounded: an absurd size is a typo, not hours of solving
     entries = profile.entries if devices is None else [profile.entry(d) for d in devices]
     if not entries:
         raise ValueError("no devices to split across; give at least one")

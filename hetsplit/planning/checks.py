@@ -1,0 +1,54 @@
+"""Checks: the numbers hetsplit reads from users and files — batch sizes, seconds, memory caps — validated once."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+__all__ = ["MAX_BATCH", "batch_count", "seconds", "memory_cap"]
+
+# No real batch comes near 2**40 samples; past it the solver's arithmetic (float64 sums
+# of sample counts) would lose integers, and a typo would run for hours.
+MAX_BATCH = 1 << 40
+
+
+def batch_count(value: Any, what: str, *, minimum: int = 1) -> int:
+    """``value`` as a batch size: an integer from ``minimum`` to :data:`MAX_BATCH` (no bool, no 16.7).
+
+    Raises:
+        ValueError: Naming ``what`` and the value.
+    """
+    if isinstance(value, bool) or not isinstance(value, int | float | np.integer | np.floating):
+        raise ValueError(f"{what} must be a whole number of samples, got {type(value).__name__}: {value!r}")
+    if isinstance(value, float | np.floating) and not (math.isfinite(value) and float(value).is_integer()):
+        raise ValueError(f"{what} must be a whole number of samples, got {value!r}")
+    count = int(value)
+    if count < minimum or count > MAX_BATCH:
+        raise ValueError(f"{what} must be between {minimum} and {MAX_BATCH:,} samples, got {value!r}")
+    return count
+
+
+def seconds(value: Any, what: str) -> float:
+    """``value`` as a measured time: a positive, finite number of seconds.
+
+    Raises:
+        ValueError: Naming ``what`` and the value.
+    """
+    if isinstance(value, bool) or not isinstance(value, int | float | np.integer | np.floating):
+        raise ValueError(f"{what} must be a number of seconds, got {type(value).__name__}: {value!r}")
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{what} must be positive, finite seconds, got {value!r}")
+    return float(value)
+
+
+def memory_cap(value: Any, what: str) -> int | None:
+    """``value`` as a memory cap: ``None`` (unknown) or a whole number of samples >= 0.
+
+    Raises:
+        ValueError: Naming ``what`` and the value.
+    """
+    if value is None:
+        return None
+    return batch_count(value, what, minimum=0)
