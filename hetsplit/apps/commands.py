@@ -23,6 +23,11 @@ __all__ = [
 
 DTYPES = ("float32", "float64", "float16", "bfloat16")
 
+# The solver takes ~40 ms for 10,000 devices; far beyond that a what-if is a typo.
+MAX_COPIES = 10_000
+# A plan table longer than this shows the first rows and sums up the rest.
+MAX_ROWS = 40
+
 
 class CLIError(Exception):
     """A user error reported as one line, without a traceback."""
@@ -163,6 +168,8 @@ def _parse_use(text: str) -> tuple[Path, str, int]:
         n = 0
     if not sep or not device or n < 1:
         raise CLIError(f"bad --use {text!r}; write FILE:DEVICE or FILE:DEVICE*N, e.g. profiles/a.json:cuda:0*8")
+    if n > MAX_COPIES:
+        raise CLIError(f"--use {text!r} asks for {n:,} copies; plan for at most {MAX_COPIES:,} devices of one kind")
     return Path(path), device, n
 
 
@@ -219,6 +226,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print(f"{'what-if ' if whatif else ''}split of a batch of {plan.batch_size} ({model}; profiles: {sources})")
     if len(fingerprints) > 1:
         print("warning: the profiles are of different models; their times do not add up to one job")
+    if len(rows) > MAX_ROWS:
+        hidden = rows[MAX_ROWS:]
+        rows = [*rows[:MAX_ROWS], [f"... {len(hidden):,} more", str(sum(int(r[1]) for r in hidden)), "", "", ""]]
     print(_table(rows, ["device", "samples", "share", "predicted time", "note"]))
     print(f"\npredicted compute per step {_fmt_time(plan.step_time)}")
     if comm is not None:

@@ -114,7 +114,8 @@ def check_sizes(sizes: Sequence[Any], total: int, n_devices: int) -> list[int]:
         raise ValueError(f"got {len(sizes)} sizes {list(sizes)} for {n_devices} devices; give one size per device")
     arr = np.asarray(sizes)
     # The fast path, for the solver's own output.
-    if arr.dtype.kind in "iu" and arr.ndim == 1 and (arr >= 0).all() and int(arr.sum()) == total:
+    no_bools = isinstance(sizes, np.ndarray) or not any(isinstance(x, bool) for x in sizes)
+    if arr.dtype.kind in "iu" and arr.ndim == 1 and no_bools and (arr >= 0).all() and int(arr.sum()) == total:
         return arr.tolist()
     out = []
     for i, s in enumerate(sizes):
