@@ -166,3 +166,28 @@ def test_a_model_module_in_the_current_directory_imports(capsys, tmp_path, monke
                           "--out", str(tmp_path / "p.json"))  # fmt: skip
     assert code == 0, err
     assert Path(tmp_path / "p.json").exists()
+
+
+def test_ctrl_c_at_any_moment_is_one_line(tmp_path):
+    """The CLI starts without torch, so an early Ctrl-C lands in its handler, not in an import."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    probe = subprocess.run(
+        [sys.executable, "-c", "import sys, hetsplit.apps.cli; print('torch' in sys.modules)"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert probe.stdout.strip() == "False"
+    for delay in (0.3, 1.5):  # while torch loads, and once profiling runs
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "hetsplit.apps.cli", "profile", "--devices", "cpu", "--quiet",
+             "--out", str(tmp_path / "p.json")],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        time.sleep(delay)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == 130 and err.strip() == "hetsplit: interrupted", err
+        assert not (tmp_path / "p.json").exists()

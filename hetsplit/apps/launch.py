@@ -8,9 +8,6 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from ..devices import parse_devices
-from ..distributed.setup import ENV_DEVICES, rank_devices
-
 __all__ = ["launch", "torchrun_args", "cmd_launch"]
 
 
@@ -35,6 +32,9 @@ def torchrun_args(
             out of range, a multi-node job has no rendezvous endpoint, or a device of
             this node is not present here; before anything starts.
     """
+    from ..devices import parse_devices
+    from ..distributed.setup import rank_devices
+
     if nnodes < 1 or not 0 <= node_rank < nnodes:
         raise ValueError(f"node rank {node_rank} is out of range for {nnodes} nodes; give 0 <= --node-rank < --nnodes")
     spec = [s.strip() for s in devices.split(",") if s.strip()]
@@ -91,6 +91,8 @@ def launch(devices: str, script: str, script_args: Sequence[str] = (), **options
     """
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
+
+    from ..distributed.setup import ENV_DEVICES, rank_devices
 
     argv, _ = torchrun_args(devices, script, script_args, **options)  # type: ignore[arg-type]
     os.environ[ENV_DEVICES] = ",".join(rank_devices(devices, len([s for s in devices.split(",") if s.strip()])))
