@@ -77,3 +77,21 @@ def test_missing_matplotlib_gives_a_one_line_hint(tmp_path, monkeypatch):
     with pytest.raises(MissingPlotExtra, match=r"pip install 'hetsplit\[plot\]'"):
         plot_profile(_profile(), tmp_path / "p.png")
     assert not (tmp_path / "p.png").exists()
+
+
+def test_show_draws_a_rebalance_run(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    from hetsplit import store
+    from hetsplit.apps.bench_rebalance import RebalanceResult
+    from hetsplit.apps.cli import main
+
+    result = RebalanceResult(
+        devices=["cpu", "cpu@1"], model="mlp", batch_size=64, every=3,
+        change={"device": "cpu@1", "speed": 0.25, "step": 4}, step_times=[0.002] * 4 + [0.004] * 8,
+        sizes=[[32, 32]] * 6 + [[48, 16]] * 6, changes=[{"step": 6, "old_sizes": [32, 32], "new_sizes": [48, 16]}],
+        optimum=0.0025, optimum_sizes=[50, 14], settle=4, rebalancer_seconds=0.0001,
+        meta={"date": "2026-11-23"},
+    )  # fmt: skip
+    path = store.write_json(tmp_path / "reb.json", "bench-rebalance", {"result": result.to_dict()})
+    assert main(["show", str(path)]) == 0
+    assert (tmp_path / "reb.png").stat().st_size > 10_000 and "picture written" in capsys.readouterr().out

@@ -103,6 +103,12 @@ class RebalanceResult:
         """The rebalancer's own time as a fraction of the run's step time."""
         return self.rebalancer_seconds / sum(self.step_times)
 
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RebalanceResult:
+        """Build the result from :meth:`to_dict` output (unknown keys are ignored)."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known})
+
     def to_dict(self) -> dict[str, Any]:
         """Return the result as a JSON-ready dict, derived figures included."""
         data = dataclasses.asdict(self)

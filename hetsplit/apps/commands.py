@@ -267,10 +267,20 @@ def cmd_show(args: argparse.Namespace) -> int:
     from .. import store
     from ..planning import Plan, Profile
     from .bench import BenchResult
-    from .show import plot_profile, plot_timeline
+    from .bench_rebalance import RebalanceResult
+    from .show import plot_profile, plot_rebalance, plot_timeline
 
-    doc = store.read_json(args.file, ("profile", "bench"))
+    doc = store.read_json(args.file, ("profile", "bench", "bench-rebalance"))
     out = args.out or args.file.with_suffix(".png")
+    if doc["kind"] == "bench-rebalance":
+        try:
+            path = plot_rebalance(RebalanceResult.from_dict(doc["result"]), out)
+        except (KeyError, TypeError, ValueError) as e:
+            raise CLIError(
+                f"{args.file}: damaged rebalance results ({type(e).__name__}: {e}); re-run the bench"
+            ) from None
+        print(f"picture written to {path}")
+        return 0
     if doc["kind"] == "bench":
         if args.plan or args.batch_size:
             raise CLIError(f"{args.file} holds bench results; --plan and --batch-size are for profiles")

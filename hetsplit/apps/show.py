@@ -14,8 +14,9 @@ from ..planning import Plan, Profile, even_sizes, solve
 
 if TYPE_CHECKING:
     from .bench import BenchResult
+    from .bench_rebalance import RebalanceResult
 
-__all__ = ["MissingPlotExtra", "plot_profile", "plot_timeline"]
+__all__ = ["plot_rebalance", "MissingPlotExtra", "plot_profile", "plot_timeline"]
 
 _COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf"]
 
@@ -235,3 +236,37 @@ def plot_timeline(result: BenchResult, out: str | Path) -> Path:
         return _save(fig, out)
     finally:
         plt.close(fig)
+
+
+def plot_rebalance(result: RebalanceResult, out: str | Path) -> Path:
+    """Draw a ``bench --rebalance`` run: step times, each device's share, and every plan change.
+
+    Args:
+        result: A :class:`~hetsplit.apps.bench_rebalance.RebalanceResult`.
+        out: The PNG to write.
+
+    Returns:
+        The path written.
+    """
+    plt = _pyplot()
+    fig, (ax_time, ax_share) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
+    steps = range(len(result.step_times))
+    ax_time.plot(steps, [t * 1e3 for t in result.step_times], color="black", lw=1, label="step time")
+    ax_time.axhline(result.optimum * 1e3, color="grey", ls="--", lw=1, label="best split of the final sweep")
+    for k, name in enumerate(result.devices):
+        ax_share.plot(steps, [s[k] for s in result.sizes], color=_COLORS[k % len(_COLORS)], label=name)
+    for ax in (ax_time, ax_share):
+        for change in result.changes:
+            ax.axvline(change["step"], color="#9467bd", ls=":", lw=1)
+        if result.change:
+            ax.axvline(result.change["step"], color="red", lw=1)
+    ax_time.set_ylabel("ms per step")
+    ax_time.legend(fontsize=8)
+    ax_share.set_ylabel(f"samples of {result.batch_size}")
+    ax_share.set_xlabel("step (dotted: plan changes; red: the speed change)")
+    ax_share.legend(fontsize=8)
+    fig.suptitle(f"{result.model}: online rebalancing every {result.every} steps", fontsize=11)
+    fig.tight_layout()
+    path = _save(fig, out)
+    plt.close(fig)
+    return path
