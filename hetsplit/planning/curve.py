@@ -149,11 +149,6 @@ class Curve:
             self, seconds=[t + seconds for t in self.seconds], intercept=self.intercept + seconds
         )
 
-    @property
-    def max_measured(self) -> int:
-        """The largest batch size the curve was fitted on (beyond it, it extrapolates)."""
-        return int(self.batch[-1])
-
     def to_dict(self) -> dict[str, Any]:
         """Return the curve as a JSON-ready dict."""
         return dataclasses.asdict(self)

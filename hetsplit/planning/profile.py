@@ -259,12 +259,6 @@ class Profile:
             entries.append(e)
         return dataclasses.replace(self, entries=entries)
 
-    def subset(self, devices: Sequence[DeviceLike]) -> Profile:
-        """A profile of just ``devices`` (each once, in the order given)."""
-        return dataclasses.replace(
-            self, entries=[self.entry(d) for d in dict.fromkeys(canonical_name(d) for d in devices)]
-        )
-
     def calibrated(self, observed: Mapping[str, tuple[int, float]]) -> Profile:
         """Correct the curves with step times observed in real training.
 
