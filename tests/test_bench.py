@@ -67,3 +67,12 @@ def test_parse_change_rejects_bad_text(text, fragment):
     with pytest.raises(ValueError, match=fragment):
         parse_change(text)
     assert parse_change("cpu@0.5=0.25@30") == ("cpu@0.5", 0.25, 30)
+
+
+def test_bench_reports_predictions_beside_measurements():
+    r = bench("mlp", "cpu,cpu@1", batch_size=32, steps=2, warmup=1, profile_budget=2.0)
+    assert set(r.predicted) >= {"even", "balanced", "single:cpu", "single:cpu@1"}
+    assert r.predicted["balanced"] == pytest.approx(r.plan.step_time)
+    text = r.table()
+    assert "predicted (ms)" in text and "left out of its fit" in text
+    assert json.loads(json.dumps(r.to_dict()))["holdout"] == r.holdout

@@ -99,3 +99,15 @@ def test_shifted_adds_a_fixed_overhead_to_every_used_batch():
     assert s.evaluate(np.array([10.0]))[0] == pytest.approx(s(10), rel=1e-12)
     with pytest.raises(ValueError, match="overhead >= 0 seconds, got -0.1"):
         c.shifted(-0.1)
+
+
+def test_holdout_error_refits_without_the_middle_point():
+    from hetsplit.planning.curve import holdout_error
+
+    line = [(b, 0.001 + 0.0001 * b) for b in (8, 32, 128)]
+    batch, predicted, measured = holdout_error(line)
+    assert batch == 32 and predicted == pytest.approx(measured, rel=1e-9)  # a straight line predicts itself
+    kinked = [(8, 0.01), (32, 0.05), (128, 0.02 + 0.0001 * 128)]
+    batch, predicted, measured = holdout_error(kinked)
+    assert batch == 32 and measured == 0.05 and predicted < 0.03  # the left-out bump is not in the refit
+    assert holdout_error(line[:2]) is None

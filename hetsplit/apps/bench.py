@@ -17,6 +17,7 @@ from torch import nn
 
 from ..devices import Device, DeviceLike, parse_devices
 from ..parallel.data_parallel import HeteroDataParallel
+from ..planning.curve import holdout_error
 from ..planning.plan import Plan
 from ..planning.solver import solve
 from ..profiler import profile as run_profile
@@ -83,6 +84,11 @@ class BenchResult:
             step (its forward and backward; the rest of the step it waits, or the caller
             scatters, gathers, computes the loss and steps the optimizer).
         meta: Date, host, torch version, threads, steps.
+        predicted: The profile's predicted seconds per step of each configuration (the
+            plan's times), beside :attr:`step_times`, which are measured.
+        holdout: Per device, the profile's error on a batch size it did not use: one
+            measured size is left out, the curve refitted, and its prediction there
+            compared with the measurement (``batch``, ``predicted``, ``measured``).
     """
 
     devices: list[str]
@@ -97,6 +103,8 @@ class BenchResult:
     overhead: float | None
     busy: dict[str, dict[str, float]]
     meta: dict[str, Any]
+    predicted: dict[str, float] = dataclasses.field(default_factory=dict)
+    holdout: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> BenchResult:
@@ -159,9 +167,22 @@ class BenchResult:
             (f"balanced split {self.plan.sizes}", self.balanced, self.step_times["balanced"]),
             ("ideal (sum of single devices)", self.ideal, self.batch_size / self.ideal),
         ]
+        keys = [f"single:{name}" for name in self.devices] + ["even", "balanced", ""]
         width = max(len(r[0]) for r in rows)
-        lines = [f"{'configuration'.ljust(width)}  samples/s  step (ms)", f"{'-' * width}  ---------  ---------"]
-        lines += [f"{name.ljust(width)}  {thr:9.0f}  {1e3 * t:9.2f}" for name, thr, t in rows]
+        lines = [
+            f"{'configuration'.ljust(width)}  samples/s  step (ms)  predicted (ms)",
+            f"{'-' * width}  ---------  ---------  --------------",
+        ]
+        for (name, thr, t), key in zip(rows, keys):
+            guess = self.predicted.get(key)
+            tail = f"  {1e3 * guess:9.2f} ({guess / t - 1:+.0%})" if guess else ""
+            lines.append(f"{name.ljust(width)}  {thr:9.0f}  {1e3 * t:9.2f}{tail}")
+        for name, h in self.holdout.items():
+            lines.append(
+                f"profile of {name} at batch {h['batch']:.0f}, left out of its fit: predicted "
+                f"{1e3 * h['predicted']:.2f} ms, measured {1e3 * h['measured']:.2f} ms "
+                f"({h['predicted'] / h['measured'] - 1:+.0%})"
+            )
         lines.append("")
         lines.append(
             f"balanced vs {self.fastest} alone: {self.speedup_vs_single:.2f}x; vs even: "
@@ -330,6 +351,8 @@ def bench(
         for name in ("even", "balanced")
     }
     overhead = step_times["one-device"] / step_times[f"single:{real[0].name}"] - 1.0 if real else None
+    predicted = {f"single:{d.name}": prof.step_time(d.name, batch_size) for d in devs}
+    predicted.update(even=plan.even_time, balanced=plan.step_time)
     return BenchResult(
         devices=[d.name for d in devs],
         model=spec.name,
@@ -342,6 +365,8 @@ def bench(
         step_times=step_times,
         overhead=overhead,
         busy=timeline,
+        predicted={k: v for k, v in predicted.items() if v == v and v < float("inf")},
+        holdout=holdout_errors(prof),
         meta={
             "date": _dt.date.today().isoformat(),
             "host": platform.node(),
@@ -354,6 +379,16 @@ def bench(
             "allocator_kept_memory": tuned,
         },
     )
+
+
+def holdout_errors(prof: Any) -> dict[str, dict[str, float]]:
+    """Per device of a profile, its curve's error at the middle measured size, refitted without it."""
+    out = {}
+    for entry in prof.entries:
+        found = holdout_error([(m.batch, m.median) for m in entry.measurements], entry.curve.memory_cap)
+        if found is not None:
+            out[entry.name] = dict(zip(("batch", "predicted", "measured"), map(float, found)))
+    return out
 
 
 def home_device(devs: Sequence[Device]) -> torch.device:

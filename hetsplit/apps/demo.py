@@ -99,6 +99,12 @@ def verdict(result: BenchResult) -> str:
         f"{result.speedup_vs_single:.2f}x {fastest} alone; "
         f"{result.efficiency:.0%} of the ideal ({result.ideal:,.0f} samples/s, every device's own throughput summed)",
     ]
+    guess = result.predicted.get("balanced")
+    if guess:
+        lines.append(
+            f"the plan predicted a balanced step of {guess * 1e3:.1f} ms; measured {bal * 1e3:.1f} ms "
+            f"({guess / bal - 1:+.0%}: the profile timed each device alone, the split runs them side by side)"
+        )
     idle = []
     for name in ("even", "balanced"):
         step = result.step_times[name]

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 from scipy.optimize import isotonic_regression, nnls
 
-__all__ = ["Curve", "CurveTable"]
+__all__ = ["Curve", "CurveTable", "holdout_error"]
 
 
 @dataclasses.dataclass
@@ -254,3 +254,21 @@ def _affine(xs: np.ndarray, ys: np.ndarray) -> tuple[float, float]:
     design = np.stack([1.0 / ys, xs / ys], axis=1)
     (a, s), _ = nnls(design, np.ones_like(ys))
     return float(a), float(s)
+
+
+def holdout_error(
+    points: Sequence[tuple[int, float]], memory_cap: int | None = None
+) -> tuple[int, float, float] | None:
+    """How well a curve predicts a size it was not fitted on: the middle point left out.
+
+    Returns:
+        ``(batch, predicted seconds, measured seconds)`` for the middle of ``points``
+        (sorted by batch), predicted by a curve fitted to the others; ``None`` with
+        fewer than three points.
+    """
+    ordered = sorted(points)
+    if len(ordered) < 3:
+        return None
+    batch, measured = ordered[len(ordered) // 2]
+    refit = Curve.fit([p for p in ordered if p[0] != batch], memory_cap)
+    return batch, refit(batch), measured
