@@ -1,0 +1,42 @@
+"""Laps: busy time measured without synchronising a device (a clock on the CPU, events on CUDA)."""
+
+import time
+
+import pytest
+import torch
+
+from hetsplit import timing
+from hetsplit.devices import parse_device
+
+
+def test_lap_measures_work_and_emulated_delay():
+    import time as _time
+
+    from hetsplit.timing import Lap
+
+    slow = parse_device("cpu@0.5")
+    before = slow.delayed
+    with timing.lap(slow) as lap, slow.throttle():
+        _time.sleep(0.01)  # the "work"
+    assert lap.ready() and lap.seconds() >= 0.019  # the work plus as long again asleep
+    assert slow.delayed - before >= 0.009 and parse_device("cpu").delayed == 0.0
+    manual = Lap(parse_device("cpu"))
+    manual.stop()
+    first = manual.seconds()
+    manual.extra = 0.5
+    assert manual.seconds() == pytest.approx(first + 0.5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_lap_reads_events_without_synchronising_first():
+    dev = parse_device("cuda:0")
+    a = torch.randn(4096, 4096, device="cuda")
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    with timing.lap(dev) as lap:
+        for _ in range(20):
+            a = a @ a / 4096
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - start
+    assert lap.ready() and 0 < lap.seconds() <= wall * 1.05  # GPU time of the work, read from events
