@@ -64,6 +64,7 @@ def run_parallel(
     devices: Sequence[Device],
     names: Sequence[str] | None = None,
     laps: list[Lap] | None = None,
+    inline: int | None = None,
 ) -> list[Any]:
     """Run ``fns[i]()`` for every device concurrently, each at its device's emulated speed.
 
@@ -78,6 +79,10 @@ def run_parallel(
         laps: If given, receives one :class:`~hetsplit.timing.Lap` per call, in order:
             its busy time on the device (emulated slowdown included), measured without
             synchronising a CUDA device.
+        inline: The index of a call to run in the calling thread instead (while the
+            others run in workers): a backward called from inside the autograd engine's
+            thread for a GPU must run there, as that thread is the only one the engine
+            runs that GPU's backward on.
 
     Example:
         >>> run_parallel([lambda: 1, lambda: 2], parse_devices("cpu,cpu@0.5"))
@@ -97,8 +102,9 @@ def run_parallel(
         except BaseException as e:  # re-raised in the caller with the device named
             return False, e
 
-    futures = [_pool().submit(run, i) for i in range(len(fns))]
-    results = [f.result() for f in futures]
+    futures = {i: _pool().submit(run, i) for i in range(len(fns)) if i != inline}
+    own = run(inline) if inline is not None else None
+    results = [own if i == inline else futures[i].result() for i in range(len(fns))]
     values = []
     for i, (ok, value) in enumerate(results):
         if not ok:

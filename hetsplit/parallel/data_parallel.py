@@ -20,7 +20,7 @@ from .apply import run_parallel
 from .busy import BusyLog
 from .outputs import ScalarPolicy, check_policy, combine, policy_weights
 from .reduce import accumulate_gradients
-from .replicas import BufferMarks, Replicas, module_device
+from .replicas import Replicas, module_device
 from .scatter_gather import scatter_to
 from .sizes import BatchPlans
 
@@ -206,9 +206,8 @@ class HeteroDataParallel(nn.Module):
             args, kws = self.scatter(inputs, kwargs, step.devices)
             step.shards = list(zip(args, kws))
             replicas = self.replicate(self.module, step.devices)
-            marks = BufferMarks(self.module, replicas)
             outputs = self.parallel_apply(replicas, args, kws)
-            self._replicas.merge_buffers(replicas, step.sizes, marks)  # type: ignore[union-attr]
+            self._replicas.merge_buffers(replicas, step.sizes)  # type: ignore[union-attr]
             return self.gather(outputs, self.output_device)
 
     def train_step(
@@ -245,13 +244,12 @@ class HeteroDataParallel(nn.Module):
             weights = policy_weights(reduction, step.sizes, step.shards)
             assert weights is not None
             replicas = self.replicate(self.module, step.devices)
-            marks = BufferMarks(self.module, replicas)
             fns = [
                 lambda r=r, shard=shard, w=w: _local_step(r, shard, target is not None, loss_fn, w)
                 for r, shard, w in zip(replicas, shards, weights)
             ]
             losses = self._run(fns, "", step.active)
-            self._replicas.merge_buffers(replicas, step.sizes, marks)  # type: ignore[union-attr]
+            self._replicas.merge_buffers(replicas, step.sizes)  # type: ignore[union-attr]
             self._finish(step)
             return sum(to_device(x, self.output_device) * w for x, w in zip(losses, weights))  # type: ignore[return-value]
 
@@ -264,9 +262,11 @@ class HeteroDataParallel(nn.Module):
         self._log.start()
         return self._step
 
-    def _run(self, fns: Sequence[Callable[[], Any]], what: str, active: Sequence[int]) -> list[Any]:
+    def _run(
+        self, fns: Sequence[Callable[[], Any]], what: str, active: Sequence[int], inline: int | None = None
+    ) -> list[Any]:
         laps: list[Lap] = []
-        out = run_parallel(fns, [self.devices[i] for i in active], [f"{i}{what}" for i in active], laps)
+        out = run_parallel(fns, [self.devices[i] for i in active], [f"{i}{what}" for i in active], laps, inline)
         for i, lap in zip(active, laps):
             self._log.add(self.devices[i].name, lap)
         return out
@@ -281,8 +281,8 @@ class HeteroDataParallel(nn.Module):
         def run(work: list[tuple[list[torch.Tensor], list[torch.Tensor]]]) -> None:
             jobs = [(step.active[j], outs, grads) for j, (outs, grads) in enumerate(work) if outs]
             fns = [lambda o=o, g=g: torch.autograd.backward(o, g) for _, o, g in jobs]
-            if fns:
-                self._run(fns, " (backward)", [i for i, _, _ in jobs])
+            inline = _engine_job([self.devices[i] for i, _, _ in jobs], self.output_device)
+            self._run(fns, " (backward)", [i for i, _, _ in jobs], inline)  # no job: nothing runs
             self._finish(step)
 
         return run
@@ -291,6 +291,18 @@ class HeteroDataParallel(nn.Module):
     def step_times(self) -> dict[str, float]:
         """Busy seconds of each active device in the last step (waits for a CUDA device to finish it)."""
         return self._log.last_times()
+
+
+def _engine_job(devices: Sequence[Device], output: torch.device) -> int | None:
+    """Which backward job must run in the calling thread: the one on the output's GPU, if any.
+
+    The gathered outputs' backward runs in the autograd engine's thread for their device;
+    on a GPU that thread is the only one the engine runs that GPU's work on, so a replica
+    there must run its backward inline, or the engine waits on itself.
+    """
+    if output.type != "cuda":
+        return None
+    return next((k for k, d in enumerate(devices) if d.torch_device == output), None)
 
 
 def _direct_device(devices: Sequence[Device], module: nn.Module) -> torch.device | None:

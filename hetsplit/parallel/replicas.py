@@ -12,7 +12,7 @@ from torch import nn
 from ..devices import Device
 from ..tree import to_device
 
-__all__ = ["Replicas", "BufferMarks", "module_device"]
+__all__ = ["Replicas", "module_device"]
 
 # torch's norm layers count their training steps in this integer buffer; a full-batch
 # step advances it by one however many replicas ran.
@@ -25,29 +25,6 @@ def module_device(module: nn.Module) -> torch.device:
     if first is None:
         first = next(iter(module.buffers()), None)
     return first.device if first is not None else torch.device("cpu")
-
-
-class BufferMarks:
-    """What the replicas' buffers were before a forward: to tell which ones it changed."""
-
-    def __init__(self, module: nn.Module, replicas: Sequence[nn.Module]) -> None:
-        self.marks = [[(id(b), b._version) for b in r.buffers()] for r in replicas]
-        self.integers = {
-            name: b.clone() for name, b in module.named_buffers() if not (b.is_floating_point() or b.is_complex())
-        }
-
-    def changed(self, k: int, current: Sequence[Sequence[torch.Tensor]], own: torch.Tensor) -> bool:
-        """Whether any replica's ``k``-th buffer was reassigned or changed (``own``: the module's).
-
-        Every replica started the step with the module's values, so after it they all
-        still equal the module's unless one changed. Version counters alone would miss
-        BatchNorm, whose kernel updates its running statistics without bumping them.
-        """
-        if any(
-            id(bufs[k]) != marks[k][0] or bufs[k]._version != marks[k][1] for bufs, marks in zip(current, self.marks)
-        ):
-            return True
-        return any(not torch.equal(to_device(bufs[k], own.device), own) for bufs in current)
 
 
 class Replicas:
@@ -143,28 +120,31 @@ class Replicas:
         return [list(self.copies[i].parameters()) for i in indices if i in self.copies]
 
     @torch.no_grad()
-    def merge_buffers(self, replicas: Sequence[nn.Module], sizes: Sequence[int], marks: BufferMarks) -> None:
+    @torch.no_grad()
+    def merge_buffers(self, replicas: Sequence[nn.Module], sizes: Sequence[int]) -> None:
         """Write the replicas' buffer updates of one step into the module.
 
-        Only buffers some replica changed (in place or by reassignment) are touched.
+        The module never ran, so its buffers still hold the step's starting values.
         Floating-point buffers become the shard-size-weighted average of the replicas'
-        values, so a running mean of batch means equals the full-batch one. Integer
-        buffers advance by the sum of the replicas' increments (a counter of samples
-        counts them all), except ``num_batches_tracked``, which advances as in one
-        full-batch step (by the largest increment).
+        values (a running mean of batch means equals the full-batch one); an element no
+        replica changed keeps its exact value. Integer buffers advance by the sum of the
+        replicas' increments (a counter of samples counts them all), except
+        ``num_batches_tracked``, which advances as in one full-batch step (by the
+        largest increment). Everything stays on the devices: no value is read back, so a
+        GPU is never made to wait here.
         """
-        own = dict(self.module.named_buffers())
         current = [list(r.buffers()) for r in replicas]
         total = float(sum(sizes))
-        for k, (name, target) in enumerate(own.items()):
-            if not marks.changed(k, current, target):
-                continue
+        for k, (name, target) in enumerate(self.module.named_buffers()):
             values = [to_device(bufs[k], target.device) for bufs in current]
-            if target.is_floating_point() or target.is_complex():
+            if len(values) == 1:
+                target.copy_(values[0])  # one replica: its values are the step's
+            elif target.is_floating_point() or target.is_complex():
                 merged = sum((v * (s / total) for v, s in zip(values[1:], sizes[1:])), values[0] * (sizes[0] / total))
+                # A weighted mean of equal numbers can round: unchanged elements keep their value.
+                unchanged = torch.stack([v == target for v in values]).all(0)
+                target.copy_(torch.where(unchanged, target, merged))
             else:
-                old = marks.integers[name].to(target.device)
-                deltas = [v - old for v in values]
-                step = torch.stack(deltas).amax(0) if name.rsplit(".", 1)[-1] == _STEP_COUNTER else sum(deltas)
-                merged = old + step
-            target.copy_(merged)
+                deltas = torch.stack([v - target for v in values])
+                step = deltas.amax(0) if name.rsplit(".", 1)[-1] == _STEP_COUNTER else deltas.sum(0)
+                target.add_(step.to(target.dtype))
