@@ -1,0 +1,1 @@
+"""Integrations: hetsplit inside the trainers people already use."""
