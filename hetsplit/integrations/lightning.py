@@ -1,0 +1,387 @@
+"""HeteroDDPStrategy: Lightning's DDP with every rank's share of each batch from one hetsplit plan."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import weakref
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.trainer.states import RunningStage, TrainerFn
+from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel
+
+import hetsplit.distributed as hd
+from hetsplit.devices import Device, parse_device
+from hetsplit.planning import Plan, Profile, Rebalancer, plan_from_sizes, sizes_from_weights
+
+from .lightning_parts import (
+    HeteroCallback,
+    LossModule,
+    StepModule,
+    check_arguments,
+    loader_settings,
+    op_name,
+    rank_devices,
+    samples_in,
+    weighted_reduce,
+)
+
+__all__ = ["HeteroDDPStrategy"]
+
+
+class HeteroDDPStrategy(DDPStrategy):
+    """Lightning's ``DDPStrategy`` with uneven per-rank batches from one hetsplit plan and exact gradients.
+
+    Use it as ``L.Trainer(strategy=HeteroDDPStrategy(devices="cpu,cpu@0.25"), accelerator="cpu", devices=2)``
+    (two emulated ranks on a CPU-only machine) or ``HeteroDDPStrategy()`` with
+    ``accelerator="gpu", devices=2`` on two unequal GPUs. What it does:
+
+    - **Devices**: ``devices`` lists one device per rank (default ``$HETSPLIT_DEVICES``,
+      else the Trainer's devices). A list of another length than the world size, a
+      device type the accelerator does not run (a ``cpu`` rank with
+      ``accelerator="gpu"``), a device this node lacks or a ``plan`` for another world
+      size is a ``ValueError`` on every rank before the process group starts. Emulated
+      ranks (``cpu@0.25``) run ``training_step``, ``backward`` and the evaluation steps
+      throttled to their speed.
+    - **One plan**: ``plan``, else one solved from ``profile`` (this rank's, or a profile
+      naming every rank's device), else one profiled when the training loader is first
+      processed: each rank times a copy of the LightningModule (no trainer attached,
+      ``self.log`` silenced) on its own device, ``training_step(batch, 0)`` on a batch of
+      the user's loader being the loss (:func:`hetsplit.distributed.plan`; ``profile_kwargs``
+      default to ``{"time_budget": 10}``).
+    - **Global batch**: ``plan.batch_size`` with a plan, else ``global_batch_size``, else
+      world size × the training loader's ``batch_size`` (the global batch of plain DDP).
+    - **Loaders**: the training loader is rebuilt on hetsplit's shares
+      (:func:`hetsplit.distributed.data_loader`: same dataset, ``collate_fn``, workers,
+      pinning; shuffled if the loader or Lightning's ``DistributedSampler`` shuffles),
+      whatever ``use_distributed_sampler`` says; an epoch has ``ceil(len(dataset) / B)``
+      steps. A loader that is not a ``DataLoader`` over a map-style dataset with a
+      ``batch_size`` is an error. Validation and test loaders get shares of world ×
+      their ``batch_size`` in the proportions of the plan in force when each evaluation
+      starts (even shares before a plan exists, as in the sanity check), padded at the
+      end as ``DistributedSampler`` pads; loaders
+      that cannot be rebuilt are left as Lightning made them; predict loaders are untouched.
+    - **Gradients** are weighted by shard (:func:`hetsplit.distributed.weight_gradients`,
+      ``weighting="hook"`` or ``"outputs"``), so a step equals the full-batch step; a
+      share of 0 takes part with an empty batch. ``rebalance=K`` (or a
+      :class:`hetsplit.Rebalancer` policy) re-solves the shares
+      from measured step times every K steps (:class:`hetsplit.distributed.DistributedRebalancer`).
+    - **Metrics** (``self.log(..., sync_dist=True)`` reduces through :meth:`reduce`). For an
+      ``on_epoch`` mean, Lightning keeps ``sum(value * batch_size)`` and ``sum(batch_size)``
+      per rank and divides their all-reduced means at epoch end (``_ResultMetric.update``
+      and ``compute`` in ``lightning/pytorch/trainer/connectors/logger_connector/result.py``):
+      weighted by batch size across ranks, exact with uneven shares as it is. An
+      ``on_step`` value is synced on its own (``meta.sync(value)`` with ``"mean"``): a
+      plain mean of the ranks' values, biased when batches differ. Here a mean reduced
+      inside ``training_step``, ``validation_step`` or ``test_step`` is weighted by each
+      rank's samples in that step (the first tensor's length, as Lightning counts
+      ``batch_size``), so an ``on_step`` value is the mean over the global batch too.
+      ``sum``/``max``/``min`` stay plain. A rank with no samples adds nothing (a NaN
+      from its mean over an empty batch included); but a rank whose share moves between
+      0 and more within an epoch (rebalancing) holds ``NaN * 0`` in Lightning's epoch sum
+      of such a value, and that epoch mean is NaN. Not weighted: means reduced in other
+      hooks (``on_train_batch_end``, ...) and a ``batch_size=`` given to ``self.log``
+      (the step count is used); torchmetrics ``Metric`` objects sync their own states
+      and are exact.
+    - **Checkpoints** save and resume as with ``DDPStrategy`` (the plan is not saved:
+      pass the same ``plan``/``profile`` to resume on the same shares).
+
+    Args:
+        devices: One device per rank: ``"cuda:0,cuda:1"``, ``"cpu,cpu@0.25"`` or a list.
+        plan: The plan for all ranks (``plan.sizes[rank]`` samples per step).
+        profile: A profile to solve the plan from instead of timing the model.
+        global_batch_size: Samples per step over all ranks (default: world × loader batch size).
+        weighting: ``"hook"`` (a DDP comm hook) or ``"outputs"`` (scales the step's output;
+            leaves the comm hook free; automatic optimization only).
+        rebalance: Re-solve the shares every this many steps (0: never), or a
+            :class:`hetsplit.Rebalancer` to set the policy (``every``, ``threshold``, ...).
+        profile_kwargs: Passed to :func:`hetsplit.distributed.plan` (``time_budget``,
+            ``calibrate``, ``batch_sizes``, ...).
+        **ddp_kwargs: Passed to ``DDPStrategy`` (``timeout``, ``find_unused_parameters``, ...).
+
+    Raises:
+        ValueError: On an unknown ``weighting``, a negative ``rebalance``, a
+            ``global_batch_size`` that is not a positive integer or disagrees with the
+            plan, or ``ddp_comm_hook`` with ``weighting="hook"``.
+    """
+
+    def __init__(
+        self,
+        devices: str | Sequence[Any] | None = None,
+        plan: Plan | None = None,
+        profile: Profile | None = None,
+        global_batch_size: int | None = None,
+        weighting: str = "hook",
+        rebalance: int | Rebalancer = 0,
+        *,
+        profile_kwargs: dict[str, Any] | None = None,
+        **ddp_kwargs: Any,
+    ) -> None:
+        check_arguments(weighting, rebalance, global_batch_size, plan, ddp_kwargs)
+        self._rank_device: Device | None = None  # before super(): root_device reads it
+        super().__init__(**ddp_kwargs)
+        self.device_list = devices if devices is None or isinstance(devices, str) else ",".join(map(str, devices))
+        self.weighting, self.rebalance, self.global_batch_size = weighting, rebalance, global_batch_size
+        self.profile, self.profile_kwargs = profile, {"time_budget": 10.0, **(profile_kwargs or {})}
+        self._plan = plan
+        self._labels: list[str] = []
+        self.gradients: hd.WeightingState | None = None
+        self.rebalancer: hd.DistributedRebalancer | None = None
+        self.train_sampler: hd.HeteroBatchSampler | None = None
+        self._eval_samplers: weakref.WeakKeyDictionary[hd.HeteroBatchSampler, int] = weakref.WeakKeyDictionary()
+        self._samples: int | None = None  # this rank's samples in the step running now
+        self._seen: dict[Any, int] = {}  # per stage: this rank's samples since its metrics were last reset
+        self._callback = HeteroCallback(self)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()  # Lightning pickles the strategy to spawn ranks
+        state["_eval_samplers"] = None  # weak references do not pickle; samplers belong to one process
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self._eval_samplers = weakref.WeakKeyDictionary()
+
+    @property
+    def plan(self) -> Plan | None:
+        """The plan in force (the rebalancer's current one when rebalancing)."""
+        return self.rebalancer.plan if self.rebalancer is not None else self._plan
+
+    @property
+    def rank_device(self) -> Device | None:
+        """This rank's hetsplit device (known once the environment is set up)."""
+        return self._rank_device
+
+    @property
+    def root_device(self) -> torch.device:
+        """The device this rank's model and batches live on: its entry in the device list."""
+        if self._rank_device is not None:
+            return self._rank_device.torch_device
+        return super().root_device
+
+    # ------------------------------------------------------------------ setup
+    def setup_environment(self) -> None:
+        """Check the device list (and plan) against the world, on every rank, then join the process group."""
+        self.set_world_ranks()
+        self._check_devices()
+        super().setup_environment()
+
+    def _check_devices(self) -> None:
+        spec = self.device_list or os.environ.get(hd.ENV_DEVICES)
+        if not spec:  # the Trainer's own devices, on every node
+            spec = ",".join([str(d) for d in (self.parallel_devices or [])] * self.num_nodes)
+        first = self.node_rank * self.num_processes
+        names = rank_devices(spec, self.world_size, super().root_device.type, range(first, first + self.num_processes))
+        if self._plan is not None and len(self._plan.sizes) != self.world_size:
+            raise ValueError(
+                f"HeteroDDPStrategy(plan=...) has {len(self._plan.sizes)} shares {list(self._plan.sizes)} for "
+                f"{self.world_size} processes; solve a plan with one share per process"
+            )
+        self._rank_device = parse_device(names[self.global_rank])
+        self._labels = [f"rank{r}:{n}" for r, n in enumerate(names)]
+
+    def setup(self, trainer: pl.Trainer) -> None:
+        """Install the strategy's callback (epochs, rebalancing), then set up as ``DDPStrategy`` does."""
+        if self._callback not in trainer.callbacks:
+            trainer.callbacks.append(self._callback)
+        super().setup(trainer)
+
+    def _setup_model(self, model: nn.Module) -> DistributedDataParallel:
+        """DDP over a :class:`StepModule` holding the LightningModule (so weighting sees one call per step)."""
+        return super()._setup_model(StepModule(model))
+
+    def configure_ddp(self) -> None:
+        """Wrap the model in DDP; weight its gradients by shard once the plan is known."""
+        if self.weighting == "outputs" and not self.lightning_module.automatic_optimization:
+            raise ValueError(
+                "weighting='outputs' scales the step's output after training_step, too late for manual "
+                "optimization (manual_backward runs inside it): use weighting='hook'"
+            )
+        super().configure_ddp()
+        self.gradients = self.rebalancer = self.train_sampler = None
+        self._weight()
+
+    def _weight(self) -> None:
+        if self.gradients is None and self._plan is not None and isinstance(self.model, DistributedDataParallel):
+            self.gradients = hd.weight_gradients(self.model, self._plan, method=self.weighting)
+
+    # ------------------------------------------------------------------ data
+    def process_dataloader(self, dataloader: object) -> object:
+        """Rebuild a training or evaluation loader on hetsplit's shares (predict loaders are left alone)."""
+        trainer = self.lightning_module.trainer
+        if trainer.state.fn == TrainerFn.PREDICTING:
+            return dataloader
+        if trainer.state.stage == RunningStage.TRAINING:
+            return self._train_loader(dataloader)
+        return self._eval_loader(dataloader, trainer)
+
+    def _train_loader(self, loader: Any) -> Any:
+        shuffle, seed, kwargs = loader_settings(loader, "training", strict=True)
+        if self._plan is None:
+            batch = self.global_batch_size or self.world_size * loader.batch_size
+            self._plan = self._make_plan(loader, batch)
+        plan = self.plan
+        new = hd.data_loader(
+            loader.dataset,
+            plan,
+            shuffle=shuffle,
+            seed=seed,
+            drop_last=loader.drop_last,
+            num_replicas=self.world_size,
+            rank=self.global_rank,
+            **kwargs,
+        )
+        self.train_sampler = new.batch_sampler
+        self._weight()
+        if self.rebalance:
+            policy = self.rebalance if isinstance(self.rebalance, Rebalancer) else Rebalancer(every=self.rebalance)
+            policy = self.rebalancer.rebalancer if self.rebalancer is not None else policy  # a reloaded loader
+            self.rebalancer = hd.DistributedRebalancer(
+                plan,
+                policy,
+                sampler=self.train_sampler,
+                gradients=self.gradients,
+                model=self.model,
+                device=self._rank_device,
+            )
+        return new
+
+    def _eval_loader(self, loader: Any, trainer: pl.Trainer) -> Any:
+        settings = loader_settings(loader, str(trainer.state.stage), strict=False)
+        if settings is None:
+            return loader
+        shuffle, seed, kwargs = settings
+        total = self.world_size * loader.batch_size
+        if self._plan is None and self.profile is not None and trainer.state.fn != TrainerFn.FITTING:
+            self._plan = hd.plan(
+                self.lightning_module, None, total, device=self._rank_device, profile=self.profile, calibrate=0
+            )
+        new = hd.data_loader(
+            loader.dataset,
+            self._eval_plan(total),
+            shuffle=shuffle,
+            seed=seed,
+            drop_last=loader.drop_last,
+            num_replicas=self.world_size,
+            rank=self.global_rank,
+            **kwargs,
+        )
+        self._eval_samplers[new.batch_sampler] = total
+        return new
+
+    def on_validation_start(self) -> None:
+        """Evaluation shares follow the plan in force (made after the sanity check, or rebalanced)."""
+        super().on_validation_start()
+        self._follow_plan()
+        self.count_samples()
+
+    def on_test_start(self) -> None:
+        """As :meth:`on_validation_start`."""
+        super().on_test_start()
+        self._follow_plan()
+        self.count_samples()
+
+    def _follow_plan(self) -> None:
+        for sampler, total in list(self._eval_samplers.items()):
+            new = self._eval_plan(total)
+            if sampler.plan_at(sampler.yielded).sizes != new.sizes:  # from this rank's next step, as on every rank
+                sampler.set_plan(new, sampler.yielded)
+
+    def _eval_plan(self, total: int) -> Plan:
+        """Shares of an evaluation batch of ``total`` in the plan's proportions (even without a plan)."""
+        weights = self.plan.sizes if self.plan is not None else [1] * self.world_size
+        return plan_from_sizes(None, self._labels, sizes_from_weights(total, weights))
+
+    def _make_plan(self, loader: Any, batch_size: int) -> Plan:
+        """Profile a detached copy of the LightningModule on this rank's device; rank 0 solves for all."""
+        sample = next(iter(loader))  # as the loader gives it (on the CPU): the profiler moves rows itself
+        model = LossModule.detached(self.lightning_module, self.precision_plugin.train_step_context)
+        cuda = [self.root_device] if self.root_device.type == "cuda" else []
+        try:
+            with torch.random.fork_rng(devices=cuda):  # training draws the same random numbers as unprofiled
+                return hd.plan(
+                    model, (sample,), batch_size, device=self._rank_device, profile=self.profile, **self.profile_kwargs
+                )
+        except (ValueError, TypeError, RuntimeError) as e:
+            if isinstance(e, hd.DistributedError):
+                raise
+            raise RuntimeError(
+                f"HeteroDDPStrategy could not profile training_step on {self._rank_device} ({type(e).__name__}: {e}); "
+                "fix the step, or pass plan= (or profile=) to skip profiling"
+            ) from e
+
+    # ------------------------------------------------------------------ steps
+    @contextlib.contextmanager
+    def _step(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterator[None]:
+        batch = args[0] if args else kwargs.get("batch")
+        self._samples = samples_in(batch)
+        if self._samples is not None:
+            stage = self.lightning_module.trainer.state.stage
+            self._seen[stage] = self._seen.get(stage, 0) + self._samples
+        try:
+            with self._throttle():
+                yield
+        finally:
+            self._samples = None
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        """The LightningModule's ``training_step`` (at the rank's emulated speed; means weighted by samples)."""
+        with self._step(args, kwargs):
+            return super().training_step(*args, **kwargs)
+
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        """The LightningModule's ``validation_step``, as :meth:`training_step`."""
+        with self._step(args, kwargs):
+            return super().validation_step(*args, **kwargs)
+
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        """The LightningModule's ``test_step``, as :meth:`training_step`."""
+        with self._step(args, kwargs):
+            return super().test_step(*args, **kwargs)
+
+    def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
+        """Backward as ``DDPStrategy`` does, at the rank's emulated speed (waiting for other ranks is not slowed)."""
+        with self._throttle():
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+
+    def _throttle(self) -> contextlib.AbstractContextManager[Any]:
+        device = self._rank_device
+        if device is None or not device.emulated:
+            return contextlib.nullcontext()
+        return device.throttle(cpu_time=True)  # CPU time: waiting for the other ranks is not slowed
+
+    def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
+        """Reduce across ranks; inside a ``*_step``, a mean is weighted by each rank's samples (see the class).
+
+        Args:
+            tensor: The value to reduce (anything else is returned unchanged).
+            group: The process group (default: the world).
+            reduce_op: ``"mean"`` (default), ``"sum"``, ``"max"``, ``"min"`` or a ``ReduceOp``.
+
+        Returns:
+            The reduced tensor, the same on every rank.
+        """
+        if not isinstance(tensor, Tensor) or not (dist.is_available() and dist.is_initialized()):
+            return super().reduce(tensor, group, reduce_op)
+        plain = super().reduce
+        if self._samples is not None:
+            return weighted_reduce(tensor, self._samples, reduce_op, lambda t, op: plain(t, group, op))
+        if op_name(reduce_op) in ("mean", "sum") and tensor.is_floating_point() and self._stage_seen() == 0:
+            tensor = torch.nan_to_num(tensor, nan=0.0)  # sum(value * 0) of a rank without samples: NaN * 0
+        return plain(tensor, group, reduce_op)
+
+    def count_samples(self) -> None:
+        """Start counting this rank's samples for the running stage (its epoch metrics start afresh)."""
+        self._seen[self.lightning_module.trainer.state.stage] = 0
+
+    def _stage_seen(self) -> int | None:
+        try:
+            return self._seen.get(self.lightning_module.trainer.state.stage)
+        except (AttributeError, RuntimeError):  # no module, or not attached to a trainer
+            return None

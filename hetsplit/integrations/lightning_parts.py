@@ -1,0 +1,353 @@
+"""Lightning parts: the modules, callback, loader settings and reductions HeteroDDPStrategy is built from."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+import os
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler, SequentialSampler
+
+import hetsplit.distributed as hd
+from hetsplit.devices import parse_device
+from hetsplit.planning import Plan, Rebalancer
+
+__all__ = [
+    "StepModule",
+    "LossModule",
+    "HeteroCallback",
+    "check_arguments",
+    "rank_devices",
+    "loader_settings",
+    "samples_in",
+    "op_name",
+    "weighted_reduce",
+]
+
+
+class StepModule(nn.Module):
+    """What DDP wraps: the LightningModule, called exactly once per step.
+
+    hetsplit's gradient weighting hooks this module's forward. A ``self(x)`` inside
+    ``training_step`` calls the LightningModule again, never this module, so the hooks
+    see each step once (``weighting="outputs"`` scales the step's loss, not also its logits).
+    State-dict keys of the LightningModule are unchanged (Lightning saves that module).
+    """
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+        ignore = getattr(module, "_ddp_params_and_buffers_to_ignore", None)
+        if ignore:  # DDP reads these names from the module it wraps
+            self._ddp_params_and_buffers_to_ignore = [f"module.{name}" for name in ignore]
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Call the LightningModule (Lightning's forward redirection makes that its ``*_step``)."""
+        return self.module(*args, **kwargs)
+
+
+class _Shared:
+    """A context factory that ``copy.deepcopy`` (the profiler copies the model) shares, never copies."""
+
+    def __init__(self, factory: Callable[[], contextlib.AbstractContextManager[Any]]) -> None:
+        self.factory = factory
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _Shared:
+        return self
+
+
+class LossModule(nn.Module):
+    """A copy of a LightningModule whose forward is ``training_step(batch, 0)``: the loss the profiler times.
+
+    The copy has no trainer, so ``self.log`` in ``training_step`` would warn on every
+    call; those warnings are silenced. The step runs in ``context`` (the precision
+    plugin's training context: autocast for mixed precision).
+
+    Args:
+        module: The detached copy of the LightningModule.
+        context: A callable returning the context manager to run the step in.
+    """
+
+    def __init__(self, module: pl.LightningModule, context: Callable[[], Any] = contextlib.nullcontext) -> None:
+        super().__init__()
+        self.module = module
+        self.context = _Shared(context)
+
+    @classmethod
+    def detached(cls, module: pl.LightningModule, context: Callable[[], Any] = contextlib.nullcontext) -> LossModule:
+        """A :class:`LossModule` over a copy of ``module`` made without its trainer (``module`` keeps it).
+
+        Returns:
+            The loss module (the original module is untouched).
+        """
+        trainer = module.trainer
+        module.trainer = None  # the copy must not drag the trainer along, nor log through it
+        try:
+            replica = copy.deepcopy(module)
+        finally:
+            module.trainer = trainer
+        return cls(replica, context)
+
+    def forward(self, batch: Any) -> torch.Tensor:
+        """The loss of ``training_step(batch, 0)`` (its ``"loss"`` entry when it returns a dict)."""
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r".*`self\.log\(\)`.*")
+            with self.context.factory():
+                out = self.module.training_step(batch, 0)
+        loss = out.get("loss") if isinstance(out, Mapping) else out
+        if not isinstance(loss, torch.Tensor):
+            raise ValueError(
+                f"training_step returned {type(out).__name__}, not a loss tensor or a dict with 'loss'; "
+                "HeteroDDPStrategy profiles the loss training_step returns: pass plan= or profile= instead"
+            )
+        return loss
+
+
+class HeteroCallback(pl.Callback):
+    """Installed by HeteroDDPStrategy: each epoch's shuffle for the shares, and the rebalancer around each batch.
+
+    Lightning calls ``set_epoch`` on a loader's ``sampler`` and ``batch_sampler.sampler``
+    only, not on a batch sampler itself, so the strategy's batch sampler gets its epoch
+    here. With ``rebalance=K`` every training batch (forward, backward, optimizer step)
+    runs inside :meth:`hetsplit.distributed.DistributedRebalancer.step`.
+
+    Args:
+        strategy: The strategy (a ``HeteroDDPStrategy``) whose sampler and rebalancer to drive.
+    """
+
+    def __init__(self, strategy: Any) -> None:
+        self.strategy = strategy
+        self._steps = contextlib.ExitStack()
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Shuffle the shares of this epoch (the same order on every rank); count its samples afresh."""
+        self.strategy.count_samples()
+        if self.strategy.train_sampler is not None:
+            self.strategy.train_sampler.set_epoch(trainer.current_epoch)
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int) -> None:
+        """Open the rebalancer's step."""
+        if self.strategy.rebalancer is not None:
+            self._steps.enter_context(self.strategy.rebalancer.step())
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, idx: int
+    ) -> None:
+        """Close the step: its time is recorded; every K steps the ranks exchange times."""
+        self._steps.close()
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        """Drop an open step without exchanging (a failed rank must not wait for the others)."""
+        self._steps.pop_all()
+
+
+def check_arguments(weighting: str, rebalance: Any, global_batch_size: Any, plan: Any, ddp_kwargs: dict) -> None:
+    """Check HeteroDDPStrategy's arguments (see its docstring), before anything runs.
+
+    Raises:
+        ValueError: Naming the bad argument and what to pass instead.
+    """
+    if weighting not in ("hook", "outputs"):
+        raise ValueError(f"weighting={weighting!r}: use 'hook' (a DDP comm hook) or 'outputs'")
+    if not isinstance(rebalance, Rebalancer) and (
+        isinstance(rebalance, bool) or not isinstance(rebalance, int) or rebalance < 0
+    ):
+        raise ValueError(
+            f"rebalance={rebalance!r}: give a number of steps >= 1, 0 for no rebalancing, or a hetsplit.Rebalancer"
+        )
+    if global_batch_size is not None and (
+        isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int) or global_batch_size < 1
+    ):
+        raise ValueError(f"global_batch_size={global_batch_size!r}: give a positive number of samples per step")
+    if plan is not None and not isinstance(plan, Plan):
+        raise ValueError(
+            f"plan={plan!r}: give a hetsplit Plan; for fixed shares use "
+            "hetsplit.planning.plan_from_sizes(None, ['rank0', 'rank1'], [6, 2])"
+        )
+    if plan is not None and global_batch_size is not None and plan.batch_size != global_batch_size:
+        raise ValueError(
+            f"global_batch_size={global_batch_size} but the plan splits {plan.batch_size}; "
+            "leave global_batch_size out (the plan sets it) or solve the plan for it"
+        )
+    if weighting == "hook" and ddp_kwargs.get("ddp_comm_hook") is not None:
+        raise ValueError(
+            "weighting='hook' registers hetsplit's DDP comm hook and DDP takes one: "
+            "use weighting='outputs' to keep your ddp_comm_hook"
+        )
+
+
+def rank_devices(spec: str, world: int, accelerator: str, here: Sequence[int]) -> list[str]:
+    """The per-rank device list ``spec``, checked against the world, the accelerator and this node.
+
+    Every rank runs the same checks on the same values, so each raises the same error.
+
+    Args:
+        spec: One device per rank (``"cpu,cpu@0.25"``).
+        world: The number of processes.
+        accelerator: The device type Lightning's accelerator runs every rank on.
+        here: The ranks of this node, whose devices must exist here.
+
+    Returns:
+        The canonical device names, one per rank.
+
+    Raises:
+        ValueError: On a list of another length, a device of another type than the
+            accelerator's (a CPU with ``accelerator="gpu"``), or one this node lacks.
+    """
+    try:
+        names = [hd.rank_device(spec, r, world=world) for r in range(world)]
+    except ValueError as e:
+        raise ValueError(
+            f"HeteroDDPStrategy(devices={spec!r}) with {world} processes (Trainer devices × num_nodes): {e}"
+        ) from None
+    wrong = [f"rank {r}: {n}" for r, n in enumerate(names) if parse_device(n, check=False).type != accelerator]
+    if wrong:
+        kind = {"cuda": "'gpu'", "cpu": "'cpu'"}.get(accelerator, repr(accelerator))
+        raise ValueError(
+            f"Trainer(accelerator={kind}) runs every rank on {accelerator}, but HeteroDDPStrategy(devices={spec!r}) "
+            f"lists {', '.join(wrong)}. Lightning runs all ranks on one accelerator: list only {accelerator} devices "
+            "(emulated ranks such as 'cpu,cpu@0.25' with accelerator='cpu'), or start a CPU rank among GPUs "
+            "with 'hetsplit launch' and hetsplit.distributed"
+        )
+    for r in here:
+        if r < world:
+            try:
+                parse_device(names[r])
+            except ValueError as e:
+                raise ValueError(f"HeteroDDPStrategy: rank {r}'s device {names[r]!r}: {e}") from None
+    return names
+
+
+def loader_settings(loader: Any, stage: str, *, strict: bool) -> tuple[bool, int, dict[str, Any]] | None:
+    """How to rebuild ``loader`` on hetsplit's shares: ``(shuffle, seed, DataLoader keyword arguments)``.
+
+    The sampler Lightning may have put in (``DistributedSampler``) or the user's
+    ``RandomSampler``/``SequentialSampler`` only says whether to shuffle; everything
+    else (``collate_fn``, workers, pinning, ...) is kept.
+
+    Args:
+        loader: The loader Lightning hands the strategy.
+        stage: ``"training"``, ``"validation"``, ... (for the message).
+        strict: Raise when the loader cannot be sharded by index; else return ``None``.
+
+    Returns:
+        The settings, or ``None`` when the loader cannot be rebuilt and ``strict`` is false.
+
+    Raises:
+        ValueError: With ``strict``, for anything but a ``DataLoader`` over a map-style
+            dataset with ``batch_size`` and a random, sequential or plain distributed sampler.
+    """
+    problem = None
+    seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
+    shuffle = False
+    if not isinstance(loader, DataLoader):
+        problem = f"it is a {type(loader).__name__}, not a torch DataLoader; return a DataLoader"
+    elif isinstance(loader.dataset, IterableDataset):
+        problem = (
+            f"its dataset {type(loader.dataset).__name__} is iterable; shares are cut by index, "
+            "so use a map-style Dataset (with __getitem__ and __len__)"
+        )
+    elif loader.batch_size is None:
+        problem = (
+            "it has no batch_size (its batches come from a batch_sampler, or batch_size=None); the per-rank "
+            "batch comes from the plan: pass batch_size= (and shuffle=) instead of a batch sampler"
+        )
+    elif isinstance(loader.sampler, RandomSampler):
+        shuffle = True
+    elif type(loader.sampler) is DistributedSampler:  # what Lightning puts in with use_distributed_sampler=True
+        shuffle, seed = bool(loader.sampler.shuffle), int(loader.sampler.seed)
+    elif not isinstance(loader.sampler, SequentialSampler):
+        problem = (
+            f"its sampler {type(loader.sampler).__name__} cannot be kept (hetsplit cuts every global batch by index "
+            "and only shuffles or not): use shuffle=True/False, or weight the dataset itself"
+        )
+    if problem is not None:
+        if strict:
+            raise ValueError(f"HeteroDDPStrategy cannot shard the {stage} loader: {problem}")
+        return None
+    kwargs: dict[str, Any] = {
+        name: getattr(loader, name)
+        for name in (
+            "num_workers",
+            "collate_fn",
+            "pin_memory",
+            "timeout",
+            "worker_init_fn",
+            "multiprocessing_context",
+            "generator",
+            "persistent_workers",
+            "pin_memory_device",
+            "in_order",
+        )
+        if hasattr(loader, name)
+    }
+    if loader.num_workers > 0:
+        kwargs["prefetch_factor"] = loader.prefetch_factor
+    return shuffle, seed, kwargs
+
+
+def samples_in(batch: Any) -> int | None:
+    """The samples in a batch as Lightning counts them for ``self.log``: the first tensor's length.
+
+    Returns:
+        That length (1 for a 0-dim tensor), or ``None`` when the batch holds no tensor.
+    """
+    if isinstance(batch, torch.Tensor):
+        return 1 if batch.dim() == 0 else len(batch)
+    items = batch.values() if isinstance(batch, Mapping) else batch
+    if isinstance(items, (str, bytes)) or not hasattr(items, "__iter__"):
+        return None
+    for item in items:
+        found = samples_in(item)
+        if found is not None:
+            return found
+    return None
+
+
+def op_name(reduce_op: Any) -> str:
+    """``"mean"``, ``"sum"``, ``"max"``, ``"min"`` for Lightning's and torch's spellings of those reductions."""
+    if isinstance(reduce_op, str):
+        name = reduce_op.lower()
+    else:  # torch.distributed.ReduceOp.SUM and friends
+        name = str(getattr(reduce_op, "name", reduce_op)).rsplit(".", 1)[-1].lower()
+    return {"avg": "mean", "average": "mean"}.get(name, name)
+
+
+def weighted_reduce(
+    tensor: torch.Tensor, samples: int, reduce_op: Any, plain: Callable[[torch.Tensor, Any], torch.Tensor]
+) -> torch.Tensor:
+    """Reduce a value computed on ``samples`` samples of this step, each rank weighted by its samples.
+
+    A mean becomes ``sum_r b_r * v_r / sum_r b_r`` (one all-reduce of ``[b_r * v_r, b_r]``),
+    the mean over the step's global batch; a rank without samples adds nothing (also
+    where its value is NaN, as a mean over no samples is). Sum, max and min are the
+    plain reduction, with a rank without samples contributing the neutral value.
+
+    Args:
+        tensor: This rank's value.
+        samples: This rank's samples in the step.
+        reduce_op: The reduction Lightning asked for.
+        plain: ``plain(tensor, reduce_op)``: the unweighted reduction (DDPStrategy's).
+
+    Returns:
+        The reduced value, the same on every rank.
+    """
+    op = op_name(reduce_op)
+    if op == "mean":
+        dtype = tensor.dtype if tensor.is_floating_point() else torch.get_default_dtype()
+        with torch.no_grad():
+            flat = tensor.detach().to(dtype).reshape(-1)
+            part = flat * samples if samples else torch.zeros_like(flat)
+            total = plain(torch.cat([part, flat.new_tensor([float(samples)])]), "sum")
+        return (total[:-1] / total[-1]).reshape(tensor.shape)
+    neutral = {"sum": 0.0, "max": -math.inf, "min": math.inf}.get(op)
+    if samples == 0 and neutral is not None and tensor.is_floating_point():
+        tensor = torch.full_like(tensor, neutral)
+    return plain(tensor, reduce_op)

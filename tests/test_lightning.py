@@ -1,0 +1,298 @@
+"""HeteroDDPStrategy in a 2-rank gloo Lightning job: exact steps, plan shares, global step count, metrics, resume.
+
+Lightning re-runs the script to start its ranks, which cannot work inside pytest, so
+this file is also the job: ``torchrun --standalone --nproc_per_node=2 test_lightning.py OUT``
+runs every scenario in one launch (``cpu,cpu@1``: emulated ranks at full speed, so no
+sleeping; float64) and each rank writes what it saw to ``OUT/rank{r}.json``; the tests
+below read those files.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("lightning")
+
+import torch
+
+__all__: list[str] = []
+
+N, BATCH = 20, 4  # 20 samples, loader batch 4 on 2 ranks: a global batch of 8, 3 steps per epoch
+
+
+# --------------------------------------------------------------------------- the job (run by torchrun)
+def _job(out: Path) -> None:
+    import lightning as L
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.utils.data import BatchSampler, DataLoader, IterableDataset, SequentialSampler, TensorDataset
+
+    import hetsplit
+    from hetsplit.lightning import HeteroDDPStrategy
+    from hetsplit.planning import plan_from_sizes
+
+    rank = int(os.environ["RANK"])
+    torch.manual_seed(0)
+    X, Y = torch.randn(N, 3, dtype=torch.float64), torch.randn(N, 1, dtype=torch.float64)
+    data = TensorDataset(torch.arange(N), X, Y)
+
+    class Stream(IterableDataset):
+        def __iter__(self):
+            yield from data
+
+    class Net(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1)).double()
+            self.seen: list[list[int]] = []
+            self.val_seen: list[list[int]] = []
+            self.first: list[torch.Tensor] | None = None
+
+        def forward(self, x):
+            return self.layer(x)
+
+        def training_step(self, batch, batch_idx):
+            idx, x, y = batch
+            self.seen.append(idx.tolist())
+            loss = F.mse_loss(self(x), y)  # self(x): the weighting must not see this call as a step
+            self.log("train_loss", loss, sync_dist=True)  # on_step
+            self.log("train_epoch", loss, sync_dist=True, on_step=False, on_epoch=True)
+            return loss
+
+        def on_train_batch_end(self, outputs, batch, batch_idx):
+            if self.first is None:
+                self.first = [p.detach().clone() for p in self.parameters()]
+
+        def validation_step(self, batch, batch_idx):
+            idx, x, y = batch
+            if not self.trainer.sanity_checking:
+                self.val_seen.append(idx.tolist())
+            self.log("val_loss", F.mse_loss(self(x), y), sync_dist=True)  # on_epoch
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def trainer(strategy, **kwargs):
+        kwargs = {"max_epochs": 1, **kwargs}
+        return L.Trainer(
+            strategy=strategy,
+            accelerator="cpu",
+            devices=2,
+            enable_progress_bar=False,
+            logger=False,
+            enable_checkpointing=False,
+            enable_model_summary=False,
+            **kwargs,
+        )
+
+    def loaders():
+        return DataLoader(data, batch_size=BATCH, shuffle=True), DataLoader(data, batch_size=BATCH)
+
+    def error(make) -> str:
+        try:
+            make()
+        except ValueError as e:
+            return str(e)
+        return "no error"
+
+    def gathered(obj):
+        out = [None, None]
+        dist.all_gather_object(out, obj)
+        return out
+
+    def scenario(sizes, *, save=None, **kwargs) -> dict:
+        L.seed_everything(0)
+        model = Net()
+        init = Net()
+        init.load_state_dict(model.state_dict())
+        plan = plan_from_sizes(None, ["rank0", "rank1"], sizes) if sizes else None
+        strategy = HeteroDDPStrategy(devices="cpu,cpu@1", plan=plan, **kwargs.pop("strategy", {}))
+        t = trainer(strategy, **kwargs)
+        t.fit(model, *loaders())
+        if save:
+            t.save_checkpoint(save)
+        steps = gathered(model.seen)  # [rank][step] -> indices
+        ref = init.layer
+        opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+        losses, plain, first = [], [], None
+        for k in range(len(steps[0])):
+            parts = [torch.tensor(s[k], dtype=torch.long) for s in steps]
+            rank_means = [F.mse_loss(ref(X[p]), Y[p]).item() for p in parts if len(p)]
+            plain.append(sum(rank_means) / len(rank_means) if len(rank_means) == 2 else math.nan)
+            idx = torch.cat(parts)
+            opt.zero_grad()
+            loss = F.mse_loss(ref(X[idx]), Y[idx])
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+            if k == 0:
+                first = [p.detach().clone() for p in ref.parameters()]
+        diff = lambda a, b: max((x - y).abs().max().item() for x, y in zip(a, b))
+        val = torch.cat([torch.tensor(v, dtype=torch.long) for s in gathered(model.val_seen) for v in s])
+        with torch.no_grad():
+            val_ref = F.mse_loss(ref(X[val]), Y[val]).item()
+        metrics = {k: float(v) for k, v in t.callback_metrics.items()}
+        return {
+            "sizes": [len(s) for s in model.seen],
+            "steps_run": len(model.seen),
+            "global_step": t.global_step,
+            "loader_len": len(t.train_dataloader),
+            "covered": sorted({i for s in steps for step in s for i in step}),
+            "first_step_diff": diff(model.first, first),
+            "final_diff": diff(list(model.parameters()), list(ref.parameters())),
+            "train_loss": metrics.get("train_loss"),
+            "train_loss_ref": losses[-1],
+            "train_loss_plain": plain[-1],
+            "train_epoch": metrics.get("train_epoch"),
+            "train_epoch_ref": sum(losses) / len(losses),
+            "val_loss": metrics.get("val_loss"),
+            "val_loss_ref": val_ref,
+            "val_sizes": [len(v) for v in model.val_seen],
+            "plan": list(strategy.plan.sizes),
+            "changes": len(strategy.rebalancer.history) if strategy.rebalancer is not None else 0,
+            "order": steps,
+        }
+
+    res: dict = {}
+    # Bad input: one clear error on every rank, before the process group exists.
+    res["bad_devices"] = error(lambda: trainer(HeteroDDPStrategy(devices="cpu,cpu,cpu")).fit(Net(), *loaders()))
+    bad_plan = plan_from_sizes(None, ["a", "b", "c"], [4, 2, 2])
+    res["bad_plan"] = error(lambda: trainer(HeteroDDPStrategy(devices="cpu,cpu@1", plan=bad_plan)).fit(Net()))
+    res["group_before"] = dist.is_available() and dist.is_initialized()
+
+    ckpt = str(out / "epoch1.ckpt")
+    res["ddp_sampler"] = scenario([6, 2], save=ckpt, use_distributed_sampler=True)
+    res["own_sampler"] = scenario([6, 2], use_distributed_sampler=False, strategy={"weighting": "outputs"})
+    res["zero_share"] = scenario([8, 0])
+    quick = {"time_budget": 0.5, "batch_sizes": [2, 4], "repeats": 1, "warmup": 1, "calibrate": 1}
+    res["profiled"] = scenario(None, strategy={"profile_kwargs": quick})
+    # Re-solve after every step, moving at most 1 sample at once: the shares may change, never to 0.
+    eager = hetsplit.Rebalancer(every=1, threshold=0.0, window=1, max_move=0.125)
+    res["rebalanced"] = scenario([5, 3], strategy={"rebalance": eager})
+
+    # Resume the first scenario's checkpoint for a second epoch.
+    L.seed_everything(0)
+    model = Net()
+    t = trainer(HeteroDDPStrategy(devices="cpu,cpu@1", plan=plan_from_sizes(None, ["r0", "r1"], [6, 2])), max_epochs=2)
+    t.fit(model, *loaders(), ckpt_path=ckpt)
+    res["resumed"] = {"global_step": t.global_step, "epoch": t.current_epoch, "order": gathered(model.seen)}
+    # trainer.validate alone: the evaluation shares follow the plan, the synced mean is the global one.
+    model.val_seen = []
+    metrics = t.validate(model, loaders()[1], verbose=False)[0]
+    val = torch.cat([torch.tensor(v, dtype=torch.long) for s in gathered(model.val_seen) for v in s])
+    with torch.no_grad():
+        ref = F.mse_loss(model(X[val]), Y[val]).item()
+    res["validate"] = {"sizes": [len(v) for v in model.val_seen], "val_loss": metrics["val_loss"], "ref": ref}
+
+    # A training loader hetsplit cannot shard: one error on every rank, before any step.
+    batches = DataLoader(data, batch_sampler=BatchSampler(SequentialSampler(data), BATCH, False))
+    res["bad_loader"] = error(lambda: trainer(HeteroDDPStrategy(devices="cpu,cpu@1")).fit(Net(), batches))
+    stream = DataLoader(Stream(), batch_size=BATCH)
+    res["iterable"] = error(lambda: trainer(HeteroDDPStrategy(devices="cpu,cpu@1")).fit(Net(), stream))
+    (out / f"rank{rank}.json").write_text(json.dumps(res))
+    dist.barrier()
+
+
+# --------------------------------------------------------------------------- the tests
+@pytest.fixture(scope="module")
+def job(tmp_path_factory) -> list[dict]:
+    out = tmp_path_factory.mktemp("lightning")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", __file__, str(out)]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=150, env=env)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+SCENARIOS = ["ddp_sampler", "own_sampler", "zero_share", "profiled", "rebalanced"]
+
+
+@pytest.mark.parametrize("name", SCENARIOS)
+def test_steps_equal_full_batch_sgd(job, name):
+    for r in job:
+        assert r[name]["first_step_diff"] < 1e-12, r[name]["first_step_diff"]
+        assert r[name]["final_diff"] < 1e-12, r[name]["final_diff"]
+
+
+@pytest.mark.parametrize("name", SCENARIOS)
+def test_steps_per_epoch_are_the_global_count_every_sample_seen(job, name):
+    for r in job:
+        assert r[name]["global_step"] == r[name]["steps_run"] == r[name]["loader_len"] == math.ceil(N / 8)
+        assert r[name]["covered"] == list(range(N))  # not re-sharded by Lightning's DistributedSampler
+
+
+@pytest.mark.parametrize(("name", "sizes"), [("ddp_sampler", [6, 2]), ("own_sampler", [6, 2]), ("zero_share", [8, 0])])
+def test_batch_sizes_follow_the_plan(job, name, sizes):
+    for rank, r in enumerate(job):
+        assert r[name]["sizes"] == [sizes[rank]] * 3
+        assert r[name]["val_sizes"] == [sizes[rank]] * 3  # evaluation shares in the plan's proportions
+
+
+def test_profiled_plan_is_one_plan(job):
+    plans = [r["profiled"]["plan"] for r in job]
+    assert plans[0] == plans[1] and sum(plans[0]) == 8
+    assert [r["profiled"]["sizes"] for r in job] == [[plans[0][0]] * 3, [plans[0][1]] * 3]
+
+
+def test_rebalancing_keeps_steps_exact(job):
+    per_step = [a + b for a, b in zip(job[0]["rebalanced"]["sizes"], job[1]["rebalanced"]["sizes"])]
+    assert per_step == [8, 8, 8]  # every step is the whole global batch, whatever the shares became
+    assert job[0]["rebalanced"]["changes"] == job[1]["rebalanced"]["changes"]
+    final = job[0]["rebalanced"]["plan"]
+    assert [r["rebalanced"]["val_sizes"] for r in job] == [[final[0]] * 3, [final[1]] * 3]  # evaluation follows
+
+
+@pytest.mark.parametrize("name", SCENARIOS)
+def test_synced_metrics_are_global_batch_means(job, name):
+    for r in job:
+        s = r[name]
+        assert s["train_loss"] == pytest.approx(s["train_loss_ref"], rel=1e-9, abs=1e-12)  # on_step: weighted here
+        assert s["train_epoch"] == pytest.approx(s["train_epoch_ref"], rel=1e-9, abs=1e-12)
+        assert s["val_loss"] == pytest.approx(s["val_loss_ref"], rel=1e-9, abs=1e-12)
+    s = job[0]["ddp_sampler"]
+    assert abs(s["train_loss_plain"] - s["train_loss_ref"]) > 1e-6  # the plain mean of rank means would differ
+
+
+def test_checkpoint_resumes_for_a_second_epoch(job):
+    for r in job:
+        assert r["resumed"]["global_step"] == 6 and r["resumed"]["epoch"] == 2
+        assert r["resumed"]["order"] != r["ddp_sampler"]["order"]  # epoch 2 is shuffled differently
+        assert sorted({i for rank in r["resumed"]["order"] for s in rank for i in s}) == list(range(N))
+
+
+def test_validate_alone_uses_the_plan_shares(job):
+    for rank, r in enumerate(job):
+        assert r["validate"]["sizes"] == [[6, 2][rank]] * 3
+        assert r["validate"]["val_loss"] == pytest.approx(r["validate"]["ref"], rel=1e-9, abs=1e-12)
+
+
+def test_bad_input_is_one_clear_error_on_every_rank(job):
+    for r in job:
+        assert "3 devices" in r["bad_devices"] and "2 processes" in r["bad_devices"]
+        assert "3 shares" in r["bad_plan"] and "2 processes" in r["bad_plan"]
+        assert not r["group_before"]  # raised before the process group was created
+        assert "no batch_size" in r["bad_loader"] and "training loader" in r["bad_loader"]
+        assert "dataset Stream is iterable" in r["iterable"]
+
+
+def test_constructor_rejects_bad_arguments():
+    from hetsplit.lightning import HeteroDDPStrategy
+    from hetsplit.planning import plan_from_sizes
+
+    with pytest.raises(ValueError, match="weighting='mean'"):
+        HeteroDDPStrategy(weighting="mean")
+    with pytest.raises(ValueError, match="rebalance=-1"):
+        HeteroDDPStrategy(rebalance=-1)
+    with pytest.raises(ValueError, match="global_batch_size=16 but the plan splits 8"):
+        HeteroDDPStrategy(plan=plan_from_sizes(None, ["a", "b"], [6, 2]), global_batch_size=16)
+
+
+if __name__ == "__main__":
+    _job(Path(sys.argv[1]))
