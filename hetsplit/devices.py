@@ -53,6 +53,20 @@ class Device:
     speed: float = 1.0
     emulated: bool = False
 
+    def __post_init__(self) -> None:
+        # Built by hand too (the docstring's example): the same rules as parse_device.
+        if self.type not in ("cpu", "cuda", "mps"):
+            raise ValueError(f"unsupported device type {self.type!r}; use cpu, cuda or mps")
+        index = self.index
+        if index is not None and (isinstance(index, bool) or not isinstance(index, int) or index < 0):
+            raise ValueError(f"device index must be None or an integer >= 0, got {self.index!r}")
+        if not isinstance(self.emulated, bool):
+            raise TypeError(f"Device.emulated must be True or False, got {self.emulated!r}")
+        if self.emulated:
+            emulation.check_speed(self.speed, f"{self.base}@{self.speed}")
+        elif self.speed != 1.0:
+            raise ValueError(f"a real device runs at speed 1.0, got {self.speed!r}; pass emulated=True to slow it")
+
     @property
     def base(self) -> str:
         """The real device's name, without the emulation suffix (``"cuda:0"``)."""
@@ -228,8 +242,12 @@ def parse_devices(specs: str | Iterable[DeviceLike], *, check: bool = True) -> l
         items: Sequence[DeviceLike] = [s for s in specs.split(",") if s.strip()]
     elif isinstance(specs, (torch.device, Device)):
         items = [specs]
-    else:
+    elif isinstance(specs, Iterable) and not isinstance(specs, bytes):
         items = list(specs)
+    else:
+        raise TypeError(
+            f"devices must be a string such as 'cuda:0,cpu' or a list of devices, got {type(specs).__name__}: {specs!r}"
+        )
     if not items:
         raise ValueError(f"no devices given in {specs!r}; name at least one, e.g. 'cpu' or 'cuda:0,cpu'")
     return [parse_device(s, check=check) for s in items]

@@ -36,8 +36,11 @@ def check_speed(speed: float, spec: str) -> None:
     """Raise unless ``speed`` is a usable emulated speed factor.
 
     Raises:
+        TypeError: If ``speed`` is not a number (a string, a bool).
         ValueError: If ``speed`` is not finite or not in ``[MIN_SPEED, 1]``.
     """
+    if isinstance(speed, bool) or not isinstance(speed, int | float):
+        raise TypeError(f"emulated speed for {spec!r} must be a number in [{MIN_SPEED:g}, 1], got {speed!r}")
     if not (math.isfinite(speed) and MIN_SPEED <= speed <= 1.0):
         raise ValueError(
             f"emulated speed in {spec!r} must be in (0, 1] and at least {MIN_SPEED:g}, got {speed:g}; "
@@ -54,7 +57,9 @@ def set_speed(device: _Emulated, speed: float | None) -> None:
     """Change an emulated device's speed from now on (``None`` restores its own).
 
     Raises:
-        ValueError: If the device is real or the speed is out of range.
+        TypeError: If the speed is not a number.
+        ValueError: If the device is real or the speed is out of range (at least
+            :data:`MIN_SPEED`: below it a step would take over 1000 times its real duration).
     """
     if speed is None:  # restoring is harmless for any device
         _SPEED_OVERRIDES.pop(device.name, None)

@@ -19,11 +19,14 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from .devices import Device, DeviceLike, describe, parse_devices
+from .planning import checks
 from .planning.curve import Curve
 from .planning.profile import DeviceProfile, Measurement, Profile
 from .tree import batch_length, flatten, move, take_rows
 
-__all__ = ["profile", "default_ladder", "fingerprint", "call_model", "train_step"]
+__all__ = ["profile", "default_ladder", "check_ladder", "fingerprint", "call_model", "train_step"]
+
+MAX_PROBE = 1 << 16
 
 LossFn = Callable[..., torch.Tensor]
 
@@ -39,6 +42,30 @@ def default_ladder(max_batch: int = 256) -> list[int]:
         ladder.append(b)
         b *= 2
     return [*ladder, max_batch]
+
+
+def check_ladder(batch_sizes: Sequence[int] | None, max_probe: int = MAX_PROBE) -> list[int]:
+    """The ladder a profile climbs: ``batch_sizes`` sorted and deduplicated (default :func:`default_ladder`).
+
+    Checked before any device work: whole numbers of samples, at least one, none above
+    ``max_probe`` (a batch of a billion would take minutes and gigabytes before failing).
+
+    Raises:
+        ValueError: Naming the bad size and the bound.
+    """
+    if batch_sizes is None:
+        return default_ladder()
+    if isinstance(batch_sizes, str | bytes) or not isinstance(batch_sizes, Sequence):
+        raise ValueError(f"batch sizes must be a list of positive integers, got {batch_sizes!r}")
+    ladder = sorted({checks.batch_count(b, "a batch size in the ladder") for b in batch_sizes})
+    if not ladder:
+        raise ValueError("batch sizes must be positive integers, got an empty list")
+    if ladder[-1] > max_probe:
+        raise ValueError(
+            f"batch size {ladder[-1]:,} is above max_probe={max_probe:,}, the largest batch a profile tries; "
+            "profile at the shard sizes you will use (raise max_probe for larger ones)"
+        )
+    return ladder
 
 
 def fingerprint(model: nn.Module) -> str:
@@ -160,7 +187,7 @@ def profile(
     warmup: int = 2,
     time_budget: float = 60.0,
     find_memory_cap: bool = True,
-    max_probe: int = 1 << 16,
+    max_probe: int = MAX_PROBE,
     progress: bool | None = None,
     model_name: str | None = None,
 ) -> Profile:
@@ -180,7 +207,9 @@ def profile(
         model: The model to profile.
         sample: Example input: a tensor or a nest of tensors with the batch on dim 0
             (one row or many; rows are cycled to build larger batches).
-        devices: Devices to profile, e.g. ``"cuda:0,cpu"`` or ``["cpu", "cpu@0.25"]``.
+        devices: Devices to profile, e.g. ``"cuda:0,cpu"`` or ``["cpu", "cpu@0.25"]``. A
+            device listed twice is profiled once: a profile holds each device once, and
+            ``balanced_split``/``HeteroDataParallel`` use its curve for every copy.
         loss_fn: ``loss_fn(output, target)`` (or ``loss_fn(output)`` without a target);
             default: the sum of the output's floating-point tensors.
         batch_sizes: The ladder (default: 2, 4, 8, ..., 256).
@@ -199,19 +228,12 @@ def profile(
     Raises:
         ValueError: On invalid devices, batch sizes or sample, before any device work.
     """
-    devs = parse_devices(devices)
-    names = [d.name for d in devs]
-    if len(set(names)) != len(names):
-        raise ValueError(f"devices {names} repeat a device; profile each device once")
-    ladder = sorted(set(default_ladder() if batch_sizes is None else batch_sizes))
-    bad = [b for b in ladder if isinstance(b, bool) or not isinstance(b, int) or b < 1]
-    if bad or not ladder:
-        raise ValueError(f"batch sizes must be positive integers, got {list(batch_sizes or [])}")
-    if ladder[-1] > max_probe:
-        raise ValueError(
-            f"batch size {ladder[-1]} is above max_probe={max_probe}, the largest batch a profile tries; "
-            "profile at the shard sizes you will use (raise max_probe for larger ones)"
-        )
+    devs = list(dict.fromkeys(parse_devices(devices)))  # each distinct device once
+    ladder = check_ladder(batch_sizes, max_probe)
+    kinds = ((repeats, int), (warmup, int), (time_budget, int | float))
+    if any(isinstance(v, bool) or not isinstance(v, kind) for v, kind in kinds):
+        raise ValueError(f"repeats and warmup must be integers and time_budget a number, got {repeats!r}, "
+                         f"{warmup!r}, {time_budget!r}")  # fmt: skip
     if repeats < 1 or warmup < 0 or not (math.isfinite(time_budget) and time_budget > 0):
         raise ValueError(f"need repeats >= 1, warmup >= 0, time_budget > 0; got {repeats}, {warmup}, {time_budget}")
     n = batch_length(sample)

@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import inspect
-import os
-import warnings
 from collections.abc import Sequence
 
 import torch
@@ -14,6 +11,7 @@ from torch import nn
 from .devices import Device, DeviceLike, parse_devices
 from .planning.profile import DeviceProfile, Measurement, Profile
 from .profiler import profile
+from .store import warn_at_caller
 
 __all__ = ["quick_profile"]
 
@@ -27,8 +25,12 @@ def quick_profile(devices: str | Sequence[DeviceLike]) -> Profile:
     Used by :func:`hetsplit.balanced_split` when neither weights nor a profile is given
     and no stored profile covers the devices. Only real devices are timed; an emulated
     one (``cpu@0.25``) gets its real device's curve slowed by its speed, which is what
-    emulation does, without the noise of timing sleeps. The first call warns once, at
-    the caller's line, that a profile of the real model is more accurate.
+    emulation does, without the noise of timing sleeps. When every device is the CPU,
+    real or emulated, it times with one intra-op thread (the rule of ``hetsplit
+    profile``, ``bench`` and ``demo``: such devices share the cores, and several threads
+    on a busy machine time a step's fixed cost erratically, which would leave an emulated
+    device nothing); torch's setting is restored afterwards. The first call warns once,
+    at the caller's line, that a profile of the real model is more accurate.
     """
     global _NOTICE_SHOWN
     devs = parse_devices(devices)
@@ -42,25 +44,30 @@ def quick_profile(devices: str | Sequence[DeviceLike]) -> Profile:
         # toy workload the fixed cost dominates and an emulated device's 4x-slowed share of it
         # would leave it nothing. The calibration still stays near a second.
         workload = nn.Sequential(nn.Linear(512, 1024), nn.ReLU(), nn.Linear(1024, 10))
-        prof = profile(
-            workload,
-            sample,
-            missing,
-            batch_sizes=[64, 256, 1024],
-            repeats=3,
-            warmup=1,
-            time_budget=1.0 * len(missing),
-            find_memory_cap=False,
-            progress=False,
-            model_name="calibration-mlp",
-        )
+        threads = torch.get_num_threads()
+        if all(d.type == "cpu" for d in devs):
+            torch.set_num_threads(1)
+        try:
+            prof = profile(
+                workload,
+                sample,
+                missing,
+                batch_sizes=[64, 256, 1024],
+                repeats=3,
+                warmup=1,
+                time_budget=1.0 * len(missing),
+                find_memory_cap=False,
+                progress=False,
+                model_name="calibration-mlp",
+            )
+        finally:
+            torch.set_num_threads(threads)
         _QUICK.update({e.name: e for e in prof.entries})
     if not _NOTICE_SHOWN:
         _NOTICE_SHOWN = True
-        warnings.warn(
+        warn_at_caller(
             "hetsplit: splitting by a quick built-in calibration of each device; a profile of your own model "
-            "(hetsplit.profile(...) or 'hetsplit profile') gives a more accurate split",
-            stacklevel=_caller_level(),
+            "(hetsplit.profile(...) or 'hetsplit profile') gives a more accurate split"
         )
     entries = [_emulated_entry(_QUICK[b.name], d) for d, b in zip(dict.fromkeys(devs), bases)]
     return Profile(entries, model={"name": "calibration-mlp"}, source="calibration")
@@ -77,12 +84,3 @@ def _emulated_entry(base: DeviceProfile, device: Device) -> DeviceProfile:
     )  # fmt: skip
     measured = [Measurement(m.batch, [t * slow for t in m.times]) for m in base.measurements]
     return dataclasses.replace(base, info=info, measurements=measured, curve=base.curve.scaled(slow))
-
-
-def _caller_level() -> int:
-    """The ``stacklevel`` that points a warning at the first frame outside hetsplit."""
-    package = os.path.dirname(os.path.abspath(__file__))
-    level, frame = 1, inspect.currentframe()
-    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
-        frame, level = frame.f_back, level + 1
-    return level - 1  # counted from this helper's frame; warn() counts from its caller's

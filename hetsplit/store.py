@@ -6,6 +6,7 @@ import json
 import os
 import platform
 import re
+import sys
 import tempfile
 import warnings
 from collections.abc import Sequence
@@ -24,6 +25,7 @@ __all__ = [
     "check_writable",
     "save_profile",
     "find_profiles",
+    "warn_at_caller",
 ]
 
 SCHEMA_VERSION = 1
@@ -64,6 +66,18 @@ def write_json(path: str | Path, kind: str, payload: dict[str, Any]) -> Path:
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = _write_temp(path, kind, payload)
+    try:
+        os.replace(tmp, path)
+    except BaseException:
+        # Ctrl-C or a full disk: drop the temporary file, leave the target untouched.
+        tmp.unlink(missing_ok=True)
+        raise
+    return path
+
+
+def _write_temp(path: Path, kind: str, payload: dict[str, Any]) -> Path:
+    """The document, complete and on disk, in a hidden temporary file beside ``path``."""
     doc = {"schema": "hetsplit", "kind": kind, "schema_version": SCHEMA_VERSION, **payload}
     text = json.dumps(doc, indent=1, allow_nan=False)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
@@ -74,12 +88,10 @@ def write_json(path: str | Path, kind: str, payload: dict[str, Any]) -> Path:
             fh.write(text + "\n")
             fh.flush()
             os.fsync(fh.fileno())
-        os.replace(tmp, path)
     except BaseException:
-        # Ctrl-C or a full disk: drop the temporary file, leave the target untouched.
         Path(tmp).unlink(missing_ok=True)
         raise
-    return path
+    return Path(tmp)
 
 
 def _umask() -> int:
@@ -107,7 +119,10 @@ def check_writable(path: str | Path, *, directory: bool = False) -> Path:
         with tempfile.TemporaryFile(dir=existing):
             pass
     except OSError as e:
-        raise ProfileFileError(f"cannot write to {folder}: {e.strerror} in {existing}; choose another place") from None
+        what = f"{folder}" if directory else f"{folder} (for {path.name})"
+        raise ProfileFileError(
+            f"cannot write to {what}: {e.strerror} (creating a file in {existing}); choose another place"
+        ) from None
     return path
 
 
@@ -133,6 +148,8 @@ def read_json(path: str | Path, kind: str | tuple[str, ...]) -> dict[str, Any]:
         raise ProfileFileError(
             f"{path}: damaged file, not valid JSON ({e.msg} at line {e.lineno}); re-create it"
         ) from e
+    except ValueError as e:  # e.g. an integer of thousands of digits
+        raise ProfileFileError(f"{path}: damaged file, not a hetsplit file ({str(e)[:80]})") from e
     except RecursionError as e:  # absurdly nested JSON: no file of ours looks like that
         raise ProfileFileError(f"{path}: damaged file, nested too deeply to be a hetsplit file") from e
     if not isinstance(doc, dict) or doc.get("schema") != "hetsplit":
@@ -167,24 +184,45 @@ class _Saveable(Protocol):
 
 def save_profile(profile: _Saveable, path: str | Path | None = None, *, directory: str | Path | None = None) -> Path:
     """Write ``profile`` as JSON (see :meth:`hetsplit.Profile.save`)."""
-    if path is None:
-        model = profile.model.get("name", "model")
-        stamp = re.sub(r"[^0-9]", "", profile.created)[:14]
-        base = f"{_slug(profile.host)}_{_slug(model)}_{_slug('+'.join(profile.devices))}_{stamp}"
-        path = _claim(profile_dir(directory), base)
-    return write_json(path, "profile", profile.to_dict())
-
-
-def _claim(folder: Path, base: str) -> Path:
-    """A new file name in ``folder``, reserved with O_EXCL: two runs in one second never share one."""
+    if path is not None:
+        return write_json(path, "profile", profile.to_dict())
+    model = profile.model.get("name", "model")
+    stamp = re.sub(r"[^0-9]", "", profile.created)[:14]
+    base = f"{_slug(profile.host)}_{_slug(model)}_{_slug('+'.join(profile.devices))}_{stamp}"[:200]
+    folder = profile_dir(directory)
     folder.mkdir(parents=True, exist_ok=True)
+    tmp = _write_temp(folder / f"{base}.json", "profile", profile.to_dict())
+    try:
+        return _publish_new(tmp, folder, base)
+    finally:
+        tmp.unlink(missing_ok=True)  # Ctrl-C or an error: nothing left behind
+
+
+def _publish_new(tmp: Path, folder: Path, base: str) -> Path:
+    """Give the finished file ``tmp`` a name no other file has: ``base.json``, else ``base-2.json``, ...
+
+    A hard link fails if the name exists, so two runs saving in the same second never
+    share a name and never overwrite each other, and readers never see a partial file.
+    Where links are not supported, the name is reserved with ``O_EXCL`` and replaced.
+    """
     for k in range(1, 10_000):
         path = folder / (f"{base}.json" if k == 1 else f"{base}-{k}.json")
         try:
-            os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666))
+            os.link(tmp, path)
             return path
         except FileExistsError:
             continue
+        except OSError:  # no hard links on this file system
+            try:
+                os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666))
+            except FileExistsError:
+                continue
+            try:
+                os.replace(tmp, path)
+            except BaseException:
+                path.unlink(missing_ok=True)
+                raise
+            return path
     raise ProfileFileError(f"{folder}: no free file name for {base}; clean the profile directory")
 
 
@@ -216,13 +254,41 @@ def find_profiles(
         try:
             doc = read_json(path, "profile")
             names = {_local_name(d.get("info", {}), gpus) for d in doc.get("devices", [])}
-        except (ProfileFileError, AttributeError, TypeError) as e:
-            warnings.warn(f"hetsplit: skipping {path}: {e}", stacklevel=2)
+        except ProfileFileError as e:
+            warn_at_caller(f"hetsplit: skipping a stored profile: {e}")
+            continue
+        except (AttributeError, TypeError, ValueError) as e:
+            warn_at_caller(f"hetsplit: skipping a stored profile: {path}: damaged profile ({e})")
             continue
         if want <= names and (host == "*" or doc.get("host") == host):
-            found.append((str(doc.get("created", "")), path))
-    found.sort(key=lambda item: (item[0], item[1].stat().st_mtime), reverse=True)
-    return [p for _, p in found]
+            found.append((str(doc.get("created", "")), _mtime(path), path))
+    found.sort(key=lambda item: item[:2], reverse=True)
+    return [p for _, _, p in found]
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except OSError:  # removed since it was read
+        return 0.0
+
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__))
+
+
+def warn_at_caller(message: str, category: type[Warning] = UserWarning) -> None:
+    """``warnings.warn(message)`` reported at the first line outside hetsplit: the user's call.
+
+    Python 3.12+ skips hetsplit's frames itself (``skip_file_prefixes``); before that the
+    ``stacklevel`` is counted by walking the stack.
+    """
+    if sys.version_info >= (3, 12):
+        warnings.warn(message, category, skip_file_prefixes=(_PACKAGE + os.sep,))
+        return
+    level, frame = 1, sys._getframe(0)
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE + os.sep):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, category, stacklevel=level if frame is not None else 2)
 
 
 def _local_name(info: dict[str, Any], gpus: dict[str, str]) -> Any:

@@ -1,15 +1,21 @@
 """A catalogue of bad inputs (issue 17): each gets one clear error naming the value, before any device work.
 
-Add a row for every new public function or CLI flag. Each row: what is called, the
-exception type (or CLI exit status) and a fragment of its one-line message.
+Add a row for every new public function or CLI flag. Each row: the issue's item, what is
+called, the exception type (or CLI exit status) and a fragment of its one-line message.
+Inputs that are legitimate after all (a repeated device, weights as a tensor) are in
+LEGIT_ROWS with the behaviour they get. The tests after the tables are the regressions
+that need more than one call (files on disk, warnings, timing, processes).
 """
 
 import json
 import math
+import os
 import platform
+import time
 import warnings
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -17,8 +23,10 @@ from torch import nn
 import hetsplit
 from hetsplit import Profile, ProfileFileError
 from hetsplit.apps.cli import main
+from hetsplit.devices import Device
 from hetsplit.planning import solve
-from hetsplit.planning.checks import MAX_BATCH
+from hetsplit.planning.checks import MAX_BATCH, MAX_DEVICES
+from hetsplit.planning.plan import sizes_from_weights
 
 
 def _profile():
@@ -33,29 +41,67 @@ def _stored(tmp_path, mutate):
     return path
 
 
+def _merged(picks):
+    prof = _profile()
+    return Profile.merge([(prof, device, n) for device, n in picks])
+
+
+def _tiny_profile(devices):
+    return hetsplit.profile(nn.Linear(3, 2), torch.zeros(4, 3), devices, batch_sizes=[2], repeats=1, warmup=0)
+
+
 API_ROWS = [
-    ("emulated speed too small", lambda: hetsplit.parse_device("cpu@0.0000001"), ValueError, "at least 0.001"),
-    ("emulated speed zero", lambda: hetsplit.parse_device("cpu@0"), ValueError, "must be in (0, 1]"),
-    ("batch beyond any machine", lambda: solve(_profile(), 10**30), ValueError, f"{MAX_BATCH:,}"),
-    ("fractional batch", lambda: Profile.from_measurements({"a": [(16.7, 0.1)]}), ValueError, "16.7"),
-    ("NaN cap", lambda: Profile.from_measurements({"a": [(16, 0.1)]}, memory_caps={"a": math.nan}), ValueError,
+    # 4: emulated speeds have a lower bound everywhere a speed is given
+    ("4 emulated speed too small", lambda: hetsplit.parse_device("cpu@0.0000001"), ValueError, "at least 0.001"),
+    ("4 emulated speed zero", lambda: hetsplit.parse_device("cpu@0"), ValueError, "must be in (0, 1]"),
+    ("4 set_speed too small", lambda: hetsplit.parse_device("cpu@0.5").set_speed(1e-7), ValueError, "at least 0.001"),
+    ("4 set_speed a string", lambda: hetsplit.parse_device("cpu@0.5").set_speed("0.5"), TypeError, "'0.5'"),
+    ("4 set_speed a bool", lambda: hetsplit.parse_device("cpu@0.5").set_speed(True), TypeError, "got True"),
+    ("4 Device built by hand", lambda: Device("cpu", None, 1e-9, True), ValueError, "at least 0.001"),
+    # 7: Profile.merge is bounded and counts copies of one device on
+    ("7 merge beyond any what-if", lambda: Profile.merge([(_profile(), "cpu", 10**9)]), ValueError,
+     f"between 1 and {MAX_DEVICES:,} devices"),
+    ("7 merge a fractional count", lambda: Profile.merge([(_profile(), "cpu", 2.5)]), ValueError, "2.5"),
+    # 8: Profile.from_measurements: refused, not truncated; the device named
+    ("8 fractional batch", lambda: Profile.from_measurements({"a": [(16.7, 0.1)]}), ValueError, "16.7"),
+    ("8 NaN cap", lambda: Profile.from_measurements({"a": [(16, 0.1)]}, memory_caps={"a": math.nan}), ValueError,
      "device 'a': memory cap"),
-    ("a point that is not a pair", lambda: Profile.from_measurements({"a": [(16,)]}), ValueError,
+    ("8 a point that is not a pair", lambda: Profile.from_measurements({"a": [(16,)]}), ValueError,
      "device 'a': a measurement must be a (batch, seconds) pair"),
-    ("negative time", lambda: Profile.from_measurements({"a": [(16, -1.0)]}), ValueError, "positive, finite"),
-    ("scatter sizes with a bool", lambda: hetsplit.scatter(torch.arange(10), ["cpu", "cpu"], [True, 9]), TypeError,
-     "got bool"),
-    ("weights as a string", lambda: hetsplit.balanced_split(torch.zeros(10), ["cpu", "cpu@0.5"], weights="41"),
-     TypeError, "'41'"),
-    ("profile an empty sample", lambda: hetsplit.profile(nn.Linear(3, 2), torch.zeros(0, 3), "cpu"), ValueError,
-     "no rows"),
-    ("profile with a NaN budget", lambda: hetsplit.profile(nn.Linear(3, 2), torch.zeros(4, 3), "cpu",
-     time_budget=math.nan), ValueError, "time_budget > 0"),
-    ("profile a batch beyond the probe", lambda: hetsplit.profile(nn.Linear(3, 2), torch.zeros(4, 3), "cpu",
+    ("8 negative time", lambda: Profile.from_measurements({"a": [(16, -1.0)]}), ValueError, "positive, finite"),
+    ("8 points not a list", lambda: Profile.from_measurements({"a": 5}), ValueError, "device 'a': give a list"),
+    ("8 no points", lambda: Profile.from_measurements({"a": []}), ValueError, "device 'a': no measurements"),
+    ("8 a time as a string", lambda: Profile.from_measurements({"a": [(16, "0.1")]}), ValueError, "'0.1'"),
+    ("8 not a mapping", lambda: Profile.from_measurements([("a", [(16, 0.1)])]), TypeError, "must be a mapping"),
+    ("8 a time of years", lambda: Profile.from_measurements({"a": [(1, 1e300)]}), ValueError, "at most 1e+06"),
+    # 10: sizes have a documented bound (2**40)
+    ("10 batch beyond any machine", lambda: solve(_profile(), 10**30), ValueError, f"{MAX_BATCH:,}"),
+    ("10 split_sizes beyond any machine", lambda: hetsplit.split_sizes(10**30, ["cpu", "cpu@0.5"], weights=[1, 1]),
+     ValueError, f"{MAX_BATCH:,}"),
+    ("10 profile a batch beyond the probe", lambda: hetsplit.profile(nn.Linear(3, 2), torch.zeros(4, 3), "cpu",
      batch_sizes=[1_000_000_000]), ValueError, "above max_probe"),
-    ("profile a device twice", lambda: hetsplit.profile(nn.Linear(3, 2), torch.zeros(4, 3), ["cpu", "cpu"]),
-     ValueError, "repeat a device"),
-    ("reduce with NaN sizes", lambda: hetsplit.reduce_gradients([[], []], [math.nan, 2]), ValueError,
+    ("10 profile a fractional batch", lambda: hetsplit.profile(nn.Linear(3, 2), torch.zeros(4, 3), "cpu",
+     batch_sizes=[2.5]), ValueError, "2.5"),
+    # 15: the smaller ones
+    ("15 scatter sizes with a bool", lambda: hetsplit.scatter(torch.arange(10), ["cpu", "cpu"], [True, 9]),
+     TypeError, "got bool"),
+    ("15 scatter a bool dim", lambda: hetsplit.scatter(torch.zeros(2, 10), ["cpu", "cpu"], [1, 1], dim=True),
+     TypeError, "dim must be an integer"),
+    ("15 weights as a string", lambda: hetsplit.balanced_split(torch.zeros(10), ["cpu", "cpu@0.5"], weights="41"),
+     TypeError, "'41'"),
+    ("15 weights as a string, HeteroDataParallel", lambda: hetsplit.HeteroDataParallel(nn.Linear(3, 2),
+     ["cpu", "cpu@0.5"], weights="41"), TypeError, "'41'"),
+    ("15 a file name as the profile", lambda: hetsplit.balanced_split(torch.zeros(10), ["cpu", "cpu@0.5"],
+     profile="profiles/p.json"), TypeError, "Profile.load(path)"),
+    ("15 profile an empty sample", lambda: hetsplit.profile(nn.Linear(3, 2), torch.zeros(0, 3), "cpu"), ValueError,
+     "no rows"),
+    ("15 profile with a NaN budget", lambda: hetsplit.profile(nn.Linear(3, 2), torch.zeros(4, 3), "cpu",
+     time_budget=math.nan), ValueError, "time_budget > 0"),
+    ("15 no devices", lambda: hetsplit.parse_devices(""), ValueError, "no devices given in ''"),
+    ("15 devices as None", lambda: hetsplit.parse_devices(None), TypeError, "got NoneType"),
+    ("15 gather mismatched outputs", lambda: hetsplit.gather([{"a": torch.zeros(2, 3)}, {"a": torch.zeros(2, 4)}],
+     "cpu"), ValueError, "output ['a']: the replicas' tensors of shapes [(2, 3), (2, 4)]"),
+    ("2 reduce with NaN sizes", lambda: hetsplit.reduce_gradients([[], []], [math.nan, 2]), ValueError,
      "must be an integer >= 0"),
 ]  # fmt: skip
 
@@ -67,13 +113,45 @@ def test_api_bad_inputs(name, call, error, fragment):
     assert fragment in str(info.value) and "\n" not in str(info.value)
 
 
+LEGIT_ROWS = [
+    # 15: one rule for repeated devices: a profile measures each distinct device once, the
+    # engines accept repeats (several replicas on one device) and use that curve for each.
+    ("15 profile a device twice: measured once", lambda: _tiny_profile(["cpu", "cpu"]).devices, ["cpu"]),
+    ("15 split over a repeated device", lambda: hetsplit.split_sizes(10, ["cpu", "cpu"], profile=_profile()), [5, 5]),
+    ("15 weights as a tensor", lambda: hetsplit.split_sizes(10, ["cpu", "cpu@0.5"], weights=torch.tensor([4, 1])),
+     [8, 2]),
+    ("15 weights as an array", lambda: hetsplit.split_sizes(10, ["cpu", "cpu@0.5"], weights=np.array([4.0, 1.0])),
+     [8, 2]),
+    ("15 weights of any magnitude", lambda: sizes_from_weights(10, [1e308, 1e308]), [5, 5]),
+    ("7 a device picked twice is numbered on", lambda: _merged([("cpu", 2), ("cpu@0.25", 1), ("cpu", 2)]).devices,
+     ["cpu#1", "cpu#2", "cpu@0.25", "cpu#3", "cpu#4"]),
+    ("10 the largest batch", lambda: sum(solve(_profile(), MAX_BATCH).sizes), MAX_BATCH),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("name, call, expected", LEGIT_ROWS, ids=[r[0] for r in LEGIT_ROWS])
+def test_legitimate_inputs_get_correct_behaviour(name, call, expected):
+    assert call() == expected
+
+
 FILE_ROWS = [
+    # 6 and 9: every measurement, knot and cap of a stored profile is checked on load
     ("negative batch", lambda d: d["measurements"][0].update(batch=-8), "'cpu@0.25'", "-8"),
+    ("fractional batch", lambda d: d["measurements"][0].update(batch=16.7), "'cpu@0.25'", "16.7"),
     ("negative time", lambda d: d["measurements"][0].update(times=[-1.0]), "'cpu@0.25'", "-1.0"),
     ("NaN as a string", lambda d: d["measurements"][0].update(times=["NaN"]), "'cpu@0.25'", "'NaN'"),
+    ("no times", lambda d: d["measurements"][0].update(times=[]), "'cpu@0.25'", "measurements[0]"),
+    ("no measurements", lambda d: d.update(measurements=[]), "'cpu@0.25'", "non-empty list"),
     ("NaN in a curve knot", lambda d: d["curve"]["seconds"].__setitem__(-1, float("nan")), "'cpu@0.25'", "finite"),
+    ("NaN in a middle knot", lambda d: d["curve"]["seconds"].__setitem__(0, float("nan")), "'cpu@0.25'",
+     "curve seconds[0]"),
+    ("a knot as a string", lambda d: d["curve"]["batch"].__setitem__(0, "16"), "'cpu@0.25'", "curve batch[0]"),
+    ("a fractional curve cap", lambda d: d["curve"].update(memory_cap=16.7), "'cpu@0.25'", "16.7"),
     ("negative memory cap", lambda d: d.update(memory_cap=-3), "'cpu@0.25'", "memory_cap"),
-]
+    ("emulated at speed 0", lambda d: d["info"].update(emulated=True, speed=0), "'cpu@0.25'", "speed"),
+    ("no curve", lambda d: d.pop("curve"), "'cpu@0.25'", "no 'curve' entry"),
+    ("info not a mapping", lambda d: d.update(info=5), "p.json", "no 'info' mapping"),
+]  # fmt: skip
 
 
 @pytest.mark.parametrize("name, mutate, device, fragment", FILE_ROWS, ids=[r[0] for r in FILE_ROWS])
@@ -82,10 +160,12 @@ def test_damaged_profile_files_are_named_with_device_and_entry(tmp_path, name, m
     with pytest.raises(ProfileFileError) as info:
         Profile.load(path)
     message = str(info.value)
-    assert str(path) in message and device in message and fragment in message
+    assert str(path) in message and device in message and fragment in message and "\n" not in message
 
 
-@pytest.mark.parametrize("content", [b"\x89PNG\r\n\x1a\n\xff", ("[" * 100_000).encode()])
+@pytest.mark.parametrize(
+    "content", [b"\x89PNG\r\n\x1a\n\xff", ("[" * 100_000).encode(), b'{"a": ' + b"9" * 5000 + b"}"]
+)
 def test_binary_or_absurdly_nested_files_are_named(tmp_path, content):
     path = tmp_path / "x.json"
     path.write_bytes(content)
@@ -93,7 +173,7 @@ def test_binary_or_absurdly_nested_files_are_named(tmp_path, content):
         Profile.load(path)
 
 
-def test_an_odd_file_among_stored_profiles_is_skipped_with_a_warning(tmp_path, monkeypatch):
+def test_an_odd_file_among_stored_profiles_is_skipped_with_a_warning_at_the_callers_line(tmp_path, monkeypatch):
     directory = tmp_path / "profiles"
     monkeypatch.setenv("HETSPLIT_PROFILE_DIR", str(directory))
     good = Profile.from_measurements({"cpu": [(100, 0.1)], "cpu@0.25": [(100, 0.4)]})
@@ -101,17 +181,23 @@ def test_an_odd_file_among_stored_profiles_is_skipped_with_a_warning(tmp_path, m
     good.save()
     (directory / "x.json").write_bytes(b"\xff")
     (directory / "deep.json").write_text("[" * 100_000)
+    (directory / "huge.json").write_text('{"a": ' + "9" * 5000 + "}")
+    newer = Profile.from_measurements({"cpu": [(100, 0.1)], "cpu@0.25": [(100, 0.4)]})
+    newer.host, newer.created = platform.node(), "9999-01-01T00:00:00+00:00"  # the newest, but damaged inside
+    path = newer.save(directory / "newer.json")
+    doc = json.loads(path.read_text())
+    doc["devices"][1]["curve"]["seconds"][-1] = "NaN"
+    path.write_text(json.dumps(doc))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         shards = hetsplit.balanced_split(torch.zeros(100), ["cpu", "cpu@0.25"])
     assert [len(s) for s in shards] == [80, 20]  # from the good profile
     skipped = " ".join(str(w.message) for w in caught)
-    assert "x.json" in skipped and "deep.json" in skipped
+    assert all(name in skipped for name in ("x.json", "deep.json", "huge.json", "newer.json"))
+    assert {w.filename for w in caught} == {__file__}  # at the caller's line, not inside hetsplit
 
 
 def test_saved_files_follow_the_umask_and_never_share_a_name(tmp_path):
-    import os
-
     old = os.umask(0o022)
     try:
         first, second = _profile().save(directory=tmp_path), _profile().save(directory=tmp_path)
@@ -119,12 +205,50 @@ def test_saved_files_follow_the_umask_and_never_share_a_name(tmp_path):
         os.umask(old)
     assert first != second and first.exists() and second.exists()  # same host, model, devices and second
     assert first.stat().st_mode & 0o777 == 0o644
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([first.name, second.name])  # no temporaries
+
+
+def test_an_interrupted_save_leaves_nothing_behind(tmp_path, monkeypatch):
+    import hetsplit.store as store
+
+    def interrupted(*_args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(store.os, "link", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        _profile().save(directory=tmp_path)
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_the_quick_profile_derives_an_emulated_device_from_its_real_one():
     prof = hetsplit.quick_profile(["cpu", "cpu@0.25"])
     real, slow = prof.entry("cpu").curve, prof.entry("cpu@0.25").curve
     assert slow.seconds == pytest.approx([4 * t for t in real.seconds]) and prof.entry("cpu@0.25").info.emulated
+
+
+def test_the_quick_profile_gives_an_emulated_device_its_share_and_warns_at_the_callers_line(monkeypatch):
+    import hetsplit.quick as quick
+
+    monkeypatch.setattr(quick, "_NOTICE_SHOWN", False)
+    threads = torch.get_num_threads()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        sizes = [len(s) for s in hetsplit.balanced_split(torch.zeros(256, 3), ["cpu", "cpu@0.25"])]
+    assert sizes[1] > 0 and sum(sizes) == 256, sizes  # was [256, 0]: the slow device silently unused
+    assert [w.filename for w in caught] == [__file__] and "quick built-in calibration" in str(caught[0].message)
+    assert torch.get_num_threads() == threads  # the calibration's one thread is given back
+
+
+def test_what_if_copies_are_solved_fast_and_each_copy_is_worth_the_same(capsys, tmp_path):
+    stored = _profile().save(tmp_path / "p.json")
+    start = time.perf_counter()
+    code = main(["plan", "--use", f"{stored}:cpu*{MAX_DEVICES - 1}", "--use", f"{stored}:cpu@0.25",
+                 "--batch-size", "100000"])  # fmt: skip
+    elapsed = time.perf_counter() - start
+    out = capsys.readouterr().out
+    assert code == 0 and f"without one cpu of external (any of the {MAX_DEVICES - 1} copies)" in out
+    assert f"... {MAX_DEVICES - 40:,} more" in out  # the table sums up all but 40 rows
+    assert elapsed < 15, elapsed  # a quadratic check took seconds per thousand copies
 
 
 def _cli(capsys, *argv):
@@ -134,28 +258,65 @@ def _cli(capsys, *argv):
 
 
 CLI_ROWS = [
-    (["profile", "--devices", ""], "no devices given in ''"),
-    (
-        ["profile", "--model", "os:getcwd", "--input-shape", "3", "--devices", "cpu"],
-        "returned str, not a torch.nn.Module",
-    ),
-    (["plan", "--use", "PROFILE:cpu*100000", "--batch-size", "8"], "at most 10,000 devices"),
-    (["plan", "PROFILE", "--batch-size", str(10**20)], f"{MAX_BATCH:,}"),
-    (["demo", "--json", "/proc/hetsplit/r.json", "--devices", "cpu,cpu@0.5"], "cannot write to /proc"),
-    (["bench", "--json", "/proc/hetsplit/r.json"], "cannot write to /proc"),
-    (["profile", "--out", "DIRECTORY", "--devices", "cpu"], "is a directory"),
-    (["bench", "--rebalance", "--devices", "cpu,cpu@1", "--change", "cpu@0.5=0.25@3"], "not among the devices"),
-]
+    # (item, argv, exit status, fragment of the one line on stderr)
+    ("4", ["bench", "--rebalance", "--change", "cpu@1=0.0000001@3", "--model", "mlp"], 1, "at least 0.001"),
+    ("5", ["profile", "--out", "DIRECTORY", "--devices", "cpu"], 1, "is a directory"),
+    ("5", ["profile", "--profile-dir", "/proc/hetsplit/profiles", "--devices", "cpu"], 1,
+     "cannot write to /proc/hetsplit/profiles"),
+    ("6", ["plan", "BINARY", "--batch-size", "8"], 1, "not a text file"),
+    ("7", ["plan", "--use", "PROFILE:cpu*100000", "--batch-size", "8"], 1, "at most 10,000 devices"),
+    ("7", ["plan", "--use", "PROFILE:cpu*6000", "--use", "PROFILE:cpu*6000", "--batch-size", "8"], 1,
+     "at most that many"),
+    ("10", ["plan", "PROFILE", "--batch-size", str(10**20)], 1, f"{MAX_BATCH:,}"),
+    ("10", ["profile", "--batch-sizes", "1000000000", "--devices", "cpu"], 1, "above max_probe=65,536"),
+    ("13", ["profile", "--model", "os:getcwd", "--input-shape", "3", "--devices", "cpu"], 1,
+     "returned str, not a torch.nn.Module"),
+    ("13", ["demo", "--json", "/proc/hetsplit/r.json", "--devices", "cpu,cpu@0.5"], 1, "cannot write to /proc"),
+    ("13", ["bench", "--json", "/proc/hetsplit/r.json"], 1, "cannot write to /proc"),
+    ("13", ["show", "PROFILE", "--out", "/proc/hetsplit/p.png"], 1, "cannot write to /proc/hetsplit (for p.png)"),
+    ("14", ["bench", "--rebalance", "--devices", "cpu,cpu@1", "--change", "cpu@0.5=0.25@3"], 1,
+     "not among the devices"),
+    ("15", ["profile", "--devices", ""], 1, "no devices given in ''"),
+    ("15", ["demo", "--devices", ""], 1, "no devices given in ''"),
+    ("15", ["bench", "--devices", ""], 1, "no devices given in ''"),
+    ("15", ["plan", "PROFILE", "--devices", "", "--batch-size", "8"], 1, "names no device"),
+    ("15", ["demo", "--devices", "cpu"], 1, "two or more devices"),
+    ("15", ["profile", "--budget", "inf", "--devices", "cpu"], 2, "expected a positive number, got 'inf'"),
+    ("15", ["plan", "PROFILE", "--batch-size", "8", "--link-gbps", "nan"], 2, "expected a positive number"),
+]  # fmt: skip
 
 
-@pytest.mark.parametrize("argv, fragment", CLI_ROWS, ids=[" ".join(r[0][:2]) + f" {i}" for i, r in enumerate(CLI_ROWS)])
-def test_cli_bad_inputs_are_one_line_before_any_work(capsys, tmp_path, argv, fragment):
+@pytest.mark.parametrize(
+    "item, argv, status, fragment", CLI_ROWS, ids=[f"{r[0]} {' '.join(r[1][:2])} {i}" for i, r in enumerate(CLI_ROWS)]
+)
+def test_cli_bad_inputs_are_one_line_before_any_work(capsys, tmp_path, item, argv, status, fragment):
     stored = _profile().save(tmp_path / "p.json")
-    argv = [str(stored) if a == "PROFILE" else a.replace("PROFILE", str(stored)) for a in argv]
-    argv = [str(tmp_path) if a == "DIRECTORY" else a for a in argv]
+    (tmp_path / "bin.json").write_bytes(b"\x89PNG\xff")
+    names = {"PROFILE": str(stored), "DIRECTORY": str(tmp_path), "BINARY": str(tmp_path / "bin.json")}
+    argv = [names.get(a, a.replace("PROFILE", str(stored))) for a in argv]
+    if status == 2:  # argparse's own refusal: usage, then one error line
+        with pytest.raises(SystemExit) as exc:
+            main(argv)
+        err = capsys.readouterr().err
+        assert exc.value.code == 2 and fragment in err.strip().splitlines()[-1], err
+        return
     code, out, err = _cli(capsys, *argv)
-    assert code == 1 and fragment in err and len(err.strip().splitlines()) == 1, err
+    assert code == status and fragment in err and len(err.strip().splitlines()) == 1, err
     assert "profiling" not in out and "bench " not in out  # refused before any device work
+
+
+def test_plan_takes_a_repeated_device_as_copies(capsys, tmp_path):
+    stored = _profile().save(tmp_path / "p.json")
+    code, out, err = _cli(capsys, "plan", str(stored), "--devices", "cpu,cpu", "--batch-size", "100")
+    assert code == 0 and "cpu#1" in out and "cpu#2" in out, err
+
+
+def test_readme_bench_rebalance_command_works_as_written(capsys, tmp_path):
+    """`hetsplit bench --rebalance --change cpu@1=0.25@30` (short here): the devices default to cpu and cpu@1."""
+    code, out, err = _cli(capsys, "bench", "--rebalance", "--change", "cpu@1=0.25@4", "--model", "mlp",
+                          "--batch-size", "32", "--steps", "8", "--every", "2", "--quiet")  # fmt: skip
+    assert code == 0, err
+    assert "bench mlp on cpu, cpu@1" in out and "1 CPU thread" in out  # the one thread rule, printed
 
 
 def test_a_model_module_in_the_current_directory_imports(capsys, tmp_path, monkeypatch):
@@ -166,6 +327,10 @@ def test_a_model_module_in_the_current_directory_imports(capsys, tmp_path, monke
                           "--out", str(tmp_path / "p.json"))  # fmt: skip
     assert code == 0, err
     assert Path(tmp_path / "p.json").exists()
+    code, out, err = _cli(capsys, "demo", "--model", "mymodels_here:factory", "--input-shape", "3",
+                          "--devices", "cpu,cpu@0.5", "--batch-size", "8", "--steps", "1", "--budget", "1",
+                          "--quiet")  # fmt: skip
+    assert code == 0 and "hetsplit demo: mymodels_here:factory on cpu, cpu@0.5" in out, err
 
 
 def test_ctrl_c_at_any_moment_is_one_line(tmp_path):
@@ -173,7 +338,6 @@ def test_ctrl_c_at_any_moment_is_one_line(tmp_path):
     import signal
     import subprocess
     import sys
-    import time
 
     probe = subprocess.run(
         [sys.executable, "-c", "import sys, hetsplit.apps.cli; print('torch' in sys.modules)"],

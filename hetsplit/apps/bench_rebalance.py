@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from ..devices import DeviceLike, parse_device, parse_devices
+from ..emulation import check_speed
 from ..parallel.data_parallel import HeteroDataParallel
 from ..planning.plan import even_sizes
 from ..planning.rebalance import PlanChange, Rebalancer
@@ -37,6 +38,7 @@ def parse_change(text: str) -> tuple[str, float, int]:
         raise ValueError(f"bad speed change {text!r}; write DEVICE=SPEED@STEP, e.g. cpu@1=0.25@30") from None
     if not eq or not at or not 0 < value <= 1 or when < 0:
         raise ValueError(f"bad speed change {text!r}; write DEVICE=SPEED@STEP with 0 < SPEED <= 1, e.g. cpu@1=0.25@30")
+    check_speed(value, text)  # the emulation's own bound: a speed of 1e-7 would never finish a step
     dev = parse_device(name)
     if not dev.emulated:
         raise ValueError(f"{dev.name!r} in {text!r} is a real device; only emulated ones (e.g. cpu@1) change speed")

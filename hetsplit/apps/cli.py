@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from .commands import DTYPES, CLIError, cmd_bench, cmd_demo, cmd_devices, cmd_plan, cmd_profile, cmd_show
+from .commands import DTYPES, CLIError, cmd_bench, cmd_demo, cmd_devices, cmd_profile, cmd_show
 from .launch import cmd_launch
+from .whatif import cmd_plan
 
 __all__ = ["main", "build_parser"]
 
@@ -33,7 +35,7 @@ def _positive(kind: type) -> Callable[[str], Any]:
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected {noun}, got {text!r}") from None
-        if not value > 0:
+        if not (value > 0 and math.isfinite(value)):
             raise argparse.ArgumentTypeError(f"expected {noun}, got {text!r}")
         return value
 

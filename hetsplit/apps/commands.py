@@ -7,26 +7,21 @@ import json
 import math
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 
 __all__ = [
     "CLIError",
     "DTYPES",
     "default_devices",
+    "fmt_time",
+    "table",
     "cmd_devices",
     "cmd_profile",
-    "cmd_plan",
     "cmd_show",
     "cmd_bench",
     "cmd_demo",
 ]
 
 DTYPES = ("float32", "float64", "float16", "bfloat16")
-
-# The solver takes ~40 ms for 10,000 devices; far beyond that a what-if is a typo.
-MAX_COPIES = 10_000
-# A plan table longer than this shows the first rows and sums up the rest.
-MAX_ROWS = 40
 
 
 class CLIError(Exception):
@@ -37,7 +32,8 @@ def _fmt_bytes(n: int | None) -> str:
     return "-" if n is None else f"{n / 2**30:.1f} GiB"
 
 
-def _fmt_time(t: float) -> str:
+def fmt_time(t: float) -> str:
+    """Seconds as ``12.34 ms`` (below 10 s) or ``12.34 s``; ``inf`` for an infinite time."""
     if not math.isfinite(t):
         return "inf"
     return f"{t * 1000:.2f} ms" if t < 10 else f"{t:.2f} s"
@@ -47,7 +43,8 @@ def _threads(n: int) -> str:
     return f"{n} CPU thread" + ("" if n == 1 else "s")
 
 
-def _table(rows: Sequence[Sequence[str]], header: Sequence[str]) -> str:
+def table(rows: Sequence[Sequence[str]], header: Sequence[str]) -> str:
+    """A plain-text table: the header, a rule, then the rows, in left-aligned columns."""
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
     lines = ["  ".join(str(h).ljust(w) for h, w in zip(header, widths))]
     lines.append("  ".join("-" * w for w in widths))
@@ -66,7 +63,7 @@ def cmd_devices(args: argparse.Namespace) -> int:
         [i.name, i.kind, i.description, _fmt_bytes(i.memory_bytes), i.capability or "-", i.driver or "-", i.uuid or "-"]
         for i in infos
     ]
-    print(_table(rows, ["device", "kind", "name", "memory", "capability", "driver", "uuid"]))
+    print(table(rows, ["device", "kind", "name", "memory", "capability", "driver", "uuid"]))
     import torch
 
     from ..version import __version__
@@ -99,11 +96,14 @@ def cmd_profile(args: argparse.Namespace) -> int:
     from .bench import cpu_threads
     from .models import BUILTIN_MODELS, build_model, load_model, synthetic_batch
 
-    devs = parse_devices(args.devices) if args.devices is not None else parse_devices(default_devices())
+    listed = parse_devices(args.devices) if args.devices is not None else parse_devices(default_devices())
+    devs = list(dict.fromkeys(listed))  # a profile measures each device once
+    ladder = profiler.check_ladder(args.batch_sizes)
     if args.out is not None:  # where the result goes is checked before any profiling
         store.check_writable(args.out)
     else:
         store.check_writable(store.profile_dir(args.profile_dir), directory=True)
+    replacing = args.out is not None and args.out.exists()
     torch.set_num_threads(cpu_threads(devs, args.threads))
     spec = load_model(args.model, tuple(args.input_shape) if args.input_shape else None)
     dtype = getattr(torch, args.dtype)
@@ -117,12 +117,14 @@ def cmd_profile(args: argparse.Namespace) -> int:
     )
     if emulated:
         print(f"emulated devices: {', '.join(emulated)} (a real device slowed down by sleeping; not real hardware)")
+    if len(devs) < len(listed):
+        print("a device listed more than once is profiled once; its curve serves every copy in a split")
     prof = profiler.profile(
         model,
         x,
         devs,
         F.cross_entropy if builtin else None,
-        args.batch_sizes,
+        ladder,
         target=y if builtin else None,
         repeats=args.repeats,
         time_budget=args.budget,
@@ -143,123 +145,12 @@ def cmd_profile(args: argparse.Namespace) -> int:
                 f"{size} ({size / args.batch_size:.0%})",
             ]
         )
-    print(_table(rows, ["device", "hardware", "samples/s @ batch", "memory cap", f"share of {args.batch_size}"]))
+    print(table(rows, ["device", "hardware", "samples/s @ batch", "memory cap", f"share of {args.batch_size}"]))
     print(
-        f"\npredicted step {_fmt_time(plan.step_time)}: {plan.speedup_vs_even:.2f}x the even split, "
+        f"\npredicted step {fmt_time(plan.step_time)}: {plan.speedup_vs_even:.2f}x the even split, "
         f"{plan.speedup_vs_single:.2f}x {plan.single_device} alone"
     )
-    print(f"profile written to {path}")
-    return 0
-
-
-def _parse_use(text: str) -> tuple[Path, str, int]:
-    """``profiles/a.json:cuda:0*8`` -> (path, "cuda:0", 8)."""
-    head, star, count = text.rpartition("*")
-    if not star:
-        head, count = text, "1"
-    path, sep, device = head.partition(".json:")
-    if not sep:
-        path, sep, device = head.partition(":")
-    else:
-        path += ".json"
-    try:
-        n = int(count)
-    except ValueError:
-        n = 0
-    if not sep or not device or n < 1:
-        raise CLIError(f"bad --use {text!r}; write FILE:DEVICE or FILE:DEVICE*N, e.g. profiles/a.json:cuda:0*8")
-    if n > MAX_COPIES:
-        raise CLIError(f"--use {text!r} asks for {n:,} copies; plan for at most {MAX_COPIES:,} devices of one kind")
-    return Path(path), device, n
-
-
-def cmd_plan(args: argparse.Namespace) -> int:
-    from ..planning import Profile, solver
-
-    if not args.profile and not args.use:
-        raise CLIError("give a profile file, or --use FILE:DEVICE[*N] (see 'hetsplit plan --help')")
-    if args.devices and (len(args.profile) != 1 or args.use):
-        raise CLIError("--devices picks devices of one profile; with several, use --use FILE:DEVICE[*N]")
-    loaded: dict[Path, Profile] = {}
-
-    def load(path: Path) -> Profile:
-        if path not in loaded:
-            loaded[path] = Profile.load(path)
-        return loaded[path]
-
-    parts: list[tuple[Profile, str, int]] = []
-    for path in args.profile:
-        prof = load(path)
-        wanted = [d for d in args.devices.split(",") if d] if args.devices else prof.devices
-        parts += [(prof, d, 1) for d in wanted]
-    for text in args.use:
-        path, device, n = _parse_use(text)
-        parts.append((load(path), device, n))
-    try:
-        combined = Profile.merge(parts)
-    except KeyError as e:
-        raise CLIError(f"{e.args[0]}") from None
-    whatif = len(loaded) > 1 or bool(args.use)
-    plan = solver.solve(combined, args.batch_size)
-    fingerprints = {p.model.get("fingerprint") for p in loaded.values()}
-    params = [p.model.get("parameter_bytes") for p in loaded.values()]
-    comm = None
-    if args.link_gbps:
-        if None in params:
-            raise CLIError(
-                "--link-gbps needs the model's size, which these profiles do not record; "
-                "re-profile with this hetsplit version"
-            )
-        comm = solver.allreduce_time(max(params), sum(1 for s in plan.sizes if s > 0), args.link_gbps)
-    if args.json:
-        doc = plan.to_dict()
-        if comm is not None:
-            doc["allreduce_time"] = comm
-        print(json.dumps(doc, indent=1))
-        return 0
-    rows = []
-    for name, size, t, extra in zip(plan.devices, plan.sizes, plan.times, plan.extrapolated):
-        notes = [n for n, on in (("emulated", name in plan.emulated), ("beyond measured sizes", extra)) if on]
-        rows.append([name, str(size), f"{size / plan.batch_size:.1%}", _fmt_time(t), ", ".join(notes)])
-    model = next(iter(loaded.values())).model.get("name", "model")
-    sources = ", ".join(f"{path} ({p.host}, {p.created[:10]})" for path, p in loaded.items())
-    print(f"{'what-if ' if whatif else ''}split of a batch of {plan.batch_size} ({model}; profiles: {sources})")
-    if len(fingerprints) > 1:
-        print("warning: the profiles are of different models; their times do not add up to one job")
-    if len(rows) > MAX_ROWS:
-        hidden = rows[MAX_ROWS:]
-        rows = [*rows[:MAX_ROWS], [f"... {len(hidden):,} more", str(sum(int(r[1]) for r in hidden)), "", "", ""]]
-    print(_table(rows, ["device", "samples", "share", "predicted time", "note"]))
-    print(f"\npredicted compute per step {_fmt_time(plan.step_time)}")
-    if comm is not None:
-        print(
-            f"predicted gradient all-reduce {_fmt_time(comm)} ({max(params) / 2**20:.1f} MiB over "
-            f"{args.link_gbps:g} Gbit/s, ring, not overlapped); step {_fmt_time(plan.step_time + comm)} at most"
-        )
-    elif len(plan.devices) > 1:
-        print("gradient exchange not included (give --link-gbps to estimate it)")
-    total = plan.step_time + (comm or 0.0)
-    n_dev = len(plan.devices)
-    even_comm = solver.allreduce_time(max(params), n_dev, args.link_gbps) if comm is not None else 0.0
-    even_total = plan.even_time + even_comm
-    print(f"even split: {_fmt_time(even_total)} -> balanced is {even_total / total:.2f}x faster")
-    print(
-        f"{plan.single_device} alone: {_fmt_time(plan.single_time)} (no exchange) -> balanced is "
-        f"{plan.single_time / total:.2f}x "
-        + ("faster" if plan.single_time >= total else "as fast: adding devices loses")
-    )
-    if whatif and len(parts) > 1:
-        print(
-            "\nwhat each addition is worth (step without it" + (", all-reduce included):" if comm is not None else "):")
-        )
-        for k, (prof, device, n) in enumerate(parts):
-            rest = solver.solve(Profile.merge(parts[:k] + parts[k + 1 :]), args.batch_size)
-            t = rest.step_time
-            if comm is not None:
-                t += solver.allreduce_time(max(params), sum(1 for s in rest.sizes if s > 0), args.link_gbps)
-            label = f"{device}{'*' + str(n) if n > 1 else ''} of {prof.host}"
-            print(f"  without {label}: {_fmt_time(t)} ({t / total:.2f}x the full set's step)")
-    print("\nThese are predictions from the profiles' fitted curves, not measurements.")
+    print(f"profile written to {path}" + (" (it replaced the file there)" if replacing else ""))
     return 0
 
 
@@ -272,6 +163,7 @@ def cmd_show(args: argparse.Namespace) -> int:
 
     doc = store.read_json(args.file, ("profile", "bench", "bench-rebalance"))
     out = args.out or args.file.with_suffix(".png")
+    store.check_writable(out)  # before drawing, naming the picture's path
     if doc["kind"] == "bench-rebalance":
         try:
             path = plot_rebalance(RebalanceResult.from_dict(doc["result"]), out)
@@ -329,6 +221,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if spec_devices is None:  # the default pair, or the CPU and the device whose speed --change changes
         spec_devices = f"cpu,{change[0]}" if change is not None and change[0] != "cpu" else "cpu,cpu@0.25"
     devs = parse_devices(spec_devices)
+    if len(devs) < 2:
+        what = "rebalancing moves samples between devices" if args.rebalance else "bench compares splits"
+        raise CLIError(f"{what}, so it needs two or more devices; got {[d.name for d in devs]}")
     if change is not None and change[0] not in [d.name for d in devs]:
         raise CLIError(
             f"--change names {change[0]}, which is not among the devices ({spec_devices}); list it in --devices"
@@ -373,6 +268,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from .models import load_model
 
     devices = parse_devices(args.devices) if args.devices is not None else None
+    if devices is not None and len(devices) < 2:
+        raise CLIError(f"the demo compares splits, so it needs two or more devices; got {[d.name for d in devices]}")
     if args.json is not None:
         store.check_writable(args.json)
     result = run_demo(

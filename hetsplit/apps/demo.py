@@ -51,10 +51,13 @@ def run_demo(
         The :class:`~hetsplit.bench.BenchResult`.
     """
     devs = parse_devices(devices if devices is not None else demo_devices())
+    if len(devs) < 2:
+        raise ValueError(f"the demo compares splits, so it needs two or more devices; got {[d.name for d in devs]}")
     torch.set_num_threads(cpu_threads(devs, threads))
     emulated = [d.name for d in devs if d.emulated]
+    name = model.name if isinstance(model, ModelSpec) else model
     say(
-        f"hetsplit demo: {model} on {', '.join(d.name for d in devs)}, batch {batch_size}, synthetic data, "
+        f"hetsplit demo: {name} on {', '.join(d.name for d in devs)}, batch {batch_size}, synthetic data, "
         f"{torch.get_num_threads()} CPU thread{'s' if torch.get_num_threads() != 1 else ''}"
     )
     if emulated:

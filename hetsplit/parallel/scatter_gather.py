@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 from typing import Any
 
@@ -34,7 +35,7 @@ def scatter(inputs: Any, devices: Sequence[DeviceLike], sizes: Sequence[int], di
     Raises:
         ValueError: On unknown devices, sizes that do not fit the batch, tensors of
             different lengths, or ``dim`` out of range; all before any copy.
-        TypeError: If a size is not an integer.
+        TypeError: If a size or ``dim`` is not an integer (``True`` included).
 
     Example:
         >>> a, b = scatter(torch.arange(10), ["cpu", "cpu"], [8, 2])
@@ -42,6 +43,9 @@ def scatter(inputs: Any, devices: Sequence[DeviceLike], sizes: Sequence[int], di
         tensor([8, 9])
     """
     devs = parse_devices(devices)
+    _check_dim(dim)
+    if isinstance(sizes, str | bytes):
+        raise TypeError(f"sizes must be a list of integers, one per device, got {sizes!r}")
     sizes = check_sizes(list(sizes), batch_length(inputs, dim), len(devs))
     return scatter_to(inputs, devs, sizes, dim)
 
@@ -56,6 +60,11 @@ def scatter_to(inputs: Any, devices: Sequence[Device], sizes: Sequence[int], dim
         shard = [to_device(p[j], target) if p is not None else leaf for leaf, p in zip(leaves, pieces)]
         shards.append(unflatten(shard, spec))
     return shards
+
+
+def _check_dim(dim: object) -> None:
+    if isinstance(dim, bool) or not isinstance(dim, numbers.Integral):
+        raise TypeError(f"dim must be an integer, got {type(dim).__name__}: {dim!r}")
 
 
 def _pieces(leaf: Any, sizes: Sequence[int], dim: int, n: int) -> Sequence[torch.Tensor] | None:
@@ -105,6 +114,7 @@ def gather(outputs: Sequence[Any], target_device: DeviceLike, dim: int = 0) -> A
     """
     if not outputs:
         raise ValueError("gather needs at least one output")
+    _check_dim(dim)
     target = (
         target_device if isinstance(target_device, torch.device) else parse_devices([target_device])[0].torch_device
     )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from pathlib import PurePath
 
 import torch
 
@@ -15,7 +16,22 @@ from ..quick import quick_profile
 from ..tree import batch_length
 from .scatter_gather import scatter_to
 
-__all__ = ["default_profile", "split_sizes", "balanced_split", "BatchPlans"]
+__all__ = ["default_profile", "check_source", "split_sizes", "balanced_split", "BatchPlans"]
+
+
+def check_source(profile: object, *, plan: object = None) -> None:
+    """Refuse a ``profile`` that is neither a :class:`Profile` nor a :class:`Plan`, or a ``plan`` that is no Plan.
+
+    A file name is not silently ignored (which would fall back to a stored or quick profile).
+
+    Raises:
+        TypeError: Naming the argument and what was given.
+    """
+    for arg, value, kinds in (("profile", profile, (Profile, Plan)), ("plan", plan, (Plan,))):
+        if value is not None and not isinstance(value, kinds):
+            hint = "; load a file with hetsplit.Profile.load(path)" if isinstance(value, str | PurePath) else ""
+            wanted = " or ".join(k.__name__ for k in kinds)
+            raise TypeError(f"{arg} must be a {wanted}, got {type(value).__name__}: {value!r}{hint}")
 
 
 def default_profile(devices: Sequence[Device]) -> Profile:
@@ -43,11 +59,16 @@ def split_sizes(
     batch); ``weights`` (relative throughputs, largest-remainder rounding); else the
     newest stored profile covering the devices; else a quick built-in calibration.
 
+    Devices may repeat (several replicas on one device); each copy gets its own share.
+
     Raises:
+        TypeError: If ``profile`` is neither a :class:`Profile` nor a :class:`Plan` (a
+            file name, say), or ``weights`` is not a list of numbers (``"41"``).
         ValueError: If ``weights`` has the wrong length or invalid values, both weights
             and a profile are given, or a plan does not match the devices or batch.
     """
     devs = parse_devices(devices)
+    check_source(profile)
     plan = profile if isinstance(profile, Plan) else None
     prof = profile if isinstance(profile, Profile) else None
     return resolve_plan(
@@ -110,6 +131,9 @@ class BatchPlans:
     ) -> None:
         if weights is not None and (plan is not None or profile is not None):
             raise ValueError("give weights, or a plan and/or profile, not both")
+        check_source(profile, plan=plan)
+        if isinstance(profile, Plan):
+            raise TypeError("profile must be a Profile; pass a Plan as plan=")
         self.devices, self.names = list(devices), [d.name for d in devices]
         self.weights = check_weights(weights, len(self.devices)) if weights is not None else None
         self.profile, self.rebalancer = profile, rebalancer

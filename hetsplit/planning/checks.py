@@ -7,11 +7,16 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["MAX_BATCH", "batch_count", "seconds", "memory_cap"]
+__all__ = ["MAX_BATCH", "MAX_SECONDS", "MAX_DEVICES", "batch_count", "seconds", "memory_cap", "device_count"]
 
 # No real batch comes near 2**40 samples; past it the solver's arithmetic (float64 sums
 # of sample counts) would lose integers, and a typo would run for hours.
 MAX_BATCH = 1 << 40
+# A training step of over a million seconds (11 days) is a unit mistake, not a timing; the
+# bound also keeps every predicted time (a slope times MAX_BATCH samples) finite.
+MAX_SECONDS = 1e6
+# The solver plans 10,000 devices in ~40 ms; a what-if set far beyond that is a typo.
+MAX_DEVICES = 10_000
 
 
 def batch_count(value: Any, what: str, *, minimum: int = 1) -> int:
@@ -38,8 +43,8 @@ def seconds(value: Any, what: str) -> float:
     """
     if isinstance(value, bool) or not isinstance(value, int | float | np.integer | np.floating):
         raise ValueError(f"{what} must be a number of seconds, got {type(value).__name__}: {value!r}")
-    if not (math.isfinite(value) and value > 0):
-        raise ValueError(f"{what} must be positive, finite seconds, got {value!r}")
+    if not (math.isfinite(value) and 0 < value <= MAX_SECONDS):
+        raise ValueError(f"{what} must be positive, finite seconds (at most {MAX_SECONDS:g}), got {value!r}")
     return float(value)
 
 
@@ -52,3 +57,16 @@ def memory_cap(value: Any, what: str) -> int | None:
     if value is None:
         return None
     return batch_count(value, what, minimum=0)
+
+
+def device_count(value: Any, what: str) -> int:
+    """``value`` as a number of devices (copies): an integer from 1 to :data:`MAX_DEVICES`.
+
+    Raises:
+        ValueError: Naming ``what`` and the value.
+    """
+    if isinstance(value, bool) or not isinstance(value, int | np.integer):
+        raise ValueError(f"{what} must be a whole number of devices, got {type(value).__name__}: {value!r}")
+    if not 1 <= value <= MAX_DEVICES:
+        raise ValueError(f"{what} must be between 1 and {MAX_DEVICES:,} devices, got {value:,}")
+    return int(value)

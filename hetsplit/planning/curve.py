@@ -13,6 +13,8 @@ from typing import Any
 import numpy as np
 from scipy.optimize import isotonic_regression, nnls
 
+from . import checks
+
 __all__ = ["Curve", "CurveTable", "holdout_error"]
 
 
@@ -155,14 +157,39 @@ class Curve:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Curve:
-        """Build a curve from :meth:`to_dict` output."""
+        """Build a curve from :meth:`to_dict` output, checking every number (a file may be damaged).
+
+        Raises:
+            ValueError: Naming the bad entry: a knot that is not a finite number (or a
+                string, a bool), a batch beyond :data:`~hetsplit.planning.checks.MAX_BATCH`,
+                a time beyond :data:`~hetsplit.planning.checks.MAX_SECONDS`, a bad memory cap.
+        """
+        if not isinstance(data, Mapping):
+            raise ValueError(f"the curve must be a mapping of knots, got {type(data).__name__}: {data!r}")
+        knots = {}
+        for key, top in (("batch", checks.MAX_BATCH), ("seconds", checks.MAX_SECONDS)):
+            values = data[key]
+            if not isinstance(values, list) or not values:
+                raise ValueError(f"curve {key} must be a non-empty list of numbers, got {values!r}")
+            knots[key] = [_number(v, f"curve {key}[{i}]", top) for i, v in enumerate(values)]
         return cls(
-            batch=[float(x) for x in data["batch"]],
-            seconds=[float(x) for x in data["seconds"]],
-            intercept=float(data["intercept"]),
-            slope=float(data["slope"]),
-            memory_cap=None if data.get("memory_cap") is None else int(data["memory_cap"]),
+            batch=knots["batch"],
+            seconds=knots["seconds"],
+            intercept=_number(data["intercept"], "curve intercept", checks.MAX_SECONDS),
+            slope=_number(data["slope"], "curve slope", checks.MAX_SECONDS),
+            memory_cap=checks.memory_cap(data.get("memory_cap"), "curve memory_cap"),
         )
+
+
+def _number(value: Any, what: str, top: float) -> float:
+    """A stored number: finite, ``0 <= value <= top``, never a string or bool."""
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not (math.isfinite(value) and 0 <= value <= top)
+    ):
+        raise ValueError(f"{what} must be a finite number from 0 to {top:g}, got {value!r}")
+    return float(value)
 
 
 class CurveTable:

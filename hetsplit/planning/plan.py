@@ -157,8 +157,9 @@ def sizes_from_weights(total: int, weights: Sequence[float]) -> list[int]:
         raise ValueError("weights is empty; give one weight per device")
     if not np.all(np.isfinite(w)) or np.any(w < 0):
         raise ValueError(f"weights must be finite and >= 0, got {list(weights)}")
-    if w.sum() <= 0:
+    if w.max() <= 0:
         raise ValueError(f"weights must not all be zero, got {list(weights)}")
+    w = w / w.max()  # relative: [1e308, 1e308] is [1, 1], and the sum cannot overflow
     exact = total * w / w.sum()
     sizes = np.floor(exact).astype(np.int64)
     left = total - int(sizes.sum())

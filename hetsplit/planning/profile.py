@@ -6,8 +6,6 @@ import dataclasses
 import datetime as _dt
 import math
 import platform
-import statistics
-import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -19,88 +17,9 @@ from ..devices import DeviceInfo, DeviceLike, canonical_name, local_gpus
 from ..version import __version__
 from . import checks
 from .curve import Curve, CurveTable
+from .records import DeviceProfile, Measurement
 
 __all__ = ["Measurement", "DeviceProfile", "Profile", "latest_profile"]
-
-
-@dataclasses.dataclass
-class Measurement:
-    """Repeated timings of one training step at one batch size on one device.
-
-    Attributes:
-        batch: The batch size.
-        times: Each repeat's seconds (after warm-up).
-    """
-
-    batch: int
-    times: list[float]
-
-    @property
-    def median(self) -> float:
-        """The median of the repeats, the figure the curve is fitted to."""
-        return float(statistics.median(self.times))
-
-    def to_dict(self) -> dict[str, Any]:
-        """Return the measurement as a JSON-ready dict."""
-        return {"batch": self.batch, "times": list(self.times), "median": self.median}
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> Measurement:
-        """Build a measurement from :meth:`to_dict` output."""
-        batch = checks.batch_count(data["batch"], "a measurement's batch")
-        times = data["times"]
-        if not isinstance(times, list) or not times:
-            raise ValueError(f"the measurement at batch {batch} has no list of times, got {times!r}")
-        return cls(batch, [checks.seconds(t, f"a time at batch {batch}") for t in times])
-
-
-@dataclasses.dataclass
-class DeviceProfile:
-    """One device's measurements and fitted curve.
-
-    Attributes:
-        info: What the device is (name, hardware, memory, emulation).
-        measurements: Raw timings per batch size.
-        curve: The fitted step-time curve.
-        memory_cap: Largest batch that fitted in memory (``None``: not probed or never hit).
-        memory_probed_to: The largest batch tried while looking for the cap.
-    """
-
-    info: DeviceInfo
-    measurements: list[Measurement]
-    curve: Curve
-    memory_cap: int | None = None
-    memory_probed_to: int | None = None
-
-    @property
-    def name(self) -> str:
-        """The device's name in the profile (``"cuda:0"``, ``"cpu@0.25"``, ``"v100"``)."""
-        return self.info.name
-
-    def to_dict(self) -> dict[str, Any]:
-        """Return the device profile as a JSON-ready dict."""
-        return {
-            "info": self.info.to_dict(),
-            "measurements": [m.to_dict() for m in self.measurements],
-            "curve": self.curve.to_dict(),
-            "memory_cap": self.memory_cap,
-            "memory_probed_to": self.memory_probed_to,
-        }
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> DeviceProfile:
-        """Build a device profile from :meth:`to_dict` output."""
-        info = DeviceInfo.from_dict(data["info"])
-        try:
-            return cls(
-                info=info,
-                measurements=[Measurement.from_dict(m) for m in data["measurements"]],
-                curve=Curve.from_dict(data["curve"]),
-                memory_cap=checks.memory_cap(data.get("memory_cap"), "memory_cap"),
-                memory_probed_to=checks.memory_cap(data.get("memory_probed_to"), "memory_probed_to"),
-            )
-        except (KeyError, TypeError, ValueError) as e:
-            raise ValueError(f"device {info.name!r}: {e}") from e
 
 
 def _now() -> str:
@@ -134,9 +53,11 @@ class Profile:
         names = [e.name for e in self.entries]
         if not names:
             raise ValueError("a profile needs at least one device")
-        dupes = sorted({n for n in names if names.count(n) > 1})
+        seen: set[str] = set()
+        dupes = sorted({n for n in names if n in seen or seen.add(n)})  # linear: profiles of 10,000 copies
         if dupes:
-            raise ValueError(f"device names in a profile must be unique, got {dupes} more than once")
+            shown = ", ".join(repr(n) for n in dupes[:5]) + (f" and {len(dupes) - 5:,} more" if len(dupes) > 5 else "")
+            raise ValueError(f"device names in a profile must be unique, got {shown} more than once")
         if not self.versions:
             self.versions = _versions()
 
@@ -189,7 +110,7 @@ class Profile:
 
         Returns ``0.0`` for a batch of 0 and ``inf`` above the device's memory cap.
         """
-        if batch < 0:
+        if not batch >= 0:  # NaN too
             raise ValueError(f"batch must be >= 0, got {batch}")
         return self.curve(device)(batch)
 
@@ -208,30 +129,41 @@ class Profile:
 
         For what-if planning: ``[(gpu_box, "cuda:0", 8), (old_box, "cpu", 1)]`` is eight
         copies of one machine's GPU and another machine's CPU. Copies are named
-        ``NAME#1``, ``NAME#2``, ...; a name found in two profiles is prefixed with its
-        profile's host (``hostB/cpu``).
+        ``NAME#1``, ``NAME#2``, ... (a device picked twice from the same profile counts
+        its copies on); a name found in two profiles is prefixed with its profile's host
+        (``hostB/cpu``). At most :data:`~hetsplit.planning.checks.MAX_DEVICES` devices in all.
 
         Raises:
             KeyError: If a profile lacks the device (the message lists what it has).
-            ValueError: If a count is below 1.
+            ValueError: If a count is not a whole number from 1 to ``MAX_DEVICES``, or
+                the devices add up to more than that.
         """
         picked = []
         for prof, device, copies in parts:
-            if copies < 1:
-                raise ValueError(f"device {device!r} is used {copies} times; use it at least once")
+            copies = checks.device_count(copies, f"the copies of device {device!r}")
             picked.append((prof, prof.entry(device), copies))
-        names = [e.name for _, e, _ in picked]
-        entries = []
+        total = sum(copies for _, _, copies in picked)
+        if total > checks.MAX_DEVICES:
+            raise ValueError(
+                f"the merged profile would hold {total:,} devices; plan for at most {checks.MAX_DEVICES:,}"
+            )
+        # One key per (profile, device): its copies are numbered on across parts.
+        counts: dict[tuple[int, str], int] = {}
+        for prof, e, copies in picked:
+            counts[id(prof), e.name] = counts.get((id(prof), e.name), 0) + copies
+        profiles_of: dict[str, set[int]] = {}
+        for prof, e, _ in picked:
+            profiles_of.setdefault(e.name, set()).add(id(prof))
+        entries, numbered = [], dict.fromkeys(counts, 0)
         for k, (prof, e, copies) in enumerate(picked):
             base = e.name
-            if names.count(base) > 1 and len({id(p) for p, x, _ in picked if x.name == base}) > 1:
-                base = (
-                    f"{prof.host}/{base}"
-                    if [p.host for p, x, _ in picked if x.name == e.name].count(prof.host) == 1
-                    else f"{prof.host}#{k}/{base}"
-                )
-            for i in range(copies):
-                name = f"{base}#{i + 1}" if copies > 1 else base
+            if len(profiles_of[base]) > 1:
+                same_host = {id(p) for p, x, _ in picked if x.name == base and p.host == prof.host}
+                base = f"{prof.host}/{base}" if len(same_host) == 1 else f"{prof.host}#{k}/{base}"
+            key = (id(prof), e.name)
+            for _ in range(copies):
+                numbered[key] += 1
+                name = f"{base}#{numbered[key]}" if counts[key] > 1 else base
                 entries.append(dataclasses.replace(e, info=dataclasses.replace(e.info, name=name)))
         first = parts[0][0] if parts else None
         hosts = sorted({p.host for p, _, _ in parts})
@@ -270,6 +202,10 @@ class Profile:
         entries = []
         for e in self.entries:
             batch, seconds = observed.get(e.name, (0, 0.0))
+            if batch > 0 and not (math.isfinite(seconds) and seconds >= 0):
+                raise ValueError(
+                    f"device {e.name!r}: observed {seconds!r} s at batch {batch}; need finite seconds >= 0"
+                )
             predicted = e.curve(batch) if batch > 0 else 0.0
             if batch > 0 and seconds > 0 and 0 < predicted < math.inf:
                 e = dataclasses.replace(e, curve=e.curve.scaled(seconds / predicted))
@@ -298,7 +234,9 @@ class Profile:
             A profile whose ``source`` is ``"external"``.
 
         Raises:
-            ValueError: If a cap names an unknown label, or a measurement is invalid.
+            TypeError: If ``measurements`` or ``memory_caps`` is not a mapping.
+            ValueError: If a cap names an unknown label, or a label, measurement or cap
+                is invalid; the message names the device and the bad entry.
 
         Example:
             >>> p = Profile.from_measurements({"v100": [(16, 0.082), (64, 0.221)],
@@ -306,6 +244,9 @@ class Profile:
             >>> p.step_time("k80", 101)
             inf
         """
+        for arg, value in (("measurements", measurements), ("memory_caps", memory_caps)):
+            if value is not None and not isinstance(value, Mapping):
+                raise TypeError(f"{arg} must be a mapping {{label: ...}}, got {type(value).__name__}: {value!r}")
         caps = dict(memory_caps or {})
         unknown = sorted(set(caps) - set(measurements))
         if unknown:
@@ -314,12 +255,18 @@ class Profile:
             )
         entries = []
         for label, points in measurements.items():
+            if not isinstance(label, str) or not label:
+                raise ValueError(f"device labels must be non-empty strings, got {label!r}")
+            if isinstance(points, str | bytes) or not isinstance(points, Iterable):
+                raise ValueError(f"device {label!r}: give a list of (batch, seconds) pairs, got {points!r}")
             pts = []
             for point in points:
                 if not isinstance(point, tuple | list) or len(point) != 2:
                     raise ValueError(f"device {label!r}: a measurement must be a (batch, seconds) pair, got {point!r}")
                 batch = checks.batch_count(point[0], f"device {label!r}: a measured batch")
                 pts.append((batch, checks.seconds(point[1], f"device {label!r}: the time at batch {batch}")))
+            if not pts:
+                raise ValueError(f"device {label!r}: no measurements; give at least one (batch, seconds) pair")
             cap = checks.memory_cap(caps.get(label), f"device {label!r}: memory cap")
             info = DeviceInfo(name=str(label), kind="external", description=str(label))
             ms = [Measurement(b, [t]) for b, t in pts]
@@ -340,9 +287,19 @@ class Profile:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Profile:
-        """Build a profile from :meth:`to_dict` output."""
+        """Build a profile from :meth:`to_dict` output, checking every device's entries.
+
+        Raises:
+            ValueError: Naming the device and the bad entry (see :meth:`DeviceProfile.from_dict`).
+        """
+        devices = data["devices"]
+        if not isinstance(devices, list) or not devices:
+            raise ValueError(f"'devices' must be a non-empty list of device entries, got {devices!r}"[:300])
+        for key in ("model", "versions"):
+            if not isinstance(data.get(key, {}), Mapping):
+                raise ValueError(f"{key!r} must be a mapping, got {data[key]!r}"[:300])
         return cls(
-            entries=[DeviceProfile.from_dict(d) for d in data["devices"]],
+            entries=[DeviceProfile.from_dict(d) for d in devices],
             model=dict(data.get("model", {})),
             host=str(data.get("host", "")),
             created=str(data.get("created", "")),
@@ -369,10 +326,13 @@ class Profile:
                 another schema version; the message names the file.
         """
         doc = store.read_json(path, "profile")
+        advice = "re-create it with 'hetsplit profile'"
         try:
             return cls.from_dict(doc)
-        except (KeyError, TypeError, ValueError) as e:
-            raise store.ProfileFileError(f"{path}: damaged profile ({type(e).__name__}: {e}); re-create it") from e
+        except KeyError as e:
+            raise store.ProfileFileError(f"{path}: damaged profile: no {e.args[0]!r} entry; {advice}") from e
+        except (TypeError, ValueError, AttributeError) as e:
+            raise store.ProfileFileError(f"{path}: damaged profile: {e}; {advice}") from e
 
 
 def latest_profile(devices: Sequence[DeviceLike], directory: str | Path | None = None) -> Profile | None:
@@ -385,7 +345,7 @@ def latest_profile(devices: Sequence[DeviceLike], directory: str | Path | None =
         try:
             return Profile.load(path).matched_to_local()
         except store.ProfileFileError as e:  # damaged inside: skip it, say so, use the next newest
-            warnings.warn(f"hetsplit: skipping {e}", stacklevel=2)
+            store.warn_at_caller(f"hetsplit: skipping a stored profile: {e}")
     return None
 
 

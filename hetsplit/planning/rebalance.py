@@ -82,7 +82,12 @@ class Rebalancer:
         window: int = 6,
         on_change: Callable[[PlanChange], None] | None = None,
     ) -> None:
-        if every < 1 or window < 1 or not 0 < max_move <= 1 or threshold < 0:
+        if profile is not None and not isinstance(profile, Profile):
+            raise TypeError(f"the rebalancer's profile must be a Profile, got {type(profile).__name__}: {profile!r}")
+        counts = (every, window)
+        if any(isinstance(v, bool) or not isinstance(v, int) for v in counts):
+            raise TypeError(f"every and window must be integers, got {every!r}, {window!r}")
+        if every < 1 or window < 1 or not 0 < max_move <= 1 or not 0 <= threshold < math.inf:
             raise ValueError(
                 f"need every >= 1, window >= 1, 0 < max_move <= 1, threshold >= 0; "
                 f"got {every}, {window}, {max_move}, {threshold}"

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import numpy as np
 
 from ..devices import DeviceLike, canonical_name
+from . import checks
 from .plan import Plan, sizes_from_weights
 from .profile import Profile
 from .solver import plan_from_sizes, solve
@@ -17,11 +19,15 @@ __all__ = ["resolve_plan", "check_weights"]
 def check_weights(weights: Sequence[float], n_devices: int) -> list[float]:
     """Validate relative throughputs: one finite, non-negative number per device, not all zero.
 
+    ``weights`` is a list, a tuple, or a 1-D NumPy array or tensor.
+
     Raises:
         TypeError: If ``weights`` is a string or holds booleans or non-numbers.
         ValueError: On the wrong count or bad values; the message quotes them.
     """
-    if isinstance(weights, (str, bytes)) or not isinstance(weights, Sequence | np.ndarray):
+    if getattr(weights, "ndim", None) == 1 and hasattr(weights, "tolist"):  # a NumPy array or a tensor
+        weights = weights.tolist()
+    if isinstance(weights, (str, bytes)) or not isinstance(weights, Sequence):
         raise TypeError(f"weights must be a list of numbers, one per device, got {type(weights).__name__}: {weights!r}")
     values = list(weights)
     bad = [w for w in values if isinstance(w, bool) or not isinstance(w, int | float | np.integer | np.floating)]
@@ -62,15 +68,21 @@ def resolve_plan(
         fallback: Called for a profile when nothing else decides.
 
     Raises:
-        ValueError: On an empty batch, weights together with a plan or profile, bad
-            weights, a plan over other devices, or a plan for another batch size with
-            no profile or weights to re-solve it.
+        TypeError: If ``plan`` or ``profile`` is of another type (a file name, say).
+        ValueError: On an empty batch or one above :data:`~hetsplit.planning.checks.MAX_BATCH`,
+            weights together with a plan or profile, bad weights, a plan over other devices,
+            or a plan for another batch size with no profile or weights to re-solve it.
     """
     names = [canonical_name(d) for d in devices]
     if isinstance(batch, bool) or not isinstance(batch, int | np.integer):
         raise TypeError(f"the batch size must be an integer, got {type(batch).__name__}: {batch!r}")
     if batch < 1:
         raise ValueError(f"the batch is empty (0 samples); nothing to split across {names}")
+    checks.batch_count(batch, "the batch size")
+    for arg, value, kind in (("plan", plan, Plan), ("profile", profile, Profile)):
+        if value is not None and not isinstance(value, kind):
+            hint = "; load a file with hetsplit.Profile.load(path)" if isinstance(value, str | Path) else ""
+            raise TypeError(f"{arg} must be a {kind.__name__}, got {type(value).__name__}: {value!r}{hint}")
     if weights is not None and (plan is not None or profile is not None):
         raise ValueError("give weights, or a plan and/or profile, not both")
     if plan is not None and list(plan.devices) != names:

@@ -173,9 +173,13 @@ def allreduce_time(parameter_bytes: float, participants: int, link_gbps: float, 
         link_gbps: Bandwidth of the slowest link, in gigabits per second.
         latency: Seconds per round.
     """
+    if isinstance(participants, bool) or not isinstance(participants, int | np.integer):
+        raise TypeError(f"participants must be an integer, got {type(participants).__name__}: {participants!r}")
+    if not (math.isfinite(parameter_bytes) and parameter_bytes >= 0):
+        raise ValueError(f"the gradients' size must be finite bytes >= 0, got {parameter_bytes!r}")
     if participants <= 1:
         return 0.0
-    if not link_gbps > 0:
-        raise ValueError(f"the link bandwidth must be > 0 Gbit/s, got {link_gbps}")
+    if not (link_gbps > 0 and math.isfinite(link_gbps)):
+        raise ValueError(f"the link bandwidth must be a finite number > 0 Gbit/s, got {link_gbps}")
     n = participants
     return 2 * (n - 1) / n * parameter_bytes / (link_gbps * 1e9 / 8) + 2 * (n - 1) * latency
