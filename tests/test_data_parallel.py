@@ -292,3 +292,76 @@ def test_replicas_follow_a_replaced_parameter_and_a_mode_change():
     dp.eval()  # and a mode change: dropout off in every replica
     with torch.no_grad():
         assert torch.equal(dp(x), x)
+
+
+@pytest.mark.parametrize("mode", ["gather", "local"])
+@pytest.mark.parametrize(
+    "devices, weights",
+    [(["cpu", "cpu@0.25"], [3, 1]), (["cpu", "cpu@0.5", "cpu"], [2, 0, 1]), (["cpu", "cpu@0.5", "cpu"], [1, 2, 1])],
+)
+def test_trainable_layer_in_front_of_the_wrapper(mode, devices, weights):
+    """A stem before the wrapper: its graph is walked once, and stem and body get full-batch gradients."""
+    torch.manual_seed(0)
+    stem, body = nn.Linear(5, 6).double(), nn.Sequential(nn.Tanh(), nn.Linear(6, 3)).double()
+    x, y = torch.randn(12, 5, dtype=torch.float64), torch.randint(0, 3, (12,))
+    ref_stem, ref_body = copy.deepcopy(stem), copy.deepcopy(body)
+    F.cross_entropy(ref_body(ref_stem(x)), y).backward()
+    dp = HeteroDataParallel(body, devices, weights=weights)
+    if mode == "gather":
+        F.cross_entropy(dp(stem(x)), y).backward()
+    else:
+        dp.train_step(stem(x), y, F.cross_entropy)
+    assert dp.plan.sizes.count(0) == weights.count(0)
+    for got, want in ((stem, ref_stem), (body, ref_body)):
+        for p, q in zip(got.parameters(), want.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-14)
+
+
+def test_input_gradients_of_a_leaf_and_a_scalar_given_to_every_replica():
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 2)
+
+        def forward(self, x, scale):
+            return self.lin(x) * scale
+
+    torch.manual_seed(0)
+    net = Scaled().double()
+    x, scale = torch.randn(9, 4, dtype=torch.float64), torch.tensor(1.5, dtype=torch.float64)
+    ref_x, ref_s = x.clone().requires_grad_(), scale.clone().requires_grad_()
+    copy.deepcopy(net)(ref_x, scale=ref_s).pow(2).sum().backward()
+    x.requires_grad_(), scale.requires_grad_()
+    HeteroDataParallel(net, DEVICES, weights=[2, 1])(x, scale=scale).pow(2).sum().backward()
+    torch.testing.assert_close(x.grad, ref_x.grad, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(scale.grad, ref_s.grad, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("mode", ["gather", "local"])
+def test_a_step_with_one_active_device_runs_the_module_itself(mode):
+    """A plan that leaves every other device empty: the module's own step, exactly, on its device."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 2)).double()
+    ref = copy.deepcopy(net)
+    x, y = torch.randn(10, 3, dtype=torch.float64), torch.randint(0, 2, (10,))
+    F.cross_entropy(ref(x), y).backward()
+    dp = HeteroDataParallel(
+        net, ["cpu", "cpu@0.25", "cpu"], plan=plan_from_sizes(None, ["cpu", "cpu@0.25", "cpu"], [10, 0, 0])
+    )
+    if mode == "gather":
+        F.cross_entropy(dp(x), y).backward()
+    else:
+        dp.train_step(x, y, F.cross_entropy)
+    for p, q in zip(net.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)
+    assert torch.equal(net[1].running_mean, ref[1].running_mean) and int(net[1].num_batches_tracked) == 1
+    assert dp._replicas is None and dp.step_times == {}  # no replica, no thread: no busy time measured
+    # Only an emulated device active: its replica runs, throttled; gradients still exact.
+    dp.set_plan(plan_from_sizes(None, ["cpu", "cpu@0.25", "cpu"], [0, 10, 0]))
+    net.zero_grad()
+    F.cross_entropy(dp(x), y).backward()
+    assert dp._replicas is not None and set(dp.step_times) == {"cpu@0.25"}
+    ref.zero_grad()
+    F.cross_entropy(ref(x), y).backward()
+    for p, q in zip(net.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-14)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -23,24 +22,24 @@ from .reduce import accumulate_gradients
 from .replicas import Replicas, module_device
 from .scatter_gather import scatter_to
 from .sizes import BatchPlans
+from .step import (
+    Step,
+    batch_of,
+    call_on,
+    check_one_device,
+    cut_upstream,
+    direct_device,
+    direct_local_step,
+    engine_job,
+    local_inputs,
+    local_shards,
+    local_step,
+    positions,
+)
 
 __all__ = ["HeteroDataParallel"]
 
 _RUNTIME = ("_replicas", "_step", "_log", "_lock")
-
-
-@dataclasses.dataclass
-class _Step:
-    """What one step runs: the plan, the active devices (non-empty shards) and their shards."""
-
-    plan: Plan
-    active: list[int]
-    devices: list[Device]
-    shards: list[tuple[tuple[Any, ...], dict[str, Any]]] = dataclasses.field(default_factory=list)
-
-    @property
-    def sizes(self) -> list[int]:
-        return [self.plan.sizes[i] for i in self.active]
 
 
 class HeteroDataParallel(nn.Module):
@@ -99,7 +98,7 @@ class HeteroDataParallel(nn.Module):
     ) -> None:
         super().__init__()
         self.devices: list[Device] = parse_devices(devices)
-        _check_one_device(module)
+        check_one_device(module)
         self.module = module
         self.dim = dim
         self.scalar_outputs = check_policy(scalar_outputs)
@@ -113,7 +112,7 @@ class HeteroDataParallel(nn.Module):
     def _reset_runtime(self) -> None:
         # Everything here is rebuilt on demand and left out of pickles and deep copies.
         self._replicas: Replicas | None = None
-        self._step: _Step | None = None
+        self._step: Step | None = None
         self._log = BusyLog()
         self._lock = threading.RLock()
 
@@ -177,7 +176,7 @@ class HeteroDataParallel(nn.Module):
             self._replicas = Replicas(module, self.devices)
         step = self._step
         active = step.active if step is not None and len(step.active) == len(device_ids) else None
-        return self._replicas.get(active if active is not None else _positions(self.devices, device_ids))
+        return self._replicas.get(active if active is not None else positions(self.devices, device_ids))
 
     def parallel_apply(
         self, replicas: Sequence[nn.Module], inputs: Sequence[tuple[Any, ...]], kwargs: Sequence[dict[str, Any]]
@@ -193,18 +192,17 @@ class HeteroDataParallel(nn.Module):
         assert step is not None, "gather runs inside forward"
         weights = lambda: policy_weights(self.scalar_outputs, step.sizes, step.shards)
         labels = list(map(str, step.active))
-        return combine(outputs, output_device, self.dim, weights, self._backward_runner(step), labels)
+        return combine(outputs, output_device, self.dim, weights, self._backward_runner(step), labels, step.upstream)
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         """Scatter, run the replicas concurrently, gather on the output device."""
         with self._lock:
-            home = _direct_device(self.devices, self.module) if self.rebalancer is None else None
-            if home is not None:  # one real device, the module's own: run the module, as nn.DataParallel does
-                self._plans.for_batch(batch_length(_batch_of(inputs, kwargs), self.dim))
-                return move(_call_on(self.module, home, inputs, kwargs), self._output_device or home)
-            step = self._begin((inputs, kwargs))
+            step = self._begin(batch_of(inputs, kwargs))
+            home = direct_device(step, self.module, self.rebalancer is not None)
+            if home is not None:  # the module's own device has the whole batch: run the module itself
+                return move(call_on(self.module, home, inputs, kwargs), self._output_device or home)
             args, kws = self.scatter(inputs, kwargs, step.devices)
-            step.shards = list(zip(args, kws))
+            args, kws = cut_upstream(step, (inputs, kwargs), args, kws, self.dim)
             replicas = self.replicate(self.module, step.devices)
             outputs = self.parallel_apply(replicas, args, kws)
             self._replicas.merge_buffers(replicas, step.sizes)  # type: ignore[union-attr]
@@ -236,30 +234,32 @@ class HeteroDataParallel(nn.Module):
             ValueError: On a bad ``reduction`` or ``loss_fn`` (before any device work), or a
                 loss that is not a scalar (naming its shape).
         """
-        args, kws = _local_inputs(inputs, kwargs, loss_fn, reduction)
+        args, kws = local_inputs(inputs, kwargs, loss_fn, reduction)
+        batch, has_target = ((args, kws), target), target is not None
         with self._lock:
-            step = self._begin(((args, kws), target))
-            shards = scatter_to(((args, kws), target), step.devices, step.sizes, self.dim)
-            step.shards = [(tuple(a), dict(k)) for (a, k), _ in shards]
-            weights = policy_weights(reduction, step.sizes, step.shards)
-            assert weights is not None
+            step = self._begin(batch)
+            home = direct_device(step, self.module, self.rebalancer is not None)
+            if home is not None:  # the module's own device has the whole batch: run the module itself
+                return direct_local_step(self.module, home, batch, has_target, loss_fn, reduction, self.output_device)
+            upstream, weights = local_shards(step, batch, reduction, self.dim)
             replicas = self.replicate(self.module, step.devices)
             fns = [
-                lambda r=r, shard=shard, w=w: _local_step(r, shard, target is not None, loss_fn, w)
-                for r, shard, w in zip(replicas, shards, weights)
+                lambda r=r, shard=shard, w=w: local_step(r, shard, has_target, loss_fn, w)
+                for r, shard, w in zip(replicas, upstream.shards, weights)
             ]
             losses = self._run(fns, "", step.active)
             self._replicas.merge_buffers(replicas, step.sizes)  # type: ignore[union-attr]
             self._finish(step)
+            upstream.backward()  # the inputs' gradients into the caller's graph, once
             return sum(to_device(x, self.output_device) * w for x, w in zip(losses, weights))  # type: ignore[return-value]
 
-    def _begin(self, batch_tree: Any) -> _Step:
+    def _begin(self, batch_tree: Any) -> Step:
         """Start a step: feed the rebalancer the steps it can read, choose this step's plan."""
         self._plans.observe(self._log.readable() if self.rebalancer is not None else ())
         plan = self._plans.for_batch(batch_length(batch_tree, self.dim))
         active = [i for i, s in enumerate(plan.sizes) if s > 0]
-        self._step = _Step(plan, active, [self.devices[i] for i in active])
-        self._log.start()
+        self._step = Step(plan, active, [self.devices[i] for i in active])
+        self._log.start()  # a step that runs the module itself logs no busy time
         return self._step
 
     def _run(
@@ -271,17 +271,17 @@ class HeteroDataParallel(nn.Module):
             self._log.add(self.devices[i].name, lap)
         return out
 
-    def _finish(self, step: _Step) -> None:
+    def _finish(self, step: Step) -> None:
         """End a step whose backward has run: gradients into the module, busy times logged."""
         sources = self._replicas.sources(step.active) if self._replicas is not None else []
         accumulate_gradients(list(self.module.parameters()), sources)
         self._log.end(step.plan, keep=self.rebalancer is not None)
 
-    def _backward_runner(self, step: _Step) -> Callable[[list[tuple[list[torch.Tensor], list[torch.Tensor]]]], None]:
+    def _backward_runner(self, step: Step) -> Callable[[list[tuple[list[torch.Tensor], list[torch.Tensor]]]], None]:
         def run(work: list[tuple[list[torch.Tensor], list[torch.Tensor]]]) -> None:
             jobs = [(step.active[j], outs, grads) for j, (outs, grads) in enumerate(work) if outs]
             fns = [lambda o=o, g=g: torch.autograd.backward(o, g) for _, o, g in jobs]
-            inline = _engine_job([self.devices[i] for i, _, _ in jobs], self.output_device)
+            inline = engine_job([self.devices[i] for i, _, _ in jobs], self.output_device)
             self._run(fns, " (backward)", [i for i, _, _ in jobs], inline)  # no job: nothing runs
             self._finish(step)
 
@@ -291,86 +291,6 @@ class HeteroDataParallel(nn.Module):
     def step_times(self) -> dict[str, float]:
         """Busy seconds of each active device in the last step (waits for a CUDA device to finish it)."""
         return self._log.last_times()
-
-
-def _engine_job(devices: Sequence[Device], output: torch.device) -> int | None:
-    """Which backward job must run in the calling thread: the one on the output's GPU, if any.
-
-    The gathered outputs' backward runs in the autograd engine's thread for their device;
-    on a GPU that thread is the only one the engine runs that GPU's work on, so a replica
-    there must run its backward inline, or the engine waits on itself.
-    """
-    if output.type != "cuda":
-        return None
-    return next((k for k, d in enumerate(devices) if d.torch_device == output), None)
-
-
-def _direct_device(devices: Sequence[Device], module: nn.Module) -> torch.device | None:
-    """The module's device when a step can simply run the module there (one real device, its own)."""
-    if len(devices) > 1 or devices[0].emulated:
-        return None
-    home = module_device(module)
-    return home if devices[0].torch_device == home else None
-
-
-def _batch_of(inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """The inputs as one tree; a lone tensor as itself (the common case, measured without walking a tree)."""
-    return inputs[0] if len(inputs) == 1 and not kwargs and isinstance(inputs[0], torch.Tensor) else (inputs, kwargs)
-
-
-def _call_on(module: nn.Module, device: torch.device, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """``module(*inputs, **kwargs)`` with the inputs moved to ``device`` first."""
-    if len(inputs) == 1 and not kwargs and isinstance(inputs[0], torch.Tensor):
-        return module(to_device(inputs[0], device))
-    inputs, kwargs = move((inputs, kwargs), device)
-    return module(*inputs, **kwargs)
-
-
-def _check_one_device(module: nn.Module) -> None:
-    homes = {t.device for t in (*module.parameters(), *module.buffers())}
-    if len(homes) > 1:
-        raise ValueError(
-            f"the module's parameters and buffers are on several devices {sorted(map(str, homes))}; "
-            "move the whole module to one device (e.g. module.to('cpu')) before wrapping it"
-        )
-
-
-def _positions(devices: Sequence[Device], chosen: Sequence[Device]) -> list[int]:
-    """Where each of ``chosen`` sits in ``devices``, taking repeated devices in order."""
-    free = list(range(len(devices)))
-    return [free.pop(next(k for k, i in enumerate(free) if devices[i] == d)) for d in chosen]
-
-
-def _local_inputs(
-    inputs: Any, kwargs: dict[str, Any], loss_fn: Callable[..., torch.Tensor] | None, reduction: ScalarPolicy
-) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """``train_step``'s inputs as (args, kwargs), its arguments checked before any device work."""
-    check_policy(reduction, "reduction")
-    if reduction == "stack" or loss_fn is None:
-        raise ValueError(
-            f"train_step needs loss_fn and a reduction of 'mean', 'sum' or a callable, "
-            f"got loss_fn={loss_fn!r}, reduction={reduction!r}"
-        )
-    if isinstance(inputs, dict):
-        return (), {**inputs, **kwargs}
-    return (inputs if isinstance(inputs, tuple) else (inputs,)), dict(kwargs)
-
-
-def _local_step(
-    replica: nn.Module, shard: Any, has_target: bool, loss_fn: Callable[..., torch.Tensor], weight: float
-) -> torch.Tensor:
-    """One replica's forward, loss and weighted backward in local-loss mode; its loss, detached."""
-    (args, kwargs), target = shard
-    out = replica(*args, **kwargs)
-    loss = loss_fn(out, target) if has_target else loss_fn(out)
-    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-        shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
-        raise ValueError(
-            f"loss_fn must return a scalar (0-dim) tensor, got {shape}; reduce it "
-            "with .mean() or .sum() and say which with reduction="
-        )
-    (loss * weight).backward()
-    return loss.detach()
 
 
 def _drop_module_prefix(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:

@@ -10,6 +10,7 @@ import torch
 
 from ..tree import flatten, leaf_paths, to_device, unflatten
 from .scatter_gather import concat_column
+from .upstream import Upstream
 
 __all__ = ["ScalarPolicy", "SCALAR_POLICIES", "check_policy", "policy_weights", "combine", "count_tokens"]
 
@@ -97,19 +98,26 @@ class _GatherBackward(torch.autograd.Function):
     walks into the replicas' graphs from the caller's thread (where it would run all CPU
     backward work serially and unthrottled). Instead, backward cuts the incoming
     gradient into one piece per replica and hands each to its replica's thread.
+
+    The step's differentiable inputs (``upstream.sources``) are extra inputs here: the
+    replicas ran on detached copies of their shards, and backward returns the gradients
+    those collected, so the engine walks the caller's graph in front of the wrapper once.
     """
 
     @staticmethod
-    def forward(ctx: Any, runner: BackwardRunner, layout: _Layout, *detached: torch.Tensor) -> Any:
-        ctx.runner, ctx.layout = runner, layout
-        out = layout.combine(detached)
+    def forward(
+        ctx: Any, runner: BackwardRunner, layout: _Layout, upstream: Upstream | None, *tensors: torch.Tensor
+    ) -> Any:
+        ctx.runner, ctx.layout, ctx.upstream = runner, layout, upstream
+        out = layout.combine(tensors[: layout.n_inputs])
         ctx.mark_non_differentiable(*[t for t in out if not t.is_floating_point() and not t.is_complex()])
         return tuple(out)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> Any:
         ctx.runner(ctx.layout.split(grads))
-        return (None, None) + (None,) * ctx.layout.n_inputs
+        upstream = ctx.upstream.grads() if ctx.upstream is not None else []
+        return (None, None, None) + (None,) * ctx.layout.n_inputs + tuple(upstream)
 
 
 class _Layout:
@@ -181,12 +189,15 @@ def combine(
     weights: Callable[[], list[float] | None],
     runner: BackwardRunner,
     labels: Sequence[str],
+    upstream: Upstream | None = None,
 ) -> Any:
     """The replicas' outputs as one output on ``target``; backward goes through ``runner``.
 
     Tensors are concatenated along ``dim``; 0-dim floating tensors are combined with
     the replicas' ``weights()`` (stacked when it gives ``None``); other 0-dim tensors are stacked; any other
-    object comes back as a list with one entry per replica.
+    object comes back as a list with one entry per replica. ``upstream``: the step's
+    differentiable inputs, whose gradients (gathered from the replicas' shards) the
+    combined output's backward passes on to the caller's graph.
 
     Raises:
         ValueError: If the replicas' outputs differ in structure or cannot be
@@ -214,7 +225,8 @@ def combine(
     layout = _Layout(columns, [paths[k] for k in positions], target, dim, weights)
     if torch.is_grad_enabled() and any(t.requires_grad for c in columns for t in c):
         detached = [t.detach().requires_grad_(t.requires_grad) for c in columns for t in c]
-        combined = _GatherBackward.apply(runner, layout, *detached)
+        sources = upstream.sources if upstream is not None else []
+        combined = _GatherBackward.apply(runner, layout, upstream, *detached, *sources)
     else:
         combined = layout.combine([t for c in columns for t in c])
     for k, value in zip(positions, combined):
