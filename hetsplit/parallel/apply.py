@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import os
+import queue
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -16,20 +17,47 @@ from ..timing import Lap, lap
 
 __all__ = ["run_parallel", "parallel_apply"]
 
-# One pool for the process: worker threads persist across steps and wrappers, so a step
-# pays a hand-over, not a thread start. Wrappers hold no thread of their own, which keeps
-# them picklable and copyable.
-_POOL: ThreadPoolExecutor | None = None
-_POOL_LOCK = threading.Lock()
-_POOL_SIZE = 64
+
+class _Workers:
+    """Persistent worker threads for the whole process, fed through one queue.
+
+    A step hands each job to an idle worker with one queue put and learns it finished
+    from one lock release: no future, no condition variable, no thread start. Each
+    submission reserves an idle worker or starts a new one, so a job never waits behind
+    another (nested calls cannot deadlock). Wrappers hold no thread of their own, which
+    keeps them picklable and copyable. A forked child starts with no workers.
+    """
+
+    def __init__(self) -> None:
+        self.jobs: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self.lock = threading.Lock()
+        self.idle = 0
+
+    def submit(self, job: Callable[[], None]) -> None:
+        with self.lock:
+            start = self.idle == 0
+            if not start:
+                self.idle -= 1
+        if start:
+            threading.Thread(target=self._loop, name="hetsplit", daemon=True).start()
+        self.jobs.put(job)
+
+    def _loop(self) -> None:
+        while True:
+            self.jobs.get()()  # a job never raises: run_parallel's jobs catch everything
+            with self.lock:
+                self.idle += 1
 
 
-def _pool() -> ThreadPoolExecutor:
-    global _POOL
-    with _POOL_LOCK:
-        if _POOL is None:
-            _POOL = ThreadPoolExecutor(max_workers=_POOL_SIZE, thread_name_prefix="hetsplit")
-        return _POOL
+_WORKERS = _Workers()
+
+
+def _reset_workers() -> None:
+    global _WORKERS
+    _WORKERS = _Workers()
+
+
+os.register_at_fork(after_in_child=_reset_workers)
 
 
 class _Context:
@@ -64,7 +92,7 @@ def run_parallel(
     devices: Sequence[Device],
     names: Sequence[str] | None = None,
     laps: list[Lap] | None = None,
-    inline: int | None = None,
+    inline: int | None = 0,
 ) -> list[Any]:
     """Run ``fns[i]()`` for every device concurrently, each at its device's emulated speed.
 
@@ -79,10 +107,12 @@ def run_parallel(
         laps: If given, receives one :class:`~hetsplit.timing.Lap` per call, in order:
             its busy time on the device (emulated slowdown included), measured without
             synchronising a CUDA device.
-        inline: The index of a call to run in the calling thread instead (while the
-            others run in workers): a backward called from inside the autograd engine's
-            thread for a GPU must run there, as that thread is the only one the engine
-            runs that GPU's backward on.
+        inline: The index of the call to run in the calling thread (by default the
+            first; the others run in workers meanwhile), as the caller would only wait;
+            ``None`` runs every call in a worker. A backward called from inside the
+            autograd engine's thread for a GPU must name the job on that GPU, or
+            ``None`` if there is none: that thread is the only one the engine runs that
+            GPU's backward on, and no other device's work may run there.
 
     Example:
         >>> run_parallel([lambda: 1, lambda: 2], parse_devices("cpu,cpu@0.5"))
@@ -90,21 +120,39 @@ def run_parallel(
     """
     ctx = _Context()
     spent: list[Lap | None] = [None] * len(fns)
+    results: list[tuple[bool, Any]] = [(False, None)] * len(fns)
 
-    def run(i: int) -> tuple[bool, Any]:
+    def run(i: int, own_thread: bool) -> None:
         try:
             with contextlib.ExitStack() as stack:
-                ctx.enter(stack, devices[i].torch_device)
+                if not own_thread:  # the calling thread already has the caller's state
+                    ctx.enter(stack, devices[i].torch_device)
+                elif devices[i].type == "cuda":
+                    stack.enter_context(torch.cuda.device(devices[i].torch_device))
                 with lap(devices[i]) as timed, devices[i].throttle():
                     out = fns[i]()
                 spent[i] = timed
-                return True, out
+                results[i] = (True, out)
         except BaseException as e:  # re-raised in the caller with the device named
-            return False, e
+            results[i] = (False, e)
 
-    futures = {i: _pool().submit(run, i) for i in range(len(fns)) if i != inline}
-    own = run(inline) if inline is not None else None
-    results = [own if i == inline else futures[i].result() for i in range(len(fns))]
+    def handed(i: int) -> threading.Lock:
+        done = threading.Lock()
+        done.acquire()
+
+        def job() -> None:
+            run(i, False)
+            done.release()
+
+        _WORKERS.submit(job)
+        return done
+
+    # The calling thread would only wait: it runs one job itself, the rest go to workers.
+    latches = [handed(i) for i in range(len(fns)) if i != inline]
+    if inline is not None and inline < len(fns):
+        run(inline, True)
+    for done in latches:
+        done.acquire()
     values = []
     for i, (ok, value) in enumerate(results):
         if not ok:

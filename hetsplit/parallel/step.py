@@ -58,15 +58,19 @@ def cut_upstream(
 
 
 def engine_job(devices: Sequence[Device], output: torch.device) -> int | None:
-    """Which backward job must run in the calling thread: the one on the output's GPU, if any.
+    """Which backward job runs in the calling thread (the autograd engine's): ``None`` for none.
 
-    The gathered outputs' backward runs in the autograd engine's thread for their device;
-    on a GPU that thread is the only one the engine runs that GPU's work on, so a replica
-    there must run its backward inline, or the engine waits on itself.
+    The gathered outputs' backward runs in the autograd engine's thread for their device.
+    On a GPU that thread is the only one the engine runs that GPU's work on, so a replica
+    there must run its backward inline, or the engine waits on itself; no other job may.
+    On the CPU it is the thread that called ``backward``, which would only wait: it runs
+    the first CPU job itself (a GPU replica's backward stays in a worker, as it was tested).
     """
-    if output.type != "cuda":
-        return None
-    return next((k for k, d in enumerate(devices) if d.torch_device == output), None)
+    kind = "cuda" if output.type == "cuda" else "cpu"
+    target = output if kind == "cuda" else None
+    return next(
+        (k for k, d in enumerate(devices) if d.type == kind and (target is None or d.torch_device == target)), None
+    )
 
 
 def direct_device(step: Step, module: nn.Module, rebalancing: bool) -> torch.device | None:
