@@ -23,5 +23,8 @@ def test_worker_threads_carry_grad_mode_and_autocast():
         )
 
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
-        run_parallel([probe, probe], parse_devices(DEVICES))
+        run_parallel([probe, probe], parse_devices(DEVICES))  # the first runs in the calling thread
+        assert sorted(seen) == [(False, False, True, torch.bfloat16), (True, False, True, torch.bfloat16)]
+        seen.clear()
+        run_parallel([probe, probe], parse_devices(DEVICES), inline=None)  # both in workers
     assert seen == [(True, False, True, torch.bfloat16)] * 2
