@@ -167,6 +167,9 @@ class HeteroDataParallel(nn.Module):
     ) -> tuple[list[tuple[Any, ...]], list[dict[str, Any]]]:
         """Cut positional and keyword inputs into this step's shards for ``device_ids`` (the active devices)."""
         assert self._step is not None
+        if len(inputs) == 1 and not kwargs and isinstance(inputs[0], torch.Tensor) and inputs[0].dim() > 0:
+            pieces = inputs[0].split(self._step.sizes, self.dim)
+            return [(to_device(p, d.torch_device),) for p, d in zip(pieces, device_ids)], [{} for _ in pieces]
         shards = scatter_to((tuple(inputs), dict(kwargs or {})), device_ids, self._step.sizes, self.dim)
         return [tuple(a) for a, _ in shards], [dict(k) for _, k in shards]
 
@@ -258,9 +261,11 @@ class HeteroDataParallel(nn.Module):
         self._plans.observe(self._log.readable() if self.rebalancer is not None else ())
         plan = self._plans.for_batch(batch_length(batch_tree, self.dim))
         active = [i for i, s in enumerate(plan.sizes) if s > 0]
-        self._step = Step(plan, active, [self.devices[i] for i in active])
+        step = self.__dict__["_step"] = Step(
+            plan, active, [self.devices[i] for i in active]
+        )  # not nn.Module's slow setattr
         self._log.start()  # a step that runs the module itself logs no busy time
-        return self._step
+        return step
 
     def _run(
         self, fns: Sequence[Callable[[], Any]], what: str, active: Sequence[int], inline: int | None = None
@@ -273,8 +278,8 @@ class HeteroDataParallel(nn.Module):
 
     def _finish(self, step: Step) -> None:
         """End a step whose backward has run: gradients into the module, busy times logged."""
-        sources = self._replicas.sources(step.active) if self._replicas is not None else []
-        accumulate_gradients(list(self.module.parameters()), sources)
+        if self._replicas is not None:  # the module's parameters as of this step's replicate()
+            accumulate_gradients(self._replicas.params, self._replicas.sources(step.active))
         self._log.end(step.plan, keep=self.rebalancer is not None)
 
     def _backward_runner(self, step: Step) -> Callable[[list[tuple[list[torch.Tensor], list[torch.Tensor]]]], None]:

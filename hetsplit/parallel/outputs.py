@@ -126,7 +126,7 @@ class _Layout:
     def __init__(
         self,
         columns: list[list[torch.Tensor]],
-        paths: list[str],
+        paths: Callable[[int], str],
         target: torch.device,
         dim: int,
         weights: Callable[[], list[float] | None],
@@ -149,7 +149,7 @@ class _Layout:
 
     def combine(self, flat: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         out, pos = [], 0
-        for k, (column, path) in enumerate(zip(self.columns, self.paths)):
+        for k, column in enumerate(self.columns):
             parts = flat[pos : pos + len(column)]
             pos += len(column)
             if self._weighted(k):
@@ -159,7 +159,11 @@ class _Layout:
             elif column[0].dim() == 0:
                 out.append(torch.stack([to_device(t, self.target) for t in parts]))
             else:
-                out.append(concat_column(parts, self.target, self.dim, path))
+                try:
+                    out.append(torch.cat([to_device(t, self.target) for t in parts], dim=self.dim))
+                except RuntimeError:  # named by its path (walking the output for paths costs a step ~50 us)
+                    concat_column(parts, self.target, self.dim, self.paths(k))
+                    raise
         return out
 
     def split(self, grads: Sequence[torch.Tensor | None]) -> list[tuple[list[torch.Tensor], list[torch.Tensor]]]:
@@ -210,19 +214,24 @@ def combine(
             raise ValueError(
                 f"replica {labels[j]} returned a different structure from replica {labels[0]}: {s} vs {spec}"
             )
-    paths = leaf_paths(outputs[0])
+    found: list[list[str]] = []
+
+    def path(k: int) -> str:  # leaf k's path, for error messages only
+        if not found:
+            found.append(leaf_paths(outputs[0]))
+        return found[0][k]
+
     leaves: list[Any] = [[leaves[k] for leaves, _ in flat] for k in range(len(flat[0][0]))]
     positions = [k for k, column in enumerate(leaves) if isinstance(column[0], torch.Tensor)]
     for k, column in enumerate(leaves):
         if k in positions and not all(isinstance(x, torch.Tensor) for x in column):
             raise ValueError(
-                f"output {paths[k]} is a tensor on some replicas and not on others: "
-                f"{[type(x).__name__ for x in column]}"
+                f"output {path(k)} is a tensor on some replicas and not on others: {[type(x).__name__ for x in column]}"
             )
     if not positions:
         return unflatten(leaves, spec)
     columns = [leaves[k] for k in positions]
-    layout = _Layout(columns, [paths[k] for k in positions], target, dim, weights)
+    layout = _Layout(columns, lambda j: path(positions[j]), target, dim, weights)
     if torch.is_grad_enabled() and any(t.requires_grad for c in columns for t in c):
         detached = [t.detach().requires_grad_(t.requires_grad) for c in columns for t in c]
         sources = upstream.sources if upstream is not None else []

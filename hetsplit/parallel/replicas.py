@@ -50,6 +50,10 @@ class Replicas:
         self._pairs: dict[int, tuple[list[torch.Tensor], list[torch.Tensor], list[nn.Module], list[Any]]] = {}
         self._module_list: list[nn.Module] | None = None
         self._module_key: tuple[tuple[int, ...], tuple[int, ...]] | None = None
+        self._buffer_names: list[str] = []
+        # The module's tensors as of the last get(): the step's gradient targets and buffers.
+        self.params: list[torch.Tensor] = []
+        self.buffers: list[torch.Tensor] = []
 
     def get(self, indices: Sequence[int]) -> list[nn.Module]:
         """The replicas of devices ``indices``, synchronised with the module for a step."""
@@ -60,6 +64,8 @@ class Replicas:
         key = (tuple(map(id, params)), tuple(map(id, buffers)))
         if key != self._key:
             self._key, self._pairs = key, {}
+            self._buffer_names = [name for name, _ in self.module.named_buffers()]
+        self.params, self.buffers = params, buffers
         modes = [m.training for m in self._modules()]
         out = []
         for i in indices:
@@ -117,9 +123,12 @@ class Replicas:
 
     def sources(self, indices: Sequence[int]) -> list[list[torch.Tensor]]:
         """The parameters of the replicas of devices ``indices``."""
-        return [list(self.copies[i].parameters()) for i in indices if i in self.copies]
+        return [
+            self._pairs[i][0] if i in self._pairs else list(self.copies[i].parameters())
+            for i in indices
+            if i in self.copies
+        ]
 
-    @torch.no_grad()
     @torch.no_grad()
     def merge_buffers(self, replicas: Sequence[nn.Module], sizes: Sequence[int]) -> None:
         """Write the replicas' buffer updates of one step into the module.
@@ -133,9 +142,11 @@ class Replicas:
         largest increment). Everything stays on the devices: no value is read back, so a
         GPU is never made to wait here.
         """
+        if not self.buffers:
+            return  # the common case for many models: nothing to merge, no module walk
         current = [list(r.buffers()) for r in replicas]
         total = float(sum(sizes))
-        for k, (name, target) in enumerate(self.module.named_buffers()):
+        for k, (name, target) in enumerate(zip(self._buffer_names, self.buffers)):
             values = [to_device(bufs[k], target.device) for bufs in current]
             if len(values) == 1:
                 target.copy_(values[0])  # one replica: its values are the step's

@@ -52,6 +52,10 @@ def cut_upstream(
     step: Step, batch: tuple[tuple[Any, ...], dict[str, Any]], args: list[Any], kws: list[Any], dim: int
 ) -> tuple[list[tuple[Any, ...]], list[dict[str, Any]]]:
     """The shards the replicas run on: leaves where they require grad (gather hands their gradients upstream)."""
+    lone = batch[0][0] if len(batch[0]) == 1 and not batch[1] else None
+    if isinstance(lone, torch.Tensor) and not lone.requires_grad:  # the common case: nothing to cut
+        step.shards = list(zip(args, kws))
+        return args, kws
     step.upstream = Upstream((tuple(batch[0]), dict(batch[1])), list(zip(args, kws)), dim)
     step.shards = [(tuple(a), dict(k)) for a, k in step.upstream.shards]
     return [a for a, _ in step.shards], [k for _, k in step.shards]
