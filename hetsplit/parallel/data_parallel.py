@@ -20,7 +20,6 @@ from .busy import BusyLog
 from .outputs import ScalarPolicy, check_policy, combine, policy_weights
 from .reduce import accumulate_gradients
 from .replicas import Replicas, module_device
-from .scatter_gather import scatter_to
 from .sizes import BatchPlans
 from .step import (
     Step,
@@ -35,6 +34,7 @@ from .step import (
     local_shards,
     local_step,
     positions,
+    scatter_inputs,
 )
 
 __all__ = ["HeteroDataParallel"]
@@ -167,11 +167,7 @@ class HeteroDataParallel(nn.Module):
     ) -> tuple[list[tuple[Any, ...]], list[dict[str, Any]]]:
         """Cut positional and keyword inputs into this step's shards for ``device_ids`` (the active devices)."""
         assert self._step is not None
-        if len(inputs) == 1 and not kwargs and isinstance(inputs[0], torch.Tensor) and inputs[0].dim() > 0:
-            pieces = inputs[0].split(self._step.sizes, self.dim)
-            return [(to_device(p, d.torch_device),) for p, d in zip(pieces, device_ids)], [{} for _ in pieces]
-        shards = scatter_to((tuple(inputs), dict(kwargs or {})), device_ids, self._step.sizes, self.dim)
-        return [tuple(a) for a, _ in shards], [dict(k) for _, k in shards]
+        return scatter_inputs(inputs, kwargs, device_ids, self._step.sizes, self.dim)
 
     def replicate(self, module: nn.Module, device_ids: Sequence[Device]) -> list[nn.Module]:
         """The replicas of ``module`` on ``device_ids`` (some of :attr:`devices`), in step with the module."""

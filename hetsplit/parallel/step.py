@@ -30,6 +30,7 @@ __all__ = [
     "local_step",
     "local_shards",
     "direct_local_step",
+    "scatter_inputs",
 ]
 
 
@@ -173,3 +174,14 @@ def direct_local_step(
     (args, kwargs), target = move(batch, home)
     (weight,) = policy_weights(reduction, [1], [(tuple(args), dict(kwargs))]) or [1.0]
     return to_device(local_step(module, ((args, kwargs), target), has_target, loss_fn, weight), output) * weight
+
+
+def scatter_inputs(
+    inputs: tuple[Any, ...], kwargs: dict[str, Any] | None, devices: Sequence[Device], sizes: Sequence[int], dim: int
+) -> tuple[list[tuple[Any, ...]], list[dict[str, Any]]]:
+    """Positional and keyword inputs cut into shards on ``devices`` (forward's scatter)."""
+    if len(inputs) == 1 and not kwargs and isinstance(inputs[0], torch.Tensor) and inputs[0].dim() > 0:
+        pieces = inputs[0].split(list(sizes), dim)  # one tensor, the common case: no tree walk
+        return [(to_device(p, d.torch_device),) for p, d in zip(pieces, devices)], [{} for _ in pieces]
+    shards = scatter_to((tuple(inputs), dict(kwargs or {})), devices, sizes, dim)
+    return [tuple(a) for a, _ in shards], [dict(k) for _, k in shards]
