@@ -29,24 +29,32 @@ class _Workers:
     """
 
     def __init__(self) -> None:
-        self.jobs: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self.jobs: queue.SimpleQueue[tuple[Callable[[], None], threading.Lock]] = queue.SimpleQueue()
         self.lock = threading.Lock()
         self.idle = 0
 
-    def submit(self, job: Callable[[], None]) -> None:
+    def submit(self, job: Callable[[], None]) -> threading.Lock:
+        """Run ``job`` (which must not raise) in a worker; the returned lock is released when it is done."""
+        done = threading.Lock()
+        done.acquire()
         with self.lock:
             start = self.idle == 0
             if not start:
                 self.idle -= 1
         if start:
             threading.Thread(target=self._loop, name="hetsplit", daemon=True).start()
-        self.jobs.put(job)
+        self.jobs.put((job, done))
+        return done
 
     def _loop(self) -> None:
         while True:
-            self.jobs.get()()  # a job never raises: run_parallel's jobs catch everything
+            job, done = self.jobs.get()
+            job()
+            # Idle again before the caller hears of it: its next submission then reuses
+            # this worker instead of starting another.
             with self.lock:
                 self.idle += 1
+            done.release()
 
 
 _WORKERS = _Workers()
@@ -136,19 +144,8 @@ def run_parallel(
         except BaseException as e:  # re-raised in the caller with the device named
             results[i] = (False, e)
 
-    def handed(i: int) -> threading.Lock:
-        done = threading.Lock()
-        done.acquire()
-
-        def job() -> None:
-            run(i, False)
-            done.release()
-
-        _WORKERS.submit(job)
-        return done
-
     # The calling thread would only wait: it runs one job itself, the rest go to workers.
-    latches = [handed(i) for i in range(len(fns)) if i != inline]
+    latches = [_WORKERS.submit(lambda i=i: run(i, False)) for i in range(len(fns)) if i != inline]
     if inline is not None and inline < len(fns):
         run(inline, True)
     for done in latches:
