@@ -84,11 +84,10 @@ class BenchResult:
             step (its forward and backward; the rest of the step it waits, or the caller
             scatters, gathers, computes the loss and steps the optimizer).
         meta: Date, host, torch version, threads, steps.
-        predicted: The profile's predicted seconds per step of each configuration (the
-            plan's times), beside :attr:`step_times`, which are measured.
-        holdout: Per device, the profile's error on a batch size it did not use: one
-            measured size is left out, the curve refitted, and its prediction there
-            compared with the measurement (``batch``, ``predicted``, ``measured``).
+        predicted: The profile's predicted seconds per step of each configuration.
+        holdout: Per device, the profile's error at a measured size left out of its fit
+            (``batch``, ``predicted``, ``measured``).
+        processes: The demo's process engine on the balanced split (``step``, ``allreduce``, ``gradient_bytes``).
     """
 
     devices: list[str]
@@ -105,6 +104,7 @@ class BenchResult:
     meta: dict[str, Any]
     predicted: dict[str, float] = dataclasses.field(default_factory=dict)
     holdout: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)
+    processes: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> BenchResult:

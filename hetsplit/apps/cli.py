@@ -60,17 +60,21 @@ def build_parser() -> argparse.ArgumentParser:
         help="a one-minute demo: profile, then train even vs balanced, and a verdict",
         description="Profile a built-in model on every local device (plus an emulated cpu@0.25 when "
         "there is only one), train it on each device alone, on the even split and on the balanced "
-        "split, and print how much the balanced split wins. Synthetic data.",
+        "split in threads, then the balanced split in processes (torchrun ranks), and print which wins. "
+        "Synthetic data.",
     )
     p.add_argument("--devices", help="comma-separated devices (default: every local device, plus cpu@0.25 if only one)")
-    p.add_argument("--model", default="lenet", help="built-in model (lenet, resnet18, mlp) or package.module:factory")
+    p.add_argument(
+        "--model", default="cnn", help="built-in model (cnn, lenet, resnet18, mlp) or package.module:factory"
+    )
     p.add_argument("--input-shape", type=_ints, help="shape of one sample, e.g. 3,32,32 (needed for your own model)")
-    p.add_argument("--batch-size", type=_positive_int, default=256, help="samples per step (default 256)")
-    p.add_argument("--steps", type=_positive_int, default=30, help="timed steps per configuration (default 30)")
+    p.add_argument("--batch-size", type=_positive_int, default=128, help="samples per step (default 128)")
+    p.add_argument("--steps", type=_positive_int, default=20, help="timed steps per configuration (default 20)")
     p.add_argument("--budget", type=_positive_float, default=10.0, help="seconds to profile (default 10)")
     p.add_argument("--threads", type=_positive_int, help="torch CPU threads (default 1 when every device is the CPU)")
     p.add_argument("--json", type=Path, help="also write the results to this JSON file (for 'hetsplit show')")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.add_argument("--threads-only", action="store_true", help="skip the process engine (torchrun ranks)")
 
     p = sub.add_parser("devices", help="list usable devices")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")

@@ -280,6 +280,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         profile_budget=args.budget,
         threads=args.threads,
         progress=not args.quiet and sys.stderr.isatty(),
+        processes=not args.threads_only,
     )
     if args.json:
         store.write_json(args.json, "bench", {"result": result.to_dict()})

@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+import tempfile
 from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -10,7 +17,7 @@ from ..devices import DeviceLike, discover, parse_devices
 from .bench import BenchResult, bench, cpu_threads
 from .models import ModelSpec
 
-__all__ = ["demo_devices", "run_demo", "verdict"]
+__all__ = ["demo_devices", "run_demo", "run_processes", "verdict"]
 
 
 def demo_devices() -> list[str]:
@@ -24,27 +31,32 @@ def demo_devices() -> list[str]:
 def run_demo(
     devices: str | Sequence[DeviceLike] | None = None,
     *,
-    model: str | ModelSpec = "lenet",
-    batch_size: int = 256,
-    steps: int = 30,
+    model: str | ModelSpec = "cnn",
+    batch_size: int = 128,
+    steps: int = 20,
     profile_budget: float = 10.0,
     threads: int | None = None,
+    processes: bool = True,
     progress: bool = False,
     say: Callable[[str], None] = print,
 ) -> BenchResult:
-    """Profile a built-in model, then train it on the fastest device alone, the even split and the balanced split.
+    """Profile a built-in model, train it on each device alone, the even and the balanced split, in both engines.
 
-    Prints what it is doing and, at the end, :func:`verdict`. Data is synthetic.
+    The splits run in threads (:class:`~hetsplit.HeteroDataParallel`), then the balanced
+    split once more in processes (one torchrun rank per device, DDP over gloo, as
+    ``hetsplit launch`` runs a script). Prints what it is doing and, at the end,
+    :func:`verdict`. Data is synthetic.
 
     Args:
         devices: The devices (default: :func:`demo_devices`).
-        model: A built-in model (``lenet``, ``mlp``, ``resnet18``) or ``package.module:factory``.
+        model: A built-in model (``cnn``, ``lenet``, ``mlp``, ``resnet18``) or ``package.module:factory``.
         batch_size: Samples per step.
         steps: Timed steps per configuration.
         profile_budget: Seconds for profiling.
         threads: Torch CPU threads (default: 1 when every device is the CPU, real or
             emulated, as they share its cores; else torch's choice).
         progress: Show progress bars.
+        processes: Also time the balanced split in processes (:func:`run_processes`).
         say: Where lines of output go.
 
     Returns:
@@ -65,13 +77,17 @@ def run_demo(
             f"emulated: {', '.join(emulated)} (the real device slowed down by sleeping, to show a split on a "
             "machine without mixed hardware; not real hardware)"
         )
-    say(f"1/2 profiling each device (about {profile_budget:g} s) ...")
+    parts = 3 if processes else 2
+    say(f"1/{parts} profiling each device (about {profile_budget:g} s) ...")
     log_lines: list[str] = []
 
     def log(line: str) -> None:
         log_lines.append(line)
         if line.startswith("timing"):
-            say(f"2/2 training {steps} steps each: every device alone, the even split, the balanced split ...")
+            say(
+                f"2/{parts} threads: training {steps} steps each on every device alone, the even split and the "
+                "balanced split ..."
+            )
 
     result = bench(
         model,
@@ -83,9 +99,67 @@ def run_demo(
         log=log,
         progress=progress,
     )
+    if processes:
+        say(f"3/3 processes: the balanced split {result.plan.sizes} in {len(devs)} torchrun ranks (DDP, gloo) ...")
+        spec = model if isinstance(model, ModelSpec) else None
+        shape = spec.input_shape if spec is not None and ":" in spec.name else None
+        result.processes = run_processes(
+            [d.name for d in devs], name, result.plan.sizes, steps, torch.get_num_threads(), input_shape=shape
+        )
     say("")
     say(verdict(result))
     return result
+
+
+def run_processes(
+    devices: Sequence[str],
+    model: str,
+    sizes: Sequence[int],
+    steps: int,
+    threads: int,
+    *,
+    input_shape: Sequence[int] | None = None,
+    timeout: float = 300.0,
+) -> dict[str, Any]:
+    """Train ``model`` on the split ``sizes`` in one torchrun rank per device; the timings of rank 0.
+
+    The ranks run :mod:`hetsplit.apps.demo_ranks` through ``torch.distributed.run`` with
+    the command line ``hetsplit launch`` builds, and their output is kept quiet.
+
+    Returns:
+        ``step`` (median seconds per step), ``steps``, ``allreduce`` (seconds of one
+        all-reduce of the gradients), ``gradient_bytes``; or ``{"error": "..."}`` with
+        the last line the ranks printed, when the job failed.
+    """
+    from ..distributed.setup import ENV_DEVICES, rank_devices
+    from . import demo_ranks
+    from .launch import torchrun_args
+
+    with tempfile.TemporaryDirectory(prefix="hetsplit-demo-") as tmp:
+        out = Path(tmp) / "ranks.json"
+        script_args = ["--model", model, "--sizes", ",".join(map(str, sizes)), "--steps", str(steps)]
+        script_args += ["--threads", str(threads), "--out", str(out)]
+        if input_shape:
+            script_args += ["--input-shape", ",".join(map(str, input_shape))]
+        argv, _ = torchrun_args(",".join(devices), demo_ranks.__file__, script_args)
+        env = {**os.environ, ENV_DEVICES: ",".join(rank_devices(",".join(devices), len(devices)))}
+        env.setdefault("OMP_NUM_THREADS", str(threads))  # torchrun would print a warning and set 1
+        root = str(Path(__file__).resolve().parents[2])  # this hetsplit, also when run from a checkout
+        env["PYTHONPATH"] = os.pathsep.join([root, os.getcwd(), *filter(None, [env.get("PYTHONPATH")])])
+        try:
+            done = subprocess.run(
+                [sys.executable, "-m", "torch.distributed.run", *argv],
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=timeout,
+            )
+        except subprocess.TimeoutExpired:
+            return {"error": f"the ranks did not finish in {timeout:g} s"}
+        if done.returncode != 0 or not out.exists():
+            lines = [line for line in (done.stderr + done.stdout).splitlines() if line.strip()]
+            return {"error": lines[-1] if lines else f"torchrun exited with status {done.returncode}"}
+        return json.loads(out.read_text(encoding="utf-8"))
 
 
 def verdict(result: BenchResult) -> str:
@@ -114,6 +188,7 @@ def verdict(result: BenchResult) -> str:
         parts = [f"{d} {max(0.0, 1 - result.busy[name].get(d, 0.0) / step):.0%}" for d in result.devices]
         idle.append(f"{name}: " + ", ".join(parts))
     lines.append("share of each step a device sits idle: " + "; ".join(idle))
+    lines += _engines(result)
     if result.speedup_vs_single < 1:
         shared = " (emulated devices share the real one's cores and memory)" if result.meta.get("emulated") else ""
         lines.append(
@@ -123,3 +198,27 @@ def verdict(result: BenchResult) -> str:
     if result.meta.get("emulated"):
         lines.append(f"(emulated: {', '.join(result.meta['emulated'])}; timings from this machine, synthetic data)")
     return "\n".join(lines)
+
+
+def _engines(result: BenchResult) -> list[str]:
+    """The threads-against-processes lines of the verdict: which engine wins here, and why."""
+    proc = result.processes
+    if not proc:
+        return []
+    if "error" in proc:
+        return [f"processes: the torchrun ranks failed ({proc['error']}); threads only"]
+    threads, procs = result.step_times["balanced"], float(proc["step"])
+    # What each engine spends beyond the devices' own work: for threads, the balanced step
+    # less its busiest device's time; for processes, one all-reduce of the gradients.
+    outside = max(0.0, threads - max(result.busy["balanced"].values(), default=0.0))
+    winner, loser, ratio = (
+        ("threads", "processes", procs / threads) if threads <= procs else ("processes", "threads", threads / procs)
+    )
+    return [
+        f"engines, balanced split: threads (HeteroDataParallel, one process) {threads * 1e3:.1f} ms a step; "
+        f"processes (hetsplit launch, {len(result.devices)} gloo ranks, DDP) {procs * 1e3:.1f} ms",
+        f"{winner} win on this machine, {ratio:.2f}x faster than {loser}: threads spend {outside * 1e3:.1f} ms a "
+        f"step outside the devices' work (hand-offs, gathering, one interpreter's lock); processes spend "
+        f"{proc['allreduce'] * 1e3:.1f} ms on an all-reduce of {proc['gradient_bytes'] / 1e3:,.0f} kB of "
+        "gradients, and start a Python per device",
+    ]
