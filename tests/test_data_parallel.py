@@ -221,7 +221,7 @@ def test_module_on_several_devices_is_refused(monkeypatch):
 
 
 def test_emulated_replica_backward_is_throttled_and_concurrent(monkeypatch):
-    """Backward work of every replica runs in its own thread (one of them the caller's), inside the device's throttle."""
+    """Every replica's backward runs in its own thread (one is the caller's), inside its device's throttle."""
     import hetsplit.devices as devices_mod
 
     entered = []
