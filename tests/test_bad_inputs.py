@@ -46,6 +46,12 @@ def _merged(picks):
     return Profile.merge([(prof, device, n) for device, n in picks])
 
 
+def _run_processes(*args):
+    from hetsplit.apps.demo import run_processes
+
+    return run_processes(*args)
+
+
 def _tiny_profile(devices):
     return hetsplit.profile(nn.Linear(3, 2), torch.zeros(4, 3), devices, batch_sizes=[2], repeats=1, warmup=0)
 
@@ -103,6 +109,13 @@ API_ROWS = [
      "cpu"), ValueError, "output ['a']: the replicas' tensors of shapes [(2, 3), (2, 4)]"),
     ("2 reduce with NaN sizes", lambda: hetsplit.reduce_gradients([[], []], [math.nan, 2]), ValueError,
      "must be an integer >= 0"),
+    # 16: the demo's process engine checks its split and model before starting ranks
+    ("16 run_processes sizes per device", lambda: _run_processes(["cpu", "cpu@0.5"], "cnn", [8], 1, 1), ValueError,
+     "one whole count >= 0 for each of the devices"),
+    ("16 run_processes no sample", lambda: _run_processes(["cpu", "cpu@0.5"], "cnn", [0, 0], 1, 1), ValueError,
+     "at least one sample"),
+    ("16 run_processes unknown model", lambda: _run_processes(["cpu", "cpu@0.5"], "nosuch", [4, 4], 1, 1),
+     ValueError, "unknown model 'nosuch'"),
 ]  # fmt: skip
 
 
@@ -281,6 +294,7 @@ CLI_ROWS = [
     ("15", ["bench", "--devices", ""], 1, "no devices given in ''"),
     ("15", ["plan", "PROFILE", "--devices", "", "--batch-size", "8"], 1, "names no device"),
     ("15", ["demo", "--devices", "cpu"], 1, "two or more devices"),
+    ("16", ["demo", "--threads-only", "--devices", "cpu"], 1, "two or more devices"),
     ("15", ["profile", "--budget", "inf", "--devices", "cpu"], 2, "expected a positive number, got 'inf'"),
     ("15", ["plan", "PROFILE", "--batch-size", "8", "--link-gbps", "nan"], 2, "expected a positive number"),
 ]  # fmt: skip
@@ -329,7 +343,7 @@ def test_a_model_module_in_the_current_directory_imports(capsys, tmp_path, monke
     assert Path(tmp_path / "p.json").exists()
     code, out, err = _cli(capsys, "demo", "--model", "mymodels_here:factory", "--input-shape", "3",
                           "--devices", "cpu,cpu@0.5", "--batch-size", "8", "--steps", "1", "--budget", "1",
-                          "--quiet")  # fmt: skip
+                          "--quiet", "--threads-only")  # fmt: skip
     assert code == 0 and "hetsplit demo: mymodels_here:factory on cpu, cpu@0.5" in out, err
 
 

@@ -85,7 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="comma-separated devices, e.g. cuda:0,cpu or cpu,cpu@0.25 "
         "(default: every local device, plus an emulated cpu@0.25 when there is only one)",
     )
-    p.add_argument("--model", default="lenet", help="built-in model (cnn, lenet, resnet18, mlp) or package.module:factory")
+    p.add_argument(
+        "--model", default="lenet", help="built-in model (cnn, lenet, resnet18, mlp) or package.module:factory"
+    )
     p.add_argument("--input-shape", type=_ints, help="shape of one sample, e.g. 3,32,32 (needed for your own model)")
     p.add_argument("--dtype", choices=DTYPES, default="float32", help="parameter and input dtype")
     p.add_argument("--batch-sizes", type=_ints, help="the ladder of batch sizes (default 2,4,8,...,256)")
@@ -112,7 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--devices",
         help="two or more devices (default cpu,cpu@0.25; with --change DEV=..., cpu and DEV)",
     )
-    p.add_argument("--model", default="lenet", help="built-in model (cnn, lenet, resnet18, mlp) or package.module:factory")
+    p.add_argument(
+        "--model", default="lenet", help="built-in model (cnn, lenet, resnet18, mlp) or package.module:factory"
+    )
     p.add_argument("--input-shape", type=_ints, help="shape of one sample, for your own model")
     p.add_argument("--batch-size", type=_positive_int, default=256, help="samples per step (default 256)")
     p.add_argument(

@@ -130,7 +130,18 @@ def run_processes(
         ``step`` (median seconds per step), ``steps``, ``allreduce`` (seconds of one
         all-reduce of the gradients), ``gradient_bytes``; or ``{"error": "..."}`` with
         the last line the ranks printed, when the job failed.
+
+    Raises:
+        ValueError: If ``sizes`` is not one count >= 0 per device with at least one
+            sample, or the model is unknown; before any process starts.
     """
+    from .models import load_model
+
+    if len(sizes) != len(devices) or any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in sizes):
+        raise ValueError(f"sizes {list(sizes)} must be one whole count >= 0 for each of the devices {list(devices)}")
+    if sum(sizes) < 1 or steps < 1:
+        raise ValueError(f"the ranks need at least one sample and one step; got sizes {list(sizes)}, steps {steps}")
+    load_model(model, tuple(input_shape) if input_shape else None)
     from ..distributed.setup import ENV_DEVICES, rank_devices
     from . import demo_ranks
     from .launch import torchrun_args
