@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Protocol
 
-__all__ = ["MIN_SPEED", "check_speed", "current_speed", "set_speed", "delayed", "throttle"]
+__all__ = ["MIN_SPEED", "check_speed", "current_speed", "set_speed", "delayed", "throttle", "work_clock"]
 
 # Below this an emulated step takes over 1000 times its real duration: a typo, not a device.
 MIN_SPEED = 1e-3
@@ -75,12 +75,33 @@ def delayed(device: _Emulated) -> float:
     return _DELAYED.get(device.name, 0.0)
 
 
+def work_clock(device: _Emulated, *, cpu_time: bool = False) -> Callable[[], float]:
+    """The clock an emulated device's work is measured by.
+
+    On the CPU with one intra-op thread, the work runs in the calling thread, so its
+    thread CPU time is the work itself: time spent waiting for a core (another
+    process, the other replica, the interpreter lock) is not work, and the emulated
+    device stays a fixed fraction of the CPU's own speed instead of absorbing the
+    machine's load times ``1/speed - 1``. ``cpu_time``: the process's CPU time (a
+    torchrun rank whose work also waits on other ranks). Otherwise wall time.
+    """
+    if device.type == "cpu":
+        if cpu_time:
+            return time.process_time
+        import torch  # emulation is imported before torch is needed; this is called per piece of work
+
+        if torch.get_num_threads() == 1:
+            return time.thread_time
+    return time.perf_counter
+
+
 @contextlib.contextmanager
 def throttle(device: _Emulated, *, cpu_time: bool = False) -> Iterator[None]:
     """Run the enclosed work at ``device``'s emulated speed (nothing for a real device).
 
-    Waits for the device, measures the enclosed work and sleeps ``(1/speed - 1)`` times
-    its duration.
+    Waits for the device, measures the enclosed work by :func:`work_clock` and sleeps
+    until the piece has taken ``work / speed`` (with a CPU-time clock) or ``(1/speed - 1)``
+    times the work longer (wall time, a torchrun rank's process time).
 
     Args:
         device: The (possibly emulated) device.
@@ -93,15 +114,19 @@ def throttle(device: _Emulated, *, cpu_time: bool = False) -> Iterator[None]:
     if speed >= 1.0:
         yield
         return
-    clock: Callable[[], float] = time.process_time if cpu_time and device.type == "cpu" else time.perf_counter
-    start = clock()
+    clock = work_clock(device, cpu_time=cpu_time)
+    began, start = time.perf_counter(), clock()
     yield
     device.synchronize()
     work = clock() - start
     now = time.perf_counter()
+    # With a CPU-time clock the piece takes work / speed in all: its own wall time (longer
+    # than its CPU time on a busy machine) counts towards that, so load is not slowed again.
+    cpu_clock = clock is time.thread_time
+    need = max(0.0, work / speed - (now - began)) if cpu_clock else work * (1.0 / speed - 1.0)
     # time.sleep overshoots by tens of microseconds, which would dominate small steps;
     # carry each device's error into its next sleep so the long-run speed is exact.
-    wanted = work * (1.0 / speed - 1.0) - _SLEEP_DEBT.get(device.name, 0.0)
+    wanted = need - _SLEEP_DEBT.get(device.name, 0.0)
     if wanted > 0:
         time.sleep(wanted)
         slept = time.perf_counter() - now
