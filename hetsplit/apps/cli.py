@@ -69,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--input-shape", type=_ints, help="shape of one sample, e.g. 3,32,32 (needed for your own model)")
     p.add_argument("--batch-size", type=_positive_int, default=128, help="samples per step (default 128)")
-    p.add_argument("--steps", type=_positive_int, default=20, help="timed steps per configuration (default 20)")
+    p.add_argument("--steps", type=_positive_int, default=15, help="timed steps per configuration (default 15)")
     p.add_argument("--budget", type=_positive_float, default=10.0, help="seconds to profile (default 10)")
     p.add_argument("--threads", type=_positive_int, help="torch CPU threads (default 1 when every device is the CPU)")
     p.add_argument("--json", type=Path, help="also write the results to this JSON file (for 'hetsplit show')")

@@ -33,7 +33,7 @@ def run_demo(
     *,
     model: str | ModelSpec = "cnn",
     batch_size: int = 128,
-    steps: int = 20,
+    steps: int = 15,
     profile_budget: float = 10.0,
     threads: int | None = None,
     processes: bool = True,
@@ -222,14 +222,17 @@ def _engines(result: BenchResult) -> list[str]:
     # What each engine spends beyond the devices' own work: for threads, the balanced step
     # less its busiest device's time; for processes, one all-reduce of the gradients.
     outside = max(0.0, threads - max(result.busy["balanced"].values(), default=0.0))
-    winner, loser, ratio = (
-        ("threads", "processes", procs / threads) if threads <= procs else ("processes", "threads", threads / procs)
+    winner, loser = ("threads", "processes") if threads <= procs else ("processes", "threads")
+    ratio = max(threads, procs) / min(threads, procs)
+    head = (
+        f"threads and processes are even on this machine (within {ratio - 1:.0%})"
+        if ratio < 1.05
+        else f"{winner} win on this machine, {ratio:.2f}x faster than {loser}"
     )
     return [
         f"engines, balanced split: threads (HeteroDataParallel, one process) {threads * 1e3:.1f} ms a step; "
         f"processes (hetsplit launch, {len(result.devices)} gloo ranks, DDP) {procs * 1e3:.1f} ms",
-        f"{winner} win on this machine, {ratio:.2f}x faster than {loser}: threads spend {outside * 1e3:.1f} ms a "
-        f"step outside the devices' work (hand-offs, gathering, one interpreter's lock); processes spend "
-        f"{proc['allreduce'] * 1e3:.1f} ms on an all-reduce of {proc['gradient_bytes'] / 1e3:,.0f} kB of "
-        "gradients, and start a Python per device",
+        f"{head}: threads spend {outside * 1e3:.1f} ms a step outside the devices' work (hand-offs, gathering, "
+        f"one interpreter's lock); processes spend {proc['allreduce'] * 1e3:.1f} ms on an all-reduce of "
+        f"{proc['gradient_bytes'] / 1e3:,.0f} kB of gradients, and start a Python per device",
     ]
