@@ -157,19 +157,23 @@ def run_processes(
         env.setdefault("OMP_NUM_THREADS", str(threads))  # torchrun would print a warning and set 1
         root = str(Path(__file__).resolve().parents[2])  # this hetsplit, also when run from a checkout
         env["PYTHONPATH"] = os.pathsep.join([root, os.getcwd(), *filter(None, [env.get("PYTHONPATH")])])
-        try:
-            done = subprocess.run(
-                [sys.executable, "-m", "torch.distributed.run", *argv],
-                env=env,
-                capture_output=True,
-                text=True,
-                timeout=timeout,
-            )
-        except subprocess.TimeoutExpired:
-            return {"error": f"the ranks did not finish in {timeout:g} s"}
-        if done.returncode != 0 or not out.exists():
-            lines = [line for line in (done.stderr + done.stdout).splitlines() if line.strip()]
-            return {"error": lines[-1] if lines else f"torchrun exited with status {done.returncode}"}
+        failure = ""
+        for _attempt in range(2):  # once more if it fails: a standalone rendezvous can race for its port
+            try:
+                done = subprocess.run(
+                    [sys.executable, "-m", "torch.distributed.run", *argv],
+                    env=env,
+                    capture_output=True,
+                    text=True,
+                    timeout=timeout,
+                )
+            except subprocess.TimeoutExpired:
+                return {"error": f"the ranks did not finish in {timeout:g} s"}
+            if done.returncode == 0 and out.exists():
+                break
+            failure = _failure(done.stderr + done.stdout) or f"torchrun exited with status {done.returncode}"
+        else:
+            return {"error": failure}
         return json.loads(out.read_text(encoding="utf-8"))
 
 
@@ -236,3 +240,10 @@ def _engines(result: BenchResult) -> list[str]:
         f"one interpreter's lock); processes spend {proc['allreduce'] * 1e3:.1f} ms on an all-reduce of "
         f"{proc['gradient_bytes'] / 1e3:,.0f} kB of gradients, and start a Python per device",
     ]
+
+
+def _failure(output: str) -> str:
+    """The most telling line of a failed torchrun job's output: its last error, else its last words."""
+    lines = [line.strip() for line in output.splitlines() if line.strip().strip("=-*").strip()]
+    errors = [line for line in lines if "Error" in line or "error:" in line or "Exception" in line]
+    return (errors or lines or [""])[-1][:300]
