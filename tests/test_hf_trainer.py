@@ -13,7 +13,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
 ROOT = Path(__file__).resolve().parents[1]
-SCENARIOS = ("tokens", "accumulate", "zero", "evaluate", "profiled")
+SCENARIOS = ("tokens", "accumulate", "zero", "classify", "evaluate", "profiled")
 
 
 def _env():

@@ -13,7 +13,7 @@ import tempfile
 
 import torch
 import torch.distributed as dist
-from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments
+from transformers import BertConfig, BertForSequenceClassification, LlamaConfig, LlamaForCausalLM, TrainingArguments
 
 from hetsplit.planning import plan_from_sizes
 from hetsplit.transformers import HeteroTrainer
@@ -120,17 +120,47 @@ def _(folder):
 
 @scenario("zero")
 def _(folder):
+    # A share of 0: one real sample weighted 0, with either normalisation of the Trainer.
     data = sequences(4, seed=3)
-    _, model, ref = train_once(folder, [4, 0], data)
-    reference_step(ref, [data])
-    assert_same(model, ref, "zero share")
+    for flag in (True, False):
+        _, model, ref = train_once(folder, [4, 0], data, average_tokens_across_devices=flag)
+        reference_step(ref, [data])
+        assert_same(model, ref, f"zero share, average_tokens_across_devices={flag}")
+
+
+@scenario("classify")
+def _(folder):
+    # BERT sequence classification computes its own mean over samples and ignores
+    # num_items_in_batch: the step must still be the full-batch step on 6 + 2 samples.
+    torch.manual_seed(0)
+    config = BertConfig(
+        vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
+        max_position_embeddings=16, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, num_labels=3,
+    )  # fmt: skip
+    model = BertForSequenceClassification(config).double()
+    ref = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(6)
+    data = [{"input_ids": torch.randint(1, 50, (6,), generator=g), "labels": torch.tensor(i % 3)} for i in range(8)]
+    trainer = HeteroTrainer(
+        model=model, args=arguments(folder, per_device_train_batch_size=4), train_dataset=data,
+        plan=plan_from_sizes(None, ["rank0", "rank1"], [6, 2]),
+    )  # fmt: skip
+    trainer.train()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    batch = {k: torch.stack([d[k] for d in data]) for k in data[0]}
+    ref(**batch).loss.backward()
+    opt.step()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        err = (p.detach() - q.detach()).abs().max().item()
+        assert err < 1e-12, f"sequence classification: {name} differs by {err}"  # float64 end to end
 
 
 @scenario("evaluate")
 def _(folder):
-    # Evaluation on 8 samples in global batches of 4, split 3 + 1: the loss is the mean of the
-    # two batches' token means (as one process would report it) and metrics see every sample once.
-    data = sequences(8, seed=4)
+    # Evaluation first (no plan: each process profiles on the evaluation loader), 9 samples in
+    # global batches of 4: the last batch is padded. eval_loss is the token mean over the 9
+    # samples, and compute_metrics sees each of them once.
+    data = sequences(9, seed=4)
     seen = []
 
     def metrics(prediction):
@@ -140,13 +170,13 @@ def _(folder):
     model = llama()
     trainer = HeteroTrainer(
         model=model, args=arguments(folder), eval_dataset=data, data_collator=collate, compute_metrics=metrics,
-        plan=plan_from_sizes(None, ["rank0", "rank1"], [3, 1]),
+        devices="cpu,cpu@0.25", plan_kwargs={"time_budget": 2, "calibrate": 0},
     )  # fmt: skip
     loss = trainer.evaluate()["eval_loss"]
     with torch.no_grad():
-        expected = sum(model(**collate(data[k : k + 4])).loss.item() for k in (0, 4)) / 2
-    assert abs(loss - expected) < TOLERANCE, (loss, expected)  # the Trainer keeps eval losses in float32
-    assert seen == [8], seen
+        expected = model(**collate(data)).loss.item()  # the token mean over all 9 sequences
+    assert abs(loss - expected) < TOLERANCE, (loss, expected)
+    assert seen == [9], seen
 
 
 @scenario("profiled")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from typing import Any
 
@@ -9,6 +10,7 @@ import torch
 import torch.distributed as dist
 import transformers
 from torch import nn
+from transformers.loss.loss_utils import ForCausalLMLoss
 
 from hetsplit.planning import Plan, Profile
 
@@ -24,21 +26,21 @@ class HeteroTrainer(transformers.Trainer):
     A one-line change for a Trainer script: ``HeteroTrainer(...)`` instead of
     ``Trainer(...)``. The global batch is kept (processes × ``per_device_train_batch_size``,
     as the Trainer counts it); each process gets the share one hetsplit plan gives its
-    device (profiled on every process at the first training loader, or ``plan=``), and
-    every step equals a step on the whole global batch:
+    device (``plan=``, or profiled on every process at the first loader), and every
+    step equals a step of the plain model on the whole global batch:
 
-    - Each process's loss is made its part of the global loss, ``world * S_r / N``
-      (``S_r`` its summed per-item loss, ``N`` the items of the global batch: label
-      tokens that are not ``-100``, shifted by one for a causal LM, else samples), so
-      DDP's plain mean is the global mean. Where the Trainer already normalises by the
-      global item count (``num_items_in_batch`` with ``average_tokens_across_devices``,
-      the default) its loss is that already and is left alone; a loss normalised by the
-      process's own count (that flag off), or the model's own mean over the process's
-      items, is rescaled by its share of the items. Padded token losses are thus
-      weighted by tokens, and gradient accumulation keeps the Trainer's meaning.
-    - Evaluation: the same rule makes the Trainer's equal-weight mean over processes the
-      global mean; predictions and labels are gathered with uneven shards, every sample
-      once (``gather_for_metrics`` drops the padding of a last incomplete batch).
+    - Each process computes the model's own mean loss over its items (label tokens that
+      are not ``-100``, shifted by one for a causal LM; else samples) and makes it its
+      part of the global loss, ``world * S_r / N``, with ``N`` the items of the global
+      batch over the accumulation window, counted on every process before the step.
+      DDP's plain mean is then the global mean: padded token losses are weighted by
+      tokens, models that ignore ``num_items_in_batch`` (sequence classification) are
+      weighted by samples, and gradient accumulation is one mean over the window.
+    - Evaluation: ``eval_loss`` is the mean over every item of the evaluation set (the
+      padding of a last incomplete batch left out); predictions and labels reach
+      ``compute_metrics`` with uneven shards, every sample once.
+    - A process whose share is 0 runs one real sample weighted 0 (many models cannot
+      run a batch of 0 rows; DDP needs every process in every backward).
 
     Launch one process per device: ``hetsplit launch --devices cpu,cpu@0.25 train.py``,
     torchrun, or ``accelerate launch --multi_gpu --num_processes N``.
@@ -52,8 +54,9 @@ class HeteroTrainer(transformers.Trainer):
         **trainer_kwargs: As for ``transformers.Trainer``.
 
     Raises:
-        ValueError: If a process would run several GPUs (``nn.DataParallel``), or this
-            process's device is not where the Trainer puts the model.
+        ValueError: With DeepSpeed or FSDP (not supported), if a process would run
+            several GPUs (``nn.DataParallel``), or this process's device is not where the
+            Trainer puts the model.
 
     Example:
         >>> trainer = HeteroTrainer(model=model, args=args, train_dataset=train)  # was: Trainer(...)
@@ -70,6 +73,9 @@ class HeteroTrainer(transformers.Trainer):
         **trainer_kwargs: Any,
     ) -> None:
         self._hetero_kwargs = {"devices": devices, "plan": plan, "profile": profile, "plan_kwargs": plan_kwargs}
+        self._window_items: float | None = None  # items of the global batch over this accumulation window
+        self._eval_sums: list[float] | None = None  # (summed loss, items) of this process's evaluation
+        self._filler: Any = None  # the loader an empty share borrows one real sample from
         super().__init__(*args, **trainer_kwargs)
         if self.args.n_gpu > 1:
             raise ValueError(
@@ -77,15 +83,16 @@ class HeteroTrainer(transformers.Trainer):
                 "HeteroTrainer runs one process per device: start them with 'hetsplit launch --devices ...' or torchrun"
             )
         mine, trainers = self.accelerator.device, torch.device(self.args.device)
-        if mine.type != trainers.type:
+        if mine.type != trainers.type or (mine.type == "cuda" and mine.index != trainers.index):
             raise ValueError(
-                f"this process's device is {mine} but the Trainer places the model on {trainers}; "
-                f"pass TrainingArguments(use_cpu={mine.type == 'cpu'}) on this process"
+                f"this process's device is {mine} but the Trainer places the model on {trainers}; list the devices "
+                f"so that process r gets cuda:LOCAL_RANK, or pass TrainingArguments(use_cpu={mine.type == 'cpu'})"
             )
+        self.accelerator.model_to_profile = self.model  # also when evaluation comes first
 
     @property
     def hetero_plan(self) -> Plan | None:
-        """The plan in force (``None`` until the first training loader is made)."""
+        """The plan in force (``None`` until the first loader is made)."""
         return getattr(self.accelerator, "hetero_plan", None)
 
     def _build_accelerator_args(self, **kwargs: Any) -> dict[str, Any]:
@@ -96,15 +103,39 @@ class HeteroTrainer(transformers.Trainer):
     def create_accelerator_and_postprocess(self) -> None:
         """The Trainer's accelerator set-up, with a :class:`HeteroAccelerator` in place of ``Accelerator``."""
         super().create_accelerator_and_postprocess()
-        # "none": the loss itself is made each process's part of the global loss (compute_loss),
-        # which is exact for padded token losses too, where weighting by samples is not.
+        if self.is_deepspeed_enabled or self.is_fsdp_enabled:
+            raise ValueError(
+                "HeteroTrainer splits batches for DDP; DeepSpeed and FSDP shard the model instead and are not "
+                "supported: remove the deepspeed/fsdp arguments, or use the plain Trainer"
+            )
+        # "none": each process's loss is made its part of the global loss (compute_loss), exact
+        # for token losses too, where weighting gradients by samples is not.
         self.accelerator = HeteroAccelerator(weighting="none", **self._hetero_kwargs, **self._accelerator_args)
-        self.gather_function = self.accelerator.gather_for_metrics
+        self.accelerator.model_to_profile = getattr(self, "model", None)
+        self.gather_function = functools.partial(
+            self.accelerator.gather_for_metrics, use_gather_object=self.args.eval_use_gather_object
+        )
+
+    def _shifts(self, model: nn.Module) -> bool:
+        """Whether the model's loss predicts label i+1 at position i (a causal LM), so position 0 never counts."""
+        inner = self.accelerator.unwrap_model(model)
+        config = getattr(inner, "config", None)
+        return getattr(inner, "loss_function", None) is ForCausalLMLoss and not getattr(config, "is_encoder_decoder", 0)
 
     def get_train_dataloader(self) -> Any:
         """The Trainer's training loader, cut into this process's shares (the model is profiled first if needed)."""
-        self.accelerator.model_to_profile = self.model
-        return super().get_train_dataloader()
+        self._filler = loader = super().get_train_dataloader()
+        return loader
+
+    def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: torch.device) -> Any:
+        """The Trainer's next accumulation window, and the items of the global batch over it (one all-reduce)."""
+        batches, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)
+        shifted = self._shifts(self.model)
+        total = torch.tensor([float(sum(_items(b, shifted) for b in batches))], dtype=torch.float64, device=device)
+        if self.accelerator.num_processes > 1:
+            dist.all_reduce(total)
+        self._window_items = total.item()
+        return batches, num_items
 
     def compute_loss(
         self,
@@ -113,47 +144,80 @@ class HeteroTrainer(transformers.Trainer):
         return_outputs: bool = False,
         num_items_in_batch: torch.Tensor | int | None = None,
     ) -> Any:
-        """The Trainer's loss, as this process's part of the global batch's loss (``world * S_r / N``)."""
-        if samples_in(inputs) == 0:
-            return self._empty_share_loss(model, inputs, return_outputs, num_items_in_batch)
-        items = _items(inputs, getattr(self, "_loss_shifts_labels", False))
+        """This process's part of the global batch's loss, ``world * S_r / N`` (see the class)."""
+        items = _items(inputs, self._shifts(model))
+        empty = samples_in(inputs) == 0
+        # The model's own mean over this process's items; num_items_in_batch is left out on
+        # purpose, as models that honour it and models that ignore it then mean the same.
+        # A copy: the Trainer pops "labels" from what it is given (label smoothing).
         result = super().compute_loss(
-            model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
+            model, self._filler_inputs(inputs) if empty else dict(inputs), return_outputs=return_outputs
         )
-        world = self.accelerator.num_processes
-        counted = num_items_in_batch is not None and (self.model_accepts_loss_kwargs or self.compute_loss_func)
-        if world == 1 or (counted and self.args.average_tokens_across_devices):
-            return result  # already sum / global items × world: the Trainer counted every process's items
-        if counted:  # sum / this process's items over the accumulation window
-            items = (
-                float(num_items_in_batch.sum()) if torch.is_tensor(num_items_in_batch) else float(num_items_in_batch)
-            )
         loss, outputs = result if return_outputs else (result, None)
-        total = torch.tensor([float(items)], dtype=torch.float64, device=loss.device)
-        dist.all_reduce(total)  # the global batch's items (in this step or window)
-        loss = _part(loss, world * items / total.item() if total.item() else 0.0)
+        if model.training:
+            total = self._window_items
+            if total is None:  # a step outside the Trainer's loop: count this step's items on every process
+                counted = torch.tensor([float(items)], dtype=torch.float64, device=loss.device)
+                if self.accelerator.num_processes > 1:
+                    dist.all_reduce(counted)
+                total = counted.item()
+            factor = self.accelerator.num_processes * items / total if total and not empty else 0.0
+            if num_items_in_batch is None:  # the Trainer divides by the accumulation steps itself then
+                factor *= self.current_gradient_accumulation_steps
+            loss = _part(loss, factor)
+        elif self._eval_sums is not None and not empty:
+            real = self._real_rows(inputs)
+            mean = loss if real == samples_in(inputs) else self._real_mean(model, inputs, real)
+            real_items = items if real == samples_in(inputs) else _items(_rows(inputs, real), self._shifts(model))
+            self._eval_sums[0] += float(mean.detach()) * real_items if real_items else 0.0
+            self._eval_sums[1] += real_items
+        if empty:
+            loss = _part(loss, 0.0)
+            outputs = _rows(outputs, 0) if outputs is not None else None
         return (loss, outputs) if return_outputs else loss
 
-    def _empty_share_loss(
-        self, model: nn.Module, inputs: dict[str, Any], return_outputs: bool, num_items: torch.Tensor | int | None
-    ) -> Any:
-        """A share of 0 samples: one real sample through the model, weighted 0, and outputs of 0 rows.
+    def evaluation_loop(self, *args: Any, **kwargs: Any) -> Any:
+        """The Trainer's loop; ``<prefix>_loss`` becomes the mean over every evaluated item (see the class)."""
+        self._eval_sums = [0.0, 0.0]
+        try:
+            output = super().evaluation_loop(*args, **kwargs)
+        finally:
+            sums, self._eval_sums = self._eval_sums, None
+        prefix = kwargs.get("metric_key_prefix", args[4] if len(args) > 4 else "eval")
+        total = torch.tensor(sums, dtype=torch.float64, device=self.args.device)
+        if self.accelerator.num_processes > 1:
+            dist.all_reduce(total)
+        if f"{prefix}_loss" in output.metrics and total[1] > 0:
+            output.metrics[f"{prefix}_loss"] = (total[0] / total[1]).item()
+        return output
 
-        Many models cannot run a batch of 0 rows (attention reshapes fail), yet DDP needs
-        every process in every backward: the process runs one sample of the data set
-        and adds exactly 0 to the gradients and the loss.
-        """
-        dataset = self.train_dataset if model.training or self.eval_dataset is None else self.eval_dataset
-        if isinstance(dataset, Mapping):  # several named evaluation sets: any sample will do
-            dataset = next(iter(dataset.values()))
-        filler = self._prepare_inputs(self.data_collator([dataset[0]]))
-        kept = {k: v for k, v in filler.items() if k in inputs}
-        result = super().compute_loss(model, kept, return_outputs=return_outputs, num_items_in_batch=num_items)
-        loss, outputs = result if return_outputs else (result, None)
-        loss = _part(loss, 0.0)
-        if not return_outputs:
-            return loss
-        return loss, type(outputs)({k: v[:0] if torch.is_tensor(v) and v.dim() else v for k, v in outputs.items()})
+    def get_eval_dataloader(self, eval_dataset: Any = None) -> Any:
+        """The Trainer's evaluation loader, cut in the plan's proportions."""
+        loader = super().get_eval_dataloader(eval_dataset)
+        if self._filler is None:
+            self._filler = loader
+        return loader
+
+    def _filler_inputs(self, inputs: dict[str, Any]) -> dict[str, Any]:
+        """One real sample, shaped as the loader's batches, for a process whose share is 0."""
+        loader = self._filler
+        if loader is None:
+            raise RuntimeError("HeteroTrainer: a share of 0 samples before any loader was made; pass a data set")
+        one = self._prepare_inputs(loader.collate_fn([loader.dataset[0]]))
+        return {k: v for k, v in one.items() if k in inputs}
+
+    def _real_rows(self, inputs: dict[str, Any]) -> int:
+        """This process's rows of the current evaluation batch that are not padding of a last incomplete batch."""
+        loader = getattr(self.accelerator.gradient_state, "active_dataloader", None)
+        real = getattr(loader, "real_rows", None)
+        return real() if callable(real) else samples_in(inputs) or 0
+
+    def _real_mean(self, model: nn.Module, inputs: dict[str, Any], real: int) -> torch.Tensor:
+        """The model's mean loss over the first ``real`` rows (the rest pad the last batch)."""
+        if real == 0:
+            return torch.zeros(())
+        with torch.no_grad():
+            return super().compute_loss(model, _rows(inputs, real))
 
 
 def _items(inputs: Mapping[str, Any], shifted: bool) -> int:
@@ -164,6 +228,17 @@ def _items(inputs: Mapping[str, Any], shifted: bool) -> int:
             labels = labels[..., 1:]
         return int(labels.ne(-100).sum())
     return samples_in(inputs) or 0
+
+
+def _rows(tree: Any, n: int) -> Any:
+    """The first ``n`` rows of every tensor with a batch dimension in ``tree`` (a dict, a model output)."""
+    if isinstance(tree, Mapping):
+        cut = {k: _rows(v, n) for k, v in tree.items()}
+        try:
+            return type(tree)(**cut)  # model outputs (dataclass-like) and dicts
+        except TypeError:
+            return type(tree)(cut)
+    return tree[:n] if torch.is_tensor(tree) and tree.dim() else tree
 
 
 def _part(loss: torch.Tensor, factor: float) -> torch.Tensor:
