@@ -319,14 +319,7 @@ def synchronize(device: torch.device | str) -> None:
 
 
 def describe(device: DeviceLike) -> DeviceInfo:
-    """Describe one device: hardware name, memory, emulation.
-
-    Args:
-        device: Any device spec accepted by :func:`parse_device`.
-
-    Returns:
-        The device's :class:`DeviceInfo`.
-    """
+    """Describe one device (any spec :func:`parse_device` takes): hardware name, memory, emulation."""
     dev = parse_device(device)
     if dev.type == "cuda":
         props = torch.cuda.get_device_properties(dev.index)
