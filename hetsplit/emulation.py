@@ -19,6 +19,7 @@ __all__ = [
     "check_speed",
     "check_max_batch",
     "check_batch",
+    "is_out_of_memory",
     "current_speed",
     "set_speed",
     "delayed",
@@ -92,6 +93,15 @@ def check_batch(device: _Emulated, batch: int) -> None:
             f"out of memory (emulated) on {device.name}: a forward on {batch} samples, "
             f"but its emulated memory holds {cap}"
         )
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """Whether ``error`` is an out-of-memory error: torch's (CUDA, emulated) or a RuntimeError that says so."""
+    import torch
+
+    return isinstance(error, torch.OutOfMemoryError) or (
+        isinstance(error, RuntimeError) and "out of memory" in str(error)
+    )
 
 
 def current_speed(device: _Emulated) -> float:

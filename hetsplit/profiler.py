@@ -19,6 +19,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from .devices import Device, DeviceLike, describe, parse_devices
+from .emulation import is_out_of_memory
 from .planning import checks
 from .planning.curve import Curve
 from .planning.profile import DeviceProfile, Measurement, Profile
@@ -135,10 +136,6 @@ def _released(device: torch.device) -> Iterator[None]:
             torch.cuda.empty_cache()
 
 
-def _is_oom(e: BaseException) -> bool:
-    return isinstance(e, torch.cuda.OutOfMemoryError) or (isinstance(e, RuntimeError) and "out of memory" in str(e))
-
-
 class _Runner:
     """Runs timed training steps of one replica on one device."""
 
@@ -166,7 +163,7 @@ class _Runner:
                 self.step(batch, throttled=False)
                 return True
             except Exception as e:
-                if not _is_oom(e):
+                if not is_out_of_memory(e):
                     raise RuntimeError(
                         f"a training step of batch {batch} failed on {self.dev.name}: {type(e).__name__}: {e}; "
                         "check the model runs on this sample (BatchNorm needs batches of 2 or more)"

@@ -1,0 +1,97 @@
+"""Micro-batches and out-of-memory recovery in HeteroDataParallel (parallel/micro.py, parallel/local.py)."""
+
+import copy
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import hetsplit
+from hetsplit import HeteroDataParallel, Profile, solve
+from hetsplit.parallel.micro import StepOutOfMemory
+
+
+def _net():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(1, 3, 3), nn.ReLU(), nn.Flatten(), nn.Linear(3 * 6 * 6, 4)).double()
+
+
+def _data(n=48):
+    gen = torch.Generator().manual_seed(1)
+    return torch.randn(n, 1, 8, 8, dtype=torch.float64, generator=gen), torch.randint(0, 4, (n,), generator=gen)
+
+
+def _step(dp, x, y, mode):
+    if mode == "gather":
+        F.cross_entropy(dp(x), y).backward()
+    else:
+        dp.train_step(x, y, F.cross_entropy)
+
+
+def _reference(net, x, y, start=None):
+    ref = copy.deepcopy(net)
+    for p, g in zip(ref.parameters(), start or [None] * 4):
+        p.grad = None if g is None else g.clone()
+    F.cross_entropy(ref(x), y).backward()
+    return [p.grad for p in ref.parameters()]
+
+
+def _close(dp, ref):
+    for p, g in zip(dp.module.parameters(), ref):
+        torch.testing.assert_close(p.grad, g, rtol=1e-12, atol=1e-13)
+
+
+@pytest.mark.parametrize("mode", ["gather", "local"])
+def test_micro_batched_plan_gives_full_batch_gradients(mode):
+    prof = Profile.from_measurements(
+        {"cpu": [(8, 0.008), (32, 0.03)], "cpu@0.5": [(8, 0.016), (32, 0.06)]}, memory_caps={"cpu": 8}
+    )
+    plan = solve(prof, 48, accumulate=True)
+    assert len(plan.micro_batches[0]) > 1 and max(plan.micro_batches[0]) <= 8
+    net, (x, y) = _net(), _data()
+    dp = HeteroDataParallel(copy.deepcopy(net), ["cpu", "cpu@0.5"], profile=prof)
+    _step(dp, x, y, mode)
+    assert dp.plan.micro_batches == plan.micro_batches
+    _close(dp, _reference(net, x, y))
+
+
+@pytest.mark.parametrize("mode", ["gather", "local"])
+def test_oom_on_an_emulated_device_is_recovered_exactly(mode, caplog):
+    net, (x, y) = _net(), _data()
+    dev = hetsplit.devices.emulate("cpu", max_batch=12)
+    dp = HeteroDataParallel(copy.deepcopy(net), ["cpu", dev], weights=[1, 1])
+    start = [torch.full_like(p, 0.5) for p in net.parameters()]  # gradients accumulated before this step
+    for p, g in zip(dp.module.parameters(), start):
+        p.grad = g.clone()
+    with caplog.at_level(logging.WARNING, logger="hetsplit"):
+        _step(dp, x, y, mode)
+    lines = [r.getMessage() for r in caplog.records if r.name == "hetsplit"]
+    assert len(lines) == 1 and "cpu#12" in lines[0] and "shard of 24" in lines[0] and "cap lowered to 12" in lines[0]
+    assert dp.plan.sizes == [24, 24] and dp.plan.micro_batches == [[24], [12, 12]]
+    _close(dp, _reference(net, x, y, start))  # nothing of the failed attempt leaked in
+    caplog.clear()
+    for p in dp.module.parameters():
+        p.grad = None
+    with caplog.at_level(logging.WARNING, logger="hetsplit"):
+        _step(dp, x, y, mode)  # the next step starts within the cap: no warning
+    assert not caplog.records
+    _close(dp, _reference(net, x, y))
+
+
+def test_second_oom_in_a_step_is_an_error_naming_both():
+    net, (x, y) = _net(), _data()
+    dp = HeteroDataParallel(copy.deepcopy(net), ["cpu", "cpu#5"], weights=[1, 1])
+    with pytest.raises(StepOutOfMemory, match=r"again on device 1 cpu#5 \(micro-batch of 12.*first: out of memory on"):
+        dp.train_step(x, y, F.cross_entropy)
+    assert all(p.grad is None for p in dp.module.parameters())  # nothing of the failed step
+    dp.train_step(x, y, F.cross_entropy)  # the caps stay lowered: 6 fails, then 3 runs
+    assert dp.plan.micro_batches[1] == [3] * 8
+    _close(dp, _reference(net, x, y))
+
+
+def test_without_accumulate_and_profile_an_oom_says_what_to_do():
+    dp = HeteroDataParallel(_net(), ["cpu", "cpu#4"], weights=[1, 1], accumulate=False)
+    with pytest.raises(StepOutOfMemory, match="accumulate=True"):
+        dp.train_step(*_data(), F.cross_entropy)
