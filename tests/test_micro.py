@@ -95,3 +95,43 @@ def test_without_accumulate_and_profile_an_oom_says_what_to_do():
     dp = HeteroDataParallel(_net(), ["cpu", "cpu#4"], weights=[1, 1], accumulate=False)
     with pytest.raises(StepOutOfMemory, match="accumulate=True"):
         dp.train_step(*_data(), F.cross_entropy)
+
+
+class _FailBackward(torch.autograd.Function):
+    """Identity whose backward runs out of memory once on a batch larger than ``limit`` (a GPU's backward OOM)."""
+
+    armed = True
+
+    @staticmethod
+    def forward(ctx, x, limit):
+        ctx.n, ctx.limit = x.shape[0], limit
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        if _FailBackward.armed and ctx.n > ctx.limit:
+            _FailBackward.armed = False
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated in backward)")
+        return g, None
+
+
+class _Fragile(nn.Module):
+    def __init__(self, net, limit):
+        super().__init__()
+        self.net, self.limit = net, limit
+
+    def forward(self, x):
+        return _FailBackward.apply(self.net(x), self.limit)
+
+
+def test_oom_in_backward_after_forward_returned_is_refused_clearly():
+    net, (x, y) = _net(), _data()
+    dp = HeteroDataParallel(_Fragile(copy.deepcopy(net), 20), ["cpu", "cpu@0.5"], weights=[1, 1])
+    _FailBackward.armed = True
+    out = dp(x)
+    with pytest.raises(StepOutOfMemory, match="in backward, after forward had returned.*run the step again"):
+        F.cross_entropy(out, y).backward()
+    assert all(p.grad is None for p in dp.module.parameters())  # the failed step left nothing behind
+    F.cross_entropy(dp(x), y).backward()  # the step again: that device now runs micro-batches
+    assert dp.plan.micro_batches[0] == [12, 12] or dp.plan.micro_batches[1] == [12, 12]
+    _close(dp, _reference(net, x, y))
