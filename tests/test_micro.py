@@ -135,3 +135,40 @@ def test_oom_in_backward_after_forward_returned_is_refused_clearly():
     F.cross_entropy(dp(x), y).backward()  # the step again: that device now runs micro-batches
     assert dp.plan.micro_batches[0] == [12, 12] or dp.plan.micro_batches[1] == [12, 12]
     _close(dp, _reference(net, x, y))
+
+
+def test_guard_turns_an_oom_into_one_line_that_stops_the_rank():
+    import hetsplit.distributed as hd
+
+    dev = hetsplit.parse_device("cpu@0.5#4")
+    with pytest.raises(
+        hd.DistributedError, match=r"step 3: out of memory \(out of memory \(emulated\) on cpu@0.5#4.*every rank stops"
+    ):
+        with hd.guard(step=3):
+            dev.check_batch(5)
+
+
+def test_torchrun_micro_batches_cut_this_ranks_share():
+    import hetsplit.distributed as hd
+
+    class _NoSync:
+        syncing = []
+
+        def no_sync(self):
+            import contextlib
+
+            @contextlib.contextmanager
+            def off():
+                _NoSync.syncing.append(False)
+                yield
+
+            return off()
+
+    plan = hetsplit.Plan(["a", "b"], [5, 3], [0.0, 0.0], 8, micro_batches=[[3, 2], [3]])
+    x = torch.arange(5.0)
+    pieces = [p.tolist() for p in hd.micro_batches(_NoSync(), x, plan, rank=0)]
+    assert pieces == [[0.0, 1.0, 2.0], [3.0, 4.0]] and _NoSync.syncing == [False]  # only the first under no_sync
+    with pytest.raises(ValueError, match="the plan gives this rank 5"):
+        list(hd.micro_batches(_NoSync(), torch.arange(4.0), plan, rank=0))
+    with pytest.raises(torch.OutOfMemoryError):
+        list(hd.micro_batches(_NoSync(), x, plan, rank=0, device="cpu#2"))
