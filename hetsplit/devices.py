@@ -29,7 +29,7 @@ __all__ = [
 DeviceLike = Union[str, torch.device, "Device"]
 
 _SPEC = re.compile(
-    r"^(?P<type>cpu|cuda|mps)(?::(?P<index>\d+))?(?:@(?P<speed>[0-9]*\.?[0-9]+(?:[eE][-+]?\d+)?))?(?:#(?P<cap>[^,\s]*))?$"
+    r"^(?P<type>cpu|cuda|mps)(?::(?P<index>\d+))?(?:@(?P<speed>[0-9]*\.?[0-9]+(?:[eE][-+]?\d+)?))?(?::max(?P<cap>[^,\s]*))?$"
 )
 
 
@@ -41,7 +41,7 @@ class Device:
     piece of work it sleeps three times the work's measured duration. With
     ``max_batch=64`` it also emulates a small memory: a forward on more than 64 samples
     raises ``torch.OutOfMemoryError``, as a small GPU would. Build one with
-    :func:`parse_device` (``"cpu@0.25#64"``) or :func:`emulate` rather than by hand.
+    :func:`parse_device` (``"cpu@0.25:max64"``) or :func:`emulate` rather than by hand.
 
     Attributes:
         type: ``"cpu"``, ``"cuda"`` or ``"mps"``.
@@ -82,11 +82,11 @@ class Device:
 
     @property
     def name(self) -> str:
-        """The canonical spelling, e.g. ``"cpu"``, ``"cuda:1"``, ``"cpu@0.25"``, ``"cpu@0.25#64"``, ``"cpu#64"``."""
+        """The canonical spelling: ``"cpu"``, ``"cuda:1"``, ``"cpu@0.25"``, ``"cpu@0.25:max64"``, ``"cpu:max64"``."""
         if not self.emulated:
             return self.base
         speed = "" if self.speed == 1.0 and self.max_batch is not None else f"@{self.speed:g}"
-        return f"{self.base}{speed}" + ("" if self.max_batch is None else f"#{self.max_batch}")
+        return f"{self.base}{speed}" + ("" if self.max_batch is None else f":max{self.max_batch}")
 
     @property
     def torch_device(self) -> torch.device:
@@ -181,8 +181,8 @@ def parse_device(spec: DeviceLike, *, check: bool = True) -> Device:
 
     Accepted forms: ``cpu``, ``cuda``, ``cuda:N``, ``mps``, each optionally followed
     by ``@SPEED`` with ``0 < SPEED <= 1`` for an emulated slower device, then by
-    ``#N`` for an emulated memory that holds a forward of at most ``N`` samples
-    (``cpu@0.25#64``; ``cpu#64`` at full speed). A bare ``cuda`` means the current CUDA device.
+    ``:maxN`` for an emulated memory that holds a forward of at most ``N`` samples
+    (``cpu@0.25:max64``; ``cpu:max64`` at full speed). A bare ``cuda`` means the current CUDA device.
 
     Args:
         spec: A string, a :class:`torch.device` or a :class:`Device`.
@@ -210,7 +210,7 @@ def parse_device(spec: DeviceLike, *, check: bool = True) -> Device:
         if match is None:
             raise ValueError(
                 f"cannot parse device {spec!r}; expected cpu, cuda, cuda:N or mps, optionally with @SPEED "
-                "for an emulated slower device (e.g. 'cpu@0.25') and #N for an emulated memory of N samples"
+                "for an emulated slower device (e.g. 'cpu@0.25') and :maxN for an emulated memory of N samples"
             )
         kind = match["type"]
         index = int(match["index"]) if match["index"] is not None else None
@@ -226,8 +226,8 @@ def parse_device(spec: DeviceLike, *, check: bool = True) -> Device:
         cap = None
         if match["cap"] is not None:
             if not match["cap"].isdigit():
-                raise ValueError(f"device {spec!r}: the emulated memory after '#' must be a whole number of samples "
-                                 f"(e.g. 'cpu@0.25#64'), got {match['cap']!r}")  # fmt: skip
+                raise ValueError(f"device {spec!r}: the emulated memory after ':max' must be a whole number of samples "
+                                 f"(e.g. 'cpu@0.25:max64'), got {match['cap']!r}")  # fmt: skip
             cap = int(match["cap"])
         dev = Device(kind, index, speed, emulated, cap)
     else:
@@ -240,7 +240,7 @@ def parse_device(spec: DeviceLike, *, check: bool = True) -> Device:
 def emulate(base: DeviceLike, *, speed: float = 1.0, max_batch: int | None = None) -> Device:
     """An emulated device: ``base`` slowed to ``speed`` and, with ``max_batch``, with a small memory.
 
-    The string form ``"cpu@0.25#64"`` (``"cpu#64"`` at full speed) works in every ``--devices``
+    The string form ``"cpu@0.25:max64"`` (``"cpu:max64"`` at full speed) works in every ``--devices``
     list. A forward of over ``max_batch`` samples raises ``torch.OutOfMemoryError``.
 
     Args:
@@ -256,7 +256,7 @@ def emulate(base: DeviceLike, *, speed: float = 1.0, max_batch: int | None = Non
 
     Example:
         >>> emulate("cpu", speed=0.25, max_batch=64).name
-        'cpu@0.25#64'
+        'cpu@0.25:max64'
     """
     real = parse_device(base)
     if real.emulated:

@@ -223,7 +223,7 @@ def profile(
         repeats: Timed steps per batch size.
         warmup: Untimed steps before timing each batch size.
         time_budget: Seconds for the whole profile, shared equally by the devices.
-        find_memory_cap: Probe CUDA devices (and emulated memories, ``cpu#64``) for their
+        find_memory_cap: Probe CUDA devices (and emulated memories, ``cpu:max64``) for their
             largest batch: the batch doubles until out of memory (caught, memory released),
             then bisects to within 1/16. On CUDA each step's peak memory is recorded and
             fitted as ``m(b) = base + per_sample * b`` (``DeviceProfile.memory``).

@@ -68,7 +68,7 @@ def test_oom_on_an_emulated_device_is_recovered_exactly(mode, caplog):
     with caplog.at_level(logging.WARNING, logger="hetsplit"):
         _step(dp, x, y, mode)
     lines = [r.getMessage() for r in caplog.records if r.name == "hetsplit"]
-    assert len(lines) == 1 and "cpu#12" in lines[0] and "shard of 24" in lines[0] and "cap lowered to 12" in lines[0]
+    assert len(lines) == 1 and "cpu:max12" in lines[0] and "shard of 24" in lines[0] and "cap lowered to 12" in lines[0]
     assert dp.plan.sizes == [24, 24] and dp.plan.micro_batches == [[24], [12, 12]]
     _close(dp, _reference(net, x, y, start))  # nothing of the failed attempt leaked in
     caplog.clear()
@@ -82,8 +82,10 @@ def test_oom_on_an_emulated_device_is_recovered_exactly(mode, caplog):
 
 def test_second_oom_in_a_step_is_an_error_naming_both():
     net, (x, y) = _net(), _data()
-    dp = HeteroDataParallel(copy.deepcopy(net), ["cpu", "cpu#5"], weights=[1, 1])
-    with pytest.raises(StepOutOfMemory, match=r"again on device 1 cpu#5 \(micro-batch of 12.*first: out of memory on"):
+    dp = HeteroDataParallel(copy.deepcopy(net), ["cpu", "cpu:max5"], weights=[1, 1])
+    with pytest.raises(
+        StepOutOfMemory, match=r"again on device 1 cpu:max5 \(micro-batch of 12.*first: out of memory on"
+    ):
         dp.train_step(x, y, F.cross_entropy)
     assert all(p.grad is None for p in dp.module.parameters())  # nothing of the failed step
     dp.train_step(x, y, F.cross_entropy)  # the caps stay lowered: 6 fails, then 3 runs
@@ -92,7 +94,7 @@ def test_second_oom_in_a_step_is_an_error_naming_both():
 
 
 def test_without_accumulate_and_profile_an_oom_says_what_to_do():
-    dp = HeteroDataParallel(_net(), ["cpu", "cpu#4"], weights=[1, 1], accumulate=False)
+    dp = HeteroDataParallel(_net(), ["cpu", "cpu:max4"], weights=[1, 1], accumulate=False)
     with pytest.raises(StepOutOfMemory, match="accumulate=True"):
         dp.train_step(*_data(), F.cross_entropy)
 
@@ -140,26 +142,29 @@ def test_oom_in_backward_after_forward_returned_is_refused_clearly():
 def test_guard_turns_an_oom_into_one_line_that_stops_the_rank():
     import hetsplit.distributed as hd
 
-    dev = hetsplit.parse_device("cpu@0.5#4")
-    with pytest.raises(
-        hd.DistributedError, match=r"step 3: out of memory \(out of memory \(emulated\) on cpu@0.5#4.*every rank stops"
+    dev = hetsplit.parse_device("cpu@0.5:max4")
+    with (
+        pytest.raises(
+            hd.DistributedError,
+            match=r"step 3: out of memory \(out of memory \(emulated\) on cpu@0.5:max4.*every rank stops",
+        ),
+        hd.guard(step=3),
     ):
-        with hd.guard(step=3):
-            dev.check_batch(5)
+        dev.check_batch(5)
 
 
 def test_torchrun_micro_batches_cut_this_ranks_share():
     import hetsplit.distributed as hd
 
-    class _NoSync:
-        syncing = []
+    syncing = []
 
+    class _NoSync:
         def no_sync(self):
             import contextlib
 
             @contextlib.contextmanager
             def off():
-                _NoSync.syncing.append(False)
+                syncing.append(False)
                 yield
 
             return off()
@@ -167,8 +172,8 @@ def test_torchrun_micro_batches_cut_this_ranks_share():
     plan = hetsplit.Plan(["a", "b"], [5, 3], [0.0, 0.0], 8, micro_batches=[[3, 2], [3]])
     x = torch.arange(5.0)
     pieces = [p.tolist() for p in hd.micro_batches(_NoSync(), x, plan, rank=0)]
-    assert pieces == [[0.0, 1.0, 2.0], [3.0, 4.0]] and _NoSync.syncing == [False]  # only the first under no_sync
+    assert pieces == [[0.0, 1.0, 2.0], [3.0, 4.0]] and syncing == [False]  # only the first under no_sync
     with pytest.raises(ValueError, match="the plan gives this rank 5"):
         list(hd.micro_batches(_NoSync(), torch.arange(4.0), plan, rank=0))
     with pytest.raises(torch.OutOfMemoryError):
-        list(hd.micro_batches(_NoSync(), x, plan, rank=0, device="cpu#2"))
+        list(hd.micro_batches(_NoSync(), x, plan, rank=0, device="cpu:max2"))

@@ -42,7 +42,7 @@ def micro_batches(
         plan: The plan every rank holds.
         rank: This rank (default: the process group's).
         dim: The batch dimension.
-        device: This rank's device: an emulated memory (``cpu#64``) raises
+        device: This rank's device: an emulated memory (``cpu:max64``) raises
             ``torch.OutOfMemoryError`` for a micro-batch it cannot hold, as a GPU would.
         group: The process group (for the rank).
 
