@@ -1,69 +1,53 @@
-"""HeteroAccelerator in a 2-process gloo job: plan shares, exact step, uneven gather, bad input."""
+"""HeteroAccelerator in 2-process gloo jobs: plan shares, exact steps, accumulation, metrics, zero share, bad input."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
-import textwrap
+from pathlib import Path
 
 import pytest
 
 pytest.importorskip("accelerate")
 
-__all__: list[str] = []
-
-SCRIPT = textwrap.dedent(
-    """
-    import torch, torch.distributed as dist
-    from torch.utils.data import DataLoader, TensorDataset
-    from hetsplit.accelerate import HeteroAccelerator
-    from hetsplit.planning import plan_from_sizes
-
-    torch.manual_seed(0)
-    X = torch.randn(16, 3, dtype=torch.float64)
-    y = torch.randn(16, 1, dtype=torch.float64)
-    model = torch.nn.Linear(3, 1).double()
-    ref = torch.nn.Linear(3, 1).double()
-    ref.load_state_dict(model.state_dict())
-    plan = plan_from_sizes(None, ["rank0", "rank1"], [6, 2])
-    acc = HeteroAccelerator(plan=plan)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    loader = DataLoader(TensorDataset(torch.arange(16), X, y), batch_size=4)
-    model, opt, loader = acc.prepare(model, opt, loader)
-    seen, steps = [], 0
-    for idx, xb, yb in loader:
-        assert len(idx) == plan.sizes[acc.process_index], len(idx)
-        if steps == 0:
-            loss = torch.nn.functional.mse_loss(model(xb), yb)
-            acc.backward(loss)
-            opt.step()
-            first = idx
-        seen.append(acc.gather_for_metrics(idx))
-        steps += 1
-    allidx = torch.cat(seen)
-    assert sorted(allidx.tolist()) == list(range(16)), allidx
-    b0 = acc.gather_for_metrics(first)
-    rl = torch.nn.functional.mse_loss(ref(X[b0]), y[b0])
-    rl.backward()
-    for p, q in zip(model.parameters(), ref.parameters()):
-        assert torch.allclose(p.data, q.data - 0.1 * q.grad, atol=1e-12), (p, q)
-    bad = HeteroAccelerator(plan=plan_from_sizes(None, ["a", "b", "c"], [1, 1, 2]))
-    try:
-        bad.prepare(DataLoader(TensorDataset(X), batch_size=4))
-        raise SystemExit("no error")
-    except ValueError as e:
-        assert "3 shares" in str(e)
-    print("OK", acc.process_index)
-    """
-)
+ROOT = Path(__file__).resolve().parents[1]
+SCENARIOS = ("step", "accumulate", "zero", "metrics", "profiled", "refused")
 
 
-def test_two_process_step_shares_gather(tmp_path):
-    script = tmp_path / "job.py"
-    script.write_text(SCRIPT)
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=80, env=env)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    assert res.stdout.count("OK") == 2
+def _env():
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), HETSPLIT_DEVICES="")
+
+
+def test_every_scenario_matches_the_single_process_reference():
+    # One torchrun launch (hetsplit launch runs the same launcher) for all scenarios of
+    # tests/accelerate_job.py; each rank prints "OK <scenario>" only after its asserts pass.
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(ROOT / "tests" / "accelerate_job.py")]  # fmt: skip
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=_env())
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
+    for name in SCENARIOS:
+        for rank in (0, 1):
+            assert f"OK {name} rank {rank}" in res.stdout, (name, rank, res.stdout[-2000:])
+
+
+def test_the_example_runs_under_accelerate_launch():
+    # accelerate's own launcher (--multi_gpu starts one process per device, on a CPU-only
+    # machine too); the example profiles both processes and gives the slower one less.
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+           "--main_process_port", "0", str(ROOT / "examples" / "accelerate_hetero.py"), "--devices", "cpu,cpu@0.25",
+           "--epochs", "1", "--train-size", "512", "--test-size", "300", "--profile-budget", "2"]  # fmt: skip
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=_env())
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
+    plan = next(line for line in res.stdout.splitlines() if line.startswith("plan:"))
+    fast, slow = (int(part.split()[-1]) for part in plan.removeprefix("plan: ").split(" of ")[0].split(", "))
+    assert fast + slow == 256 and fast > slow, plan
+    assert "(300 samples)" in res.stdout, res.stdout[-2000:]  # gather_for_metrics: every test sample once
+
+
+def test_one_process_with_two_devices_is_refused_naming_the_launch():
+    # 'accelerate launch --cpu --num_processes 2' starts one process: say so instead of training on one.
+    code = "from hetsplit.accelerate import HeteroAccelerator; HeteroAccelerator(devices='cpu,cpu@0.25')"
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=_env())
+    assert res.returncode != 0
+    assert "this job runs 1 process" in res.stderr and "--multi_gpu --num_processes 2" in res.stderr, res.stderr

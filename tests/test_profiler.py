@@ -130,9 +130,8 @@ def test_a_failing_step_names_device_and_batch():
 @pytest.mark.parametrize(
     "kwargs, fragment",
     [
-        ({"devices": ["cpu", "cpu"]}, "repeat a device"),
         ({"devices": ["cpu", "tpu"]}, "'tpu'"),
-        ({"batch_sizes": [0, 4]}, "positive integers"),
+        ({"batch_sizes": [0, 4]}, "between 1 and"),
         ({"repeats": 0}, "repeats >= 1"),
         ({"target": torch.zeros(3)}, "target has 3 rows but sample has 4"),
     ],

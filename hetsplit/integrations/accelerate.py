@@ -2,200 +2,398 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import accelerate
 import torch
 import torch.distributed as dist
-from torch.utils.data import DataLoader, IterableDataset
+from accelerate.data_loader import DataLoaderShard
+from accelerate.utils import reduce as accelerate_reduce
+from torch.utils.data import DataLoader, IterableDataset, RandomSampler, SequentialSampler
 
 import hetsplit.distributed as hd
-from hetsplit.devices import parse_device
+from hetsplit.devices import Device, parse_device
+from hetsplit.distributed.setup import rank_devices
+from hetsplit.planning import Plan, Profile, resolve_plan
+from hetsplit.tree import tree_map
 
-__all__ = ["HeteroAccelerator"]
+from .collectives import samples_in, uneven_gather, weighted_reduce
+
+__all__ = ["HeteroAccelerator", "WEIGHTINGS"]
+
+# "none": DDP's plain mean, for a loss already normalised over the global batch (what the
+# HF Trainer does with num_items_in_batch); the other two weight a per-process mean by shard.
+WEIGHTINGS = ("hook", "outputs", "none")
+# Loader settings the per-process loader carries over from the user's DataLoader.
+_CARRIED = ("num_workers", "pin_memory", "timeout", "worker_init_fn", "persistent_workers", "multiprocessing_context")
+
+
+class _SharesLoader(DataLoaderShard):
+    """accelerate's ``DataLoaderShard`` over hetsplit's shares, remembering each yielded batch's samples."""
+
+    current_samples: int | None = None
+
+    def __iter__(self) -> Iterator[Any]:
+        for batch in super().__iter__():
+            self.current_samples = samples_in(batch)
+            yield batch
+        self.current_samples = None
 
 
 class HeteroAccelerator(accelerate.Accelerator):
-    """An ``accelerate.Accelerator`` whose prepared loaders follow one hetsplit plan.
+    """``accelerate.Accelerator`` whose prepared loaders give each process its share of one hetsplit plan.
 
-    ``prepare(model, optimizer, train_loader)`` replaces accelerate's even sharding with
-    this process's share of every global batch, wraps the model as accelerate does (DDP)
-    and weights its gradients by shard, so a step equals a full-batch step.
+    A one-line change for an accelerate script: ``prepare(model, optimizer, loader)``
+    replaces accelerate's even sharding (``BatchSamplerShard``) with this process's share
+    of every global batch, wraps the model as accelerate does (DDP) and weights its
+    gradients by shard, so an optimizer step equals a full-batch step. The plan is
+    profiled on every process's device at ``prepare`` (each times the model on the
+    first batch; rank 0 solves; :func:`hetsplit.distributed.plan`), or given.
+
+    Semantics kept from accelerate: the global batch is processes × the loader's
+    ``batch_size`` (``split_batches=True``: the loader's ``batch_size``); a last
+    incomplete global batch is completed by wrapping around (``drop_last=False``) and
+    :meth:`gather_for_metrics` drops those duplicates, so metrics see every sample once;
+    ``accumulate()`` and ``backward()`` work unchanged and stay exact. :meth:`gather`
+    concatenates uneven shards; :meth:`reduce` with ``"mean"`` weights each process by
+    its samples in the current batch (the mean over the global batch).
 
     Args:
-        devices: Per-process device list (``"cpu,cpu@0.25"``); default ``$HETSPLIT_DEVICES``.
-        plan: A plan for all processes; else one is profiled at ``prepare``.
-        profile: This process's profile, used instead of timing the model.
-        global_batch_size: Samples per step over all processes (default processes × loader batch size).
-        weighting: ``"hook"`` or ``"outputs"``, as for :func:`hetsplit.distributed.weight_gradients`.
-        loss_fn: Loss used when profiling (``loss_fn(output, target)``); default: the model's own.
+        devices: One device per process (``"cuda:0,cpu"``, ``"cpu,cpu@0.25"``); default
+            ``$HETSPLIT_DEVICES`` (set by ``hetsplit launch``), else accelerate's choice.
+            Emulated devices run at their speed (forward and backward throttled).
+        plan: A :class:`~hetsplit.Plan` with one share per process; else one is made at
+            ``prepare``.
+        profile: This process's :class:`~hetsplit.Profile`, used instead of timing the model.
+        global_batch_size: Samples per step over all processes (default: as accelerate).
+        weighting: ``"hook"`` (a DDP comm hook weights every gradient by ``b_r / B``),
+            ``"outputs"`` (the gradient into the model's outputs is scaled; no comm hook),
+            or ``"none"`` (DDP's plain mean: for a loss you already normalise over the
+            global batch).
+        loss_fn: ``loss_fn(output, target)`` for profiling a ``(input, target, ...)``
+            batch; default: ``output.loss`` for dict batches (Hugging Face models), the
+            sum of the outputs otherwise.
+        plan_kwargs: Passed to :func:`hetsplit.distributed.plan` (``time_budget``,
+            ``calibrate``, ``batch_sizes``); default ``{"time_budget": 10, "calibrate": 4}``.
         **accelerator_kwargs: Passed to ``accelerate.Accelerator``.
+
+    Raises:
+        ValueError: On a bad ``weighting``, ``plan``, ``global_batch_size`` or device
+            list (one device per process), before any process group is created.
+
+    Example:
+        >>> accelerator = HeteroAccelerator()  # was: Accelerator()
+        >>> model, opt, loader = accelerator.prepare(model, opt, loader)
     """
 
     def __init__(
         self,
         *,
         devices: str | None = None,
-        plan: Any = None,
-        profile: Any = None,
+        plan: Plan | None = None,
+        profile: Profile | None = None,
         global_batch_size: int | None = None,
         weighting: str = "hook",
         loss_fn: Any = None,
+        plan_kwargs: Mapping[str, Any] | None = None,
         **accelerator_kwargs: Any,
     ) -> None:
-        if weighting not in ("hook", "outputs"):
-            raise ValueError(f"weighting={weighting!r}: use 'hook' or 'outputs'")
-        spec = devices or os.environ.get(hd.ENV_DEVICES)
-        self.hetero_device = None
-        if spec and int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
-            self.hetero_device = hd.init(devices=spec)
-        elif spec:
-            rank = int(os.environ.get("RANK", "0"))
-            names = [d.strip() for d in spec.split(",")]
-            self.hetero_device = parse_device(names[rank % len(names)])
-        if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
-            backend = "nccl" if torch.cuda.is_available() else "gloo"
-            dist.init_process_group(backend)
-        if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.cuda.is_available():
-            accelerator_kwargs.setdefault("cpu", True)  # accelerate's MULTI_CPU (gloo) needs cpu=True
+        world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+        names = _check_arguments(devices, plan, profile, global_batch_size, weighting, accelerator_kwargs, world)
+        self.hetero_device: Device | None = None
+        if names is not None:
+            self.hetero_device = parse_device(names[rank])  # this machine must have it
+            if world > 1 and not dist.is_initialized():  # NCCL only when every process is a GPU
+                self.hetero_device = hd.init(devices=",".join(names))
+        if self.hetero_device.type == "cpu" if self.hetero_device is not None else not torch.cuda.is_available():
+            accelerator_kwargs.setdefault("cpu", True)  # accelerate's MULTI_CPU: gloo, the CPU as device
         super().__init__(**accelerator_kwargs)
         self.hetero_plan = plan
         self.hetero_profile = profile
         self.global_batch_size = global_batch_size
         self.weighting = weighting
         self.loss_fn = loss_fn
-        self._hetero_model = None
-        self._pending_loaders: list[DataLoader] = []
+        self.plan_kwargs = dict(plan_kwargs) if plan_kwargs is not None else {"time_budget": 10, "calibrate": 4}
+        self.model_to_profile: torch.nn.Module | None = None  # what prepare(loader) profiles without a model
+        self._planned_loader: DataLoader | None = None  # the loader whose global batch the plan was made for
+        self._weightings: list[hd.WeightingState] = []
 
-    def _throttle(self) -> Any:
-        dev = self.hetero_device
-        if dev is not None and hasattr(dev, "throttle"):
-            return dev.throttle(cpu_time=True)
-        import contextlib
+    @property
+    def device(self) -> torch.device:
+        """This process's device: the hetsplit device given, else accelerate's."""
+        if self.hetero_device is not None:
+            return self.hetero_device.torch_device
+        return super().device
 
-        return contextlib.nullcontext()
+    # -- prepare ------------------------------------------------------------------------
 
     def prepare(self, *args: Any, device_placement: Any = None) -> Any:
-        """Prepare objects as accelerate does; loaders get plan shares, models shard-weighted gradients."""
-        models = [a for a in args if isinstance(a, torch.nn.Module)]
+        """Prepare as accelerate does; loaders get plan shares, models shard-weighted gradients.
+
+        Without a plan, the first loader's global batch is planned here: every process
+        profiles the model passed alongside (or :attr:`model_to_profile`) on its device.
+
+        Raises:
+            ValueError: For a loader over an iterable dataset, without ``batch_size`` (a
+                custom batch sampler) or with a sampler other than random or sequential;
+                a plan for another number of processes; no model to profile. All before
+                any device work.
+        """
         loaders = [a for a in args if isinstance(a, DataLoader)]
         for loader in loaders:
-            self._check_loader(loader)
+            _check_loader(loader)
         if loaders and self.hetero_plan is None:
-            self.hetero_plan = self._make_plan(models[0] if models else None, loaders[0])
-        if self.hetero_plan is not None:
-            n = len(self.hetero_plan.sizes)
-            if n != self.num_processes:
-                raise ValueError(
-                    f"plan has {n} shares {list(self.hetero_plan.sizes)} but {self.num_processes} processes run: "
-                    "give a plan with one share per process"
-                )
+            models = [a for a in args if isinstance(a, torch.nn.Module)]
+            model = models[0] if models else self.model_to_profile
+            self.set_plan(self._make_plan(model, loaders[0]))
         return super().prepare(*args, device_placement=device_placement)
 
-    def _check_loader(self, loader: DataLoader) -> None:
-        if isinstance(loader.dataset, IterableDataset):
-            raise ValueError(
-                f"HeteroAccelerator needs a map-style dataset, got iterable {type(loader.dataset).__name__}: "
-                "wrap the data in a map-style Dataset"
-            )
-        if loader.batch_size is None:
-            raise ValueError(
-                f"HeteroAccelerator needs a DataLoader with batch_size, got batch_sampler="
-                f"{type(loader.batch_sampler).__name__}: pass batch_size= (and shuffle=) instead of a batch sampler"
-            )
+    def set_plan(self, plan: Plan) -> None:
+        """Use ``plan`` (one share per process) for loaders prepared from now on, and weight gradients by it.
 
-    def _make_plan(self, model: Any, loader: DataLoader) -> Any:
-        batch = self.global_batch_size or self.num_processes * loader.batch_size
+        Raises:
+            ValueError: If the plan has another number of shares than processes.
+        """
+        if not isinstance(plan, Plan):
+            raise TypeError(f"plan must be a hetsplit Plan, got {type(plan).__name__}: {plan!r}")
+        if len(plan.sizes) != self.num_processes:
+            raise ValueError(
+                f"the plan has {len(plan.sizes)} shares {list(plan.sizes)} but {self.num_processes} processes run: "
+                "give a plan with one share per process"
+            )
+        self.hetero_plan = plan
+        for state in self._weightings:
+            state.set_plan(plan)
+
+    def _global_batch(self, loader: DataLoader) -> int:
+        """Samples per step over all processes: ``global_batch_size`` for the planned loader, else accelerate's."""
+        if self.global_batch_size is not None and loader is self._planned_loader:
+            return self.global_batch_size
+        return loader.batch_size if self.split_batches else self.num_processes * loader.batch_size
+
+    def _make_plan(self, model: torch.nn.Module | None, loader: DataLoader) -> Plan:
+        self._planned_loader = loader
+        batch = self._global_batch(loader)
         if self.num_processes == 1:
-            from hetsplit.planning import plan_from_sizes
-
-            return plan_from_sizes(None, ["rank0"], [batch])
+            return resolve_plan(batch, ["rank0"], weights=[1.0])
         if model is None:
-            raise ValueError("HeteroAccelerator.prepare needs the model with the loader to profile: pass plan=")
-        first = next(iter(loader))
-        sample, target = (first[0], first[1]) if isinstance(first, (list, tuple)) else (first, None)
-        if isinstance(first, dict):
-            sample = dict(first)
-        device = str(self.hetero_device.name) if getattr(self.hetero_device, "name", None) else str(self.device)
-        kwargs: dict[str, Any] = {"profile": self.hetero_profile, "time_budget": 10}
-        if self.loss_fn is not None:
-            kwargs.update(loss_fn=self.loss_fn, target=target)
-        else:
-            kwargs.update(loss_fn=lambda out: out.loss if hasattr(out, "loss") else out.float().mean())
-        return hd.plan(model, sample, batch, device=device, **kwargs)
+            raise ValueError(
+                "HeteroAccelerator.prepare needs the model with the training loader to profile each process's "
+                "device (prepare(model, optimizer, loader)), or plan=/profile= to skip profiling"
+            )
+        device = self.hetero_device.name if self.hetero_device is not None else str(self.device)
+        # The profile draws batches and random numbers: the training run must not see that.
+        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+            sample, target, loss_fn = _profiling_inputs(next(iter(loader)), self.loss_fn)
+            try:
+                return hd.plan(
+                    model, sample, batch, device=device, loss_fn=loss_fn, target=target,
+                    profile=self.hetero_profile, **self.plan_kwargs,
+                )  # fmt: skip
+            except (ValueError, TypeError, RuntimeError) as e:
+                if isinstance(e, hd.DistributedError):
+                    raise
+                raise RuntimeError(
+                    f"HeteroAccelerator could not profile the model on {device} ({e}); it calls model(**batch).loss "
+                    "for a dict batch and loss_fn(model(batch[0]), batch[1]) for a tuple: pass loss_fn=, or "
+                    "plan= (or profile=) to skip profiling"
+                ) from e
 
-    def prepare_data_loader(self, data_loader: DataLoader, device_placement: Any = None, slice_fn_for_dispatch=None):
-        """This process's share of every global batch (no ``BatchSamplerShard``), moved to the device."""
-        self._check_loader(data_loader)
-        shuffle = isinstance(data_loader.sampler, torch.utils.data.RandomSampler)
-        kwargs = {
-            "num_workers": data_loader.num_workers,
-            "collate_fn": data_loader.collate_fn,
-            "pin_memory": data_loader.pin_memory,
-        }
-        loader = hd.data_loader(
+    def _loader_plan(self, loader: DataLoader) -> Plan:
+        """The shares for this loader's global batch: the plan, or its proportions for another batch size."""
+        plan = self.hetero_plan
+        assert plan is not None
+        if self._planned_loader is None:  # a given plan: it is for the first loader prepared
+            self._planned_loader = loader
+        batch = self._global_batch(loader) if loader is not self._planned_loader else plan.batch_size
+        if batch == plan.batch_size:
+            return plan
+        return resolve_plan(batch, _ranks(self.num_processes), weights=plan.sizes)  # the plan's proportions
+
+    def prepare_data_loader(
+        self, data_loader: DataLoader, device_placement: Any = None, slice_fn_for_dispatch: Any = None
+    ) -> DataLoader:
+        """This process's share of every global batch (instead of ``BatchSamplerShard``), on its device."""
+        if getattr(data_loader, "_is_accelerate_prepared", False):
+            return data_loader
+        _check_loader(data_loader)
+        if self.hetero_plan is None:  # called directly rather than through prepare()
+            self.set_plan(self._make_plan(self.model_to_profile, data_loader))
+        plan = self._loader_plan(data_loader)
+        carried = {k: getattr(data_loader, k) for k in _CARRIED if hasattr(data_loader, k)}
+        if carried.get("num_workers", 0) > 0:
+            carried["prefetch_factor"] = data_loader.prefetch_factor
+        else:
+            carried.pop("persistent_workers", None)
+        seed = self.dataloader_config.data_seed if self.dataloader_config.data_seed is not None else 0
+        inner = hd.data_loader(
             data_loader.dataset,
-            self.hetero_plan,
-            shuffle=shuffle,
+            plan,
+            shuffle=isinstance(data_loader.sampler, RandomSampler),
+            seed=seed,
             drop_last=data_loader.drop_last,
             num_replicas=self.num_processes,
             rank=self.process_index,
-            **kwargs,
+            collate_fn=data_loader.collate_fn,
+            **carried,
         )
-        loader = accelerate.data_loader.DataLoaderShard(
-            loader.dataset,
-            device=self.device if device_placement is not False else None,
-            batch_sampler=loader.batch_sampler,
-            collate_fn=loader.collate_fn,
-            num_workers=loader.num_workers,
+        placement = self.device_placement if device_placement is None else device_placement
+        loader = _SharesLoader(
+            inner.dataset,
+            device=self.device if placement else None,
+            batch_sampler=inner.batch_sampler,
+            collate_fn=inner.collate_fn,
+            _drop_last=data_loader.drop_last,
+            _non_blocking=self.non_blocking,
+            **carried,
         )
+        loader._is_accelerate_prepared = True
         self._dataloaders.append(loader)
         return loader
 
     def prepare_model(self, model: torch.nn.Module, device_placement: Any = None, evaluation_mode: bool = False):
-        """Wrap as accelerate does (DDP), then weight the gradients by shard."""
+        """Wrap as accelerate does (DDP), then weight the gradients by shard; emulated devices run at their speed."""
         model = super().prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
-        if isinstance(model, torch.nn.parallel.DistributedDataParallel) and self.hetero_plan is not None:
-            hd.weight_gradients(model, self.hetero_plan, method=self.weighting)
-        self._hetero_model = model
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel) and self.weighting != "none":
+            if self.weighting == "outputs" and self.hetero_plan is None:
+                raise ValueError(
+                    'weighting="outputs" needs the plan when the model is prepared: prepare the model together '
+                    "with the training loader, or pass plan="
+                )
+            self._weightings.append(hd.weight_gradients(model, self.hetero_plan, method=self.weighting))
+        if self.hetero_device is not None and self.hetero_device.emulated:
+            _throttle_forward(model, self.hetero_device)
         return model
 
+    # -- steps and collectives ------------------------------------------------------------
+
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
-        """``loss.backward()`` as accelerate does, at this process's (emulated) speed."""
+        """``loss.backward()`` as accelerate does, at this process's emulated speed (waiting is not slowed)."""
         with self._throttle():
             super().backward(loss, **kwargs)
 
-    def gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:
-        """Every process's samples once, in rank order, with uneven shards (sizes gathered, padded, trimmed)."""
-        if self.num_processes == 1:
-            return input_data
-        return _uneven_gather(input_data)
+    def _throttle(self) -> contextlib.AbstractContextManager[Any]:
+        if self.hetero_device is None or not self.hetero_device.emulated:
+            return contextlib.nullcontext()
+        return self.hetero_device.throttle(cpu_time=True)
 
     def gather(self, tensor: Any) -> Any:
-        """Concatenate tensors of any first-dimension length from every process."""
+        """Every process's tensors concatenated along dim 0, whatever each one's length (uneven shards)."""
         if self.num_processes == 1:
             return tensor
-        return _uneven_gather(tensor)
+        return uneven_gather(tensor)
+
+    def reduce(self, tensor: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
+        """Reduce across processes; inside a prepared loader's loop a ``"mean"`` weights each process by its samples.
+
+        The per-process value of a batch mean (a loss) then reduces to the mean over the
+        global batch, not the plain mean of unequal shards' means. ``"sum"``, ``"max"``
+        and ``"none"`` are accelerate's.
+        """
+        loader = getattr(self.gradient_state, "active_dataloader", None)
+        samples = getattr(loader, "current_samples", None)
+        if reduction != "mean" or samples is None or self.num_processes == 1:
+            return super().reduce(tensor, reduction, scale)
+        plain = lambda t, op: accelerate_reduce(t, op, scale)
+        return tree_map(lambda t: weighted_reduce(t, samples, "mean", plain) if torch.is_tensor(t) else t, tensor)
 
 
-def _uneven_gather(data: Any) -> Any:
-    if isinstance(data, dict):
-        return {k: _uneven_gather(v) for k, v in data.items()}
-    if isinstance(data, (list, tuple)):
-        return type(data)(_uneven_gather(v) for v in data)
-    if not isinstance(data, torch.Tensor):
-        out: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(out, data)
-        return out
-    t = data if data.dim() else data.reshape(1)
-    n = torch.tensor([t.shape[0]], dtype=torch.long, device=t.device)
-    sizes = [torch.zeros_like(n) for _ in range(dist.get_world_size())]
-    dist.all_gather(sizes, n)
-    counts = [int(s) for s in sizes]
-    pad = max(counts)
-    padded = torch.zeros((pad, *t.shape[1:]), dtype=t.dtype, device=t.device)
-    padded[: t.shape[0]] = t
-    parts = [torch.empty_like(padded) for _ in counts]
-    dist.all_gather(parts, padded.contiguous())
-    return torch.cat([p[:c] for p, c in zip(parts, counts)])
+def _ranks(n: int) -> list[str]:
+    return [f"rank{r}" for r in range(n)]
+
+
+def _check_arguments(
+    devices: str | None,
+    plan: Any,
+    profile: Any,
+    global_batch_size: Any,
+    weighting: str,
+    accelerator_kwargs: Mapping[str, Any],
+    world: int,
+) -> list[str] | None:
+    """Every argument checked before accelerate or a process group starts; the per-process device names."""
+    if weighting not in WEIGHTINGS:
+        raise ValueError(f"weighting={weighting!r}: use one of {', '.join(map(repr, WEIGHTINGS))}")
+    if plan is not None and not isinstance(plan, Plan):
+        raise TypeError(f"plan must be a hetsplit Plan, got {type(plan).__name__}: {plan!r}")
+    if profile is not None and not isinstance(profile, Profile):
+        raise TypeError(f"profile must be a hetsplit Profile, got {type(profile).__name__}: {profile!r}")
+    if plan is not None and len(plan.sizes) != world:
+        raise ValueError(
+            f"the plan has {len(plan.sizes)} shares {list(plan.sizes)} but {world} processes run: "
+            "give a plan with one share per process"
+        )
+    if global_batch_size is not None and (
+        isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int) or global_batch_size < 1
+    ):
+        raise ValueError(f"global_batch_size must be a positive integer, got {global_batch_size!r}")
+    if (
+        accelerator_kwargs.get("dataloader_config") is not None
+        and accelerator_kwargs["dataloader_config"].dispatch_batches
+    ):
+        raise ValueError(
+            "dispatch_batches=True sends every batch from process 0; HeteroAccelerator gives each process its "
+            "own share instead: leave dispatch_batches unset"
+        )
+    spec = devices if devices is not None else os.environ.get(hd.ENV_DEVICES)
+    if not spec:
+        return None
+    items = [s for s in spec.split(",") if s.strip()]
+    if len(items) > 1 and world == 1:
+        raise ValueError(
+            f"devices {spec!r} lists {len(items)} devices, one per process, but this job runs 1 process "
+            "('accelerate launch --cpu' starts one): start one process per device with "
+            f"'accelerate launch --multi_gpu --num_processes {len(items)} ...' (also on a CPU-only machine), "
+            f"'hetsplit launch --devices {spec} ...' or torchrun"
+        )
+    return rank_devices(spec, world)
+
+
+def _check_loader(loader: DataLoader) -> None:
+    """A loader HeteroAccelerator can re-cut into shares without changing what it means, else one clear error."""
+    if isinstance(loader.dataset, IterableDataset):
+        raise ValueError(
+            f"HeteroAccelerator needs a map-style dataset (indexable, with a length), got the iterable "
+            f"{type(loader.dataset).__name__}: wrap the data in a map-style Dataset"
+        )
+    if loader.batch_size is None:
+        raise ValueError(
+            f"HeteroAccelerator needs a DataLoader with batch_size, got batch_sampler="
+            f"{type(loader.batch_sampler).__name__}: pass batch_size= (and shuffle=) instead of a batch sampler"
+        )
+    if not isinstance(loader.sampler, RandomSampler | SequentialSampler):
+        raise ValueError(
+            f"HeteroAccelerator replaces the loader's sampler with per-process shares and keeps only its order "
+            f"(shuffled or sequential); got {type(loader.sampler).__name__}: use shuffle=True or False instead"
+        )
+
+
+def _profiling_inputs(batch: Any, loss_fn: Any) -> tuple[Any, Any, Any]:
+    """(sample, target, loss) to profile the model on a batch as the training loop will call it."""
+    if isinstance(batch, Mapping):  # Hugging Face style: model(**batch).loss
+        return dict(batch), None, loss_fn or (lambda out: out["loss"] if isinstance(out, Mapping) else out.loss)
+    if isinstance(batch, (list, tuple)) and len(batch) >= 2 and loss_fn is not None:
+        return batch[0], batch[1], loss_fn
+    if isinstance(batch, (list, tuple)) and batch:
+        return batch[0], None, None
+    return batch, None, None
+
+
+def _throttle_forward(model: torch.nn.Module, device: Device) -> None:
+    """Run every forward of ``model`` at ``device``'s emulated speed (its backward is throttled in ``backward``)."""
+    open_: list[contextlib.AbstractContextManager[Any]] = []
+
+    def before(module: torch.nn.Module, args: Any) -> None:
+        ctx = device.throttle(cpu_time=True)
+        ctx.__enter__()
+        open_.append(ctx)
+
+    def after(module: torch.nn.Module, args: Any, output: Any) -> None:
+        if open_:
+            open_.pop().__exit__(None, None, None)
+
+    model.register_forward_pre_hook(before)
+    model.register_forward_hook(after)

@@ -20,16 +20,14 @@ import hetsplit.distributed as hd
 from hetsplit.devices import Device, parse_device
 from hetsplit.planning import Plan, Profile, Rebalancer, plan_from_sizes, sizes_from_weights
 
+from .collectives import op_name, samples_in, weighted_reduce
 from .lightning_parts import (
     HeteroCallback,
     LossModule,
     StepModule,
     check_arguments,
     loader_settings,
-    op_name,
     rank_devices,
-    samples_in,
-    weighted_reduce,
 )
 
 __all__ = ["HeteroDDPStrategy"]

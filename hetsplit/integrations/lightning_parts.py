@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import math
 import os
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -26,9 +25,6 @@ __all__ = [
     "check_arguments",
     "rank_devices",
     "loader_settings",
-    "samples_in",
-    "op_name",
-    "weighted_reduce",
 ]
 
 
@@ -291,63 +287,3 @@ def loader_settings(loader: Any, stage: str, *, strict: bool) -> tuple[bool, int
     if loader.num_workers > 0:
         kwargs["prefetch_factor"] = loader.prefetch_factor
     return shuffle, seed, kwargs
-
-
-def samples_in(batch: Any) -> int | None:
-    """The samples in a batch as Lightning counts them for ``self.log``: the first tensor's length.
-
-    Returns:
-        That length (1 for a 0-dim tensor), or ``None`` when the batch holds no tensor.
-    """
-    if isinstance(batch, torch.Tensor):
-        return 1 if batch.dim() == 0 else len(batch)
-    items = batch.values() if isinstance(batch, Mapping) else batch
-    if isinstance(items, (str, bytes)) or not hasattr(items, "__iter__"):
-        return None
-    for item in items:
-        found = samples_in(item)
-        if found is not None:
-            return found
-    return None
-
-
-def op_name(reduce_op: Any) -> str:
-    """``"mean"``, ``"sum"``, ``"max"``, ``"min"`` for Lightning's and torch's spellings of those reductions."""
-    if isinstance(reduce_op, str):
-        name = reduce_op.lower()
-    else:  # torch.distributed.ReduceOp.SUM and friends
-        name = str(getattr(reduce_op, "name", reduce_op)).rsplit(".", 1)[-1].lower()
-    return {"avg": "mean", "average": "mean"}.get(name, name)
-
-
-def weighted_reduce(
-    tensor: torch.Tensor, samples: int, reduce_op: Any, plain: Callable[[torch.Tensor, Any], torch.Tensor]
-) -> torch.Tensor:
-    """Reduce a value computed on ``samples`` samples of this step, each rank weighted by its samples.
-
-    A mean becomes ``sum_r b_r * v_r / sum_r b_r`` (one all-reduce of ``[b_r * v_r, b_r]``),
-    the mean over the step's global batch; a rank without samples adds nothing (also
-    where its value is NaN, as a mean over no samples is). Sum, max and min are the
-    plain reduction, with a rank without samples contributing the neutral value.
-
-    Args:
-        tensor: This rank's value.
-        samples: This rank's samples in the step.
-        reduce_op: The reduction Lightning asked for.
-        plain: ``plain(tensor, reduce_op)``: the unweighted reduction (DDPStrategy's).
-
-    Returns:
-        The reduced value, the same on every rank.
-    """
-    op = op_name(reduce_op)
-    if op == "mean":
-        dtype = tensor.dtype if tensor.is_floating_point() else torch.get_default_dtype()
-        with torch.no_grad():
-            flat = tensor.detach().to(dtype).reshape(-1)
-            part = flat * samples if samples else torch.zeros_like(flat)
-            total = plain(torch.cat([part, flat.new_tensor([float(samples)])]), "sum")
-        return (total[:-1] / total[-1]).reshape(tensor.shape)
-    neutral = {"sum": 0.0, "max": -math.inf, "min": math.inf}.get(op)
-    if samples == 0 and neutral is not None and tensor.is_floating_point():
-        tensor = torch.full_like(tensor, neutral)
-    return plain(tensor, reduce_op)

@@ -1,0 +1,111 @@
+"""Collectives for uneven shards: sample counts, shard-weighted reductions and uneven gathers (no framework)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["samples_in", "op_name", "weighted_reduce", "uneven_gather"]
+
+
+def samples_in(batch: Any) -> int | None:
+    """The samples in a batch as trainers count them for logging: the first tensor's length.
+
+    Returns:
+        That length (1 for a 0-dim tensor), or ``None`` when the batch holds no tensor.
+    """
+    if isinstance(batch, torch.Tensor):
+        return 1 if batch.dim() == 0 else len(batch)
+    items = batch.values() if isinstance(batch, Mapping) else batch
+    if isinstance(items, (str, bytes)) or not hasattr(items, "__iter__"):
+        return None
+    for item in items:
+        found = samples_in(item)
+        if found is not None:
+            return found
+    return None
+
+
+def op_name(reduce_op: Any) -> str:
+    """``"mean"``, ``"sum"``, ``"max"``, ``"min"`` for the trainers' and torch's spellings of those reductions."""
+    if isinstance(reduce_op, str):
+        name = reduce_op.lower()
+    else:  # torch.distributed.ReduceOp.SUM and friends
+        name = str(getattr(reduce_op, "name", reduce_op)).rsplit(".", 1)[-1].lower()
+    return {"avg": "mean", "average": "mean"}.get(name, name)
+
+
+def weighted_reduce(
+    tensor: torch.Tensor, samples: int, reduce_op: Any, plain: Callable[[torch.Tensor, Any], torch.Tensor]
+) -> torch.Tensor:
+    """Reduce a value computed on ``samples`` samples of this step, each rank weighted by its samples.
+
+    A mean becomes ``sum_r b_r * v_r / sum_r b_r`` (one all-reduce of ``[b_r * v_r, b_r]``),
+    the mean over the step's global batch; a rank without samples adds nothing (also
+    where its value is NaN, as a mean over no samples is). Sum, max and min are the
+    plain reduction, with a rank without samples contributing the neutral value.
+
+    Args:
+        tensor: This rank's value.
+        samples: This rank's samples in the step.
+        reduce_op: The reduction asked for (``"mean"``, ``"sum"``, ``ReduceOp.SUM``, ...).
+        plain: ``plain(tensor, reduce_op)``: the unweighted reduction (the trainer's own).
+
+    Returns:
+        The reduced value, the same on every rank.
+    """
+    op = op_name(reduce_op)
+    if op == "mean":
+        dtype = tensor.dtype if tensor.is_floating_point() else torch.get_default_dtype()
+        with torch.no_grad():
+            flat = tensor.detach().to(dtype).reshape(-1)
+            part = flat * samples if samples else torch.zeros_like(flat)
+            total = plain(torch.cat([part, flat.new_tensor([float(samples)])]), "sum")
+        return (total[:-1] / total[-1]).reshape(tensor.shape)
+    neutral = {"sum": 0.0, "max": -math.inf, "min": math.inf}.get(op)
+    if samples == 0 and neutral is not None and tensor.is_floating_point():
+        tensor = torch.full_like(tensor, neutral)
+    return plain(tensor, reduce_op)
+
+
+def uneven_gather(data: Any, group: Any = None) -> Any:
+    """Every rank's tensors concatenated along dim 0 in rank order, whatever each rank's length.
+
+    Lengths are all-gathered first, each tensor is padded to the longest and gathered,
+    and the padding is cut off, so a rank with 0 rows (or 3 against another's 7) adds
+    exactly its rows. A 0-dim tensor counts as one row. Dicts, lists and tuples are
+    walked; any other object is all-gathered as a list with one entry per rank.
+
+    Raises:
+        ValueError: If ranks give tensors whose trailing shapes or dtypes differ (naming them).
+    """
+    if isinstance(data, Mapping):
+        return type(data)({k: uneven_gather(v, group) for k, v in data.items()})
+    if isinstance(data, (list, tuple)) and not hasattr(data, "_fields"):
+        return type(data)(uneven_gather(v, group) for v in data)
+    world = dist.get_world_size(group)
+    if not isinstance(data, torch.Tensor):
+        out: list[Any] = [None] * world
+        dist.all_gather_object(out, data, group=group)
+        return out
+    t = data if data.dim() else data.reshape(1)
+    # One small gather of every rank's shape and dtype: a mismatch is named here instead
+    # of failing inside the collective with a size error.
+    meta: list[Any] = [None] * world
+    dist.all_gather_object(meta, (tuple(t.shape), str(t.dtype)), group=group)
+    trailing = {(m[0][1:], m[1]) for m in meta}
+    if len(trailing) > 1:
+        raise ValueError(
+            f"cannot gather tensors of different trailing shapes or dtypes across ranks: "
+            f"{dict(enumerate(meta))}; pad them to one shape first (e.g. accelerator.pad_across_processes)"
+        )
+    counts = [m[0][0] for m in meta]
+    padded = t.new_zeros((max(counts), *t.shape[1:]))
+    padded[: t.shape[0]] = t
+    parts = [torch.empty_like(padded) for _ in counts]
+    dist.all_gather(parts, padded.contiguous(), group=group)
+    return torch.cat([p[:c] for p, c in zip(parts, counts)])

@@ -1,0 +1,194 @@
+"""The 2-process job behind tests/test_accelerate.py: each scenario against a single-process reference.
+
+Run by torchrun (or ``accelerate launch``) with 2 processes; prints ``OK <scenario>`` per
+scenario it passes on this rank. float64 throughout, so "equal" means to rounding.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, IterableDataset, TensorDataset
+
+from hetsplit.accelerate import HeteroAccelerator
+from hetsplit.planning import plan_from_sizes
+
+torch.manual_seed(0)
+N = 16
+X = torch.randn(N, 3, dtype=torch.float64)
+Y = torch.randn(N, 1, dtype=torch.float64)
+DATA = TensorDataset(torch.arange(N), X, Y)
+SCENARIOS = sys.argv[1].split(",") if len(sys.argv) > 1 else None
+
+
+def model_pair():
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1)).double()
+    return model, copy.deepcopy(model)
+
+
+def plan(*sizes):
+    return plan_from_sizes(None, ["rank0", "rank1"], list(sizes))
+
+
+def reference_step(ref, index_batches, lr=0.1):
+    """One SGD step of the plain model on the given global batches, gradients averaged over them."""
+    opt = torch.optim.SGD(ref.parameters(), lr=lr)
+    for idx in index_batches:
+        (F.mse_loss(ref(X[idx]), Y[idx]) / len(index_batches)).backward()
+    opt.step()
+
+
+def assert_same(model, ref, what):
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        err = (p.detach().cpu() - q.detach()).abs().max().item()
+        assert err < 1e-12, f"{what}: parameter {name} differs from the single-process reference by {err}"
+
+
+def scenario(name):
+    def register(fn):
+        if SCENARIOS is None or name in SCENARIOS:
+            fn()
+            print(f"OK {name} rank {torch.distributed.get_rank()}", flush=True)
+        return fn
+
+    return register
+
+
+@scenario("step")
+def _():
+    # Shares follow the plan, one epoch covers the data once, one step equals the full-batch step,
+    # with both weighting methods.
+    for weighting in ("hook", "outputs"):
+        acc = HeteroAccelerator(plan=plan(6, 2), weighting=weighting)
+        model, ref = model_pair()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        model, opt, loader = acc.prepare(model, opt, DataLoader(DATA, batch_size=4, shuffle=True))
+        seen, firsts = [], None
+        for step, (idx, xb, yb) in enumerate(loader):
+            assert len(idx) == [6, 2][acc.process_index], (weighting, len(idx))
+            if step == 0:
+                acc.backward(F.mse_loss(model(xb), yb))
+                opt.step()
+                firsts = acc.gather(idx)
+            seen.append(acc.gather_for_metrics(idx))
+        assert len(loader) == 2 and sorted(torch.cat(seen).tolist()) == list(range(N)), seen
+        reference_step(ref, [firsts])
+        assert_same(model, ref, f"weighting={weighting}")
+
+
+@scenario("accumulate")
+def _():
+    # accelerate's accumulate(): two global batches, one optimizer step, exact.
+    acc = HeteroAccelerator(plan=plan(5, 3), gradient_accumulation_steps=2)
+    model, ref = model_pair()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt, loader = acc.prepare(model, opt, DataLoader(DATA, batch_size=4))
+    batches = []
+    for idx, xb, yb in loader:
+        with acc.accumulate(model):
+            acc.backward(F.mse_loss(model(xb), yb))
+            opt.step()
+            opt.zero_grad()
+        batches.append(acc.gather(idx))
+    assert len(batches) == 2
+    reference_step(ref, batches)
+    assert_same(model, ref, "gradient accumulation")
+    acc.gradient_accumulation_steps = 1
+
+
+@scenario("zero")
+def _():
+    # A process the plan gives nothing still takes part in every step; gradients stay exact.
+    acc = HeteroAccelerator(plan=plan(8, 0))
+    model, ref = model_pair()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt, loader = acc.prepare(model, opt, DataLoader(DATA, batch_size=4))
+    idx, xb, yb = next(iter(loader))
+    assert len(idx) == [8, 0][acc.process_index]
+    acc.backward(F.mse_loss(model(xb), yb))
+    opt.step()
+    reference_step(ref, [acc.gather(idx)])
+    assert_same(model, ref, "zero share")
+
+
+@scenario("metrics")
+def _():
+    # 13 samples, global batch 8: the last batch is padded (as accelerate pads); gather_for_metrics
+    # drops the padding, and reduce("mean") of per-process means is the global mean.
+    acc = HeteroAccelerator(plan=plan(5, 3))
+    model, _ = model_pair()
+    data = TensorDataset(torch.arange(13), X[:13], Y[:13])
+    model, loader = acc.prepare(model, DataLoader(data, batch_size=4))
+    got, losses, full = [], [], []
+    with torch.no_grad():
+        for idx, xb, yb in loader:
+            got.append(acc.gather_for_metrics(idx))
+            losses.append(acc.reduce(F.mse_loss(model(xb), yb), "mean"))
+            everything = acc.gather(idx)
+            full.append(F.mse_loss(model.module(X[everything]), Y[everything]))
+    assert sorted(torch.cat(got).tolist()) == list(range(13)), got
+    for mine, reference in zip(losses, full):
+        assert abs(mine.item() - reference.item()) < 1e-12, (mine, reference)
+    # Another loader's batch (an evaluation loader, batch 3 per process): the plan's proportions.
+    evaluation = acc.prepare(DataLoader(data, batch_size=3))
+    idx, _, _ = next(iter(evaluation))
+    assert len(idx) == [4, 2][acc.process_index], len(idx)
+
+
+@scenario("profiled")
+def _():
+    # No plan: each process profiles its own device (cpu and an emulated quarter-speed cpu);
+    # the slower one gets less, and both processes hold the same plan.
+    acc = HeteroAccelerator(devices="cpu,cpu@0.25", loss_fn=F.mse_loss, plan_kwargs={"time_budget": 4, "calibrate": 0})
+    model, _ = model_pair()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    big = TensorDataset(torch.randn(64, 3, dtype=torch.float64), torch.randn(64, 1, dtype=torch.float64))
+    model, opt, loader = acc.prepare(model, opt, DataLoader(big, batch_size=16))
+    sizes = acc.hetero_plan.sizes
+    assert sum(sizes) == 32 and sizes[0] > sizes[1], sizes
+    both = acc.gather(torch.tensor(sizes))
+    assert both.tolist() == sizes * 2, both
+    xb, _ = next(iter(loader))
+    assert len(xb) == sizes[acc.process_index]
+
+
+@scenario("refused")
+def _():
+    acc = HeteroAccelerator(plan=plan(6, 2))
+
+    class Stream(IterableDataset):
+        def __iter__(self):
+            yield from range(4)
+
+    from torch.utils.data import BatchSampler, SequentialSampler, WeightedRandomSampler
+
+    cases = [
+        (DataLoader(Stream(), batch_size=2), "map-style dataset"),
+        (DataLoader(DATA, batch_sampler=BatchSampler(SequentialSampler(DATA), 4, False)), "pass batch_size="),
+        (DataLoader(DATA, batch_size=4, sampler=WeightedRandomSampler([1.0] * N, N)), "WeightedRandomSampler"),
+    ]
+    for loader, fragment in cases:
+        try:
+            acc.prepare(loader)
+        except ValueError as e:
+            assert fragment in str(e), (fragment, e)
+        else:
+            raise AssertionError(f"no error for {fragment}")
+    for kwargs, fragment in [
+        ({"plan": plan_from_sizes(None, ["a", "b", "c"], [1, 1, 2])}, "3 shares"),
+        ({"weighting": "mean"}, "weighting='mean'"),
+        ({"devices": "cpu,cpu,cpu"}, "3 devices"),
+    ]:
+        try:
+            HeteroAccelerator(**kwargs)
+        except ValueError as e:
+            assert fragment in str(e), (fragment, e)
+        else:
+            raise AssertionError(f"no error for {kwargs}")
+
+
+torch.distributed.barrier()
+torch.distributed.destroy_process_group()
