@@ -85,7 +85,8 @@ def main() -> None:
     }
     for r in results["solver"]:
         print(
-            f"solve {r['devices']:>6} devices, batch {r['batch']:>9}{', accumulate' if r['accumulate'] else ''}: median {r['median_ms']:.2f} ms "
+            f"solve {r['devices']:>6} devices, batch {r['batch']:>9}{', accumulate' * r['accumulate']}: "
+            f"median {r['median_ms']:.2f} ms "
             f"(min {r['min_ms']:.2f} ms); again on the same profile: median {r['warm_median_ms']:.2f} ms"
         )
     p = results["profiler"]
