@@ -66,7 +66,8 @@ class MicroTable:
         self.X, self.Y, self.c = x, y, c
         self.A0, self.S0 = table.intercept[rows], table.slope[rows]
         # The micro sizes where a run of k ends: 1, the cap, and each knot (both sides when fractional).
-        knots = np.floor(x) if np.array_equal(x, np.floor(x)) else np.concatenate([np.floor(x), np.ceil(x)], axis=1)
+        self.fractional = not np.array_equal(x, np.floor(x))
+        knots = np.concatenate([np.floor(x), np.ceil(x)], axis=1) if self.fractional else x
         v = np.concatenate([np.ones((len(rows), 1)), c[:, None], np.minimum(knots, c[:, None])], axis=1)
         self.v = np.maximum(v, 1.0)
         self.tv = self._at(self.v, np.arange(len(rows)))[0]  # t at each of those sizes
@@ -167,6 +168,20 @@ class MicroTable:
         per = np.nan_to_num(per, nan=0.0, posinf=1e18)
         fill = np.floor(np.minimum(k * self.c[:, None], k * np.maximum(per, 0.0)))
         return fill.max(axis=1)
+
+    def bracket(self, seconds: float, side: int) -> np.ndarray:
+        """Capacities at ``seconds``, exact for whole-batch devices and one sample wider on ``side`` for split ones.
+
+        The closed forms are exact but for floating-point rounding (integer knots), so
+        ``side=-1`` gives at most, ``side=+1`` at least, the exact capacity: a bracket for
+        the solver, whose final ranking uses exact times. Fractional knots are settled.
+        """
+        if self.fractional or not len(self.rows):
+            return self.capacity(seconds)
+        c = self.table.capacity(seconds)  # exact for whole-batch devices
+        c = np.where(self.cap == 0, 0, c)
+        c[self.rows] = np.maximum(np.minimum(self._split_capacity(float(seconds)), 1e18) + side, 0).astype(np.int64)
+        return c
 
     def capacity(self, seconds: float, *, exact: bool = True) -> np.ndarray:
         """For each device, the most samples whose micro-batched time is at most ``seconds``.

@@ -172,13 +172,17 @@ def _solve_sizes(table: CurveTable | MicroTable, batch: int) -> np.ndarray:
             w_hi = w_hi * 0.5 if side == 1 else w_hi
             side = 1
     # Settle the bracket with exact capacities; widen it if rounding put it off by one.
-    c_lo, c_hi = table.capacity(lo), table.capacity(hi)
+    # (Micro-batched devices: a bracket a sample wider on each side, as the exact costs below
+    # decide anyway, costs less than settling their capacities exactly.)
+    bound = table.bracket if isinstance(table, MicroTable) else lambda seconds, side: table.capacity(seconds)
+    c_lo, c_hi = bound(lo, -1), bound(hi, 1)
     while c_lo.sum() >= batch and lo > 0:
         lo = lo * 0.5 if lo > 1e-300 else 0.0
-        c_lo = table.capacity(lo)
+        c_lo = bound(lo, -1)
     while c_hi.sum() < batch:
         hi = hi * 2.0 + 1e-12
-        c_hi = table.capacity(hi)
+        c_hi = bound(hi, 1)
+    c_hi = np.minimum(c_hi, batch)
     need = batch - int(c_lo.sum())
     gap = c_hi - c_lo
     if int(gap.sum()) > _ENUMERATE_LIMIT:
