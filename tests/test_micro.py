@@ -177,3 +177,18 @@ def test_torchrun_micro_batches_cut_this_ranks_share():
         list(hd.micro_batches(_NoSync(), torch.arange(4.0), plan, rank=0))
     with pytest.raises(torch.OutOfMemoryError):
         list(hd.micro_batches(_NoSync(), x, plan, rank=0, device="cpu:max2"))
+
+
+def test_rebalancing_keeps_micro_batches_within_the_caps():
+    prof = Profile.from_measurements(
+        {"cpu": [(8, 0.008), (32, 0.03)], "cpu@0.5": [(8, 0.016), (32, 0.06)]}, memory_caps={"cpu": 8, "cpu@0.5": 16}
+    )
+    net, (x, y) = _net(), _data()  # 48 samples: more than both caps together
+    rb = hetsplit.Rebalancer(prof, every=1, threshold=0.0, window=1)
+    dp = HeteroDataParallel(copy.deepcopy(net), ["cpu", "cpu@0.5"], profile=prof, rebalance=rb)
+    for _ in range(4):
+        for p in dp.module.parameters():
+            p.grad = None
+        dp.train_step(x, y, F.cross_entropy)
+        assert max(dp.plan.micro_batches[0]) <= 8 and max(dp.plan.micro_batches[1]) <= 16
+        _close(dp, _reference(net, x, y))

@@ -182,6 +182,15 @@ class BatchPlans:
         self.current = plan
         return plan
 
+    def _within_caps(self, plan: Plan) -> Plan | None:
+        caps = {n: c for n, c in (self.profile.memory_caps() if self.profile else {}).items() if c is not None}
+        for name, cap in self.caps.items():
+            caps[name] = min(cap, caps.get(name, cap))
+        try:
+            return capped_plan(plan, caps, accumulate=True)
+        except ValueError:  # a share on a device that holds nothing: keep the plan in force
+            return None
+
     def capped(self, plan: Plan) -> Plan:
         """``plan`` within the learned :attr:`caps` (re-solved with the profile, if there is one)."""
         learned = self.rebalancer is not None and bool(self.rebalancer.log_factors)
@@ -205,10 +214,11 @@ class BatchPlans:
         """Feed finished steps' busy times to the rebalancer; adopt the plan it proposes."""
         if self.rebalancer is None:
             return
+        self.rebalancer.accumulate = self.accumulate  # also for a rebalancer assigned later
         new = None
         for plan, times in steps:
             new = self.rebalancer.observe(plan, times) or new
-        if new is not None and self.caps:
-            new = self.capped(new)
+        if new is not None and self.accumulate:  # the rebalancer's shares, in micro-batches within the caps
+            new = self._within_caps(new)
         if new is not None and (self.current is None or new.sizes != self.current.sizes):
             self.current, self.by_batch = new, {new.batch_size: new}
