@@ -38,6 +38,10 @@ def _memory_text(model: object) -> str:
     return f"m(b) = {base / 2**30:.2f} GiB + {per / 2**20:.2f} MiB per sample (fitted to {len(model.peaks)} peaks)"  # type: ignore[attr-defined]
 
 
+def _micro_note(micro: list[int]) -> str:
+    return f" as {len(micro)} micro-batches" if len(micro) > 1 else ""
+
+
 def fmt_time(t: float) -> str:
     """Seconds as ``12.34 ms`` (below 10 s) or ``12.34 s``; ``inf`` for an infinite time."""
     if not math.isfinite(t):
@@ -138,7 +142,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
         model_name=spec.name,
     )
     path = store.save_profile(prof, args.out, directory=args.profile_dir)
-    plan = solver.solve(prof, args.batch_size)
+    plan = solver.solve(prof, args.batch_size, accumulate=True)  # a capped device may take micro-batches
     rows = []
     for e, size in zip(prof.entries, plan.sizes):
         top = e.measurements[-1].batch
@@ -148,15 +152,16 @@ def cmd_profile(args: argparse.Namespace) -> int:
                 e.info.description,
                 f"{prof.throughput(e.name, top):,.0f} @ {top}",
                 "-" if e.memory_cap is None else f"{e.memory_cap}" + (" (emulated)" if e.info.max_batch else ""),
-                f"{size} ({size / args.batch_size:.0%})",
+                f"{size} ({size / args.batch_size:.0%})" + _micro_note(plan.micro_batches[len(rows)]),
             ]
         )
     print(table(rows, ["device", "hardware", "samples/s @ batch", "memory cap", f"share of {args.batch_size}"]))
     for e in prof.entries:
         if e.memory is not None:  # CUDA: the fitted memory curve
             print(f"{e.name} peak memory: {_memory_text(e.memory)}")
+    even = f"{plan.speedup_vs_even:.2f}x the even split" if math.isfinite(plan.speedup_vs_even) else "the even split"
     print(
-        f"\npredicted step {fmt_time(plan.step_time)}: {plan.speedup_vs_even:.2f}x the even split, "
+        f"\npredicted step {fmt_time(plan.step_time)}: {even}, "
         f"{plan.speedup_vs_single:.2f}x {plan.single_device} alone"
     )
     print(f"profile written to {path}" + (" (it replaced the file there)" if replacing else ""))
