@@ -24,7 +24,7 @@ import hetsplit
 from hetsplit import Profile, ProfileFileError
 from hetsplit.apps.cli import main
 from hetsplit.devices import Device
-from hetsplit.planning import solve
+from hetsplit.planning import plan_from_sizes, solve
 from hetsplit.planning.checks import MAX_BATCH, MAX_DEVICES
 from hetsplit.planning.plan import sizes_from_weights
 
@@ -131,7 +131,21 @@ API_ROWS = [
     ("m torchrun micro-batches of another share", lambda: list(hetsplit.distributed.micro_batches(
      None, torch.zeros(4), hetsplit.Plan(["a", "b"], [5, 3], [0.0, 0.0], 8), rank=0)), ValueError,
      "the plan gives this rank 5"),
+    # 14: HeteroAccelerator checks everything before accelerate or a process group starts
+    ("14 accelerator weighting", lambda: _accelerator(weighting="mean"), ValueError, "weighting='mean'"),
+    ("14 accelerator plan as a file name", lambda: _accelerator(plan="plan.json"), TypeError, "got str"),
+    ("14 accelerator plan for 3 processes", lambda: _accelerator(plan=plan_from_sizes(None, ["a", "b", "c"],
+     [1, 1, 1])), ValueError, "3 shares [1, 1, 1] but 1 processes run"),
+    ("14 accelerator global batch", lambda: _accelerator(global_batch_size=0), ValueError, "got 0"),
+    ("14 accelerator two devices, one process", lambda: _accelerator(devices="cpu,cpu@0.25"), ValueError,
+     "this job runs 1 process"),
 ]  # fmt: skip
+
+
+def _accelerator(**kwargs):
+    from hetsplit.accelerate import HeteroAccelerator
+
+    return HeteroAccelerator(**kwargs)
 
 
 @pytest.mark.parametrize("name, call, error, fragment", API_ROWS, ids=[r[0] for r in API_ROWS])

@@ -161,8 +161,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
             print(f"{e.name} peak memory: {_memory_text(e.memory)}")
     even = f"{plan.speedup_vs_even:.2f}x the even split" if math.isfinite(plan.speedup_vs_even) else "the even split"
     print(
-        f"\npredicted step {fmt_time(plan.step_time)}: {even}, "
-        f"{plan.speedup_vs_single:.2f}x {plan.single_device} alone"
+        f"\npredicted step {fmt_time(plan.step_time)}: {even}, {plan.speedup_vs_single:.2f}x {plan.single_device} alone"
     )
     print(f"profile written to {path}" + (" (it replaced the file there)" if replacing else ""))
     return 0
