@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -11,6 +10,7 @@ import torch
 from torch import nn
 
 from ..devices import Device, DeviceLike, parse_devices
+from ..emulation import is_out_of_memory
 from ..planning.plan import Plan
 from ..planning.profile import Profile
 from ..planning.rebalance import Rebalancer
@@ -18,6 +18,15 @@ from ..timing import Lap
 from ..tree import batch_length, move, to_device
 from .apply import run_parallel
 from .busy import BusyLog
+from .local import local_fns, local_inputs
+from .micro import (
+    MemoryLog,
+    Step,
+    backward_fn,
+    backward_oom,
+    forward_fns,
+    with_recovery,
+)
 from .outputs import ScalarPolicy, check_policy, combine, policy_weights
 from .reduce import accumulate_gradients
 from .replicas import Replicas, module_device
@@ -26,21 +35,7 @@ from .sizes import BatchPlans
 
 __all__ = ["HeteroDataParallel"]
 
-_RUNTIME = ("_replicas", "_step", "_log", "_lock")
-
-
-@dataclasses.dataclass
-class _Step:
-    """What one step runs: the plan, the active devices (non-empty shards) and their shards."""
-
-    plan: Plan
-    active: list[int]
-    devices: list[Device]
-    shards: list[tuple[tuple[Any, ...], dict[str, Any]]] = dataclasses.field(default_factory=list)
-
-    @property
-    def sizes(self) -> list[int]:
-        return [self.plan.sizes[i] for i in self.active]
+_RUNTIME = ("_replicas", "_step", "_log", "_lock", "_mem")
 
 
 class HeteroDataParallel(nn.Module):
@@ -74,6 +69,9 @@ class HeteroDataParallel(nn.Module):
         scalar_outputs: ``"mean"`` (shard-size weights: a mean loss stays the full-batch
             mean), ``"sum"``, ``"stack"`` (a vector), or ``(args, kwargs) -> weight`` of a
             shard, e.g. :func:`hetsplit.count_tokens`.
+        accumulate: Let a device with a memory cap run its share as micro-batches
+            (``plan.micro_batches``); after an out-of-memory error the device's cap is
+            lowered, the step re-planned and run again (README: "Memory").
 
     Raises:
         ValueError: If the module spans devices, the plan's devices differ, or the
@@ -96,6 +94,7 @@ class HeteroDataParallel(nn.Module):
         dim: int = 0,
         rebalance: bool | Rebalancer = False,
         scalar_outputs: ScalarPolicy = "mean",
+        accumulate: bool = True,
     ) -> None:
         super().__init__()
         self.devices: list[Device] = parse_devices(devices)
@@ -105,7 +104,9 @@ class HeteroDataParallel(nn.Module):
         self.scalar_outputs = check_policy(scalar_outputs)
         self._output_device = parse_devices([output_device])[0].torch_device if output_device is not None else None
         rebalancer = rebalance if isinstance(rebalance, Rebalancer) else Rebalancer(profile) if rebalance else None
-        self._plans = BatchPlans(self.devices, plan=plan, profile=profile, weights=weights, rebalancer=rebalancer)
+        self._plans = BatchPlans(
+            self.devices, plan=plan, profile=profile, weights=weights, rebalancer=rebalancer, accumulate=accumulate
+        )
         self.register_state_dict_post_hook(_drop_module_prefix)
         self.register_load_state_dict_pre_hook(_add_module_prefix)
         self._reset_runtime()
@@ -113,9 +114,10 @@ class HeteroDataParallel(nn.Module):
     def _reset_runtime(self) -> None:
         # Everything here is rebuilt on demand and left out of pickles and deep copies.
         self._replicas: Replicas | None = None
-        self._step: _Step | None = None
+        self._step: Step | None = None
         self._log = BusyLog()
         self._lock = threading.RLock()
+        self._mem = MemoryLog()
 
     def __getstate__(self) -> dict[str, Any]:
         return {k: v for k, v in self.__dict__.items() if k not in _RUNTIME}
@@ -183,17 +185,21 @@ class HeteroDataParallel(nn.Module):
         self, replicas: Sequence[nn.Module], inputs: Sequence[tuple[Any, ...]], kwargs: Sequence[dict[str, Any]]
     ) -> list[Any]:
         """Run ``replicas[i](*inputs[i], **kwargs[i])`` concurrently, each at its device's speed."""
-        assert self._step is not None, "parallel_apply runs inside forward, which chooses the step's devices"
-        fns = [lambda r=r, a=a, k=k: r(*a, **k) for r, a, k in zip(replicas, inputs, kwargs)]
-        return self._run(fns, "", self._step.active)
+        step = self._step
+        assert step is not None, "parallel_apply runs inside forward, which chooses the step's devices"
+        shards = list(zip(inputs, kwargs))
+        fns, step.pieces = forward_fns(replicas, shards, step.micro, step.active, self.devices, self._mem, self.dim)
+        outs = self._run(fns, "", step.active)
+        return outs if step.split else [o[0] for o in outs]  # micro-batched: a list per replica
 
     def gather(self, outputs: Sequence[Any], output_device: torch.device) -> Any:
         """Combine the replicas' outputs on ``output_device``; backward runs per replica."""
         step = self._step
         assert step is not None, "gather runs inside forward"
-        weights = lambda: policy_weights(self.scalar_outputs, step.sizes, step.shards)
-        labels = list(map(str, step.active))
-        return combine(outputs, output_device, self.dim, weights, self._backward_runner(step), labels)
+        sizes, shards, labels = step.flat()
+        outputs = [o for outs in outputs for o in outs] if step.split else outputs
+        weights = lambda: policy_weights(self.scalar_outputs, sizes, shards)
+        return combine(outputs, output_device, self.dim, weights, _backward_runner(self, step), labels)
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         """Scatter, run the replicas concurrently, gather on the output device."""
@@ -202,13 +208,16 @@ class HeteroDataParallel(nn.Module):
             if home is not None:  # one real device, the module's own: run the module, as nn.DataParallel does
                 self._plans.for_batch(batch_length(_batch_of(inputs, kwargs), self.dim))
                 return move(_call_on(self.module, home, inputs, kwargs), self._output_device or home)
-            step = self._begin((inputs, kwargs))
-            args, kws = self.scatter(inputs, kwargs, step.devices)
-            step.shards = list(zip(args, kws))
-            replicas = self.replicate(self.module, step.devices)
-            outputs = self.parallel_apply(replicas, args, kws)
-            self._replicas.merge_buffers(replicas, step.sizes)  # type: ignore[union-attr]
-            return self.gather(outputs, self.output_device)
+            return _retry(self, lambda: self._forward(inputs, kwargs))
+
+    def _forward(self, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        step = self._begin((inputs, kwargs))
+        args, kws = self.scatter(inputs, kwargs, step.devices)
+        step.shards = list(zip(args, kws))
+        replicas = self.replicate(self.module, step.devices)
+        outputs = self.parallel_apply(replicas, args, kws)
+        self._replicas.merge_buffers(replicas, step.sizes)  # type: ignore[union-attr]
+        return self.gather(outputs, self.output_device)
 
     def train_step(
         self,
@@ -236,29 +245,16 @@ class HeteroDataParallel(nn.Module):
             ValueError: On a bad ``reduction`` or ``loss_fn`` (before any device work), or a
                 loss that is not a scalar (naming its shape).
         """
-        args, kws = _local_inputs(inputs, kwargs, loss_fn, reduction)
+        args, kws = local_inputs(inputs, kwargs, loss_fn, reduction)
         with self._lock:
-            step = self._begin(((args, kws), target))
-            shards = scatter_to(((args, kws), target), step.devices, step.sizes, self.dim)
-            step.shards = [(tuple(a), dict(k)) for (a, k), _ in shards]
-            weights = policy_weights(reduction, step.sizes, step.shards)
-            assert weights is not None
-            replicas = self.replicate(self.module, step.devices)
-            fns = [
-                lambda r=r, shard=shard, w=w: _local_step(r, shard, target is not None, loss_fn, w)
-                for r, shard, w in zip(replicas, shards, weights)
-            ]
-            losses = self._run(fns, "", step.active)
-            self._replicas.merge_buffers(replicas, step.sizes)  # type: ignore[union-attr]
-            self._finish(step)
-            return sum(to_device(x, self.output_device) * w for x, w in zip(losses, weights))  # type: ignore[return-value]
+            return _retry(self, lambda: _train_step(self, (args, kws), target, loss_fn, reduction))
 
-    def _begin(self, batch_tree: Any) -> _Step:
+    def _begin(self, batch_tree: Any) -> Step:
         """Start a step: feed the rebalancer the steps it can read, choose this step's plan."""
         self._plans.observe(self._log.readable() if self.rebalancer is not None else ())
         plan = self._plans.for_batch(batch_length(batch_tree, self.dim))
         active = [i for i, s in enumerate(plan.sizes) if s > 0]
-        self._step = _Step(plan, active, [self.devices[i] for i in active])
+        self._step = Step(plan, active, [self.devices[i] for i in active])
         self._log.start()
         return self._step
 
@@ -271,26 +267,61 @@ class HeteroDataParallel(nn.Module):
             self._log.add(self.devices[i].name, lap)
         return out
 
-    def _finish(self, step: _Step) -> None:
+    def _finish(self, step: Step) -> None:
         """End a step whose backward has run: gradients into the module, busy times logged."""
         sources = self._replicas.sources(step.active) if self._replicas is not None else []
         accumulate_gradients(list(self.module.parameters()), sources)
         self._log.end(step.plan, keep=self.rebalancer is not None)
 
-    def _backward_runner(self, step: _Step) -> Callable[[list[tuple[list[torch.Tensor], list[torch.Tensor]]]], None]:
-        def run(work: list[tuple[list[torch.Tensor], list[torch.Tensor]]]) -> None:
-            jobs = [(step.active[j], outs, grads) for j, (outs, grads) in enumerate(work) if outs]
-            fns = [lambda o=o, g=g: torch.autograd.backward(o, g) for _, o, g in jobs]
-            inline = _engine_job([self.devices[i] for i, _, _ in jobs], self.output_device)
-            self._run(fns, " (backward)", [i for i, _, _ in jobs], inline)  # no job: nothing runs
-            self._finish(step)
-
-        return run
-
     @property
     def step_times(self) -> dict[str, float]:
         """Busy seconds of each active device in the last step (waits for a CUDA device to finish it)."""
         return self._log.last_times()
+
+
+def _train_step(
+    self: HeteroDataParallel, inputs: Any, target: Any, loss_fn: Any, reduction: ScalarPolicy
+) -> torch.Tensor:
+    """One local-loss step (see :meth:`HeteroDataParallel.train_step`), each device's micro-batches in turn."""
+    step = self._begin((inputs, target))
+    shards = scatter_to((inputs, target), step.devices, step.sizes, self.dim)
+    replicas = self.replicate(self.module, step.devices)
+    step.pieces, make = local_fns(replicas, shards, step.micro, step.active, self.devices, self._mem, self.dim)
+    step.shards = [(tuple(a), dict(k)) for (a, k), _ in shards]
+    flat = [(tuple(a), dict(k)) for parts in step.pieces for (a, k), _ in parts]
+    weights = policy_weights(reduction, [m for sizes in step.micro for m in sizes], flat)
+    assert weights is not None
+    losses = [x for xs in self._run(make(weights, loss_fn, target is not None), "", step.active) for x in xs]
+    self._replicas.merge_buffers(replicas, step.sizes)  # type: ignore[union-attr]
+    self._finish(step)
+    return sum(to_device(x, self.output_device) * w for x, w in zip(losses, weights))  # type: ignore[return-value]
+
+
+def _backward_runner(
+    self: HeteroDataParallel, step: Step
+) -> Callable[[list[tuple[list[torch.Tensor], list[torch.Tensor]]]], None]:
+    def run(work: list[tuple[list[torch.Tensor], list[torch.Tensor]]]) -> None:
+        jobs, pos = [], 0  # per device, its pieces' (outputs, gradients): one, or one per micro-batch
+        for i, sizes in zip(step.active, step.micro if step.split else [[s] for s in step.sizes]):
+            if any(outs for outs, _ in work[pos : pos + len(sizes)]):
+                jobs.append((i, backward_fn(work[pos : pos + len(sizes)], sizes, i, self._mem)))
+            pos += len(sizes)
+        inline = _engine_job([self.devices[i] for i, _ in jobs], self.output_device)
+        try:
+            self._run([fn for _, fn in jobs], " (backward)", [i for i, _ in jobs], inline)  # no job: none run
+        except BaseException as e:
+            if is_out_of_memory(e):
+                backward_oom(self._mem, self._plans, self.devices, list(self._replicas.copies.values()), e)  # type: ignore[union-attr]
+            raise
+        self._finish(step)
+
+    return run
+
+
+def _retry(self: HeteroDataParallel, run: Callable[[], Any]) -> Any:
+    """``run()``, re-planned and run once more after an out-of-memory error (:func:`~.micro.with_recovery`)."""
+    replicas = lambda: list(self._replicas.copies.values()) if self._replicas is not None else []
+    return with_recovery(run, self._mem, self._plans, self.devices, replicas)
 
 
 def _engine_job(devices: Sequence[Device], output: torch.device) -> int | None:
@@ -339,38 +370,6 @@ def _positions(devices: Sequence[Device], chosen: Sequence[Device]) -> list[int]
     """Where each of ``chosen`` sits in ``devices``, taking repeated devices in order."""
     free = list(range(len(devices)))
     return [free.pop(next(k for k, i in enumerate(free) if devices[i] == d)) for d in chosen]
-
-
-def _local_inputs(
-    inputs: Any, kwargs: dict[str, Any], loss_fn: Callable[..., torch.Tensor] | None, reduction: ScalarPolicy
-) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """``train_step``'s inputs as (args, kwargs), its arguments checked before any device work."""
-    check_policy(reduction, "reduction")
-    if reduction == "stack" or loss_fn is None:
-        raise ValueError(
-            f"train_step needs loss_fn and a reduction of 'mean', 'sum' or a callable, "
-            f"got loss_fn={loss_fn!r}, reduction={reduction!r}"
-        )
-    if isinstance(inputs, dict):
-        return (), {**inputs, **kwargs}
-    return (inputs if isinstance(inputs, tuple) else (inputs,)), dict(kwargs)
-
-
-def _local_step(
-    replica: nn.Module, shard: Any, has_target: bool, loss_fn: Callable[..., torch.Tensor], weight: float
-) -> torch.Tensor:
-    """One replica's forward, loss and weighted backward in local-loss mode; its loss, detached."""
-    (args, kwargs), target = shard
-    out = replica(*args, **kwargs)
-    loss = loss_fn(out, target) if has_target else loss_fn(out)
-    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-        shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
-        raise ValueError(
-            f"loss_fn must return a scalar (0-dim) tensor, got {shape}; reduce it "
-            "with .mean() or .sum() and say which with reduction="
-        )
-    (loss * weight).backward()
-    return loss.detach()
 
 
 def _drop_module_prefix(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
