@@ -25,6 +25,7 @@ from .accelerate_parts import (
     carried_settings,
     check_arguments,
     check_loader,
+    check_whole_shares,
     profiling_inputs,
     throttle_forward,
 )
@@ -158,6 +159,7 @@ class HeteroAccelerator(accelerate.Accelerator):
                 f"the plan has {len(plan.sizes)} shares {list(plan.sizes)} but {self.num_processes} processes run: "
                 "give a plan with one share per process"
             )
+        check_whole_shares(plan, "HeteroAccelerator")
         self.hetero_plan = plan
         for state in self._weightings:
             state.set_plan(plan)

@@ -20,6 +20,7 @@ from .collectives import samples_in
 
 __all__ = [
     "WEIGHTINGS",
+    "check_whole_shares",
     "CARRIED",
     "SharesLoader",
     "check_arguments",
@@ -84,6 +85,8 @@ def check_arguments(
         raise TypeError(f"plan must be a hetsplit Plan, got {type(plan).__name__}: {plan!r}")
     if profile is not None and not isinstance(profile, Profile):
         raise TypeError(f"profile must be a hetsplit Profile, got {type(profile).__name__}: {profile!r}")
+    if plan is not None:
+        check_whole_shares(plan, "HeteroAccelerator")
     if plan is not None and len(plan.sizes) != world:
         raise ValueError(
             f"the plan has {len(plan.sizes)} shares {list(plan.sizes)} but {world} processes run: "
@@ -163,3 +166,18 @@ def throttle_forward(model: torch.nn.Module, device: Device) -> None:
 
     model.register_forward_pre_hook(before)
     model.register_forward_hook(after)
+
+
+def check_whole_shares(plan: Plan, who: str) -> None:
+    """Refuse a plan that runs some process's share as several micro-batches (not followed here yet).
+
+    Raises:
+        ValueError: Naming the process, its micro-batches and what to do instead.
+    """
+    for rank, parts in enumerate(plan.micro_batches):
+        if len(parts) > 1:
+            raise ValueError(
+                f"{who} runs each process's share as one batch, but the plan splits process {rank}'s share "
+                f"{plan.sizes[rank]} into micro-batches {parts}; solve without accumulate (a batch within the "
+                "memory caps), or use hetsplit.distributed.micro_batches in a torchrun loop"
+            )
