@@ -19,7 +19,7 @@ import hetsplit
 from hetsplit.apps.models import BUILTIN_MODELS, lenet, synthetic_batch
 
 
-def bench_solver(n_devices: int, repeats: int = 15) -> dict:
+def bench_solver(n_devices: int, repeats: int = 15, accumulate: bool = False) -> dict:
     rng = random.Random(n_devices)
     meas = {
         f"d{i}": [(b, rng.uniform(1e-3, 1e-2) + b * rng.uniform(1e-4, 1e-2)) for b in (1, 4, 16, 64, 256)]
@@ -31,14 +31,17 @@ def bench_solver(n_devices: int, repeats: int = 15) -> dict:
     for _ in range(repeats):
         profile = hetsplit.Profile.from_measurements(meas, caps)  # fresh: curves not packed yet
         start = time.perf_counter()
-        hetsplit.solve(profile, batch)
+        hetsplit.solve(profile, batch, accumulate=accumulate)
         cold.append(time.perf_counter() - start)
         start = time.perf_counter()
-        plan = hetsplit.solve(profile, batch - 1)  # same profile, another batch: packed curves reused
+        plan = hetsplit.solve(
+            profile, batch - 1, accumulate=accumulate
+        )  # same profile, another batch: packed curves reused
         warm.append(time.perf_counter() - start)
     return {
         "devices": n_devices,
         "batch": batch,
+        "accumulate": accumulate,
         "median_ms": 1e3 * statistics.median(cold),
         "min_ms": 1e3 * min(cold),
         "warm_median_ms": 1e3 * statistics.median(warm),
@@ -76,12 +79,14 @@ def main() -> None:
     results = {
         "machine": f"{platform.node()} {platform.processor() or platform.machine()}, "
         f"{torch.get_num_threads()} threads, torch {torch.__version__}",
-        "solver": [bench_solver(10), bench_solver(10_000)],
+        # Interleaved per size: plain, then micro-batched (accumulate=True) on the same curves.
+        "solver": [bench_solver(n, accumulate=a) for n in (10, 10_000) for a in (False, True)],
         "profiler": bench_profiler(),
     }
     for r in results["solver"]:
         print(
-            f"solve {r['devices']:>6} devices, batch {r['batch']:>9}: median {r['median_ms']:.2f} ms "
+            f"solve {r['devices']:>6} devices, batch {r['batch']:>9}{', accumulate' * r['accumulate']}: "
+            f"median {r['median_ms']:.2f} ms "
             f"(min {r['min_ms']:.2f} ms); again on the same profile: median {r['warm_median_ms']:.2f} ms"
         )
     p = results["profiler"]

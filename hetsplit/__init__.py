@@ -23,6 +23,7 @@ _WHERE = {
     "Device": ".devices",
     "DeviceInfo": ".devices",
     "discover": ".devices",
+    "emulate": ".devices",
     "parse_device": ".devices",
     "parse_devices": ".devices",
     "HeteroDataParallel": ".parallel",
@@ -70,7 +71,7 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:  # what static tools see: the same names, imported eagerly
     from .apps import models
-    from .devices import Device, DeviceInfo, discover, parse_device, parse_devices
+    from .devices import Device, DeviceInfo, discover, emulate, parse_device, parse_devices
     from .parallel import (
         HeteroDataParallel,
         balanced_split,
@@ -103,6 +104,7 @@ __all__ = [
     "balanced_split",
     "count_tokens",
     "discover",
+    "emulate",
     "gather",
     "models",
     "parallel_apply",

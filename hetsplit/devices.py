@@ -4,20 +4,18 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
-import os
-import platform
 import re
 from collections.abc import Iterable, Sequence
 from typing import Any, Union
 
 import torch
 
-from . import emulation
+from . import emulation, hardware
 
 __all__ = [
     "Device",
     "DeviceInfo",
+    "emulate",
     "DeviceLike",
     "parse_device",
     "parse_devices",
@@ -30,7 +28,9 @@ __all__ = [
 
 DeviceLike = Union[str, torch.device, "Device"]
 
-_SPEC = re.compile(r"^(?P<type>cpu|cuda|mps)(?::(?P<index>\d+))?(?:@(?P<speed>[0-9]*\.?[0-9]+(?:[eE][-+]?\d+)?))?$")
+_SPEC = re.compile(
+    r"^(?P<type>cpu|cuda|mps)(?::(?P<index>\d+))?(?:@(?P<speed>[0-9]*\.?[0-9]+(?:[eE][-+]?\d+)?))?(?::max(?P<cap>[^,\s]*))?$"
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,20 +38,24 @@ class Device:
     """A device a shard can run on, possibly emulated at a fraction of its real speed.
 
     ``Device("cpu", None, 0.25, True)`` is the CPU at a quarter speed: after each
-    piece of work it sleeps three times the work's measured duration. Build one with
-    :func:`parse_device` rather than by hand.
+    piece of work it sleeps three times the work's measured duration. With
+    ``max_batch=64`` it also emulates a small memory: a forward on more than 64 samples
+    raises ``torch.OutOfMemoryError``, as a small GPU would. Build one with
+    :func:`parse_device` (``"cpu@0.25:max64"``) or :func:`emulate` rather than by hand.
 
     Attributes:
         type: ``"cpu"``, ``"cuda"`` or ``"mps"``.
         index: The device index (``None`` for the CPU).
         speed: The emulated speed factor in ``(0, 1]``; ``1.0`` for a real device.
-        emulated: Whether the device was asked for with ``@speed`` (even ``@1.0``).
+        emulated: Whether the device was asked for with ``@speed`` (even ``@1.0``) or ``#max_batch``.
+        max_batch: The emulated memory: the most samples one forward may take (``None``: no limit).
     """
 
     type: str
     index: int | None = None
     speed: float = 1.0
     emulated: bool = False
+    max_batch: int | None = None
 
     def __post_init__(self) -> None:
         # Built by hand too (the docstring's example): the same rules as parse_device.
@@ -64,8 +68,12 @@ class Device:
             raise TypeError(f"Device.emulated must be True or False, got {self.emulated!r}")
         if self.emulated:
             emulation.check_speed(self.speed, f"{self.base}@{self.speed}")
-        elif self.speed != 1.0:
-            raise ValueError(f"a real device runs at speed 1.0, got {self.speed!r}; pass emulated=True to slow it")
+        elif self.speed != 1.0 or self.max_batch is not None:
+            raise ValueError(
+                f"a real device runs at speed 1.0 with its own memory, got speed {self.speed!r}, "
+                f"max_batch {self.max_batch!r}; pass emulated=True to emulate a slower or smaller device"
+            )
+        emulation.check_max_batch(self.max_batch, self.base)
 
     @property
     def base(self) -> str:
@@ -74,8 +82,11 @@ class Device:
 
     @property
     def name(self) -> str:
-        """The canonical spelling, e.g. ``"cpu"``, ``"cuda:1"``, ``"cpu@0.25"``."""
-        return f"{self.base}@{self.speed:g}" if self.emulated else self.base
+        """The canonical spelling: ``"cpu"``, ``"cuda:1"``, ``"cpu@0.25"``, ``"cpu@0.25:max64"``, ``"cpu:max64"``."""
+        if not self.emulated:
+            return self.base
+        speed = "" if self.speed == 1.0 and self.max_batch is not None else f"@{self.speed:g}"
+        return f"{self.base}{speed}" + ("" if self.max_batch is None else f":max{self.max_batch}")
 
     @property
     def torch_device(self) -> torch.device:
@@ -108,6 +119,14 @@ class Device:
         """Run the enclosed work at this device's emulated speed (see :func:`hetsplit.emulation.throttle`)."""
         return emulation.throttle(self, cpu_time=cpu_time)
 
+    def check_batch(self, batch: int) -> None:
+        """Raise ``torch.OutOfMemoryError`` if this device's emulated memory cannot take ``batch`` samples.
+
+        The one place emulated memory is enforced: the profiler, ``HeteroDataParallel``
+        and the torchrun recipe call it before each forward (a no-op for other devices).
+        """
+        emulation.check_batch(self, batch)
+
     def __str__(self) -> str:
         return self.name
 
@@ -123,6 +142,7 @@ class DeviceInfo:
         memory_bytes: Total memory of the device (host RAM for the CPU), if known.
         emulated: Whether this is an emulated slower copy of a real device.
         speed: The emulated speed factor (1.0 for real devices).
+        max_batch: The emulated memory in samples (``None``: the device's own).
         uuid: A stable identifier for GPUs (survives ``CUDA_VISIBLE_DEVICES`` changes).
         capability: CUDA compute capability such as ``"9.0"``.
         threads: Intra-op threads torch uses on the CPU.
@@ -137,6 +157,7 @@ class DeviceInfo:
     memory_bytes: int | None = None
     emulated: bool = False
     speed: float = 1.0
+    max_batch: int | None = None
     uuid: str | None = None
     capability: str | None = None
     threads: int | None = None
@@ -159,8 +180,9 @@ def parse_device(spec: DeviceLike, *, check: bool = True) -> Device:
     """Parse one device string into a :class:`Device`.
 
     Accepted forms: ``cpu``, ``cuda``, ``cuda:N``, ``mps``, each optionally followed
-    by ``@SPEED`` with ``0 < SPEED <= 1`` for an emulated slower device. A bare
-    ``cuda`` means the current CUDA device.
+    by ``@SPEED`` with ``0 < SPEED <= 1`` for an emulated slower device, then by
+    ``:maxN`` for an emulated memory that holds a forward of at most ``N`` samples
+    (``cpu@0.25:max64``; ``cpu:max64`` at full speed). A bare ``cuda`` means the current CUDA device.
 
     Args:
         spec: A string, a :class:`torch.device` or a :class:`Device`.
@@ -170,8 +192,7 @@ def parse_device(spec: DeviceLike, *, check: bool = True) -> Device:
         The parsed device.
 
     Raises:
-        TypeError: If ``spec`` is not a string or device.
-        ValueError: If the string is malformed or the device is not available.
+        TypeError, ValueError: If ``spec`` is not a device string or the device is not available.
 
     Example:
         >>> parse_device("cpu@0.25").speed
@@ -188,8 +209,8 @@ def parse_device(spec: DeviceLike, *, check: bool = True) -> Device:
         match = _SPEC.match(text)
         if match is None:
             raise ValueError(
-                f"cannot parse device {spec!r}; expected cpu, cuda, cuda:N or mps, "
-                "optionally with @SPEED for an emulated slower device (e.g. 'cpu@0.25')"
+                f"cannot parse device {spec!r}; expected cpu, cuda, cuda:N or mps, optionally with @SPEED "
+                "for an emulated slower device (e.g. 'cpu@0.25') and :maxN for an emulated memory of N samples"
             )
         kind = match["type"]
         index = int(match["index"]) if match["index"] is not None else None
@@ -198,16 +219,51 @@ def parse_device(spec: DeviceLike, *, check: bool = True) -> Device:
         if kind == "cuda" and index is None:
             index = torch.cuda.current_device() if torch.cuda.is_available() else 0
         speed = 1.0
-        emulated = match["speed"] is not None
-        if emulated:
+        emulated = match["speed"] is not None or match["cap"] is not None
+        if match["speed"] is not None:
             speed = float(match["speed"])
             emulation.check_speed(speed, spec)
-        dev = Device(kind, index, speed, emulated)
+        cap = None
+        if match["cap"] is not None:
+            if not match["cap"].isdigit():
+                raise ValueError(f"device {spec!r}: the emulated memory after ':max' must be a whole number of samples "
+                                 f"(e.g. 'cpu@0.25:max64'), got {match['cap']!r}")  # fmt: skip
+            cap = int(match["cap"])
+        dev = Device(kind, index, speed, emulated, cap)
     else:
         raise TypeError(f"a device must be a string or torch.device, got {type(spec).__name__}: {spec!r}")
     if check:
         _check_available(dev, spec)
     return dev
+
+
+def emulate(base: DeviceLike, *, speed: float = 1.0, max_batch: int | None = None) -> Device:
+    """An emulated device: ``base`` slowed to ``speed`` and, with ``max_batch``, with a small memory.
+
+    The string form ``"cpu@0.25:max64"`` (``"cpu:max64"`` at full speed) works in every ``--devices``
+    list. A forward of over ``max_batch`` samples raises ``torch.OutOfMemoryError``.
+
+    Args:
+        base: The real device, e.g. ``"cpu"`` or ``"cuda:0"``.
+        speed: Speed factor in ``[MIN_SPEED, 1]``.
+        max_batch: Most samples one forward may take (a whole number >= 1), or ``None``.
+
+    Returns:
+        The emulated :class:`Device`, labelled emulated everywhere.
+
+    Raises:
+        TypeError, ValueError: If ``base`` is emulated or unknown, or a value is bad.
+
+    Example:
+        >>> emulate("cpu", speed=0.25, max_batch=64).name
+        'cpu@0.25:max64'
+    """
+    real = parse_device(base)
+    if real.emulated:
+        raise ValueError(f"emulate() takes a real device, got {real.name!r}; write e.g. emulate('cpu', speed=0.25)")
+    emulation.check_speed(speed, f"emulate({real.name!r})")
+    emulation.check_max_batch(max_batch, real.name)
+    return Device(real.type, real.index, float(speed), True, max_batch)
 
 
 def _check_available(dev: Device, spec: Any) -> None:
@@ -262,55 +318,8 @@ def synchronize(device: torch.device | str) -> None:
         torch.mps.synchronize()
 
 
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as fh:
-            for line in fh:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "CPU"
-
-
-@functools.lru_cache(maxsize=1)
-def _nvidia_driver() -> str | None:
-    """The NVIDIA driver version from ``nvidia-smi``, or ``None`` where it can't be asked."""
-    import shutil
-    import subprocess
-
-    exe = shutil.which("nvidia-smi")
-    if exe is None:
-        return None
-    try:
-        out = subprocess.run(
-            [exe, "--query-gpu=driver_version", "--format=csv,noheader"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=True,
-        ).stdout.split()
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return out[0] if out else None
-
-
-def _host_memory() -> int | None:
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return None
-
-
 def describe(device: DeviceLike) -> DeviceInfo:
-    """Describe one device: hardware name, memory, emulation.
-
-    Args:
-        device: Any device spec accepted by :func:`parse_device`.
-
-    Returns:
-        The device's :class:`DeviceInfo`.
-    """
+    """Describe one device (any spec :func:`parse_device` takes): hardware name, memory, emulation."""
     dev = parse_device(device)
     if dev.type == "cuda":
         props = torch.cuda.get_device_properties(dev.index)
@@ -324,24 +333,24 @@ def describe(device: DeviceLike) -> DeviceInfo:
             if uuid is not None and not str(uuid).startswith("GPU-")
             else (str(uuid) if uuid else None),
             capability=f"{props.major}.{props.minor}",
-            driver=_nvidia_driver(),
+            driver=hardware.nvidia_driver(),
             runtime=torch.version.cuda,
         )
     elif dev.type == "mps":
-        info = DeviceInfo(name=dev.name, kind="mps", description="Apple MPS", memory_bytes=_host_memory())
+        info = DeviceInfo(name=dev.name, kind="mps", description="Apple MPS", memory_bytes=hardware.host_memory())
     else:
         info = DeviceInfo(
             name=dev.name,
             kind="cpu",
-            description=_cpu_name(),
-            memory_bytes=_host_memory(),
+            description=hardware.cpu_name(),
+            memory_bytes=hardware.host_memory(),
             threads=torch.get_num_threads(),
         )
     info.torch = torch.__version__
     if dev.emulated:
-        info.emulated = True
-        info.speed = dev.speed
-        info.description = f"{info.description} (emulated at {dev.speed:g}x speed)"
+        info.emulated, info.speed, info.max_batch = True, dev.speed, dev.max_batch
+        memory = "" if dev.max_batch is None else f", memory of {dev.max_batch} samples"
+        info.description = f"{info.description} (emulated at {dev.speed:g}x speed{memory})"
     return info
 
 

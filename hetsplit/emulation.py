@@ -13,10 +13,24 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Protocol
 
-__all__ = ["MIN_SPEED", "check_speed", "current_speed", "set_speed", "delayed", "throttle", "work_clock"]
+__all__ = [
+    "MIN_SPEED",
+    "MAX_EMULATED_BATCH",
+    "check_speed",
+    "check_max_batch",
+    "check_batch",
+    "is_out_of_memory",
+    "current_speed",
+    "set_speed",
+    "delayed",
+    "throttle",
+    "work_clock",
+]
 
 # Below this an emulated step takes over 1000 times its real duration: a typo, not a device.
 MIN_SPEED = 1e-3
+# An emulated memory above this is a typo: no forward that large could run.
+MAX_EMULATED_BATCH = 1 << 40
 
 _SPEED_OVERRIDES: dict[str, float] = {}
 _SLEEP_DEBT: dict[str, float] = {}
@@ -28,6 +42,7 @@ class _Emulated(Protocol):
     type: str
     speed: float
     emulated: bool
+    max_batch: int | None
 
     def synchronize(self) -> None: ...
 
@@ -46,6 +61,48 @@ def check_speed(speed: float, spec: str) -> None:
             f"emulated speed in {spec!r} must be in (0, 1] and at least {MIN_SPEED:g}, got {speed:g}; "
             "write e.g. 'cpu@0.25' for the CPU at a quarter speed"
         )
+
+
+def check_max_batch(max_batch: object, spec: str) -> None:
+    """Raise unless ``max_batch`` is ``None`` or a whole number of samples from 1 to :data:`MAX_EMULATED_BATCH`.
+
+    Raises:
+        TypeError: If it is not an integer (a float, a string, a bool).
+        ValueError: If it is below 1 or absurdly large.
+    """
+    if max_batch is None:
+        return
+    if isinstance(max_batch, bool) or not isinstance(max_batch, int):
+        raise TypeError(
+            f"emulated max_batch for {spec!r} must be a whole number of samples >= 1, "
+            f"got {type(max_batch).__name__}: {max_batch!r}"
+        )
+    if not 1 <= max_batch <= MAX_EMULATED_BATCH:
+        raise ValueError(
+            f"emulated max_batch for {spec!r} must be from 1 to {MAX_EMULATED_BATCH:,} samples, got {max_batch}; "
+            "a device that holds no sample cannot train"
+        )
+
+
+def check_batch(device: _Emulated, batch: int) -> None:
+    """Raise ``torch.OutOfMemoryError`` for a forward of more samples than ``device``'s emulated memory holds."""
+    cap = device.max_batch if device.emulated else None
+    if cap is not None and batch > cap:
+        import torch  # here, not at the top: the CLI imports this module before torch
+
+        raise torch.OutOfMemoryError(
+            f"out of memory (emulated) on {device.name}: a forward on {batch} samples, "
+            f"but its emulated memory holds {cap}"
+        )
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """Whether ``error`` is an out-of-memory error: torch's (CUDA, emulated) or a RuntimeError that says so."""
+    import torch
+
+    return isinstance(error, torch.OutOfMemoryError) or (
+        isinstance(error, RuntimeError) and "out of memory" in str(error)
+    )
 
 
 def current_speed(device: _Emulated) -> float:

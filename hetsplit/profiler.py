@@ -19,9 +19,11 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from .devices import Device, DeviceLike, describe, parse_devices
+from .emulation import is_out_of_memory
 from .planning import checks
 from .planning.curve import Curve
 from .planning.profile import DeviceProfile, Measurement, Profile
+from .planning.records import MemoryModel
 from .tree import batch_length, flatten, move, take_rows
 
 __all__ = ["profile", "default_ladder", "check_ladder", "fingerprint", "call_model", "train_step"]
@@ -135,10 +137,6 @@ def _released(device: torch.device) -> Iterator[None]:
             torch.cuda.empty_cache()
 
 
-def _is_oom(e: BaseException) -> bool:
-    return isinstance(e, torch.cuda.OutOfMemoryError) or (isinstance(e, RuntimeError) and "out of memory" in str(e))
-
-
 class _Runner:
     """Runs timed training steps of one replica on one device."""
 
@@ -147,17 +145,25 @@ class _Runner:
         self.replica = copy.deepcopy(model).to(self.device).train()
         self.n = batch_length(sample)
         self.sample, self.target, self.loss_fn = sample, target, loss_fn
+        self.peaks: dict[int, int] = {}  # CUDA: peak bytes allocated by a step of each batch size
 
     def step(self, batch: int, *, throttled: bool = True) -> float:
+        self.dev.check_batch(batch)  # an emulated memory runs out here, as a GPU's would in the step
         index = torch.arange(batch)
         inputs = move(take_rows(self.sample, index), self.device)
         target = move(take_rows(self.target, index), self.device) if self.target is not None else None
         self.replica.zero_grad(set_to_none=True)
         self.dev.synchronize()
+        cuda = self.device.type == "cuda"
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
         start = time.perf_counter()
         train_step(self.replica, inputs, target, self.loss_fn, self.dev if throttled else None)
         self.dev.synchronize()
-        return time.perf_counter() - start
+        elapsed = time.perf_counter() - start
+        if cuda:
+            self.peaks[batch] = max(self.peaks.get(batch, 0), int(torch.cuda.max_memory_allocated(self.device)))
+        return elapsed
 
     def try_step(self, batch: int) -> bool:
         """Run one untimed step; False if it ran out of memory."""
@@ -166,7 +172,7 @@ class _Runner:
                 self.step(batch, throttled=False)
                 return True
             except Exception as e:
-                if not _is_oom(e):
+                if not is_out_of_memory(e):
                     raise RuntimeError(
                         f"a training step of batch {batch} failed on {self.dev.name}: {type(e).__name__}: {e}; "
                         "check the model runs on this sample (BatchNorm needs batches of 2 or more)"
@@ -217,7 +223,10 @@ def profile(
         repeats: Timed steps per batch size.
         warmup: Untimed steps before timing each batch size.
         time_budget: Seconds for the whole profile, shared equally by the devices.
-        find_memory_cap: Probe CUDA devices for their largest batch.
+        find_memory_cap: Probe CUDA devices (and emulated memories, ``cpu:max64``) for their
+            largest batch: the batch doubles until out of memory (caught, memory released),
+            then bisects to within 1/16. On CUDA each step's peak memory is recorded and
+            fitted as ``m(b) = base + per_sample * b`` (``DeviceProfile.memory``).
         max_probe: Largest batch tried when probing for the memory cap.
         progress: Show a progress bar (default: when stderr is a terminal).
         model_name: Name recorded in the profile (default: the model's class name).
@@ -315,7 +324,8 @@ def _measure(
                 if projected * (repeats + warmup) > budget:
                     continue
             if not runners[i].try_step(b):  # warm-up and memory check in one
-                caps[i] = max(sizes) if sizes else 0
+                ok = max(sizes) if sizes else 0
+                caps[i] = _bisect(runners[i], ok, b, time.perf_counter() + budget / 4) if ok else 0
                 continue
             for _ in range(max(warmup - 1, 0)):
                 runners[i].step(b, throttled=False)
@@ -336,10 +346,13 @@ def _measure(
             raise RuntimeError(f"device {dev.name} cannot run even batch {ladder[0]}: out of memory")
         measured = [Measurement(b, ts) for b, ts in sorted(times[i].items())]
         probed = measured[-1].batch
-        if caps[i] is None and find_cap and dev.type == "cuda":
+        if caps[i] is None and find_cap and (dev.type == "cuda" or dev.max_batch is not None):
             caps[i], probed = _probe_cap(runner, probed, max_probe, time.perf_counter() + budget)
         curve = Curve.fit([(m.batch, m.median) for m in measured], caps[i])
-        entries.append(DeviceProfile(describe(dev), measured, curve, memory_cap=caps[i], memory_probed_to=probed))
+        memory = MemoryModel.fit(sorted(runner.peaks.items())) if runner.peaks else None
+        entries.append(
+            DeviceProfile(describe(dev), measured, curve, memory_cap=caps[i], memory_probed_to=probed, memory=memory)
+        )
     del runners
     gc.collect()
     return entries
@@ -357,13 +370,18 @@ def _probe_cap(runner: _Runner, ok: int, max_probe: int, deadline: float) -> tup
             break
     if bad is None:
         return None, ok
+    return _bisect(runner, ok, bad, deadline), bad
+
+
+def _bisect(runner: _Runner, ok: int, bad: int, deadline: float) -> int:
+    """The largest batch that fits, between ``ok`` (fits) and ``bad`` (ran out of memory), to within 1/16."""
     while bad - ok > max(1, ok // 16) and time.perf_counter() < deadline:
         mid = (ok + bad) // 2
         if runner.try_step(mid):
             ok = mid
         else:
             bad = mid
-    return ok, bad
+    return ok
 
 
 def _input_shape(sample: Any) -> list[list[int]]:

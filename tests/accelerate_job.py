@@ -116,26 +116,46 @@ def _():
 
 @scenario("metrics")
 def _():
-    # 13 samples, global batch 8: the last batch is padded (as accelerate pads); gather_for_metrics
-    # drops the padding, and reduce("mean") of per-process means is the global mean.
-    acc = HeteroAccelerator(plan=plan(5, 3))
-    model, _ = model_pair()
-    data = TensorDataset(torch.arange(13), X[:13], Y[:13])
-    model, loader = acc.prepare(model, DataLoader(data, batch_size=4))
-    got, losses, full = [], [], []
-    with torch.no_grad():
-        for idx, xb, yb in loader:
-            got.append(acc.gather_for_metrics(idx))
-            losses.append(acc.reduce(F.mse_loss(model(xb), yb), "mean"))
-            everything = acc.gather(idx)
-            full.append(F.mse_loss(model.module(X[everything]), Y[everything]))
-    assert sorted(torch.cat(got).tolist()) == list(range(13)), got
-    for mine, reference in zip(losses, full):
-        assert abs(mine.item() - reference.item()) < 1e-12, (mine, reference)
+    # A padded last batch (as accelerate pads): gather_for_metrics drops the padding wherever it
+    # falls (inside a share or at the boundary), and reduce("mean") of per-process means is the
+    # mean of the global batch.
+    for n in (11, 13, 14):
+        acc = HeteroAccelerator(plan=plan(5, 3))
+        model, _ = model_pair()
+        data = TensorDataset(torch.arange(n), X[:n], Y[:n])
+        model, loader = acc.prepare(model, DataLoader(data, batch_size=4))
+        got, losses, full = [], [], []
+        with torch.no_grad():
+            for idx, xb, yb in loader:
+                got.append(acc.gather_for_metrics(idx))
+                losses.append(acc.reduce(F.mse_loss(model(xb), yb), "mean"))
+                everything = acc.gather(idx)
+                full.append(F.mse_loss(model.module(X[everything]), Y[everything]))
+        assert sorted(torch.cat(got).tolist()) == list(range(n)), (n, got)
+        for mine, reference in zip(losses, full):
+            assert abs(mine.item() - reference.item()) < 1e-12, (n, mine, reference)
     # Another loader's batch (an evaluation loader, batch 3 per process): the plan's proportions.
     evaluation = acc.prepare(DataLoader(data, batch_size=3))
     idx, _, _ = next(iter(evaluation))
     assert len(idx) == [4, 2][acc.process_index], len(idx)
+    assert acc.prepare(evaluation) is evaluation  # preparing twice is harmless, as in accelerate
+
+
+@scenario("epochs")
+def _():
+    # Two epochs: each covers the data once across processes, in a new order; a resumed epoch
+    # (skip_first_batches) continues that epoch's order with the same shares.
+    acc = HeteroAccelerator(plan=plan(5, 3))
+    loader = acc.prepare(DataLoader(DATA, batch_size=4, shuffle=True))
+    orders = []
+    for _ in range(2):
+        order = torch.cat([acc.gather(idx) for idx, _, _ in loader])
+        assert sorted(order.tolist()) == list(range(N)), order
+        orders.append(order.tolist())
+    assert orders[0] != orders[1], orders
+    loader.set_epoch(1)
+    resumed = [acc.gather(idx).tolist() for idx, _, _ in acc.skip_first_batches(loader, 1)]
+    assert resumed == [orders[1][8:]], (resumed, orders[1])
 
 
 @scenario("profiled")

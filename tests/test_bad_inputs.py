@@ -24,7 +24,7 @@ import hetsplit
 from hetsplit import Profile, ProfileFileError
 from hetsplit.apps.cli import main
 from hetsplit.devices import Device
-from hetsplit.planning import solve
+from hetsplit.planning import plan_from_sizes, solve
 from hetsplit.planning.checks import MAX_BATCH, MAX_DEVICES
 from hetsplit.planning.plan import sizes_from_weights
 
@@ -116,7 +116,51 @@ API_ROWS = [
      "at least one sample"),
     ("16 run_processes unknown model", lambda: _run_processes(["cpu", "cpu@0.5"], "nosuch", [4, 4], 1, 1),
      ValueError, "unknown model 'nosuch'"),
+    # issue 15: emulated memory, micro-batches
+    ("m emulate max_batch 0", lambda: hetsplit.emulate("cpu", max_batch=0), ValueError, "from 1 to"),
+    ("m emulate max_batch negative", lambda: hetsplit.emulate("cpu", max_batch=-3), ValueError, "got -3"),
+    ("m emulate max_batch a float", lambda: hetsplit.emulate("cpu", max_batch=2.5), TypeError, "float: 2.5"),
+    ("m emulate max_batch a bool", lambda: hetsplit.emulate("cpu", max_batch=True), TypeError, "bool: True"),
+    ("m emulate max_batch a string", lambda: hetsplit.emulate("cpu", max_batch="64"), TypeError, "str: '64'"),
+    ("m emulate an emulated device", lambda: hetsplit.emulate("cpu@0.5"), ValueError, "takes a real device"),
+    ("m emulate speed 0", lambda: hetsplit.emulate("cpu", speed=0), ValueError, "at least 0.001"),
+    ("m device string cap 0", lambda: hetsplit.parse_device("cpu:max0"), ValueError, "got 0"),
+    ("m device string cap fractional", lambda: hetsplit.parse_device("cpu@0.5:max1.5"), ValueError,
+     "after ':max' must be a whole number"),
+    ("m Device cap on a real device", lambda: Device("cpu", max_batch=4), ValueError, "pass emulated=True"),
+    ("m accumulate not a bool", lambda: solve(_profile(), 10, accumulate="yes"), TypeError, "got 'yes'"),
+    ("m accumulate, no device holds a sample",
+     lambda: solve(Profile.from_measurements({"a": [(16, 0.1)]}, memory_caps={"a": 0}), 10, accumulate=True),
+     ValueError, "give devices that hold at least one sample"),
+    ("m cap-limited without accumulate",
+     lambda: solve(Profile.from_measurements({"a": [(16, 0.1)]}, memory_caps={"a": 8}), 10), ValueError,
+     "accumulate=True"),
+    ("m HDP accumulate not a bool", lambda: hetsplit.HeteroDataParallel(nn.Linear(2, 2), ["cpu", "cpu@0.5"],
+     weights=[1, 1], accumulate=1), TypeError, "got 1"),
+    ("m micro-batches not summing to the share", lambda: hetsplit.Plan(["a"], [5], [0.0], 5, micro_batches=[[3, 3]]),
+     ValueError, "summing to that device's share 5"),
+    ("m micro-batch of 0", lambda: hetsplit.Plan(["a"], [5], [0.0], 5, micro_batches=[[5, 0]]), ValueError,
+     "whole numbers >= 1"),
+    ("m torchrun micro-batches of another share", lambda: list(hetsplit.distributed.micro_batches(
+     None, torch.zeros(4), hetsplit.Plan(["a", "b"], [5, 3], [0.0, 0.0], 8), rank=0)), ValueError,
+     "the plan gives this rank 5"),
+    # 14: HeteroAccelerator checks everything before accelerate or a process group starts
+    ("14 accelerator weighting", lambda: _accelerator(weighting="mean"), ValueError, "weighting='mean'"),
+    ("14 accelerator plan as a file name", lambda: _accelerator(plan="plan.json"), TypeError, "got str"),
+    ("14 accelerator plan for 3 processes", lambda: _accelerator(plan=plan_from_sizes(None, ["a", "b", "c"],
+     [1, 1, 1])), ValueError, "3 shares [1, 1, 1] but 1 processes run"),
+    ("14 accelerator global batch", lambda: _accelerator(global_batch_size=0), ValueError, "got 0"),
+    ("15 accelerator plan with micro-batches", lambda: _accelerator(plan=hetsplit.Plan(["a"], [5], [0.1], 5,
+     micro_batches=[[3, 2]])), ValueError, "into micro-batches [3, 2]"),
+    ("14 accelerator two devices, one process", lambda: _accelerator(devices="cpu,cpu@0.25"), ValueError,
+     "this job runs 1 process"),
 ]  # fmt: skip
+
+
+def _accelerator(**kwargs):
+    from hetsplit.accelerate import HeteroAccelerator
+
+    return HeteroAccelerator(**kwargs)
 
 
 @pytest.mark.parametrize("name, call, error, fragment", API_ROWS, ids=[r[0] for r in API_ROWS])
@@ -139,6 +183,10 @@ LEGIT_ROWS = [
     ("7 a device picked twice is numbered on", lambda: _merged([("cpu", 2), ("cpu@0.25", 1), ("cpu", 2)]).devices,
      ["cpu#1", "cpu#2", "cpu@0.25", "cpu#3", "cpu#4"]),
     ("10 the largest batch", lambda: sum(solve(_profile(), MAX_BATCH).sizes), MAX_BATCH),
+    ("m accumulate without caps: one micro-batch each", lambda: solve(_profile(), 100, accumulate=True).micro_batches,
+     [[85], [15]]),
+    ("m a device that holds no sample gets none", lambda: solve(Profile.from_measurements(
+     {"a": [(16, 0.1)], "b": [(16, 0.1)]}, memory_caps={"a": 0}), 10, accumulate=True).sizes, [0, 10]),
 ]  # fmt: skip
 
 
@@ -277,6 +325,8 @@ CLI_ROWS = [
     ("5", ["profile", "--profile-dir", "/proc/hetsplit/profiles", "--devices", "cpu"], 1,
      "cannot write to /proc/hetsplit/profiles"),
     ("6", ["plan", "BINARY", "--batch-size", "8"], 1, "not a text file"),
+    ("m", ["profile", "--devices", "cpu,cpu:max0"], 1, "from 1 to"),
+    ("m", ["profile", "--devices", "cpu,cpu@0.5:maxx"], 1, "after ':max' must be a whole number"),
     ("7", ["plan", "--use", "PROFILE:cpu*100000", "--batch-size", "8"], 1, "at most 10,000 devices"),
     ("7", ["plan", "--use", "PROFILE:cpu*6000", "--use", "PROFILE:cpu*6000", "--batch-size", "8"], 1,
      "at most that many"),

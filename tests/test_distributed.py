@@ -55,6 +55,22 @@ def _ddp_step(sizes, rank, hook, with_plan=True, method="hook", reduction="mean"
     return _rel_err(ddp.module, [p.grad for p in ref.parameters()])
 
 
+def _micro_step(sizes, micro, rank, method):
+    x, y = _batch(sum(sizes))
+    start = sum(sizes[:rank])
+    xs, ys = x[start : start + sizes[rank]], y[start : start + sizes[rank]]
+    plan = hetsplit.Plan(["a", "b"], sizes, [0.0, 0.0], sum(sizes), micro_batches=micro)
+    ddp = DDP(_net())
+    hd.weight_gradients(ddp, plan, method=method)
+    for _ in range(2):  # two steps: the micro-batch count starts over
+        ddp.zero_grad()
+        for xm, ym in hd.micro_batches(ddp, (xs, ys), plan, device="cpu"):
+            F.cross_entropy(ddp(xm), ym).backward()
+    ref = _net()
+    F.cross_entropy(ref(x), y).backward()
+    return _rel_err(ddp.module, [p.grad for p in ref.parameters()])
+
+
 def _worker(rank, init_file, out_dir):
     torch.set_num_threads(1)
     dist.init_process_group(
@@ -167,6 +183,9 @@ def _worker(rank, init_file, out_dir):
     except hd.DistributedError as e:
         res["plan_method_error"] = str(e)
     res["err_equal_plain"] = _ddp_step([5, 5], rank, hook=False)
+    for method in ("hook", "outputs"):  # micro-batches under no_sync, weighted by their samples
+        res[f"err_micro_{method}"] = _micro_step([7, 5], [[3, 2, 2], [5]], rank, method)
+    res["err_micro_both"] = _micro_step([6, 4], [[3, 3], [2, 1, 1]], rank, "hook")
     sampler = hd.HeteroDistributedSampler(list(range(23)), plan_from_sizes(None, ["a", "b"], [7, 3]), seed=5)
     res["sampler"] = list(sampler)
     res["sampler_steps"] = sampler.steps
@@ -227,6 +246,11 @@ def test_calibration_moves_the_plan_off_a_rank_slower_than_its_profile(ranks):
 def test_weighted_hook_gives_full_batch_gradients(ranks):
     # float64 throughout; the only difference from the reference is summation order.
     assert all(r["err_hook"] < 1e-6 for r in ranks)
+
+
+def test_micro_batches_under_no_sync_give_full_batch_gradients(ranks):
+    for r in ranks:
+        assert r["err_micro_hook"] < 1e-9 and r["err_micro_outputs"] < 1e-9 and r["err_micro_both"] < 1e-9
 
 
 def test_plain_ddp_mean_is_biased_on_uneven_shares(ranks):

@@ -104,3 +104,14 @@ def test_gpt2_padded_loss_on_gpu_and_cpu():
     out.loss.backward()
     expected.loss.backward()
     _assert_grads(model, ref)
+
+
+def test_profile_measures_peak_memory_and_fits_the_memory_model():
+    model = nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 10))
+    prof = hetsplit.profile(
+        model, torch.randn(8, 256), ["cuda:0"], batch_sizes=[8, 64, 512], repeats=1, time_budget=20, progress=False
+    )
+    mem = prof.entries[0].memory
+    assert mem is not None and [b for b, _ in mem.peaks] == [8, 64, 512]
+    assert mem.per_sample > 0 and mem(512) >= mem(8)
+    assert hetsplit.Profile.from_dict(prof.to_dict()).entries[0].memory == mem

@@ -171,3 +171,31 @@ def test_cuda_profile_finds_a_memory_cap():
     assert gpu.info.kind == "cuda" and gpu.info.memory_bytes > 0
     assert gpu.memory_probed_to >= 64
     assert torch.cuda.memory_allocated() < 2**30  # memory released after probing
+
+
+def test_an_emulated_memory_is_probed_like_a_gpu():
+    prof = profile(
+        nn.Linear(8, 3), torch.randn(4, 8), ["cpu:max100"], batch_sizes=[2, 8, 32], repeats=1, warmup=0,
+        time_budget=5, max_probe=512, progress=False,
+    )  # fmt: skip
+    entry = prof.entries[0]
+    # The ladder fits; doubling hits the emulated out-of-memory at 128, bisection finds the cap (to 1/16).
+    assert entry.memory_cap is not None and 94 <= entry.memory_cap <= 100 and entry.curve.memory_cap == entry.memory_cap
+    assert entry.info.emulated and entry.info.max_batch == 100 and "memory of 100 samples" in entry.info.description
+    assert entry.memory is None  # peak memory is measured on CUDA only
+    plan = solve(prof, 1000, accumulate=True)
+    assert plan.sizes == [1000] and max(plan.micro_batches[0]) <= entry.memory_cap
+
+
+def test_memory_model_round_trips_and_old_entries_load():
+    from hetsplit.planning.records import DeviceProfile, MemoryModel
+
+    model = MemoryModel.fit([(8, 1_000 + 8 * 50), (32, 1_000 + 32 * 50), (64, 1_000 + 64 * 50)])
+    assert model.base == pytest.approx(1_000) and model.per_sample == pytest.approx(50)
+    assert MemoryModel.from_dict(model.to_dict()) == model
+    prof = profile(nn.Linear(8, 3), torch.randn(4, 8), ["cpu"], batch_sizes=[2, 4], repeats=1, warmup=0, progress=False)
+    data = prof.entries[0].to_dict()
+    assert "memory" not in data  # no key for an unmeasured model: old readers see the same file
+    assert DeviceProfile.from_dict({**data, "memory": model.to_dict()}).memory == model
+    with pytest.raises(ValueError, match="bytes >= 0"):
+        DeviceProfile.from_dict({**data, "memory": {"peaks": [[8, 1]], "base": -1.0, "per_sample": 2.0}})

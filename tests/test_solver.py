@@ -140,3 +140,91 @@ def test_plan_round_trip_and_from_sizes():
     assert again.sizes == [6, 4] and again.times[1] == math.inf and again.devices == ["a", "b"]
     solved = solve(p, 50)
     assert Plan.from_dict(solved.to_dict()) == solved
+
+
+def _micro_time(curve, b):
+    """Brute force: the best near-equal micro-batching of ``b`` samples under the curve's cap."""
+    if b == 0:
+        return 0.0
+    cap = curve.memory_cap
+    if cap is None:
+        return curve(b)
+    if cap == 0:
+        return math.inf
+    best = math.inf
+    for k in range(-(-b // cap), b + 1):
+        q, r = divmod(b, k)
+        best = min(best, (r * curve(q + 1) if r else 0.0) + (k - r) * curve(q))
+    return best
+
+
+def _convex_profile(rng, n):
+    meas, caps = {}, {}
+    for i in range(n):
+        fixed, per, power = rng.uniform(0, 0.05), rng.uniform(0.001, 0.02), rng.choice([0.7, 1.0, 1.6])
+        sizes = sorted(rng.sample(range(1, 30), rng.randint(1, 4)))
+        meas[f"d{i}"] = [(b, fixed + per * b**power * rng.uniform(0.8, 1.2)) for b in sizes]
+        if rng.random() < 0.7:
+            caps[f"d{i}"] = rng.randint(0, 9)
+    return Profile.from_measurements(meas, caps)
+
+
+def test_accumulate_is_optimal_against_brute_force():
+    rng = random.Random(1)
+    checked = 0
+    for _ in range(300):
+        profile = _convex_profile(rng, rng.randint(1, 3))
+        names, batch = profile.devices, rng.randint(1, 20)
+        curves = [profile.curve(n) for n in names]
+        if all(c.memory_cap == 0 for c in curves):
+            with pytest.raises(ValueError, match="at least one sample"):
+                solve(profile, batch, accumulate=True)
+            continue
+        plan = solve(profile, batch, accumulate=True)
+        best = math.inf
+        for head in itertools.product(range(batch + 1), repeat=len(names) - 1):
+            if sum(head) <= batch:
+                sizes = (*head, batch - sum(head))
+                best = min(best, max(_micro_time(c, s) for c, s in zip(curves, sizes)))
+        assert plan.step_time == pytest.approx(best, rel=1e-9, abs=1e-15)
+        for c, size, micro, t in zip(curves, plan.sizes, plan.micro_batches, plan.times):
+            assert sum(micro) == size and max(micro, default=0) - min(micro, default=0) <= 1
+            assert c.memory_cap is None or max(micro, default=0) <= c.memory_cap
+            assert sum(c(m) for m in micro) == pytest.approx(t, rel=1e-9) and t == pytest.approx(_micro_time(c, size))
+        checked += 1
+    assert checked > 250
+
+
+def test_accumulate_runs_a_batch_larger_than_every_cap():
+    p = Profile.from_measurements({"a": [(16, 0.016), (64, 0.064)], "b": [(16, 0.064), (64, 0.256)]}, {"a": 64})
+    assert solve(p, 512).sizes == [64, 448]  # today's cap-limited plan
+    plan = solve(p, 512, accumulate=True)
+    assert plan.sizes == [410, 102] and plan.micro_batches == [[59, 59, 59, 59, 58, 58, 58], [102]]
+    assert Plan.from_dict(plan.to_dict()) == plan
+    old = plan.to_dict()
+    del old["micro_batches"]  # a plan saved before micro-batches: one batch per device
+    assert Plan.from_dict(old).micro_batches == [[410], [102]]
+    capped = Profile.from_measurements({"a": [(16, 0.016)], "b": [(16, 0.064)]}, {"a": 8, "b": 8})
+    with pytest.raises(ValueError, match="accumulate=True"):
+        solve(capped, 100)
+    assert solve(capped, 100, accumulate=True).sizes == [80, 20]
+    uncapped = Profile.from_measurements({"a": [(16, 0.02), (64, 0.05)]})
+    assert solve(uncapped, 500, accumulate=True).micro_batches == [[500]]  # no cap: one micro-batch
+
+
+def test_accumulate_many_devices_matches_capacity():
+    rng = random.Random(3)
+    meas = {
+        f"d{i}": [(b, rng.uniform(1e-3, 1e-2) + b * rng.uniform(1e-4, 1e-2)) for b in (1, 4, 16, 64)]
+        for i in range(300)
+    }
+    caps = {f"d{i}": rng.randint(1, 40) for i in range(0, 300, 2)}
+    profile = Profile.from_measurements(meas, caps)
+    plan = solve(profile, 30_000, accumulate=True)
+    # Optimal: one sample more on any device would take at least the step time.
+    from hetsplit.planning.solver import micro_table
+
+    engine = micro_table(profile.table(profile.devices))
+    more = engine.evaluate([s + 1 for s in plan.sizes])
+    assert min(more) >= plan.step_time
+    assert max(plan.times) == plan.step_time

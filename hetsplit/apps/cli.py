@@ -172,6 +172,11 @@ def build_parser() -> argparse.ArgumentParser:
         type=_positive_float,
         help="bandwidth of the slowest link between the devices (Gbit/s), to estimate the all-reduce",
     )
+    p.add_argument(
+        "--accumulate",
+        action="store_true",
+        help="let a device with a memory cap take more than its cap, run as micro-batches (gradient accumulation)",
+    )
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
 
     p = sub.add_parser(

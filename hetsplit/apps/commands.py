@@ -32,6 +32,16 @@ def _fmt_bytes(n: int | None) -> str:
     return "-" if n is None else f"{n / 2**30:.1f} GiB"
 
 
+def _memory_text(model: object) -> str:
+    """A fitted memory curve as ``1.2 GiB + 3.40 MiB per sample``."""
+    base, per = model.base, model.per_sample  # type: ignore[attr-defined]
+    return f"m(b) = {base / 2**30:.2f} GiB + {per / 2**20:.2f} MiB per sample (fitted to {len(model.peaks)} peaks)"  # type: ignore[attr-defined]
+
+
+def _micro_note(micro: list[int]) -> str:
+    return f" as {len(micro)} micro-batches" if len(micro) > 1 else ""
+
+
 def fmt_time(t: float) -> str:
     """Seconds as ``12.34 ms`` (below 10 s) or ``12.34 s``; ``inf`` for an infinite time."""
     if not math.isfinite(t):
@@ -132,7 +142,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
         model_name=spec.name,
     )
     path = store.save_profile(prof, args.out, directory=args.profile_dir)
-    plan = solver.solve(prof, args.batch_size)
+    plan = solver.solve(prof, args.batch_size, accumulate=True)  # a capped device may take micro-batches
     rows = []
     for e, size in zip(prof.entries, plan.sizes):
         top = e.measurements[-1].batch
@@ -141,14 +151,17 @@ def cmd_profile(args: argparse.Namespace) -> int:
                 e.name + (" (emulated)" if e.info.emulated else ""),
                 e.info.description,
                 f"{prof.throughput(e.name, top):,.0f} @ {top}",
-                "-" if e.memory_cap is None else str(e.memory_cap),
-                f"{size} ({size / args.batch_size:.0%})",
+                "-" if e.memory_cap is None else f"{e.memory_cap}" + (" (emulated)" if e.info.max_batch else ""),
+                f"{size} ({size / args.batch_size:.0%})" + _micro_note(plan.micro_batches[len(rows)]),
             ]
         )
     print(table(rows, ["device", "hardware", "samples/s @ batch", "memory cap", f"share of {args.batch_size}"]))
+    for e in prof.entries:
+        if e.memory is not None:  # CUDA: the fitted memory curve
+            print(f"{e.name} peak memory: {_memory_text(e.memory)}")
+    even = f"{plan.speedup_vs_even:.2f}x the even split" if math.isfinite(plan.speedup_vs_even) else "the even split"
     print(
-        f"\npredicted step {fmt_time(plan.step_time)}: {plan.speedup_vs_even:.2f}x the even split, "
-        f"{plan.speedup_vs_single:.2f}x {plan.single_device} alone"
+        f"\npredicted step {fmt_time(plan.step_time)}: {even}, {plan.speedup_vs_single:.2f}x {plan.single_device} alone"
     )
     print(f"profile written to {path}" + (" (it replaced the file there)" if replacing else ""))
     return 0
@@ -200,6 +213,12 @@ def cmd_show(args: argparse.Namespace) -> int:
             missing = [d for d in plan.devices if d not in prof.devices]
             if missing:
                 raise CLIError(f"{args.plan}: devices {missing} are not in the profile {args.file} ({prof.devices})")
+        for e in prof.entries:  # the caps and, on CUDA, the memory curve, also as text
+            if e.memory_cap is not None or e.memory is not None:
+                cap = "not reached" if e.memory_cap is None else f"{e.memory_cap} samples"
+                kind = " (emulated)" if e.info.max_batch else ""
+                extra = f"; peak memory {_memory_text(e.memory)}" if e.memory is not None else ""
+                print(f"{e.name}: memory cap {cap}{kind}{extra}")
         path = plot_profile(prof, out, plan=plan, batch_size=args.batch_size)
     print(f"picture written to {path}")
     return 0

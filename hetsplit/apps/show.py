@@ -97,7 +97,9 @@ def plot_profile(profile: Profile, out: str | Path, *, plan: Plan | None = None,
         cap = e.curve.memory_cap
         grid = grid[grid <= cap] if cap is not None else grid
         fit = [e.curve(b) for b in grid]
-        ax_t.plot(grid, [t * 1e3 for t in fit], color=color, lw=1.5, label=f"{label}: fitted curve")
+        mem = e.memory
+        note = f" (memory {mem.base / 2**20:.0f} MiB + {mem.per_sample / 2**20:.2f} MiB/sample)" if mem else ""
+        ax_t.plot(grid, [t * 1e3 for t in fit], color=color, lw=1.5, label=f"{label}: fitted curve{note}")
         ax_thr.plot(grid, [b / t if t > 0 else math.nan for b, t in zip(grid, fit)], color=color, lw=1.5, label=label)
         ax_thr.scatter(xs, [b / t for b, t in zip(xs, meds)], s=28, color=color)
         if cap is not None:

@@ -85,7 +85,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     parts = [(loaded[path], name, n) for (path, name), n in picks.items()]
     combined = Profile.merge(parts)
     whatif = len(loaded) > 1 or bool(args.use)
-    plan = solver.solve(combined, args.batch_size)
+    plan = solver.solve(combined, args.batch_size, accumulate=args.accumulate)
     fingerprints = {p.model.get("fingerprint") for p in loaded.values()}
     params = [p.model.get("parameter_bytes") for p in loaded.values()]
     comm = None
@@ -105,6 +105,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
     rows = []
     for name, size, t, extra in zip(plan.devices, plan.sizes, plan.times, plan.extrapolated):
         notes = [n for n, on in (("emulated", name in plan.emulated), ("beyond measured sizes", extra)) if on]
+        micro = plan.micro_batches[len(rows)]
+        if len(micro) > 1:  # run as micro-batches with gradient accumulation
+            notes.insert(
+                0, f"{len(micro)} micro-batches of {micro[-1]}" + (f"-{micro[0]}" if micro[0] != micro[-1] else "")
+            )
         rows.append([name, str(size), f"{size / plan.batch_size:.1%}", fmt_time(t), ", ".join(notes)])
     model = next(iter(loaded.values())).model.get("name", "model")
     sources = ", ".join(f"{path} ({p.host}, {p.created[:10]})" for path, p in loaded.items())
@@ -139,7 +144,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         + ("faster" if plan.single_time >= total else "as fast: adding devices loses")
     )
     if whatif and len(parts) > 1:
-        _print_worth(combined, parts, args.batch_size, total, exchange, with_comm=comm is not None)
+        _print_worth(
+            combined, parts, args.batch_size, total, exchange, with_comm=comm is not None, accumulate=args.accumulate
+        )
     print("\nThese are predictions from the profiles' fitted curves, not measurements.")
     return 0
 
@@ -152,6 +159,7 @@ def _print_worth(
     exchange: Callable[[list[int]], float],
     *,
     with_comm: bool,
+    accumulate: bool = False,
 ) -> None:
     """For each addition, the step without it (and, for copies, without one of them).
 
@@ -174,7 +182,7 @@ def _print_worth(
             one = f"without one {device} of {prof.host} (any of the {n} copies)"
             cases.append((one, names[: end - 1] + names[end:]))
         for text, rest_names in cases:
-            rest = solver.solve(combined, batch_size, devices=rest_names)
+            rest = solver.solve(combined, batch_size, devices=rest_names, accumulate=accumulate)
             t = rest.step_time + exchange(rest.sizes)
             print(f"  {text}: {fmt_time(t)} ({t / total:.2f}x the full set's step)")
         start = end

@@ -2,11 +2,12 @@
 
 ``_group`` (ranks, collectives that fail with one clear error) → ``rank_plan`` (each rank
 profiles its device, rank 0 solves, DDP steps calibrate) → ``sampler`` (each rank's
-share of every global batch) → ``comm_hooks`` (gradients weighted by shard) →
+share of every global batch; ``accumulate`` its micro-batches) → ``comm_hooks`` (gradients weighted by shard) →
 ``rebalance`` (online rebalancing across ranks).
 """
 
 from ._group import DistributedError, failure_message, guard, init_timeout, is_failure, verify_plan
+from .accumulate import micro_batches
 from .comm_hooks import WeightingState, scale_loss, weight_gradients
 from .rank_plan import plan, rank_device
 from .rebalance import DistributedRebalancer
@@ -26,6 +27,7 @@ __all__ = [
     "init",
     "init_timeout",
     "is_failure",
+    "micro_batches",
     "plan",
     "rank_device",
     "scale_loss",

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..emulation import is_out_of_memory
 from ..planning.plan import Plan
 
 __all__ = [
@@ -200,6 +201,8 @@ class guard:  # lower case: used like a function, `with hd.guard(step=i):`
         return self
 
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None) -> bool:
+        if error is not None and is_out_of_memory(error) and not isinstance(error, DistributedError):
+            raise _oom_error(error, self.step if self.step is not None else current_step(), self.group) from error
         if error is None or not is_failure(error):
             return False
         rank = world = None
@@ -209,6 +212,21 @@ class guard:  # lower case: used like a function, `with hd.guard(step=i):`
         raise as_error(
             error, rank=rank, world=world, step=step, what=self.what, timeout=group_timeout(self.group)
         ) from error
+
+
+def _oom_error(error: BaseException, step: int | None, group: Any) -> DistributedError:
+    """Out of memory on this rank: one line; the other ranks stop at their next collective, naming this rank."""
+    rank = dist.get_rank(group) if dist.is_available() and dist.is_initialized() else None
+    where = ", ".join(
+        x for x in (f"rank {rank}" if rank is not None else "", f"step {step}" if step is not None else "") if x
+    )
+    return DistributedError(
+        f"{where or 'this rank'}: out of memory ({error}); every rank stops: give this rank a smaller share or "
+        "micro-batches (a profile with its memory cap and hd.plan(..., accumulate=True), then hd.micro_batches) "
+        "or use a smaller batch",
+        step=step,
+        ranks=[rank] if rank is not None else None,
+    )
 
 
 def collective(what: str, fn: Callable[[], Any], rank: int, group: Any = None, *, step: int | None = None) -> Any:

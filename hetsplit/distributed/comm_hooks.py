@@ -33,13 +33,18 @@ class WeightingState:
         self.buffers: dict[int, torch.Tensor] = {}  # per bucket: the packing buffer, reused every step
         self.weight: float | None = None  # with a plan: this rank's constant weight b_r / B
         self.planned: int | None = None  # with a plan: this rank's samples per step
+        self.micro: list[int] | None = None  # with a plan: this rank's micro-batches, when several
+        self.pos = 0  # the next micro-batch
+        self.part = 1.0  # the running micro-batch's share of the rank's gradient
 
     def set_plan(self, plan: Plan | None) -> None:
         """Weight the following steps by ``plan`` (``None``: by each step's real sizes)."""
+        self.micro, self.pos, self.part = None, 0, 1.0
         if plan is None:
             self.weight = self.planned = None
             return
         self.planned = plan.sizes[self.rank]
+        self.micro = list(plan.micro_batches[self.rank]) if len(plan.micro_batches[self.rank]) > 1 else None
         self.weight = self.planned / plan.batch_size if self.reduction == "mean" else float(self.planned > 0)
 
     def started(self) -> None:
@@ -215,6 +220,9 @@ def weight_gradients(
             state.local = first.shape[dim]  # the common case, without walking the inputs
         else:
             state.local = batch_length((args, kwargs), dim)
+        if state.micro is not None:
+            _micro_step(state, rank)
+            return
         state.started()
         if state.planned is not None and state.local != state.planned:
             raise DistributedError(
@@ -229,25 +237,51 @@ def weight_gradients(
             if torch.is_grad_enabled() and module is owner():
                 record(args, kwargs)
 
+        def part(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
+            # Micro-batches: each one's gradient counts by its share of the rank's samples.
+            if state.micro is None or not torch.is_grad_enabled() or module is not owner():
+                return None
+            return _scaled(output, state.part)
+
         ddp_model.module.register_forward_pre_hook(before, with_kwargs=True)
+        ddp_model.module.register_forward_hook(part, with_kwargs=True)
         ddp_model.register_comm_hook(state, _weighted_allreduce)
         return state
-
-    def scale(t: Any) -> Any:
-        if isinstance(t, torch.Tensor) and t.requires_grad and (t.is_floating_point() or t.is_complex()):
-            return _ScaleGradient.apply(t, world * state.weight)
-        return t
 
     def after(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
         if not torch.is_grad_enabled() or module is not owner():
             return None
         record(args, kwargs)  # after the forward: one Python call per step; an off-plan step still raises
-        if isinstance(output, torch.Tensor):
-            return scale(output)
-        return tree_map(scale, output)
+        return _scaled(output, world * state.weight * state.part)  # type: ignore[operator]
 
     ddp_model.module.register_forward_hook(after, with_kwargs=True)
     return state
+
+
+def _scaled(output: Any, factor: float) -> Any:
+    """``output`` whose floating tensors scale the gradient flowing back through them by ``factor``."""
+
+    def scale(t: Any) -> Any:
+        if isinstance(t, torch.Tensor) and t.requires_grad and (t.is_floating_point() or t.is_complex()):
+            return _ScaleGradient.apply(t, factor)
+        return t
+
+    return scale(output) if isinstance(output, torch.Tensor) else tree_map(scale, output)
+
+
+def _micro_step(state: WeightingState, rank: int) -> None:
+    """A forward of one of this rank's micro-batches: checked against the plan, its share noted."""
+    micro = state.micro
+    assert micro is not None
+    if state.local != micro[state.pos]:
+        raise DistributedError(
+            f"rank {rank}: this forward has {state.local} samples but the plan's micro-batches for this rank are "
+            f"{micro} (next: {micro[state.pos]}); run them with hd.micro_batches(ddp, batch, plan)"
+        )
+    if state.pos == 0:
+        state.started()  # a step is all of the rank's micro-batches
+    state.part = state.local / sum(micro) if state.reduction == "mean" else 1.0
+    state.pos = (state.pos + 1) % len(micro)
 
 
 def scale_loss(loss: torch.Tensor, local_size: int, global_size: int, *, world_size: int | None = None) -> torch.Tensor:

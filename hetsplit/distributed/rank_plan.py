@@ -73,6 +73,7 @@ def plan(
     target: Any = None,
     profile: Profile | None = None,
     calibrate: int = 16,
+    accumulate: bool = False,
     group: Any = None,
     **profile_kwargs: Any,
 ) -> Plan:
@@ -102,6 +103,9 @@ def plan(
         loss_fn, target: As for :func:`hetsplit.profile`.
         profile: This rank's profile, to skip profiling (one device, or the device
             named by ``device``).
+        accumulate: Let a rank with a memory cap run its share as micro-batches
+            (``plan.micro_batches``; run them with :func:`micro_batches`). A plan with
+            micro-batches is not calibrated (calibration runs whole shares).
         calibrate: DDP steps to calibrate the plan with (after 2 warm-up steps); 0
             skips it (for a job without DDP, or when a share is 0 it is skipped).
         group: The process group (default: the world).
@@ -137,8 +141,10 @@ def plan(
             e.info.name = f"rank{r}:{e.info.name}"
             entries.append(e)
         combined = Profile(entries, model=gathered[0]["model"], host="torchrun", source="distributed")
-    result = _broadcast_plan(lambda: resolve_plan(batch_size, combined.devices, profile=combined), group, rank, world)
-    if calibrate and min(result.sizes) > 0:
+    result = _broadcast_plan(
+        lambda: resolve_plan(batch_size, combined.devices, profile=combined, accumulate=accumulate), group, rank, world
+    )
+    if calibrate and min(result.sizes) > 0 and max(map(len, result.micro_batches)) == 1:
         work = _calibration_work(model, sample, target, loss_fn, dev, result.sizes[rank], calibrate, group, rank)
         if rank == 0:
             combined = dataclasses.replace(
@@ -149,7 +155,10 @@ def plan(
                 ],
             )
         result = _broadcast_plan(
-            lambda: resolve_plan(batch_size, combined.devices, profile=combined), group, rank, world
+            lambda: resolve_plan(batch_size, combined.devices, profile=combined, accumulate=accumulate),
+            group,
+            rank,
+            world,
         )
     return result
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -217,9 +217,16 @@ class _Collate:
         self.sampler, self.user = sampler, user
 
     def __call__(self, batch: list[Any]) -> Any:
-        if batch and self.user is not None:
+        if self.user is None:
+            return self.sampler.collate(batch)
+        if batch:
             return self.user(batch)
-        return self.sampler.collate(batch)
+        # An empty share has the keys and shapes the user's collate gives (labels a collator
+        # adds, say): a framework that looks for them then does the same on every rank.
+        one = self.user([self.sampler.dataset[0]])  # type: ignore[index]
+        if isinstance(one, Mapping) and not isinstance(one, dict):  # BatchEncoding and other mappings
+            one = dict(one)
+        return tree_map(lambda t: t[:0] if isinstance(t, torch.Tensor) else t, one)
 
 
 def data_loader(

@@ -4,43 +4,34 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator, Mapping
+import weakref
+from collections.abc import Mapping
 from typing import Any
 
 import accelerate
 import torch
 import torch.distributed as dist
-from accelerate.data_loader import DataLoaderShard
 from accelerate.utils import reduce as accelerate_reduce
-from torch.utils.data import DataLoader, IterableDataset, RandomSampler, SequentialSampler
+from torch.utils.data import DataLoader, RandomSampler
 
 import hetsplit.distributed as hd
 from hetsplit.devices import Device, parse_device
-from hetsplit.distributed.setup import rank_devices
 from hetsplit.planning import Plan, Profile, resolve_plan
 from hetsplit.tree import tree_map
 
-from .collectives import samples_in, uneven_gather, weighted_reduce
+from .accelerate_parts import (
+    WEIGHTINGS,
+    SharesLoader,
+    carried_settings,
+    check_arguments,
+    check_loader,
+    check_whole_shares,
+    profiling_inputs,
+    throttle_forward,
+)
+from .collectives import uneven_gather, weighted_reduce
 
 __all__ = ["HeteroAccelerator", "WEIGHTINGS"]
-
-# "none": DDP's plain mean, for a loss already normalised over the global batch (what the
-# HF Trainer does with num_items_in_batch); the other two weight a per-process mean by shard.
-WEIGHTINGS = ("hook", "outputs", "none")
-# Loader settings the per-process loader carries over from the user's DataLoader.
-_CARRIED = ("num_workers", "pin_memory", "timeout", "worker_init_fn", "persistent_workers", "multiprocessing_context")
-
-
-class _SharesLoader(DataLoaderShard):
-    """accelerate's ``DataLoaderShard`` over hetsplit's shares, remembering each yielded batch's samples."""
-
-    current_samples: int | None = None
-
-    def __iter__(self) -> Iterator[Any]:
-        for batch in super().__iter__():
-            self.current_samples = samples_in(batch)
-            yield batch
-        self.current_samples = None
 
 
 class HeteroAccelerator(accelerate.Accelerator):
@@ -71,8 +62,11 @@ class HeteroAccelerator(accelerate.Accelerator):
         global_batch_size: Samples per step over all processes (default: as accelerate).
         weighting: ``"hook"`` (a DDP comm hook weights every gradient by ``b_r / B``),
             ``"outputs"`` (the gradient into the model's outputs is scaled; no comm hook),
-            or ``"none"`` (DDP's plain mean: for a loss you already normalise over the
-            global batch).
+            or ``"none"`` (DDP's plain mean). The first two are exact for a loss that is
+            each process's mean over its samples; a loss averaged over tokens (a padded
+            language-model loss) would be weighted by samples: normalise it over the
+            global batch's tokens yourself (``loss_sum / global_tokens * processes``) and
+            use ``"none"``, or use :class:`~hetsplit.transformers.HeteroTrainer`.
         loss_fn: ``loss_fn(output, target)`` for profiling a ``(input, target, ...)``
             batch; default: ``output.loss`` for dict batches (Hugging Face models), the
             sum of the outputs otherwise.
@@ -102,7 +96,7 @@ class HeteroAccelerator(accelerate.Accelerator):
         **accelerator_kwargs: Any,
     ) -> None:
         world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
-        names = _check_arguments(devices, plan, profile, global_batch_size, weighting, accelerator_kwargs, world)
+        names = check_arguments(devices, plan, profile, global_batch_size, weighting, accelerator_kwargs, world)
         self.hetero_device: Device | None = None
         if names is not None:
             self.hetero_device = parse_device(names[rank])  # this machine must have it
@@ -120,6 +114,7 @@ class HeteroAccelerator(accelerate.Accelerator):
         self.model_to_profile: torch.nn.Module | None = None  # what prepare(loader) profiles without a model
         self._planned_loader: DataLoader | None = None  # the loader whose global batch the plan was made for
         self._weightings: list[hd.WeightingState] = []
+        self._throttled: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
 
     @property
     def device(self) -> torch.device:
@@ -142,9 +137,9 @@ class HeteroAccelerator(accelerate.Accelerator):
                 a plan for another number of processes; no model to profile. All before
                 any device work.
         """
-        loaders = [a for a in args if isinstance(a, DataLoader)]
+        loaders = [a for a in args if isinstance(a, DataLoader) and not getattr(a, "_is_accelerate_prepared", False)]
         for loader in loaders:
-            _check_loader(loader)
+            check_loader(loader)
         if loaders and self.hetero_plan is None:
             models = [a for a in args if isinstance(a, torch.nn.Module)]
             model = models[0] if models else self.model_to_profile
@@ -164,6 +159,7 @@ class HeteroAccelerator(accelerate.Accelerator):
                 f"the plan has {len(plan.sizes)} shares {list(plan.sizes)} but {self.num_processes} processes run: "
                 "give a plan with one share per process"
             )
+        check_whole_shares(plan, "HeteroAccelerator")
         self.hetero_plan = plan
         for state in self._weightings:
             state.set_plan(plan)
@@ -187,7 +183,7 @@ class HeteroAccelerator(accelerate.Accelerator):
         device = self.hetero_device.name if self.hetero_device is not None else str(self.device)
         # The profile draws batches and random numbers: the training run must not see that.
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
-            sample, target, loss_fn = _profiling_inputs(next(iter(loader)), self.loss_fn)
+            sample, target, loss_fn = profiling_inputs(next(iter(loader)), self.loss_fn)
             try:
                 return hd.plan(
                     model, sample, batch, device=device, loss_fn=loss_fn, target=target,
@@ -219,16 +215,12 @@ class HeteroAccelerator(accelerate.Accelerator):
         """This process's share of every global batch (instead of ``BatchSamplerShard``), on its device."""
         if getattr(data_loader, "_is_accelerate_prepared", False):
             return data_loader
-        _check_loader(data_loader)
+        check_loader(data_loader)
         if self.hetero_plan is None:  # called directly rather than through prepare()
             self.set_plan(self._make_plan(self.model_to_profile, data_loader))
         plan = self._loader_plan(data_loader)
-        carried = {k: getattr(data_loader, k) for k in _CARRIED if hasattr(data_loader, k)}
-        if carried.get("num_workers", 0) > 0:
-            carried["prefetch_factor"] = data_loader.prefetch_factor
-        else:
-            carried.pop("persistent_workers", None)
-        seed = self.dataloader_config.data_seed if self.dataloader_config.data_seed is not None else 0
+        carried = carried_settings(data_loader)
+        seed = self._shuffle_seed(data_loader)
         inner = hd.data_loader(
             data_loader.dataset,
             plan,
@@ -241,7 +233,7 @@ class HeteroAccelerator(accelerate.Accelerator):
             **carried,
         )
         placement = self.device_placement if device_placement is None else device_placement
-        loader = _SharesLoader(
+        loader = SharesLoader(
             inner.dataset,
             device=self.device if placement else None,
             batch_sampler=inner.batch_sampler,
@@ -254,6 +246,38 @@ class HeteroAccelerator(accelerate.Accelerator):
         self._dataloaders.append(loader)
         return loader
 
+    def _shuffle_seed(self, loader: DataLoader) -> int:
+        """The seed every process shuffles with: ``data_seed``, else process 0's (its loader's generator or torch's).
+
+        So ``set_seed`` and a loader's ``generator`` change the order as they would with
+        accelerate, and all processes cut the same order.
+        """
+        if self.dataloader_config.data_seed is not None:
+            return int(self.dataloader_config.data_seed)
+        generator = getattr(loader, "generator", None) or getattr(loader.sampler, "generator", None)
+        seed = [int(generator.initial_seed()) if generator is not None else int(torch.initial_seed())]
+        if self.num_processes > 1:
+            dist.broadcast_object_list(seed, src=0)
+        return seed[0] % (1 << 63)
+
+    def skip_first_batches(self, dataloader: Any, num_batches: int = 0) -> Any:
+        """``dataloader`` from its ``num_batches``-th batch on (resuming mid-epoch), with the same shares and order."""
+        if not isinstance(dataloader, SharesLoader):
+            return super().skip_first_batches(dataloader, num_batches)
+        loader = SharesLoader(
+            dataloader.dataset,
+            device=dataloader.device,
+            batch_sampler=dataloader.batch_sampler,
+            collate_fn=dataloader.collate_fn,
+            skip_batches=num_batches,
+            iteration=dataloader.iteration,
+            _drop_last=dataloader._drop_last,
+            _non_blocking=dataloader._non_blocking,
+            **carried_settings(dataloader),
+        )
+        loader._is_accelerate_prepared = True
+        return loader
+
     def prepare_model(self, model: torch.nn.Module, device_placement: Any = None, evaluation_mode: bool = False):
         """Wrap as accelerate does (DDP), then weight the gradients by shard; emulated devices run at their speed."""
         model = super().prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
@@ -264,8 +288,9 @@ class HeteroAccelerator(accelerate.Accelerator):
                     "with the training loader, or pass plan="
                 )
             self._weightings.append(hd.weight_gradients(model, self.hetero_plan, method=self.weighting))
-        if self.hetero_device is not None and self.hetero_device.emulated:
-            _throttle_forward(model, self.hetero_device)
+        if self.hetero_device is not None and self.hetero_device.emulated and model not in self._throttled:
+            throttle_forward(model, self.hetero_device)
+            self._throttled.add(model)
         return model
 
     # -- steps and collectives ------------------------------------------------------------
@@ -287,14 +312,18 @@ class HeteroAccelerator(accelerate.Accelerator):
         return uneven_gather(tensor)
 
     def reduce(self, tensor: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
-        """Reduce across processes; inside a prepared loader's loop a ``"mean"`` weights each process by its samples.
+        """Reduce across processes; a ``"mean"`` weights each process by its samples.
 
-        The per-process value of a batch mean (a loss) then reduces to the mean over the
-        global batch, not the plain mean of unequal shards' means. ``"sum"``, ``"max"``
-        and ``"none"`` are accelerate's.
+        Inside a prepared loader's loop the weights are the current batch's samples, so
+        a per-process batch mean (a loss) reduces to the mean over the global batch, not
+        the plain mean of unequal shards' means; outside one, the plan's shares (a mean
+        over each process's samples of an epoch). ``"sum"``, ``"max"`` and ``"none"``
+        are accelerate's.
         """
         loader = getattr(self.gradient_state, "active_dataloader", None)
         samples = getattr(loader, "current_samples", None)
+        if samples is None and self.hetero_plan is not None:  # after a loop (an epoch's mean): the plan's shares
+            samples = self.hetero_plan.sizes[self.process_index]
         if reduction != "mean" or samples is None or self.num_processes == 1:
             return super().reduce(tensor, reduction, scale)
         plain = lambda t, op: accelerate_reduce(t, op, scale)
@@ -303,97 +332,3 @@ class HeteroAccelerator(accelerate.Accelerator):
 
 def _ranks(n: int) -> list[str]:
     return [f"rank{r}" for r in range(n)]
-
-
-def _check_arguments(
-    devices: str | None,
-    plan: Any,
-    profile: Any,
-    global_batch_size: Any,
-    weighting: str,
-    accelerator_kwargs: Mapping[str, Any],
-    world: int,
-) -> list[str] | None:
-    """Every argument checked before accelerate or a process group starts; the per-process device names."""
-    if weighting not in WEIGHTINGS:
-        raise ValueError(f"weighting={weighting!r}: use one of {', '.join(map(repr, WEIGHTINGS))}")
-    if plan is not None and not isinstance(plan, Plan):
-        raise TypeError(f"plan must be a hetsplit Plan, got {type(plan).__name__}: {plan!r}")
-    if profile is not None and not isinstance(profile, Profile):
-        raise TypeError(f"profile must be a hetsplit Profile, got {type(profile).__name__}: {profile!r}")
-    if plan is not None and len(plan.sizes) != world:
-        raise ValueError(
-            f"the plan has {len(plan.sizes)} shares {list(plan.sizes)} but {world} processes run: "
-            "give a plan with one share per process"
-        )
-    if global_batch_size is not None and (
-        isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int) or global_batch_size < 1
-    ):
-        raise ValueError(f"global_batch_size must be a positive integer, got {global_batch_size!r}")
-    if (
-        accelerator_kwargs.get("dataloader_config") is not None
-        and accelerator_kwargs["dataloader_config"].dispatch_batches
-    ):
-        raise ValueError(
-            "dispatch_batches=True sends every batch from process 0; HeteroAccelerator gives each process its "
-            "own share instead: leave dispatch_batches unset"
-        )
-    spec = devices if devices is not None else os.environ.get(hd.ENV_DEVICES)
-    if not spec:
-        return None
-    items = [s for s in spec.split(",") if s.strip()]
-    if len(items) > 1 and world == 1:
-        raise ValueError(
-            f"devices {spec!r} lists {len(items)} devices, one per process, but this job runs 1 process "
-            "('accelerate launch --cpu' starts one): start one process per device with "
-            f"'accelerate launch --multi_gpu --num_processes {len(items)} ...' (also on a CPU-only machine), "
-            f"'hetsplit launch --devices {spec} ...' or torchrun"
-        )
-    return rank_devices(spec, world)
-
-
-def _check_loader(loader: DataLoader) -> None:
-    """A loader HeteroAccelerator can re-cut into shares without changing what it means, else one clear error."""
-    if isinstance(loader.dataset, IterableDataset):
-        raise ValueError(
-            f"HeteroAccelerator needs a map-style dataset (indexable, with a length), got the iterable "
-            f"{type(loader.dataset).__name__}: wrap the data in a map-style Dataset"
-        )
-    if loader.batch_size is None:
-        raise ValueError(
-            f"HeteroAccelerator needs a DataLoader with batch_size, got batch_sampler="
-            f"{type(loader.batch_sampler).__name__}: pass batch_size= (and shuffle=) instead of a batch sampler"
-        )
-    if not isinstance(loader.sampler, RandomSampler | SequentialSampler):
-        raise ValueError(
-            f"HeteroAccelerator replaces the loader's sampler with per-process shares and keeps only its order "
-            f"(shuffled or sequential); got {type(loader.sampler).__name__}: use shuffle=True or False instead"
-        )
-
-
-def _profiling_inputs(batch: Any, loss_fn: Any) -> tuple[Any, Any, Any]:
-    """(sample, target, loss) to profile the model on a batch as the training loop will call it."""
-    if isinstance(batch, Mapping):  # Hugging Face style: model(**batch).loss
-        return dict(batch), None, loss_fn or (lambda out: out["loss"] if isinstance(out, Mapping) else out.loss)
-    if isinstance(batch, (list, tuple)) and len(batch) >= 2 and loss_fn is not None:
-        return batch[0], batch[1], loss_fn
-    if isinstance(batch, (list, tuple)) and batch:
-        return batch[0], None, None
-    return batch, None, None
-
-
-def _throttle_forward(model: torch.nn.Module, device: Device) -> None:
-    """Run every forward of ``model`` at ``device``'s emulated speed (its backward is throttled in ``backward``)."""
-    open_: list[contextlib.AbstractContextManager[Any]] = []
-
-    def before(module: torch.nn.Module, args: Any) -> None:
-        ctx = device.throttle(cpu_time=True)
-        ctx.__enter__()
-        open_.append(ctx)
-
-    def after(module: torch.nn.Module, args: Any, output: Any) -> None:
-        if open_:
-            open_.pop().__exit__(None, None, None)
-
-    model.register_forward_pre_hook(before)
-    model.register_forward_hook(after)

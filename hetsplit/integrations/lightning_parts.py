@@ -167,6 +167,13 @@ def check_arguments(weighting: str, rebalance: Any, global_batch_size: Any, plan
             f"plan={plan!r}: give a hetsplit Plan; for fixed shares use "
             "hetsplit.planning.plan_from_sizes(None, ['rank0', 'rank1'], [6, 2])"
         )
+    for rank, parts in enumerate(plan.micro_batches if plan is not None else []):
+        if len(parts) > 1:  # the strategy runs each rank's share as one batch
+            raise ValueError(
+                f"HeteroDDPStrategy runs each rank's share as one batch, but the plan splits rank {rank}'s share "
+                f"{plan.sizes[rank]} into micro-batches {parts}; solve without accumulate (a batch within the "
+                "memory caps), or use hetsplit.distributed.micro_batches in a torchrun loop"
+            )
     if plan is not None and global_batch_size is not None and plan.batch_size != global_batch_size:
         raise ValueError(
             f"global_batch_size={global_batch_size} but the plan splits {plan.batch_size}; "

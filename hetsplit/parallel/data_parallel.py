@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from ..devices import Device, DeviceLike, parse_devices
+from ..emulation import is_out_of_memory
 from ..planning.plan import Plan
 from ..planning.profile import Profile
 from ..planning.rebalance import Rebalancer
@@ -17,29 +18,26 @@ from ..timing import Lap
 from ..tree import batch_length, move, to_device
 from .apply import run_parallel
 from .busy import BusyLog
+from .local import local_fns, local_inputs, shard_loss
+from .micro import (
+    MemoryLog,
+    Step,
+    backward_fn,
+    backward_oom,
+    forward_fns,
+    with_recovery,
+)
 from .outputs import ScalarPolicy, check_policy, combine, policy_weights
 from .reduce import accumulate_gradients
 from .replicas import Replicas, module_device
+from .scatter_gather import scatter_to
 from .sizes import BatchPlans
-from .step import (
-    Step,
-    batch_of,
-    call_on,
-    check_one_device,
-    cut_upstream,
-    direct_device,
-    direct_local_step,
-    engine_job,
-    local_inputs,
-    local_shards,
-    local_step,
-    positions,
-    scatter_inputs,
-)
+from .step import batch_of, call_on, cut_upstream, direct_device, engine_job, scatter_inputs
+from .upstream import Upstream
 
 __all__ = ["HeteroDataParallel"]
 
-_RUNTIME = ("_replicas", "_step", "_log", "_lock")
+_RUNTIME = ("_replicas", "_step", "_log", "_lock", "_mem")
 
 
 class HeteroDataParallel(nn.Module):
@@ -73,6 +71,9 @@ class HeteroDataParallel(nn.Module):
         scalar_outputs: ``"mean"`` (shard-size weights: a mean loss stays the full-batch
             mean), ``"sum"``, ``"stack"`` (a vector), or ``(args, kwargs) -> weight`` of a
             shard, e.g. :func:`hetsplit.count_tokens`.
+        accumulate: Let a device with a memory cap run its share as micro-batches
+            (``plan.micro_batches``); after an out-of-memory error the device's cap is
+            lowered, the step re-planned and run again (README: "Memory").
 
     Raises:
         ValueError: If the module spans devices, the plan's devices differ, or the
@@ -95,16 +96,19 @@ class HeteroDataParallel(nn.Module):
         dim: int = 0,
         rebalance: bool | Rebalancer = False,
         scalar_outputs: ScalarPolicy = "mean",
+        accumulate: bool = True,
     ) -> None:
         super().__init__()
         self.devices: list[Device] = parse_devices(devices)
-        check_one_device(module)
+        _check_one_device(module)
         self.module = module
         self.dim = dim
         self.scalar_outputs = check_policy(scalar_outputs)
         self._output_device = parse_devices([output_device])[0].torch_device if output_device is not None else None
         rebalancer = rebalance if isinstance(rebalance, Rebalancer) else Rebalancer(profile) if rebalance else None
-        self._plans = BatchPlans(self.devices, plan=plan, profile=profile, weights=weights, rebalancer=rebalancer)
+        self._plans = BatchPlans(
+            self.devices, plan=plan, profile=profile, weights=weights, rebalancer=rebalancer, accumulate=accumulate
+        )
         self.register_state_dict_post_hook(_drop_module_prefix)
         self.register_load_state_dict_pre_hook(_add_module_prefix)
         self._reset_runtime()
@@ -115,6 +119,7 @@ class HeteroDataParallel(nn.Module):
         self._step: Step | None = None
         self._log = BusyLog()
         self._lock = threading.RLock()
+        self._mem = MemoryLog()
 
     def __getstate__(self) -> dict[str, Any]:
         return {k: v for k, v in self.__dict__.items() if k not in _RUNTIME}
@@ -175,37 +180,44 @@ class HeteroDataParallel(nn.Module):
             self._replicas = Replicas(module, self.devices)
         step = self._step
         active = step.active if step is not None and len(step.active) == len(device_ids) else None
-        return self._replicas.get(active if active is not None else positions(self.devices, device_ids))
+        return self._replicas.get(active if active is not None else _positions(self.devices, device_ids))
 
     def parallel_apply(
         self, replicas: Sequence[nn.Module], inputs: Sequence[tuple[Any, ...]], kwargs: Sequence[dict[str, Any]]
     ) -> list[Any]:
         """Run ``replicas[i](*inputs[i], **kwargs[i])`` concurrently, each at its device's speed."""
-        assert self._step is not None, "parallel_apply runs inside forward, which chooses the step's devices"
-        fns = [lambda r=r, a=a, k=k: r(*a, **k) for r, a, k in zip(replicas, inputs, kwargs)]
-        return self._run(fns, "", self._step.active)
+        step = self._step
+        assert step is not None, "parallel_apply runs inside forward, which chooses the step's devices"
+        shards = list(zip(inputs, kwargs))
+        fns, step.pieces = forward_fns(replicas, shards, step.micro, step.active, self.devices, self._mem, self.dim)
+        outs = self._run(fns, "", step.active)
+        return outs if step.split else [o[0] for o in outs]  # micro-batched: a list per replica
 
     def gather(self, outputs: Sequence[Any], output_device: torch.device) -> Any:
         """Combine the replicas' outputs on ``output_device``; backward runs per replica."""
         step = self._step
         assert step is not None, "gather runs inside forward"
-        weights = lambda: policy_weights(self.scalar_outputs, step.sizes, step.shards)
-        labels = list(map(str, step.active))
-        return combine(outputs, output_device, self.dim, weights, self._backward_runner(step), labels, step.upstream)
+        sizes, shards, labels = step.flat()
+        outputs = [o for outs in outputs for o in outs] if step.split else outputs
+        weights = lambda: policy_weights(self.scalar_outputs, sizes, shards)
+        return combine(outputs, output_device, self.dim, weights, _backward_runner(self, step), labels, step.upstream)
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         """Scatter, run the replicas concurrently, gather on the output device."""
         with self._lock:
-            step = self._begin(batch_of(inputs, kwargs))
-            home = direct_device(step, self.module, self.rebalancer is not None)
-            if home is not None:  # the module's own device has the whole batch: run the module itself
-                return move(call_on(self.module, home, inputs, kwargs), self._output_device or home)
-            args, kws = self.scatter(inputs, kwargs, step.devices)
-            args, kws = cut_upstream(step, (inputs, kwargs), args, kws, self.dim)
-            replicas = self.replicate(self.module, step.devices)
-            outputs = self.parallel_apply(replicas, args, kws)
-            self._replicas.merge_buffers(replicas, step.sizes)  # type: ignore[union-attr]
-            return self.gather(outputs, self.output_device)
+            return _retry(self, lambda: self._forward(inputs, kwargs))
+
+    def _forward(self, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        step = self._begin(batch_of(inputs, kwargs))
+        home = direct_device(step, self.module, self.rebalancer is not None)
+        if home is not None:  # the module's own device has the whole batch: run the module itself
+            return move(call_on(self.module, home, inputs, kwargs), self._output_device or home)
+        args, kws = self.scatter(inputs, kwargs, step.devices)
+        args, kws = cut_upstream(step, (inputs, kwargs), args, kws, self.dim)  # leaves where grad is needed
+        replicas = self.replicate(self.module, step.devices)
+        outputs = self.parallel_apply(replicas, args, kws)
+        self._replicas.merge_buffers(replicas, step.sizes)  # type: ignore[union-attr]
+        return self.gather(outputs, self.output_device)
 
     def train_step(
         self,
@@ -234,32 +246,15 @@ class HeteroDataParallel(nn.Module):
                 loss that is not a scalar (naming its shape).
         """
         args, kws = local_inputs(inputs, kwargs, loss_fn, reduction)
-        batch, has_target = ((args, kws), target), target is not None
         with self._lock:
-            step = self._begin(batch)
-            home = direct_device(step, self.module, self.rebalancer is not None)
-            if home is not None:  # the module's own device has the whole batch: run the module itself
-                return direct_local_step(self.module, home, batch, has_target, loss_fn, reduction, self.output_device)
-            upstream, weights = local_shards(step, batch, reduction, self.dim)
-            replicas = self.replicate(self.module, step.devices)
-            fns = [
-                lambda r=r, shard=shard, w=w: local_step(r, shard, has_target, loss_fn, w)
-                for r, shard, w in zip(replicas, upstream.shards, weights)
-            ]
-            losses = self._run(fns, "", step.active)
-            self._replicas.merge_buffers(replicas, step.sizes)  # type: ignore[union-attr]
-            self._finish(step)
-            upstream.backward()  # the inputs' gradients into the caller's graph, once
-            return sum(to_device(x, self.output_device) * w for x, w in zip(losses, weights))  # type: ignore[return-value]
+            return _retry(self, lambda: _train_step(self, (args, kws), target, loss_fn, reduction))
 
     def _begin(self, batch_tree: Any) -> Step:
         """Start a step: feed the rebalancer the steps it can read, choose this step's plan."""
         self._plans.observe(self._log.readable() if self.rebalancer is not None else ())
         plan = self._plans.for_batch(batch_length(batch_tree, self.dim))
         active = [i for i, s in enumerate(plan.sizes) if s > 0]
-        step = self.__dict__["_step"] = Step(
-            plan, active, [self.devices[i] for i in active]
-        )  # not nn.Module's slow setattr
+        step = self.__dict__["_step"] = Step(plan, active, [self.devices[i] for i in active])  # not nn.Module's setattr
         self._log.start()  # a step that runs the module itself logs no busy time
         return step
 
@@ -278,20 +273,87 @@ class HeteroDataParallel(nn.Module):
             accumulate_gradients(self._replicas.params, self._replicas.sources(step.active))
         self._log.end(step.plan, keep=self.rebalancer is not None)
 
-    def _backward_runner(self, step: Step) -> Callable[[list[tuple[list[torch.Tensor], list[torch.Tensor]]]], None]:
-        def run(work: list[tuple[list[torch.Tensor], list[torch.Tensor]]]) -> None:
-            jobs = [(step.active[j], outs, grads) for j, (outs, grads) in enumerate(work) if outs]
-            fns = [lambda o=o, g=g: torch.autograd.backward(o, g) for _, o, g in jobs]
-            inline = engine_job([self.devices[i] for i, _, _ in jobs], self.output_device)
-            self._run(fns, " (backward)", [i for i, _, _ in jobs], inline)  # no job: nothing runs
-            self._finish(step)
-
-        return run
-
     @property
     def step_times(self) -> dict[str, float]:
         """Busy seconds of each active device in the last step (waits for a CUDA device to finish it)."""
         return self._log.last_times()
+
+
+def _train_step(
+    self: HeteroDataParallel, inputs: Any, target: Any, loss_fn: Any, reduction: ScalarPolicy
+) -> torch.Tensor:
+    """One local-loss step (see :meth:`HeteroDataParallel.train_step`), each device's micro-batches in turn."""
+    step = self._begin((inputs, target))
+    home = direct_device(step, self.module, self.rebalancer is not None)
+    if home is not None:  # the module's own device has the whole batch: the module's own step
+        return _direct_local_step(self, home, (inputs, target), loss_fn, reduction)
+    # Replicas run on leaf shards; the inputs' gradients go upstream once, after them.
+    upstream = Upstream((inputs, target), scatter_to((inputs, target), step.devices, step.sizes, self.dim), self.dim)
+    shards = upstream.shards
+    replicas = self.replicate(self.module, step.devices)
+    step.pieces, make = local_fns(replicas, shards, step.micro, step.active, self.devices, self._mem, self.dim)
+    step.shards = [(tuple(a), dict(k)) for (a, k), _ in shards]
+    flat = [(tuple(a), dict(k)) for parts in step.pieces for (a, k), _ in parts]
+    weights = policy_weights(reduction, [m for sizes in step.micro for m in sizes], flat)
+    assert weights is not None
+    losses = [x for xs in self._run(make(weights, loss_fn, target is not None), "", step.active) for x in xs]
+    self._replicas.merge_buffers(replicas, step.sizes)  # type: ignore[union-attr]
+    self._finish(step)
+    upstream.backward()
+    return sum(to_device(x, self.output_device) * w for x, w in zip(losses, weights))  # type: ignore[return-value]
+
+
+def _direct_local_step(
+    self: HeteroDataParallel, home: torch.device, batch: Any, loss_fn: Any, reduction: ScalarPolicy
+) -> torch.Tensor:
+    """Local-loss mode when the module's own device has the whole batch: the module's own step."""
+    (args, kwargs), target = move(batch, home)
+    (weight,) = policy_weights(reduction, [1], [(tuple(args), dict(kwargs))]) or [1.0]
+    loss = shard_loss(loss_fn, self.module(*args, **kwargs), target, target is not None)
+    (loss * weight).backward()
+    return to_device(loss.detach(), self.output_device) * weight
+
+
+def _backward_runner(
+    self: HeteroDataParallel, step: Step
+) -> Callable[[list[tuple[list[torch.Tensor], list[torch.Tensor]]]], None]:
+    def run(work: list[tuple[list[torch.Tensor], list[torch.Tensor]]]) -> None:
+        jobs, pos = [], 0  # per device, its pieces' (outputs, gradients): one, or one per micro-batch
+        for i, sizes in zip(step.active, step.micro if step.split else [[s] for s in step.sizes]):
+            if any(outs for outs, _ in work[pos : pos + len(sizes)]):
+                jobs.append((i, backward_fn(work[pos : pos + len(sizes)], sizes, i, self._mem)))
+            pos += len(sizes)
+        inline = engine_job([self.devices[i] for i, _ in jobs], self.output_device)
+        try:
+            self._run([fn for _, fn in jobs], " (backward)", [i for i, _ in jobs], inline)  # no job: none run
+        except BaseException as e:
+            if is_out_of_memory(e):
+                backward_oom(self._mem, self._plans, self.devices, list(self._replicas.copies.values()), e)  # type: ignore[union-attr]
+            raise
+        self._finish(step)
+
+    return run
+
+
+def _retry(self: HeteroDataParallel, run: Callable[[], Any]) -> Any:
+    """``run()``, re-planned and run once more after an out-of-memory error (:func:`~.micro.with_recovery`)."""
+    replicas = lambda: list(self._replicas.copies.values()) if self._replicas is not None else []
+    return with_recovery(run, self._mem, self._plans, self.devices, replicas)
+
+
+def _check_one_device(module: nn.Module) -> None:
+    homes = {t.device for t in (*module.parameters(), *module.buffers())}
+    if len(homes) > 1:
+        raise ValueError(
+            f"the module's parameters and buffers are on several devices {sorted(map(str, homes))}; "
+            "move the whole module to one device (e.g. module.to('cpu')) before wrapping it"
+        )
+
+
+def _positions(devices: Sequence[Device], chosen: Sequence[Device]) -> list[int]:
+    """Where each of ``chosen`` sits in ``devices``, taking repeated devices in order."""
+    free = list(range(len(devices)))
+    return [free.pop(next(k for k, i in enumerate(free) if devices[i] == d)) for d in chosen]
 
 
 def _drop_module_prefix(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:

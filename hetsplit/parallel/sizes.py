@@ -8,6 +8,7 @@ from pathlib import PurePath
 import torch
 
 from ..devices import Device, DeviceLike, parse_devices
+from ..planning.memory import capped_plan
 from ..planning.plan import Plan
 from ..planning.profile import Profile, latest_profile
 from ..planning.rebalance import Rebalancer
@@ -118,6 +119,11 @@ class BatchPlans:
         profile: Curves to solve other batch sizes with.
         weights: Relative throughputs (not with ``plan``/``profile``).
         rebalancer: Once it has observed the devices, its corrected curves solve new sizes.
+        accumulate: Let capped devices run their share as micro-batches.
+
+    Attributes:
+        caps: Memory caps learned from out-of-memory errors, by device name; every plan
+            handed out respects them.
     """
 
     def __init__(
@@ -128,7 +134,11 @@ class BatchPlans:
         profile: Profile | None = None,
         weights: Sequence[float] | None = None,
         rebalancer: Rebalancer | None = None,
+        accumulate: bool = False,
     ) -> None:
+        if not isinstance(accumulate, bool):
+            raise TypeError(f"accumulate must be True or False, got {accumulate!r}")
+        self.accumulate, self.caps = accumulate, {}
         if weights is not None and (plan is not None or profile is not None):
             raise ValueError("give weights, or a plan and/or profile, not both")
         check_source(profile, plan=plan)
@@ -165,16 +175,50 @@ class BatchPlans:
                 profile=profile,
                 weights=self.weights,
                 fallback=lambda: default_profile(self.devices),
+                accumulate=self.accumulate,
             )
+            if self.caps:
+                plan = self.by_batch[batch] = self.capped(plan)
         self.current = plan
+        return plan
+
+    def _within_caps(self, plan: Plan) -> Plan | None:
+        caps = {n: c for n, c in (self.profile.memory_caps() if self.profile else {}).items() if c is not None}
+        for name, cap in self.caps.items():
+            caps[name] = min(cap, caps.get(name, cap))
+        try:
+            return capped_plan(plan, caps, accumulate=True)
+        except ValueError:  # a share on a device that holds nothing: keep the plan in force
+            return None
+
+    def capped(self, plan: Plan) -> Plan:
+        """``plan`` within the learned :attr:`caps` (re-solved with the profile, if there is one)."""
+        learned = self.rebalancer is not None and bool(self.rebalancer.log_factors)
+        profile = self.rebalancer.corrected(self.names) if learned else self.profile
+        return capped_plan(plan, self.caps, profile=profile, accumulate=self.accumulate)
+
+    def lower_cap(self, name: str, cap: int) -> Plan:
+        """Remember that ``name`` holds at most ``cap`` samples; the current batch's plan within it.
+
+        Raises:
+            ValueError: If no plan fits the caps (see :func:`~hetsplit.planning.memory.capped_plan`).
+        """
+        assert self.current is not None
+        self.caps[name] = min(cap, self.caps.get(name, cap))
+        plan = self.capped(self.current)
+        self.by_batch = {k: v for k, v in self.by_batch.items() if k == plan.batch_size}
+        self.by_batch[plan.batch_size] = self.current = plan
         return plan
 
     def observe(self, steps: Iterable[tuple[Plan, dict[str, float]]]) -> None:
         """Feed finished steps' busy times to the rebalancer; adopt the plan it proposes."""
         if self.rebalancer is None:
             return
+        self.rebalancer.accumulate = self.accumulate  # also for a rebalancer assigned later
         new = None
         for plan, times in steps:
             new = self.rebalancer.observe(plan, times) or new
+        if new is not None and self.accumulate:  # the rebalancer's shares, in micro-batches within the caps
+            new = self._within_caps(new)
         if new is not None and (self.current is None or new.sizes != self.current.sizes):
             self.current, self.by_batch = new, {new.batch_size: new}

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-__all__ = ["Plan", "check_sizes", "even_sizes", "sizes_from_weights"]
+__all__ = ["Plan", "check_sizes", "check_micro_batches", "even_sizes", "sizes_from_weights"]
 
 
 @dataclasses.dataclass
@@ -26,6 +27,9 @@ class Plan:
         single_device: That device.
         extrapolated: Per device, whether its size lies beyond its largest measured batch.
         emulated: Names of emulated devices in the plan.
+        micro_batches: Per device, the sizes of the micro-batches its share runs as, one
+            after another with gradients accumulated (``[[64, 64, 63], [40]]``; ``[]`` for
+            no samples). Default: the share as one batch.
     """
 
     devices: list[str]
@@ -37,9 +41,14 @@ class Plan:
     single_device: str = ""
     extrapolated: list[bool] = dataclasses.field(default_factory=list)
     emulated: list[str] = dataclasses.field(default_factory=list)
+    micro_batches: list[list[int]] = dataclasses.field(default_factory=list)
 
     def __post_init__(self) -> None:
         check_sizes(self.sizes, self.batch_size, len(self.devices))
+        if not self.micro_batches:
+            self.micro_batches = [[int(s)] if s > 0 else [] for s in self.sizes]
+        else:
+            self.micro_batches = check_micro_batches(self.micro_batches, self.sizes)
 
     @property
     def step_time(self) -> float:
@@ -87,6 +96,7 @@ class Plan:
             single_device=str(data.get("single_device", "")),
             extrapolated=list(data.get("extrapolated", [])),
             emulated=list(data.get("emulated", [])),
+            micro_batches=[list(m) for m in data.get("micro_batches") or []],
         )
 
 
@@ -126,6 +136,35 @@ def check_sizes(sizes: Sequence[Any], total: int, n_devices: int) -> list[int]:
         out.append(int(s))
     if sum(out) != total:
         raise ValueError(f"sizes {out} sum to {sum(out)}, but the batch has {total} samples")
+    return out
+
+
+def check_micro_batches(micro: Sequence[Sequence[Any]], sizes: Sequence[int]) -> list[list[int]]:
+    """Validate micro-batch sizes: per device, whole numbers >= 1 summing to its share.
+
+    Raises:
+        ValueError: Naming the device position, its share and the micro-batches.
+    """
+    if isinstance(micro, str | bytes) or len(micro) != len(sizes):
+        raise ValueError(f"micro_batches must hold one list per device ({len(sizes)}), got {micro!r}")
+    if all(type(p) is list for p in micro):  # the fast path, for the solver's own output
+        flat = list(itertools.chain.from_iterable(micro))
+        if all(type(m) is int for m in flat) and min(flat, default=1) >= 1:
+            lengths = np.asarray([len(p) for p in micro], dtype=np.int64)
+            cum = np.concatenate([[0], np.cumsum(np.asarray(flat, dtype=np.int64))])
+            ends = np.cumsum(lengths)
+            if np.array_equal(cum[ends] - cum[ends - lengths], np.asarray(sizes, dtype=np.int64)):
+                return [list(p) for p in micro]
+    out = []
+    for i, (parts, size) in enumerate(zip(micro, sizes)):
+        ok = not isinstance(parts, str | bytes) and all(
+            not isinstance(m, bool) and isinstance(m, int | np.integer) and m >= 1 for m in parts
+        )
+        if not ok or sum(int(m) for m in parts) != size:
+            raise ValueError(
+                f"micro_batches[{i}] must be whole numbers >= 1 summing to that device's share {size}, got {parts!r}"
+            )
+        out.append([int(m) for m in parts])
     return out
 
 

@@ -15,7 +15,7 @@ from .curve import Curve
 from .plan import Plan
 from .profile import DeviceProfile, Profile
 from .sizes import resolve_plan
-from .solver import plan_from_sizes
+from .solver import micro_table, plan_from_sizes
 
 __all__ = ["PlanChange", "Rebalancer"]
 
@@ -67,6 +67,10 @@ class Rebalancer:
         window: Corrections kept per device (the factor is their median).
         on_change: Called with each :class:`PlanChange`.
 
+    Attributes:
+        accumulate: Re-solve with micro-batches on capped devices (``HeteroDataParallel``
+            sets it from its own ``accumulate``).
+
     Example:
         >>> dp = HeteroDataParallel(net, ["cpu", "cpu@0.25"], profile=prof, rebalance=True)
         >>> dp.rebalancer.history  # the plan changes so far
@@ -98,6 +102,7 @@ class Rebalancer:
         self.corrections: dict[str, deque[float]] = {}
         self.log_factors: dict[str, float] = {}
         self.history: list[PlanChange] = []
+        self.accumulate = False
         self.steps = 0
         self.seconds = 0.0  # time spent in the rebalancer itself, to report its overhead
         self._entries: dict[str, DeviceProfile] = {}
@@ -157,11 +162,12 @@ class Rebalancer:
         """
         started = time.perf_counter()
         self.steps += 1
-        for name, size in zip(plan.devices, plan.sizes):
+        for name, size, micro in zip(plan.devices, plan.sizes, plan.micro_batches):
             seconds = step_times.get(name)
             if size <= 0 or not seconds or seconds <= 0:
                 continue
-            base = self._entry(name).curve(size)
+            curve = self._entry(name).curve
+            base = sum(curve(m) for m in micro)  # the predicted time of what ran: its micro-batches
             if not 0 < base < math.inf:
                 continue
             seen = self.corrections.setdefault(name, deque(maxlen=self.window))
@@ -226,11 +232,14 @@ class Rebalancer:
             return None
         profile = self.corrected(plan.devices)
         curves = [profile.entry(name).curve for name in plan.devices]
+        micro = micro_table(profile.table(list(plan.devices))) if self.accumulate else None
 
         def step_time(sizes: Sequence[int]) -> float:
+            if micro is not None:  # capped devices run micro-batches: their time is the micro-batched one
+                return float(micro.evaluate([float(b) for b in sizes]).max())
             return max(c(b) for c, b in zip(curves, sizes))
 
-        target = resolve_plan(plan.batch_size, plan.devices, profile=profile)
+        target = resolve_plan(plan.batch_size, plan.devices, profile=profile, accumulate=self.accumulate)
         sizes = _bounded(plan.sizes, target.sizes, int(self.max_move * plan.batch_size))
         now, then = step_time(plan.sizes), step_time(sizes)
         best = now / target.step_time if target.step_time > 0 else math.inf

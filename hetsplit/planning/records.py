@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
+
+import numpy as np
 
 from ..devices import DeviceInfo
 from ..emulation import check_speed
 from . import checks
 from .curve import Curve
 
-__all__ = ["Measurement", "DeviceProfile"]
+__all__ = ["Measurement", "MemoryModel", "DeviceProfile"]
 
 
 @dataclasses.dataclass
@@ -54,6 +56,57 @@ class Measurement:
 
 
 @dataclasses.dataclass
+class MemoryModel:
+    """Peak memory of a training step against its batch, ``m(b) = base + per_sample * b`` bytes (CUDA).
+
+    Attributes:
+        peaks: Measured ``(batch, peak bytes)`` pairs (``torch.cuda.max_memory_allocated``).
+        base: Fitted bytes at batch 0 (weights, gradients, workspace), >= 0.
+        per_sample: Fitted bytes per sample (activations), >= 0.
+    """
+
+    peaks: list[tuple[int, int]]
+    base: float
+    per_sample: float
+
+    @classmethod
+    def fit(cls, peaks: Sequence[tuple[int, int]]) -> MemoryModel:
+        """Least-squares line through the peaks (one point: all of it per sample), never negative."""
+        pts = sorted((int(b), int(m)) for b, m in peaks)
+        if len(pts) == 1 or len({b for b, _ in pts}) == 1:
+            return cls(pts, 0.0, pts[-1][1] / max(pts[-1][0], 1))
+        per, base = np.polyfit([b for b, _ in pts], [m for _, m in pts], 1)
+        per = max(float(per), 0.0)
+        base = max(float(np.mean([m - per * b for b, m in pts])), 0.0)
+        return cls(pts, base, per)
+
+    def __call__(self, batch: float) -> float:
+        """Predicted peak bytes of a step of ``batch`` samples."""
+        return self.base + self.per_sample * batch
+
+    def to_dict(self) -> dict[str, Any]:
+        """Return the model as a JSON-ready dict."""
+        return {"peaks": [list(p) for p in self.peaks], "base": self.base, "per_sample": self.per_sample}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> MemoryModel:
+        """Build the model from :meth:`to_dict` output, checking every number.
+
+        Raises:
+            ValueError: On a peak that is not ``[batch >= 1, bytes >= 0]`` or a negative coefficient.
+        """
+        peaks = []
+        for p in data["peaks"]:
+            if not (isinstance(p, list) and len(p) == 2 and all(type(v) is int for v in p) and p[0] >= 1 and p[1] >= 0):
+                raise ValueError(f"memory peaks must be [batch >= 1, bytes >= 0] pairs, got {p!r}")
+            peaks.append((p[0], p[1]))
+        coef = [data["base"], data["per_sample"]]
+        if not all(isinstance(v, int | float) and not isinstance(v, bool) and 0 <= v < 1e18 for v in coef):
+            raise ValueError(f"memory model base and per_sample must be bytes >= 0, got {coef}")
+        return cls(peaks, float(coef[0]), float(coef[1]))
+
+
+@dataclasses.dataclass
 class DeviceProfile:
     """One device's measurements and fitted curve.
 
@@ -63,6 +116,7 @@ class DeviceProfile:
         curve: The fitted step-time curve.
         memory_cap: Largest batch that fitted in memory (``None``: not probed or never hit).
         memory_probed_to: The largest batch tried while looking for the cap.
+        memory: Peak memory against batch size (CUDA devices), ``None`` where not measured.
     """
 
     info: DeviceInfo
@@ -70,6 +124,7 @@ class DeviceProfile:
     curve: Curve
     memory_cap: int | None = None
     memory_probed_to: int | None = None
+    memory: MemoryModel | None = None
 
     @property
     def name(self) -> str:
@@ -84,6 +139,7 @@ class DeviceProfile:
             "curve": self.curve.to_dict(),
             "memory_cap": self.memory_cap,
             "memory_probed_to": self.memory_probed_to,
+            **({"memory": self.memory.to_dict()} if self.memory is not None else {}),
         }
 
     @classmethod
@@ -113,6 +169,7 @@ class DeviceProfile:
                 curve=Curve.from_dict(data["curve"]),
                 memory_cap=checks.memory_cap(data.get("memory_cap"), "memory_cap"),
                 memory_probed_to=checks.memory_cap(data.get("memory_probed_to"), "memory_probed_to"),
+                memory=MemoryModel.from_dict(data["memory"]) if data.get("memory") is not None else None,
             )
         except KeyError as e:
             raise ValueError(f"device {info.name!r}: no {e.args[0]!r} entry") from e

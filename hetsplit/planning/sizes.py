@@ -47,6 +47,7 @@ def resolve_plan(
     profile: Profile | None = None,
     weights: Sequence[float] | None = None,
     fallback: Callable[[], Profile] | None = None,
+    accumulate: bool = False,
 ) -> Plan:
     """The plan for a batch of ``batch`` samples over ``devices``, from whatever was given.
 
@@ -66,6 +67,7 @@ def resolve_plan(
         profile: Step-time curves to solve.
         weights: Relative throughputs, one per device (not with ``plan``/``profile``).
         fallback: Called for a profile when nothing else decides.
+        accumulate: Solve with micro-batches on capped devices (:func:`~hetsplit.solve`).
 
     Raises:
         TypeError: If ``plan`` or ``profile`` is of another type (a file name, say).
@@ -90,7 +92,7 @@ def resolve_plan(
     if plan is not None and plan.batch_size == batch:
         return plan
     if profile is not None:
-        return solve(profile, int(batch), devices=names)
+        return solve(profile, int(batch), devices=names, accumulate=accumulate)
     if weights is not None:
         return plan_from_sizes(None, names, sizes_from_weights(int(batch), check_weights(weights, len(names))))
     if plan is not None:
@@ -101,4 +103,4 @@ def resolve_plan(
         )
     if fallback is None:
         raise ValueError(f"nothing says how to split {batch} samples over {names}; give weights, a plan or a profile")
-    return solve(fallback(), int(batch), devices=names)
+    return solve(fallback(), int(batch), devices=names, accumulate=accumulate)

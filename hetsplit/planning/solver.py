@@ -10,6 +10,7 @@ import numpy as np
 from ..devices import DeviceLike, canonical_name
 from . import checks
 from .curve import CurveTable
+from .micro import MicroTable, micro_sizes
 from .plan import Plan, check_sizes, even_sizes
 from .profile import DeviceProfile, Profile
 
@@ -21,7 +22,9 @@ __all__ = ["solve", "plan_from_sizes", "allreduce_time"]
 _ENUMERATE_LIMIT = 1 << 20
 
 
-def solve(profile: Profile, batch_size: int, *, devices: Sequence[DeviceLike] | None = None) -> Plan:
+def solve(
+    profile: Profile, batch_size: int, *, devices: Sequence[DeviceLike] | None = None, accumulate: bool = False
+) -> Plan:
     """Find the integer split that minimises the predicted step time ``max_i t_i(b_i)``.
 
     The result is exactly optimal for the profile's curves under their memory caps: a
@@ -29,17 +32,25 @@ def solve(profile: Profile, batch_size: int, *, devices: Sequence[DeviceLike] | 
     (device, sample) increments are ranked by their exact predicted times. A device that
     would only slow the step gets 0.
 
+    With ``accumulate=True`` a device with a memory cap ``c`` may take more than ``c``
+    samples, run as ``k >= ceil(b / c)`` near-equal micro-batches (gradient
+    accumulation); its time is the best such ``k`` of ``sum t(micro size)``, and the
+    split is exactly optimal for that model. ``plan.micro_batches`` lists each device's
+    micro-batch sizes. A device without a cap runs its share as one batch.
+
     Args:
         profile: Step-time curves of the devices.
         batch_size: Samples to split (>= 1).
         devices: Devices to use, in shard order (default: all in the profile). A name
             may repeat to plan for several identical devices.
+        accumulate: Let capped devices run their share as several micro-batches.
 
     Returns:
         The :class:`Plan`.
 
     Raises:
-        ValueError: If the batch is empty, or larger than the devices' memory caps allow.
+        ValueError: If the batch is empty, or larger than the devices' memory caps allow
+            (with ``accumulate=True``: if no device holds even one sample).
 
     Example:
         >>> p = Profile.from_measurements({"fast": [(100, 0.1)], "slow": [(100, 0.4)]})
@@ -54,17 +65,29 @@ def solve(profile: Profile, batch_size: int, *, devices: Sequence[DeviceLike] | 
     entries = profile.entries if devices is None else [profile.entry(d) for d in devices]
     if not entries:
         raise ValueError("no devices to split across; give at least one")
+    if not isinstance(accumulate, bool):
+        raise TypeError(f"accumulate must be True or False, got {accumulate!r}")
     names = [e.info.name for e in entries]
     table = profile.table(names, [e.curve for e in entries])
-    total_cap = float(table.cap.sum())
+    engine = micro_table(table) if accumulate else table
+    total_cap = float(engine.cap.sum())
     if total_cap < batch_size:
         caps = ", ".join(f"{n}: {e.curve.memory_cap}" for n, e in zip(names, entries))
+        hint = "give devices that hold at least one sample" if accumulate else "or solve(..., accumulate=True)"
         raise ValueError(
             f"batch of {batch_size} exceeds what the devices' memory holds together ({int(total_cap)}: {caps}); "
-            "use a smaller batch, more devices, or gradient accumulation"
+            f"use a smaller batch, more devices, {hint}"
         )
-    sizes = _solve_sizes(table, int(batch_size))
-    return _make_plan(entries, names, table, sizes, int(batch_size))
+    sizes = _solve_sizes(engine, int(batch_size))
+    return _make_plan(entries, names, engine, sizes, int(batch_size))
+
+
+def micro_table(table: CurveTable) -> MicroTable:
+    """The micro-batched view of ``table``, built once per packed table."""
+    cached = table.__dict__.get("micro")
+    if cached is None:
+        cached = table.__dict__["micro"] = MicroTable(table)
+    return cached
 
 
 def plan_from_sizes(profile: Profile | None, devices: Sequence[DeviceLike], sizes: Sequence[int]) -> Plan:
@@ -84,9 +107,19 @@ def plan_from_sizes(profile: Profile | None, devices: Sequence[DeviceLike], size
 
 
 def _make_plan(
-    entries: Sequence[DeviceProfile], names: list[str], table: CurveTable, sizes: np.ndarray, batch_size: int
+    entries: Sequence[DeviceProfile],
+    names: list[str],
+    table: CurveTable | MicroTable,
+    sizes: np.ndarray,
+    batch_size: int,
 ) -> Plan:
-    times = table.evaluate(sizes.astype(float))
+    if isinstance(table, MicroTable):
+        times, counts = table.times_and_counts(sizes)
+        micro = [micro_sizes(b, k) if k > 1 else [b] if b else [] for b, k in zip(sizes.tolist(), counts)]
+    else:
+        times = table.evaluate(sizes.astype(float))
+        micro = [[int(b)] if b > 0 else [] for b in sizes]
+    largest = np.asarray([m[0] if m else 0 for m in micro], dtype=float)
     even = np.asarray(even_sizes(batch_size, len(names)), dtype=float)
     even_time = float(table.evaluate(even).max())
     singles = table.evaluate(np.full(len(names), float(batch_size)))
@@ -99,12 +132,13 @@ def _make_plan(
         even_time=even_time,
         single_time=float(singles[best]),
         single_device=names[best],
-        extrapolated=(sizes > table.x[:, -1]).tolist(),
+        extrapolated=(largest > table.x[:, -1]).tolist(),
         emulated=list(dict.fromkeys(e.info.name for e in entries if e.info.emulated)),
+        micro_batches=micro,
     )
 
 
-def _solve_sizes(table: CurveTable, batch: int) -> np.ndarray:
+def _solve_sizes(table: CurveTable | MicroTable, batch: int) -> np.ndarray:
     """Exact min-max integer allocation of ``batch`` samples (see :func:`solve`)."""
     n = len(table.cap)
     reach = np.minimum(table.cap, batch)
@@ -138,13 +172,17 @@ def _solve_sizes(table: CurveTable, batch: int) -> np.ndarray:
             w_hi = w_hi * 0.5 if side == 1 else w_hi
             side = 1
     # Settle the bracket with exact capacities; widen it if rounding put it off by one.
-    c_lo, c_hi = table.capacity(lo), table.capacity(hi)
+    # (Micro-batched devices: a bracket a sample wider on each side, as the exact costs below
+    # decide anyway, costs less than settling their capacities exactly.)
+    bound = table.bracket if isinstance(table, MicroTable) else lambda seconds, side: table.capacity(seconds)
+    c_lo, c_hi = bound(lo, -1), bound(hi, 1)
     while c_lo.sum() >= batch and lo > 0:
         lo = lo * 0.5 if lo > 1e-300 else 0.0
-        c_lo = table.capacity(lo)
+        c_lo = bound(lo, -1)
     while c_hi.sum() < batch:
         hi = hi * 2.0 + 1e-12
-        c_hi = table.capacity(hi)
+        c_hi = bound(hi, 1)
+    c_hi = np.minimum(c_hi, batch)
     need = batch - int(c_lo.sum())
     gap = c_hi - c_lo
     if int(gap.sum()) > _ENUMERATE_LIMIT:

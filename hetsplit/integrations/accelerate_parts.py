@@ -1,0 +1,183 @@
+"""Accelerate parts: the loader, argument checks and throttling HeteroAccelerator is built from."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+from accelerate.data_loader import DataLoaderShard
+from torch.utils.data import DataLoader, IterableDataset, RandomSampler, SequentialSampler
+
+import hetsplit.distributed as hd
+from hetsplit.devices import Device
+from hetsplit.distributed.setup import rank_devices
+from hetsplit.planning import Plan, Profile
+
+from .collectives import samples_in
+
+__all__ = [
+    "WEIGHTINGS",
+    "check_whole_shares",
+    "CARRIED",
+    "SharesLoader",
+    "check_arguments",
+    "check_loader",
+    "carried_settings",
+    "profiling_inputs",
+    "throttle_forward",
+]
+
+# "none": DDP's plain mean, for a loss already normalised over the global batch (what the
+# HF Trainer does with num_items_in_batch); the other two weight a per-process mean by shard.
+WEIGHTINGS = ("hook", "outputs", "none")
+# Loader settings the per-process loader carries over from the user's DataLoader.
+CARRIED = ("num_workers", "pin_memory", "timeout", "worker_init_fn", "persistent_workers", "multiprocessing_context")
+
+
+class SharesLoader(DataLoaderShard):
+    """accelerate's ``DataLoaderShard`` over hetsplit's shares, remembering each yielded batch's samples."""
+
+    current_samples: int | None = None
+
+    def __iter__(self) -> Iterator[Any]:
+        for batch in super().__iter__():
+            self.current_samples = samples_in(batch)
+            yield batch
+        self.current_samples = None
+
+    def real_rows(self) -> int:
+        """This process's rows of the current batch that are data, not the padding of a last incomplete batch."""
+        rows = self.current_samples or 0
+        if not (self.end_of_dataloader and self.remainder > 0):
+            return rows
+        sampler = self.batch_sampler
+        sizes = sampler.plan_at(sampler.yielded - 1).sizes  # the last step handed out is this batch's
+        before = sum(sizes[: sampler.rank])  # padding fills the end of the global batch
+        return max(0, min(rows, self.remainder - before))
+
+
+def carried_settings(loader: DataLoader) -> dict[str, Any]:
+    """The loader settings a re-cut loader keeps (workers, pinning, worker seeding)."""
+    carried = {k: getattr(loader, k) for k in CARRIED if hasattr(loader, k)}
+    if carried.get("num_workers", 0) > 0:
+        carried["prefetch_factor"] = loader.prefetch_factor
+    else:  # DataLoader refuses these without workers
+        carried.pop("persistent_workers", None)
+    return carried
+
+
+def check_arguments(
+    devices: str | None,
+    plan: Any,
+    profile: Any,
+    global_batch_size: Any,
+    weighting: str,
+    accelerator_kwargs: Mapping[str, Any],
+    world: int,
+) -> list[str] | None:
+    """Every argument checked before accelerate or a process group starts; the per-process device names."""
+    if weighting not in WEIGHTINGS:
+        raise ValueError(f"weighting={weighting!r}: use one of {', '.join(map(repr, WEIGHTINGS))}")
+    if plan is not None and not isinstance(plan, Plan):
+        raise TypeError(f"plan must be a hetsplit Plan, got {type(plan).__name__}: {plan!r}")
+    if profile is not None and not isinstance(profile, Profile):
+        raise TypeError(f"profile must be a hetsplit Profile, got {type(profile).__name__}: {profile!r}")
+    if plan is not None:
+        check_whole_shares(plan, "HeteroAccelerator")
+    if plan is not None and len(plan.sizes) != world:
+        raise ValueError(
+            f"the plan has {len(plan.sizes)} shares {list(plan.sizes)} but {world} processes run: "
+            "give a plan with one share per process"
+        )
+    if global_batch_size is not None and (
+        isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int) or global_batch_size < 1
+    ):
+        raise ValueError(f"global_batch_size must be a positive integer, got {global_batch_size!r}")
+    config = accelerator_kwargs.get("dataloader_config")
+    if config is not None and getattr(config, "use_stateful_dataloader", False):
+        raise ValueError(
+            "use_stateful_dataloader=True saves a loader's position in checkpoints, which hetsplit's shares "
+            "do not support yet: leave it unset (resume with skip_first_batches, as the Trainer does)"
+        )
+    if config is not None and getattr(config, "dispatch_batches", None):
+        raise ValueError(
+            "dispatch_batches=True sends every batch from process 0; HeteroAccelerator gives each process its "
+            "own share instead: leave dispatch_batches unset"
+        )
+    spec = devices if devices is not None else os.environ.get(hd.ENV_DEVICES)
+    if not spec:
+        return None
+    items = [s for s in spec.split(",") if s.strip()]
+    if len(items) > 1 and world == 1:
+        raise ValueError(
+            f"devices {spec!r} lists {len(items)} devices, one per process, but this job runs 1 process "
+            "('accelerate launch --cpu' starts one): start one process per device with "
+            f"'accelerate launch --multi_gpu --num_processes {len(items)} ...' (also on a CPU-only machine), "
+            f"'hetsplit launch --devices {spec} ...' or torchrun"
+        )
+    return rank_devices(spec, world)
+
+
+def check_loader(loader: DataLoader) -> None:
+    """A loader HeteroAccelerator can re-cut into shares without changing what it means, else one clear error."""
+    if isinstance(loader.dataset, IterableDataset):
+        raise ValueError(
+            f"HeteroAccelerator needs a map-style dataset (indexable, with a length), got the iterable "
+            f"{type(loader.dataset).__name__}: wrap the data in a map-style Dataset"
+        )
+    if loader.batch_size is None:
+        raise ValueError(
+            f"HeteroAccelerator needs a DataLoader with batch_size, got batch_sampler="
+            f"{type(loader.batch_sampler).__name__}: pass batch_size= (and shuffle=) instead of a batch sampler"
+        )
+    if not isinstance(loader.sampler, RandomSampler | SequentialSampler):
+        raise ValueError(
+            f"HeteroAccelerator replaces the loader's sampler with per-process shares and keeps only its order "
+            f"(shuffled or sequential); got {type(loader.sampler).__name__}: use shuffle=True or False instead"
+        )
+
+
+def profiling_inputs(batch: Any, loss_fn: Any) -> tuple[Any, Any, Any]:
+    """(sample, target, loss) to profile the model on a batch as the training loop will call it."""
+    if isinstance(batch, Mapping):  # Hugging Face style: model(**batch).loss
+        return dict(batch), None, loss_fn or (lambda out: out["loss"] if isinstance(out, Mapping) else out.loss)
+    if isinstance(batch, (list, tuple)) and len(batch) >= 2 and loss_fn is not None:
+        return batch[0], batch[1], loss_fn
+    if isinstance(batch, (list, tuple)) and batch:
+        return batch[0], None, None
+    return batch, None, None
+
+
+def throttle_forward(model: torch.nn.Module, device: Device) -> None:
+    """Run every forward of ``model`` at ``device``'s emulated speed (its backward is throttled in ``backward``)."""
+    open_: list[contextlib.AbstractContextManager[Any]] = []
+
+    def before(module: torch.nn.Module, args: Any) -> None:
+        ctx = device.throttle(cpu_time=True)
+        ctx.__enter__()
+        open_.append(ctx)
+
+    def after(module: torch.nn.Module, args: Any, output: Any) -> None:
+        if open_:
+            open_.pop().__exit__(None, None, None)
+
+    model.register_forward_pre_hook(before)
+    model.register_forward_hook(after)
+
+
+def check_whole_shares(plan: Plan, who: str) -> None:
+    """Refuse a plan that runs some process's share as several micro-batches (not followed here yet).
+
+    Raises:
+        ValueError: Naming the process, its micro-batches and what to do instead.
+    """
+    for rank, parts in enumerate(plan.micro_batches):
+        if len(parts) > 1:
+            raise ValueError(
+                f"{who} runs each process's share as one batch, but the plan splits process {rank}'s share "
+                f"{plan.sizes[rank]} into micro-batches {parts}; solve without accumulate (a batch within the "
+                "memory caps), or use hetsplit.distributed.micro_batches in a torchrun loop"
+            )

@@ -1,0 +1,248 @@
+"""HeteroTrainer: the Hugging Face Trainer with per-process shares from one hetsplit plan."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import transformers
+from torch import nn
+from transformers.loss.loss_utils import ForCausalLMLoss
+
+from hetsplit.planning import Plan, Profile
+
+from .accelerate import HeteroAccelerator
+from .collectives import samples_in
+
+__all__ = ["HeteroTrainer"]
+
+
+class HeteroTrainer(transformers.Trainer):
+    """``transformers.Trainer`` whose processes each train on their own share of every global batch.
+
+    A one-line change for a Trainer script: ``HeteroTrainer(...)`` instead of
+    ``Trainer(...)``. The global batch is kept (processes × ``per_device_train_batch_size``,
+    as the Trainer counts it); each process gets the share one hetsplit plan gives its
+    device (``plan=``, or profiled on every process at the first loader), and every
+    step equals a step of the plain model on the whole global batch:
+
+    - Each process computes the model's own mean loss over its items (label tokens that
+      are not ``-100``, shifted by one for a causal LM; else samples) and makes it its
+      part of the global loss, ``world * S_r / N``, with ``N`` the items of the global
+      batch over the accumulation window, counted on every process before the step.
+      DDP's plain mean is then the global mean: padded token losses are weighted by
+      tokens, models that ignore ``num_items_in_batch`` (sequence classification) are
+      weighted by samples, and gradient accumulation is one mean over the window.
+    - Evaluation: ``eval_loss`` is the mean over every item of the evaluation set (the
+      padding of a last incomplete batch left out); predictions and labels reach
+      ``compute_metrics`` with uneven shards, every sample once.
+    - A process whose share is 0 runs one real sample weighted 0 (many models cannot
+      run a batch of 0 rows; DDP needs every process in every backward).
+
+    Launch one process per device: ``hetsplit launch --devices cpu,cpu@0.25 train.py``,
+    torchrun, or ``accelerate launch --multi_gpu --num_processes N``.
+
+    Args:
+        *args: As for ``transformers.Trainer``.
+        devices: One device per process (default: ``$HETSPLIT_DEVICES``, else the Trainer's).
+        plan: A :class:`~hetsplit.Plan` with one share per process.
+        profile: This process's :class:`~hetsplit.Profile`, instead of timing the model.
+        plan_kwargs: Passed to :func:`hetsplit.distributed.plan` (see :class:`HeteroAccelerator`).
+        **trainer_kwargs: As for ``transformers.Trainer``.
+
+    Raises:
+        ValueError: With DeepSpeed or FSDP (not supported), if a process would run
+            several GPUs (``nn.DataParallel``), or this process's device is not where the
+            Trainer puts the model.
+
+    Example:
+        >>> trainer = HeteroTrainer(model=model, args=args, train_dataset=train)  # was: Trainer(...)
+        >>> trainer.train()
+    """
+
+    def __init__(
+        self,
+        *args: Any,
+        devices: str | None = None,
+        plan: Plan | None = None,
+        profile: Profile | None = None,
+        plan_kwargs: Mapping[str, Any] | None = None,
+        **trainer_kwargs: Any,
+    ) -> None:
+        self._hetero_kwargs = {"devices": devices, "plan": plan, "profile": profile, "plan_kwargs": plan_kwargs}
+        self._window_items: float | None = None  # items of the global batch over this accumulation window
+        self._eval_sums: list[float] | None = None  # (summed loss, items) of this process's evaluation
+        self._filler: Any = None  # the loader an empty share borrows one real sample from
+        super().__init__(*args, **trainer_kwargs)
+        if self.args.n_gpu > 1:
+            raise ValueError(
+                f"this process sees {self.args.n_gpu} GPUs and the Trainer would run nn.DataParallel over them; "
+                "HeteroTrainer runs one process per device: start them with 'hetsplit launch --devices ...' or torchrun"
+            )
+        mine, trainers = self.accelerator.device, torch.device(self.args.device)
+        if mine.type != trainers.type or (mine.type == "cuda" and mine.index != trainers.index):
+            raise ValueError(
+                f"this process's device is {mine} but the Trainer places the model on {trainers}; list the devices "
+                f"so that process r gets cuda:LOCAL_RANK, or pass TrainingArguments(use_cpu={mine.type == 'cpu'})"
+            )
+        self.accelerator.model_to_profile = self.model  # also when evaluation comes first
+
+    @property
+    def hetero_plan(self) -> Plan | None:
+        """The plan in force (``None`` until the first loader is made)."""
+        return getattr(self.accelerator, "hetero_plan", None)
+
+    def _build_accelerator_args(self, **kwargs: Any) -> dict[str, Any]:
+        # Kept to build the HeteroAccelerator with exactly the Trainer's own settings.
+        self._accelerator_args = super()._build_accelerator_args(**kwargs)
+        return self._accelerator_args
+
+    def create_accelerator_and_postprocess(self) -> None:
+        """The Trainer's accelerator set-up, with a :class:`HeteroAccelerator` in place of ``Accelerator``."""
+        super().create_accelerator_and_postprocess()
+        if self.is_deepspeed_enabled or self.is_fsdp_enabled:
+            raise ValueError(
+                "HeteroTrainer splits batches for DDP; DeepSpeed and FSDP shard the model instead and are not "
+                "supported: remove the deepspeed/fsdp arguments, or use the plain Trainer"
+            )
+        # "none": each process's loss is made its part of the global loss (compute_loss), exact
+        # for token losses too, where weighting gradients by samples is not.
+        self.accelerator = HeteroAccelerator(weighting="none", **self._hetero_kwargs, **self._accelerator_args)
+        self.accelerator.model_to_profile = getattr(self, "model", None)
+        self.gather_function = functools.partial(
+            self.accelerator.gather_for_metrics, use_gather_object=self.args.eval_use_gather_object
+        )
+
+    def _shifts(self, model: nn.Module) -> bool:
+        """Whether the model's loss predicts label i+1 at position i (a causal LM), so position 0 never counts."""
+        inner = self.accelerator.unwrap_model(model)
+        config = getattr(inner, "config", None)
+        return getattr(inner, "loss_function", None) is ForCausalLMLoss and not getattr(config, "is_encoder_decoder", 0)
+
+    def get_train_dataloader(self) -> Any:
+        """The Trainer's training loader, cut into this process's shares (the model is profiled first if needed)."""
+        self._filler = loader = super().get_train_dataloader()
+        return loader
+
+    def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: torch.device) -> Any:
+        """The Trainer's next accumulation window, and the items of the global batch over it (one all-reduce)."""
+        batches, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)
+        shifted = self._shifts(self.model)
+        total = torch.tensor([float(sum(_items(b, shifted) for b in batches))], dtype=torch.float64, device=device)
+        if self.accelerator.num_processes > 1:
+            dist.all_reduce(total)
+        self._window_items = total.item()
+        return batches, num_items
+
+    def compute_loss(
+        self,
+        model: nn.Module,
+        inputs: dict[str, Any],
+        return_outputs: bool = False,
+        num_items_in_batch: torch.Tensor | int | None = None,
+    ) -> Any:
+        """This process's part of the global batch's loss, ``world * S_r / N`` (see the class)."""
+        items = _items(inputs, self._shifts(model))
+        empty = samples_in(inputs) == 0
+        # The model's own mean over this process's items; num_items_in_batch is left out on
+        # purpose, as models that honour it and models that ignore it then mean the same.
+        # A copy: the Trainer pops "labels" from what it is given (label smoothing).
+        result = super().compute_loss(
+            model, self._filler_inputs(inputs) if empty else dict(inputs), return_outputs=return_outputs
+        )
+        loss, outputs = result if return_outputs else (result, None)
+        if model.training:
+            total = self._window_items
+            if total is None:  # a step outside the Trainer's loop: count this step's items on every process
+                counted = torch.tensor([float(items)], dtype=torch.float64, device=loss.device)
+                if self.accelerator.num_processes > 1:
+                    dist.all_reduce(counted)
+                total = counted.item()
+            factor = self.accelerator.num_processes * items / total if total and not empty else 0.0
+            if num_items_in_batch is None:  # the Trainer divides by the accumulation steps itself then
+                factor *= self.current_gradient_accumulation_steps
+            loss = _part(loss, factor)
+        elif self._eval_sums is not None and not empty:
+            real = self._real_rows(inputs)
+            mean = loss if real == samples_in(inputs) else self._real_mean(model, inputs, real)
+            real_items = items if real == samples_in(inputs) else _items(_rows(inputs, real), self._shifts(model))
+            self._eval_sums[0] += float(mean.detach()) * real_items if real_items else 0.0
+            self._eval_sums[1] += real_items
+        if empty:
+            loss = _part(loss, 0.0)
+            outputs = _rows(outputs, 0) if outputs is not None else None
+        return (loss, outputs) if return_outputs else loss
+
+    def evaluation_loop(self, *args: Any, **kwargs: Any) -> Any:
+        """The Trainer's loop; ``<prefix>_loss`` becomes the mean over every evaluated item (see the class)."""
+        self._eval_sums = [0.0, 0.0]
+        try:
+            output = super().evaluation_loop(*args, **kwargs)
+        finally:
+            sums, self._eval_sums = self._eval_sums, None
+        prefix = kwargs.get("metric_key_prefix", args[4] if len(args) > 4 else "eval")
+        total = torch.tensor(sums, dtype=torch.float64, device=self.args.device)
+        if self.accelerator.num_processes > 1:
+            dist.all_reduce(total)
+        if f"{prefix}_loss" in output.metrics and total[1] > 0:
+            output.metrics[f"{prefix}_loss"] = (total[0] / total[1]).item()
+        return output
+
+    def get_eval_dataloader(self, eval_dataset: Any = None) -> Any:
+        """The Trainer's evaluation loader, cut in the plan's proportions."""
+        loader = super().get_eval_dataloader(eval_dataset)
+        if self._filler is None:
+            self._filler = loader
+        return loader
+
+    def _filler_inputs(self, inputs: dict[str, Any]) -> dict[str, Any]:
+        """One real sample, shaped as the loader's batches, for a process whose share is 0."""
+        loader = self._filler
+        if loader is None:
+            raise RuntimeError("HeteroTrainer: a share of 0 samples before any loader was made; pass a data set")
+        one = self._prepare_inputs(loader.collate_fn([loader.dataset[0]]))
+        return {k: v for k, v in one.items() if k in inputs}
+
+    def _real_rows(self, inputs: dict[str, Any]) -> int:
+        """This process's rows of the current evaluation batch that are not padding of a last incomplete batch."""
+        loader = getattr(self.accelerator.gradient_state, "active_dataloader", None)
+        real = getattr(loader, "real_rows", None)
+        return real() if callable(real) else samples_in(inputs) or 0
+
+    def _real_mean(self, model: nn.Module, inputs: dict[str, Any], real: int) -> torch.Tensor:
+        """The model's mean loss over the first ``real`` rows (the rest pad the last batch)."""
+        if real == 0:
+            return torch.zeros(())
+        with torch.no_grad():
+            return super().compute_loss(model, _rows(inputs, real))
+
+
+def _items(inputs: Mapping[str, Any], shifted: bool) -> int:
+    """Items a mean loss averages over in ``inputs``: label tokens that count (not -100), else samples."""
+    labels = inputs.get("shift_labels", inputs.get("labels")) if isinstance(inputs, Mapping) else None
+    if isinstance(labels, torch.Tensor) and labels.dim() > 0:
+        if shifted and "shift_labels" not in inputs and labels.dim() > 1:
+            labels = labels[..., 1:]
+        return int(labels.ne(-100).sum())
+    return samples_in(inputs) or 0
+
+
+def _rows(tree: Any, n: int) -> Any:
+    """The first ``n`` rows of every tensor with a batch dimension in ``tree`` (a dict, a model output)."""
+    if isinstance(tree, Mapping):
+        cut = {k: _rows(v, n) for k, v in tree.items()}
+        try:
+            return type(tree)(**cut)  # model outputs (dataclass-like) and dicts
+        except TypeError:
+            return type(tree)(cut)
+    return tree[:n] if torch.is_tensor(tree) and tree.dim() else tree
+
+
+def _part(loss: torch.Tensor, factor: float) -> torch.Tensor:
+    """``loss * factor``; a process without items adds an exact 0 (its own mean over nothing is NaN)."""
+    if factor:
+        return loss * factor
+    return torch.nan_to_num(loss, nan=0.0, posinf=0.0, neginf=0.0) * 0.0

@@ -1,0 +1,106 @@
+"""Local-loss mode: each device's shard (or micro-batches) runs forward, weighted loss and backward in its worker."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..devices import Device
+from .micro import MemoryLog, cut
+from .outputs import ScalarPolicy, check_policy
+
+__all__ = ["local_inputs", "shard_loss", "local_fns"]
+
+LossFn = Callable[..., torch.Tensor]
+
+
+def local_inputs(
+    inputs: Any, kwargs: dict[str, Any], loss_fn: LossFn | None, reduction: ScalarPolicy
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """``train_step``'s inputs as (args, kwargs), its arguments checked before any device work."""
+    check_policy(reduction, "reduction")
+    if reduction == "stack" or loss_fn is None:
+        raise ValueError(
+            f"train_step needs loss_fn and a reduction of 'mean', 'sum' or a callable, "
+            f"got loss_fn={loss_fn!r}, reduction={reduction!r}"
+        )
+    if isinstance(inputs, dict):
+        return (), {**inputs, **kwargs}
+    return (inputs if isinstance(inputs, tuple) else (inputs,)), dict(kwargs)
+
+
+def shard_loss(loss_fn: LossFn, out: Any, target: Any, has_target: bool) -> torch.Tensor:
+    """``loss_fn(out[, target])``, checked to be a scalar tensor.
+
+    Raises:
+        ValueError: Naming the shape of a loss that is not 0-dim.
+    """
+    loss = loss_fn(out, target) if has_target else loss_fn(out)
+    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+        shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+        raise ValueError(
+            f"loss_fn must return a scalar (0-dim) tensor, got {shape}; reduce it "
+            "with .mean() or .sum() and say which with reduction="
+        )
+    return loss
+
+
+def _run_pieces(
+    replica: nn.Module,
+    pieces: Sequence[tuple[tuple[tuple[Any, ...], dict[str, Any]], Any]],
+    sizes: Sequence[int],
+    weights: Sequence[float],
+    i: int,
+    device: Device,
+    log: MemoryLog,
+    loss_of: Callable[[Any, Any], torch.Tensor],
+) -> list[torch.Tensor]:
+    """Forward, weighted loss and backward of each micro-batch in turn; the losses, detached.
+
+    Each micro-batch's graph is freed by its backward before the next is built, so the
+    device holds one micro-batch's activations at a time.
+    """
+    losses = []
+    for ((args, kwargs), target), size, w in zip(pieces, sizes, weights):
+
+        def step(a: tuple[Any, ...] = args, k: dict[str, Any] = kwargs, t: Any = target, w: float = w) -> Any:
+            loss = loss_of(replica(*a, **k), t)
+            (loss * w).backward()
+            return loss.detach()
+
+        losses.append(log.watch(i, size, step, device))
+        log.done(i, size)
+    return losses
+
+
+def local_fns(
+    replicas: Sequence[nn.Module],
+    shards: Sequence[Any],
+    micro: Sequence[Sequence[int]],
+    active: Sequence[int],
+    devices: Sequence[Device],
+    log: MemoryLog,
+    dim: int,
+) -> tuple[list[list[Any]], Callable[[Sequence[float], LossFn, bool], list[Callable[[], list[torch.Tensor]]]]]:
+    """The micro-shards of each active device, and a maker of its work given each micro-batch's weight.
+
+    Returns:
+        ``(pieces, make)``: ``pieces[j]`` are device ``j``'s micro-batches
+        ``((args, kwargs), target)``; ``make(weights, loss_fn, has_target)`` gives one
+        callable per device (``weights`` flat, one per micro-batch in order).
+    """
+    pieces = [cut(shard, sizes, devices[i], dim) for shard, sizes, i in zip(shards, micro, active)]
+
+    def make(weights: Sequence[float], loss_fn: LossFn, has_target: bool) -> list[Callable[[], list[torch.Tensor]]]:
+        loss_of = lambda out, t: shard_loss(loss_fn, out, t, has_target)
+        fns, pos = [], 0
+        for r, parts, sizes, i in zip(replicas, pieces, micro, active):
+            ws = list(weights[pos : pos + len(parts)])
+            pos += len(parts)
+            fns.append(lambda r=r, p=parts, s=sizes, w=ws, i=i: _run_pieces(r, p, s, w, i, devices[i], log, loss_of))
+        return fns
+
+    return pieces, make

@@ -1,0 +1,282 @@
+"""Micro-batches in one process: a device's shard run as micro-batches in its worker, and recovery from out of memory.
+
+A device whose plan lists several micro-batches (``plan.micro_batches``) runs them one
+after another in its own worker thread. In local-loss mode each micro-batch does its
+forward, weighted loss and backward before the next starts, so the device holds one
+micro-batch's activations. In gather mode the outputs must all exist before the loss;
+each micro-batch's forward then runs under activation checkpointing (only its inputs
+and outputs are kept) and is recomputed, one micro-batch at a time, during backward.
+Every forward passes :meth:`~hetsplit.devices.Device.check_batch` first (an emulated
+memory raises there) and records the sizes that ran, which :class:`MemoryLog` turns
+into a lower cap when a device runs out of memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from ..devices import Device
+from ..emulation import is_out_of_memory
+from ..planning.memory import cap_after_oom
+from ..planning.plan import Plan
+from .scatter_gather import scatter_to
+
+__all__ = [
+    "Step",
+    "MemoryLog",
+    "StepOutOfMemory",
+    "forward_fns",
+    "backward_oom",
+    "cut",
+    "backward_fn",
+    "with_recovery",
+    "release",
+    "lower_cap",
+    "fail_again",
+]
+
+LOG = logging.getLogger("hetsplit")
+T = TypeVar("T")
+Shard = tuple[tuple[Any, ...], dict[str, Any]]
+
+
+@dataclasses.dataclass
+class Step:
+    """What one step runs: the plan, the active devices (non-empty shards), their shards and micro-batches."""
+
+    plan: Plan
+    active: list[int]
+    devices: list[Device]
+    shards: list[tuple[tuple[Any, ...], dict[str, Any]]] = dataclasses.field(default_factory=list)
+    pieces: list[list[Any]] = dataclasses.field(default_factory=list)  # per active device, its micro-shards
+    upstream: Any = None  # the inputs that require grad, cut from the caller's graph (parallel/upstream.py)
+
+    @property
+    def sizes(self) -> list[int]:
+        return [self.plan.sizes[i] for i in self.active]
+
+    @property
+    def micro(self) -> list[list[int]]:
+        return [self.plan.micro_batches[i] for i in self.active]
+
+    @property
+    def split(self) -> bool:
+        """Whether some device runs several micro-batches (outputs and weights are then per micro-batch)."""
+        return any(len(self.plan.micro_batches[i]) > 1 for i in self.active)
+
+    def flat(self) -> tuple[list[int], list[tuple[tuple[Any, ...], dict[str, Any]]], list[str]]:
+        """Sizes, shards and labels of every piece that ran: a replica, or each of its micro-batches."""
+        if not self.split:
+            return self.sizes, self.shards, list(map(str, self.active))
+        labels = [f"{i}.{m}" for i, sizes in zip(self.active, self.micro) for m in range(len(sizes))]
+        return [m for sizes in self.micro for m in sizes], [p for parts in self.pieces for p in parts], labels
+
+
+class StepOutOfMemory(torch.OutOfMemoryError):
+    """A step ran out of memory again after re-planning, or where it cannot be re-run (in backward)."""
+
+
+class MemoryLog:
+    """Per wrapper: the micro-batch sizes that ran on each device, and the last failure.
+
+    Workers write it from their threads (one device each); the lock keeps it whole.
+    """
+
+    def __init__(self) -> None:
+        self.ran: dict[int, int] = {}  # device position -> largest micro-batch that ran there
+        self.failed: tuple[int, int] | None = None  # (device position, size) of the last OOM
+        self._lock = threading.Lock()
+
+    def watch(self, i: int, size: int, fn: Callable[[], T], device: Device | None = None) -> T:
+        """``fn()``, work on ``size`` samples on device position ``i`` (a forward when ``device`` is given)."""
+        try:
+            if device is not None:
+                device.check_batch(size)
+            return fn()
+        except BaseException as e:
+            if is_out_of_memory(e):
+                with self._lock:
+                    self.failed = self.failed or (i, size)
+            raise
+
+    def done(self, i: int, size: int) -> None:
+        """A micro-batch of ``size`` samples has run forward and backward on device position ``i``."""
+        if size > self.ran.get(i, 0):
+            with self._lock:
+                self.ran[i] = max(size, self.ran.get(i, 0))
+
+
+def cut(shard: Any, sizes: Sequence[int], device: Device, dim: int) -> list[Any]:
+    """``shard`` (already on ``device``) cut into micro-batches of ``sizes`` along ``dim`` (views)."""
+    return scatter_to(shard, [device] * len(sizes), sizes, dim) if len(sizes) > 1 else [shard]
+
+
+def _forward_pieces(
+    replica: nn.Module, pieces: Sequence[Shard], sizes: Sequence[int], i: int, device: Device, log: MemoryLog
+) -> list[Any]:
+    """The outputs of ``replica`` on each micro-batch, run in turn; checkpointed when there are several."""
+    outs = []
+    for (args, kwargs), size in zip(pieces, sizes):
+        if len(pieces) == 1:
+            fn = lambda a=args, k=kwargs: replica(*a, **k)
+        else:  # keep inputs and outputs only; backward recomputes this micro-batch alone
+            fn = lambda a=args, k=kwargs: checkpoint(replica, *a, use_reentrant=False, **k)
+        outs.append(log.watch(i, size, fn, device))
+    return outs
+
+
+def forward_fns(
+    replicas: Sequence[nn.Module],
+    shards: Sequence[Shard],
+    micro: Sequence[Sequence[int]],
+    active: Sequence[int],
+    devices: Sequence[Device],
+    log: MemoryLog,
+    dim: int,
+) -> tuple[list[Callable[[], list[Any]]], list[list[Shard]]]:
+    """Per active device, the work of its forward (a list of outputs, one per micro-batch) and its micro-shards."""
+    fns, pieces = [], []
+    for r, shard, sizes, i in zip(replicas, shards, micro, active):
+        dev = devices[i]
+        parts = cut(shard, sizes, dev, dim)
+        pieces.append(parts)
+        fns.append(lambda r=r, p=parts, s=sizes, i=i, d=dev: _forward_pieces(r, p, s, i, d, log))
+    return fns, pieces
+
+
+def backward_fn(
+    work: Sequence[tuple[list[torch.Tensor], list[torch.Tensor]]], sizes: Sequence[int], i: int, log: MemoryLog
+) -> Callable[[], None]:
+    """Backward of one device's micro-batches, one after another (each recomputes its own forward)."""
+
+    def run() -> None:
+        for (outs, grads), size in zip(work, sizes):
+            if outs:
+                log.watch(i, size, lambda o=outs, g=grads: torch.autograd.backward(o, g))
+            log.done(i, size)
+
+    return run
+
+
+def with_recovery(
+    run: Callable[[], T], log: MemoryLog, plans: Any, devices: Sequence[Device], replicas: Callable[[], list[nn.Module]]
+) -> T:
+    """``run()``; after an out-of-memory error, free the attempt, lower the failing device's cap, re-plan, run again.
+
+    The second attempt starts from scratch (the replicas' gradients of the first are
+    dropped; the module's were never touched). A second out-of-memory error in the same
+    step raises :class:`StepOutOfMemory` naming both.
+    """
+    try:
+        return run()
+    except BaseException as e:
+        if not is_out_of_memory(e):
+            raise
+        release(devices, replicas())
+        first = lower_cap(log, plans, devices, e)
+    try:
+        return run()
+    except BaseException as e:
+        if not is_out_of_memory(e):
+            raise
+        release(devices, replicas())
+        fail_again(log, plans, devices, first)
+        raise  # fail_again raises; this is for type checkers
+
+
+def release(devices: Sequence[Device], replicas: Sequence[nn.Module]) -> None:
+    """Free what a failed attempt left: the replicas' gradients, collected garbage, cached GPU memory."""
+    for r in replicas:
+        for p in r.parameters():
+            p.grad = None
+    gc.collect()
+    for d in {d.torch_device for d in devices if d.type == "cuda"}:
+        with torch.cuda.device(d):
+            torch.cuda.empty_cache()
+
+
+def oom_line(device: Device, i: int, plan: Plan, cap: int, new: Plan | None) -> str:
+    """One line naming the device, its shard, the new cap and the new plan."""
+    shard = f"device {i} {device.name}, shard of {plan.sizes[i]} as micro-batches {plan.micro_batches[i]}"
+    if new is None:
+        return f"out of memory on {shard}; its cap would be {cap} samples"
+    return (
+        f"out of memory on {shard}; cap lowered to {cap} samples; re-planned: sizes {new.sizes}, "
+        f"micro-batches {new.micro_batches}"
+    )
+
+
+def lower_cap(log: MemoryLog, plans: Any, devices: Sequence[Device], error: BaseException) -> str:
+    """After an out-of-memory ``error``: the device that failed gets the cap that last ran there; the new plan.
+
+    Raises:
+        StepOutOfMemory: If the failing device is unknown or no plan fits the lowered cap.
+    """
+    plan = plans.current
+    if log.failed is None:
+        raise StepOutOfMemory(
+            f"out of memory outside any replica's forward ({error}); nothing to re-plan around"
+        ) from error
+    i, size = log.failed
+    log.failed = None
+    cap = cap_after_oom(size, [log.ran.get(i, 0)])
+    try:
+        new = plans.lower_cap(devices[i].name, cap)
+    except ValueError as e:
+        raise StepOutOfMemory(f"{oom_line(devices[i], i, plan, cap, None)}; no plan fits: {e}") from error
+    line = oom_line(devices[i], i, plan, cap, new)
+    LOG.warning("hetsplit: %s", line)
+    return line
+
+
+def backward_oom(
+    log: MemoryLog, plans: Any, devices: Sequence[Device], replicas: Sequence[nn.Module], error: BaseException
+) -> None:
+    """Raise :class:`StepOutOfMemory` for an out-of-memory error in backward, after lowering the cap for next steps.
+
+    The forward has returned its outputs by then, so the step cannot be re-run here:
+    the replicas' gradients are discarded (the module's ``.grad`` is as it was before
+    the step) and the caller runs the step again.
+    """
+    release(devices, replicas)
+    line = lower_cap(log, plans, devices, error)
+    raise StepOutOfMemory(
+        f"{line}; this happened in backward, after forward had returned, so the step could not be re-run: its "
+        "gradients were discarded (the module's .grad is as before the step); run the step again (forward and "
+        "backward), or use train_step(), which re-runs a step by itself"
+    ) from error
+
+
+def fail_again(log: MemoryLog, plans: Any, devices: Sequence[Device], first: str) -> None:
+    """Raise :class:`StepOutOfMemory` for a second out-of-memory error in one step, naming both.
+
+    The device that failed again gets a lower cap still, for the steps after this one.
+    """
+    plan, where = plans.current, ""
+    if log.failed is not None:
+        i, size = log.failed
+        log.failed = None
+        cap = cap_after_oom(size, [log.ran.get(i, 0)])
+        where = f" on device {i} {devices[i].name} (micro-batch of {size}, shard {plan.sizes[i]})"
+        try:
+            plans.lower_cap(devices[i].name, cap)
+            where += f"; its cap is now {cap} for the next steps"
+        except ValueError:
+            where += f"; no plan fits a cap of {cap} there"
+    raise StepOutOfMemory(f"out of memory again{where} after re-planning the step; first: {plan_hint(first)}")
+
+
+def plan_hint(first: str) -> str:
+    return (
+        f"{first}. Give that device a smaller cap (a profile with its memory cap, e.g. from "
+        "hetsplit.profile on it) or a smaller batch"
+    )

@@ -1,0 +1,76 @@
+"""Memory: device memory caps learned while training, applied to profiles and plans (re-planning after an OOM)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+
+from .micro import micro_sizes
+from .plan import Plan
+from .profile import Profile
+from .solver import solve
+
+__all__ = ["with_caps", "capped_plan", "fits", "cap_after_oom"]
+
+
+def with_caps(profile: Profile, caps: Mapping[str, int]) -> Profile:
+    """A copy of ``profile`` whose devices named in ``caps`` hold at most that many samples.
+
+    A cap only ever lowers what the profile says (a probed cap stays when it is smaller).
+    """
+    entries = []
+    for e in profile.entries:
+        cap = caps.get(e.name)
+        if cap is not None and (e.curve.memory_cap is None or cap < e.curve.memory_cap):
+            curve = dataclasses.replace(e.curve, memory_cap=int(cap))
+            e = dataclasses.replace(e, curve=curve, memory_cap=int(cap))
+        entries.append(e)
+    return dataclasses.replace(profile, entries=entries)
+
+
+def fits(plan: Plan, caps: Mapping[str, int]) -> bool:
+    """Whether every micro-batch of ``plan`` fits its device's cap."""
+    return all(max(m, default=0) <= caps.get(d, math.inf) for d, m in zip(plan.devices, plan.micro_batches))
+
+
+def capped_plan(
+    plan: Plan, caps: Mapping[str, int], *, profile: Profile | None = None, accumulate: bool = True
+) -> Plan:
+    """``plan`` changed so that no micro-batch exceeds its device's cap in ``caps`` (by device name).
+
+    With a profile the batch is solved again under the caps (micro-batches allowed with
+    ``accumulate``). Without one the shares stay and a device over its cap runs its share
+    as the fewest near-equal micro-batches that fit (``accumulate`` must be on).
+
+    Raises:
+        ValueError: If the caps leave no split (naming the devices and caps): a share
+            on a device that holds no sample, or a batch larger than all caps without
+            ``accumulate``.
+    """
+    if fits(plan, caps):
+        return plan
+    if profile is not None:
+        return solve(with_caps(profile, caps), plan.batch_size, devices=plan.devices, accumulate=accumulate)
+    over = [(d, caps[d]) for d, m in zip(plan.devices, plan.micro_batches) if max(m, default=0) > caps.get(d, math.inf)]
+    if not accumulate or any(c < 1 for _, c in over):
+        shown = ", ".join(f"{d}: {c}" for d, c in over)
+        raise ValueError(
+            f"the shares {plan.sizes} break the memory caps ({shown}) and without a profile they cannot be "
+            "re-solved; pass accumulate=True (a device then runs its share as micro-batches) or a profile"
+        )
+    micro = [
+        micro_sizes(s, -(-s // caps[d])) if d in caps and max(m, default=0) > caps[d] else list(m)
+        for d, s, m in zip(plan.devices, plan.sizes, plan.micro_batches)
+    ]
+    return dataclasses.replace(plan, micro_batches=micro)
+
+
+def cap_after_oom(failed: int, succeeded: Sequence[int]) -> int:
+    """The cap to use after a micro-batch of ``failed`` samples ran out of memory.
+
+    The largest size that ran before on that device (below the failed one), else half
+    the failed size.
+    """
+    below = [s for s in succeeded if 0 < s < failed]
+    return max(below) if below else failed // 2

@@ -1,0 +1,238 @@
+"""Micro-batches: a device's time for a share run as near-equal micro-batches under its memory cap.
+
+With gradient accumulation a device with a memory cap ``c`` can still take ``b > c``
+samples: it runs them as ``k >= ceil(b / c)`` micro-batches one after another. Sizes
+differ by at most one (``b = q k + r``: ``r`` of ``q + 1`` and ``k - r`` of ``q``), so
+the device's time is ``T(b) = min_k (k - r) t(q) + r t(q + 1)``. :class:`MicroTable`
+evaluates and inverts ``T`` for many devices at once, exactly, so the solver's min-max
+over it stays exact; a device without a cap runs its share as one batch (``T = t``).
+
+Why a handful of candidate ``k`` suffice: ``t`` is piecewise linear, so while both
+micro sizes ``q`` and ``q + 1`` lie on one linear piece ``t(x) = a + s x``, the time is
+``k a + s b`` (linear in ``k``) and the capacity ``floor((T - k a) / s)`` (linear in
+``k`` under the floor). The optimum over ``k`` is then at the end of such a run: where
+the micro size crosses a knot, reaches the cap, or reaches 1. Those ends are computed
+per device from its knots, and the minimum (or maximum) taken over them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from .curve import CurveTable
+
+__all__ = ["MicroTable", "micro_sizes"]
+
+
+def micro_sizes(batch: int, count: int) -> list[int]:
+    """``batch`` samples as ``count`` near-equal micro-batches (larger first; sizes differ by at most 1).
+
+    Example:
+        >>> micro_sizes(191, 3)
+        [64, 64, 63]
+    """
+    if batch <= 0:
+        return []
+    count = max(1, min(int(count), int(batch)))
+    q, r = divmod(int(batch), count)
+    return [q + 1] * r + [q] * (count - r)
+
+
+def _turning_points(v: np.ndarray, at: object) -> tuple[np.ndarray, np.ndarray]:
+    """Of each row's sorted run ends ``v``, those where the best ``k`` can lie; and ``t`` there.
+
+    With whole-number knots the time of ``k`` micro-batches is ``k t(b / k)``, linear in
+    ``k`` on each piece of ``t`` with slope the piece's intercept ``a``. A minimum of time
+    (a maximum of capacity) over ``k`` sits where the piece above a size has ``a <= 0``
+    and the piece below has ``a >= 0`` (a local best throughput), at 1 or at the cap.
+    Keeping those (and any ambiguous one) keeps the optimum exact with fewer candidates.
+    """
+    rows = np.arange(len(v))
+    t = at(v, rows)[0]  # type: ignore[operator]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        slope = (t[:, 1:] - t[:, :-1]) / (v[:, 1:] - v[:, :-1])
+        a = t[:, :-1] - slope * v[:, :-1]  # intercept of each piece between consecutive ends
+    a = np.where(np.isfinite(a), a, np.nan)  # a piece of zero length: undecided
+    below = np.concatenate([np.full((len(v), 1), np.inf), a], axis=1)
+    above = np.concatenate([a, np.full((len(v), 1), -np.inf)], axis=1)
+    keep = ~(below < 0) & ~(above > 0)  # NaN keeps
+    keep[:, 0] = keep[:, -1] = True  # 1 and the cap
+    width = int(keep.sum(axis=1).max())
+    order = np.argsort(~keep, axis=1, kind="stable")[:, :width]  # kept ends first, in order
+    chosen = np.take_along_axis(v, order, 1)
+    filled = np.arange(width)[None, :] < keep.sum(axis=1)[:, None]
+    last = v[:, -1:]  # pad with the cap
+    chosen = np.where(filled, chosen, last)
+    return chosen, at(chosen, rows)[0]  # type: ignore[operator]
+
+
+class MicroTable:
+    """The accumulate=True step time ``T_i(b)`` of every device of a :class:`CurveTable`.
+
+    Exposes what the solver reads from a table: ``cap`` (the most samples a device can
+    take: unbounded unless it cannot hold one sample), ``x`` (the knots), :meth:`evaluate`
+    and :meth:`capacity`, plus :meth:`counts` (the micro-batch count behind each time).
+
+    Args:
+        table: The devices' curves, memory caps included.
+    """
+
+    def __init__(self, table: CurveTable) -> None:
+        self.table, self.x = table, table.x
+        cap = table.cap
+        self.capped = np.isfinite(cap)
+        self.cap = np.where(self.capped & (cap < 1), 0.0, np.inf)
+        rows = np.flatnonzero(self.capped & (cap >= 1))
+        self.rows = rows  # devices that may split their share
+        self.all = np.arange(len(cap))
+        self.where = np.full(len(cap), -1, dtype=np.int64)
+        self.where[rows] = np.arange(len(rows))
+        # The split devices' curves as arrays: knots, and each piece's line a + s x.
+        x, y, c = table.x[rows], table.y[rows], cap[rows]
+        self.X, self.Y, self.c = x, y, c
+        self.A0, self.S0 = table.intercept[rows], table.slope[rows]
+        # The micro sizes where a run of k ends: 1, the cap, and each knot (both sides when fractional).
+        self.fractional = not np.array_equal(x, np.floor(x))
+        knots = np.concatenate([np.floor(x), np.ceil(x)], axis=1) if self.fractional else x
+        v = np.concatenate([np.ones((len(rows), 1)), c[:, None], np.minimum(knots, c[:, None])], axis=1)
+        self.v = np.maximum(v, 1.0)
+        self.tv = self._at(self.v, np.arange(len(rows)))[0]  # t at each of those sizes
+        if not self.fractional and len(rows):
+            self.v, self.tv = _turning_points(np.sort(self.v, axis=1), self._at)
+
+    def _at(self, q: np.ndarray, j: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(t(q), t(q + 1) - t(q))`` on split devices ``j`` (one row of sizes ``1 <= q <= cap`` each).
+
+        ``q`` and ``q + 1`` are taken on the piece that holds ``q`` (for a fractional knot
+        between them the difference is the interpolation the curve's own evaluation uses).
+        """
+        x, y = self.X[j], self.Y[j]
+        last = x.shape[1] - 1
+        k = (x[:, None, :] <= q[:, :, None]).sum(axis=2) - 1
+        kc = np.clip(k, 0, last)
+        k1 = np.minimum(kc + 1, last)
+        xk, yk = np.take_along_axis(x, kc, 1), np.take_along_axis(y, kc, 1)
+        xk1, yk1 = np.take_along_axis(x, k1, 1), np.take_along_axis(y, k1, 1)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            inner = (yk1 - yk) / np.where(xk1 > xk, xk1 - xk, 1.0)
+        a, s = self.A0[j][:, None], self.S0[j][:, None]
+        below = (y[:, :1] - a) / x[:, :1]
+        slope = np.where(k < 0, below, np.where(k >= last, s, inner))
+        base = np.where(k < 0, a, yk - slope * xk)
+        t = base + slope * q
+        t1 = base + slope * (q + 1)
+        nxt = np.where(k < 0, x[:, :1], xk1)
+        exact = (q + 1 > nxt) & (k < last)  # q + 1 lies on the next piece (fractional knots)
+        if exact.any():
+            rows = np.repeat(self.rows[j], q.shape[1])
+            t1 = np.where(exact, self.table.evaluate((q + 1).reshape(-1), rows).reshape(q.shape), t1)
+        return t, t1 - t
+
+    # -- time for b samples ----------------------------------------------------------------
+
+    def _split_times(self, b: np.ndarray, j: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(best time, its micro-batch count) for ``b >= 1`` samples on split devices ``j``."""
+        k0 = np.ceil(b / self.c[j])
+        ends = np.floor(b[:, None] / self.v[j])
+        k = np.concatenate([k0[:, None], b[:, None], ends, ends + 1], axis=1)
+        k = np.clip(k, k0[:, None], np.maximum(b, k0)[:, None])
+        q = np.floor(b[:, None] / k)
+        r = b[:, None] - q * k
+        tq, step = self._at(q, j)
+        f = k * tq + r * step
+        # Ties (equal up to rounding, e.g. a curve through the origin) go to the fewest micro-batches.
+        low = f.min(axis=1, keepdims=True)
+        best = np.argmin(np.where(f <= low + 1e-10 * np.abs(low), k, np.inf), axis=1)
+        pick = np.arange(len(b))
+        return f[pick, best], k[pick, best]
+
+    def _times(self, b: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        t = self.table.evaluate(b, rows)
+        counts = np.where(b > 0, 1.0, 0.0)
+        j = self.where[rows]
+        split = np.flatnonzero((j >= 0) & (b >= 1))
+        if len(split):
+            t[split], counts[split] = self._split_times(b[split], j[split])
+        zero = (self.cap[rows] == 0) & (b > 0)  # a device that holds no sample
+        return np.where(zero, np.inf, t), counts
+
+    def evaluate(self, b: np.ndarray, rows: np.ndarray | None = None) -> np.ndarray:
+        """Predicted seconds of device ``rows[j]`` for ``b[j]`` samples, micro-batched as best it can."""
+        b = np.asarray(b, dtype=float)
+        rows = self.all if rows is None else np.asarray(rows)
+        return self._times(b, rows)[0]
+
+    def times_and_counts(self, sizes: Sequence[int]) -> tuple[np.ndarray, list[int]]:
+        """Each device's time for ``sizes`` and the number of micro-batches behind it (0 for no samples)."""
+        t, k = self._times(np.asarray(sizes, dtype=float), self.all)
+        return t, k.astype(np.int64).tolist()
+
+    # -- samples in T seconds --------------------------------------------------------------
+
+    def _split_capacity(self, seconds: float) -> np.ndarray:
+        """Approximately the most samples each split device runs in ``seconds`` (exact up to rounding).
+
+        For ``k`` micro-batches it is ``k`` times the (continuous) inverse of the curve at
+        ``seconds / k``, at most ``k`` caps; the best ``k`` is at a run's end.
+        """
+        tv = self.tv
+        kv = np.floor(seconds / tv)
+        kv = kv + ((kv + 1) * tv <= seconds) - ((kv * tv > seconds) & (kv > 0))
+        k = np.minimum(np.maximum(np.concatenate([np.ones((len(self.rows), 1)), kv, kv + 1], axis=1), 1.0), 1e15)
+        u = seconds / k  # seconds per micro-batch
+        x, y, a, s = self.X, self.Y, self.A0[:, None], self.S0[:, None]
+        last = x.shape[1] - 1
+        i = (y[:, None, :] <= u[:, :, None]).sum(axis=2) - 1
+        ic = np.clip(i, 0, last)
+        i1 = np.minimum(ic + 1, last)
+        xk, yk = np.take_along_axis(x, ic, 1), np.take_along_axis(y, ic, 1)
+        xk1, yk1 = np.take_along_axis(x, i1, 1), np.take_along_axis(y, i1, 1)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            inner = xk + (u - yk) * (xk1 - xk) / (yk1 - yk)
+            beyond = xk + (u - yk) / s
+            y0 = y[:, :1]
+            below = np.where(u >= a, x[:, :1] * (u - a) / np.where(y0 > a, y0 - a, 1.0), 0.0)
+        per = np.where(i < 0, below, np.where(i >= last, beyond, inner))
+        per = np.nan_to_num(per, nan=0.0, posinf=1e18)
+        fill = np.floor(np.minimum(k * self.c[:, None], k * np.maximum(per, 0.0)))
+        return fill.max(axis=1)
+
+    def bracket(self, seconds: float, side: int) -> np.ndarray:
+        """Capacities at ``seconds``, exact for whole-batch devices and one sample wider on ``side`` for split ones.
+
+        The closed forms are exact but for floating-point rounding (integer knots), so
+        ``side=-1`` gives at most, ``side=+1`` at least, the exact capacity: a bracket for
+        the solver, whose final ranking uses exact times. Fractional knots are settled.
+        """
+        if self.fractional or not len(self.rows):
+            return self.capacity(seconds)
+        c = self.table.capacity(seconds)  # exact for whole-batch devices
+        c = np.where(self.cap == 0, 0, c)
+        c[self.rows] = np.maximum(np.minimum(self._split_capacity(float(seconds)), 1e18) + side, 0).astype(np.int64)
+        return c
+
+    def capacity(self, seconds: float, *, exact: bool = True) -> np.ndarray:
+        """For each device, the most samples whose micro-batched time is at most ``seconds``.
+
+        With ``exact=False`` the closed forms are used as they are (possibly off by one
+        in floating point); otherwise settled against :meth:`evaluate`.
+        """
+        c = self.table.capacity(seconds, exact=exact).astype(float)
+        c = np.where(self.cap == 0, 0.0, c)
+        if len(self.rows):
+            c[self.rows] = np.minimum(self._split_capacity(float(seconds)), 1e18)
+        if not exact or not len(self.rows):
+            return c.astype(np.int64)
+        j = self.rows  # only split devices can be off: the others come settled from the table
+        cj = c[j]
+        for _ in range(10_000):  # each pass moves by one; rounding leaves at most a few
+            both = self.evaluate(np.concatenate([cj + 1, cj]), np.concatenate([j, j]))
+            up = both[: len(j)] <= seconds
+            down = (cj > 0) & (both[len(j) :] > seconds)
+            if not (up.any() or down.any()):
+                break
+            cj = cj + up - down
+        c[j] = cj
+        return c.astype(np.int64)

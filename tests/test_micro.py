@@ -1,0 +1,194 @@
+"""Micro-batches and out-of-memory recovery in HeteroDataParallel (parallel/micro.py, parallel/local.py)."""
+
+import copy
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import hetsplit
+from hetsplit import HeteroDataParallel, Profile, solve
+from hetsplit.parallel.micro import StepOutOfMemory
+
+
+def _net():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(1, 3, 3), nn.ReLU(), nn.Flatten(), nn.Linear(3 * 6 * 6, 4)).double()
+
+
+def _data(n=48):
+    gen = torch.Generator().manual_seed(1)
+    return torch.randn(n, 1, 8, 8, dtype=torch.float64, generator=gen), torch.randint(0, 4, (n,), generator=gen)
+
+
+def _step(dp, x, y, mode):
+    if mode == "gather":
+        F.cross_entropy(dp(x), y).backward()
+    else:
+        dp.train_step(x, y, F.cross_entropy)
+
+
+def _reference(net, x, y, start=None):
+    ref = copy.deepcopy(net)
+    for p, g in zip(ref.parameters(), start or [None] * 4):
+        p.grad = None if g is None else g.clone()
+    F.cross_entropy(ref(x), y).backward()
+    return [p.grad for p in ref.parameters()]
+
+
+def _close(dp, ref):
+    for p, g in zip(dp.module.parameters(), ref):
+        torch.testing.assert_close(p.grad, g, rtol=1e-12, atol=1e-13)
+
+
+@pytest.mark.parametrize("mode", ["gather", "local"])
+def test_micro_batched_plan_gives_full_batch_gradients(mode):
+    prof = Profile.from_measurements(
+        {"cpu": [(8, 0.008), (32, 0.03)], "cpu@0.5": [(8, 0.016), (32, 0.06)]}, memory_caps={"cpu": 8}
+    )
+    plan = solve(prof, 48, accumulate=True)
+    assert len(plan.micro_batches[0]) > 1 and max(plan.micro_batches[0]) <= 8
+    net, (x, y) = _net(), _data()
+    dp = HeteroDataParallel(copy.deepcopy(net), ["cpu", "cpu@0.5"], profile=prof)
+    _step(dp, x, y, mode)
+    assert dp.plan.micro_batches == plan.micro_batches
+    _close(dp, _reference(net, x, y))
+
+
+@pytest.mark.parametrize("mode", ["gather", "local"])
+def test_oom_on_an_emulated_device_is_recovered_exactly(mode, caplog):
+    net, (x, y) = _net(), _data()
+    dev = hetsplit.devices.emulate("cpu", max_batch=12)
+    dp = HeteroDataParallel(copy.deepcopy(net), ["cpu", dev], weights=[1, 1])
+    start = [torch.full_like(p, 0.5) for p in net.parameters()]  # gradients accumulated before this step
+    for p, g in zip(dp.module.parameters(), start):
+        p.grad = g.clone()
+    with caplog.at_level(logging.WARNING, logger="hetsplit"):
+        _step(dp, x, y, mode)
+    lines = [r.getMessage() for r in caplog.records if r.name == "hetsplit"]
+    assert len(lines) == 1 and "cpu:max12" in lines[0] and "shard of 24" in lines[0] and "cap lowered to 12" in lines[0]
+    assert dp.plan.sizes == [24, 24] and dp.plan.micro_batches == [[24], [12, 12]]
+    _close(dp, _reference(net, x, y, start))  # nothing of the failed attempt leaked in
+    caplog.clear()
+    for p in dp.module.parameters():
+        p.grad = None
+    with caplog.at_level(logging.WARNING, logger="hetsplit"):
+        _step(dp, x, y, mode)  # the next step starts within the cap: no warning
+    assert not caplog.records
+    _close(dp, _reference(net, x, y))
+
+
+def test_second_oom_in_a_step_is_an_error_naming_both():
+    net, (x, y) = _net(), _data()
+    dp = HeteroDataParallel(copy.deepcopy(net), ["cpu", "cpu:max5"], weights=[1, 1])
+    with pytest.raises(
+        StepOutOfMemory, match=r"again on device 1 cpu:max5 \(micro-batch of 12.*first: out of memory on"
+    ):
+        dp.train_step(x, y, F.cross_entropy)
+    assert all(p.grad is None for p in dp.module.parameters())  # nothing of the failed step
+    dp.train_step(x, y, F.cross_entropy)  # the caps stay lowered: 6 fails, then 3 runs
+    assert dp.plan.micro_batches[1] == [3] * 8
+    _close(dp, _reference(net, x, y))
+
+
+def test_without_accumulate_and_profile_an_oom_says_what_to_do():
+    dp = HeteroDataParallel(_net(), ["cpu", "cpu:max4"], weights=[1, 1], accumulate=False)
+    with pytest.raises(StepOutOfMemory, match="accumulate=True"):
+        dp.train_step(*_data(), F.cross_entropy)
+
+
+class _FailBackward(torch.autograd.Function):
+    """Identity whose backward runs out of memory once on a batch larger than ``limit`` (a GPU's backward OOM)."""
+
+    armed = True
+
+    @staticmethod
+    def forward(ctx, x, limit):
+        ctx.n, ctx.limit = x.shape[0], limit
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        if _FailBackward.armed and ctx.n > ctx.limit:
+            _FailBackward.armed = False
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated in backward)")
+        return g, None
+
+
+class _Fragile(nn.Module):
+    def __init__(self, net, limit):
+        super().__init__()
+        self.net, self.limit = net, limit
+
+    def forward(self, x):
+        return _FailBackward.apply(self.net(x), self.limit)
+
+
+def test_oom_in_backward_after_forward_returned_is_refused_clearly():
+    net, (x, y) = _net(), _data()
+    dp = HeteroDataParallel(_Fragile(copy.deepcopy(net), 20), ["cpu", "cpu@0.5"], weights=[1, 1])
+    _FailBackward.armed = True
+    out = dp(x)
+    with pytest.raises(StepOutOfMemory, match="in backward, after forward had returned.*run the step again"):
+        F.cross_entropy(out, y).backward()
+    assert all(p.grad is None for p in dp.module.parameters())  # the failed step left nothing behind
+    F.cross_entropy(dp(x), y).backward()  # the step again: that device now runs micro-batches
+    assert dp.plan.micro_batches[0] == [12, 12] or dp.plan.micro_batches[1] == [12, 12]
+    _close(dp, _reference(net, x, y))
+
+
+def test_guard_turns_an_oom_into_one_line_that_stops_the_rank():
+    import hetsplit.distributed as hd
+
+    dev = hetsplit.parse_device("cpu@0.5:max4")
+    with (
+        pytest.raises(
+            hd.DistributedError,
+            match=r"step 3: out of memory \(out of memory \(emulated\) on cpu@0.5:max4.*every rank stops",
+        ),
+        hd.guard(step=3),
+    ):
+        dev.check_batch(5)
+
+
+def test_torchrun_micro_batches_cut_this_ranks_share():
+    import hetsplit.distributed as hd
+
+    syncing = []
+
+    class _NoSync:
+        def no_sync(self):
+            import contextlib
+
+            @contextlib.contextmanager
+            def off():
+                syncing.append(False)
+                yield
+
+            return off()
+
+    plan = hetsplit.Plan(["a", "b"], [5, 3], [0.0, 0.0], 8, micro_batches=[[3, 2], [3]])
+    x = torch.arange(5.0)
+    pieces = [p.tolist() for p in hd.micro_batches(_NoSync(), x, plan, rank=0)]
+    assert pieces == [[0.0, 1.0, 2.0], [3.0, 4.0]] and syncing == [False]  # only the first under no_sync
+    with pytest.raises(ValueError, match="the plan gives this rank 5"):
+        list(hd.micro_batches(_NoSync(), torch.arange(4.0), plan, rank=0))
+    with pytest.raises(torch.OutOfMemoryError):
+        list(hd.micro_batches(_NoSync(), x, plan, rank=0, device="cpu:max2"))
+
+
+def test_rebalancing_keeps_micro_batches_within_the_caps():
+    prof = Profile.from_measurements(
+        {"cpu": [(8, 0.008), (32, 0.03)], "cpu@0.5": [(8, 0.016), (32, 0.06)]}, memory_caps={"cpu": 8, "cpu@0.5": 16}
+    )
+    net, (x, y) = _net(), _data()  # 48 samples: more than both caps together
+    rb = hetsplit.Rebalancer(prof, every=1, threshold=0.0, window=1)
+    dp = HeteroDataParallel(copy.deepcopy(net), ["cpu", "cpu@0.5"], profile=prof, rebalance=rb)
+    for _ in range(4):
+        for p in dp.module.parameters():
+            p.grad = None
+        dp.train_step(x, y, F.cross_entropy)
+        assert max(dp.plan.micro_batches[0]) <= 8 and max(dp.plan.micro_batches[1]) <= 16
+        _close(dp, _reference(net, x, y))

@@ -1,0 +1,197 @@
+"""The 2-process job behind tests/test_hf_trainer.py: HeteroTrainer against a single-process reference.
+
+A tiny Llama built from a config (float64, nothing downloaded), SYNTHETIC token
+sequences of unequal lengths padded per shard (labels -100 on padding), so a loss
+weighted by samples instead of tokens would show. Prints ``OK <scenario> rank <r>``.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+import tempfile
+
+import torch
+import torch.distributed as dist
+from transformers import BertConfig, BertForSequenceClassification, LlamaConfig, LlamaForCausalLM, TrainingArguments
+
+from hetsplit.planning import plan_from_sizes
+from hetsplit.transformers import HeteroTrainer
+
+SCENARIOS = sys.argv[1].split(",") if len(sys.argv) > 1 else None
+# HF's causal-LM loss computes in float32 (it casts the logits), so sharded and full-batch
+# sums round differently at ~1e-7 relative; a weighting error is of order 1e-2 here.
+TOLERANCE = 1e-6
+LENGTHS = [3, 9, 5, 12, 7, 4, 10, 6]  # unequal: per-shard padding differs, token counts differ
+
+
+def sequences(n: int, seed: int) -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [{"input_ids": torch.randint(1, 50, (LENGTHS[i % len(LENGTHS)],), generator=g)} for i in range(n)]
+
+
+def collate(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Right-pad to the longest in the batch; padding is masked and ignored by the loss (-100)."""
+    longest = max((len(x["input_ids"]) for x in items), default=1)
+    ids = torch.zeros(len(items), longest, dtype=torch.long)
+    mask = torch.zeros(len(items), longest, dtype=torch.long)
+    for i, x in enumerate(items):
+        ids[i, : len(x["input_ids"])] = x["input_ids"]
+        mask[i, : len(x["input_ids"])] = 1
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+
+def llama() -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=2, max_position_embeddings=16, attention_dropout=0.0,
+    )  # fmt: skip
+    return LlamaForCausalLM(config).double()
+
+
+def arguments(folder: str, **overrides) -> TrainingArguments:
+    settings = dict(
+        output_dir=folder, per_device_train_batch_size=2, per_device_eval_batch_size=2, max_steps=1,
+        learning_rate=0.1, optim="sgd", lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=0.0,
+        report_to=[], save_strategy="no", logging_strategy="no", use_cpu=True, disable_tqdm=True, seed=0,
+    )  # fmt: skip
+    settings.update(overrides)
+    return TrainingArguments(**settings)
+
+
+def reference_step(model: LlamaForCausalLM, batches: list[list[dict]], lr: float = 0.1) -> None:
+    """One SGD step on the given global batches: the model's own loss, averaged over all their label tokens."""
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    tokens = sum(int(collate(b)["labels"][:, 1:].ne(-100).sum()) for b in batches)
+    for b in batches:
+        model(**collate(b), num_items_in_batch=tokens).loss.backward()  # sum over the batch's tokens / tokens
+    opt.step()
+
+
+def assert_same(model, ref, what):
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        err = (p.detach() - q.detach()).abs().max().item()
+        assert err < TOLERANCE, f"{what}: {name} differs from the single-process reference by {err}"
+
+
+def scenario(name):
+    def register(fn):
+        if SCENARIOS is None or name in SCENARIOS:
+            with tempfile.TemporaryDirectory() as folder:
+                fn(folder)
+            print(f"OK {name} rank {dist.get_rank()}", flush=True)
+        return fn
+
+    return register
+
+
+def train_once(folder, plan_sizes, data, **overrides):
+    model = llama()
+    ref = copy.deepcopy(model)
+    trainer = HeteroTrainer(
+        model=model, args=arguments(folder, **overrides), train_dataset=data, data_collator=collate,
+        plan=plan_from_sizes(None, ["rank0", "rank1"], plan_sizes) if plan_sizes else None,
+    )  # fmt: skip
+    trainer.train()
+    return trainer, model, ref
+
+
+@scenario("tokens")
+def _(folder):
+    # The Trainer's own global token normalisation (average_tokens_across_devices, the default)
+    # and the rescaled per-process mean (flag off) both equal the full-batch step on 3 + 1 samples.
+    data = sequences(4, seed=1)
+    for flag in (True, False):
+        trainer, model, ref = train_once(folder, [3, 1], data, average_tokens_across_devices=flag)
+        assert trainer.hetero_plan.sizes == [3, 1]
+        reference_step(ref, [data])
+        assert_same(model, ref, f"average_tokens_across_devices={flag}")
+
+
+@scenario("accumulate")
+def _(folder):
+    # Two global batches accumulated into one step (the Trainer counts the window's tokens).
+    data = sequences(8, seed=2)
+    _, model, ref = train_once(folder, [1, 3], data, gradient_accumulation_steps=2)
+    reference_step(ref, [data])  # the window's token mean, whichever samples fell in which micro-batch
+    assert_same(model, ref, "gradient accumulation")
+
+
+@scenario("zero")
+def _(folder):
+    # A share of 0: one real sample weighted 0, with either normalisation of the Trainer.
+    data = sequences(4, seed=3)
+    for flag in (True, False):
+        _, model, ref = train_once(folder, [4, 0], data, average_tokens_across_devices=flag)
+        reference_step(ref, [data])
+        assert_same(model, ref, f"zero share, average_tokens_across_devices={flag}")
+
+
+@scenario("classify")
+def _(folder):
+    # BERT sequence classification computes its own mean over samples and ignores
+    # num_items_in_batch: the step must still be the full-batch step on 6 + 2 samples.
+    torch.manual_seed(0)
+    config = BertConfig(
+        vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
+        max_position_embeddings=16, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, num_labels=3,
+    )  # fmt: skip
+    model = BertForSequenceClassification(config).double()
+    ref = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(6)
+    data = [{"input_ids": torch.randint(1, 50, (6,), generator=g), "labels": torch.tensor(i % 3)} for i in range(8)]
+    trainer = HeteroTrainer(
+        model=model, args=arguments(folder, per_device_train_batch_size=4), train_dataset=data,
+        plan=plan_from_sizes(None, ["rank0", "rank1"], [6, 2]),
+    )  # fmt: skip
+    trainer.train()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    batch = {k: torch.stack([d[k] for d in data]) for k in data[0]}
+    ref(**batch).loss.backward()
+    opt.step()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        err = (p.detach() - q.detach()).abs().max().item()
+        assert err < 1e-12, f"sequence classification: {name} differs by {err}"  # float64 end to end
+
+
+@scenario("evaluate")
+def _(folder):
+    # Evaluation first (no plan: each process profiles on the evaluation loader), 9 samples in
+    # global batches of 4: the last batch is padded. eval_loss is the token mean over the 9
+    # samples, and compute_metrics sees each of them once.
+    data = sequences(9, seed=4)
+    seen = []
+
+    def metrics(prediction):
+        seen.append(len(prediction.label_ids))
+        return {}
+
+    model = llama()
+    trainer = HeteroTrainer(
+        model=model, args=arguments(folder), eval_dataset=data, data_collator=collate, compute_metrics=metrics,
+        devices="cpu,cpu@0.25", plan_kwargs={"time_budget": 2, "calibrate": 0},
+    )  # fmt: skip
+    loss = trainer.evaluate()["eval_loss"]
+    with torch.no_grad():
+        expected = model(**collate(data)).loss.item()  # the token mean over all 9 sequences
+    assert abs(loss - expected) < TOLERANCE, (loss, expected)
+    assert seen == [9], seen
+
+
+@scenario("profiled")
+def _(folder):
+    # No plan: each process profiles the model on its device; the emulated quarter-speed CPU gets less.
+    data = sequences(16, seed=5)
+    model = llama()
+    trainer = HeteroTrainer(
+        model=model, args=arguments(folder, per_device_train_batch_size=8), train_dataset=data,
+        data_collator=collate, devices="cpu,cpu@0.25", plan_kwargs={"time_budget": 3, "calibrate": 0},
+    )  # fmt: skip
+    trainer.train()
+    sizes = trainer.hetero_plan.sizes
+    assert sum(sizes) == 16 and sizes[0] > sizes[1], sizes
+
+
+dist.barrier()
+dist.destroy_process_group()
