@@ -1,5 +1,6 @@
 """`hetsplit launch` and `hetsplit.distributed.init`: one process per device on top of torchrun."""
 
+import os
 import subprocess
 import sys
 import time
@@ -102,11 +103,16 @@ def test_backend_follows_the_device_mix():
 
 
 def test_the_torchrun_example_runs_under_hetsplit_launch(tmp_path):
+    # The example under hetsplit launch (torchrun underneath), with online rebalancing and the
+    # outputs weighting: one run covers the launcher and the example's distributed features.
     example = Path(__file__).resolve().parents[1] / "examples" / "torchrun_ddp.py"
     proc = subprocess.run(
-        [sys.executable, "-m", "hetsplit.apps.cli", "launch", "--devices", "cpu,cpu@1", str(example),
-         "--steps", "2", "--profile-budget", "2", "--data", "synthetic", "--train-size", "512", "--test-size", "64"],
-        capture_output=True, text=True, timeout=180, cwd=tmp_path,
+        [sys.executable, "-m", "hetsplit.apps.cli", "launch", "--devices", "cpu,cpu@0.25", str(example),
+         "--steps", "2", "--profile-budget", "2", "--data", "synthetic", "--train-size", "512", "--test-size", "128",
+         "--threads", "1", "--timeout", "60", "--rebalance", "1", "--weighting", "outputs"],
+        capture_output=True, text=True, timeout=240, cwd=tmp_path, env=dict(os.environ, OMP_NUM_THREADS="1"),
     )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "2 ranks on cpu, cpu@1 (gloo)" in proc.stdout and "2 steps in" in proc.stdout
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "2 ranks on cpu, cpu@0.25 (gloo)" in proc.stdout and "2 steps in" in proc.stdout
+    assert "plan: rank0:cpu" in proc.stdout and "epoch 1: 2 steps" in proc.stdout and "SYNTHETIC" in proc.stdout
+    assert "plan changes; final shares" in proc.stdout  # --rebalance ran its exchanges

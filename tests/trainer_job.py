@@ -170,7 +170,7 @@ def _(folder):
     model = llama()
     trainer = HeteroTrainer(
         model=model, args=arguments(folder), eval_dataset=data, data_collator=collate, compute_metrics=metrics,
-        devices="cpu,cpu@0.25", plan_kwargs={"time_budget": 2, "calibrate": 0},
+        devices="cpu,cpu@0.25", plan_kwargs={"time_budget": 1, "calibrate": 0},
     )  # fmt: skip
     loss = trainer.evaluate()["eval_loss"]
     with torch.no_grad():
@@ -186,7 +186,7 @@ def _(folder):
     model = llama()
     trainer = HeteroTrainer(
         model=model, args=arguments(folder, per_device_train_batch_size=8), train_dataset=data,
-        data_collator=collate, devices="cpu,cpu@0.25", plan_kwargs={"time_budget": 3, "calibrate": 0},
+        data_collator=collate, devices="cpu,cpu@0.25", plan_kwargs={"time_budget": 1, "calibrate": 0},
     )  # fmt: skip
     trainer.train()
     sizes = trainer.hetero_plan.sizes
