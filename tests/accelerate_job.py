@@ -162,7 +162,9 @@ def _():
 def _():
     # No plan: each process profiles its own device (cpu and an emulated quarter-speed cpu);
     # the slower one gets less, and both processes hold the same plan.
-    acc = HeteroAccelerator(devices="cpu,cpu@0.25", loss_fn=F.mse_loss, plan_kwargs={"time_budget": 1.5, "calibrate": 0})
+    acc = HeteroAccelerator(
+        devices="cpu,cpu@0.25", loss_fn=F.mse_loss, plan_kwargs={"time_budget": 1.5, "calibrate": 0}
+    )
     model, _ = model_pair()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     big = TensorDataset(torch.randn(64, 3, dtype=torch.float64), torch.randn(64, 1, dtype=torch.float64))
