@@ -192,3 +192,48 @@ def test_rebalancing_keeps_micro_batches_within_the_caps():
         dp.train_step(x, y, F.cross_entropy)
         assert max(dp.plan.micro_batches[0]) <= 8 and max(dp.plan.micro_batches[1]) <= 16
         _close(dp, _reference(net, x, y))
+
+
+class _Capped(nn.Module):
+    """A module that runs out of memory on more than ``cap`` samples, as a full GPU would."""
+
+    def __init__(self, net: nn.Module, cap: int) -> None:
+        super().__init__()
+        self.net, self.cap = net, cap
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if len(x) > self.cap:
+            raise torch.OutOfMemoryError(f"out of memory: {len(x)} samples, the device holds {self.cap}")
+        return self.net(x)
+
+
+@pytest.mark.parametrize("mode", ["gather", "local"])
+def test_an_oom_on_the_module_s_own_device_is_recovered_too(mode, caplog):
+    # One real device holding the module runs the module itself (no replica); its out-of-memory
+    # error still lowers the cap, re-plans into micro-batches and re-runs the step, exactly.
+    net, (x, y) = _net(), _data()
+    prof = Profile.from_measurements({"cpu": [(8, 0.008), (32, 0.03)]})
+    dp = HeteroDataParallel(_Capped(copy.deepcopy(net), 30), ["cpu"], profile=prof)  # 48 fails, then half
+    with caplog.at_level(logging.WARNING, logger="hetsplit"):
+        _step(dp, x, y, mode)
+    assert dp.plan.micro_batches == [[24, 24]], dp.plan
+    assert len([r for r in caplog.records if r.name == "hetsplit"]) == 1
+    for p, g in zip(dp.module.net.parameters(), _reference(net, x, y)):
+        torch.testing.assert_close(p.grad, g, rtol=1e-12, atol=1e-13)
+
+
+def test_dropout_with_recomputed_micro_batches_on_a_shared_generator_is_refused():
+    # Gather mode recomputes a micro-batched device's forward in backward from the random state
+    # saved at its forward; another replica drawing from the same (CPU) generator meanwhile
+    # would give other dropout masks: refused, never silently wrong.
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5), nn.Linear(8, 2)).double()
+    plan = hetsplit.Plan(["cpu", "cpu:max4"], [4, 8], [0.1, 0.1], 12, micro_batches=[[4], [4, 4]])
+    dp = HeteroDataParallel(net, ["cpu", "cpu:max4"], plan=plan)
+    x = torch.randn(12, 8, dtype=torch.float64)
+    with pytest.raises(RuntimeError, match="draws random numbers"):
+        dp(x).sum().backward()
+    net.eval()  # no randomness: the same split runs
+    dp(x).sum().backward()
+    dp.train()
+    dp.train_step(x, torch.zeros(12, dtype=torch.long), F.cross_entropy)  # local-loss mode recomputes nothing

@@ -22,9 +22,11 @@ from .local import local_fns, local_inputs, shard_loss
 from .micro import (
     MemoryLog,
     Step,
+    StepOutOfMemory,
     backward_fn,
     backward_oom,
     forward_fns,
+    lower_cap,
     with_recovery,
 )
 from .outputs import ScalarPolicy, check_policy, combine, policy_weights
@@ -211,7 +213,9 @@ class HeteroDataParallel(nn.Module):
         step = self._begin(batch_of(inputs, kwargs))
         home = direct_device(step, self.module, self.rebalancer is not None)
         if home is not None:  # the module's own device has the whole batch: run the module itself
-            return move(call_on(self.module, home, inputs, kwargs), self._output_device or home)
+            run = lambda: call_on(self.module, home, inputs, kwargs)
+            out = self._mem.watch(step.active[0], step.sizes[0], run, step.devices[0])  # an OOM re-plans
+            return move(out, self._output_device or home)
         args, kws = self.scatter(inputs, kwargs, step.devices)
         args, kws = cut_upstream(step, (inputs, kwargs), args, kws, self.dim)  # leaves where grad is needed
         replicas = self.replicate(self.module, step.devices)
@@ -309,8 +313,22 @@ def _direct_local_step(
     """Local-loss mode when the module's own device has the whole batch: the module's own step."""
     (args, kwargs), target = move(batch, home)
     (weight,) = policy_weights(reduction, [1], [(tuple(args), dict(kwargs))]) or [1.0]
-    loss = shard_loss(loss_fn, self.module(*args, **kwargs), target, target is not None)
-    (loss * weight).backward()
+    step = self._step
+    assert step is not None
+    forward = lambda: shard_loss(loss_fn, self.module(*args, **kwargs), target, target is not None)
+    loss = self._mem.watch(step.active[0], step.sizes[0], forward, step.devices[0])  # an OOM here re-plans
+    try:
+        self._mem.watch(step.active[0], step.sizes[0], lambda: (loss * weight).backward())
+    except BaseException as e:
+        if not is_out_of_memory(e):
+            raise
+        # Backward writes into the module's .grad as it goes: a re-run here would add those twice.
+        line = lower_cap(self._mem, self._plans, self.devices, e)
+        raise StepOutOfMemory(
+            f"{line}; this happened in the backward of the module's own step, after some of its gradients were "
+            "added to the module's .grad: call optimizer.zero_grad() and run the step again"
+        ) from e
+    self._mem.done(step.active[0], step.sizes[0])
     return to_device(loss.detach(), self.output_device) * weight
 
 

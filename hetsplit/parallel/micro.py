@@ -120,17 +120,42 @@ def cut(shard: Any, sizes: Sequence[int], device: Device, dim: int) -> list[Any]
     return scatter_to(shard, [device] * len(sizes), sizes, dim) if len(sizes) > 1 else [shard]
 
 
+def _generator_state(device: torch.device) -> torch.Tensor:
+    """The state of the random generator ``device``'s work draws from (the CPU's, or that GPU's)."""
+    return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
+
+
 def _forward_pieces(
-    replica: nn.Module, pieces: Sequence[Shard], sizes: Sequence[int], i: int, device: Device, log: MemoryLog
+    replica: nn.Module,
+    pieces: Sequence[Shard],
+    sizes: Sequence[int],
+    i: int,
+    device: Device,
+    log: MemoryLog,
+    shared: bool,
 ) -> list[Any]:
-    """The outputs of ``replica`` on each micro-batch, run in turn; checkpointed when there are several."""
+    """The outputs of ``replica`` on each micro-batch, run in turn; checkpointed when there are several.
+
+    A checkpointed micro-batch is recomputed in backward from the random state saved at
+    its forward; when another replica draws from the same generator at the same time
+    (``shared``), that state is not what the forward used, and dropout masks would differ
+    between forward and recompute. Such a step is refused rather than silently wrong.
+    """
     outs = []
     for (args, kwargs), size in zip(pieces, sizes):
         if len(pieces) == 1:
             fn = lambda a=args, k=kwargs: replica(*a, **k)
         else:  # keep inputs and outputs only; backward recomputes this micro-batch alone
             fn = lambda a=args, k=kwargs: checkpoint(replica, *a, use_reentrant=False, **k)
+        before = _generator_state(device.torch_device) if shared and len(pieces) > 1 else None
         outs.append(log.watch(i, size, fn, device))
+        if before is not None and not torch.equal(before, _generator_state(device.torch_device)):
+            raise RuntimeError(
+                f"the model draws random numbers (dropout?) while {device.name}'s micro-batches are recomputed in "
+                "backward and another replica draws from the same generator, so the recomputed masks would differ "
+                "from the forward's: use train_step() (local-loss mode needs no recompute), a plan without "
+                "micro-batches (accumulate=False), or devices that do not share a generator"
+            )
     return outs
 
 
@@ -145,12 +170,19 @@ def forward_fns(
 ) -> tuple[list[Callable[[], list[Any]]], list[list[Shard]]]:
     """Per active device, the work of its forward (a list of outputs, one per micro-batch) and its micro-shards."""
     fns, pieces = [], []
-    for r, shard, sizes, i in zip(replicas, shards, micro, active):
+    generators = [_generator_key(devices[i].torch_device) for i in active]
+    for r, shard, sizes, i, key in zip(replicas, shards, micro, active, generators):
         dev = devices[i]
         parts = cut(shard, sizes, dev, dim)
         pieces.append(parts)
-        fns.append(lambda r=r, p=parts, s=sizes, i=i, d=dev: _forward_pieces(r, p, s, i, d, log))
+        shared = generators.count(key) > 1
+        fns.append(lambda r=r, p=parts, s=sizes, i=i, d=dev, sh=shared: _forward_pieces(r, p, s, i, d, log, sh))
     return fns, pieces
+
+
+def _generator_key(device: torch.device) -> tuple[str, int]:
+    """Which random generator work on ``device`` draws from: one for the CPU, one per GPU."""
+    return (device.type, device.index or 0) if device.type == "cuda" else ("cpu", 0)
 
 
 def backward_fn(
@@ -179,7 +211,7 @@ def with_recovery(
     try:
         return run()
     except BaseException as e:
-        if not is_out_of_memory(e):
+        if not is_out_of_memory(e) or isinstance(e, StepOutOfMemory):  # the latter: handled, not to re-run
             raise
         release(devices, replicas())
         first = lower_cap(log, plans, devices, e)
