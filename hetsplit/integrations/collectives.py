@@ -11,6 +11,8 @@ import torch.distributed as dist
 
 __all__ = ["samples_in", "op_name", "weighted_reduce", "uneven_gather"]
 
+_MAX_DIMS = 8  # the shape a gather exchanges first has room for this many dimensions
+
 
 def samples_in(batch: Any) -> int | None:
     """The samples in a batch as trainers count them for logging: the first tensor's length.
@@ -81,7 +83,7 @@ def uneven_gather(data: Any, group: Any = None) -> Any:
     walked; any other object is all-gathered as a list with one entry per rank.
 
     Raises:
-        ValueError: If ranks give tensors whose trailing shapes or dtypes differ (naming them).
+        ValueError: If ranks give tensors whose trailing shapes differ (naming them).
     """
     if isinstance(data, Mapping):
         return type(data)({k: uneven_gather(v, group) for k, v in data.items()})
@@ -93,17 +95,22 @@ def uneven_gather(data: Any, group: Any = None) -> Any:
         dist.all_gather_object(out, data, group=group)
         return out
     t = data if data.dim() else data.reshape(1)
-    # One small gather of every rank's shape and dtype: a mismatch is named here instead
-    # of failing inside the collective with a size error.
-    meta: list[Any] = [None] * world
-    dist.all_gather_object(meta, (tuple(t.shape), str(t.dtype)), group=group)
-    trailing = {(m[0][1:], m[1]) for m in meta}
-    if len(trailing) > 1:
+    if t.dim() > _MAX_DIMS:
+        raise ValueError(f"cannot gather a tensor of {t.dim()} dimensions; at most {_MAX_DIMS}")
+    # One small tensor gather of every rank's shape (no pickling: the Trainer gathers every
+    # window): a mismatch is named here instead of failing inside the collective.
+    mine = torch.full((_MAX_DIMS + 1,), -1, dtype=torch.long, device=t.device)
+    mine[0] = t.dim()
+    mine[1 : t.dim() + 1] = torch.tensor(t.shape, dtype=torch.long)
+    shapes = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(shapes, mine, group=group)
+    meta = [tuple(int(v) for v in m[1 : int(m[0]) + 1]) for m in torch.stack(shapes).cpu()]
+    if len({m[1:] for m in meta}) > 1:
         raise ValueError(
-            f"cannot gather tensors of different trailing shapes or dtypes across ranks: "
-            f"{dict(enumerate(meta))}; pad them to one shape first (e.g. accelerator.pad_across_processes)"
+            f"cannot gather tensors of different trailing shapes across ranks: {dict(enumerate(meta))}; "
+            "pad them to one shape first (e.g. accelerator.pad_across_processes)"
         )
-    counts = [m[0][0] for m in meta]
+    counts = [m[0] for m in meta]
     padded = t.new_zeros((max(counts), *t.shape[1:]))
     padded[: t.shape[0]] = t
     parts = [torch.empty_like(padded) for _ in counts]

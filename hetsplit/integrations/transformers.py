@@ -131,10 +131,12 @@ class HeteroTrainer(transformers.Trainer):
         """The Trainer's next accumulation window, and the items of the global batch over it (one all-reduce)."""
         batches, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)
         shifted = self._shifts(self.model)
-        total = torch.tensor([float(sum(_items(b, shifted) for b in batches))], dtype=torch.float64, device=device)
+        total = torch.zeros(1, dtype=torch.float64, device=device)
+        for batch in batches:  # counted on the device: no synchronisation per batch
+            total += _items(batch, shifted)
         if self.accelerator.num_processes > 1:
             dist.all_reduce(total)
-        self._window_items = total.item()
+        self._window_items = total.item()  # one synchronisation per window, as the Trainer's own count
         return batches, num_items
 
     def compute_loss(
@@ -145,7 +147,7 @@ class HeteroTrainer(transformers.Trainer):
         num_items_in_batch: torch.Tensor | int | None = None,
     ) -> Any:
         """This process's part of the global batch's loss, ``world * S_r / N`` (see the class)."""
-        items = _items(inputs, self._shifts(model))
+        shifted = self._shifts(model)
         empty = samples_in(inputs) == 0
         # The model's own mean over this process's items; num_items_in_batch is left out on
         # purpose, as models that honour it and models that ignore it then mean the same.
@@ -154,21 +156,24 @@ class HeteroTrainer(transformers.Trainer):
             model, self._filler_inputs(inputs) if empty else dict(inputs), return_outputs=return_outputs
         )
         loss, outputs = result if return_outputs else (result, None)
-        if model.training:
+        if model.training and not empty:
+            items = _items(inputs, shifted)  # a tensor on the labels' device: the factor needs no synchronisation
             total = self._window_items
             if total is None:  # a step outside the Trainer's loop: count this step's items on every process
-                counted = torch.tensor([float(items)], dtype=torch.float64, device=loss.device)
+                counted = torch.zeros(1, dtype=torch.float64, device=loss.device) + items
                 if self.accelerator.num_processes > 1:
                     dist.all_reduce(counted)
                 total = counted.item()
-            factor = self.accelerator.num_processes * items / total if total and not empty else 0.0
+            factor = self.accelerator.num_processes / total if total else 0.0
             if num_items_in_batch is None:  # the Trainer divides by the accumulation steps itself then
                 factor *= self.current_gradient_accumulation_steps
-            loss = _part(loss, factor)
-        elif self._eval_sums is not None and not empty:
+            scale = items.to(torch.float64) * factor if torch.is_tensor(items) else torch.tensor(items * factor)
+            loss = loss * scale.to(loss.device, loss.dtype) if factor else _part(loss, 0.0)
+        elif not model.training and self._eval_sums is not None and not empty:
             real = self._real_rows(inputs)
-            mean = loss if real == samples_in(inputs) else self._real_mean(model, inputs, real)
-            real_items = items if real == samples_in(inputs) else _items(_rows(inputs, real), self._shifts(model))
+            whole = real == samples_in(inputs)
+            mean = loss if whole else self._real_mean(model, inputs, real)
+            real_items = float(_items(inputs if whole else _rows(inputs, real), shifted))
             self._eval_sums[0] += float(mean.detach()) * real_items if real_items else 0.0
             self._eval_sums[1] += real_items
         if empty:
@@ -220,13 +225,13 @@ class HeteroTrainer(transformers.Trainer):
             return super().compute_loss(model, _rows(inputs, real))
 
 
-def _items(inputs: Mapping[str, Any], shifted: bool) -> int:
-    """Items a mean loss averages over in ``inputs``: label tokens that count (not -100), else samples."""
+def _items(inputs: Mapping[str, Any], shifted: bool) -> torch.Tensor | int:
+    """Items a mean loss averages over in ``inputs``: label tokens that count (not -100, a tensor), else samples."""
     labels = inputs.get("shift_labels", inputs.get("labels")) if isinstance(inputs, Mapping) else None
     if isinstance(labels, torch.Tensor) and labels.dim() > 0:
         if shifted and "shift_labels" not in inputs and labels.dim() > 1:
             labels = labels[..., 1:]
-        return int(labels.ne(-100).sum())
+        return labels.ne(-100).sum()
     return samples_in(inputs) or 0
 
 
