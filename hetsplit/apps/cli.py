@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -13,7 +14,7 @@ from .commands import DTYPES, CLIError, cmd_bench, cmd_demo, cmd_devices, cmd_pr
 from .launch import cmd_launch
 from .whatif import cmd_plan
 
-__all__ = ["main", "build_parser"]
+__all__ = ["main", "run", "build_parser"]
 
 
 def _ints(text: str) -> list[int]:
@@ -237,5 +238,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
 
 
+def run() -> None:
+    """The ``hetsplit`` command: :func:`main`, then exit with its status.
+
+    After Ctrl-C the one line is printed and the process ends at once with 130: letting
+    the interpreter finalise after an interrupt ended it by SIGINT (status -2) once
+    under load, whatever ``main`` returned.
+    """
+    status = main()
+    if status == 130:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(130)
+    sys.exit(status)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()
