@@ -94,7 +94,9 @@ def test_quarter_speed_cpu_measures_about_a_quarter_throughput():
         start = time.thread_time()
         nn.functional.mse_loss(model(x), y).backward()
         cpu_seconds.append(time.thread_time() - start)
-    assert p.step_time("cpu@0.25", 512) == pytest.approx(4 * min(cpu_seconds), rel=0.35)
+    # A wide band: thread CPU time itself grows when the other pytest worker shares the cores
+    # (+46 % seen); a missing throttle (1x) or a doubled one (8x+) still falls outside it.
+    assert p.step_time("cpu@0.25", 512) == pytest.approx(4 * min(cpu_seconds), rel=0.6)
     assert p.throughput("cpu", 512) > p.throughput("cpu@0.25", 512)
     # At 640 samples per-sample cost dominates the fixed cost: mostly on the real CPU.
     plan = solve(p, 640)
