@@ -287,6 +287,7 @@ def test_the_quick_profile_derives_an_emulated_device_from_its_real_one():
     assert slow.seconds == pytest.approx([4 * t for t in real.seconds]) and prof.entry("cpu@0.25").info.emulated
 
 
+@pytest.mark.serial  # the calibration times the CPU: run alone, not beside the other pytest worker
 def test_the_quick_profile_gives_an_emulated_device_its_share_and_warns_at_the_callers_line(monkeypatch):
     import hetsplit.quick as quick
 
@@ -397,6 +398,7 @@ def test_a_model_module_in_the_current_directory_imports(capsys, tmp_path, monke
     assert code == 0 and "hetsplit demo: mymodels_here:factory on cpu, cpu@0.5" in out, err
 
 
+@pytest.mark.serial  # the signal's moment is timed: run alone, not beside the other pytest worker
 def test_ctrl_c_at_any_moment_is_one_line(tmp_path):
     """The CLI starts without torch, so an early Ctrl-C lands in its handler, not in an import."""
     import signal

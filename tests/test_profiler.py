@@ -71,6 +71,7 @@ def test_profile_records_measurements_and_metadata():
     assert cpu.memory_cap is None  # the CPU is not probed
 
 
+@pytest.mark.serial  # timings: run alone, not beside the other pytest worker
 def test_quarter_speed_cpu_measures_about_a_quarter_throughput():
     torch.set_num_threads(1)
     # Matmul-bound, so the step time is steady on a shared machine (conv steps of the same
@@ -94,13 +95,11 @@ def test_quarter_speed_cpu_measures_about_a_quarter_throughput():
         start = time.thread_time()
         nn.functional.mse_loss(model(x), y).backward()
         cpu_seconds.append(time.thread_time() - start)
-    # A wide band: thread CPU time itself grows when the other pytest worker shares the cores
-    # (+46 % seen); a missing throttle (1x) or a doubled one (8x+) still falls outside it.
-    assert p.step_time("cpu@0.25", 512) == pytest.approx(4 * min(cpu_seconds), rel=0.6)
+    assert p.step_time("cpu@0.25", 512) == pytest.approx(4 * min(cpu_seconds), rel=0.35)
     assert p.throughput("cpu", 512) > p.throughput("cpu@0.25", 512)
     # At 640 samples per-sample cost dominates the fixed cost: mostly on the real CPU.
     plan = solve(p, 640)
-    assert 0.05 < plan.shares[1] < 0.45, plan.shares  # the real CPU is timed by the wall clock: load shifts it
+    assert 0.05 < plan.shares[1] < 0.4, plan.shares
     assert plan.times[1] == pytest.approx(plan.times[0], rel=0.1)
 
 

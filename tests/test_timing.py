@@ -9,6 +9,7 @@ from hetsplit import timing
 from hetsplit.devices import parse_device
 
 
+@pytest.mark.serial  # timings: run alone, not beside the other pytest worker
 def test_lap_measures_work_and_emulated_delay():
     import time as _time
 
