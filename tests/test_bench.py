@@ -5,6 +5,10 @@ import pytest
 
 from hetsplit.apps.bench import bench, keep_freed_memory, time_steps
 
+# Every bench here times real steps (shares follow measured speed): run alone, not beside the
+# other pytest worker (the rebalancing test missed its slowdown under that load once).
+pytestmark = pytest.mark.serial
+
 
 def test_bench_reports_consistent_figures():
     r = bench("mlp", "cpu,cpu@0.5", batch_size=32, steps=2, warmup=1, profile_budget=2)
