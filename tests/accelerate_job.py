@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
 from hetsplit.accelerate import HeteroAccelerator
-from hetsplit.planning import plan_from_sizes
+from hetsplit.planning import Plan, plan_from_sizes
 
 torch.manual_seed(0)
 N = 16
@@ -97,6 +97,60 @@ def _():
     reference_step(ref, batches)
     assert_same(model, ref, "gradient accumulation")
     acc.gradient_accumulation_steps = 1
+
+
+@scenario("micro")
+def _():
+    # A plan that runs process 0's share as micro-batches (solve(..., accumulate=True)): followed
+    # with micro_batches, each weighted by its samples, the step equals the full-batch step.
+    micro = Plan(["rank0", "rank1"], [5, 3], [0.0, 0.0], 8, micro_batches=[[2, 2, 1], [3]])
+    for weighting in ("hook", "outputs"):
+        acc = HeteroAccelerator(plan=micro, weighting=weighting)
+        model, ref = model_pair()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        model, opt, loader = acc.prepare(model, opt, DataLoader(DATA, batch_size=4, shuffle=True))
+        idx, xb, yb = next(iter(loader))
+        seen = []
+        for xm, ym in acc.micro_batches(model, (xb, yb)):
+            seen.append(len(xm))
+            acc.backward(F.mse_loss(model(xm), ym))
+        assert seen == micro.micro_batches[acc.process_index], seen
+        opt.step()
+        reference_step(ref, [acc.gather(idx)])
+        assert_same(model, ref, f"micro-batches, weighting={weighting}")
+    try:
+        HeteroAccelerator(plan=micro, weighting="none")
+    except ValueError as e:
+        assert "micro-batches [2, 2, 1]" in str(e), e
+    else:
+        raise AssertionError("an unweighted accelerator took a plan with micro-batches")
+
+
+@scenario("micro_hf")
+def _():
+    # The same on code nobody here wrote: a Hugging Face BERT built from a config, its own loss.
+    import transformers
+
+    cfg = transformers.BertConfig(
+        vocab_size=50, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32,
+        max_position_embeddings=16, num_labels=3, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    )  # fmt: skip
+    ref = transformers.BertForSequenceClassification(cfg).double()
+    ids, labels = torch.randint(0, 50, (N, 8)), torch.randint(0, 3, (N,))
+    micro = Plan(["rank0", "rank1"], [6, 2], [0.0, 0.0], 8, micro_batches=[[2, 2, 2], [2]])
+    acc = HeteroAccelerator(plan=micro)
+    model = copy.deepcopy(ref)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    model, opt, loader = acc.prepare(model, opt, DataLoader(TensorDataset(torch.arange(N), ids, labels), batch_size=4))
+    idx, xb, yb = next(iter(loader))
+    for xm, ym in acc.micro_batches(model, (xb, yb)):
+        acc.backward(model(input_ids=xm, labels=ym).loss)
+    opt.step()
+    every = acc.gather(idx)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    ref(input_ids=ids[every], labels=labels[every]).loss.backward()
+    ref_opt.step()
+    assert_same(model, ref, "micro-batches on BERT")
 
 
 @scenario("zero")

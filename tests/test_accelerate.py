@@ -12,7 +12,7 @@ import pytest
 pytest.importorskip("accelerate")
 
 ROOT = Path(__file__).resolve().parents[1]
-SCENARIOS = ("step", "accumulate", "zero", "metrics", "epochs", "profiled", "refused")
+SCENARIOS = ("step", "accumulate", "micro", "micro_hf", "zero", "metrics", "epochs", "profiled", "refused")
 
 
 def _env():

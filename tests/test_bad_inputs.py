@@ -150,8 +150,10 @@ API_ROWS = [
     ("14 accelerator plan for 3 processes", lambda: _accelerator(plan=plan_from_sizes(None, ["a", "b", "c"],
      [1, 1, 1])), ValueError, "3 shares [1, 1, 1] but 1 processes run"),
     ("14 accelerator global batch", lambda: _accelerator(global_batch_size=0), ValueError, "got 0"),
-    ("15 accelerator plan with micro-batches", lambda: _accelerator(plan=hetsplit.Plan(["a"], [5], [0.1], 5,
-     micro_batches=[[3, 2]])), ValueError, "into micro-batches [3, 2]"),
+    ("15 accelerator unweighted plan with micro-batches", lambda: _accelerator(weighting="none", plan=hetsplit.Plan(
+     ["a"], [5], [0.1], 5, micro_batches=[[3, 2]])), ValueError, "into micro-batches [3, 2]"),
+    ("15 accelerator micro-batches before any plan", lambda: _accelerator().micro_batches(None, [1]), ValueError,
+     "no plan yet"),
     ("14 accelerator two devices, one process", lambda: _accelerator(devices="cpu,cpu@0.25"), ValueError,
      "this job runs 1 process"),
 ]  # fmt: skip

@@ -2,10 +2,14 @@ import itertools
 import math
 import random
 
+import numpy as np
 import pytest
 
+from hetsplit.devices import DeviceInfo
 from hetsplit.planning import Plan, check_sizes, even_sizes, plan_from_sizes, sizes_from_weights, solve
+from hetsplit.planning.curve import Curve
 from hetsplit.planning.profile import Profile
+from hetsplit.planning.records import DeviceProfile
 
 
 def _brute_force(profile, names, batch):
@@ -228,3 +232,47 @@ def test_accumulate_many_devices_matches_capacity():
     more = engine.evaluate([s + 1 for s in plan.sizes])
     assert min(more) >= plan.step_time
     assert max(plan.times) == plan.step_time
+
+
+def _odd_curve(rng):
+    """A curve as merged or quick profiles make them: fractional knots, flat pieces, any intercept and cap."""
+    xs = sorted({round(rng.uniform(1, 40), 2) for _ in range(rng.randint(1, 4))})
+    if rng.random() < 0.5:
+        xs = [float(x) for x in sorted(rng.sample(range(2, 60), len(xs)))]
+    ts, t = [], rng.uniform(0.001, 0.05)
+    for _ in xs:
+        t += rng.choice([0.0, rng.uniform(0, 0.05)])
+        ts.append(t)
+    cap = rng.choice([None, 0, rng.randint(1, 12), rng.randint(1, 60)])
+    return Curve(xs, ts, rng.choice([0.0, ts[0], rng.uniform(0, ts[0])]), rng.uniform(1e-4, 0.01), cap)
+
+
+def test_accumulate_on_fractional_and_flat_curves_matches_brute_force():
+    # A micro-batch at the cap next to a fractional knot once made a time NaN (0 x inf).
+    from hetsplit.planning.solver import micro_table
+
+    rng = random.Random(5)
+    for _ in range(120):
+        curves = [_odd_curve(rng) for _ in range(rng.randint(1, 3))]
+        info = [DeviceInfo(f"d{i}", "cpu", "a test curve") for i in range(len(curves))]
+        profile = Profile([DeviceProfile(d, [], c, c.memory_cap) for d, c in zip(info, curves)])
+        engine = micro_table(profile.table(profile.devices))
+        b = np.arange(30, dtype=float)
+        for i, c in enumerate(curves):
+            got = engine.evaluate(b, np.full(len(b), i))
+            assert got.tolist() == pytest.approx([_micro_time(c, int(x)) for x in b], rel=1e-9, abs=1e-15)
+        if all(c.memory_cap == 0 for c in curves):
+            continue
+        for seconds in (0.01, 0.07, 0.3):
+            cap = engine.capacity(seconds)
+            assert (engine.evaluate(cap.astype(float)) <= seconds).all()
+            assert (engine.evaluate(cap + 1.0) > seconds).all()
+        batch = rng.randint(1, 19)
+        plan = solve(profile, batch, accumulate=True)
+        best = min(
+            max(_micro_time(c, s) for c, s in zip(curves, (*head, batch - sum(head))))
+            for head in itertools.product(range(batch + 1), repeat=len(curves) - 1)
+            if sum(head) <= batch
+        )
+        assert plan.step_time == pytest.approx(best, rel=1e-9)
+        assert [sum(m) for m in plan.micro_batches] == plan.sizes

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import weakref
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import accelerate
@@ -50,7 +50,8 @@ class HeteroAccelerator(accelerate.Accelerator):
     :meth:`gather_for_metrics` drops those duplicates, so metrics see every sample once;
     ``accumulate()`` and ``backward()`` work unchanged and stay exact. :meth:`gather`
     concatenates uneven shards; :meth:`reduce` with ``"mean"`` weights each process by
-    its samples in the current batch (the mean over the global batch).
+    its samples in the current batch (the mean over the global batch). A plan with
+    micro-batches (``solve(..., accumulate=True)``) is followed with :meth:`micro_batches`.
 
     Args:
         devices: One device per process (``"cuda:0,cpu"``, ``"cpu,cpu@0.25"``); default
@@ -159,7 +160,8 @@ class HeteroAccelerator(accelerate.Accelerator):
                 f"the plan has {len(plan.sizes)} shares {list(plan.sizes)} but {self.num_processes} processes run: "
                 "give a plan with one share per process"
             )
-        check_whole_shares(plan, "HeteroAccelerator")
+        if self.weighting == "none":
+            check_whole_shares(plan, 'HeteroAccelerator(weighting="none")')
         self.hetero_plan = plan
         for state in self._weightings:
             state.set_plan(plan)
@@ -294,6 +296,33 @@ class HeteroAccelerator(accelerate.Accelerator):
         return model
 
     # -- steps and collectives ------------------------------------------------------------
+
+    def micro_batches(self, model: torch.nn.Module, batch: Any, *, dim: int = 0) -> Iterator[Any]:
+        """This process's batch cut into the plan's micro-batches, all but the last under ``no_sync()``.
+
+        Follows ``plan.micro_batches`` (``solve(..., accumulate=True)``: a device with a
+        memory cap runs its share as several micro-batches). Run forward and
+        :meth:`backward` of each in the loop body; each micro-batch's gradient is weighted
+        by its samples, so a mean loss per micro-batch still gives the full-batch step.
+        A share of one micro-batch is yielded whole; an emulated memory cap
+        (``cpu:max64``) raises ``torch.OutOfMemoryError`` above it, as a GPU would.
+
+        Raises:
+            ValueError: Without a plan yet, with ``weighting="none"``, or for a batch that
+                is not this process's share.
+
+        Example:
+            >>> for xm, ym in accelerator.micro_batches(model, (xb, yb)):
+            ...     accelerator.backward(F.mse_loss(model(xm), ym))
+        """
+        plan = self.hetero_plan
+        if plan is None:
+            raise ValueError("no plan yet: prepare the training loader first, or pass plan= to HeteroAccelerator")
+        if self.weighting == "none":
+            raise ValueError(
+                'micro_batches needs hetsplit to weight each micro-batch: use weighting="hook" or "outputs", not "none"'
+            )
+        return hd.micro_batches(model, batch, plan, rank=self.process_index, dim=dim, device=self.hetero_device)
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """``loss.backward()`` as accelerate does, at this process's emulated speed (waiting is not slowed)."""

@@ -85,8 +85,8 @@ def check_arguments(
         raise TypeError(f"plan must be a hetsplit Plan, got {type(plan).__name__}: {plan!r}")
     if profile is not None and not isinstance(profile, Profile):
         raise TypeError(f"profile must be a hetsplit Profile, got {type(profile).__name__}: {profile!r}")
-    if plan is not None:
-        check_whole_shares(plan, "HeteroAccelerator")
+    if plan is not None and weighting == "none":
+        check_whole_shares(plan, 'HeteroAccelerator(weighting="none")')
     if plan is not None and len(plan.sizes) != world:
         raise ValueError(
             f"the plan has {len(plan.sizes)} shares {list(plan.sizes)} but {world} processes run: "
@@ -169,7 +169,11 @@ def throttle_forward(model: torch.nn.Module, device: Device) -> None:
 
 
 def check_whole_shares(plan: Plan, who: str) -> None:
-    """Refuse a plan that runs some process's share as several micro-batches (not followed here yet).
+    """Refuse a plan that runs some process's share as several micro-batches where they are not followed.
+
+    Micro-batches are exact only when hetsplit weights each one by its samples
+    (:func:`hetsplit.distributed.weight_gradients`); without that weighting (a globally
+    normalised loss, the HF Trainer's own loss) the share must run as one batch.
 
     Raises:
         ValueError: Naming the process, its micro-batches and what to do instead.
@@ -179,5 +183,6 @@ def check_whole_shares(plan: Plan, who: str) -> None:
             raise ValueError(
                 f"{who} runs each process's share as one batch, but the plan splits process {rank}'s share "
                 f"{plan.sizes[rank]} into micro-batches {parts}; solve without accumulate (a batch within the "
-                "memory caps), or use hetsplit.distributed.micro_batches in a torchrun loop"
+                "memory caps), or use HeteroAccelerator's micro_batches with a weighting (or "
+                "hetsplit.distributed.micro_batches in a torchrun loop)"
             )

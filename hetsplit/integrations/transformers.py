@@ -15,6 +15,7 @@ from transformers.loss.loss_utils import ForCausalLMLoss
 from hetsplit.planning import Plan, Profile
 
 from .accelerate import HeteroAccelerator
+from .accelerate_parts import check_whole_shares
 from .collectives import samples_in
 
 __all__ = ["HeteroTrainer"]
@@ -72,6 +73,8 @@ class HeteroTrainer(transformers.Trainer):
         plan_kwargs: Mapping[str, Any] | None = None,
         **trainer_kwargs: Any,
     ) -> None:
+        if isinstance(plan, Plan):  # the Trainer runs each share as one batch (its own gradient accumulation aside)
+            check_whole_shares(plan, "HeteroTrainer")
         self._hetero_kwargs = {"devices": devices, "plan": plan, "profile": profile, "plan_kwargs": plan_kwargs}
         self._window_items: float | None = None  # items of the global batch over this accumulation window
         self._eval_sums: list[float] | None = None  # (summed loss, items) of this process's evaluation

@@ -92,7 +92,7 @@ class MicroTable:
         # The split devices' curves as arrays: knots, and each piece's line a + s x.
         x, y, c = table.x[rows], table.y[rows], cap[rows]
         self.X, self.Y, self.c = x, y, c
-        self.A0, self.S0 = table.intercept[rows], table.slope[rows]
+        self._pieces(x, y, table.intercept[rows], table.slope[rows])
         # The micro sizes where a run of k ends: 1, the cap, and each knot (both sides when fractional).
         self.fractional = not np.array_equal(x, np.floor(x))
         knots = np.concatenate([np.floor(x), np.ceil(x)], axis=1) if self.fractional else x
@@ -102,33 +102,52 @@ class MicroTable:
         if not self.fractional and len(rows):
             self.v, self.tv = _turning_points(np.sort(self.v, axis=1), self._at)
 
+    def _pieces(self, x: np.ndarray, y: np.ndarray, a: np.ndarray, s: np.ndarray) -> None:
+        """Each split device's curve as ``m + 1`` lines through an anchor, flattened row after row.
+
+        Piece ``p`` holds the sizes with ``p`` knots at or below them (as the curve's own
+        evaluation): 0 is below the first knot (from the intercept), ``m`` beyond the
+        last (the fitted slope). Precomputed so a lookup is a few comparisons and one
+        gather, not a search per call; the solver calls these thousands of times over.
+        """
+        n, m = x.shape
+        with np.errstate(divide="ignore", invalid="ignore"):
+            inner = (y[:, 1:] - y[:, :-1]) / np.where(x[:, 1:] > x[:, :-1], x[:, 1:] - x[:, :-1], 1.0)
+            below = (y[:, :1] - a[:, None]) / x[:, :1]
+        self.PX = np.concatenate([np.zeros((n, 1)), x], axis=1).ravel()  # anchor sizes
+        self.PY = np.concatenate([a[:, None], y], axis=1).ravel()  # anchor times
+        self.PS = np.concatenate([below, inner, s[:, None]], axis=1).ravel()  # slopes
+        # Inverting: a first piece that does not rise holds no size below the first knot's time.
+        self.PI = self.PS.copy()
+        self.PI[:: m + 1] = np.where(below[:, 0] > 0, below[:, 0], np.inf)
+        self.width = m + 1
+
+    def _piece(self, knots: np.ndarray, z: np.ndarray, j: np.ndarray) -> np.ndarray:
+        """Flat index of the piece holding ``z`` (one row per split device ``j``) by ``knots`` (X or Y)."""
+        kj = knots[j]
+        p = np.zeros(z.shape, dtype=np.int64)
+        for col in range(kj.shape[1]):  # a handful of knots: a loop of 2-D compares beats a 3-D one
+            p += kj[:, col : col + 1] <= z
+        return p + (j * self.width)[:, None]
+
     def _at(self, q: np.ndarray, j: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``(t(q), t(q + 1) - t(q))`` on split devices ``j`` (one row of sizes ``1 <= q <= cap`` each).
 
         ``q`` and ``q + 1`` are taken on the piece that holds ``q`` (for a fractional knot
         between them the difference is the interpolation the curve's own evaluation uses).
         """
-        x, y = self.X[j], self.Y[j]
-        last = x.shape[1] - 1
-        k = (x[:, None, :] <= q[:, :, None]).sum(axis=2) - 1
-        kc = np.clip(k, 0, last)
-        k1 = np.minimum(kc + 1, last)
-        xk, yk = np.take_along_axis(x, kc, 1), np.take_along_axis(y, kc, 1)
-        xk1, yk1 = np.take_along_axis(x, k1, 1), np.take_along_axis(y, k1, 1)
-        with np.errstate(divide="ignore", invalid="ignore"):
-            inner = (yk1 - yk) / np.where(xk1 > xk, xk1 - xk, 1.0)
-        a, s = self.A0[j][:, None], self.S0[j][:, None]
-        below = (y[:, :1] - a) / x[:, :1]
-        slope = np.where(k < 0, below, np.where(k >= last, s, inner))
-        base = np.where(k < 0, a, yk - slope * xk)
-        t = base + slope * q
-        t1 = base + slope * (q + 1)
-        nxt = np.where(k < 0, x[:, :1], xk1)
-        exact = (q + 1 > nxt) & (k < last)  # q + 1 lies on the next piece (fractional knots)
-        if exact.any():
-            rows = np.repeat(self.rows[j], q.shape[1])
-            t1 = np.where(exact, self.table.evaluate((q + 1).reshape(-1), rows).reshape(q.shape), t1)
-        return t, t1 - t
+        i = self._piece(self.X, q, j)
+        xa, ya, s = self.PX[i], self.PY[i], self.PS[i]
+        t = ya + s * (q - xa)
+        step = s
+        if self.fractional:
+            nxt = np.where(i % self.width < self.width - 1, self.PX[np.minimum(i + 1, len(self.PX) - 1)], np.inf)
+            exact = q + 1 > nxt  # q + 1 lies on the next piece
+            if exact.any():
+                rows = np.repeat(self.rows[j], q.shape[1])
+                t1 = self.table.evaluate((q + 1).reshape(-1), rows).reshape(q.shape)
+                step = np.where(exact, t1 - t, s)
+        return t, step
 
     # -- time for b samples ----------------------------------------------------------------
 
@@ -136,12 +155,14 @@ class MicroTable:
         """(best time, its micro-batch count) for ``b >= 1`` samples on split devices ``j``."""
         k0 = np.ceil(b / self.c[j])
         ends = np.floor(b[:, None] / self.v[j])
-        k = np.concatenate([k0[:, None], b[:, None], ends, ends + 1], axis=1)
+        # ``v`` holds 1 and the cap, so ``b`` and ``k0`` are among these once clipped.
+        k = np.concatenate([ends, ends + 1], axis=1)
         k = np.clip(k, k0[:, None], np.maximum(b, k0)[:, None])
         q = np.floor(b[:, None] / k)
         r = b[:, None] - q * k
         tq, step = self._at(q, j)
-        f = k * tq + r * step
+        with np.errstate(invalid="ignore"):  # q at the cap has r = 0 and no t(q + 1) (inf)
+            f = k * tq + np.where(r > 0, r * step, 0.0)
         # Ties (equal up to rounding, e.g. a curve through the origin) go to the fewest micro-batches.
         low = f.min(axis=1, keepdims=True)
         best = np.argmin(np.where(f <= low + 1e-10 * np.abs(low), k, np.inf), axis=1)
@@ -157,6 +178,21 @@ class MicroTable:
             t[split], counts[split] = self._split_times(b[split], j[split])
         zero = (self.cap[rows] == 0) & (b > 0)  # a device that holds no sample
         return np.where(zero, np.inf, t), counts
+
+    def whole_batch_time(self, batch: int) -> float:
+        """Seconds in which some device surely runs all ``batch`` samples (a bound, no search).
+
+        ``ceil(b / c)`` micro-batches of at most ``c`` take at most ``ceil(b / c) t(c)``
+        (``t`` does not decrease), which bounds the best count's time; whole-batch devices
+        give their time. The solver's search starts from it instead of evaluating every
+        device on the whole batch.
+        """
+        t = self.table.evaluate(np.full(len(self.cap), float(batch)))
+        t = np.where(self.capped, np.inf, t)
+        if len(self.rows):
+            t_cap = self.table.evaluate(self.c, self.rows)
+            t[self.rows] = np.ceil(batch / self.c) * t_cap
+        return float(t.min())
 
     def evaluate(self, b: np.ndarray, rows: np.ndarray | None = None) -> np.ndarray:
         """Predicted seconds of device ``rows[j]`` for ``b[j]`` samples, micro-batched as best it can."""
@@ -182,21 +218,11 @@ class MicroTable:
         kv = kv + ((kv + 1) * tv <= seconds) - ((kv * tv > seconds) & (kv > 0))
         k = np.minimum(np.maximum(np.concatenate([np.ones((len(self.rows), 1)), kv, kv + 1], axis=1), 1.0), 1e15)
         u = seconds / k  # seconds per micro-batch
-        x, y, a, s = self.X, self.Y, self.A0[:, None], self.S0[:, None]
-        last = x.shape[1] - 1
-        i = (y[:, None, :] <= u[:, :, None]).sum(axis=2) - 1
-        ic = np.clip(i, 0, last)
-        i1 = np.minimum(ic + 1, last)
-        xk, yk = np.take_along_axis(x, ic, 1), np.take_along_axis(y, ic, 1)
-        xk1, yk1 = np.take_along_axis(x, i1, 1), np.take_along_axis(y, i1, 1)
+        i = self._piece(self.Y, u, np.arange(len(self.rows)))
         with np.errstate(divide="ignore", invalid="ignore"):
-            inner = xk + (u - yk) * (xk1 - xk) / (yk1 - yk)
-            beyond = xk + (u - yk) / s
-            y0 = y[:, :1]
-            below = np.where(u >= a, x[:, :1] * (u - a) / np.where(y0 > a, y0 - a, 1.0), 0.0)
-        per = np.where(i < 0, below, np.where(i >= last, beyond, inner))
+            per = self.PX[i] + (u - self.PY[i]) / self.PI[i]
         per = np.nan_to_num(per, nan=0.0, posinf=1e18)
-        fill = np.floor(np.minimum(k * self.c[:, None], k * np.maximum(per, 0.0)))
+        fill = np.floor(k * np.clip(per, 0.0, self.c[:, None]))
         return fill.max(axis=1)
 
     def bracket(self, seconds: float, side: int) -> np.ndarray:

@@ -149,12 +149,8 @@ def check_micro_batches(micro: Sequence[Sequence[Any]], sizes: Sequence[int]) ->
         raise ValueError(f"micro_batches must hold one list per device ({len(sizes)}), got {micro!r}")
     if all(type(p) is list for p in micro):  # the fast path, for the solver's own output
         flat = list(itertools.chain.from_iterable(micro))
-        if all(type(m) is int for m in flat) and min(flat, default=1) >= 1:
-            lengths = np.asarray([len(p) for p in micro], dtype=np.int64)
-            cum = np.concatenate([[0], np.cumsum(np.asarray(flat, dtype=np.int64))])
-            ends = np.cumsum(lengths)
-            if np.array_equal(cum[ends] - cum[ends - lengths], np.asarray(sizes, dtype=np.int64)):
-                return [list(p) for p in micro]
+        if set(map(type, flat)) <= {int} and min(flat, default=1) >= 1 and list(map(sum, micro)) == list(sizes):
+            return list(map(list, micro))
     out = []
     for i, (parts, size) in enumerate(zip(micro, sizes)):
         ok = not isinstance(parts, str | bytes) and all(

@@ -113,20 +113,26 @@ def _make_plan(
     sizes: np.ndarray,
     batch_size: int,
 ) -> Plan:
+    shares = sizes.tolist()
+    micro: list[list[int]] = []  # the plan's default: each share as one batch
+    largest = sizes.astype(float)
     if isinstance(table, MicroTable):
         times, counts = table.times_and_counts(sizes)
-        micro = [micro_sizes(b, k) if k > 1 else [b] if b else [] for b, k in zip(sizes.tolist(), counts)]
+        split = [i for i, k in enumerate(counts) if k > 1]
+        if split:
+            micro = [[b] if b else [] for b in shares]
+            for i in split:
+                micro[i] = micro_sizes(shares[i], counts[i])
+                largest[i] = micro[i][0]
     else:
-        times = table.evaluate(sizes.astype(float))
-        micro = [[int(b)] if b > 0 else [] for b in sizes]
-    largest = np.asarray([m[0] if m else 0 for m in micro], dtype=float)
+        times = table.evaluate(largest)
     even = np.asarray(even_sizes(batch_size, len(names)), dtype=float)
     even_time = float(table.evaluate(even).max())
     singles = table.evaluate(np.full(len(names), float(batch_size)))
     best = int(np.argmin(singles))
     return Plan(
         devices=list(names),
-        sizes=[int(s) for s in sizes],
+        sizes=shares,
         times=[float(t) for t in times],
         batch_size=batch_size,
         even_time=even_time,
@@ -141,28 +147,41 @@ def _make_plan(
 def _solve_sizes(table: CurveTable | MicroTable, batch: int) -> np.ndarray:
     """Exact min-max integer allocation of ``batch`` samples (see :func:`solve`)."""
     n = len(table.cap)
-    reach = np.minimum(table.cap, batch)
-    hi = float(table.evaluate(reach).max())  # every device at min(cap, batch): feasible
+    if isinstance(table, MicroTable):
+        hi = table.whole_batch_time(batch)  # one device runs it all: feasible
+    else:
+        hi = float(table.evaluate(np.minimum(table.cap, batch)).max())  # every device at min(cap, batch)
     lo = 0.0  # nothing fits in zero seconds
-    # Regula falsi (Illinois variant) on the closed-form capacity count F(T), which is
-    # nearly linear in T: a handful of vectorised passes instead of ~40 bisections.
+    # A safeguarded secant search on the closed-form capacity count F(T), which is nearly
+    # linear in T: a handful of vectorised passes instead of ~40 bisections. The secant
+    # through the last two points (not the bracket's ends: the first upper end, every
+    # device taking the whole batch, is far off) aims a little past the root on the side
+    # still far from it, so one pass usually closes the bracket; Illinois regula falsi and
+    # bisection take over when it leaves the bracket or stalls (caps make F flat in places).
     a_lo, a_hi = 0, int(table.capacity(hi, exact=False).sum())
     w_lo, w_hi = float(a_lo - batch), float(a_hi - batch)
+    last = [(lo, w_lo), (hi, w_hi)]
     side = 0
     # Ranking a few thousand candidates exactly costs microseconds; stop there, or when the
     # bracket is tight but a flat stretch of some curve makes the count jump inside it.
     enough = max(n + 64, 4096)
+    width = hi - lo
     for it in range(200):
         if a_hi - a_lo <= enough or hi - lo <= 1e-9 * hi:
             break
-        # Every third step bisects: caps make F flat in places, where false position stalls.
-        secant = it % 3 != 2 and w_hi > w_lo
-        mid = lo + (hi - lo) * (-w_lo) / (w_hi - w_lo) if secant else 0.5 * (lo + hi)
+        (t0, v0), (t1, v1) = last
+        aim = -enough / 4 if -w_lo > w_hi else enough / 4  # land on the far side's end
+        mid = t1 + (t1 - t0) * (aim - v1) / (v1 - v0) if v1 != v0 else math.nan
+        if not lo < mid < hi or (it % 4 == 3 and hi - lo > 0.5 * width):
+            width = hi - lo
+            secant = it % 4 != 3 and w_hi > w_lo
+            mid = lo + (hi - lo) * (-w_lo) / (w_hi - w_lo) if secant else 0.5 * (lo + hi)
         if not lo < mid < hi:
             mid = 0.5 * (lo + hi)
             if not lo < mid < hi:
                 break
         a_mid = int(table.capacity(mid, exact=False).sum())
+        last = [last[1], (mid, float(a_mid - batch))]
         if a_mid >= batch:
             hi, a_hi, w_hi = mid, a_mid, float(a_mid - batch)
             w_lo = w_lo * 0.5 if side == -1 else w_lo
