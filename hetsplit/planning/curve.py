@@ -15,7 +15,7 @@ from scipy.optimize import isotonic_regression, nnls
 
 from . import checks
 
-__all__ = ["Curve", "CurveTable", "holdout_error"]
+__all__ = ["Curve", "CurveTable", "holdout_error", "rounded_bounds"]
 
 
 @dataclasses.dataclass
@@ -247,12 +247,8 @@ class CurveTable:
         t = np.where(b <= 0, 0.0, t)
         return np.where(b > self.cap[r], np.inf, t)
 
-    def capacity(self, seconds: float, *, exact: bool = True) -> np.ndarray:
-        """For each curve, the largest integer batch with predicted time <= ``seconds``.
-
-        With ``exact=False`` the closed-form inverse is used as is; it may be off by one
-        where floating point rounds differently from :meth:`evaluate`.
-        """
+    def _inverse(self, seconds: float) -> tuple[np.ndarray, np.ndarray]:
+        """Each curve's continuous inverse at ``seconds`` (within its cap) and its slope ``dx/dt`` there."""
         x, y = self.x, self.y
         last = x.shape[1] - 1
         k = (y <= seconds).sum(axis=1) - 1  # -1: below the first knot
@@ -260,13 +256,28 @@ class CurveTable:
         k1 = np.minimum(kc + 1, last)
         xk, yk, xk1, yk1 = x[self._rows, kc], y[self._rows, kc], x[self._rows, k1], y[self._rows, k1]
         with np.errstate(divide="ignore", invalid="ignore"):
+            x0, y0, a = x[:, 0], y[:, 0], self.intercept
+            rate = np.where(
+                k < 0,
+                np.where(seconds >= a, x0 / np.where(y0 > a, y0 - a, 1.0), 0.0),
+                np.where(k >= last, 1.0 / self.slope, (xk1 - xk) / (yk1 - yk)),
+            )
             inner = xk + (seconds - yk) * (xk1 - xk) / (yk1 - yk)
             beyond = xk + (seconds - yk) / self.slope
-            x0, y0, a = x[:, 0], y[:, 0], self.intercept
             below = np.where(seconds >= a, x0 * (seconds - a) / np.where(y0 > a, y0 - a, 1.0), 0.0)
         cont = np.where(k < 0, below, np.where(k >= last, beyond, inner))
-        cont = np.minimum(np.nan_to_num(cont, nan=0.0, posinf=1e18), np.minimum(self.cap, 1e18))
-        c = np.maximum(np.floor(cont), 0.0)
+        cont = np.nan_to_num(cont, nan=0.0, posinf=1e18)
+        top = np.minimum(self.cap, 1e18)
+        rate = np.where((cont > 0) & (cont < top), np.nan_to_num(rate, nan=0.0, posinf=1e18), 0.0)
+        return np.clip(cont, 0.0, top), rate  # at 0 or the cap: a whole number, nothing to round
+
+    def capacity(self, seconds: float, *, exact: bool = True) -> np.ndarray:
+        """For each curve, the largest integer batch with predicted time <= ``seconds``.
+
+        With ``exact=False`` the closed-form inverse is used as is; it may be off by one
+        where floating point rounds differently from :meth:`evaluate`.
+        """
+        c = np.floor(self._inverse(seconds)[0])
         if not exact:
             return c.astype(np.int64)
         # The closed-form inverse can be off by one in floating point: settle it against
@@ -278,6 +289,31 @@ class CurveTable:
                 break
             c = c + up - down
         return c.astype(np.int64)
+
+    def bounds(self, seconds: float) -> tuple[np.ndarray, np.ndarray]:
+        """Capacities at ``seconds`` from below and from above, in one closed-form pass.
+
+        They differ only where the inverse lies within rounding of a whole number, so
+        they bracket the exact :meth:`capacity` at the cost of ``capacity(exact=False)``.
+        """
+        cont, rate = self._inverse(seconds)
+        return rounded_bounds(cont, rate, seconds, self.cap)
+
+
+def rounded_bounds(
+    cont: np.ndarray, rate: np.ndarray, seconds: float, cap: np.ndarray | float
+) -> tuple[np.ndarray, np.ndarray]:
+    """``floor`` of a continuous capacity from below and above, widened by its rounding error.
+
+    The closed forms round like :meth:`CurveTable.evaluate` does up to a few ulps of the
+    time, which becomes ``rate = dx/dt`` times that in samples (large on a nearly flat
+    piece), plus a few ulps of the size itself. Far from a whole number both are ``floor``;
+    where ``rate`` is 0 (clipped at 0 or a cap) the capacity is taken as exact.
+    """
+    tol = np.where(rate > 0, rate * (1e-12 * abs(seconds)) + 1e-9 * (1.0 + cont), 0.0)
+    low = np.floor(np.maximum(cont - tol, 0.0))
+    high = np.minimum(np.floor(cont + tol), np.minimum(cap, 1e18))
+    return low.astype(np.int64), np.maximum(high, low).astype(np.int64)
 
 
 def _affine(xs: np.ndarray, ys: np.ndarray) -> tuple[float, float]:

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from .curve import CurveTable
+from .curve import CurveTable, rounded_bounds
 
 __all__ = ["MicroTable", "micro_sizes"]
 
@@ -200,18 +200,19 @@ class MicroTable:
         rows = self.all if rows is None else np.asarray(rows)
         return self._times(b, rows)[0]
 
-    def times_and_counts(self, sizes: Sequence[int]) -> tuple[np.ndarray, list[int]]:
+    def times_and_counts(self, sizes: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
         """Each device's time for ``sizes`` and the number of micro-batches behind it (0 for no samples)."""
         t, k = self._times(np.asarray(sizes, dtype=float), self.all)
-        return t, k.astype(np.int64).tolist()
+        return t, k.astype(np.int64)
 
     # -- samples in T seconds --------------------------------------------------------------
 
-    def _split_capacity(self, seconds: float) -> np.ndarray:
-        """Approximately the most samples each split device runs in ``seconds`` (exact up to rounding).
+    def _split_inverse(self, seconds: float) -> tuple[np.ndarray, np.ndarray]:
+        """Continuous capacities of the split devices for each candidate micro-batch count, and ``dx/dt``.
 
         For ``k`` micro-batches it is ``k`` times the (continuous) inverse of the curve at
-        ``seconds / k``, at most ``k`` caps; the best ``k`` is at a run's end.
+        ``seconds / k``, at most ``k`` caps; the best ``k`` is at a run's end, so the most
+        samples a device runs in ``seconds`` is the largest ``floor`` of a row.
         """
         tv = self.tv
         kv = np.floor(seconds / tv)
@@ -221,23 +222,33 @@ class MicroTable:
         i = self._piece(self.Y, u, np.arange(len(self.rows)))
         with np.errstate(divide="ignore", invalid="ignore"):
             per = self.PX[i] + (u - self.PY[i]) / self.PI[i]
+            rate = np.nan_to_num(1.0 / self.PI[i], nan=0.0, posinf=1e18)
         per = np.nan_to_num(per, nan=0.0, posinf=1e18)
-        fill = np.floor(k * np.clip(per, 0.0, self.c[:, None]))
-        return fill.max(axis=1)
+        c = self.c[:, None]
+        inside = (per > 0) & (per < c)  # clipped at 0 or the cap: whole numbers, no rounding to allow for
+        return k * np.clip(per, 0.0, c), np.where(inside, rate, 0.0)
 
-    def bracket(self, seconds: float, side: int) -> np.ndarray:
-        """Capacities at ``seconds``, exact for whole-batch devices and one sample wider on ``side`` for split ones.
+    def _split_capacity(self, seconds: float) -> np.ndarray:
+        """Approximately the most samples each split device runs in ``seconds`` (exact up to rounding)."""
+        return np.floor(self._split_inverse(seconds)[0]).max(axis=1)
 
-        The closed forms are exact but for floating-point rounding (integer knots), so
-        ``side=-1`` gives at most, ``side=+1`` at least, the exact capacity: a bracket for
-        the solver, whose final ranking uses exact times. Fractional knots are settled.
+    def bounds(self, seconds: float) -> tuple[np.ndarray, np.ndarray]:
+        """Capacities at ``seconds`` from below and from above (see :meth:`CurveTable.bounds`).
+
+        Whole-batch devices come from the table's closed form; split devices take the
+        best micro-batch count's bounds. With fractional knots the exact capacity serves
+        as both.
         """
-        if self.fractional or not len(self.rows):
-            return self.capacity(seconds)
-        c = self.table.capacity(seconds)  # exact for whole-batch devices
-        c = np.where(self.cap == 0, 0, c)
-        c[self.rows] = np.maximum(np.minimum(self._split_capacity(float(seconds)), 1e18) + side, 0).astype(np.int64)
-        return c
+        if self.fractional:
+            c = self.capacity(seconds)
+            return c, c
+        low, high = self.table.bounds(seconds)
+        low, high = np.where(self.cap == 0, 0, low), np.where(self.cap == 0, 0, high)
+        if len(self.rows):
+            v, rate = self._split_inverse(float(seconds))
+            lo_j, hi_j = rounded_bounds(v, rate, seconds, np.inf)
+            low[self.rows], high[self.rows] = lo_j.max(axis=1), hi_j.max(axis=1)
+        return low, high
 
     def capacity(self, seconds: float, *, exact: bool = True) -> np.ndarray:
         """For each device, the most samples whose micro-batched time is at most ``seconds``.

@@ -124,7 +124,7 @@ def check_sizes(sizes: Sequence[Any], total: int, n_devices: int) -> list[int]:
         raise ValueError(f"got {len(sizes)} sizes {list(sizes)} for {n_devices} devices; give one size per device")
     arr = np.asarray(sizes)
     # The fast path, for the solver's own output.
-    no_bools = isinstance(sizes, np.ndarray) or not any(isinstance(x, bool) for x in sizes)
+    no_bools = isinstance(sizes, np.ndarray) or bool not in set(map(type, sizes))
     if arr.dtype.kind in "iu" and arr.ndim == 1 and no_bools and (arr >= 0).all() and int(arr.sum()) == total:
         return arr.tolist()
     out = []
@@ -150,7 +150,7 @@ def check_micro_batches(micro: Sequence[Sequence[Any]], sizes: Sequence[int]) ->
     if all(type(p) is list for p in micro):  # the fast path, for the solver's own output
         flat = list(itertools.chain.from_iterable(micro))
         if set(map(type, flat)) <= {int} and min(flat, default=1) >= 1 and list(map(sum, micro)) == list(sizes):
-            return list(map(list, micro))
+            return micro  # kept as given, like the sizes a caller's lists are checked against
     out = []
     for i, (parts, size) in enumerate(zip(micro, sizes)):
         ok = not isinstance(parts, str | bytes) and all(

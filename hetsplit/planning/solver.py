@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 
@@ -67,6 +69,15 @@ def solve(
         raise ValueError("no devices to split across; give at least one")
     if not isinstance(accumulate, bool):
         raise TypeError(f"accumulate must be True or False, got {accumulate!r}")
+    # Solving allocates tens of thousands of small acyclic objects (packed curves, plan lists)
+    # for 10,000 devices; with torch imported, the cyclic collector then runs dozens of
+    # passes, some over the whole heap (~150 ms on a 2-core VM), inside one solve. None of
+    # it can free anything made here, so the collector waits until the plan is built.
+    with _collector_paused():
+        return _solve(profile, entries, int(batch_size), accumulate)
+
+
+def _solve(profile: Profile, entries: Sequence[DeviceProfile], batch_size: int, accumulate: bool) -> Plan:
     names = [e.info.name for e in entries]
     table = profile.table(names, [e.curve for e in entries])
     engine = micro_table(table) if accumulate else table
@@ -78,8 +89,20 @@ def solve(
             f"batch of {batch_size} exceeds what the devices' memory holds together ({int(total_cap)}: {caps}); "
             f"use a smaller batch, more devices, {hint}"
         )
-    sizes = _solve_sizes(engine, int(batch_size))
-    return _make_plan(entries, names, engine, sizes, int(batch_size))
+    sizes = _solve_sizes(engine, batch_size)
+    return _make_plan(entries, names, engine, sizes, batch_size)
+
+
+@contextlib.contextmanager
+def _collector_paused() -> Iterator[None]:
+    """Pause Python's cyclic garbage collector (if on) for the ``with`` body, then restore it."""
+    was_on = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_on:
+            gc.enable()
 
 
 def micro_table(table: CurveTable) -> MicroTable:
@@ -118,11 +141,11 @@ def _make_plan(
     largest = sizes.astype(float)
     if isinstance(table, MicroTable):
         times, counts = table.times_and_counts(sizes)
-        split = [i for i, k in enumerate(counts) if k > 1]
-        if split:
+        split = np.flatnonzero(counts > 1)
+        if len(split):
             micro = [[b] if b else [] for b in shares]
-            for i in split:
-                micro[i] = micro_sizes(shares[i], counts[i])
+            for i, k in zip(split.tolist(), counts[split].tolist()):
+                micro[i] = micro_sizes(shares[i], k)
                 largest[i] = micro[i][0]
     else:
         times = table.evaluate(largest)
@@ -133,13 +156,13 @@ def _make_plan(
     return Plan(
         devices=list(names),
         sizes=shares,
-        times=[float(t) for t in times],
+        times=times.tolist(),
         batch_size=batch_size,
         even_time=even_time,
         single_time=float(singles[best]),
         single_device=names[best],
         extrapolated=(largest > table.x[:, -1]).tolist(),
-        emulated=list(dict.fromkeys(e.info.name for e in entries if e.info.emulated)),
+        emulated=list(dict.fromkeys(n for n, e in zip(names, entries) if e.info.emulated)),
         micro_batches=micro,
     )
 
@@ -153,54 +176,58 @@ def _solve_sizes(table: CurveTable | MicroTable, batch: int) -> np.ndarray:
         hi = float(table.evaluate(np.minimum(table.cap, batch)).max())  # every device at min(cap, batch)
     lo = 0.0  # nothing fits in zero seconds
     # A safeguarded secant search on the closed-form capacity count F(T), which is nearly
-    # linear in T: a handful of vectorised passes instead of ~40 bisections. The secant
-    # through the last two points (not the bracket's ends: the first upper end, every
-    # device taking the whole batch, is far off) aims a little past the root on the side
-    # still far from it, so one pass usually closes the bracket; Illinois regula falsi and
-    # bisection take over when it leaves the bracket or stalls (caps make F flat in places).
-    a_lo, a_hi = 0, int(table.capacity(hi, exact=False).sum())
-    w_lo, w_hi = float(a_lo - batch), float(a_hi - batch)
-    last = [(lo, w_lo), (hi, w_hi)]
+    # linear in T: a handful of vectorised passes instead of ~40 bisections. It starts from
+    # the step time of every device running at its largest measured batch's throughput,
+    # usually within a few percent; the secant through the last two points aims a little
+    # past the root on the side still far from it, so one pass usually closes the bracket;
+    # Illinois regula falsi and bisection take over when it leaves the bracket or stalls
+    # (caps make F flat in places). Each pass keeps its capacities from below and above,
+    # so the bracket's ends need no pass of their own.
+    c_lo = c_hi = None
+    a_lo, a_hi = 0, math.inf
+    w_lo, w_hi = float(-batch), math.inf
+    last = [(0.0, w_lo), (0.0, w_lo)]
     side = 0
     # Ranking a few thousand candidates exactly costs microseconds; stop there, or when the
     # bracket is tight but a flat stretch of some curve makes the count jump inside it.
     enough = max(n + 64, 4096)
     width = hi - lo
+    guess = _first_guess(table, batch)
     for it in range(200):
         if a_hi - a_lo <= enough or hi - lo <= 1e-9 * hi:
             break
         (t0, v0), (t1, v1) = last
-        aim = -enough / 4 if -w_lo > w_hi else enough / 4  # land on the far side's end
-        mid = t1 + (t1 - t0) * (aim - v1) / (v1 - v0) if v1 != v0 else math.nan
+        if it == 0:
+            mid = guess
+        else:
+            aim = -enough / 4 if -w_lo > w_hi else enough / 4  # land on the far side's end
+            mid = t1 + (t1 - t0) * (aim - v1) / (v1 - v0) if v1 != v0 else math.nan
         if not lo < mid < hi or (it % 4 == 3 and hi - lo > 0.5 * width):
             width = hi - lo
-            secant = it % 4 != 3 and w_hi > w_lo
+            secant = it % 4 != 3 and w_lo < w_hi < math.inf
             mid = lo + (hi - lo) * (-w_lo) / (w_hi - w_lo) if secant else 0.5 * (lo + hi)
         if not lo < mid < hi:
             mid = 0.5 * (lo + hi)
             if not lo < mid < hi:
                 break
-        a_mid = int(table.capacity(mid, exact=False).sum())
+        low, high = _bounds(table, mid, batch)
+        a_mid = int(low.sum())
         last = [last[1], (mid, float(a_mid - batch))]
         if a_mid >= batch:
-            hi, a_hi, w_hi = mid, a_mid, float(a_mid - batch)
+            hi, a_hi, w_hi, c_hi = mid, int(high.sum()), float(a_mid - batch), high
             w_lo = w_lo * 0.5 if side == -1 else w_lo
             side = -1
         else:
-            lo, a_lo, w_lo = mid, a_mid, float(a_mid - batch)
-            w_hi = w_hi * 0.5 if side == 1 else w_hi
+            lo, a_lo, w_lo, c_lo = mid, a_mid, float(a_mid - batch), low
+            w_hi = w_hi * 0.5 if side == 1 and w_hi < math.inf else w_hi
             side = 1
-    # Settle the bracket with exact capacities; widen it if rounding put it off by one.
-    # (Micro-batched devices: a bracket a sample wider on each side, as the exact costs below
-    # decide anyway, costs less than settling their capacities exactly.)
-    bound = table.bracket if isinstance(table, MicroTable) else lambda seconds, side: table.capacity(seconds)
-    c_lo, c_hi = bound(lo, -1), bound(hi, 1)
-    while c_lo.sum() >= batch and lo > 0:
-        lo = lo * 0.5 if lo > 1e-300 else 0.0
-        c_lo = bound(lo, -1)
-    while c_hi.sum() < batch:
-        hi = hi * 2.0 + 1e-12
-        c_hi = bound(hi, 1)
+    # The bracket: capacities from below at ``lo`` (fewer than the batch), from above at
+    # ``hi`` (at least the batch); widen it if rounding put it off.
+    c_lo = np.zeros(n, dtype=np.int64) if c_lo is None else c_lo
+    while c_hi is None or c_hi.sum() < batch:
+        if c_hi is not None:
+            hi = hi * 2.0 + 1e-12
+        c_hi = _bounds(table, hi, batch)[1]
     c_hi = np.minimum(c_hi, batch)
     need = batch - int(c_lo.sum())
     gap = c_hi - c_lo
@@ -215,6 +242,29 @@ def _solve_sizes(table: CurveTable | MicroTable, batch: int) -> np.ndarray:
     cost = table.evaluate((c_lo[dev] + k + 1).astype(float), dev)
     order = np.lexsort((dev, k, cost))[:need]
     return c_lo + np.bincount(dev[order], minlength=n)
+
+
+def _bounds(table: CurveTable | MicroTable, seconds: float, batch: int) -> tuple[np.ndarray, np.ndarray]:
+    """Capacities at ``seconds`` from below and above, settled exactly where they disagree about ``batch``.
+
+    Only then does rounding decide which side of the optimum ``seconds`` lies on; the
+    search needs that side right (a lower end past the optimum would force samples
+    costing more than it), so the rare ambiguous pass pays for exact capacities.
+    """
+    low, high = table.bounds(seconds)
+    if int(low.sum()) < batch <= int(high.sum()):
+        low = high = table.capacity(seconds)
+    return low, high
+
+
+def _first_guess(table: CurveTable | MicroTable, batch: int) -> float:
+    """The step time if every device ran at its throughput at its largest measured batch (or cap)."""
+    x = table.x[:, -1]
+    x = np.minimum(x, np.where(np.isfinite(table.cap), np.maximum(table.cap, 1.0), x))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        rate = np.where(table.cap > 0, x / table.evaluate(x), 0.0)
+    total = float(np.nan_to_num(rate, nan=0.0, posinf=0.0).sum())
+    return batch / total if total > 0 else math.nan
 
 
 def allreduce_time(parameter_bytes: float, participants: int, link_gbps: float, *, latency: float = 50e-6) -> float:
