@@ -76,7 +76,33 @@ def test_parse_change_rejects_bad_text(text, fragment):
 def test_bench_reports_predictions_beside_measurements():
     r = bench("mlp", "cpu,cpu@1", batch_size=32, steps=2, warmup=1, profile_budget=2.0)
     assert set(r.predicted) >= {"even", "balanced", "single:cpu", "single:cpu@1"}
-    assert r.predicted["balanced"] == pytest.approx(r.plan.step_time)
+    # The plan is calibrated inside the split first; its prediction adds the step's time
+    # outside the devices' work, measured there.
+    cal = r.calibration
+    assert cal["steps"] == 5 and set(cal["factors"]) == {"cpu", "cpu@1"} and cal["rest"] >= 0
+    assert r.predicted["balanced"] == pytest.approx(r.plan.step_time + cal["rest"])
     text = r.table()
-    assert "predicted (ms)" in text and "left out of its fit" in text
+    assert "predicted (ms)" in text and "left out of its fit" in text and "calibrated in the split" in text
     assert json.loads(json.dumps(r.to_dict()))["holdout"] == r.holdout
+
+
+@pytest.mark.parametrize("slow", [1.0, 2.0])
+def test_calibration_re_solves_from_busy_times_inside_the_split(slow):
+    # Both devices profiled alike; inside the split "b" is busy `slow` times its profile.
+    import hetsplit
+    from hetsplit.apps.bench import calibrate_plan
+
+    prof = hetsplit.Profile.from_measurements({"a": [(10, 0.01), (100, 0.1)], "b": [(10, 0.01), (100, 0.1)]})
+    plan = hetsplit.solve(prof, 100)
+    assert plan.sizes == [50, 50]
+    busy = []
+
+    def step():
+        busy.append({"a": 0.05, "b": 0.05 * slow})
+
+    new, info = calibrate_plan(prof, plan, step, busy, [], steps=4, warmup=2)
+    assert len(busy) == 4 and info["steps"] == 4  # warm-up steps are not counted
+    assert info["factors"] == pytest.approx({"a": 1.0, "b": slow})
+    assert info["sizes"] == [50, 50] and info["predicted"] == pytest.approx(0.05)
+    assert new.sizes == hetsplit.solve(prof, 100).sizes if slow == 1 else new.sizes == [67, 33]
+    assert info["rest"] >= 0

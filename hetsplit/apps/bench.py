@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import dataclasses
 import datetime as _dt
 import platform
 import statistics
@@ -19,8 +18,10 @@ from ..devices import Device, DeviceLike, parse_devices
 from ..parallel.data_parallel import HeteroDataParallel
 from ..planning.curve import holdout_error
 from ..planning.plan import Plan
+from ..planning.rebalance import Rebalancer
 from ..planning.solver import solve
 from ..profiler import profile as run_profile
+from .bench_result import BenchResult
 from .models import ModelSpec, build_model, load_model, synthetic_batch
 
 __all__ = ["BenchResult", "bench", "time_steps", "keep_freed_memory", "home_device", "dp_step", "cpu_threads"]
@@ -62,135 +63,6 @@ def keep_freed_memory() -> bool:
         return bool(libc.mallopt(m_mmap_threshold, 32 << 20)) and bool(libc.mallopt(m_trim_threshold, 2**31 - 1))
     except (OSError, AttributeError):
         return False
-
-
-@dataclasses.dataclass
-class BenchResult:
-    """Measured throughput of each way to train on the devices.
-
-    Attributes:
-        devices: The devices (emulated ones keep their ``@speed`` suffix).
-        model: The model's name.
-        batch_size: Samples per step.
-        mode: ``"gather"`` (loss on gathered outputs) or ``"local"`` (loss per device).
-        single: Samples/s of each device alone at the full batch.
-        even: Samples/s of the even split.
-        balanced: Samples/s of the balanced split.
-        plan: The balanced plan used (solved from the profile).
-        step_times: Median seconds per step of each configuration.
-        overhead: HeteroDataParallel's step time on one real device over the plain
-            module's, minus 1 (``None`` when no real device is in the set).
-        busy: For ``"even"`` and ``"balanced"``: each device's median busy seconds in a
-            step (its forward and backward; the rest of the step it waits, or the caller
-            scatters, gathers, computes the loss and steps the optimizer).
-        meta: Date, host, torch version, threads, steps.
-        predicted: The profile's predicted seconds per step of each configuration.
-        holdout: Per device, the profile's error at a measured size left out of its fit
-            (``batch``, ``predicted``, ``measured``).
-        processes: The demo's process engine on the balanced split (``step``, ``allreduce``, ``gradient_bytes``).
-    """
-
-    devices: list[str]
-    model: str
-    batch_size: int
-    mode: str
-    single: dict[str, float]
-    even: float
-    balanced: float
-    plan: Plan
-    step_times: dict[str, float]
-    overhead: float | None
-    busy: dict[str, dict[str, float]]
-    meta: dict[str, Any]
-    predicted: dict[str, float] = dataclasses.field(default_factory=dict)
-    holdout: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)
-    processes: dict[str, Any] = dataclasses.field(default_factory=dict)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> BenchResult:
-        """Build the result from :meth:`to_dict` output (derived figures are recomputed)."""
-        known = {f.name for f in dataclasses.fields(cls)}
-        fields = {k: v for k, v in data.items() if k in known}
-        fields["plan"] = Plan.from_dict(fields["plan"])
-        return cls(**fields)
-
-    @property
-    def fastest(self) -> str:
-        """The fastest single device."""
-        return max(self.single, key=self.single.__getitem__)
-
-    @property
-    def ideal(self) -> float:
-        """The ideal: the sum of the devices' single-device throughputs."""
-        return sum(self.single.values())
-
-    @property
-    def speedup_vs_single(self) -> float:
-        """Balanced over the fastest single device."""
-        return self.balanced / self.single[self.fastest]
-
-    @property
-    def speedup_vs_even(self) -> float:
-        """Balanced over the even split."""
-        return self.balanced / self.even
-
-    @property
-    def efficiency(self) -> float:
-        """Balanced throughput as a fraction of the ideal."""
-        return self.balanced / self.ideal
-
-    def to_dict(self) -> dict[str, Any]:
-        """Return the result as a JSON-ready dict, derived figures included."""
-        data = dataclasses.asdict(self)
-        data["plan"] = self.plan.to_dict()
-        data.update(
-            fastest=self.fastest,
-            ideal=self.ideal,
-            speedup_vs_single=self.speedup_vs_single,
-            speedup_vs_even=self.speedup_vs_even,
-            efficiency=self.efficiency,
-        )
-        return data
-
-    def table(self) -> str:
-        """A plain-text table of the results."""
-        rows = [
-            (
-                f"{name} alone" + (" (emulated)" if "@" in name else ""),
-                self.single[name],
-                self.step_times[f"single:{name}"],
-            )
-            for name in self.devices
-        ]
-        rows += [
-            ("even split", self.even, self.step_times["even"]),
-            (f"balanced split {self.plan.sizes}", self.balanced, self.step_times["balanced"]),
-            ("ideal (sum of single devices)", self.ideal, self.batch_size / self.ideal),
-        ]
-        keys = [f"single:{name}" for name in self.devices] + ["even", "balanced", ""]
-        width = max(len(r[0]) for r in rows)
-        lines = [
-            f"{'configuration'.ljust(width)}  samples/s  step (ms)  predicted (ms)",
-            f"{'-' * width}  ---------  ---------  --------------",
-        ]
-        for (name, thr, t), key in zip(rows, keys):
-            guess = self.predicted.get(key)
-            tail = f"  {1e3 * guess:9.2f} ({guess / t - 1:+.0%})" if guess else ""
-            lines.append(f"{name.ljust(width)}  {thr:9.0f}  {1e3 * t:9.2f}{tail}")
-        for name, h in self.holdout.items():
-            lines.append(
-                f"profile of {name} at batch {h['batch']:.0f}, left out of its fit: predicted "
-                f"{1e3 * h['predicted']:.2f} ms, measured {1e3 * h['measured']:.2f} ms "
-                f"({h['predicted'] / h['measured'] - 1:+.0%})"
-            )
-        lines.append("")
-        lines.append(
-            f"balanced vs {self.fastest} alone: {self.speedup_vs_single:.2f}x; vs even: "
-            f"{self.speedup_vs_even:.2f}x; efficiency vs ideal: {self.efficiency:.0%}"
-        )
-        if self.overhead is not None:
-            lines.append(f"HeteroDataParallel overhead on one device at the same batch: {self.overhead:+.1%}")
-        return "\n".join(lines)
 
 
 def time_steps(
@@ -281,6 +153,7 @@ def bench(
     warmup: int = 3,
     mode: str = "gather",
     profile_budget: float = 20.0,
+    calibrate: int = 5,
     seed: int = 0,
     log: Callable[[str], None] | None = None,
     progress: bool = False,
@@ -298,6 +171,12 @@ def bench(
         warmup: Untimed steps first.
         mode: ``"gather"`` or ``"local"`` (see :class:`HeteroDataParallel`).
         profile_budget: Seconds for the profile behind the balanced split.
+        calibrate: Balanced steps run before timing to calibrate the plan inside the
+            split (0: off): each device's busy time there over its profile's prediction
+            scales its curve, the split is solved again, and the predicted step adds the
+            measured time outside the devices' work. A profile times each device alone;
+            inside the split the devices share the host (cores, memory bandwidth, the
+            interpreter), which is what these steps see.
         seed: Seed of the model and the synthetic data.
         log: Called with a line of progress per configuration.
         progress: Show progress bars (tqdm) while profiling and training.
@@ -339,6 +218,14 @@ def bench(
     configs["even"] = dp_step(even_dp, x, y, mode, busy["even"])
     bal_dp = HeteroDataParallel(copy.deepcopy(base).to(home), devs, plan=plan)
     configs["balanced"] = dp_step(bal_dp, x, y, mode, busy["balanced"])
+    calibration: dict[str, Any] = {}
+    predicted_rest = 0.0
+    if calibrate > 0:
+        say(f"calibrating the plan {plan.sizes} inside the split over {calibrate} steps ...")
+        plan, calibration = calibrate_plan(prof, plan, configs["balanced"], busy["balanced"], devs, calibrate, warmup)
+        bal_dp.set_plan(plan)
+        busy["balanced"].clear()
+        predicted_rest = calibration["rest"]
     real = [d for d in devs if not d.emulated and d.torch_device == home]
     if real:
         one = HeteroDataParallel(copy.deepcopy(base).to(home), [real[0]], weights=[1])
@@ -352,7 +239,7 @@ def bench(
     }
     overhead = step_times["one-device"] / step_times[f"single:{real[0].name}"] - 1.0 if real else None
     predicted = {f"single:{d.name}": prof.step_time(d.name, batch_size) for d in devs}
-    predicted.update(even=plan.even_time, balanced=plan.step_time)
+    predicted.update(even=plan.even_time, balanced=plan.step_time + predicted_rest)
     return BenchResult(
         devices=[d.name for d in devs],
         model=spec.name,
@@ -367,6 +254,7 @@ def bench(
         busy=timeline,
         predicted={k: v for k, v in predicted.items() if v == v and v < float("inf")},
         holdout=holdout_errors(prof),
+        calibration=calibration,
         meta={
             "date": _dt.date.today().isoformat(),
             "host": platform.node(),
@@ -379,6 +267,50 @@ def bench(
             "allocator_kept_memory": tuned,
         },
     )
+
+
+def calibrate_plan(
+    prof: Any,
+    plan: Plan,
+    step: Callable[[], None],
+    busy: list[dict[str, float]],
+    devs: Sequence[Device],
+    steps: int,
+    warmup: int,
+) -> tuple[Plan, dict[str, Any]]:
+    """Run ``step`` (balanced, on ``plan``) and re-solve from each device's busy time inside the split.
+
+    The factors are the :class:`~hetsplit.Rebalancer`'s (the median over the steps of busy
+    over predicted seconds, per device); ``rest`` is the median of each step's wall time
+    beyond its busiest device, which the plan's curves do not hold (loss, gather, the
+    optimizer, hand-offs).
+
+    Returns:
+        The calibrated plan and what was measured (see ``BenchResult.calibration``).
+    """
+    for _ in range(warmup):
+        step()
+    busy.clear()
+    walls = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        step()
+        for d in devs:
+            d.synchronize()
+        walls.append(time.perf_counter() - start)
+    rebalancer = Rebalancer(prof)
+    for seen in busy:
+        rebalancer.record(plan, seen)
+    corrected = solve(rebalancer.corrected(plan.devices), plan.batch_size)
+    rest = statistics.median(max(0.0, w - max(b.values(), default=0.0)) for w, b in zip(walls, busy))
+    info = {
+        "steps": steps,
+        "factors": rebalancer.factors(),
+        "rest": rest,
+        "sizes": list(plan.sizes),
+        "predicted": plan.step_time,
+    }
+    return corrected, info
 
 
 def holdout_errors(prof: Any) -> dict[str, dict[str, float]]:

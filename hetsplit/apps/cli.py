@@ -27,23 +27,23 @@ def _ints(text: str) -> list[int]:
     return values
 
 
-def _positive(kind: type) -> Callable[[str], Any]:
-    """An argparse type: a positive ``int`` or ``float``, with a message naming the value."""
-    noun = "a positive integer" if kind is int else "a positive number"
+def _positive(kind: type, *, zero: bool = False) -> Callable[[str], Any]:
+    """An argparse type: a positive (or with ``zero``, non-negative) ``int`` or ``float``, naming the value."""
+    noun = ("a whole number >= 0" if zero else "a positive integer") if kind is int else "a positive number"
 
     def parse(text: str) -> Any:
         try:
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected {noun}, got {text!r}") from None
-        if not (value > 0 and math.isfinite(value)):
+        if not ((value > 0 or (zero and value == 0)) and math.isfinite(value)):
             raise argparse.ArgumentTypeError(f"expected {noun}, got {text!r}")
         return value
 
     return parse
 
 
-_positive_int, _positive_float = _positive(int), _positive(float)
+_positive_int, _positive_float, _count = _positive(int), _positive(float), _positive(int, zero=True)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -130,6 +130,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="gather: loss on gathered outputs (DataParallel); local: loss per device",
     )
     p.add_argument("--profile-budget", type=_positive_float, default=20.0, help="seconds to profile (default 20)")
+    p.add_argument(
+        "--calibrate",
+        type=_count,
+        default=5,
+        help="balanced steps that calibrate the plan inside the split before timing (default 5; 0: off)",
+    )
     p.add_argument(
         "--threads", type=_positive_int, help="torch intra-op CPU threads (1 is steadiest for emulated CPUs)"
     )

@@ -271,7 +271,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
             print(f"results written to {args.json}")
         return 0
     result = bench(
-        spec, devs, batch_size=args.batch_size, steps=steps, mode=args.mode, profile_budget=args.profile_budget, log=log
+        spec,
+        devs,
+        batch_size=args.batch_size,
+        steps=steps,
+        mode=args.mode,
+        profile_budget=args.profile_budget,
+        calibrate=args.calibrate,
+        log=log,
     )
     print(result.table())
     if args.json:

@@ -1,0 +1,152 @@
+"""Bench results: measured throughput of each way to train on the devices, and how to show it."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from ..planning.plan import Plan
+
+__all__ = ["BenchResult"]
+
+
+@dataclasses.dataclass
+class BenchResult:
+    """Measured throughput of each way to train on the devices.
+
+    Attributes:
+        devices: The devices (emulated ones keep their ``@speed`` suffix).
+        model: The model's name.
+        batch_size: Samples per step.
+        mode: ``"gather"`` (loss on gathered outputs) or ``"local"`` (loss per device).
+        single: Samples/s of each device alone at the full batch.
+        even: Samples/s of the even split.
+        balanced: Samples/s of the balanced split.
+        plan: The balanced plan used (solved from the profile).
+        step_times: Median seconds per step of each configuration.
+        overhead: HeteroDataParallel's step time on one real device over the plain
+            module's, minus 1 (``None`` when no real device is in the set).
+        busy: For ``"even"`` and ``"balanced"``: each device's median busy seconds in a
+            step (its forward and backward; the rest of the step it waits, or the caller
+            scatters, gathers, computes the loss and steps the optimizer).
+        meta: Date, host, torch version, threads, steps.
+        predicted: The profile's predicted seconds per step of each configuration.
+        holdout: Per device, the profile's error at a measured size left out of its fit
+            (``batch``, ``predicted``, ``measured``).
+        processes: The demo's process engine on the balanced split (``step``, ``allreduce``, ``gradient_bytes``).
+        calibration: How the balanced plan was calibrated inside the split (empty: not
+            calibrated): ``steps``, each device's ``factors`` (busy seconds in the split over
+            the profile's prediction), ``rest`` (seconds of a step outside the devices'
+            work), and the profile-alone plan's ``sizes`` and ``predicted`` step.
+    """
+
+    devices: list[str]
+    model: str
+    batch_size: int
+    mode: str
+    single: dict[str, float]
+    even: float
+    balanced: float
+    plan: Plan
+    step_times: dict[str, float]
+    overhead: float | None
+    busy: dict[str, dict[str, float]]
+    meta: dict[str, Any]
+    predicted: dict[str, float] = dataclasses.field(default_factory=dict)
+    holdout: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)
+    processes: dict[str, Any] = dataclasses.field(default_factory=dict)
+    calibration: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> BenchResult:
+        """Build the result from :meth:`to_dict` output (derived figures are recomputed)."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        fields = {k: v for k, v in data.items() if k in known}
+        fields["plan"] = Plan.from_dict(fields["plan"])
+        return cls(**fields)
+
+    @property
+    def fastest(self) -> str:
+        """The fastest single device."""
+        return max(self.single, key=self.single.__getitem__)
+
+    @property
+    def ideal(self) -> float:
+        """The ideal: the sum of the devices' single-device throughputs."""
+        return sum(self.single.values())
+
+    @property
+    def speedup_vs_single(self) -> float:
+        """Balanced over the fastest single device."""
+        return self.balanced / self.single[self.fastest]
+
+    @property
+    def speedup_vs_even(self) -> float:
+        """Balanced over the even split."""
+        return self.balanced / self.even
+
+    @property
+    def efficiency(self) -> float:
+        """Balanced throughput as a fraction of the ideal."""
+        return self.balanced / self.ideal
+
+    def to_dict(self) -> dict[str, Any]:
+        """Return the result as a JSON-ready dict, derived figures included."""
+        data = dataclasses.asdict(self)
+        data["plan"] = self.plan.to_dict()
+        data.update(
+            fastest=self.fastest,
+            ideal=self.ideal,
+            speedup_vs_single=self.speedup_vs_single,
+            speedup_vs_even=self.speedup_vs_even,
+            efficiency=self.efficiency,
+        )
+        return data
+
+    def table(self) -> str:
+        """A plain-text table of the results."""
+        rows = [
+            (
+                f"{name} alone" + (" (emulated)" if "@" in name else ""),
+                self.single[name],
+                self.step_times[f"single:{name}"],
+            )
+            for name in self.devices
+        ]
+        rows += [
+            ("even split", self.even, self.step_times["even"]),
+            (f"balanced split {self.plan.sizes}", self.balanced, self.step_times["balanced"]),
+            ("ideal (sum of single devices)", self.ideal, self.batch_size / self.ideal),
+        ]
+        keys = [f"single:{name}" for name in self.devices] + ["even", "balanced", ""]
+        width = max(len(r[0]) for r in rows)
+        lines = [
+            f"{'configuration'.ljust(width)}  samples/s  step (ms)  predicted (ms)",
+            f"{'-' * width}  ---------  ---------  --------------",
+        ]
+        for (name, thr, t), key in zip(rows, keys):
+            guess = self.predicted.get(key)
+            tail = f"  {1e3 * guess:9.2f} ({guess / t - 1:+.0%})" if guess else ""
+            lines.append(f"{name.ljust(width)}  {thr:9.0f}  {1e3 * t:9.2f}{tail}")
+        for name, h in self.holdout.items():
+            lines.append(
+                f"profile of {name} at batch {h['batch']:.0f}, left out of its fit: predicted "
+                f"{1e3 * h['predicted']:.2f} ms, measured {1e3 * h['measured']:.2f} ms "
+                f"({h['predicted'] / h['measured'] - 1:+.0%})"
+            )
+        cal = self.calibration
+        if cal:
+            factors = ", ".join(f"{name} x{f:.2f}" for name, f in cal["factors"].items())
+            lines.append(
+                f"calibrated in the split over {cal['steps']} steps: busy / profile {factors}; "
+                f"{1e3 * cal['rest']:.2f} ms a step outside the devices' work; the profile alone planned "
+                f"{cal['sizes']} at {1e3 * cal['predicted']:.2f} ms"
+            )
+        lines.append("")
+        lines.append(
+            f"balanced vs {self.fastest} alone: {self.speedup_vs_single:.2f}x; vs even: "
+            f"{self.speedup_vs_even:.2f}x; efficiency vs ideal: {self.efficiency:.0%}"
+        )
+        if self.overhead is not None:
+            lines.append(f"HeteroDataParallel overhead on one device at the same batch: {self.overhead:+.1%}")
+        return "\n".join(lines)
