@@ -80,6 +80,7 @@ def test_bench_reports_predictions_beside_measurements():
     # outside the devices' work, measured there.
     cal = r.calibration
     assert cal["steps"] == 5 and set(cal["factors"]) == {"cpu", "cpu@1"} and cal["rest"] >= 0
+    assert r.ideal_in_split == pytest.approx(sum(r.single[d] / cal["factors"][d] for d in r.single))
     assert r.predicted["balanced"] == pytest.approx(r.plan.step_time + cal["rest"])
     text = r.table()
     assert "predicted (ms)" in text and "left out of its fit" in text and "calibrated in the split" in text

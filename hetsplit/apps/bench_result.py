@@ -76,6 +76,19 @@ class BenchResult:
         return sum(self.single.values())
 
     @property
+    def ideal_in_split(self) -> float | None:
+        """The ideal at the speeds the devices showed inside the split (``None`` uncalibrated).
+
+        Each device's single throughput divided by its calibration factor: what the sum
+        of the devices can reach while they share the host, against which the engine's
+        own losses (plan, hand-offs, the step outside the devices' work) show.
+        """
+        factors = self.calibration.get("factors") if self.calibration else None
+        if not factors:
+            return None
+        return sum(thr / factors.get(name, 1.0) for name, thr in self.single.items())
+
+    @property
     def speedup_vs_single(self) -> float:
         """Balanced over the fastest single device."""
         return self.balanced / self.single[self.fastest]
@@ -100,6 +113,7 @@ class BenchResult:
             speedup_vs_single=self.speedup_vs_single,
             speedup_vs_even=self.speedup_vs_even,
             efficiency=self.efficiency,
+            ideal_in_split=self.ideal_in_split,
         )
         return data
 
@@ -141,6 +155,10 @@ class BenchResult:
                 f"calibrated in the split over {cal['steps']} steps: busy / profile {factors}; "
                 f"{1e3 * cal['rest']:.2f} ms a step outside the devices' work; the profile alone planned "
                 f"{cal['sizes']} at {1e3 * cal['predicted']:.2f} ms"
+            )
+            lines.append(
+                f"ideal at those in-split speeds: {self.ideal_in_split:.0f} samples/s; balanced reaches "
+                f"{self.balanced / self.ideal_in_split:.0%} of it"
             )
         lines.append("")
         lines.append(
