@@ -223,6 +223,19 @@ def _(folder):
         assert trainer.hetero_plan.micro_batches == [[2, 2, 2], [2]]
         reference_step(ref, [data])
         assert_same(model, ref, f"micro-batches, average_tokens_across_devices={flag}")
+    # A step of its own after training (outside any window): its items are counted then, once,
+    # though rank 0 runs three micro-batches and rank 1 one; not the last window's count. Rank 0's
+    # first micro-batch has no label token (sequences of one token): it adds 0, not NaN.
+    other = [{"input_ids": torch.tensor([5])}, {"input_ids": torch.tensor([7])}, *sequences(16, seed=11)[2::2]]
+    model.zero_grad()
+    loss = trainer.training_step(trainer.model_wrapped, collate(other[:6] if dist.get_rank() == 0 else other[6:]))
+    assert torch.isfinite(loss), loss
+    check = copy.deepcopy(model)
+    check.zero_grad()
+    check(**collate(other), num_items_in_batch=int(collate(other)["labels"][:, 1:].ne(-100).sum())).loss.backward()
+    for (name, p), q in zip(model.named_parameters(), check.parameters()):
+        err = (p.grad - q.grad).abs().max().item()
+        assert err < TOLERANCE, f"a step outside the loop: {name}'s gradient differs by {err}"
 
 
 @scenario("micro-accumulate")

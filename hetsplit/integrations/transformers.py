@@ -137,6 +137,13 @@ class HeteroTrainer(transformers.Trainer):
         self._filler = loader = super().get_train_dataloader()
         return loader
 
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        """The Trainer's training; afterwards a step of its own counts its items again (see :meth:`training_step`)."""
+        try:
+            return super().train(*args, **kwargs)
+        finally:
+            self._window_items = None  # the last window's count is not a later step's
+
     def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: torch.device) -> Any:
         """The Trainer's next accumulation window, and the items of the global batch over it (one all-reduce)."""
         batches, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)
@@ -233,7 +240,9 @@ class HeteroTrainer(transformers.Trainer):
             if num_items_in_batch is None:  # the Trainer divides by the accumulation steps itself then
                 factor *= self.current_gradient_accumulation_steps
             scale = items.to(torch.float64) * factor if torch.is_tensor(items) else torch.tensor(items * factor)
-            loss = loss * scale.to(loss.device, loss.dtype) if factor else _part(loss, 0.0)
+            scale = scale.to(loss.device, loss.dtype)
+            # A batch or micro-batch without items adds an exact 0 (the model's mean over none is NaN).
+            loss = torch.where(scale > 0, loss * scale, 0.0) if factor else _part(loss, 0.0)
         elif not model.training and self._eval_sums is not None and not empty:
             real = self._real_rows(inputs)
             whole = real == samples_in(inputs)
