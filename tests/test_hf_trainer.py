@@ -1,4 +1,4 @@
-"""HeteroTrainer in 2-process gloo jobs: token-weighted exact steps, accumulation, zero share, evaluation."""
+"""HeteroTrainer in 2-process gloo jobs: exact token-weighted steps, accumulation, a zero share, eval, micro-batches."""
 
 from __future__ import annotations
 
@@ -13,7 +13,10 @@ pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
 ROOT = Path(__file__).resolve().parents[1]
-SCENARIOS = ("tokens", "accumulate", "zero", "classify", "evaluate", "profiled")
+SCENARIOS = (
+    "tokens", "accumulate", "zero", "classify", "evaluate", "profiled",
+    "micro", "micro-accumulate", "micro-classify", "micro-memory", "micro-solved",
+)  # fmt: skip
 
 
 def _env():

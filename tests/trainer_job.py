@@ -2,20 +2,24 @@
 
 A tiny Llama built from a config (float64, nothing downloaded), SYNTHETIC token
 sequences of unequal lengths padded per shard (labels -100 on padding), so a loss
-weighted by samples instead of tokens would show. Prints ``OK <scenario> rank <r>``.
+weighted by samples instead of tokens would show. Shares run as micro-batches on
+emulated memories (``cpu:max2``) in the ``micro*`` scenarios. Prints
+``OK <scenario> rank <r> (<seconds> s)``.
 """
 
 from __future__ import annotations
 
 import copy
+import os
 import sys
 import tempfile
+import time
 
 import torch
 import torch.distributed as dist
 from transformers import BertConfig, BertForSequenceClassification, LlamaConfig, LlamaForCausalLM, TrainingArguments
 
-from hetsplit.planning import plan_from_sizes
+from hetsplit.planning import Plan, Profile, plan_from_sizes
 from hetsplit.transformers import HeteroTrainer
 
 SCENARIOS = sys.argv[1].split(",") if len(sys.argv) > 1 else None
@@ -78,20 +82,24 @@ def assert_same(model, ref, what):
 def scenario(name):
     def register(fn):
         if SCENARIOS is None or name in SCENARIOS:
+            start = time.perf_counter()
             with tempfile.TemporaryDirectory() as folder:
                 fn(folder)
-            print(f"OK {name} rank {dist.get_rank()}", flush=True)
+            print(f"OK {name} rank {dist.get_rank()} ({time.perf_counter() - start:.1f} s)", flush=True)
         return fn
 
     return register
 
 
-def train_once(folder, plan_sizes, data, **overrides):
+def train_once(folder, plan, data, devices=None, plan_kwargs=None, **overrides):
+    """Train a fresh tiny Llama for one step; ``plan`` is a Plan, a list of shares, or None (profiled)."""
     model = llama()
     ref = copy.deepcopy(model)
+    if isinstance(plan, list):
+        plan = plan_from_sizes(None, ["rank0", "rank1"], plan)
     trainer = HeteroTrainer(
-        model=model, args=arguments(folder, **overrides), train_dataset=data, data_collator=collate,
-        plan=plan_from_sizes(None, ["rank0", "rank1"], plan_sizes) if plan_sizes else None,
+        model=model, args=arguments(folder, **overrides), train_dataset=data, data_collator=collate, plan=plan,
+        devices=devices, plan_kwargs=plan_kwargs,
     )  # fmt: skip
     trainer.train()
     return trainer, model, ref
@@ -128,10 +136,8 @@ def _(folder):
         assert_same(model, ref, f"zero share, average_tokens_across_devices={flag}")
 
 
-@scenario("classify")
-def _(folder):
-    # BERT sequence classification computes its own mean over samples and ignores
-    # num_items_in_batch: the step must still be the full-batch step on 6 + 2 samples.
+def classify(folder, plan, devices=None):
+    """One step of a tiny BERT sequence classifier under ``plan`` equals the full-batch step (float64)."""
     torch.manual_seed(0)
     config = BertConfig(
         vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
@@ -142,8 +148,8 @@ def _(folder):
     g = torch.Generator().manual_seed(6)
     data = [{"input_ids": torch.randint(1, 50, (6,), generator=g), "labels": torch.tensor(i % 3)} for i in range(8)]
     trainer = HeteroTrainer(
-        model=model, args=arguments(folder, per_device_train_batch_size=4), train_dataset=data,
-        plan=plan_from_sizes(None, ["rank0", "rank1"], [6, 2]),
+        model=model, args=arguments(folder, per_device_train_batch_size=4), train_dataset=data, plan=plan,
+        devices=devices,
     )  # fmt: skip
     trainer.train()
     opt = torch.optim.SGD(ref.parameters(), lr=0.1)
@@ -153,6 +159,13 @@ def _(folder):
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         err = (p.detach() - q.detach()).abs().max().item()
         assert err < 1e-12, f"sequence classification: {name} differs by {err}"  # float64 end to end
+
+
+@scenario("classify")
+def _(folder):
+    # BERT sequence classification computes its own mean over samples and ignores
+    # num_items_in_batch: the step must still be the full-batch step on 6 + 2 samples.
+    classify(folder, plan_from_sizes(None, ["rank0", "rank1"], [6, 2]))
 
 
 @scenario("evaluate")
@@ -191,6 +204,92 @@ def _(folder):
     trainer.train()
     sizes = trainer.hetero_plan.sizes
     assert sum(sizes) == 16 and sizes[0] > sizes[1], sizes
+
+
+# Micro-batches: rank 0's emulated memory holds 2 samples, so its share of 6 runs as 2 + 2 + 2
+# (a forward on more would raise torch.OutOfMemoryError); every step is still the full-batch step.
+MICRO = Plan(["rank0", "rank1"], [6, 2], [0.0, 0.0], 8, micro_batches=[[2, 2, 2], [2]])
+CAPPED = "cpu:max2,cpu"
+
+
+@scenario("micro")
+def _(folder):
+    # Each micro-batch's loss is weighted by its own label tokens, under either normalisation of the Trainer.
+    data = sequences(8, seed=7)
+    for flag in (True, False):
+        trainer, model, ref = train_once(
+            folder, MICRO, data, CAPPED, per_device_train_batch_size=4, average_tokens_across_devices=flag
+        )
+        assert trainer.hetero_plan.micro_batches == [[2, 2, 2], [2]]
+        reference_step(ref, [data])
+        assert_same(model, ref, f"micro-batches, average_tokens_across_devices={flag}")
+    # A step of its own after training (outside any window): its items are counted then, once,
+    # though rank 0 runs three micro-batches and rank 1 one; not the last window's count. Rank 0's
+    # first micro-batch has no label token (sequences of one token): it adds 0, not NaN.
+    other = [{"input_ids": torch.tensor([5])}, {"input_ids": torch.tensor([7])}, *sequences(16, seed=11)[2::2]]
+    model.zero_grad()
+    loss = trainer.training_step(trainer.model_wrapped, collate(other[:6] if dist.get_rank() == 0 else other[6:]))
+    assert torch.isfinite(loss), loss
+    check = copy.deepcopy(model)
+    check.zero_grad()
+    check(**collate(other), num_items_in_batch=int(collate(other)["labels"][:, 1:].ne(-100).sum())).loss.backward()
+    for (name, p), q in zip(model.named_parameters(), check.parameters()):
+        err = (p.grad - q.grad).abs().max().item()
+        assert err < TOLERANCE, f"a step outside the loop: {name}'s gradient differs by {err}"
+
+
+@scenario("micro-accumulate")
+def _(folder):
+    # The Trainer's gradient accumulation over micro-batched shares: the window's tokens counted once.
+    data = sequences(16, seed=8)
+    _, model, ref = train_once(
+        folder, MICRO, data, CAPPED, per_device_train_batch_size=4, gradient_accumulation_steps=2
+    )
+    reference_step(ref, [data])
+    assert_same(model, ref, "micro-batches with gradient accumulation")
+
+
+@scenario("micro-classify")
+def _(folder):
+    # Sequence classification (a mean over samples) with micro-batches: still float64-exact.
+    classify(folder, MICRO, CAPPED)
+
+
+@scenario("micro-memory")
+def _(folder):
+    # Whole shares of 4 over emulated memories of 2 and 3 samples: the forward raises, as a GPU's would.
+    # Both shares are too large, so both ranks stop at the same point (no collective left waiting).
+    try:
+        train_once(folder, [4, 4], sequences(8, seed=9), "cpu:max2,cpu:max3", per_device_train_batch_size=4)
+    except torch.OutOfMemoryError as e:
+        assert "a forward on 4 samples" in str(e), e
+    else:
+        raise AssertionError("a share over the emulated memory trained without torch.OutOfMemoryError")
+
+
+@scenario("micro-solved")
+def _(folder):
+    # Solved with accumulate (plan_kwargs) for devices whose memories hold 2 and 3 samples, from
+    # given profiles (no timing): 8 samples fit only as micro-batches, which the Trainer follows
+    # within each cap, and the step is the full-batch step.
+    rank = int(os.environ["RANK"])  # the Trainer starts the process group
+    device = ["cpu:max2", "cpu:max3"][rank]
+    profile = Profile.from_measurements({device: [(1, 0.010), (2 + rank, 0.018 + 0.008 * rank)]}, {device: 2 + rank})
+    data = sequences(8, seed=10)
+    model = llama()
+    ref = copy.deepcopy(model)
+    trainer = HeteroTrainer(
+        model=model, args=arguments(folder, per_device_train_batch_size=4), train_dataset=data,
+        data_collator=collate, devices="cpu:max2,cpu:max3", profile=profile,
+        plan_kwargs={"accumulate": True, "calibrate": 0},
+    )  # fmt: skip
+    trainer.train()
+    micro = trainer.hetero_plan.micro_batches
+    assert max(micro[0]) <= 2 and max(micro[1]) <= 3 and any(len(m) > 1 for m in micro), micro
+    reference_step(ref, [data])
+    assert_same(model, ref, f"solved micro-batches {micro}")
+    if rank == 0:
+        print(f"solved micro-batches {micro}", flush=True)
 
 
 dist.barrier()

@@ -6,7 +6,7 @@ import contextlib
 import os
 import weakref
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 import accelerate
 import torch
@@ -84,6 +84,11 @@ class HeteroAccelerator(accelerate.Accelerator):
         >>> model, opt, loader = accelerator.prepare(model, opt, loader)
     """
 
+    # True in a subclass whose own loss weights each micro-batch by its part of the share
+    # (HeteroTrainer's): with weighting="none" a plan with micro-batches is then followed
+    # there instead of refused.
+    loss_weights_micro_batches: ClassVar[bool] = False
+
     def __init__(
         self,
         *,
@@ -97,7 +102,10 @@ class HeteroAccelerator(accelerate.Accelerator):
         **accelerator_kwargs: Any,
     ) -> None:
         world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
-        names = check_arguments(devices, plan, profile, global_batch_size, weighting, accelerator_kwargs, world)
+        names = check_arguments(
+            devices, plan, profile, global_batch_size, weighting, accelerator_kwargs, world,
+            loss_weights_micro_batches=self.loss_weights_micro_batches,
+        )  # fmt: skip
         self.hetero_device: Device | None = None
         if names is not None:
             self.hetero_device = parse_device(names[rank])  # this machine must have it
@@ -160,7 +168,7 @@ class HeteroAccelerator(accelerate.Accelerator):
                 f"the plan has {len(plan.sizes)} shares {list(plan.sizes)} but {self.num_processes} processes run: "
                 "give a plan with one share per process"
             )
-        if self.weighting == "none":
+        if self.weighting == "none" and not self.loss_weights_micro_batches:
             check_whole_shares(plan, 'HeteroAccelerator(weighting="none")')
         self.hetero_plan = plan
         for state in self._weightings:

@@ -77,15 +77,21 @@ def check_arguments(
     weighting: str,
     accelerator_kwargs: Mapping[str, Any],
     world: int,
+    *,
+    loss_weights_micro_batches: bool = False,
 ) -> list[str] | None:
-    """Every argument checked before accelerate or a process group starts; the per-process device names."""
+    """Every argument checked before accelerate or a process group starts; the per-process device names.
+
+    ``loss_weights_micro_batches``: the caller's loss weights each micro-batch itself
+    (HeteroTrainer's), so ``weighting="none"`` takes a plan with micro-batches.
+    """
     if weighting not in WEIGHTINGS:
         raise ValueError(f"weighting={weighting!r}: use one of {', '.join(map(repr, WEIGHTINGS))}")
     if plan is not None and not isinstance(plan, Plan):
         raise TypeError(f"plan must be a hetsplit Plan, got {type(plan).__name__}: {plan!r}")
     if profile is not None and not isinstance(profile, Profile):
         raise TypeError(f"profile must be a hetsplit Profile, got {type(profile).__name__}: {profile!r}")
-    if plan is not None and weighting == "none":
+    if plan is not None and weighting == "none" and not loss_weights_micro_batches:
         check_whole_shares(plan, 'HeteroAccelerator(weighting="none")')
     if plan is not None and len(plan.sizes) != world:
         raise ValueError(
@@ -171,9 +177,11 @@ def throttle_forward(model: torch.nn.Module, device: Device) -> None:
 def check_whole_shares(plan: Plan, who: str) -> None:
     """Refuse a plan that runs some process's share as several micro-batches where they are not followed.
 
-    Micro-batches are exact only when hetsplit weights each one by its samples
-    (:func:`hetsplit.distributed.weight_gradients`); without that weighting (a globally
-    normalised loss, the HF Trainer's own loss) the share must run as one batch.
+    Micro-batches are exact only when each one is weighted by its part of the share:
+    hetsplit's gradient weighting (:func:`hetsplit.distributed.weight_gradients`) weights
+    it by its samples, HeteroTrainer's loss by its items. Without either (a loss the
+    user normalises over the global batch, ``weighting="none"``) the share must run as
+    one batch.
 
     Raises:
         ValueError: Naming the process, its micro-batches and what to do instead.
@@ -183,6 +191,6 @@ def check_whole_shares(plan: Plan, who: str) -> None:
             raise ValueError(
                 f"{who} runs each process's share as one batch, but the plan splits process {rank}'s share "
                 f"{plan.sizes[rank]} into micro-batches {parts}; solve without accumulate (a batch within the "
-                "memory caps), or use HeteroAccelerator's micro_batches with a weighting (or "
-                "hetsplit.distributed.micro_batches in a torchrun loop)"
+                "memory caps), use HeteroAccelerator's micro_batches with a weighting (or "
+                "hetsplit.distributed.micro_batches in a torchrun loop), or HeteroTrainer, which follows them"
             )

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -12,10 +14,10 @@ import transformers
 from torch import nn
 from transformers.loss.loss_utils import ForCausalLMLoss
 
-from hetsplit.planning import Plan, Profile
+from hetsplit.planning import Plan, Profile, even_sizes
+from hetsplit.tree import tree_map
 
 from .accelerate import HeteroAccelerator
-from .accelerate_parts import check_whole_shares
 from .collectives import samples_in
 
 __all__ = ["HeteroTrainer"]
@@ -42,6 +44,12 @@ class HeteroTrainer(transformers.Trainer):
       ``compute_metrics`` with uneven shards, every sample once.
     - A process whose share is 0 runs one real sample weighted 0 (many models cannot
       run a batch of 0 rows; DDP needs every process in every backward).
+    - A plan with micro-batches (``plan_kwargs={"accumulate": True}`` with memory caps,
+      or ``plan=`` from ``solve(..., accumulate=True)``) is followed: ``training_step``
+      runs this process's share as its ``plan.micro_batches[rank]``, one after another
+      (all but the last under ``no_sync``), each weighted by its own items, so the step is
+      unchanged; with the Trainer's gradient accumulation too. An emulated memory
+      (``cpu:max4``) raises ``torch.OutOfMemoryError`` for a training forward above it.
 
     Launch one process per device: ``hetsplit launch --devices cpu,cpu@0.25 train.py``,
     torchrun, or ``accelerate launch --multi_gpu --num_processes N``.
@@ -51,7 +59,8 @@ class HeteroTrainer(transformers.Trainer):
         devices: One device per process (default: ``$HETSPLIT_DEVICES``, else the Trainer's).
         plan: A :class:`~hetsplit.Plan` with one share per process.
         profile: This process's :class:`~hetsplit.Profile`, instead of timing the model.
-        plan_kwargs: Passed to :func:`hetsplit.distributed.plan` (see :class:`HeteroAccelerator`).
+        plan_kwargs: Passed to :func:`hetsplit.distributed.plan` (see :class:`HeteroAccelerator`);
+            ``{"accumulate": True}`` lets a device with a memory cap run its share as micro-batches.
         **trainer_kwargs: As for ``transformers.Trainer``.
 
     Raises:
@@ -73,8 +82,6 @@ class HeteroTrainer(transformers.Trainer):
         plan_kwargs: Mapping[str, Any] | None = None,
         **trainer_kwargs: Any,
     ) -> None:
-        if isinstance(plan, Plan):  # the Trainer runs each share as one batch (its own gradient accumulation aside)
-            check_whole_shares(plan, "HeteroTrainer")
         self._hetero_kwargs = {"devices": devices, "plan": plan, "profile": profile, "plan_kwargs": plan_kwargs}
         self._window_items: float | None = None  # items of the global batch over this accumulation window
         self._eval_sums: list[float] | None = None  # (summed loss, items) of this process's evaluation
@@ -113,7 +120,7 @@ class HeteroTrainer(transformers.Trainer):
             )
         # "none": each process's loss is made its part of the global loss (compute_loss), exact
         # for token losses too, where weighting gradients by samples is not.
-        self.accelerator = HeteroAccelerator(weighting="none", **self._hetero_kwargs, **self._accelerator_args)
+        self.accelerator = _TrainerAccelerator(weighting="none", **self._hetero_kwargs, **self._accelerator_args)
         self.accelerator.model_to_profile = getattr(self, "model", None)
         self.gather_function = functools.partial(
             self.accelerator.gather_for_metrics, use_gather_object=self.args.eval_use_gather_object
@@ -130,17 +137,79 @@ class HeteroTrainer(transformers.Trainer):
         self._filler = loader = super().get_train_dataloader()
         return loader
 
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        """The Trainer's training; afterwards a step of its own counts its items again (see :meth:`training_step`)."""
+        try:
+            return super().train(*args, **kwargs)
+        finally:
+            self._window_items = None  # the last window's count is not a later step's
+
     def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: torch.device) -> Any:
         """The Trainer's next accumulation window, and the items of the global batch over it (one all-reduce)."""
         batches, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)
+        self._window_items = self._count_items(batches, device)  # once per window, before any micro-batch
+        return batches, num_items
+
+    def _count_items(self, batches: list[Any], device: torch.device) -> float:
+        """The items of the global batch over ``batches`` (this process's), counted on every process."""
         shifted = self._shifts(self.model)
         total = torch.zeros(1, dtype=torch.float64, device=device)
         for batch in batches:  # counted on the device: no synchronisation per batch
             total += _items(batch, shifted)
         if self.accelerator.num_processes > 1:
             dist.all_reduce(total)
-        self._window_items = total.item()  # one synchronisation per window, as the Trainer's own count
-        return batches, num_items
+        return total.item()  # one synchronisation per window, as the Trainer's own count
+
+    def training_step(
+        self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: torch.Tensor | int | None = None
+    ) -> torch.Tensor:
+        """The Trainer's step on this process's batch, run as the plan's micro-batches for this process.
+
+        A share the plan runs as several micro-batches is cut into them (the rows of every
+        tensor whose first dimension is the batch's; other values go whole to each) and
+        each runs the Trainer's forward and backward in turn, all but the last under
+        ``no_sync``, so DDP all-reduces once. :meth:`compute_loss` weights each by its own
+        items against the window's, so their sum is the share's part of the global loss.
+        A batch of another size than the share (a loader cut in the plan's proportions)
+        is cut into even pieces no larger than this process's largest micro-batch.
+
+        Args:
+            model: The model being trained (DDP-wrapped when several processes run).
+            inputs: This process's collated batch.
+            num_items_in_batch: As for ``transformers.Trainer.training_step``.
+
+        Returns:
+            The detached loss: the sum of the micro-batches' losses.
+
+        Raises:
+            torch.OutOfMemoryError: If a micro-batch (or an unsplit share) exceeds this
+                process's emulated memory (``cpu:max4``), as a GPU would run out.
+        """
+        outside = self._window_items is None  # a step outside the Trainer's loop: its items, counted once here
+        if outside:  # on every process whatever its micro-batches, so the all-reduces pair up
+            self._window_items = self._count_items([inputs], self.args.device)
+        try:
+            rows = samples_in(inputs) or 0
+            sizes = _micro_sizes(self.hetero_plan, self.accelerator.process_index, rows)
+            device = self.accelerator.hetero_device
+            if len(sizes) == 1:
+                if device is not None and rows:
+                    device.check_batch(rows)
+                return super().training_step(model, inputs, num_items_in_batch)
+            total, start = None, 0
+            for j, size in enumerate(sizes):
+                if device is not None:
+                    device.check_batch(size)
+                piece = _row_range(inputs, start, start + size, rows)
+                start += size
+                last = j == len(sizes) - 1
+                with contextlib.nullcontext() if last else self.accelerator.no_sync(model):
+                    loss = super().training_step(model, piece, num_items_in_batch)
+                total = loss if total is None else total + loss
+            return total
+        finally:
+            if outside:
+                self._window_items = None
 
     def compute_loss(
         self,
@@ -171,7 +240,9 @@ class HeteroTrainer(transformers.Trainer):
             if num_items_in_batch is None:  # the Trainer divides by the accumulation steps itself then
                 factor *= self.current_gradient_accumulation_steps
             scale = items.to(torch.float64) * factor if torch.is_tensor(items) else torch.tensor(items * factor)
-            loss = loss * scale.to(loss.device, loss.dtype) if factor else _part(loss, 0.0)
+            scale = scale.to(loss.device, loss.dtype)
+            # A batch or micro-batch without items adds an exact 0 (the model's mean over none is NaN).
+            loss = torch.where(scale > 0, loss * scale, 0.0) if factor else _part(loss, 0.0)
         elif not model.training and self._eval_sums is not None and not empty:
             real = self._real_rows(inputs)
             whole = real == samples_in(inputs)
@@ -247,6 +318,33 @@ def _rows(tree: Any, n: int) -> Any:
         except TypeError:
             return type(tree)(cut)
     return tree[:n] if torch.is_tensor(tree) and tree.dim() else tree
+
+
+def _micro_sizes(plan: Plan | None, rank: int, rows: int) -> list[int]:
+    """The micro-batch sizes to run ``rows`` rows of process ``rank``'s batch as (``[rows]``: whole)."""
+    parts = plan.micro_batches[rank] if plan is not None else []
+    if len(parts) <= 1 or rows <= 1:
+        return [rows]
+    if rows == sum(parts):
+        return list(parts)
+    return even_sizes(rows, math.ceil(rows / max(parts)))  # within the largest micro-batch this device runs
+
+
+def _row_range(inputs: Any, start: int, stop: int, rows: int) -> Any:
+    """Rows ``start:stop`` of every tensor in ``inputs`` whose first dimension has ``rows``; other values whole."""
+
+    def cut(x: Any) -> Any:
+        return x[start:stop] if torch.is_tensor(x) and x.dim() > 0 and x.shape[0] == rows else x
+
+    if isinstance(inputs, Mapping):  # a plain dict: the tree walk would keep a BatchEncoding whole
+        return {k: tree_map(cut, v) for k, v in inputs.items()}
+    return tree_map(cut, inputs)
+
+
+class _TrainerAccelerator(HeteroAccelerator):
+    """The HeteroAccelerator of a HeteroTrainer, whose loss weights each micro-batch itself (``training_step``)."""
+
+    loss_weights_micro_batches = True
 
 
 def _part(loss: torch.Tensor, factor: float) -> torch.Tensor:
