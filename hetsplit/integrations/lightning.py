@@ -21,6 +21,7 @@ from hetsplit.devices import Device, parse_device
 from hetsplit.planning import Plan, Profile, Rebalancer, plan_from_sizes, sizes_from_weights
 
 from .collectives import op_name, samples_in, weighted_reduce
+from .lightning_micro import run_training_step
 from .lightning_parts import (
     HeteroCallback,
     LossModule,
@@ -65,6 +66,13 @@ class HeteroDDPStrategy(DDPStrategy):
       starts (even shares before a plan exists, as in the sanity check), padded at the
       end as ``DistributedSampler`` pads; loaders
       that cannot be rebuilt are left as Lightning made them; predict loaders are untouched.
+    - **Micro-batches**: a plan that splits a rank's share (``plan.micro_batches``, from
+      ``accumulate=True``) is followed exactly under automatic optimization: each micro-batch
+      runs ``training_step`` under activation checkpointing (recomputed in Lightning's one
+      backward with its forward's random state), the step's loss is the share's mean and
+      ``self.log`` logs once per step (:mod:`~hetsplit.integrations.lightning_micro`). An
+      emulated memory (``cpu:max4``) raises ``torch.OutOfMemoryError`` for a training share or
+      micro-batch beyond it. Manual optimization with such a plan is refused.
     - **Gradients** are weighted by shard (:func:`hetsplit.distributed.weight_gradients`,
       ``weighting="hook"`` or ``"outputs"``), so a step equals the full-batch step; a
       share of 0 takes part with an empty batch. ``rebalance=K`` (or a
@@ -329,9 +337,12 @@ class HeteroDDPStrategy(DDPStrategy):
             self._samples = None
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        """The LightningModule's ``training_step`` (at the rank's emulated speed; means weighted by samples)."""
+        """The LightningModule's ``training_step`` at the rank's emulated speed and memory (means weighted by samples).
+
+        A share the plan splits runs as its micro-batches (:func:`~.lightning_micro.run_training_step`).
+        """
         with self._step(args, kwargs):
-            return super().training_step(*args, **kwargs)
+            return run_training_step(self, super().training_step, args, kwargs)
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         """The LightningModule's ``validation_step``, as :meth:`training_step`."""

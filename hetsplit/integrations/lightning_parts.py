@@ -6,7 +6,7 @@ import contextlib
 import copy
 import os
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import lightning.pytorch as pl
@@ -29,24 +29,38 @@ __all__ = [
 
 
 class StepModule(nn.Module):
-    """What DDP wraps: the LightningModule, called exactly once per step.
+    """What DDP wraps: the LightningModule, called exactly once per step (or per micro-batch).
 
     hetsplit's gradient weighting hooks this module's forward. A ``self(x)`` inside
     ``training_step`` calls the LightningModule again, never this module, so the hooks
     see each step once (``weighting="outputs"`` scales the step's loss, not also its logits).
     State-dict keys of the LightningModule are unchanged (Lightning saves that module).
+    A micro-batched step calls DDP once per micro-batch, each running ``call`` instead
+    (see :meth:`calling`), so the hooks see each micro-batch once.
     """
 
     def __init__(self, module: nn.Module) -> None:
         super().__init__()
         self.module = module
+        self.call: Callable[..., Any] | None = None
         ignore = getattr(module, "_ddp_params_and_buffers_to_ignore", None)
         if ignore:  # DDP reads these names from the module it wraps
             self._ddp_params_and_buffers_to_ignore = [f"module.{name}" for name in ignore]
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """Call the LightningModule (Lightning's forward redirection makes that its ``*_step``)."""
+        """Call the LightningModule (Lightning's forward redirection makes that its ``*_step``), or ``call``."""
+        if self.call is not None:
+            return self.call(*args, **kwargs)
         return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def calling(self, call: Callable[..., Any]) -> Iterator[None]:
+        """Run ``call(*args, **kwargs)`` as this module's forward inside the block (one micro-batch's step)."""
+        self.call = call
+        try:
+            yield
+        finally:
+            self.call = None
 
 
 class _Shared:
@@ -167,13 +181,6 @@ def check_arguments(weighting: str, rebalance: Any, global_batch_size: Any, plan
             f"plan={plan!r}: give a hetsplit Plan; for fixed shares use "
             "hetsplit.planning.plan_from_sizes(None, ['rank0', 'rank1'], [6, 2])"
         )
-    for rank, parts in enumerate(plan.micro_batches if plan is not None else []):
-        if len(parts) > 1:  # the strategy runs each rank's share as one batch
-            raise ValueError(
-                f"HeteroDDPStrategy runs each rank's share as one batch, but the plan splits rank {rank}'s share "
-                f"{plan.sizes[rank]} into micro-batches {parts}; solve without accumulate (a batch within the "
-                "memory caps), or use hetsplit.distributed.micro_batches in a torchrun loop"
-            )
     if plan is not None and global_batch_size is not None and plan.batch_size != global_batch_size:
         raise ValueError(
             f"global_batch_size={global_batch_size} but the plan splits {plan.batch_size}; "
