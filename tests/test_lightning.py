@@ -1,4 +1,4 @@
-"""HeteroDDPStrategy in a 2-rank gloo Lightning job: exact steps, plan shares, global step count, metrics, resume.
+"""HeteroDDPStrategy in a 2-rank gloo Lightning job: exact steps, plan shares, micro-batches, metrics, resume.
 
 Lightning re-runs the script to start its ranks, which cannot work inside pytest, so
 this file is also the job: ``torchrun --standalone --nproc_per_node=2 test_lightning.py OUT``
@@ -9,6 +9,8 @@ below read those files.
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import json
 import math
 import os
@@ -33,6 +35,7 @@ def _job(out: Path) -> None:
     import torch.distributed as dist
     import torch.nn.functional as F
     from torch.utils.data import BatchSampler, DataLoader, IterableDataset, SequentialSampler, TensorDataset
+    from torchvision.models import mobilenet_v3_small
 
     import hetsplit
     from hetsplit.lightning import HeteroDDPStrategy
@@ -160,6 +163,87 @@ def _job(out: Path) -> None:
             "order": steps,
         }
 
+    class MicroNet(L.LightningModule):
+        """``net`` under ``loss``; records each training_step call's random state and what the steps returned."""
+
+        def __init__(self, net, loss) -> None:
+            super().__init__()
+            self.net, self.loss = net, loss
+            self.calls: dict[str, list] = {}  # "step:indices" -> [random state, calls, same state every call]
+            self.shares: list[list[int]] = []
+            self.outs: list[tuple[float, int]] = []
+            self.first: list[torch.Tensor] | None = None
+
+        def training_step(self, batch, batch_idx):
+            idx, x, y = batch
+            state = torch.get_rng_state()  # dropout draws from here: the reference replays it
+            seen = self.calls.setdefault(f"{batch_idx}:{idx.tolist()}", [state, 0, True])
+            seen[1] += 1  # a recomputed micro-batch comes back here in backward, with its forward's state
+            seen[2] = seen[2] and torch.equal(seen[0], state)
+            out = self.net(x)
+            loss = self.loss(out, y)
+            self.log("train_loss", loss, sync_dist=True)  # logged once per step, not once per micro-batch
+            self.log("train_epoch", loss, sync_dist=True, on_step=False, on_epoch=True)
+            self.log("samples", float(len(idx)), reduce_fx="sum", sync_dist=True, on_step=False, on_epoch=True)
+            return {"loss": loss, "pred": out.detach()}
+
+        def on_train_batch_start(self, batch, batch_idx):
+            self.shares.append(batch[0].tolist())
+
+        def on_train_batch_end(self, outputs, batch, batch_idx):
+            self.outs.append((outputs["loss"].item(), len(outputs["pred"])))
+            if self.first is None:
+                self.first = [p.detach().clone() for p in self.net.parameters()]
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def micro_scenario(make, loss, X, Y, devices, micro, **strategy) -> dict:
+        """A plan whose shares run as ``micro`` against one float64 process running each micro-batch in turn."""
+        L.seed_everything(0)
+        model = MicroNet(make(), loss)
+        ref = copy.deepcopy(model.net)
+        plan = hetsplit.Plan(["rank0", "rank1"], [sum(m) for m in micro], [0.0, 0.0], 8, micro_batches=micro)
+        t = trainer(HeteroDDPStrategy(devices=devices, plan=plan, **strategy), limit_val_batches=0)
+        t.fit(model, DataLoader(TensorDataset(torch.arange(N), X, Y), batch_size=BATCH, shuffle=True))
+        calls, shares = gathered(model.calls), gathered(model.shares)
+        opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+        losses, share_losses, first = [], [], None
+        for k in range(len(shares[0])):
+            opt.zero_grad()
+            parts = [torch.tensor(shares[r][k], dtype=torch.long).split(micro[r]) for r in range(2)]
+            terms = [[], []]
+            for r in range(2):
+                kept = [b.clone() for b in ref.buffers()]
+                for p in parts[r]:
+                    torch.set_rng_state(calls[r][f"{k}:{p.tolist()}"][0])  # the masks that rank drew
+                    terms[r].append(loss(ref(X[p]), Y[p]) * len(p))
+            total = sum(sum(t) for t in terms) / 8
+            total.backward()
+            for b, old in zip(ref.buffers(), kept):  # DDP broadcasts rank 0's buffers (running statistics) each step
+                b.copy_(old)
+            opt.step()
+            losses.append(total.item())
+            share_losses.append(sum(terms[rank]).item() / sum(micro[rank]))
+            first = first or [p.detach().clone() for p in ref.parameters()]
+        diff = lambda a, b: max((x - y).abs().max().item() for x, y in zip(a, b))
+        metrics = {k: float(v) for k, v in t.callback_metrics.items()}
+        return {
+            "first_step_diff": diff(model.first, first),
+            "final_diff": diff(list(model.net.parameters()), list(ref.parameters())),
+            "buffer_diff": diff(list(model.net.buffers()), list(ref.buffers())) if list(ref.buffers()) else 0.0,
+            "train_loss": metrics["train_loss"],
+            "train_loss_ref": losses[-1],
+            "train_epoch": metrics["train_epoch"],
+            "train_epoch_ref": sum(losses) / len(losses),
+            "samples": metrics["samples"],
+            "calls": sorted({c[1] for c in model.calls.values()}),
+            "same_state": all(c[2] for c in model.calls.values()),
+            "outs": model.outs,
+            "share_losses": share_losses,
+            "shares": [len(s) for s in model.shares],
+        }
+
     res: dict = {}
     # Bad input: one clear error on every rank, before the process group exists.
     res["bad_devices"] = error(lambda: trainer(HeteroDDPStrategy(devices="cpu,cpu,cpu")).fit(Net(), *loaders()))
@@ -176,6 +260,17 @@ def _job(out: Path) -> None:
     # Re-solve after every step, moving at most 1 sample at once: the shares may change, never to 0.
     eager = hetsplit.Rebalancer(every=1, threshold=0.0, window=1, max_move=0.125)
     res["rebalanced"] = scenario([5, 3], strategy={"rebalance": eager})
+    # Micro-batched shares within emulated memory caps (a forward on more samples runs out of memory).
+    mlp = lambda: torch.nn.Sequential(
+        torch.nn.Linear(3, 16), torch.nn.Dropout(0.5), torch.nn.Tanh(), torch.nn.Linear(16, 1)
+    ).double()
+    res["micro"] = micro_scenario(mlp, F.mse_loss, X, Y, "cpu:max2,cpu:max1", [[2, 2, 2], [1, 1]])
+    torch.manual_seed(1)
+    images, labels = torch.randn(N, 3, 48, 48, dtype=torch.float64), torch.randint(0, 2, (N,))
+    vision = lambda: mobilenet_v3_small(num_classes=2).double()  # BatchNorm, dropout, squeeze-excite
+    res["micro_vision"] = micro_scenario(
+        vision, F.cross_entropy, images, labels, "cpu:max2,cpu@1", [[2, 2, 2], [2]], weighting="outputs"
+    )
 
     # Resume the first scenario's checkpoint for a second epoch.
     L.seed_everything(0)
@@ -282,9 +377,76 @@ def test_bad_input_is_one_clear_error_on_every_rank(job):
         assert "dataset Stream is iterable" in r["iterable"]
 
 
+MICRO = ["micro", "micro_vision"]  # an MLP with dropout (both ranks split); mobilenet_v3_small, weighting="outputs"
+
+
+@pytest.mark.parametrize("name", MICRO)
+def test_micro_batched_shares_equal_full_batch_sgd(job, name):
+    for rank, r in enumerate(job):
+        s = r[name]
+        assert s["first_step_diff"] < 1e-12 and s["final_diff"] < 1e-12, (s["first_step_diff"], s["final_diff"])
+        assert s["shares"] == [[6, 2][rank]] * 3  # Lightning hands each rank its share; the strategy cuts it
+        assert s["same_state"]  # a micro-batch recomputed in backward draws its forward's dropout masks
+    assert job[0][name]["calls"] == [2]  # each of rank 0's micro-batches: its forward, then its recomputation
+    assert job[1][name]["calls"] == {"micro": [2], "micro_vision": [1]}[name]  # [1, 1] checkpointed; [2] runs whole
+    assert job[0][name]["buffer_diff"] < 1e-12  # BatchNorm's running statistics: not updated again in recomputation
+
+
+@pytest.mark.parametrize("name", MICRO)
+def test_micro_batched_step_logs_and_returns_the_share(job, name):
+    for r in job:
+        s = r[name]
+        assert s["train_loss"] == pytest.approx(s["train_loss_ref"], rel=1e-9, abs=1e-12)  # once per step, synced
+        assert s["train_epoch"] == pytest.approx(s["train_epoch_ref"], rel=1e-9, abs=1e-12)
+        assert s["samples"] == 24  # reduce_fx="sum": each step's micro-batches summed (3 steps of 8)
+        assert [rows for _, rows in s["outs"]] == s["shares"]  # per-sample outputs concatenated in order
+        assert [loss for loss, _ in s["outs"]] == pytest.approx(s["share_losses"], rel=1e-9, abs=1e-12)
+
+
+def test_micro_batch_refusals_and_memory_caps():
+    from types import SimpleNamespace
+
+    import hetsplit
+    from hetsplit.integrations.lightning_micro import combine, micro_sizes, run_training_step, share_output
+
+    micro = hetsplit.Plan(["r0", "r1"], [6, 2], [0.0, 0.0], 8, micro_batches=[[2, 2, 2], [2]])
+    manual = SimpleNamespace(automatic_optimization=False, device=torch.device("cpu"))
+    with pytest.raises(
+        ValueError, match=r"rank 0's share 6 into micro-batches \[2, 2, 2\].*use automatic optimization"
+    ):
+        micro_sizes(micro, 1, manual)  # every rank refuses, also one whose own share runs whole
+    with pytest.raises(ValueError, match=r"returned NoneType for micro-batch 2 of 3 \(2 samples\)"):
+        share_output([torch.ones((), requires_grad=True), None, torch.ones(())], [2, 2, 2])
+
+    def strategy(plan, device):
+        module = SimpleNamespace(automatic_optimization=True, device=torch.device("cpu"))
+        context = SimpleNamespace(train_step_context=lambda: contextlib.nullcontext())
+        return SimpleNamespace(
+            lightning_module=module, plan=plan, global_rank=0, rank_device=hetsplit.parse_device(device),
+            model=None, precision_plugin=context,
+        )  # fmt: skip
+
+    whole = hetsplit.Plan(["r0", "r1"], [6, 2], [0.0, 0.0], 8)
+    batch = (torch.zeros(6, 3), torch.zeros(6))
+    with pytest.raises(torch.OutOfMemoryError, match="a forward on 6 samples, but its emulated memory holds 4"):
+        run_training_step(strategy(whole, "cpu:max4"), lambda *a: "ran", (batch, 0), {})
+    assert run_training_step(strategy(whole, "cpu:max6"), lambda *a: "ran", (batch, 0), {}) == "ran"
+    with pytest.raises(torch.OutOfMemoryError, match="a forward on 2 samples, but its emulated memory holds 1"):
+        run_training_step(strategy(micro, "cpu:max1"), lambda *a: "ran", (batch, 0), {})  # each micro-batch checked
+
+    # How the share's values come from its micro-batches' (logged values, extra outputs).
+    assert combine([1.0, 4.0], [1, 2]) == 3.0 and combine([1, 4], [1, 2], "sum") == 5
+    assert combine([torch.tensor(1.0), torch.tensor(3.0)], [3, 1], "max").item() == 3.0
+    assert combine([torch.tensor(1.0), 3.0], [3, 1]).item() == 1.5
+    assert combine([torch.zeros(2, 3), torch.ones(1, 3)], [2, 1], rows=True).shape == (3, 3)
+    assert combine([{"a": 1.0, "b": "x"}, {"a": 3.0, "b": "y"}], [1, 1]) == {"a": 2.0, "b": "y"}
+    loss = share_output([torch.tensor(1.0, requires_grad=True), torch.tensor(4.0, requires_grad=True)], [2, 1])
+    assert loss.item() == pytest.approx(2.0)
+
+
 def test_constructor_rejects_bad_arguments():
     from hetsplit.lightning import HeteroDDPStrategy
-    from hetsplit.planning import plan_from_sizes
+    from hetsplit.planning import Plan, plan_from_sizes
 
     with pytest.raises(ValueError, match="weighting='mean'"):
         HeteroDDPStrategy(weighting="mean")
@@ -292,6 +454,7 @@ def test_constructor_rejects_bad_arguments():
         HeteroDDPStrategy(rebalance=-1)
     with pytest.raises(ValueError, match="global_batch_size=16 but the plan splits 8"):
         HeteroDDPStrategy(plan=plan_from_sizes(None, ["a", "b"], [6, 2]), global_batch_size=16)
+    HeteroDDPStrategy(plan=Plan(["a", "b"], [6, 2], [0.0, 0.0], 8, micro_batches=[[2, 2, 2], [2]]))  # followed
 
 
 if __name__ == "__main__":
