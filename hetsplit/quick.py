@@ -30,8 +30,11 @@ def quick_profile(devices: str | Sequence[DeviceLike]) -> Profile:
     real or emulated, it times with one intra-op thread (the rule of ``hetsplit
     profile``, ``bench`` and ``demo``: such devices share the cores, and several threads
     on a busy machine time a step's fixed cost erratically, which would leave an emulated
-    device nothing); torch's setting is restored afterwards. The first call warns once,
-    at the caller's line, that a profile of the real model is more accurate.
+    device nothing); torch's setting is restored afterwards. Each curve is fitted to the
+    fastest of five repeats at each batch size, not their median (the measurements keep
+    every repeat): a model-agnostic calibration wants capacity, and timing noise only
+    adds time. The first call warns once, at the caller's line, that a profile of the
+    real model is more accurate.
     """
     global _NOTICE_SHOWN
     devs = parse_devices(devices)

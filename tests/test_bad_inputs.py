@@ -156,7 +156,15 @@ API_ROWS = [
      "no plan yet"),
     ("14 accelerator two devices, one process", lambda: _accelerator(devices="cpu,cpu@0.25"), ValueError,
      "this job runs 1 process"),
+    ("16 bench calibration steps negative", lambda: _bench(calibrate=-1), ValueError, "got -1"),
+    ("16 bench calibration steps not whole", lambda: _bench(calibrate=2.5), ValueError, ">= 0 (0: off), got 2.5"),
 ]  # fmt: skip
+
+
+def _bench(**kwargs):
+    from hetsplit.apps.bench import bench
+
+    return bench("mlp", "cpu,cpu@0.5", **kwargs)
 
 
 def _accelerator(**kwargs):
@@ -345,6 +353,7 @@ CLI_ROWS = [
     ("15", ["profile", "--devices", ""], 1, "no devices given in ''"),
     ("15", ["demo", "--devices", ""], 1, "no devices given in ''"),
     ("15", ["bench", "--devices", ""], 1, "no devices given in ''"),
+    ("16", ["bench", "--calibrate", "-1"], 2, "expected a whole number >= 0, got '-1'"),
     ("15", ["plan", "PROFILE", "--devices", "", "--batch-size", "8"], 1, "names no device"),
     ("15", ["demo", "--devices", "cpu"], 1, "two or more devices"),
     ("16", ["demo", "--threads-only", "--devices", "cpu"], 1, "two or more devices"),

@@ -276,3 +276,34 @@ def test_accumulate_on_fractional_and_flat_curves_matches_brute_force():
         )
         assert plan.step_time == pytest.approx(best, rel=1e-9)
         assert [sum(m) for m in plan.micro_batches] == plan.sizes
+
+
+def test_bounds_bracket_the_exact_capacity_even_at_the_cap_and_knots():
+    # The solver's bracket comes from these bounds; at a time equal to t(cap) or a knot's time,
+    # give or take an ulp, rounding decides the capacity, and low <= exact <= high must still hold.
+    from hetsplit.planning.solver import micro_table
+
+    rng = random.Random(11)
+    for _ in range(60):
+        curves = [_odd_curve(rng) for _ in range(rng.randint(1, 4))]
+        info = [DeviceInfo(f"d{i}", "cpu", "a test curve") for i in range(len(curves))]
+        profile = Profile([DeviceProfile(d, [], c, c.memory_cap) for d, c in zip(info, curves)])
+        table = profile.table(profile.devices)
+        for engine in (table, micro_table(table)):
+            times = [t for c in curves for t in c.seconds] + [c(c.memory_cap) for c in curves if c.memory_cap]
+            for t in times:
+                if not math.isfinite(t):
+                    continue
+                for seconds in (np.nextafter(t, 0), t, np.nextafter(t, 1), 2 * t):
+                    low, high = engine.bounds(float(seconds))
+                    exact = engine.capacity(float(seconds))
+                    assert (low <= exact).all() and (exact <= high).all(), (seconds, low, exact, high)
+        # The plan's even and single-device times: the extreme found by pruning equals the full evaluation.
+        engine = micro_table(table)
+        for _ in range(5):
+            b = np.array([float(rng.randint(0, 40)) for _ in curves])
+            full = engine.evaluate(b)
+            top, i = engine.extreme(b, largest=True)
+            least, k = engine.extreme(b, largest=False)
+            assert top == full.max() and full[i] == top
+            assert least == full.min() and full[k] == least

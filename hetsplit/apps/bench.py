@@ -24,7 +24,17 @@ from ..profiler import profile as run_profile
 from .bench_result import BenchResult
 from .models import ModelSpec, build_model, load_model, synthetic_batch
 
-__all__ = ["BenchResult", "bench", "time_steps", "keep_freed_memory", "home_device", "dp_step", "cpu_threads"]
+__all__ = [
+    "BenchResult",
+    "bench",
+    "calibrate_plan",
+    "holdout_errors",
+    "time_steps",
+    "keep_freed_memory",
+    "home_device",
+    "dp_step",
+    "cpu_threads",
+]
 
 
 def cpu_threads(devices: Sequence[Device], requested: int | None = None) -> int:
@@ -186,6 +196,8 @@ def bench(
     """
     if mode not in ("gather", "local"):
         raise ValueError(f"mode must be 'gather' or 'local', got {mode!r}")
+    if isinstance(calibrate, bool) or not isinstance(calibrate, int) or calibrate < 0:
+        raise ValueError(f"calibrate must be a whole number of steps >= 0 (0: off), got {calibrate!r}")
     devs = parse_devices(devices)
     tuned = keep_freed_memory()
     if len(devs) < 2:
@@ -239,7 +251,8 @@ def bench(
     }
     overhead = step_times["one-device"] / step_times[f"single:{real[0].name}"] - 1.0 if real else None
     predicted = {f"single:{d.name}": prof.step_time(d.name, batch_size) for d in devs}
-    predicted.update(even=plan.even_time, balanced=plan.step_time + predicted_rest)
+    # The splits run in the same engine: both add the step's time outside the devices' work.
+    predicted.update(even=plan.even_time + predicted_rest, balanced=plan.step_time + predicted_rest)
     return BenchResult(
         devices=[d.name for d in devs],
         model=spec.name,
@@ -284,6 +297,15 @@ def calibrate_plan(
     over predicted seconds, per device); ``rest`` is the median of each step's wall time
     beyond its busiest device, which the plan's curves do not hold (loss, gather, the
     optimizer, hand-offs).
+
+    Args:
+        prof: The devices' profile, which ``plan`` was solved from.
+        plan: The plan ``step`` runs.
+        step: One balanced training step; appends the devices' busy seconds to ``busy``.
+        busy: Filled by ``step``, one dict per step (cleared after the warm-up).
+        devs: Devices to synchronise after each step, so it is timed whole.
+        steps: Calibration steps.
+        warmup: Untimed steps first.
 
     Returns:
         The calibrated plan and what was measured (see ``BenchResult.calibration``).

@@ -22,7 +22,8 @@ class BenchResult:
         single: Samples/s of each device alone at the full batch.
         even: Samples/s of the even split.
         balanced: Samples/s of the balanced split.
-        plan: The balanced plan used (solved from the profile).
+        plan: The balanced plan used: solved from the profile, calibrated inside the split
+            unless ``calibration`` is empty.
         step_times: Median seconds per step of each configuration.
         overhead: HeteroDataParallel's step time on one real device over the plain
             module's, minus 1 (``None`` when no real device is in the set).
@@ -30,7 +31,9 @@ class BenchResult:
             step (its forward and backward; the rest of the step it waits, or the caller
             scatters, gathers, computes the loss and steps the optimizer).
         meta: Date, host, torch version, threads, steps.
-        predicted: The profile's predicted seconds per step of each configuration.
+        predicted: The predicted seconds per step of each configuration: each device alone
+            from its profile; the splits from the calibrated curves plus the step's time
+            outside the devices' work measured in calibration.
         holdout: Per device, the profile's error at a measured size left out of its fit
             (``batch``, ``predicted``, ``measured``).
         processes: The demo's process engine on the balanced split (``step``, ``allreduce``, ``gradient_bytes``).

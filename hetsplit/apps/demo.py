@@ -193,10 +193,16 @@ def verdict(result: BenchResult) -> str:
     ]
     guess = result.predicted.get("balanced")
     if guess:
-        lines.append(
-            f"the plan predicted a balanced step of {guess * 1e3:.1f} ms; measured {bal * 1e3:.1f} ms "
-            f"({guess / bal - 1:+.0%}: the profile timed each device alone, the split runs them side by side)"
+        cal = result.calibration
+        how = f"calibrated over {cal['steps']} balanced steps" if cal else "from each device timed alone"
+        line = (
+            f"the plan ({how}) predicted a balanced step of {guess * 1e3:.1f} ms; measured {bal * 1e3:.1f} ms "
+            f"({guess / bal - 1:+.0%})"
         )
+        alone = result.predicted.get(f"single:{fastest}")
+        if alone:  # how far the machine itself drifted from its profile while these steps ran
+            line += f"; {fastest} alone, in the same run: {alone / result.step_times[f'single:{fastest}'] - 1:+.0%}"
+        lines.append(line)
     idle = []
     for name in ("even", "balanced"):
         step = result.step_times[name]

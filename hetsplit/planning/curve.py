@@ -248,7 +248,7 @@ class CurveTable:
         return np.where(b > self.cap[r], np.inf, t)
 
     def _inverse(self, seconds: float) -> tuple[np.ndarray, np.ndarray]:
-        """Each curve's continuous inverse at ``seconds`` (within its cap) and its slope ``dx/dt`` there."""
+        """Each curve's continuous inverse at ``seconds`` (ignoring its cap) and its slope ``dx/dt`` there."""
         x, y = self.x, self.y
         last = x.shape[1] - 1
         k = (y <= seconds).sum(axis=1) - 1  # -1: below the first knot
@@ -266,10 +266,9 @@ class CurveTable:
             beyond = xk + (seconds - yk) / self.slope
             below = np.where(seconds >= a, x0 * (seconds - a) / np.where(y0 > a, y0 - a, 1.0), 0.0)
         cont = np.where(k < 0, below, np.where(k >= last, beyond, inner))
-        cont = np.nan_to_num(cont, nan=0.0, posinf=1e18)
-        top = np.minimum(self.cap, 1e18)
-        rate = np.where((cont > 0) & (cont < top), np.nan_to_num(rate, nan=0.0, posinf=1e18), 0.0)
-        return np.clip(cont, 0.0, top), rate  # at 0 or the cap: a whole number, nothing to round
+        # Not clipped at the cap here: whether t(cap) <= seconds is itself a question of rounding.
+        cont = np.clip(np.nan_to_num(cont, nan=0.0, posinf=1e18), 0.0, 1e18)
+        return cont, np.nan_to_num(rate, nan=0.0, posinf=1e18)
 
     def capacity(self, seconds: float, *, exact: bool = True) -> np.ndarray:
         """For each curve, the largest integer batch with predicted time <= ``seconds``.
@@ -277,7 +276,7 @@ class CurveTable:
         With ``exact=False`` the closed-form inverse is used as is; it may be off by one
         where floating point rounds differently from :meth:`evaluate`.
         """
-        c = np.floor(self._inverse(seconds)[0])
+        c = np.floor(np.minimum(self._inverse(seconds)[0], self.cap))
         if not exact:
             return c.astype(np.int64)
         # The closed-form inverse can be off by one in floating point: settle it against
@@ -307,13 +306,23 @@ def rounded_bounds(
 
     The closed forms round like :meth:`CurveTable.evaluate` does up to a few ulps of the
     time, which becomes ``rate = dx/dt`` times that in samples (large on a nearly flat
-    piece), plus a few ulps of the size itself. Far from a whole number both are ``floor``;
-    where ``rate`` is 0 (clipped at 0 or a cap) the capacity is taken as exact.
+    piece), plus a few ulps of the size itself. Far from a whole number (or from the
+    cap) both are ``floor``; within that error they differ by one.
+
+    Args:
+        cont: Continuous capacities, not yet clipped at the cap.
+        rate: ``dx/dt`` of each at ``seconds``.
+        seconds: The time they are capacities for.
+        cap: The most samples each may hold (clips both bounds).
+
+    Returns:
+        ``(low, high)``: integer capacities, ``low <= exact <= high``.
     """
-    tol = np.where(rate > 0, rate * (1e-12 * abs(seconds)) + 1e-9 * (1.0 + cont), 0.0)
-    low = np.floor(np.maximum(cont - tol, 0.0))
-    high = np.minimum(np.floor(cont + tol), np.minimum(cap, 1e18))
-    return low.astype(np.int64), np.maximum(high, low).astype(np.int64)
+    tol = rate * (1e-12 * abs(seconds)) + 1e-9 * (1.0 + cont)
+    top = np.minimum(cap, 1e18)
+    low = np.minimum(np.floor(np.maximum(cont - tol, 0.0)), top)
+    high = np.minimum(np.floor(cont + tol), top)
+    return low.astype(np.int64), high.astype(np.int64)
 
 
 def _affine(xs: np.ndarray, ys: np.ndarray) -> tuple[float, float]:

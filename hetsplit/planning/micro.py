@@ -72,8 +72,10 @@ class MicroTable:
     """The accumulate=True step time ``T_i(b)`` of every device of a :class:`CurveTable`.
 
     Exposes what the solver reads from a table: ``cap`` (the most samples a device can
-    take: unbounded unless it cannot hold one sample), ``x`` (the knots), :meth:`evaluate`
-    and :meth:`capacity`, plus :meth:`counts` (the micro-batch count behind each time).
+    take: unbounded unless it cannot hold one sample), ``x`` (the knots), :meth:`evaluate`,
+    :meth:`capacity` and :meth:`bounds`, plus :meth:`whole_batch_time` (a first upper
+    bound for the search) and :meth:`times_and_counts` (the micro-batch count behind
+    each time).
 
     Args:
         table: The devices' curves, memory caps included.
@@ -194,6 +196,41 @@ class MicroTable:
             t[self.rows] = np.ceil(batch / self.c) * t_cap
         return float(t.min())
 
+    def extreme(self, b: np.ndarray, *, largest: bool) -> tuple[float, int]:
+        """The largest (or smallest) ``T_i(b_i)`` over all devices and its device, exactly.
+
+        Split devices are evaluated only where bounds leave the answer open: ``T(b)`` is at
+        least ``b`` times the curve's best seconds per sample (a turning point) and at most
+        ``t(b)`` within the cap, or ``ceil(b / c) t(c)`` beyond it. The plan's even and
+        single-device times need just the extreme, and most devices are settled by bounds.
+        """
+        b = np.asarray(b, dtype=float)
+        t = self.table.evaluate(b)
+        t = np.where((self.cap == 0) & (b > 0), np.inf, t)
+        j = self.rows
+        if not len(j):
+            i = int(np.argmax(t) if largest else np.argmin(t))
+            return float(t[i]), i
+        whole = np.ones(len(t), dtype=bool)
+        whole[j] = False
+        bj, c = b[j], self.c
+        with np.errstate(invalid="ignore"):
+            low = bj * (self.tv / self.v).min(axis=1)
+            high = np.where(bj <= c, t[j], np.ceil(bj / c) * self.table.evaluate(c, j))
+        # Slack for rounding: a bound computed another way may miss the exact time by an ulp.
+        low, high = np.where(bj > 0, low * (1 - 1e-9), 0.0), np.where(bj > 0, high * (1 + 1e-9), 0.0)
+        t_whole = np.where(whole, t, -np.inf if largest else np.inf)
+        if largest:
+            open_ = high >= max(float(t_whole.max()), float(low.max()))
+        else:
+            open_ = low <= min(float(t_whole.min()), float(high.min()))
+        picked = j[open_]
+        t[j] = np.where(open_, 0.0, -np.inf if largest else np.inf)  # settled: not the extreme
+        if len(picked):
+            t[picked] = self.evaluate(b[picked], picked)
+        i = int(np.argmax(t) if largest else np.argmin(t))
+        return float(t[i]), i
+
     def evaluate(self, b: np.ndarray, rows: np.ndarray | None = None) -> np.ndarray:
         """Predicted seconds of device ``rows[j]`` for ``b[j]`` samples, micro-batched as best it can."""
         b = np.asarray(b, dtype=float)
@@ -207,8 +244,8 @@ class MicroTable:
 
     # -- samples in T seconds --------------------------------------------------------------
 
-    def _split_inverse(self, seconds: float) -> tuple[np.ndarray, np.ndarray]:
-        """Continuous capacities of the split devices for each candidate micro-batch count, and ``dx/dt``.
+    def _split_inverse(self, seconds: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Continuous capacities of the split devices per candidate micro-batch count, ``dx/dt``, and ``k`` caps.
 
         For ``k`` micro-batches it is ``k`` times the (continuous) inverse of the curve at
         ``seconds / k``, at most ``k`` caps; the best ``k`` is at a run's end, so the most
@@ -223,14 +260,14 @@ class MicroTable:
         with np.errstate(divide="ignore", invalid="ignore"):
             per = self.PX[i] + (u - self.PY[i]) / self.PI[i]
             rate = np.nan_to_num(1.0 / self.PI[i], nan=0.0, posinf=1e18)
-        per = np.nan_to_num(per, nan=0.0, posinf=1e18)
-        c = self.c[:, None]
-        inside = (per > 0) & (per < c)  # clipped at 0 or the cap: whole numbers, no rounding to allow for
-        return k * np.clip(per, 0.0, c), np.where(inside, rate, 0.0)
+        per = np.clip(np.nan_to_num(per, nan=0.0, posinf=1e18), 0.0, 1e18)
+        # Not clipped at k caps here: whether t(cap) <= seconds / k is itself a question of rounding.
+        return k * per, rate, k * self.c[:, None]
 
     def _split_capacity(self, seconds: float) -> np.ndarray:
         """Approximately the most samples each split device runs in ``seconds`` (exact up to rounding)."""
-        return np.floor(self._split_inverse(seconds)[0]).max(axis=1)
+        v, _, top = self._split_inverse(seconds)
+        return np.floor(np.minimum(v, top)).max(axis=1)
 
     def bounds(self, seconds: float) -> tuple[np.ndarray, np.ndarray]:
         """Capacities at ``seconds`` from below and from above (see :meth:`CurveTable.bounds`).
@@ -245,8 +282,8 @@ class MicroTable:
         low, high = self.table.bounds(seconds)
         low, high = np.where(self.cap == 0, 0, low), np.where(self.cap == 0, 0, high)
         if len(self.rows):
-            v, rate = self._split_inverse(float(seconds))
-            lo_j, hi_j = rounded_bounds(v, rate, seconds, np.inf)
+            v, rate, top = self._split_inverse(float(seconds))
+            lo_j, hi_j = rounded_bounds(v, rate, seconds, top)
             low[self.rows], high[self.rows] = lo_j.max(axis=1), hi_j.max(axis=1)
         return low, high
 

@@ -95,7 +95,12 @@ def _solve(profile: Profile, entries: Sequence[DeviceProfile], batch_size: int, 
 
 @contextlib.contextmanager
 def _collector_paused() -> Iterator[None]:
-    """Pause Python's cyclic garbage collector (if on) for the ``with`` body, then restore it."""
+    """Pause Python's cyclic garbage collector (if on) for the ``with`` body, then restore it.
+
+    The switch is process-wide: another thread's collections wait too, for the few
+    milliseconds of a solve; a thread that turned the collector off meanwhile finds it
+    back on (nothing in hetsplit does).
+    """
     was_on = gc.isenabled()
     gc.disable()
     try:
@@ -150,16 +155,22 @@ def _make_plan(
     else:
         times = table.evaluate(largest)
     even = np.asarray(even_sizes(batch_size, len(names)), dtype=float)
-    even_time = float(table.evaluate(even).max())
-    singles = table.evaluate(np.full(len(names), float(batch_size)))
-    best = int(np.argmin(singles))
+    whole = np.full(len(names), float(batch_size))
+    if isinstance(table, MicroTable):
+        even_time = table.extreme(even, largest=True)[0]
+        single_time, best = table.extreme(whole, largest=False)
+    else:
+        even_time = float(table.evaluate(even).max())
+        singles = table.evaluate(whole)
+        best = int(np.argmin(singles))
+        single_time = float(singles[best])
     return Plan(
         devices=list(names),
         sizes=shares,
         times=times.tolist(),
         batch_size=batch_size,
         even_time=even_time,
-        single_time=float(singles[best]),
+        single_time=single_time,
         single_device=names[best],
         extrapolated=(largest > table.x[:, -1]).tolist(),
         emulated=list(dict.fromkeys(n for n, e in zip(names, entries) if e.info.emulated)),
@@ -177,8 +188,8 @@ def _solve_sizes(table: CurveTable | MicroTable, batch: int) -> np.ndarray:
     lo = 0.0  # nothing fits in zero seconds
     # A safeguarded secant search on the closed-form capacity count F(T), which is nearly
     # linear in T: a handful of vectorised passes instead of ~40 bisections. It starts from
-    # the step time of every device running at its largest measured batch's throughput,
-    # usually within a few percent; the secant through the last two points aims a little
+    # the step time of every device running an even share at its throughput there, usually
+    # within a few percent; the secant through the last two points aims a little
     # past the root on the side still far from it, so one pass usually closes the bracket;
     # Illinois regula falsi and bisection take over when it leaves the bracket or stalls
     # (caps make F flat in places). Each pass keeps its capacities from below and above,
@@ -252,17 +263,24 @@ def _bounds(table: CurveTable | MicroTable, seconds: float, batch: int) -> tuple
     costing more than it), so the rare ambiguous pass pays for exact capacities.
     """
     low, high = table.bounds(seconds)
+    # More than the whole batch on one device changes nothing here; clipped, the sums of
+    # 10,000 near-flat curves' capacities (up to 1e18 each) cannot overflow.
+    low, high = np.minimum(low, batch), np.minimum(high, batch)
     if int(low.sum()) < batch <= int(high.sum()):
-        low = high = table.capacity(seconds)
+        low = high = np.minimum(table.capacity(seconds), batch)
     return low, high
 
 
 def _first_guess(table: CurveTable | MicroTable, batch: int) -> float:
-    """The step time if every device ran at its throughput at its largest measured batch (or cap)."""
-    x = table.x[:, -1]
-    x = np.minimum(x, np.where(np.isfinite(table.cap), np.maximum(table.cap, 1.0), x))
+    """The step time if every device ran an even share at its throughput there (one cheap pass).
+
+    Evaluated on the plain curves at ``min(batch / n, cap)``: a capped device's micro-batched
+    throughput is near its throughput at its cap. Only a starting point for the search.
+    """
+    curves = table.table if isinstance(table, MicroTable) else table
+    x = np.clip(np.minimum(batch / len(curves.cap), curves.cap), 1.0, None)
     with np.errstate(divide="ignore", invalid="ignore"):
-        rate = np.where(table.cap > 0, x / table.evaluate(x), 0.0)
+        rate = np.where(table.cap > 0, x / curves.evaluate(x), 0.0)
     total = float(np.nan_to_num(rate, nan=0.0, posinf=0.0).sum())
     return batch / total if total > 0 else math.nan
 
