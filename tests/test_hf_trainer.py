@@ -15,7 +15,7 @@ pytest.importorskip("accelerate")
 ROOT = Path(__file__).resolve().parents[1]
 SCENARIOS = (
     "tokens", "accumulate", "zero", "classify", "evaluate", "profiled",
-    "micro", "micro-accumulate", "micro-classify", "micro-memory", "micro-solved",
+    "micro", "micro-accumulate", "micro-classify", "micro-masked", "micro-memory", "micro-solved",
 )  # fmt: skip
 
 

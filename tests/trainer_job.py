@@ -35,14 +35,24 @@ def sequences(n: int, seed: int) -> list[dict[str, torch.Tensor]]:
 
 
 def collate(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """Right-pad to the longest in the batch; padding is masked and ignored by the loss (-100)."""
+    """Right-pad to the longest in the batch; padding is masked and ignored by the loss (-100).
+
+    Labels are the inputs, or a sample's own ``"labels"`` where it has them.
+    """
     longest = max((len(x["input_ids"]) for x in items), default=1)
     ids = torch.zeros(len(items), longest, dtype=torch.long)
     mask = torch.zeros(len(items), longest, dtype=torch.long)
+    labels = torch.full((len(items), longest), -100, dtype=torch.long)
     for i, x in enumerate(items):
         ids[i, : len(x["input_ids"])] = x["input_ids"]
         mask[i, : len(x["input_ids"])] = 1
-    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+        labels[i, : len(x["input_ids"])] = x.get("labels", x["input_ids"])
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def silent(sample: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``sample`` with every label -100 (a prompt without a target): it adds no item to the loss."""
+    return {**sample, "labels": torch.full_like(sample["input_ids"], -100)}
 
 
 def llama() -> LlamaForCausalLM:
@@ -224,8 +234,8 @@ def _(folder):
         reference_step(ref, [data])
         assert_same(model, ref, f"micro-batches, average_tokens_across_devices={flag}")
     # A step of its own after training (outside any window): its items are counted then, once,
-    # though rank 0 runs three micro-batches and rank 1 one; not the last window's count. Rank 0's
-    # first micro-batch has no label token (sequences of one token): it adds 0, not NaN.
+    # though rank 0 runs several micro-batches and rank 1 one; not the last window's count. Rank 0's
+    # first micro-batch has no label token (sequences of one token): it is not run and adds nothing.
     other = [{"input_ids": torch.tensor([5])}, {"input_ids": torch.tensor([7])}, *sequences(16, seed=11)[2::2]]
     model.zero_grad()
     loss = trainer.training_step(trainer.model_wrapped, collate(other[:6] if dist.get_rank() == 0 else other[6:]))
@@ -253,6 +263,58 @@ def _(folder):
 def _(folder):
     # Sequence classification (a mean over samples) with micro-batches: still float64-exact.
     classify(folder, MICRO, CAPPED)
+
+
+def masked_mean(outputs, labels, num_items_in_batch=None):
+    """A custom loss as many write it: ``(l * mask).sum() / mask.sum()``, 0/0 = NaN over no label tokens.
+
+    The mask alone hides -100 (no ``ignore_index``, which would write exact zeros into the
+    backward), so a weight of 0 backpropagates 0 * (1/0) = NaN into every parameter.
+    """
+    target = labels[:, 1:]
+    mask = target.ne(-100)
+    logits = outputs.logits[:, :-1].transpose(1, 2)
+    losses = torch.nn.functional.cross_entropy(logits, target.clamp(min=0), reduction="none")
+    return (losses * mask).sum() / mask.sum()  # float64 throughout (the model's own loss casts to float32)
+
+
+def assert_exact(got, want, what):
+    for (name, p), q in zip(got, want):
+        assert torch.isfinite(p).all(), f"{what}: {name} is not finite"
+        err = (p - q).abs().max().item()
+        assert err < 1e-12, f"{what}: {name} differs from the float64 full-batch reference by {err}"
+
+
+@scenario("micro-masked")
+def _(folder):
+    # Weighted 0, a masked mean over no tokens is 0 in value but NaN in its backward (0 * 1/0) in every
+    # parameter. In order (sequential): rank 0's share of 6 runs as 2 + 2 + 2 and its first micro-batch's
+    # labels are all -100; rank 1's 2 samples have none at all. The step is the full-batch step, finite.
+    data = [silent(d) if i in (0, 1, 6, 7) else d for i, d in enumerate(sequences(8, seed=12))]
+    model = llama()
+    ref = copy.deepcopy(model)
+    trainer = HeteroTrainer(
+        model=model, args=arguments(folder, per_device_train_batch_size=4, train_sampling_strategy="sequential"),
+        train_dataset=data, data_collator=collate, plan=MICRO, devices=CAPPED, compute_loss_func=masked_mean,
+    )  # fmt: skip
+    trainer.train()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    inputs = collate(data)
+    masked_mean(ref(**{k: v for k, v in inputs.items() if k != "labels"}), inputs["labels"]).backward()
+    opt.step()
+    assert_exact(model.named_parameters(), ref.parameters(), "a masked-mean loss with label-less micro-batches")
+    # A step of its own: now rank 0's last micro-batch has no labels (the one run last has), and rank 1's
+    # share is empty, so it runs one real sample weighted 0: the data set's first, which has no labels.
+    other = [silent(d) if i >= 4 else d for i, d in enumerate(sequences(6, seed=13))]
+    model.zero_grad()
+    loss = trainer.training_step(trainer.model_wrapped, collate(other if dist.get_rank() == 0 else []))
+    assert torch.isfinite(loss), loss
+    check = copy.deepcopy(model)
+    check.zero_grad()
+    inputs = collate(other)
+    masked_mean(check(**{k: v for k, v in inputs.items() if k != "labels"}), inputs["labels"]).backward()
+    grads = [(name, p.grad) for name, p in model.named_parameters()]
+    assert_exact(grads, [p.grad for p in check.parameters()], "a step of its own with label-less micro-batches")
 
 
 @scenario("micro-memory")

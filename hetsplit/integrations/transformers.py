@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -14,11 +13,11 @@ import transformers
 from torch import nn
 from transformers.loss.loss_utils import ForCausalLMLoss
 
-from hetsplit.planning import Plan, Profile, even_sizes
-from hetsplit.tree import tree_map
+from hetsplit.planning import Plan, Profile
 
 from .accelerate import HeteroAccelerator
 from .collectives import samples_in
+from .transformers_parts import items_in, piece_items, row_range, share_micro_sizes, zero_gradients
 
 __all__ = ["HeteroTrainer"]
 
@@ -43,13 +42,16 @@ class HeteroTrainer(transformers.Trainer):
       padding of a last incomplete batch left out); predictions and labels reach
       ``compute_metrics`` with uneven shards, every sample once.
     - A process whose share is 0 runs one real sample weighted 0 (many models cannot
-      run a batch of 0 rows; DDP needs every process in every backward).
+      run a batch of 0 rows; DDP needs every process in every backward); one whose share
+      has no items runs its last micro-batch so. Their gradients are held at exact zeros:
+      a mean over no items, ``(l * mask).sum() / mask.sum()``, backpropagates NaN.
     - A plan with micro-batches (``plan_kwargs={"accumulate": True}`` with memory caps,
       or ``plan=`` from ``solve(..., accumulate=True)``) is followed: ``training_step``
       runs this process's share as its ``plan.micro_batches[rank]``, one after another
       (all but the last under ``no_sync``), each weighted by its own items, so the step is
-      unchanged; with the Trainer's gradient accumulation too. An emulated memory
-      (``cpu:max4``) raises ``torch.OutOfMemoryError`` for a training forward above it.
+      unchanged; with the Trainer's gradient accumulation too. A micro-batch without
+      items adds nothing and is not run. An emulated memory (``cpu:max4``) raises
+      ``torch.OutOfMemoryError`` for a training forward above it.
 
     Launch one process per device: ``hetsplit launch --devices cpu,cpu@0.25 train.py``,
     torchrun, or ``accelerate launch --multi_gpu --num_processes N``.
@@ -84,6 +86,7 @@ class HeteroTrainer(transformers.Trainer):
     ) -> None:
         self._hetero_kwargs = {"devices": devices, "plan": plan, "profile": profile, "plan_kwargs": plan_kwargs}
         self._window_items: float | None = None  # items of the global batch over this accumulation window
+        self._piece_items: dict[int, tuple[Any, list[int], list[float]]] = {}  # id: batch, sizes, their items
         self._eval_sums: list[float] | None = None  # (summed loss, items) of this process's evaluation
         self._filler: Any = None  # the loader an empty share borrows one real sample from
         super().__init__(*args, **trainer_kwargs)
@@ -142,7 +145,7 @@ class HeteroTrainer(transformers.Trainer):
         try:
             return super().train(*args, **kwargs)
         finally:
-            self._window_items = None  # the last window's count is not a later step's
+            self._window_items, self._piece_items = None, {}  # the last window's count is not a later step's
 
     def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: torch.device) -> Any:
         """The Trainer's next accumulation window, and the items of the global batch over it (one all-reduce)."""
@@ -151,14 +154,32 @@ class HeteroTrainer(transformers.Trainer):
         return batches, num_items
 
     def _count_items(self, batches: list[Any], device: torch.device) -> float:
-        """The items of the global batch over ``batches`` (this process's), counted on every process."""
-        shifted = self._shifts(self.model)
-        total = torch.zeros(1, dtype=torch.float64, device=device)
-        for batch in batches:  # counted on the device: no synchronisation per batch
-            total += _items(batch, shifted)
+        """The items of the global batch over ``batches`` (this process's), counted on every process.
+
+        The items of each batch's micro-batches are kept for :meth:`training_step`, read
+        with the same one synchronisation.
+        """
+        shifted, rank = self._shifts(self.model), self.accelerator.process_index
+        layout = [(batch, share_micro_sizes(self.hetero_plan, rank, samples_in(batch) or 0)) for batch in batches]
+        counts = [piece_items(batch, sizes, shifted, device) for batch, sizes in layout]  # on the device
+        local = torch.cat(counts) if counts else torch.zeros(0, dtype=torch.float64, device=device)
+        total = local.sum().reshape(1)
         if self.accelerator.num_processes > 1:
             dist.all_reduce(total)
-        return total.item()  # one synchronisation per window, as the Trainer's own count
+        values = torch.cat([total, local]).tolist()  # one synchronisation per window, as the Trainer's own count
+        self._piece_items, at = {}, 1
+        for batch, sizes in layout:
+            self._piece_items[id(batch)] = (batch, sizes, values[at : at + len(sizes)])
+            at += len(sizes)
+        return values[0]
+
+    def _pieces(self, inputs: Any) -> tuple[list[int], list[float]]:
+        """This batch's micro-batch sizes and the items of each (counted with its window's, else here)."""
+        sizes = share_micro_sizes(self.hetero_plan, self.accelerator.process_index, samples_in(inputs) or 0)
+        batch, known, counts = self._piece_items.get(id(inputs), (None, None, None))
+        if batch is inputs and known == sizes:
+            return sizes, counts
+        return sizes, piece_items(inputs, sizes, self._shifts(self.model), self.args.device).tolist()
 
     def training_step(
         self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: torch.Tensor | int | None = None
@@ -171,7 +192,10 @@ class HeteroTrainer(transformers.Trainer):
         ``no_sync``, so DDP all-reduces once. :meth:`compute_loss` weights each by its own
         items against the window's, so their sum is the share's part of the global loss.
         A batch of another size than the share (a loader cut in the plan's proportions)
-        is cut into even pieces no larger than this process's largest micro-batch.
+        is cut into near-equal pieces no larger than this process's largest micro-batch.
+        A piece without items adds nothing and is not run, so the last piece run has
+        items; a batch without any runs its last piece (or, empty, one real sample) with
+        every gradient held at an exact 0, as DDP needs a backward on every process.
 
         Args:
             model: The model being trained (DDP-wrapped when several processes run).
@@ -189,27 +213,28 @@ class HeteroTrainer(transformers.Trainer):
         if outside:  # on every process whatever its micro-batches, so the all-reduces pair up
             self._window_items = self._count_items([inputs], self.args.device)
         try:
-            rows = samples_in(inputs) or 0
-            sizes = _micro_sizes(self.hetero_plan, self.accelerator.process_index, rows)
-            device = self.accelerator.hetero_device
-            if len(sizes) == 1:
-                if device is not None and rows:
-                    device.check_batch(rows)
+            sizes, counts = self._pieces(inputs)
+            rows, device = sum(sizes), self.accelerator.hetero_device
+            if device is not None and rows:
+                device.check_batch(max(sizes))  # before any forward
+            starts = [sum(sizes[:j]) for j in range(len(sizes))]
+            run = [(start, size) for start, size, n in zip(starts, sizes, counts) if n > 0]
+            if not run:  # no items: DDP still needs this process's backward, which must add exact zeros
+                piece = inputs if len(sizes) == 1 else row_range(inputs, starts[-1], rows, rows)
+                with zero_gradients(model):
+                    return super().training_step(model, piece, num_items_in_batch)
+            if run == [(0, rows)]:
                 return super().training_step(model, inputs, num_items_in_batch)
-            total, start = None, 0
-            for j, size in enumerate(sizes):
-                if device is not None:
-                    device.check_batch(size)
-                piece = _row_range(inputs, start, start + size, rows)
-                start += size
-                last = j == len(sizes) - 1
-                with contextlib.nullcontext() if last else self.accelerator.no_sync(model):
+            total = None
+            for j, (start, size) in enumerate(run):
+                with contextlib.nullcontext() if j == len(run) - 1 else self.accelerator.no_sync(model):
+                    piece = row_range(inputs, start, start + size, rows)
                     loss = super().training_step(model, piece, num_items_in_batch)
                 total = loss if total is None else total + loss
             return total
         finally:
             if outside:
-                self._window_items = None
+                self._window_items, self._piece_items = None, {}
 
     def compute_loss(
         self,
@@ -229,7 +254,7 @@ class HeteroTrainer(transformers.Trainer):
         )
         loss, outputs = result if return_outputs else (result, None)
         if model.training and not empty:
-            items = _items(inputs, shifted)  # a tensor on the labels' device: the factor needs no synchronisation
+            items = items_in(inputs, shifted)  # a tensor on the labels' device: the factor needs no synchronisation
             total = self._window_items
             if total is None:  # a step outside the Trainer's loop: count this step's items on every process
                 counted = torch.zeros(1, dtype=torch.float64, device=loss.device) + items
@@ -237,17 +262,22 @@ class HeteroTrainer(transformers.Trainer):
                     dist.all_reduce(counted)
                 total = counted.item()
             factor = self.accelerator.num_processes / total if total else 0.0
-            if num_items_in_batch is None:  # the Trainer divides by the accumulation steps itself then
+            scaled = getattr(self, "loss_is_scaled_for_ga", None)
+            if scaled is None:  # the Trainer's own rule for when it divides by the accumulation steps
+                scaled = self.model_accepts_loss_kwargs and num_items_in_batch is not None
+                scaled = scaled or self.compute_loss_func is not None
+            if not scaled:  # the Trainer divides by the accumulation steps itself then
                 factor *= self.current_gradient_accumulation_steps
             scale = items.to(torch.float64) * factor if torch.is_tensor(items) else torch.tensor(items * factor)
             scale = scale.to(loss.device, loss.dtype)
-            # A batch or micro-batch without items adds an exact 0 (the model's mean over none is NaN).
+            # A batch without items adds an exact 0 (the model's mean over none is NaN); its
+            # gradients, NaN too (0 * 1/0), training_step makes exact zeros.
             loss = torch.where(scale > 0, loss * scale, 0.0) if factor else _part(loss, 0.0)
         elif not model.training and self._eval_sums is not None and not empty:
             real = self._real_rows(inputs)
             whole = real == samples_in(inputs)
             mean = loss if whole else self._real_mean(model, inputs, real)
-            real_items = float(_items(inputs if whole else _rows(inputs, real), shifted))
+            real_items = float(items_in(inputs if whole else _rows(inputs, real), shifted))
             self._eval_sums[0] += float(mean.detach()) * real_items if real_items else 0.0
             self._eval_sums[1] += real_items
         if empty:
@@ -299,16 +329,6 @@ class HeteroTrainer(transformers.Trainer):
             return super().compute_loss(model, _rows(inputs, real))
 
 
-def _items(inputs: Mapping[str, Any], shifted: bool) -> torch.Tensor | int:
-    """Items a mean loss averages over in ``inputs``: label tokens that count (not -100, a tensor), else samples."""
-    labels = inputs.get("shift_labels", inputs.get("labels")) if isinstance(inputs, Mapping) else None
-    if isinstance(labels, torch.Tensor) and labels.dim() > 0:
-        if shifted and "shift_labels" not in inputs and labels.dim() > 1:
-            labels = labels[..., 1:]
-        return labels.ne(-100).sum()
-    return samples_in(inputs) or 0
-
-
 def _rows(tree: Any, n: int) -> Any:
     """The first ``n`` rows of every tensor with a batch dimension in ``tree`` (a dict, a model output)."""
     if isinstance(tree, Mapping):
@@ -318,27 +338,6 @@ def _rows(tree: Any, n: int) -> Any:
         except TypeError:
             return type(tree)(cut)
     return tree[:n] if torch.is_tensor(tree) and tree.dim() else tree
-
-
-def _micro_sizes(plan: Plan | None, rank: int, rows: int) -> list[int]:
-    """The micro-batch sizes to run ``rows`` rows of process ``rank``'s batch as (``[rows]``: whole)."""
-    parts = plan.micro_batches[rank] if plan is not None else []
-    if len(parts) <= 1 or rows <= 1:
-        return [rows]
-    if rows == sum(parts):
-        return list(parts)
-    return even_sizes(rows, math.ceil(rows / max(parts)))  # within the largest micro-batch this device runs
-
-
-def _row_range(inputs: Any, start: int, stop: int, rows: int) -> Any:
-    """Rows ``start:stop`` of every tensor in ``inputs`` whose first dimension has ``rows``; other values whole."""
-
-    def cut(x: Any) -> Any:
-        return x[start:stop] if torch.is_tensor(x) and x.dim() > 0 and x.shape[0] == rows else x
-
-    if isinstance(inputs, Mapping):  # a plain dict: the tree walk would keep a BatchEncoding whole
-        return {k: tree_map(cut, v) for k, v in inputs.items()}
-    return tree_map(cut, inputs)
 
 
 class _TrainerAccelerator(HeteroAccelerator):
