@@ -150,7 +150,7 @@ def check_micro_batches(micro: Sequence[Sequence[Any]], sizes: Sequence[int]) ->
     if all(type(p) is list for p in micro):  # the fast path, for the solver's own output
         flat = list(itertools.chain.from_iterable(micro))
         if set(map(type, flat)) <= {int} and min(flat, default=1) >= 1 and list(map(sum, micro)) == list(sizes):
-            return micro  # kept as given, like the sizes a caller's lists are checked against
+            return list(map(list, micro))  # copies, as check_sizes does: the plan owns its lists
     out = []
     for i, (parts, size) in enumerate(zip(micro, sizes)):
         ok = not isinstance(parts, str | bytes) and all(
