@@ -212,18 +212,23 @@ def _job(out: Path) -> None:
         for k in range(len(shares[0])):
             opt.zero_grad()
             parts = [torch.tensor(shares[r][k], dtype=torch.long).split(micro[r]) for r in range(2)]
-            terms = [[], []]
+            terms, total = [[], []], 0.0
+            start = [b.clone() for b in ref.buffers()]  # DDP broadcasts rank 0's buffers in each step's first forward
             for r in range(2):
-                kept = [b.clone() for b in ref.buffers()]
-                for p in parts[r]:
+                for b, old in zip(ref.buffers(), start):  # every rank starts the step from them
+                    b.copy_(old)
+                for p in parts[r]:  # each micro-batch reads the buffers the one before it left
                     torch.set_rng_state(calls[r][f"{k}:{p.tolist()}"][0])  # the masks that rank drew
                     terms[r].append(loss(ref(X[p]), Y[p]) * len(p))
-            total = sum(sum(t) for t in terms) / 8
-            total.backward()
-            for b, old in zip(ref.buffers(), kept):  # DDP broadcasts rank 0's buffers (running statistics) each step
+                if r == 0:
+                    kept = [b.clone() for b in ref.buffers()]
+                part = sum(terms[r]) / 8
+                part.backward()  # before the next rank's buffers are set (BatchNorm's backward holds them)
+                total += part.item()
+            for b, old in zip(ref.buffers(), kept):  # rank 0's, as its forwards left them, go on to the next step
                 b.copy_(old)
             opt.step()
-            losses.append(total.item())
+            losses.append(total)
             share_losses.append(sum(terms[rank]).item() / sum(micro[rank]))
             first = first or [p.detach().clone() for p in ref.parameters()]
         diff = lambda a, b: max((x - y).abs().max().item() for x, y in zip(a, b))
@@ -271,6 +276,11 @@ def _job(out: Path) -> None:
     res["micro_vision"] = micro_scenario(
         vision, F.cross_entropy, images, labels, "cpu:max2,cpu@1", [[2, 2, 2], [2]], weighting="outputs"
     )
+    # A buffer the training forward reads and updates: spectral norm's power-iteration vectors.
+    spectral = lambda: torch.nn.Sequential(
+        torch.nn.utils.parametrizations.spectral_norm(torch.nn.Linear(3, 8)), torch.nn.Tanh(), torch.nn.Linear(8, 1)
+    ).double()
+    res["micro_buffers"] = micro_scenario(spectral, F.mse_loss, X, Y, "cpu:max2,cpu@1", [[2, 2, 2], [2]])
 
     # Resume the first scenario's checkpoint for a second epoch.
     L.seed_everything(0)
@@ -291,6 +301,12 @@ def _job(out: Path) -> None:
     res["bad_loader"] = error(lambda: trainer(HeteroDDPStrategy(devices="cpu,cpu@1")).fit(Net(), batches))
     stream = DataLoader(Stream(), batch_size=BATCH)
     res["iterable"] = error(lambda: trainer(HeteroDDPStrategy(devices="cpu,cpu@1")).fit(Net(), stream))
+    # Rebalancing a plan with micro-batches: one error on every rank, before any step (SyncBatchNorm with
+    # uneven micro-batch counts is refused there too, but DDP refuses it on a CPU first: tested below).
+    model = Net()
+    uneven = hetsplit.Plan(["rank0", "rank1"], [6, 2], [0.0, 0.0], 8, micro_batches=[[2, 2, 2], [2]])
+    t = trainer(HeteroDDPStrategy(devices="cpu,cpu@1", plan=uneven, rebalance=2))
+    res["micro_rebalance"] = {"error": error(lambda: t.fit(model, *loaders())), "steps": len(model.seen)}
     (out / f"rank{rank}.json").write_text(json.dumps(res))
     dist.barrier()
 
@@ -377,7 +393,8 @@ def test_bad_input_is_one_clear_error_on_every_rank(job):
         assert "dataset Stream is iterable" in r["iterable"]
 
 
-MICRO = ["micro", "micro_vision"]  # an MLP with dropout (both ranks split); mobilenet_v3_small, weighting="outputs"
+# An MLP with dropout (both ranks split); mobilenet_v3_small, weighting="outputs"; an MLP with a spectral norm.
+MICRO = ["micro", "micro_vision", "micro_buffers"]
 
 
 @pytest.mark.parametrize("name", MICRO)
@@ -388,8 +405,10 @@ def test_micro_batched_shares_equal_full_batch_sgd(job, name):
         assert s["shares"] == [[6, 2][rank]] * 3  # Lightning hands each rank its share; the strategy cuts it
         assert s["same_state"]  # a micro-batch recomputed in backward draws its forward's dropout masks
     assert job[0][name]["calls"] == [2]  # each of rank 0's micro-batches: its forward, then its recomputation
-    assert job[1][name]["calls"] == {"micro": [2], "micro_vision": [1]}[name]  # [1, 1] checkpointed; [2] runs whole
-    assert job[0][name]["buffer_diff"] < 1e-12  # BatchNorm's running statistics: not updated again in recomputation
+    assert job[1][name]["calls"] == {"micro": [2]}.get(name, [1])  # [1, 1] checkpointed; [2] runs whole
+    # Recomputation reads the buffers its forward read (spectral norm: gradients exact above) and updates them
+    # no second time (BatchNorm's running statistics, the spectral norm's vectors).
+    assert job[0][name]["buffer_diff"] < 1e-12
 
 
 @pytest.mark.parametrize("name", MICRO)
@@ -403,18 +422,40 @@ def test_micro_batched_step_logs_and_returns_the_share(job, name):
         assert [loss for loss, _ in s["outs"]] == pytest.approx(s["share_losses"], rel=1e-9, abs=1e-12)
 
 
+def test_rebalancing_a_micro_batched_plan_is_refused_before_any_step(job):
+    for r in job:
+        assert r["micro_rebalance"]["steps"] == 0
+        message = r["micro_rebalance"]["error"]
+        assert "rebalance=2" in message and "share 6 into micro-batches [2, 2, 2]" in message
+        assert "Pass rebalance=0" in message and "without accumulate" in message
+
+
 def test_micro_batch_refusals_and_memory_caps():
     from types import SimpleNamespace
 
+    from lightning.pytorch.plugins import TorchSyncBatchNorm
+
     import hetsplit
-    from hetsplit.integrations.lightning_micro import combine, micro_sizes, run_training_step, share_output
+    from hetsplit.integrations.lightning_micro import combine, run_training_step, share_micro_batches, share_output
+    from hetsplit.integrations.lightning_parts import check_micro_plan
 
     micro = hetsplit.Plan(["r0", "r1"], [6, 2], [0.0, 0.0], 8, micro_batches=[[2, 2, 2], [2]])
     manual = SimpleNamespace(automatic_optimization=False, device=torch.device("cpu"))
     with pytest.raises(
         ValueError, match=r"rank 0's share 6 into micro-batches \[2, 2, 2\].*use automatic optimization"
     ):
-        micro_sizes(micro, 1, manual)  # every rank refuses, also one whose own share runs whole
+        share_micro_batches(micro, 1, manual)  # every rank refuses, also one whose own share runs whole
+    # SyncBatchNorm, as Trainer(sync_batchnorm=True) makes it: its collectives must match across ranks.
+    sync = TorchSyncBatchNorm().apply(torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4)))
+    with pytest.raises(
+        ValueError, match=r"SyncBatchNorm \(1, .*the ranks run \[3, 1\] micro-batches.*without micro.*same number"
+    ):
+        check_micro_plan(micro, sync, 0)
+    with pytest.raises(ValueError, match=r"rebalance=Rebalancer\(every=3\)\) with a plan with micro-batches"):
+        check_micro_plan(micro, torch.nn.Linear(3, 4), hetsplit.Rebalancer(every=3))
+    even = hetsplit.Plan(["r0", "r1"], [6, 2], [0.0, 0.0], 8, micro_batches=[[3, 3], [1, 1]])
+    check_micro_plan(even, sync, 0)  # as many micro-batches on every rank: SyncBatchNorm's collectives match
+    check_micro_plan(hetsplit.Plan(["r0", "r1"], [6, 2], [0.0, 0.0], 8), sync, 5)  # no micro-batches
     with pytest.raises(ValueError, match=r"returned NoneType for micro-batch 2 of 3 \(2 samples\)"):
         share_output([torch.ones((), requires_grad=True), None, torch.ones(())], [2, 2, 2])
 

@@ -27,6 +27,7 @@ from .lightning_parts import (
     LossModule,
     StepModule,
     check_arguments,
+    check_micro_plan,
     loader_settings,
     rank_devices,
 )
@@ -68,11 +69,12 @@ class HeteroDDPStrategy(DDPStrategy):
       that cannot be rebuilt are left as Lightning made them; predict loaders are untouched.
     - **Micro-batches**: a plan that splits a rank's share (``plan.micro_batches``, from
       ``accumulate=True``) is followed exactly under automatic optimization: each micro-batch
-      runs ``training_step`` under activation checkpointing (recomputed in Lightning's one
-      backward with its forward's random state), the step's loss is the share's mean and
+      runs ``training_step`` under activation checkpointing (recomputed in Lightning's one backward
+      with its forward's random state and buffers), the step's loss is the share's mean and
       ``self.log`` logs once per step (:mod:`~hetsplit.integrations.lightning_micro`). An
       emulated memory (``cpu:max4``) raises ``torch.OutOfMemoryError`` for a training share or
-      micro-batch beyond it. Manual optimization with such a plan is refused.
+      micro-batch beyond it. Refused with such a plan (:func:`~.lightning_parts.check_micro_plan`):
+      manual optimization, ``rebalance``, SyncBatchNorm with uneven micro-batch counts.
     - **Gradients** are weighted by shard (:func:`hetsplit.distributed.weight_gradients`,
       ``weighting="hook"`` or ``"outputs"``), so a step equals the full-batch step; a
       share of 0 takes part with an empty batch. ``rebalance=K`` (or a
@@ -233,6 +235,7 @@ class HeteroDDPStrategy(DDPStrategy):
             batch = self.global_batch_size or self.world_size * loader.batch_size
             self._plan = self._make_plan(loader, batch)
         plan = self.plan
+        check_micro_plan(plan, self.lightning_module, self.rebalance)  # every rank, before any step
         new = hd.data_loader(
             loader.dataset,
             plan,

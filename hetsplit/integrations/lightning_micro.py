@@ -31,7 +31,7 @@ from hetsplit.planning import Plan
 
 from .collectives import samples_in
 
-__all__ = ["run_training_step", "micro_sizes", "micro_training_step", "LogRecorder", "combine", "share_output"]
+__all__ = ["run_training_step", "share_micro_batches", "micro_training_step", "LogRecorder", "combine", "share_output"]
 
 _LOG_SIGNATURE = inspect.signature(pl.LightningModule.log)
 _NOT_SET = object()
@@ -52,10 +52,10 @@ def run_training_step(strategy: Any, plain: Callable[..., Any], args: tuple[Any,
     Raises:
         torch.OutOfMemoryError: If the share, or one of its micro-batches, exceeds the
             rank's emulated memory (``cpu:max4``), as a GPU's would.
-        ValueError: As :func:`micro_sizes` and :func:`micro_training_step`.
+        ValueError: As :func:`share_micro_batches` and :func:`micro_training_step`.
     """
     module, plan, rank, device = strategy.lightning_module, strategy.plan, strategy.global_rank, strategy.rank_device
-    if micro_sizes(plan, rank, module) is None:
+    if share_micro_batches(plan, rank, module) is None:
         samples = samples_in(args[0] if args else kwargs.get("batch"))
         if device is not None and samples is not None:
             device.check_batch(samples)
@@ -64,7 +64,7 @@ def run_training_step(strategy: Any, plain: Callable[..., Any], args: tuple[Any,
         return micro_training_step(strategy.model, module, plan, rank, args, kwargs, device=device)
 
 
-def micro_sizes(plan: Plan | None, rank: int, module: pl.LightningModule) -> list[int] | None:
+def share_micro_batches(plan: Plan | None, rank: int, module: pl.LightningModule) -> list[int] | None:
     """This rank's micro-batches when the plan splits its share, else ``None`` (the share runs as one batch).
 
     Every rank checks the whole plan, so a refusal is raised on every rank at once,
@@ -116,8 +116,8 @@ def micro_training_step(
     gradient by its share of the rank's samples. Inside, ``training_step`` runs under
     non-reentrant activation checkpointing that restores the random state of its forward
     when it is recomputed (dropout masks are the forward's; on a GPU that GPU's
-    generator too). ``self.log`` is recorded and logged once for the share after the last
-    micro-batch (:class:`LogRecorder`).
+    generator too) and the buffers of its forward. ``self.log`` is recorded and logged
+    once for the share after the last micro-batch (:class:`LogRecorder`).
 
     Args:
         ddp: The DDP model; its module is the strategy's ``StepModule``.
@@ -160,7 +160,7 @@ def _checkpointed(
     def step(_anchor: Tensor, *a: Any, **k: Any) -> Any:
         return module.training_step(*a, **k)
 
-    contexts = lambda: (recorder.recording(samples), recorder.recomputing())
+    contexts = partial(recorder.contexts, samples)
     return checkpoint(step, anchor, *args, use_reentrant=False, preserve_rng_state=True, context_fn=contexts, **kwargs)
 
 
@@ -273,7 +273,7 @@ def _reduction(fx: Any) -> str:
 
 
 class LogRecorder:
-    """``self.log`` in a micro-batched step: recorded in each micro-batch's forward, logged once for the share.
+    """``self.log`` and buffers in a micro-batched step: each micro-batch recorded in its forward, replayed once.
 
     Lightning's ``self.log`` acts at once: an ``on_step`` value with ``sync_dist=True``
     is an all-reduce per call, and the step's value is the last one logged. Logged per
@@ -283,30 +283,56 @@ class LogRecorder:
     records; :meth:`replay` then logs every name once, its values combined by
     :func:`combine` according to ``reduce_fx`` (a mean by samples, or by the
     ``batch_size=`` given, which is then summed): the share's value, as one batch would
-    log it. When a micro-batch is recomputed in backward, ``self.log`` does nothing and
-    the module's buffers (BatchNorm's running statistics) are put back as they were, so
-    the recomputation updates them no second time. Other side effects of
+    log it. Each micro-batch's forward also keeps a copy of the module's buffers as they
+    were when it started; when it is recomputed in backward (after every micro-batch's
+    forward), ``self.log`` does nothing and the buffers are set to that copy, so the
+    recomputation reads what its forward read (a spectral norm's power-iteration vector,
+    a running statistic used in training), then put back as they were, so it updates
+    them no second time (BatchNorm's running statistics). The copies (one of every buffer
+    per micro-batch) live until the step's backward. Other side effects of
     ``training_step`` (a torchmetrics metric updated in it, a counter) happen again.
 
     Args:
-        module: The LightningModule whose ``log`` is recorded.
+        module: The LightningModule whose ``log`` and buffers are handled.
     """
 
     def __init__(self, module: pl.LightningModule) -> None:
         self.module = module
         self.calls: dict[str, list[tuple[Any, int, dict[str, Any]]]] = {}
 
+    def contexts(self, samples: int) -> tuple[contextlib.AbstractContextManager[None], ...]:
+        """The forward and recomputation contexts of one micro-batch of ``samples`` samples (a ``context_fn``)."""
+        buffers: dict[str, Tensor] = {}
+        return self.recording(samples, buffers), self.recomputing(buffers)
+
     @contextlib.contextmanager
-    def recording(self, samples: int) -> Iterator[None]:
-        """Inside: ``self.log`` records its calls, for a micro-batch of ``samples`` samples."""
+    def recording(self, samples: int, buffers: dict[str, Tensor] | None = None) -> Iterator[None]:
+        """Inside: ``self.log`` records its calls, for a micro-batch of ``samples`` samples.
+
+        Args:
+            samples: The micro-batch's samples (what its logged values are weighted by).
+            buffers: Filled with a copy of every buffer of the module as the forward starts.
+        """
+        if buffers is not None:
+            buffers.update((name, b.detach().clone()) for name, b in self.module.named_buffers())
         with _log_replaced(self.module, partial(self._record, samples)):
             yield
 
     @contextlib.contextmanager
-    def recomputing(self) -> Iterator[None]:
-        """Inside (a micro-batch recomputed in backward): ``self.log`` does nothing; buffers are restored after."""
+    def recomputing(self, buffers: Mapping[str, Tensor] | None = None) -> Iterator[None]:
+        """Inside (a micro-batch recomputed in backward): ``self.log`` does nothing; buffers are restored after.
+
+        Args:
+            buffers: The buffers as the micro-batch's forward found them (from :meth:`recording`),
+                loaded for the recomputation.
+        """
         saved = [(b, b.detach().clone()) for b in self.module.buffers()]
+        forward = buffers or {}
         try:
+            with torch.no_grad():
+                for name, b in self.module.named_buffers():
+                    if name in forward:
+                        b.copy_(forward[name])
             with _log_replaced(self.module, _ignore):
                 yield
         finally:

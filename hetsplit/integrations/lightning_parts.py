@@ -23,6 +23,7 @@ __all__ = [
     "LossModule",
     "HeteroCallback",
     "check_arguments",
+    "check_micro_plan",
     "rank_devices",
     "loader_settings",
 ]
@@ -190,6 +191,44 @@ def check_arguments(weighting: str, rebalance: Any, global_batch_size: Any, plan
         raise ValueError(
             "weighting='hook' registers hetsplit's DDP comm hook and DDP takes one: "
             "use weighting='outputs' to keep your ddp_comm_hook"
+        )
+
+
+def check_micro_plan(plan: Plan | None, module: nn.Module, rebalance: int | Rebalancer) -> None:
+    """Refuse what a plan with micro-batches cannot run with; every rank checks the same plan before any step.
+
+    Args:
+        plan: The plan the training loader follows.
+        module: The LightningModule (after Lightning's ``sync_batchnorm`` conversion).
+        rebalance: The strategy's ``rebalance`` argument.
+
+    Raises:
+        ValueError: If the plan splits some rank's share and ``rebalance`` is set (the
+            rebalancer re-solves whole shares), or ranks run different numbers of
+            micro-batches and ``module`` holds a ``torch.nn.SyncBatchNorm`` (its
+            collectives would not match across ranks).
+    """
+    if plan is None or all(len(parts) <= 1 for parts in plan.micro_batches):
+        return
+    r = next(r for r, parts in enumerate(plan.micro_batches) if len(parts) > 1)
+    split = f"the plan splits rank {r}'s share {plan.sizes[r]} into micro-batches {plan.micro_batches[r]}"
+    if rebalance:
+        given = f"Rebalancer(every={rebalance.every})" if isinstance(rebalance, Rebalancer) else rebalance
+        raise ValueError(
+            f"HeteroDDPStrategy(rebalance={given}) with a plan with micro-batches: {split}, but the rebalancer "
+            "re-solves and records whole shares (its first new plan would run a share over a device's memory cap "
+            "whole, out of memory; with a capped profile the shares would never move). Pass rebalance=0 to keep "
+            "these micro-batches, or solve the plan without accumulate (shares within the memory caps) to rebalance"
+        )
+    counts = [max(1, len(parts)) for parts in plan.micro_batches]  # a share that runs whole is one forward
+    sync = next((name or "the model" for name, m in module.named_modules() if isinstance(m, nn.SyncBatchNorm)), None)
+    if sync is not None and len(set(counts)) > 1:
+        raise ValueError(
+            f"the model has a SyncBatchNorm ({sync}, e.g. from Trainer(sync_batchnorm=True)) and {split}, while "
+            f"the ranks run {counts} micro-batches: SyncBatchNorm's collectives run in every micro-batch's forward "
+            "and recomputation, so ranks with different counts would wait on each other forever. Use a plan "
+            "without micro-batches (solve without accumulate), one giving every rank the same number of "
+            "micro-batches, or plain BatchNorm (Trainer(sync_batchnorm=False))"
         )
 
 
