@@ -107,3 +107,19 @@ def test_calibration_re_solves_from_busy_times_inside_the_split(slow):
     assert info["sizes"] == [50, 50] and info["predicted"] == pytest.approx(0.05)
     assert new.sizes == hetsplit.solve(prof, 100).sizes if slow == 1 else new.sizes == [67, 33]
     assert info["rest"] >= 0
+
+
+def test_a_calibration_that_split_nothing_still_prints():
+    # A plan giving one device everything runs the module's own step: no busy times, no factors.
+    from hetsplit.apps.bench_result import BenchResult
+    from hetsplit.planning import plan_from_sizes
+
+    r = BenchResult(
+        devices=["cpu", "cpu@0.5"], model="mlp", batch_size=8, mode="gather", single={"cpu": 100.0, "cpu@0.5": 50.0},
+        even=90.0, balanced=100.0, plan=plan_from_sizes(None, ["cpu", "cpu@0.5"], [8, 0]),
+        step_times={"single:cpu": 0.08, "single:cpu@0.5": 0.16, "even": 0.09, "balanced": 0.08}, overhead=None,
+        busy={}, meta={}, calibration={"steps": 5, "factors": {}, "rest": 0.001, "sizes": [8, 0], "predicted": 0.08},
+    )  # fmt: skip
+    assert r.ideal_in_split is None
+    text = r.table()
+    assert "busy / profile none" in text and "in-split speeds" not in text

@@ -153,16 +153,18 @@ class BenchResult:
             )
         cal = self.calibration
         if cal:
-            factors = ", ".join(f"{name} x{f:.2f}" for name, f in cal["factors"].items())
+            # No factors: the plan ran on one device (the module's own step), nothing was split.
+            factors = ", ".join(f"{name} x{f:.2f}" for name, f in cal["factors"].items()) or "none"
             lines.append(
                 f"calibrated in the split over {cal['steps']} steps: busy / profile {factors}; "
                 f"{1e3 * cal['rest']:.2f} ms a step outside the devices' work; the profile alone planned "
                 f"{cal['sizes']} at {1e3 * cal['predicted']:.2f} ms"
             )
-            lines.append(
-                f"ideal at those in-split speeds: {self.ideal_in_split:.0f} samples/s; balanced reaches "
-                f"{self.balanced / self.ideal_in_split:.0%} of it"
-            )
+            if self.ideal_in_split is not None:
+                lines.append(
+                    f"ideal at those in-split speeds: {self.ideal_in_split:.0f} samples/s; balanced reaches "
+                    f"{self.balanced / self.ideal_in_split:.0%} of it"
+                )
         lines.append("")
         lines.append(
             f"balanced vs {self.fastest} alone: {self.speedup_vs_single:.2f}x; vs even: "
