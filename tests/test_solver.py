@@ -247,15 +247,20 @@ def _odd_curve(rng):
     return Curve(xs, ts, rng.choice([0.0, ts[0], rng.uniform(0, ts[0])]), rng.uniform(1e-4, 0.01), cap)
 
 
+def _odd_profile(rng, most):
+    """A profile of 1..``most`` odd curves (see :func:`_odd_curve`), and the curves."""
+    curves = [_odd_curve(rng) for _ in range(rng.randint(1, most))]
+    info = [DeviceInfo(f"d{i}", "cpu", "a test curve") for i in range(len(curves))]
+    return Profile([DeviceProfile(d, [], c, c.memory_cap) for d, c in zip(info, curves)]), curves
+
+
 def test_accumulate_on_fractional_and_flat_curves_matches_brute_force():
     # A micro-batch at the cap next to a fractional knot once made a time NaN (0 x inf).
     from hetsplit.planning.solver import micro_table
 
     rng = random.Random(5)
     for _ in range(120):
-        curves = [_odd_curve(rng) for _ in range(rng.randint(1, 3))]
-        info = [DeviceInfo(f"d{i}", "cpu", "a test curve") for i in range(len(curves))]
-        profile = Profile([DeviceProfile(d, [], c, c.memory_cap) for d, c in zip(info, curves)])
+        profile, curves = _odd_profile(rng, 3)
         engine = micro_table(profile.table(profile.devices))
         b = np.arange(30, dtype=float)
         for i, c in enumerate(curves):
@@ -285,9 +290,7 @@ def test_bounds_bracket_the_exact_capacity_even_at_the_cap_and_knots():
 
     rng = random.Random(11)
     for _ in range(60):
-        curves = [_odd_curve(rng) for _ in range(rng.randint(1, 4))]
-        info = [DeviceInfo(f"d{i}", "cpu", "a test curve") for i in range(len(curves))]
-        profile = Profile([DeviceProfile(d, [], c, c.memory_cap) for d, c in zip(info, curves)])
+        profile, curves = _odd_profile(rng, 4)
         table = profile.table(profile.devices)
         for engine in (table, micro_table(table)):
             times = [t for c in curves for t in c.seconds] + [c(c.memory_cap) for c in curves if c.memory_cap]

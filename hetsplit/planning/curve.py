@@ -270,15 +270,12 @@ class CurveTable:
         cont = np.clip(np.nan_to_num(cont, nan=0.0, posinf=1e18), 0.0, 1e18)
         return cont, np.nan_to_num(rate, nan=0.0, posinf=1e18)
 
-    def capacity(self, seconds: float, *, exact: bool = True) -> np.ndarray:
+    def capacity(self, seconds: float) -> np.ndarray:
         """For each curve, the largest integer batch with predicted time <= ``seconds``.
 
-        With ``exact=False`` the closed-form inverse is used as is; it may be off by one
-        where floating point rounds differently from :meth:`evaluate`.
+        Exact against :meth:`evaluate`; :meth:`bounds` is the cheaper bracket of it.
         """
         c = np.floor(np.minimum(self._inverse(seconds)[0], self.cap))
-        if not exact:
-            return c.astype(np.int64)
         # The closed-form inverse can be off by one in floating point: settle it against
         # evaluate(), which is what the solver's optimality is defined by.
         for _ in range(8):
@@ -293,7 +290,7 @@ class CurveTable:
         """Capacities at ``seconds`` from below and from above, in one closed-form pass.
 
         They differ only where the inverse lies within rounding of a whole number, so
-        they bracket the exact :meth:`capacity` at the cost of ``capacity(exact=False)``.
+        they bracket the exact :meth:`capacity` at the cost of one closed-form pass.
         """
         cont, rate = self._inverse(seconds)
         return rounded_bounds(cont, rate, seconds, self.cap)

@@ -287,17 +287,17 @@ class MicroTable:
             low[self.rows], high[self.rows] = lo_j.max(axis=1), hi_j.max(axis=1)
         return low, high
 
-    def capacity(self, seconds: float, *, exact: bool = True) -> np.ndarray:
+    def capacity(self, seconds: float) -> np.ndarray:
         """For each device, the most samples whose micro-batched time is at most ``seconds``.
 
-        With ``exact=False`` the closed forms are used as they are (possibly off by one
-        in floating point); otherwise settled against :meth:`evaluate`.
+        Exact against :meth:`evaluate` (the closed forms settled); :meth:`bounds` is the
+        cheaper bracket of it.
         """
-        c = self.table.capacity(seconds, exact=exact).astype(float)
+        c = self.table.capacity(seconds).astype(float)
         c = np.where(self.cap == 0, 0.0, c)
         if len(self.rows):
             c[self.rows] = np.minimum(self._split_capacity(float(seconds)), 1e18)
-        if not exact or not len(self.rows):
+        if not len(self.rows):
             return c.astype(np.int64)
         j = self.rows  # only split devices can be off: the others come settled from the table
         cj = c[j]
