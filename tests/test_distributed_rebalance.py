@@ -147,3 +147,28 @@ def test_samplers_follow_each_new_plan_from_its_first_step(ranks):
 
 def test_gradients_are_exact_on_the_first_step_of_a_new_plan(ranks):
     assert ranks[0]["grad_err"] is not None and ranks[0]["grad_err"] < 1e-9
+
+
+def test_a_micro_batched_step_is_timed_against_its_micro_batches(tmp_path):
+    # One rank is enough to see what the rebalancer is told; its own group, torn down after.
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    try:
+        profile = hetsplit.Profile.from_measurements({"cpu": [(2, 0.002), (8, 0.008)]}, {"cpu": 2})
+        plan = hetsplit.solve(profile, 6, accumulate=True)
+        assert plan.micro_batches == [[2, 2, 2]]
+        seen = []
+
+        class Spy(hetsplit.Rebalancer):
+            def record(self, plan, step_times):
+                seen.append(plan.micro_batches)
+                super().record(plan, step_times)
+
+        rb = hd.DistributedRebalancer(plan, Spy(profile, every=1))
+        with rb.step():
+            torch.ones(64, 64) @ torch.ones(64, 64)
+        # Timed as a batch of 6 (beyond the cap of 2, predicted infinite) it was never counted;
+        # and a re-solve without micro-batches would refuse the batch mid-training.
+        assert seen == [[[2, 2, 2]]] and "cpu" in rb.rebalancer.factors() and rb.rebalancer.accumulate
+        assert rb.plan.micro_batches == [[2, 2, 2]]
+    finally:
+        dist.destroy_process_group()

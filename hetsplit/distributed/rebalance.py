@@ -78,6 +78,10 @@ class DistributedRebalancer:
                 f"the plan has {plan.sizes}; build both from the same plan"
             )
         self.rebalancer = rebalancer if rebalancer is not None else Rebalancer()
+        if any(len(parts) > 1 for parts in plan.micro_batches):
+            # A plan run as micro-batches (a memory cap) is re-solved with them: one re-solved
+            # without would hand a capped rank a share it cannot hold, mid-training.
+            self.rebalancer.accumulate = True
         self.sampler, self.gradients, self.group = sampler, gradients, group
         self.device = parse_device(device) if device is not None else _device_from_label(plan.devices[self.rank])
         self.schedule: list[tuple[int, Plan]] = [(0, plan)]
@@ -138,7 +142,10 @@ class DistributedRebalancer:
         for j in common:
             sizes = [g["times"][j][0] for g in gathered]
             times = {names[r]: g["times"][j][1] for r, g in enumerate(gathered)}
-            self.rebalancer.record(plan_from_sizes(None, names, sizes), times)
+            # The plan that ran, micro-batches included: a share run as [2, 2, 2] under a cap
+            # of 2 is timed against three micro-batches, not one batch of 6 beyond the cap.
+            ran = self.plan_at(j)
+            self.rebalancer.record(ran if ran.sizes == sizes else plan_from_sizes(None, names, sizes), times)
             self._mine.pop(j, None)
         start = max(g["next"] for g in gathered)
         current = self.plan_at(start)

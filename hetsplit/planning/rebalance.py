@@ -69,7 +69,8 @@ class Rebalancer:
 
     Attributes:
         accumulate: Re-solve with micro-batches on capped devices (``HeteroDataParallel``
-            sets it from its own ``accumulate``).
+            sets it from its own ``accumulate``, ``DistributedRebalancer`` when its plan
+            has micro-batches).
 
     Example:
         >>> dp = HeteroDataParallel(net, ["cpu", "cpu@0.25"], profile=prof, rebalance=True)
