@@ -170,5 +170,8 @@ def test_a_micro_batched_step_is_timed_against_its_micro_batches(tmp_path):
         # and a re-solve without micro-batches would refuse the batch mid-training.
         assert seen == [[[2, 2, 2]]] and "cpu" in rb.rebalancer.factors() and rb.rebalancer.accumulate
         assert rb.plan.micro_batches == [[2, 2, 2]]
+        # Without the caps (no profile) a re-solve would hand the rank a whole share: refused.
+        with pytest.raises(ValueError, match=r"knows no memory cap .*hetsplit.Rebalancer\(profile\)"):
+            hd.DistributedRebalancer(plan, hetsplit.Rebalancer(every=1))
     finally:
         dist.destroy_process_group()

@@ -107,3 +107,21 @@ def test_gradients_stay_exact_across_a_plan_change():
     F.cross_entropy(dp(x), y).backward()  # the first step on the new plan
     for p, q in zip(dp.module.parameters(), ref.parameters()):
         assert torch.allclose(p.grad, q.grad, rtol=1e-9, atol=1e-12)
+
+
+def test_a_re_solved_plan_under_accumulate_keeps_every_share_within_its_cap():
+    # Device a turns out 3x slower than profiled, so samples move to b, whose memory holds 2:
+    # the new plan must run b's larger share as micro-batches of at most 2, not whole.
+    from hetsplit import Profile, Rebalancer, solve
+
+    prof = Profile.from_measurements({"a": [(2, 0.002), (16, 0.016)], "b": [(2, 0.004), (16, 0.032)]}, {"b": 2})
+    plan = solve(prof, 24, accumulate=True)
+    assert max(plan.micro_batches[1]) <= 2
+    rb = Rebalancer(prof, every=1, threshold=0.0)
+    rb.accumulate = True
+    b_time = sum(prof.curve("b")(m) for m in plan.micro_batches[1])
+    new = None
+    for _ in range(3):
+        new = rb.observe(plan, {"a": 3 * prof.step_time("a", plan.sizes[0]), "b": b_time}) or new
+    assert new is not None and new.sizes[1] > plan.sizes[1]
+    assert max(new.micro_batches[1]) <= 2 and sum(new.micro_batches[1]) == new.sizes[1]

@@ -78,10 +78,22 @@ class DistributedRebalancer:
                 f"the plan has {plan.sizes}; build both from the same plan"
             )
         self.rebalancer = rebalancer if rebalancer is not None else Rebalancer()
-        if any(len(parts) > 1 for parts in plan.micro_batches):
+        split = [r for r, parts in enumerate(plan.micro_batches) if len(parts) > 1]
+        if split:
             # A plan run as micro-batches (a memory cap) is re-solved with them: one re-solved
-            # without would hand a capped rank a share it cannot hold, mid-training.
-            self.rebalancer.accumulate = True
+            # without would hand a capped rank a share it cannot hold, mid-training. That
+            # needs the caps, which only a profile holds.
+            profile = self.rebalancer.profile
+            caps = profile.memory_caps() if profile is not None else {}
+            blind = [plan.devices[r] for r in split if caps.get(plan.devices[r]) is None]
+            if blind:
+                raise ValueError(
+                    f"the plan runs the shares of {blind} as micro-batches {[plan.micro_batches[r] for r in split]}, "
+                    "but the rebalancer knows no memory cap for them and would hand them whole shares: give it "
+                    "the profile the plan was solved from (hetsplit.Rebalancer(profile)), or a plan without "
+                    "micro-batches"
+                )
+            self.rebalancer.accumulate = True  # as HeteroDataParallel sets it from its own
         self.sampler, self.gradients, self.group = sampler, gradients, group
         self.device = parse_device(device) if device is not None else _device_from_label(plan.devices[self.rank])
         self.schedule: list[tuple[int, Plan]] = [(0, plan)]

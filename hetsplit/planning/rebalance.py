@@ -255,7 +255,8 @@ class Rebalancer:
         self.history.append(change)
         if self.on_change is not None:
             self.on_change(change)
-        return plan_from_sizes(profile, plan.devices, sizes)
+        # Under accumulate, a share beyond a device's cap runs as micro-batches, cut as solve() would.
+        return plan_from_sizes(profile, plan.devices, sizes, accumulate=self.accumulate)
 
 
 def _bounded(old: Sequence[int], new: Sequence[int], budget: int) -> list[int]:

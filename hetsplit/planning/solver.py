@@ -118,11 +118,15 @@ def micro_table(table: CurveTable) -> MicroTable:
     return cached
 
 
-def plan_from_sizes(profile: Profile | None, devices: Sequence[DeviceLike], sizes: Sequence[int]) -> Plan:
+def plan_from_sizes(
+    profile: Profile | None, devices: Sequence[DeviceLike], sizes: Sequence[int], *, accumulate: bool = False
+) -> Plan:
     """Wrap given sizes in a :class:`Plan`, with predicted times when a profile is given.
 
     Without a profile, devices are named as given (free-form labels allowed) and the
-    predicted times are NaN.
+    predicted times are NaN. With ``accumulate=True`` (and a profile) a share beyond a
+    device's memory cap runs as the best number of micro-batches, as :func:`solve` would
+    cut it, and its time is theirs.
     """
     total = sum(int(s) for s in sizes)
     sizes = check_sizes(list(sizes), total, len(devices))
@@ -131,7 +135,9 @@ def plan_from_sizes(profile: Profile | None, devices: Sequence[DeviceLike], size
         return Plan(names, sizes, [math.nan] * len(names), total, extrapolated=[False] * len(names))
     entries = [profile.entry(d) for d in devices]
     names = [e.info.name for e in entries]
-    return _make_plan(entries, names, profile.table(names), np.asarray(sizes, dtype=np.int64), total)
+    table = profile.table(names)
+    engine = micro_table(table) if accumulate else table
+    return _make_plan(entries, names, engine, np.asarray(sizes, dtype=np.int64), total)
 
 
 def _make_plan(
