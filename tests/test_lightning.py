@@ -485,6 +485,76 @@ def test_micro_batch_refusals_and_memory_caps():
     assert loss.item() == pytest.approx(2.0)
 
 
+def test_micro_batch_recomputation_restores_buffers_by_name_copies_only_changed_ones_and_reenters(monkeypatch):
+    from functools import partial
+
+    from torch.utils.checkpoint import checkpoint
+
+    from hetsplit.integrations.lightning_buffers import BufferKeeper
+    from hetsplit.integrations.lightning_micro import LogRecorder
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin, self.bn = torch.nn.Linear(3, 2).double(), torch.nn.BatchNorm1d(2).double()
+            self.register_buffer("mean", torch.zeros(3, dtype=torch.float64))  # rebound: an EMA idiom
+            self.register_buffer("scale", torch.ones(3, dtype=torch.float64))  # updated in place
+            self.register_buffer("mask", torch.ones(3, dtype=torch.float64))  # never changed (a causal mask)
+            self.register_buffer("late", torch.zeros(()))  # first changed on the third step
+            self.steps = 0
+
+        def forward(self, x):
+            y = self.lin((x - self.mean) * self.scale * self.mask)
+            self.mean = 0.5 * self.mean + 0.5 * x.mean(0)
+            with torch.no_grad():
+                self.scale.mul_(1.5)
+                if self.steps >= 2:
+                    self.late.add_(1)
+            return self.bn(y).square().mean() + y.square().mean()
+
+    torch.manual_seed(0)
+    model, X = Net(), torch.randn(6, 3, dtype=torch.float64)
+    ref = copy.deepcopy(model)
+    copied = []  # data pointers of the tensors cloned
+    clone = torch.Tensor.clone
+    monkeypatch.setattr(torch.Tensor, "clone", lambda t, *a, **k: copied.append(t.data_ptr()) or clone(t, *a, **k))
+    for passes in (1, 2, 1):  # two backward passes through a retained graph: twice the gradients
+        recorder, copied[:] = LogRecorder(model), []
+        parts = X.split(2)  # micro-batches [2, 2, 2]
+        late = r"buffer\(s\) \['late'\] changed in place in its forward.*copied from now on"
+        with pytest.warns(RuntimeWarning, match=late) if model.steps == 2 else contextlib.nullcontext():
+            loss = sum(
+                checkpoint(model, p, use_reentrant=False, context_fn=partial(recorder.contexts, 2)) for p in parts
+            )
+        sum(ref(p) for p in parts).mul(passes).backward()
+        after = dict(model.named_buffers())
+        for _ in range(passes):
+            loss.backward(retain_graph=True)
+        for name, buffer in ref.named_buffers():  # as the forwards left them, in the tensors they left
+            assert torch.equal(after[name], buffer) and dict(model.named_buffers())[name] is after[name], name
+        for mine, theirs in zip(model.parameters(), ref.parameters()):  # recomputation read what forwards read
+            torch.testing.assert_close(mine.grad, theirs.grad, rtol=0, atol=1e-12)
+            mine.grad = theirs.grad = None
+        model.steps = ref.steps = model.steps + 1
+        # The mask is copied once, by the first forward (which learns what changes), never after.
+        assert copied.count(model.mask.data_ptr()) == (1 if model.steps == 1 else 0)
+    keeper = BufferKeeper.of(model)
+    assert keeper.changing == {"mean", "scale", "late", "bn.running_mean", "bn.running_var", "bn.num_batches_tracked"}
+    assert keeper.invisible == {"bn.running_mean", "bn.running_var"}  # BatchNorm does not move the version counter
+
+    lin = torch.nn.Linear(3, 1).double()  # a gradient penalty: torch.autograd.grad inside the step recomputes it
+
+    def penalised(x):
+        loss = lin(x).square().mean()
+        (grad,) = torch.autograd.grad(loss, lin.weight, create_graph=True)
+        return loss + grad.square().sum()
+
+    checkpoint(penalised, X, use_reentrant=False, context_fn=partial(LogRecorder(lin).contexts, 6)).backward()
+    grad, lin.weight.grad = lin.weight.grad, None
+    penalised(X).backward()
+    torch.testing.assert_close(grad, lin.weight.grad, rtol=0, atol=1e-12)
+
+
 def test_constructor_rejects_bad_arguments():
     from hetsplit.lightning import HeteroDDPStrategy
     from hetsplit.planning import Plan, plan_from_sizes

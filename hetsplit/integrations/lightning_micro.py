@@ -30,6 +30,7 @@ from hetsplit.devices import Device
 from hetsplit.planning import Plan
 
 from .collectives import samples_in
+from .lightning_buffers import BufferKeeper, Reenterable, Snapshot
 
 __all__ = ["run_training_step", "share_micro_batches", "micro_training_step", "LogRecorder", "combine", "share_output"]
 
@@ -283,14 +284,16 @@ class LogRecorder:
     records; :meth:`replay` then logs every name once, its values combined by
     :func:`combine` according to ``reduce_fx`` (a mean by samples, or by the
     ``batch_size=`` given, which is then summed): the share's value, as one batch would
-    log it. Each micro-batch's forward also keeps a copy of the module's buffers as they
-    were when it started; when it is recomputed in backward (after every micro-batch's
-    forward), ``self.log`` does nothing and the buffers are set to that copy, so the
-    recomputation reads what its forward read (a spectral norm's power-iteration vector,
-    a running statistic used in training), then put back as they were, so it updates
-    them no second time (BatchNorm's running statistics). The copies (one of every buffer
-    per micro-batch) live until the step's backward. Other side effects of
-    ``training_step`` (a torchmetrics metric updated in it, a counter) happen again.
+    log it. When a micro-batch is recomputed in backward (after every micro-batch's
+    forward), ``self.log`` does nothing, and the buffers its forward changed read as that
+    forward found them, then are put back as the forwards left them, so they are updated
+    no second time (BatchNorm's running statistics, a spectral norm's vectors, a moving
+    average rebound with ``self.mean = ...``): see :mod:`.lightning_buffers`, which also
+    says what the copies cost (one copy of each buffer the forward changes, per
+    micro-batch, until backward). Other side effects of ``training_step`` (a torchmetrics
+    metric updated in it, a counter) may happen again, up to the last operation backward
+    needs: non-reentrant checkpointing stops the recomputation there, so a metric updated
+    after the loss is counted once.
 
     Args:
         module: The LightningModule whose ``log`` and buffers are handled.
@@ -301,44 +304,41 @@ class LogRecorder:
         self.calls: dict[str, list[tuple[Any, int, dict[str, Any]]]] = {}
 
     def contexts(self, samples: int) -> tuple[contextlib.AbstractContextManager[None], ...]:
-        """The forward and recomputation contexts of one micro-batch of ``samples`` samples (a ``context_fn``)."""
-        buffers: dict[str, Tensor] = {}
-        return self.recording(samples, buffers), self.recomputing(buffers)
+        """The forward and recomputation contexts of one micro-batch of ``samples`` samples (a ``context_fn``).
+
+        The recomputation context may be entered several times (a second backward through
+        a retained graph, ``torch.autograd.grad`` inside ``training_step``).
+        """
+        buffers = BufferKeeper.of(self.module).snapshot()
+        return self.recording(samples, buffers), Reenterable(partial(self.recomputing, buffers))
 
     @contextlib.contextmanager
-    def recording(self, samples: int, buffers: dict[str, Tensor] | None = None) -> Iterator[None]:
+    def recording(self, samples: int, buffers: Snapshot | None = None) -> Iterator[None]:
         """Inside: ``self.log`` records its calls, for a micro-batch of ``samples`` samples.
 
         Args:
             samples: The micro-batch's samples (what its logged values are weighted by).
-            buffers: Filled with a copy of every buffer of the module as the forward starts.
+            buffers: Entered around the forward: keeps the buffers it changes as it found them.
         """
-        if buffers is not None:
-            buffers.update((name, b.detach().clone()) for name, b in self.module.named_buffers())
-        with _log_replaced(self.module, partial(self._record, samples)):
+        with (
+            buffers if buffers is not None else contextlib.nullcontext(),
+            _log_replaced(self.module, partial(self._record, samples)),
+        ):
             yield
 
     @contextlib.contextmanager
-    def recomputing(self, buffers: Mapping[str, Tensor] | None = None) -> Iterator[None]:
-        """Inside (a micro-batch recomputed in backward): ``self.log`` does nothing; buffers are restored after.
+    def recomputing(self, buffers: Snapshot | None = None) -> Iterator[None]:
+        """Inside (a micro-batch recomputed in backward): ``self.log`` does nothing; buffers as its forward found them.
 
         Args:
-            buffers: The buffers as the micro-batch's forward found them (from :meth:`recording`),
-                loaded for the recomputation.
+            buffers: The micro-batch's :class:`~.lightning_buffers.Snapshot` (from its forward's
+                :meth:`recording`); the buffers are put back as they were after.
         """
-        saved = [(b, b.detach().clone()) for b in self.module.buffers()]
-        forward = buffers or {}
-        try:
-            with torch.no_grad():
-                for name, b in self.module.named_buffers():
-                    if name in forward:
-                        b.copy_(forward[name])
-            with _log_replaced(self.module, _ignore):
-                yield
-        finally:
-            with torch.no_grad():
-                for buffer, before in saved:
-                    buffer.copy_(before)
+        with (
+            buffers.restored() if buffers is not None else contextlib.nullcontext(),
+            _log_replaced(self.module, _ignore),
+        ):
+            yield
 
     def _record(self, samples: int, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
         options = dict(_LOG_SIGNATURE.bind(self.module, name, value, *args, **kwargs).arguments)
