@@ -73,8 +73,8 @@ class HeteroDDPStrategy(DDPStrategy):
       with its forward's random state and buffers), the step's loss is the share's mean and
       ``self.log`` logs once per step (:mod:`~hetsplit.integrations.lightning_micro`). An
       emulated memory (``cpu:max4``) raises ``torch.OutOfMemoryError`` for a training share or
-      micro-batch beyond it. Refused with such a plan (:func:`~.lightning_parts.check_micro_plan`):
-      manual optimization, ``rebalance``, SyncBatchNorm with uneven micro-batch counts.
+      micro-batch beyond it. Refused with such a plan: ``rebalance``, SyncBatchNorm with uneven micro-batch
+      counts (:func:`~.lightning_parts.check_micro_plan`), manual optimization (at the first training step).
     - **Gradients** are weighted by shard (:func:`hetsplit.distributed.weight_gradients`,
       ``weighting="hook"`` or ``"outputs"``), so a step equals the full-batch step; a
       share of 0 takes part with an empty batch. ``rebalance=K`` (or a

@@ -21,7 +21,10 @@ backward has recomputed it; while a forward runs, also a copy of each buffer an 
 forward changed (dropped at its end if this one left it alone); while a micro-batch is
 recomputed, one more copy of the buffers it changed. The forward that learns copies
 every buffer once, for that micro-batch only. Buffers no forward changes (a causal mask)
-are not copied after that.
+are not copied after that. A buffer first changed in place on a later step has no copy of
+its value on that step, whose recomputation then reads the value the forwards left (a
+warning names it; it is copied from then on), unless the version counter misses that
+change too (a write through ``.data`` on some steps only), which goes unnoticed.
 """
 
 from __future__ import annotations
