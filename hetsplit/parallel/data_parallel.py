@@ -263,8 +263,11 @@ class HeteroDataParallel(nn.Module):
         return step
 
     def _run(
-        self, fns: Sequence[Callable[[], Any]], what: str, active: Sequence[int], inline: int | None = None
+        self, fns: Sequence[Callable[[], Any]], what: str, active: Sequence[int], inline: int | None = 0
     ) -> list[Any]:
+        # The calling thread runs the first job itself (run_parallel's own default): with every job
+        # in a worker, the second worker started 1.2-3.1 ms into a LeNet forward on the 2-vCPU VM,
+        # and balanced steps took 13-18 % longer (docs/benchmarks.md). A backward names its own.
         laps: list[Lap] = []
         out = run_parallel(fns, [self.devices[i] for i in active], [f"{i}{what}" for i in active], laps, inline)
         for i, lap in zip(active, laps):
