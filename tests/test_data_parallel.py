@@ -365,3 +365,21 @@ def test_a_step_with_one_active_device_runs_the_module_itself(mode):
     F.cross_entropy(ref(x), y).backward()
     for p, q in zip(net.parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-14)
+
+
+def test_the_calling_thread_runs_the_first_replica_while_a_worker_runs_the_other():
+    # With every job in a worker, the second worker started milliseconds late (docs/benchmarks.md).
+    seen = {}
+
+    class Where(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(3, 1)
+
+        def forward(self, x):
+            seen[len(x)] = threading.current_thread()
+            return self.lin(x)
+
+    dp = HeteroDataParallel(Where(), ["cpu", "cpu"], weights=[3, 1])
+    dp(torch.randn(8, 3)).sum().backward()
+    assert seen[6] is threading.current_thread() and seen[2] is not threading.current_thread()
