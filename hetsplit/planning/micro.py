@@ -184,17 +184,22 @@ class MicroTable:
     def whole_batch_time(self, batch: int) -> float:
         """Seconds in which some device surely runs all ``batch`` samples (a bound, no search).
 
-        ``ceil(b / c)`` micro-batches of at most ``c`` take at most ``ceil(b / c) t(c)``
-        (``t`` does not decrease), which bounds the best count's time; whole-batch devices
+        A split device's time is bounded by :meth:`_split_upper`; whole-batch devices
         give their time. The solver's search starts from it instead of evaluating every
         device on the whole batch.
         """
-        t = self.table.evaluate(np.full(len(self.cap), float(batch)))
-        t = np.where(self.capped, np.inf, t)
+        plain = self.table.evaluate(np.full(len(self.cap), float(batch)))
+        t = np.where(self.capped, np.inf, plain)
         if len(self.rows):
-            t_cap = self.table.evaluate(self.c, self.rows)
-            t[self.rows] = np.ceil(batch / self.c) * t_cap
+            t[self.rows] = self._split_upper(np.full(len(self.rows), float(batch)), plain[self.rows])
         return float(t.min())
+
+    def _split_upper(self, bj: np.ndarray, t_whole: np.ndarray) -> np.ndarray:
+        """An upper bound on the split devices' times for ``bj`` samples: ``t(b)`` within the cap
+        (``t_whole``, the plain curve's time), else ``ceil(b / c)`` micro-batches of at most ``c``,
+        each at most ``t(c)`` (``t`` does not decrease)."""
+        c = self.c
+        return np.where(bj <= c, t_whole, np.ceil(bj / c) * self.table.evaluate(c, self.rows))
 
     def extreme(self, b: np.ndarray, *, largest: bool) -> tuple[float, int]:
         """The largest (or smallest) ``T_i(b_i)`` over all devices and its device, exactly.
@@ -213,10 +218,10 @@ class MicroTable:
             return float(t[i]), i
         whole = np.ones(len(t), dtype=bool)
         whole[j] = False
-        bj, c = b[j], self.c
+        bj = b[j]
         with np.errstate(invalid="ignore"):
             low = bj * (self.tv / self.v).min(axis=1)
-            high = np.where(bj <= c, t[j], np.ceil(bj / c) * self.table.evaluate(c, j))
+            high = self._split_upper(bj, t[j])
         # Slack for rounding: a bound computed another way may miss the exact time by an ulp.
         low, high = np.where(bj > 0, low * (1 - 1e-9), 0.0), np.where(bj > 0, high * (1 + 1e-9), 0.0)
         t_whole = np.where(whole, t, -np.inf if largest else np.inf)
