@@ -302,7 +302,7 @@ def calibrate_plan(
         prof: The devices' profile, which ``plan`` was solved from.
         plan: The plan ``step`` runs.
         step: One balanced training step; appends the devices' busy seconds to ``busy``.
-        busy: Filled by ``step``, one dict per step (cleared after the warm-up).
+        busy: Filled by ``step``, one dict per step (left holding the calibration steps').
         devs: Devices to synchronise after each step, so it is timed whole.
         steps: Calibration steps.
         warmup: Untimed steps first.
@@ -310,16 +310,11 @@ def calibrate_plan(
     Returns:
         The calibrated plan and what was measured (see ``BenchResult.calibration``).
     """
-    for _ in range(warmup):
-        step()
-    busy.clear()
-    walls = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        step()
-        for d in devs:
-            d.synchronize()
-        walls.append(time.perf_counter() - start)
+    seen_before = len(busy)
+    samples: dict[str, list[float]] = {}
+    time_steps({"balanced": step}, devs, steps, warmup, samples=samples)
+    walls = samples["balanced"]
+    del busy[: seen_before + warmup]  # the warm-up steps' busy times are not calibration
     rebalancer = Rebalancer(prof)
     for seen in busy:
         rebalancer.record(plan, seen)
