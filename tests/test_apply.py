@@ -1,10 +1,15 @@
 """run_parallel: per-device work in worker threads that carry the caller's grad mode and autocast."""
 
+import os
+import subprocess
+import sys
 import threading
 
+import pytest
 import torch
 
 from hetsplit import parse_devices, run_parallel
+from hetsplit.parallel.apply import cpu_cores
 
 DEVICES = ["cpu", "cpu@0.25"]
 
@@ -28,3 +33,75 @@ def test_worker_threads_carry_grad_mode_and_autocast():
         seen.clear()
         run_parallel([probe, probe], parse_devices(DEVICES), inline=None)  # both in workers
     assert seen == [(True, False, True, torch.bfloat16)] * 2
+
+
+def _cores_seen(devices, inline=0):
+    """Each job's allowed cores while it ran, and the calling thread's before and after the call."""
+    seen = {}
+
+    def probe(i):
+        return lambda: seen.__setitem__(i, os.sched_getaffinity(0))
+
+    before = os.sched_getaffinity(0)
+    run_parallel([probe(i) for i in range(len(devices))], parse_devices(devices), inline=inline)
+    return [seen[i] for i in range(len(devices))], before, os.sched_getaffinity(0)
+
+
+@pytest.fixture
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="thread affinity exists on Linux only")
+@pytest.mark.parametrize("inline", [0, None])
+def test_cpu_jobs_computing_in_one_thread_each_get_a_core_of_their_own(inline, one_thread, monkeypatch):
+    allowed = os.sched_getaffinity(0)
+    devices = ["cpu", "cpu@0.25", "cpu@0.5"][: max(2, min(3, len(allowed)))]
+    seen, before, after = _cores_seen(devices, inline)
+    if len(allowed) >= 2:  # one allowed core each, all different, the calling thread's job included
+        assert all(len(s) == 1 and s <= allowed for s in seen) and len(set().union(*seen)) == len(devices)
+        assert _cores_seen(devices, inline)[0] == seen  # chosen once, kept
+    else:  # a single allowed core: nothing to spread, nothing pinned
+        assert cpu_cores(parse_devices(devices), inline) is None and seen == [allowed] * len(devices)
+    assert after == before  # the calling thread gets its cores back
+    seen, _, _ = _cores_seen(["cpu"] * (len(allowed) + 1), inline)  # more CPU jobs than cores
+    assert seen == [allowed] * (len(allowed) + 1)
+    _cores_seen(devices, inline)
+    monkeypatch.setenv("HETSPLIT_PIN_CPU", "0")
+    assert _cores_seen(devices, inline)[0] == [allowed] * len(devices)  # a worker pinned before is let go
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="thread affinity exists on Linux only")
+def test_nothing_is_pinned_when_torch_computes_with_several_threads():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # a pinned thread's intra-op threads would share its one core
+    try:
+        assert cpu_cores(parse_devices(["cpu", "cpu@0.5"]), 0) is None
+        seen, _, _ = _cores_seen(["cpu", "cpu@0.5"])
+        assert seen == [os.sched_getaffinity(0)] * 2
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="thread affinity exists on Linux only")
+def test_a_worker_started_by_a_pinned_step_is_let_go_afterwards():
+    # In a fresh process, the first pinned step starts the worker; a later unpinned step
+    # must give it every core the process may use, not the one it was started beside.
+    code = (
+        "import os, torch, hetsplit\n"
+        "torch.set_num_threads(1)\n"
+        "seen = {}\n"
+        "probe = lambda i: (lambda: seen.__setitem__(i, os.sched_getaffinity(0)))\n"
+        "devs = hetsplit.parse_devices(['cpu', 'cpu@0.5'])\n"
+        "hetsplit.run_parallel([probe(0), probe(1)], devs)\n"
+        "pinned = dict(seen)\n"
+        "os.environ['HETSPLIT_PIN_CPU'] = '0'\n"
+        "hetsplit.run_parallel([probe(0), probe(1)], devs)\n"
+        "print(len(pinned[1]), len(seen[1]), len(os.sched_getaffinity(0)))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    allowed = len(os.sched_getaffinity(0))
+    assert out == [str(1 if allowed >= 2 else allowed), str(allowed), str(allowed)]

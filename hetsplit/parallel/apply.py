@@ -15,46 +15,78 @@ from torch import nn
 from ..devices import Device, DeviceLike, parse_devices
 from ..timing import Lap, lap
 
-__all__ = ["run_parallel", "parallel_apply"]
+__all__ = ["cpu_cores", "run_parallel", "parallel_apply"]
+
+
+class _Worker:
+    """One persistent worker thread with a queue of its own, so a job can be placed before it wakes."""
+
+    def __init__(self, pool: _Workers) -> None:
+        self.jobs: queue.SimpleQueue[tuple[Callable[[], None], threading.Lock]] = queue.SimpleQueue()
+        self.cores: frozenset[int] | None = None  # the cores it is kept to; None: as it started
+        self.every: frozenset[int] = frozenset()  # the cores it started with
+        self.tid = 0
+        started = threading.Event()
+
+        def loop() -> None:
+            self.tid = threading.get_native_id()
+            if hasattr(os, "sched_getaffinity"):
+                self.every = frozenset(os.sched_getaffinity(0))
+            started.set()
+            while True:
+                job, done = self.jobs.get()
+                job()
+                # Idle again before the caller hears of it: its next submission then reuses
+                # this worker instead of starting another.
+                with pool.lock:
+                    pool.idle.append(self)
+                done.release()
+
+        threading.Thread(target=loop, name="hetsplit", daemon=True).start()
+        started.wait()
+
+    def keep_to(self, cores: frozenset[int] | None) -> None:
+        """Let the thread run on ``cores`` only (``None``: wherever it could before); a no-op when so already."""
+        if cores == self.cores:
+            return
+        try:
+            os.sched_setaffinity(self.tid, cores if cores is not None else self.every)
+            self.cores = cores
+        except OSError:  # the cores were taken from the process meanwhile: run where the scheduler likes
+            pass
 
 
 class _Workers:
-    """Persistent worker threads for the whole process, fed through one queue.
+    """Persistent worker threads for the whole process.
 
     A step hands each job to an idle worker with one queue put and learns it finished
     from one lock release: no future, no condition variable, no thread start. Each
-    submission reserves an idle worker or starts a new one, so a job never waits behind
-    another (nested calls cannot deadlock). Wrappers hold no thread of their own, which
-    keeps them picklable and copyable. A forked child starts with no workers.
+    submission reserves an idle worker (the one idle last, likely pinned as the job
+    needs) or starts a new one, so a job never waits behind another (nested calls cannot
+    deadlock). Wrappers hold no thread of their own, which keeps them picklable and
+    copyable. A forked child starts with no workers.
     """
 
     def __init__(self) -> None:
-        self.jobs: queue.SimpleQueue[tuple[Callable[[], None], threading.Lock]] = queue.SimpleQueue()
         self.lock = threading.Lock()
-        self.idle = 0
+        self.idle: list[_Worker] = []
+        self.cores: dict[tuple[frozenset[int], int, int | None], list[int]] = {}  # see cpu_cores
 
-    def submit(self, job: Callable[[], None]) -> threading.Lock:
-        """Run ``job`` (which must not raise) in a worker; the returned lock is released when it is done."""
+    def submit(self, job: Callable[[], None], cores: frozenset[int] | None = None) -> threading.Lock:
+        """Run ``job`` (which must not raise) in a worker; the returned lock is released when it is done.
+
+        The worker runs on ``cores`` only if given (set before it wakes: woken on another
+        core, it would wait there for its first instruction), anywhere otherwise.
+        """
         done = threading.Lock()
         done.acquire()
         with self.lock:
-            start = self.idle == 0
-            if not start:
-                self.idle -= 1
-        if start:
-            threading.Thread(target=self._loop, name="hetsplit", daemon=True).start()
-        self.jobs.put((job, done))
+            worker = self.idle.pop() if self.idle else None
+        if worker is None:
+            worker = _Worker(self)
+        worker.keep_to(cores)
+        worker.jobs.put((job, done))
         return done
-
-    def _loop(self) -> None:
-        while True:
-            job, done = self.jobs.get()
-            job()
-            # Idle again before the caller hears of it: its next submission then reuses
-            # this worker instead of starting another.
-            with self.lock:
-                self.idle += 1
-            done.release()
 
 
 _WORKERS = _Workers()
@@ -84,6 +116,61 @@ class _Context:
                 stack.enter_context(torch.autocast(kind, dtype=dtype))
         if device.type == "cuda":
             stack.enter_context(torch.cuda.device(device))
+
+
+def _current_core_reader() -> Callable[[], int] | None:
+    """libc's ``sched_getcpu`` (the core the calling thread runs on), or ``None`` where there is none."""
+    if not hasattr(os, "sched_setaffinity"):
+        return None
+    try:
+        import ctypes
+
+        read = ctypes.CDLL(None).sched_getcpu
+    except (OSError, AttributeError):
+        return None
+    read.restype, read.argtypes = ctypes.c_int, []
+    return read
+
+
+_CURRENT_CORE = _current_core_reader()
+
+
+def cpu_cores(devices: Sequence[Device], inline: int | None) -> list[int] | None:
+    """The core each job of a step runs on when every job is CPU work, or ``None`` to leave them be.
+
+    CPU jobs (real or emulated CPUs) computing in one thread each get a core of their
+    own, as separate devices would have. Left to itself the scheduler often wakes a
+    worker on the core of the thread that woke it, where the two share one core until it
+    moves one of them: on a 2-vCPU VM a balanced step ran 10 % slower whenever other work
+    had run in between, and the threads moving between cores lose their caches. The
+    cores are chosen once per process, starting from the one the calling thread runs on
+    (so processes beside this one, started on other cores, tend to keep apart), and
+    kept. Nothing is pinned when a job is not CPU work (untested there), when torch
+    computes with several threads (a pinned thread's intra-op threads would share its
+    core), with fewer allowed cores than jobs, where the platform has no thread affinity,
+    or when the environment sets ``HETSPLIT_PIN_CPU=0``.
+    """
+    if _CURRENT_CORE is None or len(devices) < 2 or os.environ.get("HETSPLIT_PIN_CPU") == "0":
+        return None
+    if any(d.type != "cpu" for d in devices) or torch.get_num_threads() != 1:
+        return None
+    allowed = frozenset(os.sched_getaffinity(0))
+    if len(allowed) < len(devices):
+        return None
+    key = (allowed, len(devices), inline)
+    cores = _WORKERS.cores.get(key)
+    if cores is None:
+        order = sorted(allowed)
+        here = _CURRENT_CORE()
+        start = order.index(here) if here in allowed else 0
+        order = order[start:] + order[:start]  # the calling thread's job on its own core, the others next
+        first = inline if inline is not None and inline < len(devices) else 0
+        jobs = [first] + [i for i in range(len(devices)) if i != first]
+        cores = [0] * len(devices)
+        for core, i in zip(order, jobs):
+            cores[i] = core
+        _WORKERS.cores[key] = cores
+    return cores
 
 
 def _reraise(e: BaseException, where: str) -> None:
@@ -145,11 +232,26 @@ def run_parallel(
             results[i] = (False, e)
 
     # The calling thread would only wait: it runs one job itself, the rest go to workers.
-    latches = [_WORKERS.submit(lambda i=i: run(i, False)) for i in range(len(fns)) if i != inline]
-    if inline is not None and inline < len(fns):
-        run(inline, True)
-    for done in latches:
-        done.acquire()
+    cores = cpu_cores(devices, inline)
+    # Workers are placed before they wake (see _Workers.submit), then the calling thread
+    # moves to its own core for its job and gets its cores back once the step's work is done.
+    latches = [
+        _WORKERS.submit(lambda i=i: run(i, False), frozenset({cores[i]}) if cores else None)
+        for i in range(len(fns))
+        if i != inline
+    ]
+    own = inline is not None and inline < len(fns)
+    before = os.sched_getaffinity(0) if cores is not None and own else None
+    try:
+        if before is not None:
+            os.sched_setaffinity(0, {cores[inline]})
+        if own:
+            run(inline, True)
+    finally:
+        for done in latches:
+            done.acquire()
+        if before is not None:
+            os.sched_setaffinity(0, before)
     values = []
     for i, (ok, value) in enumerate(results):
         if not ok:
