@@ -158,6 +158,7 @@ API_ROWS = [
      "this job runs 1 process"),
     ("16 bench calibration steps negative", lambda: _bench(calibrate=-1), ValueError, "got -1"),
     ("16 bench calibration steps not whole", lambda: _bench(calibrate=2.5), ValueError, ">= 0 (0: off), got 2.5"),
+    ("16 bench calibration seconds", lambda: _bench(calibrate_seconds=-1.0), ValueError, "seconds >= 0, got -1.0"),
 ]  # fmt: skip
 
 
@@ -354,6 +355,7 @@ CLI_ROWS = [
     ("15", ["demo", "--devices", ""], 1, "no devices given in ''"),
     ("15", ["bench", "--devices", ""], 1, "no devices given in ''"),
     ("16", ["bench", "--calibrate", "-1"], 2, "expected a whole number >= 0, got '-1'"),
+    ("16", ["bench", "--calibrate-seconds", "-0.5"], 2, "expected a number >= 0, got '-0.5'"),
     ("15", ["plan", "PROFILE", "--devices", "", "--batch-size", "8"], 1, "names no device"),
     ("15", ["demo", "--devices", "cpu"], 1, "two or more devices"),
     ("16", ["demo", "--threads-only", "--devices", "cpu"], 1, "two or more devices"),

@@ -1,3 +1,4 @@
+import dataclasses
 import json
 import math
 
@@ -74,39 +75,83 @@ def test_parse_change_rejects_bad_text(text, fragment):
 
 
 def test_bench_reports_predictions_beside_measurements():
-    r = bench("mlp", "cpu,cpu@1", batch_size=32, steps=2, warmup=1, profile_budget=2.0)
+    r = bench("mlp", "cpu,cpu@1", batch_size=32, steps=2, warmup=1, profile_budget=2.0, calibrate_seconds=0.3)
     assert set(r.predicted) >= {"even", "balanced", "single:cpu", "single:cpu@1"}
-    # The plan is calibrated inside the split first; its prediction adds the step's time
-    # outside the devices' work, measured there.
+    # The plan is calibrated inside the split first, 5 steps at a time until 0.3 s of them;
+    # its prediction is taken from those steps, the even split's adds their time outside
+    # the devices' work.
     cal = r.calibration
-    assert cal["steps"] == 5 and set(cal["factors"]) == {"cpu", "cpu@1"} and cal["rest"] >= 0
+    assert cal["steps"] >= 5 and cal["steps"] % 5 == 0 and set(cal["factors"]) == {"cpu", "cpu@1"}
+    assert cal["rest"] >= 0 and cal["uncertainty"] >= 0
     assert r.ideal_in_split == pytest.approx(sum(r.single[d] / cal["factors"][d] for d in r.single))
-    assert r.predicted["balanced"] == pytest.approx(r.plan.step_time + cal["rest"])
+    assert r.predicted["balanced"] == cal["step"]
+    assert r.predicted["even"] == pytest.approx(r.plan.even_time + cal["rest"])
     text = r.table()
     assert "predicted (ms)" in text and "left out of its fit" in text and "calibrated in the split" in text
     assert json.loads(json.dumps(r.to_dict()))["holdout"] == r.holdout
 
 
-@pytest.mark.parametrize("slow", [1.0, 2.0])
-def test_calibration_re_solves_from_busy_times_inside_the_split(slow):
-    # Both devices profiled alike; inside the split "b" is busy `slow` times its profile.
+def _calibrate(busy_steps, *, steps=None, seconds=0.0, pause=0.0):
+    """Calibrate a [50, 50] plan of two equally profiled devices on steps that report ``busy_steps``."""
+    import time
+
     import hetsplit
     from hetsplit.apps.bench import calibrate_plan
 
     prof = hetsplit.Profile.from_measurements({"a": [(10, 0.01), (100, 0.1)], "b": [(10, 0.01), (100, 0.1)]})
     plan = hetsplit.solve(prof, 100)
     assert plan.sizes == [50, 50]
-    busy = []
+    busy, todo = [], iter(busy_steps)
 
     def step():
-        busy.append({"a": 0.05, "b": 0.05 * slow})
+        time.sleep(pause)
+        busy.append(next(todo))
 
-    new, info = calibrate_plan(prof, plan, step, busy, [], steps=4, warmup=2)
+    steps = steps or len(busy_steps) - 2
+    new, info = calibrate_plan(prof, plan, step, busy, [], steps=steps, warmup=2, seconds=seconds)
+    return prof, new, info, busy
+
+
+@pytest.mark.parametrize("slow", [1.0, 2.0])
+def test_calibration_re_solves_from_busy_times_inside_the_split(slow):
+    # Both devices profiled alike; inside the split "b" is busy `slow` times its profile.
+    import hetsplit
+
+    prof, new, info, busy = _calibrate([{"a": 0.05, "b": 0.05 * slow}] * 6)
     assert len(busy) == 4 and info["steps"] == 4  # warm-up steps are not counted
-    assert info["factors"] == pytest.approx({"a": 1.0, "b": slow})
+    assert info["factors"] == pytest.approx({"a": 1.0, "b": slow}) and info["uncertainty"] == 0
     assert info["sizes"] == [50, 50] and info["predicted"] == pytest.approx(0.05)
     assert new.sizes == hetsplit.solve(prof, 100).sizes if slow == 1 else new.sizes == [67, 33]
+    # The prediction scales each step's busy times to the new shares: a 0.05 * 67/50, b 0.1 * 33/50.
+    assert info["step"] == pytest.approx(0.05 if slow == 1 else 0.067, abs=1e-3)
     assert info["rest"] >= 0
+
+
+def test_calibration_does_not_move_the_plan_inside_the_noise():
+    # "b" looks 6 % slower by its median, but its steps spread from 0.03 to 0.07 s: a move
+    # of a few samples would gain less than the estimate's own uncertainty.
+    import hetsplit
+
+    noisy = [0.03, 0.07, 0.053, 0.04, 0.065, 0.054, 0.06, 0.035]
+    prof, new, info, _ = _calibrate([{"a": 0.05, "b": b} for b in [0.05, 0.05, *noisy]])
+    assert info["factors"]["b"] == pytest.approx(1.06, abs=0.01) and info["uncertainty"] > 0.05
+    slower_b = [dataclasses.replace(e, curve=e.curve.scaled(info["factors"][e.name])) for e in prof.entries]
+    naive = hetsplit.solve(hetsplit.Profile(slower_b), 100).sizes
+    assert naive != [50, 50]  # re-solving from the medians alone would move ...
+    assert new.sizes == [50, 50]  # ... the calibration keeps the plan
+
+
+def test_calibration_predicts_the_slowest_device_of_each_step():
+    # The two devices take turns being slow: each one's median is 0.055 s, every step 0.06 s.
+    a, b = [0.05, 0.06] * 3, [0.06, 0.05] * 3
+    _, new, info, _ = _calibrate([{"a": x, "b": y} for x, y in zip(a, b)])
+    assert new.sizes == [50, 50] and max(new.times) == pytest.approx(0.055, rel=0.01)
+    assert info["step"] == pytest.approx(0.06)
+
+
+def test_calibration_runs_until_its_seconds_are_spent():
+    _, _, info, busy = _calibrate([{"a": 0.05, "b": 0.05}] * 200, steps=4, seconds=0.03, pause=0.002)
+    assert info["steps"] % 4 == 0 and 8 <= info["steps"] == len(busy) < 30
 
 
 def test_a_calibration_that_split_nothing_still_prints():

@@ -6,7 +6,6 @@ import copy
 import datetime as _dt
 import platform
 import statistics
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -17,11 +16,10 @@ from torch import nn
 from ..devices import Device, DeviceLike, parse_devices
 from ..parallel.data_parallel import HeteroDataParallel
 from ..planning.curve import holdout_error
-from ..planning.plan import Plan
-from ..planning.rebalance import Rebalancer
 from ..planning.solver import solve
 from ..profiler import profile as run_profile
 from .bench_result import BenchResult
+from .bench_timing import calibrate_plan, time_steps
 from .models import ModelSpec, build_model, load_model, synthetic_batch
 
 __all__ = [
@@ -75,50 +73,6 @@ def keep_freed_memory() -> bool:
         return False
 
 
-def time_steps(
-    steps_by_name: dict[str, Callable[[], None]],
-    devices: Sequence[Device],
-    steps: int,
-    warmup: int,
-    *,
-    progress: bool = False,
-    samples: dict[str, list[float]] | None = None,
-) -> dict[str, float]:
-    """Median seconds per call of each step function, timed round-robin.
-
-    The configurations take turns step by step, so a machine whose speed drifts (a
-    shared VM, thermal throttling) slows them all alike instead of whichever ran last.
-
-    Args:
-        steps_by_name: One zero-argument step function per configuration.
-        devices: Devices to synchronise after each step, so it is timed whole.
-        steps: Timed steps per configuration.
-        warmup: Untimed steps per configuration first.
-        progress: Show a progress bar (tqdm).
-        samples: If given, receives every step's seconds per configuration.
-    """
-    from tqdm.auto import tqdm
-
-    total = (warmup + steps) * len(steps_by_name)
-    with tqdm(total=total, disable=not progress, desc="training", unit="step", leave=False) as bar:
-        for fn in steps_by_name.values():
-            for _ in range(warmup):
-                fn()
-                bar.update()
-        times: dict[str, list[float]] = {name: [] for name in steps_by_name}
-        for _ in range(steps):
-            for name, fn in steps_by_name.items():
-                start = time.perf_counter()
-                fn()
-                for d in devices:
-                    d.synchronize()
-                times[name].append(time.perf_counter() - start)
-                bar.update()
-    if samples is not None:
-        samples.update(times)
-    return {name: statistics.median(ts) for name, ts in times.items()}
-
-
 def plain_step(model: nn.Module, dev: Device, x: torch.Tensor, y: torch.Tensor) -> Callable[[], None]:
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     x, y = x.to(dev.torch_device), y.to(dev.torch_device)
@@ -164,6 +118,7 @@ def bench(
     mode: str = "gather",
     profile_budget: float = 20.0,
     calibrate: int = 5,
+    calibrate_seconds: float = 2.0,
     seed: int = 0,
     log: Callable[[str], None] | None = None,
     progress: bool = False,
@@ -187,6 +142,9 @@ def bench(
             measured time outside the devices' work. A profile times each device alone;
             inside the split the devices share the host (cores, memory bandwidth, the
             interpreter), which is what these steps see.
+        calibrate_seconds: Go on calibrating, ``calibrate`` steps at a time, until the
+            calibration steps took this long (fewer steps leave more noise in the factors
+            and the prediction; 0: exactly ``calibrate`` steps).
         seed: Seed of the model and the synthetic data.
         log: Called with a line of progress per configuration.
         progress: Show progress bars (tqdm) while profiling and training.
@@ -198,6 +156,8 @@ def bench(
         raise ValueError(f"mode must be 'gather' or 'local', got {mode!r}")
     if isinstance(calibrate, bool) or not isinstance(calibrate, int) or calibrate < 0:
         raise ValueError(f"calibrate must be a whole number of steps >= 0 (0: off), got {calibrate!r}")
+    if not 0 <= calibrate_seconds < float("inf"):
+        raise ValueError(f"calibrate_seconds must be a number of seconds >= 0, got {calibrate_seconds!r}")
     devs = parse_devices(devices)
     tuned = keep_freed_memory()
     if len(devs) < 2:
@@ -231,13 +191,13 @@ def bench(
     bal_dp = HeteroDataParallel(copy.deepcopy(base).to(home), devs, plan=plan)
     configs["balanced"] = dp_step(bal_dp, x, y, mode, busy["balanced"])
     calibration: dict[str, Any] = {}
-    predicted_rest = 0.0
     if calibrate > 0:
-        say(f"calibrating the plan {plan.sizes} inside the split over {calibrate} steps ...")
-        plan, calibration = calibrate_plan(prof, plan, configs["balanced"], busy["balanced"], devs, calibrate, warmup)
+        say(f"calibrating the plan {plan.sizes} inside the split over {calibrate}+ steps ...")
+        plan, calibration = calibrate_plan(
+            prof, plan, configs["balanced"], busy["balanced"], devs, calibrate, warmup, seconds=calibrate_seconds
+        )
         bal_dp.set_plan(plan)
         busy["balanced"].clear()
-        predicted_rest = calibration["rest"]
     real = [d for d in devs if not d.emulated and d.torch_device == home]
     if real:
         one = HeteroDataParallel(copy.deepcopy(base).to(home), [real[0]], weights=[1])
@@ -252,7 +212,8 @@ def bench(
     overhead = step_times["one-device"] / step_times[f"single:{real[0].name}"] - 1.0 if real else None
     predicted = {f"single:{d.name}": prof.step_time(d.name, batch_size) for d in devs}
     # The splits run in the same engine: both add the step's time outside the devices' work.
-    predicted.update(even=plan.even_time + predicted_rest, balanced=plan.step_time + predicted_rest)
+    rest = calibration.get("rest", 0.0)
+    predicted.update(even=plan.even_time + rest, balanced=calibration.get("step", plan.step_time))
     return BenchResult(
         devices=[d.name for d in devs],
         model=spec.name,
@@ -280,54 +241,6 @@ def bench(
             "allocator_kept_memory": tuned,
         },
     )
-
-
-def calibrate_plan(
-    prof: Any,
-    plan: Plan,
-    step: Callable[[], None],
-    busy: list[dict[str, float]],
-    devs: Sequence[Device],
-    steps: int,
-    warmup: int,
-) -> tuple[Plan, dict[str, Any]]:
-    """Run ``step`` (balanced, on ``plan``) and re-solve from each device's busy time inside the split.
-
-    The factors are the :class:`~hetsplit.Rebalancer`'s (the median over the steps of busy
-    over predicted seconds, per device); ``rest`` is the median of each step's wall time
-    beyond its busiest device, which the plan's curves do not hold (loss, gather, the
-    optimizer, hand-offs).
-
-    Args:
-        prof: The devices' profile, which ``plan`` was solved from.
-        plan: The plan ``step`` runs.
-        step: One balanced training step; appends the devices' busy seconds to ``busy``.
-        busy: Filled by ``step``, one dict per step (left holding the calibration steps').
-        devs: Devices to synchronise after each step, so it is timed whole.
-        steps: Calibration steps.
-        warmup: Untimed steps first.
-
-    Returns:
-        The calibrated plan and what was measured (see ``BenchResult.calibration``).
-    """
-    seen_before = len(busy)
-    samples: dict[str, list[float]] = {}
-    time_steps({"balanced": step}, devs, steps, warmup, samples=samples)
-    walls = samples["balanced"]
-    del busy[: seen_before + warmup]  # the warm-up steps' busy times are not calibration
-    rebalancer = Rebalancer(prof)
-    for seen in busy:
-        rebalancer.record(plan, seen)
-    corrected = solve(rebalancer.corrected(plan.devices), plan.batch_size)
-    rest = statistics.median(max(0.0, w - max(b.values(), default=0.0)) for w, b in zip(walls, busy))
-    info = {
-        "steps": steps,
-        "factors": rebalancer.factors(),
-        "rest": rest,
-        "sizes": list(plan.sizes),
-        "predicted": plan.step_time,
-    }
-    return corrected, info
 
 
 def holdout_errors(prof: Any) -> dict[str, dict[str, float]]:

@@ -29,7 +29,10 @@ def _ints(text: str) -> list[int]:
 
 def _positive(kind: type, *, zero: bool = False) -> Callable[[str], Any]:
     """An argparse type: a positive (or with ``zero``, non-negative) ``int`` or ``float``, naming the value."""
-    noun = ("a whole number >= 0" if zero else "a positive integer") if kind is int else "a positive number"
+    if kind is int:
+        noun = "a whole number >= 0" if zero else "a positive integer"
+    else:
+        noun = "a number >= 0" if zero else "a positive number"
 
     def parse(text: str) -> Any:
         try:
@@ -44,6 +47,7 @@ def _positive(kind: type, *, zero: bool = False) -> Callable[[str], Any]:
 
 
 _positive_int, _positive_float, _count = _positive(int), _positive(float), _positive(int, zero=True)
+_non_negative_float = _positive(float, zero=True)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -135,6 +139,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=_count,
         default=5,
         help="balanced steps that calibrate the plan inside the split before timing (default 5; 0: off)",
+    )
+    p.add_argument(
+        "--calibrate-seconds",
+        type=_non_negative_float,
+        default=2.0,
+        help="calibrate on, --calibrate steps at a time, until they took this long (default 2; 0: just --calibrate)",
     )
     p.add_argument(
         "--threads", type=_positive_int, help="torch intra-op CPU threads (1 is steadiest for emulated CPUs)"

@@ -278,6 +278,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         mode=args.mode,
         profile_budget=args.profile_budget,
         calibrate=args.calibrate,
+        calibrate_seconds=args.calibrate_seconds,
         log=log,
     )
     print(result.table())

@@ -1,0 +1,154 @@
+"""Bench timing: the harness's round-robin step timer, and calibrating a plan inside the split."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from ..devices import Device
+from ..planning.plan import Plan
+from ..planning.rebalance import Rebalancer
+from ..planning.solver import plan_from_sizes
+
+__all__ = ["MAX_CALIBRATION_STEPS", "calibrate_plan", "time_steps"]
+
+# Calibration steps at most, however short a step is.
+MAX_CALIBRATION_STEPS = 200
+
+
+def time_steps(
+    steps_by_name: dict[str, Callable[[], None]],
+    devices: Sequence[Device],
+    steps: int,
+    warmup: int,
+    *,
+    progress: bool = False,
+    samples: dict[str, list[float]] | None = None,
+) -> dict[str, float]:
+    """Median seconds per call of each step function, timed round-robin.
+
+    The configurations take turns step by step, so a machine whose speed drifts (a
+    shared VM, thermal throttling) slows them all alike instead of whichever ran last.
+
+    Args:
+        steps_by_name: One zero-argument step function per configuration.
+        devices: Devices to synchronise after each step, so it is timed whole.
+        steps: Timed steps per configuration.
+        warmup: Untimed steps per configuration first.
+        progress: Show a progress bar (tqdm).
+        samples: If given, receives every step's seconds per configuration.
+    """
+    from tqdm.auto import tqdm
+
+    total = (warmup + steps) * len(steps_by_name)
+    with tqdm(total=total, disable=not progress, desc="training", unit="step", leave=False) as bar:
+        for fn in steps_by_name.values():
+            for _ in range(warmup):
+                fn()
+                bar.update()
+        times: dict[str, list[float]] = {name: [] for name in steps_by_name}
+        for _ in range(steps):
+            for name, fn in steps_by_name.items():
+                start = time.perf_counter()
+                fn()
+                for d in devices:
+                    d.synchronize()
+                times[name].append(time.perf_counter() - start)
+                bar.update()
+    if samples is not None:
+        samples.update(times)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def calibrate_plan(
+    prof: Any,
+    plan: Plan,
+    step: Callable[[], None],
+    busy: list[dict[str, float]],
+    devs: Sequence[Device],
+    steps: int,
+    warmup: int,
+    *,
+    seconds: float = 0.0,
+) -> tuple[Plan, dict[str, Any]]:
+    """Run ``step`` (balanced, on ``plan``) and re-solve from each device's busy time inside the split.
+
+    The factors are the :class:`~hetsplit.Rebalancer`'s (the median over the steps of busy
+    over predicted seconds, per device). The plan moves only when the rebalancer's rule
+    says so: when the predicted gain beats both 1 % and twice the factors' own
+    uncertainty, since a move inside the noise makes the step no faster while its
+    prediction, taken from the luckiest steps, looks better than it is. ``rest`` is the
+    median of each step's wall time beyond its busiest device (loss, gather, the optimizer,
+    hand-offs), which the plan's curves do not hold.
+
+    The predicted step is taken step by step: each calibration step's busy times, scaled
+    to the new shares by the profile's curves, their longest, plus that step's rest; the
+    median over the steps. A step lasts as long as its slowest device, and the slowest
+    of several noisy devices is slower on average than the slowest of their medians.
+
+    Args:
+        prof: The devices' profile, which ``plan`` was solved from.
+        plan: The plan ``step`` runs.
+        step: One balanced training step; appends the devices' busy seconds to ``busy``.
+        busy: Filled by ``step``, one dict per step (left holding the calibration steps').
+        devs: Devices to synchronise after each step, so it is timed whole.
+        steps: Calibration steps (at least).
+        warmup: Untimed steps first.
+        seconds: Keep calibrating, ``steps`` at a time, until the steps took this long
+            (the factors' noise falls with the number of steps; 0: exactly ``steps``).
+
+    Returns:
+        The calibrated plan and what was measured (see ``BenchResult.calibration``).
+    """
+    seen_before = len(busy)
+    samples: dict[str, list[float]] = {}
+    time_steps({"balanced": step}, devs, steps, warmup, samples=samples)
+    walls = samples["balanced"]
+    while sum(walls) < seconds and len(walls) < MAX_CALIBRATION_STEPS:
+        time_steps({"balanced": step}, devs, steps, 0, samples=samples)
+        walls += samples["balanced"]
+    del busy[: seen_before + warmup]  # the warm-up steps' busy times are not calibration
+    rebalancer = Rebalancer(prof, every=1, threshold=0.01, max_move=1.0, window=max(1, len(busy)))
+    for seen in busy:
+        rebalancer.record(plan, seen)
+    moved = rebalancer.propose(plan)
+    corrected = moved or plan_from_sizes(rebalancer.corrected(plan.devices), plan.devices, plan.sizes)
+    rests = [max(0.0, w - max(b.values(), default=w)) for w, b in zip(walls, busy)]
+    info = {
+        "steps": len(walls),
+        "factors": rebalancer.factors(),
+        "uncertainty": rebalancer.uncertainty(list(rebalancer.factors())),
+        "rest": statistics.median(rests),
+        "step": statistics.median(_scaled_steps(prof, plan, corrected, busy, walls, rests)),
+        "sizes": list(plan.sizes),
+        "predicted": plan.step_time,
+    }
+    return corrected, info
+
+
+def _scaled_steps(
+    prof: Any, plan: Plan, new: Plan, busy: list[dict[str, float]], walls: list[float], rests: list[float]
+) -> list[float]:
+    """Each calibration step's wall time had it run ``new``: busy times scaled by the curves, plus its rest."""
+
+    def lap(name: str, micro: list[int]) -> float:
+        curve = prof.entry(name).curve
+        return sum(curve(m) for m in micro)
+
+    out = []
+    for wall, seen, rest in zip(walls, busy, rests):
+        if not seen:  # the module's own step (one active device): no busy times, the wall is the work
+            out.append(wall)
+            continue
+        longest = 0.0
+        for name, was, now in zip(plan.devices, plan.micro_batches, new.micro_batches):
+            after = lap(name, now)
+            before = lap(name, was) if seen.get(name) else 0.0
+            if after > 0:
+                longest = max(
+                    longest, seen[name] * after / before if before > 0 else new.times[new.devices.index(name)]
+                )
+        out.append(longest + rest)
+    return out
