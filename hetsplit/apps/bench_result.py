@@ -32,15 +32,19 @@ class BenchResult:
             scatters, gathers, computes the loss and steps the optimizer).
         meta: Date, host, torch version, threads, steps.
         predicted: The predicted seconds per step of each configuration: each device alone
-            from its profile; the splits from the calibrated curves plus the step's time
-            outside the devices' work measured in calibration.
+            from its profile; the balanced split from the calibration steps (see
+            ``calibration``); the even split from the calibrated curves plus the step's
+            time outside the devices' work measured in calibration.
         holdout: Per device, the profile's error at a measured size left out of its fit
             (``batch``, ``predicted``, ``measured``).
-        processes: The demo's process engine on the balanced split (``step``, ``allreduce``, ``gradient_bytes``).
+        processes: The demo's process engine on the balanced split (``step``, ``steps``, ``allreduce``,
+            ``gradient_bytes``, and ``work``: each rank's own step without the all-reduce).
         calibration: How the balanced plan was calibrated inside the split (empty: not
             calibrated): ``steps``, each device's ``factors`` (busy seconds in the split over
-            the profile's prediction), ``rest`` (seconds of a step outside the devices'
-            work), and the profile-alone plan's ``sizes`` and ``predicted`` step.
+            the profile's prediction) and their ``uncertainty`` (relative standard error),
+            ``rest`` (seconds of a step outside the devices' work), ``step`` (the calibrated
+            plan's predicted seconds a step), and the profile-alone plan's ``sizes`` and
+            ``predicted`` step.
     """
 
     devices: list[str]

@@ -239,12 +239,18 @@ def _engines(result: BenchResult) -> list[str]:
         if ratio < 1.05
         else f"{winner} win on this machine, {ratio:.2f}x faster than {loser}"
     )
+    # For processes, the step less the slowest rank's own work (the same steps without the
+    # all-reduce); one all-reduce of the gradients, timed alone, says how much of it is that.
+    work = proc.get("work")
+    beyond = ""
+    if work:
+        beyond = f" {max(0.0, procs - max(work)) * 1e3:.1f} ms a step beyond the slowest rank's own work, of which"
     return [
         f"engines, balanced split: threads (HeteroDataParallel, one process) {threads * 1e3:.1f} ms a step; "
         f"processes (hetsplit launch, {len(result.devices)} gloo ranks, DDP) {procs * 1e3:.1f} ms",
         f"{head}: threads spend {outside * 1e3:.1f} ms a step outside the devices' work (hand-offs, gathering, "
-        f"one interpreter's lock); processes spend {proc['allreduce'] * 1e3:.1f} ms on an all-reduce of "
-        f"{proc['gradient_bytes'] / 1e3:,.0f} kB of gradients, and start a Python per device",
+        f"one interpreter's lock); processes spend{beyond} {proc['allreduce'] * 1e3:.1f} ms on an all-reduce of "
+        f"{proc['gradient_bytes'] / 1e3:,.0f} kB of gradients (the rest: DDP's hooks, ranks waiting on each other)",
     ]
 
 
