@@ -1,9 +1,11 @@
 """run_parallel: per-device work in worker threads that carry the caller's grad mode and autocast."""
 
 import os
+import signal
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 import torch
@@ -87,21 +89,47 @@ def test_nothing_is_pinned_when_torch_computes_with_several_threads():
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="thread affinity exists on Linux only")
-def test_a_worker_started_by_a_pinned_step_is_let_go_afterwards():
-    # In a fresh process, the first pinned step starts the worker; a later unpinned step
-    # must give it every core the process may use, not the one it was started beside.
+def test_a_worker_started_inside_a_pinned_job_is_not_confined_to_its_core():
+    # In a fresh process: a job pinned to one core runs a step of its own (nested), which
+    # starts a worker there. That worker, and every unpinned job later, may use every core.
     code = (
         "import os, torch, hetsplit\n"
         "torch.set_num_threads(1)\n"
         "seen = {}\n"
-        "probe = lambda i: (lambda: seen.__setitem__(i, os.sched_getaffinity(0)))\n"
+        "probe = lambda i: (lambda: seen.__setitem__(i, len(os.sched_getaffinity(0))))\n"
         "devs = hetsplit.parse_devices(['cpu', 'cpu@0.5'])\n"
-        "hetsplit.run_parallel([probe(0), probe(1)], devs)\n"
-        "pinned = dict(seen)\n"
+        "nested = lambda: hetsplit.run_parallel([probe('outer'), probe('new worker')], devs)\n"
+        "hetsplit.run_parallel([lambda: None, nested], devs)\n"
         "os.environ['HETSPLIT_PIN_CPU'] = '0'\n"
-        "hetsplit.run_parallel([probe(0), probe(1)], devs)\n"
-        "print(len(pinned[1]), len(seen[1]), len(os.sched_getaffinity(0)))\n"
+        "hetsplit.run_parallel([probe(0), probe(1), probe(2)], devs[:1] * 3, inline=None)\n"
+        "print(seen['outer'], seen['new worker'], seen[0], seen[1], seen[2])\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     allowed = len(os.sched_getaffinity(0))
-    assert out == [str(1 if allowed >= 2 else allowed), str(allowed), str(allowed)]
+    assert out == [str(1 if allowed >= 2 else allowed)] + [str(allowed)] * 4
+
+
+class _Stop(Exception):
+    pass
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="thread affinity exists on Linux only")
+def test_a_step_interrupted_while_waiting_gives_the_caller_its_cores_back(one_thread):
+    # A signal (Ctrl-C in a notebook) lands while the calling thread waits for a worker.
+    def stop(signum, frame):
+        raise _Stop
+
+    old = signal.signal(signal.SIGUSR1, stop)
+    timer = threading.Timer(0.3, signal.pthread_kill, (threading.main_thread().ident, signal.SIGUSR1))
+    before, during = os.sched_getaffinity(0), []
+    try:
+        timer.start()
+        with pytest.raises(_Stop):
+            run_parallel(
+                [lambda: during.append(os.sched_getaffinity(0)), lambda: time.sleep(3)], parse_devices(DEVICES)
+            )
+        assert os.sched_getaffinity(0) == before
+        assert len(during[0]) == (1 if len(before) >= 2 else len(before))  # it was pinned while it ran its job
+    finally:
+        timer.cancel()
+        signal.signal(signal.SIGUSR1, old)

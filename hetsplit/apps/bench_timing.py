@@ -102,6 +102,8 @@ def calibrate_plan(
     Returns:
         The calibrated plan and what was measured (see ``BenchResult.calibration``).
     """
+    if steps < 1:
+        raise ValueError(f"calibration needs at least one step, got steps={steps!r}")
     seen_before = len(busy)
     samples: dict[str, list[float]] = {}
     time_steps({"balanced": step}, devs, steps, warmup, samples=samples)
@@ -111,10 +113,14 @@ def calibrate_plan(
         walls += samples["balanced"]
     del busy[: seen_before + warmup]  # the warm-up steps' busy times are not calibration
     rebalancer = Rebalancer(prof, every=1, threshold=0.01, max_move=1.0, window=max(1, len(busy)))
+    # A plan that runs a share as micro-batches (a memory cap) is re-solved and re-cut alike.
+    rebalancer.accumulate = any(len(m) > 1 for m in plan.micro_batches)
     for seen in busy:
         rebalancer.record(plan, seen)
     moved = rebalancer.propose(plan)
-    corrected = moved or plan_from_sizes(rebalancer.corrected(plan.devices), plan.devices, plan.sizes)
+    corrected = moved or plan_from_sizes(
+        rebalancer.corrected(plan.devices), plan.devices, plan.sizes, accumulate=rebalancer.accumulate
+    )
     rests = [max(0.0, w - max(b.values(), default=w)) for w, b in zip(walls, busy)]
     info = {
         "steps": len(walls),

@@ -243,8 +243,8 @@ def _engines(result: BenchResult) -> list[str]:
     # all-reduce); one all-reduce of the gradients, timed alone, says how much of it is that.
     work = proc.get("work")
     beyond = ""
-    if work:
-        beyond = f" {max(0.0, procs - max(work)) * 1e3:.1f} ms a step beyond the slowest rank's own work, of which"
+    if work and procs - max(work) >= proc["allreduce"]:
+        beyond = f" {(procs - max(work)) * 1e3:.1f} ms a step beyond the slowest rank's own work, of which"
     return [
         f"engines, balanced split: threads (HeteroDataParallel, one process) {threads * 1e3:.1f} ms a step; "
         f"processes (hetsplit launch, {len(result.devices)} gloo ranks, DDP) {procs * 1e3:.1f} ms",

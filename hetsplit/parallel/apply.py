@@ -23,15 +23,18 @@ class _Worker:
 
     def __init__(self, pool: _Workers) -> None:
         self.jobs: queue.SimpleQueue[tuple[Callable[[], None], threading.Lock]] = queue.SimpleQueue()
-        self.cores: frozenset[int] | None = None  # the cores it is kept to; None: as it started
-        self.every: frozenset[int] = frozenset()  # the cores it started with
+        self.cores: frozenset[int] | None = None  # the cores it is kept to; None: the pool's free cores
+        self.pool = pool
         self.tid = 0
         started = threading.Event()
 
         def loop() -> None:
             self.tid = threading.get_native_id()
-            if hasattr(os, "sched_getaffinity"):
-                self.every = frozenset(os.sched_getaffinity(0))
+            # A thread inherits its creator's cores: started from a pinned job (a nested
+            # step), it would stay on that one core. It starts free instead.
+            if pool.free:
+                self.cores = frozenset()
+                self.keep_to(None)
             started.set()
             while True:
                 job, done = self.jobs.get()
@@ -46,11 +49,11 @@ class _Worker:
         started.wait()
 
     def keep_to(self, cores: frozenset[int] | None) -> None:
-        """Let the thread run on ``cores`` only (``None``: wherever it could before); a no-op when so already."""
-        if cores == self.cores:
+        """Let the thread run on ``cores`` only (``None``: the pool's free cores); a no-op when so already."""
+        if cores == self.cores or not self.pool.free:
             return
         try:
-            os.sched_setaffinity(self.tid, cores if cores is not None else self.every)
+            os.sched_setaffinity(self.tid, cores if cores is not None else self.pool.free)
             self.cores = cores
         except OSError:  # the cores were taken from the process meanwhile: run where the scheduler likes
             pass
@@ -61,8 +64,8 @@ class _Workers:
 
     A step hands each job to an idle worker with one queue put and learns it finished
     from one lock release: no future, no condition variable, no thread start. Each
-    submission reserves an idle worker (the one idle last, likely pinned as the job
-    needs) or starts a new one, so a job never waits behind another (nested calls cannot
+    submission reserves an idle worker (one already on the job's cores if there is one)
+    or starts a new one, so a job never waits behind another (nested calls cannot
     deadlock). Wrappers hold no thread of their own, which keeps them picklable and
     copyable. A forked child starts with no workers.
     """
@@ -71,6 +74,8 @@ class _Workers:
         self.lock = threading.Lock()
         self.idle: list[_Worker] = []
         self.cores: dict[tuple[frozenset[int], int, int | None], list[int]] = {}  # see cpu_cores
+        # The cores the process may use, as it started (or forked): where unpinned workers run.
+        self.free = frozenset(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else frozenset()
 
     def submit(self, job: Callable[[], None], cores: frozenset[int] | None = None) -> threading.Lock:
         """Run ``job`` (which must not raise) in a worker; the returned lock is released when it is done.
@@ -81,7 +86,9 @@ class _Workers:
         done = threading.Lock()
         done.acquire()
         with self.lock:
-            worker = self.idle.pop() if self.idle else None
+            # The one already where the job goes saves a move; else the one idle last.
+            at = next((k for k in range(len(self.idle) - 1, -1, -1) if self.idle[k].cores == cores), -1)
+            worker = self.idle.pop(at) if self.idle else None
         if worker is None:
             worker = _Worker(self)
         worker.keep_to(cores)
@@ -244,14 +251,20 @@ def run_parallel(
     before = os.sched_getaffinity(0) if cores is not None and own else None
     try:
         if before is not None:
-            os.sched_setaffinity(0, {cores[inline]})
+            try:
+                os.sched_setaffinity(0, {cores[inline]})
+            except OSError:  # the core was taken from the process meanwhile: run where the scheduler likes
+                before = None
         if own:
             run(inline, True)
     finally:
-        for done in latches:
-            done.acquire()
-        if before is not None:
-            os.sched_setaffinity(0, before)
+        try:
+            for done in latches:
+                done.acquire()
+        finally:  # also when interrupted while waiting: the caller never stays pinned
+            if before is not None:
+                with contextlib.suppress(OSError):
+                    os.sched_setaffinity(0, before)
     values = []
     for i, (ok, value) in enumerate(results):
         if not ok:
