@@ -1,5 +1,6 @@
 """run_parallel: per-device work in worker threads that carry the caller's grad mode and autocast."""
 
+import copy
 import os
 import signal
 import subprocess
@@ -133,3 +134,25 @@ def test_a_step_interrupted_while_waiting_gives_the_caller_its_cores_back(one_th
     finally:
         timer.cancel()
         signal.signal(signal.SIGUSR1, old)
+
+
+def test_pinned_replicas_still_give_the_full_batch_gradients(one_thread, monkeypatch):
+    # The cores change where replicas run, never what they compute: float64, exact.
+    import hetsplit
+
+    monkeypatch.delenv("HETSPLIT_PIN_CPU", raising=False)
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 4, 3), torch.nn.ReLU(), torch.nn.Flatten(), torch.nn.LazyLinear(5)
+    ).double()
+    x, y = torch.randn(24, 3, 8, 8, dtype=torch.float64), torch.randint(0, 5, (24,))
+    net(x[:2])  # materialise the lazy layer
+    ref = copy.deepcopy(net)
+    torch.nn.functional.cross_entropy(ref(x), y).backward()
+    dp = hetsplit.HeteroDataParallel(net, ["cpu", "cpu@0.5"], weights=[17, 7])
+    torch.nn.functional.cross_entropy(dp(x), y).backward()
+    expected = cpu_cores(parse_devices(["cpu", "cpu@0.5"]), 0)
+    assert (expected is not None) == (hasattr(os, "sched_setaffinity") and len(os.sched_getaffinity(0)) >= 2)
+    for p, q in zip(net.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-12)
