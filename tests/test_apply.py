@@ -50,6 +50,12 @@ def _cores_seen(devices, inline=0):
     return [seen[i] for i in range(len(devices))], before, os.sched_getaffinity(0)
 
 
+@pytest.fixture(autouse=True)
+def _default_pinning(monkeypatch):
+    # A developer's HETSPLIT_PIN_CPU=0 must not change what these tests see.
+    monkeypatch.delenv("HETSPLIT_PIN_CPU", raising=False)
+
+
 @pytest.fixture
 def one_thread():
     threads = torch.get_num_threads()
@@ -136,11 +142,9 @@ def test_a_step_interrupted_while_waiting_gives_the_caller_its_cores_back(one_th
         signal.signal(signal.SIGUSR1, old)
 
 
-def test_pinned_replicas_still_give_the_full_batch_gradients(one_thread, monkeypatch):
+def test_pinned_replicas_still_give_the_full_batch_gradients(one_thread):
     # The cores change where replicas run, never what they compute: float64, exact.
     import hetsplit
-
-    monkeypatch.delenv("HETSPLIT_PIN_CPU", raising=False)
 
     torch.manual_seed(0)
     net = torch.nn.Sequential(
