@@ -213,6 +213,10 @@ def _worker(rank, init_file, out_dir):
     else:
         time.sleep(6)
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(res))
+    # Both ranks done before the groups go: left to interpreter exit, gloo's threads can
+    # abort the process ("terminate called without an active exception").
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
