@@ -211,7 +211,8 @@ def bench(
     }
     overhead = step_times["one-device"] / step_times[f"single:{real[0].name}"] - 1.0 if real else None
     predicted = {f"single:{d.name}": prof.step_time(d.name, batch_size) for d in devs}
-    # The splits run in the same engine: both add the step's time outside the devices' work.
+    # The even split adds the calibration's time outside the devices' work to its curves; the
+    # balanced one is predicted from the calibration steps themselves (see calibrate_plan).
     rest = calibration.get("rest", 0.0)
     predicted.update(even=plan.even_time + rest, balanced=calibration.get("step", plan.step_time))
     return BenchResult(
