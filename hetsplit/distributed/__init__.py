@@ -3,7 +3,7 @@
 ``_group`` (ranks, collectives that fail with one clear error) → ``rank_plan`` (each rank
 profiles its device, rank 0 solves, DDP steps calibrate) → ``sampler`` (each rank's
 share of every global batch; ``accumulate`` its micro-batches) → ``comm_hooks`` (gradients weighted by shard) →
-``rebalance`` (online rebalancing across ranks).
+``rebalance`` (online rebalancing across ranks); ``teardown`` waits at exit for gloo's workers.
 """
 
 from ._group import DistributedError, failure_message, guard, init_timeout, is_failure, verify_plan
@@ -13,6 +13,7 @@ from .rank_plan import plan, rank_device
 from .rebalance import DistributedRebalancer
 from .sampler import HeteroBatchSampler, HeteroDistributedSampler, data_loader
 from .setup import ENV_DEVICES, init
+from .teardown import drain_at_exit
 
 __all__ = [
     "ENV_DEVICES",
@@ -22,6 +23,7 @@ __all__ = [
     "HeteroDistributedSampler",
     "WeightingState",
     "data_loader",
+    "drain_at_exit",
     "failure_message",
     "guard",
     "init",

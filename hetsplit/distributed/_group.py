@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from ..emulation import is_out_of_memory
 from ..planning.plan import Plan
+from .teardown import drain_at_exit
 
 __all__ = [
     "DistributedError",
@@ -58,6 +59,7 @@ def group_info(group: Any) -> tuple[int, int]:
             "torch.distributed is not initialised; call torch.distributed.init_process_group(...) first "
             "(torchrun sets the environment for it)"
         )
+    drain_at_exit()  # this rank uses the group: at exit, let gloo's workers finish first (see teardown)
     return dist.get_rank(group), dist.get_world_size(group)
 
 

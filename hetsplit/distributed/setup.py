@@ -9,6 +9,7 @@ import torch.distributed as dist
 
 from ..devices import Device, parse_device
 from ._group import init_timeout
+from .teardown import drain_at_exit
 
 __all__ = ["ENV_DEVICES", "rank_devices", "choose_backend", "init"]
 
@@ -92,4 +93,5 @@ def init(timeout: float | None = None, *, devices: str | None = None, backend: s
     kwargs = {"timeout": init_timeout(timeout)} if timeout is not None else {}
     if not dist.is_initialized():
         dist.init_process_group(backend, **kwargs)
+    drain_at_exit()  # at exit, let gloo's workers finish with the last collective first (see teardown)
     return device
