@@ -75,7 +75,10 @@ def test_parse_change_rejects_bad_text(text, fragment):
 
 
 def test_bench_reports_predictions_beside_measurements():
-    r = bench("mlp", "cpu,cpu@1", batch_size=32, steps=2, warmup=1, profile_budget=2.0, calibrate_seconds=0.3)
+    # LeNet, not the tiny MLP: its plan splits (the MLP's may give one device all 32, whose
+    # direct steps report no busy times and so no factors; CI saw it once).
+    r = bench("lenet", "cpu,cpu@1", batch_size=64, steps=2, warmup=1, profile_budget=2.0, calibrate_seconds=0.3)
+    assert all(r.plan.sizes)
     assert set(r.predicted) >= {"even", "balanced", "single:cpu", "single:cpu@1"}
     # The plan is calibrated inside the split first, 5 steps at a time until 0.3 s of them;
     # its prediction is taken from those steps, the even split's adds their time outside
