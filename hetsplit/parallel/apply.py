@@ -157,6 +157,12 @@ def cpu_cores(devices: Sequence[Device], inline: int | None) -> list[int] | None
     core), with fewer allowed cores than jobs, where the platform has no thread affinity,
     or when the environment sets ``HETSPLIT_PIN_CPU=0``.
     """
+    placed = _placement(devices, inline)
+    return placed[0] if placed else None
+
+
+def _placement(devices: Sequence[Device], inline: int | None) -> tuple[list[int], frozenset[int]] | None:
+    """:func:`cpu_cores`, and the cores the calling thread may use now (read once a step, restored after)."""
     if _CURRENT_CORE is None or len(devices) < 2 or os.environ.get("HETSPLIT_PIN_CPU") == "0":
         return None
     if any(d.type != "cpu" for d in devices) or torch.get_num_threads() != 1:
@@ -177,7 +183,7 @@ def cpu_cores(devices: Sequence[Device], inline: int | None) -> list[int] | None
         for core, i in zip(order, jobs):
             cores[i] = core
         _WORKERS.cores[key] = cores
-    return cores
+    return cores, allowed
 
 
 def _reraise(e: BaseException, where: str) -> None:
@@ -239,7 +245,8 @@ def run_parallel(
             results[i] = (False, e)
 
     # The calling thread would only wait: it runs one job itself, the rest go to workers.
-    cores = cpu_cores(devices, inline)
+    placed = _placement(devices, inline)
+    cores = placed[0] if placed else None
     # Workers are placed before they wake (see _Workers.submit), then the calling thread
     # moves to its own core for its job and gets its cores back once the step's work is done.
     latches = [
@@ -248,7 +255,7 @@ def run_parallel(
         if i != inline
     ]
     own = inline is not None and inline < len(fns)
-    before = os.sched_getaffinity(0) if cores is not None and own else None
+    before = placed[1] if placed and own else None
     try:
         if before is not None:
             try:
