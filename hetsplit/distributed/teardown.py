@@ -20,6 +20,7 @@ pending) count as settled, so a rank that fails never waits on the others.
 from __future__ import annotations
 
 import atexit
+import functools
 import os
 import time
 
@@ -32,22 +33,28 @@ EXIT_WAIT_SECONDS = 2.0
 WORKER_THREAD_NAMES = ("pt_gloo_runloop",)
 _SLICE = 0.005  # seconds the GIL is let go per look: long enough for a waiting thread to take it
 
-_registered: set[tuple[str, ...]] = set()
 
-
+@functools.cache  # once per process (and names): called from every rank's use of the group
 def drain_at_exit(names: tuple[str, ...] = WORKER_THREAD_NAMES) -> None:
-    """Register :func:`wait_for_workers` for ``names`` to run at interpreter exit; once per process, cheap again."""
-    if names not in _registered:
-        _registered.add(names)
-        atexit.register(wait_for_workers, EXIT_WAIT_SECONDS, names)
+    """Register :func:`wait_for_workers` to run at interpreter exit.
+
+    Args:
+        names: Native names of the threads to wait for (gloo's worker by default).
+    """
+    atexit.register(wait_for_workers, EXIT_WAIT_SECONDS, names)
 
 
 def thread_states(names: tuple[str, ...] = WORKER_THREAD_NAMES) -> dict[int, tuple[str, int]] | None:
-    """This process's threads called one of ``names``: thread id -> (state letter, context switches).
+    """This process's threads called one of ``names``, with their state and context switches.
 
-    The context switches (voluntary plus involuntary) change whenever the thread ran;
-    the state is the kernel's (``R`` running or runnable, ``S`` sleeping, ``D`` in I/O).
-    ``None`` where ``/proc`` is not there (not Linux).
+    Args:
+        names: Native thread names (Linux ``comm``) to look for.
+
+    Returns:
+        Thread id -> (state letter, context switches): the kernel's state (``R`` running
+        or runnable, ``S`` sleeping, ``D`` in I/O) and the voluntary plus involuntary
+        switches, which change whenever the thread ran. ``None`` where ``/proc`` is not
+        there (not Linux).
     """
     try:
         tids = os.listdir("/proc/self/task")
@@ -69,12 +76,19 @@ def thread_states(names: tuple[str, ...] = WORKER_THREAD_NAMES) -> dict[int, tup
 
 
 def wait_for_workers(timeout: float = EXIT_WAIT_SECONDS, names: tuple[str, ...] = WORKER_THREAD_NAMES) -> bool:
-    """Let the GIL go until the worker threads stay still across one short sleep; ``True`` if they did in time.
+    """Let the GIL go until the worker threads stay still across one short sleep.
 
     Still means: none is running, runnable or in I/O, and none was scheduled during the
     sleep. A thread waiting for the GIL would take it during the sleep (and so not be
-    still), which is why looking at the state alone is not enough. Without ``/proc`` it
-    sleeps once (best effort) and returns ``False``.
+    still), which is why looking at the state alone is not enough.
+
+    Args:
+        timeout: Seconds to wait at most.
+        names: Native names of the threads to wait for.
+
+    Returns:
+        ``True`` if they went still in time (or there are none); ``False`` at the timeout,
+        or without ``/proc``, where it sleeps once (best effort).
     """
     before = thread_states(names)
     if before is None:
