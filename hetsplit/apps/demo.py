@@ -230,7 +230,7 @@ def _engines(result: BenchResult) -> list[str]:
         return [f"processes: the torchrun ranks failed ({proc['error']}); threads only"]
     threads, procs = result.step_times["balanced"], float(proc["step"])
     # What each engine spends beyond the devices' own work: for threads, the balanced step
-    # less its busiest device's time; for processes, one all-reduce of the gradients.
+    # less its busiest device's time; for processes, below.
     outside = max(0.0, threads - max(result.busy["balanced"].values(), default=0.0))
     winner, loser = ("threads", "processes") if threads <= procs else ("processes", "threads")
     ratio = max(threads, procs) / min(threads, procs)
@@ -241,16 +241,19 @@ def _engines(result: BenchResult) -> list[str]:
     )
     # For processes, the step less the slowest rank's own work (the same steps without the
     # all-reduce); one all-reduce of the gradients, timed alone, says how much of it is that.
+    # DDP overlaps the all-reduce with backward, so it may exceed that difference: then
+    # only the all-reduce is named.
     work = proc.get("work")
-    beyond = ""
+    beyond, rest = "", ""
     if work and procs - max(work) >= proc["allreduce"]:
         beyond = f" {(procs - max(work)) * 1e3:.1f} ms a step beyond the slowest rank's own work, of which"
+        rest = " (the rest: DDP's hooks, ranks waiting on each other)"
     return [
         f"engines, balanced split: threads (HeteroDataParallel, one process) {threads * 1e3:.1f} ms a step; "
         f"processes (hetsplit launch, {len(result.devices)} gloo ranks, DDP) {procs * 1e3:.1f} ms",
         f"{head}: threads spend {outside * 1e3:.1f} ms a step outside the devices' work (hand-offs, gathering, "
         f"one interpreter's lock); processes spend{beyond} {proc['allreduce'] * 1e3:.1f} ms on an all-reduce of "
-        f"{proc['gradient_bytes'] / 1e3:,.0f} kB of gradients (the rest: DDP's hooks, ranks waiting on each other)",
+        f"{proc['gradient_bytes'] / 1e3:,.0f} kB of gradients{rest}",
     ]
 
 

@@ -67,25 +67,28 @@ def main() -> None:
     # Each rank's own work, the same steps without the gradient all-reduce (DDP's no_sync),
     # started together: the step above less the slowest rank's is what the engine adds.
     own = []
-    for _ in range(args.steps):
-        dist.barrier()
-        begin = time.perf_counter()
-        with ddp.no_sync():
-            opt.zero_grad(set_to_none=True)
-            train_step(ddp, x, y, F.cross_entropy, dev, cpu_time=True)
-            opt.step()
-        dev.synchronize()
-        own.append(time.perf_counter() - begin)
+    for step in range(args.steps):
+        with hd.guard(step=step, what="timing this rank's own work"):  # a dead peer: one clear line
+            dist.barrier()
+            begin = time.perf_counter()
+            with ddp.no_sync():
+                opt.zero_grad(set_to_none=True)
+                train_step(ddp, x, y, F.cross_entropy, dev, cpu_time=True)
+                opt.step()
+            dev.synchronize()
+            own.append(time.perf_counter() - begin)
     work = [0.0] * world
-    dist.all_gather_object(work, statistics.median(own))
+    with hd.guard(what="gathering the ranks' own work"):
+        dist.all_gather_object(work, statistics.median(own))
     # What the process engine pays that threads do not: one all-reduce of the gradients.
     flat = torch.zeros(sum(p.numel() for p in model.parameters()), device=dev.torch_device)
     reduce = []
-    for _ in range(10):
-        dist.barrier()
-        begin = time.perf_counter()
-        dist.all_reduce(flat)
-        reduce.append(time.perf_counter() - begin)
+    with hd.guard(what="timing an all-reduce of the gradients"):
+        for _ in range(10):
+            dist.barrier()
+            begin = time.perf_counter()
+            dist.all_reduce(flat)
+            reduce.append(time.perf_counter() - begin)
     if rank == 0:
         result = {
             "step": statistics.median(times),
