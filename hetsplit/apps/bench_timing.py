@@ -104,14 +104,14 @@ def calibrate_plan(
     """
     if steps < 1:
         raise ValueError(f"calibration needs at least one step, got steps={steps!r}")
-    seen_before = len(busy)
+    for _ in range(warmup):
+        step()
+    busy.clear()  # the warm-up steps' busy times are not calibration
     samples: dict[str, list[float]] = {}
-    time_steps({"balanced": step}, devs, steps, warmup, samples=samples)
-    walls = samples["balanced"]
-    while sum(walls) < seconds and len(walls) < MAX_CALIBRATION_STEPS:
+    walls: list[float] = []
+    while not walls or (sum(walls) < seconds and len(walls) < MAX_CALIBRATION_STEPS):
         time_steps({"balanced": step}, devs, steps, 0, samples=samples)
         walls += samples["balanced"]
-    del busy[: seen_before + warmup]  # the warm-up steps' busy times are not calibration
     rebalancer = Rebalancer(prof, every=1, threshold=0.01, max_move=1.0, window=max(1, len(busy)))
     # A plan that runs a share as micro-batches (a memory cap) is re-solved and re-cut alike.
     rebalancer.accumulate = any(len(m) > 1 for m in plan.micro_batches)
@@ -138,23 +138,20 @@ def _scaled_steps(
     prof: Any, plan: Plan, new: Plan, busy: list[dict[str, float]], walls: list[float], rests: list[float]
 ) -> list[float]:
     """Each calibration step's wall time had it run ``new``: busy times scaled by the curves, plus its rest."""
-
-    def lap(name: str, micro: list[int]) -> float:
+    # Per device, once: its profiled time on the old and the new share (micro-batch by
+    # micro-batch), and the new plan's time for it, used where a step saw it idle.
+    scales = []
+    for i, (name, was, now) in enumerate(zip(plan.devices, plan.micro_batches, new.micro_batches)):
         curve = prof.entry(name).curve
-        return sum(curve(m) for m in micro)
-
+        scales.append((name, sum(map(curve, was)), sum(map(curve, now)), new.times[i]))
     out = []
     for wall, seen, rest in zip(walls, busy, rests):
         if not seen:  # the module's own step (one active device): no busy times, the wall is the work
             out.append(wall)
             continue
         longest = 0.0
-        for name, was, now in zip(plan.devices, plan.micro_batches, new.micro_batches):
-            after = lap(name, now)
-            before = lap(name, was) if seen.get(name) else 0.0
+        for name, before, after, planned in scales:
             if after > 0:
-                longest = max(
-                    longest, seen[name] * after / before if before > 0 else new.times[new.devices.index(name)]
-                )
+                longest = max(longest, seen[name] * after / before if seen.get(name) and before > 0 else planned)
         out.append(longest + rest)
     return out
