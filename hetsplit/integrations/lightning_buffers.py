@@ -155,16 +155,12 @@ class Snapshot:
         if missed:
             _warn(missed, "its forward")
 
-    def restored(self) -> contextlib.AbstractContextManager[None]:
+    @contextlib.contextmanager
+    def restored(self) -> Iterator[None]:
         """Inside: the changed buffers are copies of their values at the forward's start; after, as before entering.
 
-        Returns:
-            A context for one recomputation (a new one each call).
+        Each call gives a new context, for one recomputation.
         """
-        return self._restored()
-
-    @contextlib.contextmanager
-    def _restored(self) -> Iterator[None]:
         keeper = self.keeper
         now = {name: (buffer, buffer._version) for name, buffer in keeper.buffers().items()}
         copies: dict[int, Tensor] = {}

@@ -94,6 +94,7 @@ class MicroTable:
         # The split devices' curves as arrays: knots, and each piece's line a + s x.
         x, y, c = table.x[rows], table.y[rows], cap[rows]
         self.X, self.Y, self.c = x, y, c
+        self.tc = table.evaluate(c, rows) if len(rows) else c.copy()  # t at the cap, for _split_upper
         self._pieces(x, y, table.intercept[rows], table.slope[rows])
         # The micro sizes where a run of k ends: 1, the cap, and each knot (both sides when fractional).
         self.fractional = not np.array_equal(x, np.floor(x))
@@ -195,11 +196,13 @@ class MicroTable:
         return float(t.min())
 
     def _split_upper(self, bj: np.ndarray, t_whole: np.ndarray) -> np.ndarray:
-        """An upper bound on the split devices' times for ``bj`` samples: ``t(b)`` within the cap
-        (``t_whole``, the plain curve's time), else ``ceil(b / c)`` micro-batches of at most ``c``,
-        each at most ``t(c)`` (``t`` does not decrease)."""
+        """An upper bound on the split devices' times for ``bj`` samples.
+
+        ``t(b)`` within the cap (``t_whole``, the plain curve's time), else ``ceil(b / c)``
+        micro-batches of at most ``c``, each at most ``t(c)`` (``t`` does not decrease).
+        """
         c = self.c
-        return np.where(bj <= c, t_whole, np.ceil(bj / c) * self.table.evaluate(c, self.rows))
+        return np.where(bj <= c, t_whole, np.ceil(bj / c) * self.tc)
 
     def extreme(self, b: np.ndarray, *, largest: bool) -> tuple[float, int]:
         """The largest (or smallest) ``T_i(b_i)`` over all devices and its device, exactly.
