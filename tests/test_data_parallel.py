@@ -207,9 +207,19 @@ def test_bad_batches():
     dp = HeteroDataParallel(_net(), DEVICES, weights=[1, 1])
     with pytest.raises(ValueError, match=r"\[6, 5\]"):
         dp(torch.randn(6, 1, 8, 8, dtype=torch.float64), torch.randn(5))
-    dp.set_plan(plan_from_sizes(None, DEVICES, [3, 3]))
-    with pytest.raises(ValueError, match="the plan splits 6 samples, but the batch has 4"):
-        dp(torch.randn(4, 1, 8, 8, dtype=torch.float64))
+    # A plan serves its own batch size; with nothing to solve other sizes, another is refused, naming both ways out.
+    fixed = HeteroDataParallel(_net(), DEVICES, plan=plan_from_sizes(None, DEVICES, [3, 3]))
+    with pytest.raises(ValueError, match="the plan splits 6 samples, but the batch has 4.*profile=.*weights="):
+        fixed(torch.randn(4, 1, 8, 8, dtype=torch.float64))
+
+
+def test_set_plan_keeps_the_weights_for_other_batch_sizes():
+    dp = HeteroDataParallel(_net(), DEVICES, weights=[1, 1])
+    dp.set_plan(plan_from_sizes(None, DEVICES, [5, 1]))
+    dp(torch.randn(6, 1, 8, 8, dtype=torch.float64))
+    assert dp.plan.sizes == [5, 1]
+    dp(torch.randn(4, 1, 8, 8, dtype=torch.float64))  # the short last batch: split by the weights
+    assert dp.plan.sizes == [2, 2]
 
 
 def test_module_on_several_devices_is_refused(monkeypatch):
@@ -278,7 +288,7 @@ def test_one_real_device_runs_the_module_itself():
     for p, q in zip(net.parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)
     assert torch.equal(net[1].running_mean, ref[1].running_mean) and int(net[1].num_batches_tracked) == 1
-    assert dp._replicas is None and dp.plan.sizes == [10]  # nothing was copied; the plan is still kept
+    assert dp._replicator is None and dp.plan.sizes == [10]  # nothing was copied; the plan is still kept
 
 
 def test_replicas_follow_a_replaced_parameter_and_a_mode_change():
@@ -355,12 +365,12 @@ def test_a_step_with_one_active_device_runs_the_module_itself(mode):
     for p, q in zip(net.parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)
     assert torch.equal(net[1].running_mean, ref[1].running_mean) and int(net[1].num_batches_tracked) == 1
-    assert dp._replicas is None and dp.step_times == {}  # no replica, no thread: no busy time measured
+    assert dp._replicator is None and dp.step_times == {}  # no replica, no thread: no busy time measured
     # Only an emulated device active: its replica runs, throttled; gradients still exact.
     dp.set_plan(plan_from_sizes(None, ["cpu", "cpu@0.25", "cpu"], [0, 10, 0]))
     net.zero_grad()
     F.cross_entropy(dp(x), y).backward()
-    assert dp._replicas is not None and set(dp.step_times) == {"cpu@0.25"}
+    assert dp._replicator is not None and set(dp.step_times) == {"cpu@0.25"}
     ref.zero_grad()
     F.cross_entropy(ref(x), y).backward()
     for p, q in zip(net.parameters(), ref.parameters()):

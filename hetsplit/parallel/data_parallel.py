@@ -15,9 +15,10 @@ from ..planning.plan import Plan
 from ..planning.profile import Profile
 from ..planning.rebalance import Rebalancer
 from ..timing import Lap
-from ..tree import batch_length, move, to_device
+from ..tree import batch_length, flatten, move, to_device
 from .apply import run_parallel
 from .busy import BusyLog
+from .grads import Grads, StepGrads
 from .local import local_fns, local_inputs, shard_loss
 from .micro import (
     MemoryLog,
@@ -30,8 +31,7 @@ from .micro import (
     with_recovery,
 )
 from .outputs import ScalarPolicy, check_policy, combine, policy_weights
-from .reduce import accumulate_gradients
-from .replicas import Replicas, module_device
+from .replicas import _Replicator, module_device
 from .scatter_gather import scatter_to
 from .sizes import BatchPlans
 from .step import batch_of, call_on, cut_upstream, direct_device, engine_job, scatter_inputs
@@ -39,7 +39,7 @@ from .upstream import Upstream
 
 __all__ = ["HeteroDataParallel"]
 
-_RUNTIME = ("_replicas", "_step", "_log", "_lock", "_mem")
+_RUNTIME = ("_replicator", "_step", "_log", "_lock", "_mem")
 
 
 class HeteroDataParallel(nn.Module):
@@ -117,7 +117,7 @@ class HeteroDataParallel(nn.Module):
 
     def _reset_runtime(self) -> None:
         # Everything here is rebuilt on demand and left out of pickles and deep copies.
-        self._replicas: Replicas | None = None
+        self._replicator: _Replicator | None = None
         self._step: Step | None = None
         self._log = BusyLog()
         self._lock = threading.RLock()
@@ -131,8 +131,8 @@ class HeteroDataParallel(nn.Module):
         self._reset_runtime()
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> HeteroDataParallel:
-        # .to()/.double() (also a parent's) come here: replicas are rebuilt at the next step.
-        self._replicas = None
+        # .to()/.double() (also a parent's) come here: the buffer copies are taken afresh.
+        self._replicator = None
         return super()._apply(fn, recurse)
 
     @property
@@ -176,13 +176,20 @@ class HeteroDataParallel(nn.Module):
         assert self._step is not None
         return scatter_inputs(inputs, kwargs, device_ids, self._step.sizes, self.dim)
 
-    def replicate(self, module: nn.Module, device_ids: Sequence[Device]) -> list[nn.Module]:
-        """The replicas of ``module`` on ``device_ids`` (some of :attr:`devices`), in step with the module."""
-        if self._replicas is None or self._replicas.module is not module:
-            self._replicas = Replicas(module, self.devices)
+    def replicate(self, module: nn.Module, device_ids: Sequence[DeviceLike]) -> list[nn.Module]:
+        """This step's replicas of ``module`` on ``device_ids`` (some of :attr:`devices`).
+
+        Their parameters come from ``module``'s through autograd (see
+        :func:`hetsplit.parallel.replicate`); their buffers start from ``module``'s.
+        """
+        devices = parse_devices(device_ids)
+        if self._replicator is None or self._replicator.module is not module:
+            self._replicator = _Replicator(module)
         step = self._step
-        active = step.active if step is not None and len(step.active) == len(device_ids) else None
-        return self._replicas.get(active if active is not None else _positions(self.devices, device_ids))
+        built = self._replicator.build([d.torch_device for d in devices])
+        if step is not None:
+            step.built = built
+        return [r.module for r in built]
 
     def parallel_apply(
         self, replicas: Sequence[nn.Module], inputs: Sequence[tuple[Any, ...]], kwargs: Sequence[dict[str, Any]]
@@ -192,22 +199,30 @@ class HeteroDataParallel(nn.Module):
         assert step is not None, "parallel_apply runs inside forward, which chooses the step's devices"
         shards = list(zip(inputs, kwargs))
         fns, step.pieces = forward_fns(replicas, shards, step.micro, step.active, self.devices, self._mem, self.dim)
+        before = _generators(step.devices)
         outs = self._run(fns, "", step.active)
+        step.random = before != _generators(step.devices)
+        step.leaves = [[flatten(o)[0] for o in per_device] for per_device in outs]
         return outs if step.split else [o[0] for o in outs]  # micro-batched: a list per replica
 
     def gather(self, outputs: Sequence[Any], output_device: torch.device) -> Any:
-        """Combine the replicas' outputs on ``output_device``; backward runs per replica."""
+        """Combine the replicas' outputs on ``output_device``; backward reaches the module through autograd."""
         step = self._step
         assert step is not None, "gather runs inside forward"
         sizes, shards, labels = step.flat()
         outputs = [o for outs in outputs for o in outs] if step.split else outputs
         weights = lambda: policy_weights(self.scalar_outputs, sizes, shards)
-        return combine(outputs, output_device, self.dim, weights, _backward_runner(self, step), labels, step.upstream)
+        # Replicas built elsewhere (an overridden replicate) carry their own graph: their
+        # outputs are combined as they are, and backward walks through them as torch's would.
+        grads = self._step_grads(step) if len(step.built) == len(step.active) else None
+        targets = grads.targets if grads is not None else []
+        backward = self._backward(step, grads) if grads is not None else _no_backward
+        return combine(outputs, output_device, self.dim, weights, backward, labels, targets)
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         """Scatter, run the replicas concurrently, gather on the output device."""
         with self._lock:
-            return _retry(self, lambda: self._forward(inputs, kwargs))
+            return with_recovery(lambda: self._forward(inputs, kwargs), self._mem, self._plans, self.devices)
 
     def _forward(self, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         step = self._begin(batch_of(inputs, kwargs))
@@ -217,10 +232,10 @@ class HeteroDataParallel(nn.Module):
             out = self._mem.watch(step.active[0], step.sizes[0], run, step.devices[0])  # an OOM re-plans
             return move(out, self._output_device or home)
         args, kws = self.scatter(inputs, kwargs, step.devices)
-        args, kws = cut_upstream(step, (inputs, kwargs), args, kws, self.dim)  # leaves where grad is needed
+        args, kws = cut_upstream(step, (inputs, kwargs), args, kws, self.dim)  # each shard's piece of the inputs
         replicas = self.replicate(self.module, step.devices)
         outputs = self.parallel_apply(replicas, args, kws)
-        self._replicas.merge_buffers(replicas, step.sizes)  # type: ignore[union-attr]
+        self._merge_buffers(step)
         return self.gather(outputs, self.output_device)
 
     def train_step(
@@ -233,6 +248,10 @@ class HeteroDataParallel(nn.Module):
         **kwargs: Any,
     ) -> torch.Tensor:
         """Local-loss mode: each replica computes its shard's loss and backward; nothing is gathered.
+
+        The step's backward is done when it returns: the gradients are in the module's
+        ``.grad`` (added to what was there, through autograd, so hooks fire) and the
+        returned loss is detached — do not call ``.backward()`` on it.
 
         Args:
             inputs: A tensor, a tuple of positional inputs, or a dict of keyword inputs.
@@ -251,7 +270,117 @@ class HeteroDataParallel(nn.Module):
         """
         args, kws = local_inputs(inputs, kwargs, loss_fn, reduction)
         with self._lock:
-            return _retry(self, lambda: _train_step(self, (args, kws), target, loss_fn, reduction))
+            run = lambda: self._train_step((args, kws), target, loss_fn, reduction)
+            return with_recovery(run, self._mem, self._plans, self.devices)
+
+    def _train_step(self, inputs: Any, target: Any, loss_fn: Any, reduction: ScalarPolicy) -> torch.Tensor:
+        """One local-loss step (see :meth:`train_step`), each device's micro-batches in turn."""
+        step = self._begin((inputs, target))
+        home = direct_device(step, self.module, self.rebalancer is not None)
+        if home is not None:  # the module's own device has the whole batch: the module's own step
+            return self._direct_local_step(home, (inputs, target), loss_fn, reduction)
+        batch = (inputs, target)
+        step.upstream = Upstream(batch, scatter_to(batch, step.devices, step.sizes, self.dim), self.dim)
+        shards = step.upstream.shards
+        replicas = self.replicate(self.module, step.devices)
+        step.pieces, make = local_fns(replicas, shards, step.micro, step.active, self.devices, self._mem, self.dim)
+        step.shards = [(tuple(a), dict(k)) for (a, k), _ in shards]
+        flat = [(tuple(a), dict(k)) for parts in step.pieces for (a, k), _ in parts]
+        weights = policy_weights(reduction, [m for sizes in step.micro for m in sizes], flat)
+        assert weights is not None
+        grads = self._step_grads(step)
+        captures = [lambda o, g, j=j: grads.capture(j, o, g, False, False) for j in range(len(step.active))]
+        done = self._run(make(weights, loss_fn, target is not None, captures), "", step.active)
+        self._merge_buffers(step)
+        # Every replica has finished: only now does anything reach the module (one engine call).
+        grads.deliver(grads.reduce([found or [None] * len(grads.inputs[j]) for j, (_, found) in enumerate(done)]))
+        self._finish(step)
+        losses = [x for xs, _ in done for x in xs]
+        return sum(to_device(x, self.output_device) * w for x, w in zip(losses, weights))  # type: ignore[return-value]
+
+    def _direct_local_step(self, home: torch.device, batch: Any, loss_fn: Any, reduction: ScalarPolicy) -> torch.Tensor:
+        """Local-loss mode when the module's own device has the whole batch: the module's own step."""
+        (args, kwargs), target = move(batch, home)
+        (weight,) = policy_weights(reduction, [1], [(tuple(args), dict(kwargs))]) or [1.0]
+        step = self._step
+        assert step is not None
+        forward = lambda: shard_loss(loss_fn, self.module(*args, **kwargs), target, target is not None)
+        loss = self._mem.watch(step.active[0], step.sizes[0], forward, step.devices[0])  # an OOM here re-plans
+        try:
+            self._mem.watch(step.active[0], step.sizes[0], lambda: (loss * weight).backward())
+        except BaseException as e:
+            if not is_out_of_memory(e):
+                raise
+            # Backward writes into the module's .grad as it goes: a re-run here would add those twice.
+            line = lower_cap(self._mem, self._plans, self.devices, e)
+            raise StepOutOfMemory(
+                f"{line}; this happened in the backward of the module's own step, after some of its gradients were "
+                "added to the module's .grad: call optimizer.zero_grad() and run the step again"
+            ) from e
+        self._mem.done(step.active[0], step.sizes[0])
+        return to_device(loss.detach(), self.output_device) * weight
+
+    def _step_grads(self, step: Step) -> StepGrads:
+        return StepGrads(list(self.module.parameters()), step.built, step.upstream)
+
+    def _backward(self, step: Step, grads: StepGrads) -> Callable[[list[Any], bool, bool], Grads]:
+        """The gather's backward: every device's gradients computed concurrently, summed per target."""
+
+        def run(work: list[tuple[list[torch.Tensor], list[torch.Tensor]]], keep: bool, build: bool) -> Grads:
+            # After a backward that built a graph of the gradients (create_graph), that graph
+            # reaches into the replicas' graphs: a later backward through it walks them too,
+            # so this node's own walk must leave them for it.
+            keep = keep or step.graph_built
+            step.graph_built = step.graph_built or build
+            fresh = self._rebuilt(step) if build else None
+            jobs, pos = [], 0  # per device, its pieces' (outputs, gradients): one, or one per micro-batch
+            for j, (i, sizes) in enumerate(zip(step.active, step.micro if step.split else [[s] for s in step.sizes])):
+                pieces = work[pos : pos + len(sizes)]
+                pos += len(sizes)
+                if not any(outs for outs, _ in pieces):
+                    continue
+                if fresh is None:
+                    capture = lambda o, g, j=j: grads.capture(j, o, g, keep, build)
+                else:  # see _rebuilt: the same forward again, on a replica of its own
+                    capture = _again(step, j, fresh[j], grads, pieces)
+                jobs.append((j, i, backward_fn(pieces, sizes, i, self._mem, capture)))
+            inline = engine_job([self.devices[i] for _, i, _ in jobs], self.output_device)
+            try:
+                found = self._run([fn for *_, fn in jobs], " (backward)", [i for _, i, _ in jobs], inline)
+            except BaseException as e:
+                if is_out_of_memory(e):
+                    backward_oom(self._mem, self._plans, self.devices, e)
+                raise
+            per_replica: list[Grads] = [[None] * len(inputs) for inputs in grads.inputs]
+            for (j, _, _), got in zip(jobs, found):
+                per_replica[j] = got
+            self._finish(step)
+            return grads.reduce(per_replica)
+
+        return run
+
+    def _rebuilt(self, step: Step) -> list[Any]:
+        """Fresh replicas for a backward that builds a graph of the gradients (``create_graph=True``).
+
+        That graph reaches into the graph it differentiates; a later backward through it
+        (a gradient penalty's) walks there, and walks the replicas' graphs through this
+        node as well: two walks of one graph, the first freeing what the second needs. So
+        such a backward differentiates the same forward run again on replicas of its own,
+        and the graph it builds shares nothing with the one this node walks later. A model
+        that draws random numbers (dropout) cannot be run again identically here.
+        """
+        if step.random:
+            raise RuntimeError(
+                "create_graph=True through HeteroDataParallel runs each replica's forward again, and the model drew "
+                "random numbers in its forward (dropout?), which cannot be replayed when replicas share a generator: "
+                "compute the gradient penalty with the model in eval() mode or without dropout"
+            )
+        assert self._replicator is not None
+        return self._replicator.build([d.torch_device for d in step.devices])
+
+    def _merge_buffers(self, step: Step) -> None:
+        if self._replicator is not None and len(step.built) == len(step.active):
+            self._replicator.merge_buffers(step.built, step.sizes, [len(m) for m in step.micro])
 
     def _begin(self, batch_tree: Any) -> Step:
         """Start a step: feed the rebalancer the steps it can read, choose this step's plan."""
@@ -275,9 +404,7 @@ class HeteroDataParallel(nn.Module):
         return out
 
     def _finish(self, step: Step) -> None:
-        """End a step whose backward has run: gradients into the module, busy times logged."""
-        if self._replicas is not None:  # the module's parameters as of this step's replicate()
-            accumulate_gradients(self._replicas.params, self._replicas.sources(step.active))
+        """End a step whose backward has run: its busy times logged."""
         self._log.end(step.plan, keep=self.rebalancer is not None)
 
     @property
@@ -286,80 +413,31 @@ class HeteroDataParallel(nn.Module):
         return self._log.last_times()
 
 
-def _train_step(
-    self: HeteroDataParallel, inputs: Any, target: Any, loss_fn: Any, reduction: ScalarPolicy
-) -> torch.Tensor:
-    """One local-loss step (see :meth:`HeteroDataParallel.train_step`), each device's micro-batches in turn."""
-    step = self._begin((inputs, target))
-    home = direct_device(step, self.module, self.rebalancer is not None)
-    if home is not None:  # the module's own device has the whole batch: the module's own step
-        return _direct_local_step(self, home, (inputs, target), loss_fn, reduction)
-    # Replicas run on leaf shards; the inputs' gradients go upstream once, after them.
-    upstream = Upstream((inputs, target), scatter_to((inputs, target), step.devices, step.sizes, self.dim), self.dim)
-    shards = upstream.shards
-    replicas = self.replicate(self.module, step.devices)
-    step.pieces, make = local_fns(replicas, shards, step.micro, step.active, self.devices, self._mem, self.dim)
-    step.shards = [(tuple(a), dict(k)) for (a, k), _ in shards]
-    flat = [(tuple(a), dict(k)) for parts in step.pieces for (a, k), _ in parts]
-    weights = policy_weights(reduction, [m for sizes in step.micro for m in sizes], flat)
-    assert weights is not None
-    losses = [x for xs in self._run(make(weights, loss_fn, target is not None), "", step.active) for x in xs]
-    self._replicas.merge_buffers(replicas, step.sizes)  # type: ignore[union-attr]
-    self._finish(step)
-    upstream.backward()
-    return sum(to_device(x, self.output_device) * w for x, w in zip(losses, weights))  # type: ignore[return-value]
+def _generators(devices: Sequence[Device]) -> list[bytes]:
+    """The states of the random generators work on ``devices`` draws from (to tell whether a forward drew)."""
+    kinds = {d.torch_device for d in devices if d.type == "cuda"}
+    states = [torch.get_rng_state()] + [torch.cuda.get_rng_state(d) for d in sorted(kinds, key=str)]
+    return [s.numpy().tobytes() for s in states]
 
 
-def _direct_local_step(
-    self: HeteroDataParallel, home: torch.device, batch: Any, loss_fn: Any, reduction: ScalarPolicy
-) -> torch.Tensor:
-    """Local-loss mode when the module's own device has the whole batch: the module's own step."""
-    (args, kwargs), target = move(batch, home)
-    (weight,) = policy_weights(reduction, [1], [(tuple(args), dict(kwargs))]) or [1.0]
-    step = self._step
-    assert step is not None
-    forward = lambda: shard_loss(loss_fn, self.module(*args, **kwargs), target, target is not None)
-    loss = self._mem.watch(step.active[0], step.sizes[0], forward, step.devices[0])  # an OOM here re-plans
-    try:
-        self._mem.watch(step.active[0], step.sizes[0], lambda: (loss * weight).backward())
-    except BaseException as e:
-        if not is_out_of_memory(e):
-            raise
-        # Backward writes into the module's .grad as it goes: a re-run here would add those twice.
-        line = lower_cap(self._mem, self._plans, self.devices, e)
-        raise StepOutOfMemory(
-            f"{line}; this happened in the backward of the module's own step, after some of its gradients were "
-            "added to the module's .grad: call optimizer.zero_grad() and run the step again"
-        ) from e
-    self._mem.done(step.active[0], step.sizes[0])
-    return to_device(loss.detach(), self.output_device) * weight
+def _again(step: Step, j: int, replica: Any, grads: StepGrads, pieces: list[Any]) -> Callable[..., Grads]:
+    """A capture for device ``j`` that runs each micro-batch's forward again on ``replica`` and differentiates that."""
+    inputs = grads.stand_ins(replica, j)
+    order = iter(range(len(pieces)))
+
+    def capture(outs: list[torch.Tensor], given: list[torch.Tensor]) -> Grads:
+        m = next(order)
+        args, kwargs = step.pieces[j][m]
+        with torch.enable_grad():
+            leaves = flatten(replica.module(*args, **kwargs))[0]
+        at = {id(t): k for k, t in enumerate(step.leaves[j][m])}
+        return grads.capture(j, [leaves[at[id(t)]] for t in outs], given, True, True, inputs)
+
+    return capture
 
 
-def _backward_runner(
-    self: HeteroDataParallel, step: Step
-) -> Callable[[list[tuple[list[torch.Tensor], list[torch.Tensor]]]], None]:
-    def run(work: list[tuple[list[torch.Tensor], list[torch.Tensor]]]) -> None:
-        jobs, pos = [], 0  # per device, its pieces' (outputs, gradients): one, or one per micro-batch
-        for i, sizes in zip(step.active, step.micro if step.split else [[s] for s in step.sizes]):
-            if any(outs for outs, _ in work[pos : pos + len(sizes)]):
-                jobs.append((i, backward_fn(work[pos : pos + len(sizes)], sizes, i, self._mem)))
-            pos += len(sizes)
-        inline = engine_job([self.devices[i] for i, _ in jobs], self.output_device)
-        try:
-            self._run([fn for _, fn in jobs], " (backward)", [i for i, _ in jobs], inline)  # no job: none run
-        except BaseException as e:
-            if is_out_of_memory(e):
-                backward_oom(self._mem, self._plans, self.devices, list(self._replicas.copies.values()), e)  # type: ignore[union-attr]
-            raise
-        self._finish(step)
-
-    return run
-
-
-def _retry(self: HeteroDataParallel, run: Callable[[], Any]) -> Any:
-    """``run()``, re-planned and run once more after an out-of-memory error (:func:`~.micro.with_recovery`)."""
-    replicas = lambda: list(self._replicas.copies.values()) if self._replicas is not None else []
-    return with_recovery(run, self._mem, self._plans, self.devices, replicas)
+def _no_backward(work: Any, keep: bool, build: bool) -> Grads:  # pragma: no cover - never called without targets
+    return []
 
 
 def _check_one_device(module: nn.Module) -> None:

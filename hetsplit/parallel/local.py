@@ -9,12 +9,15 @@ import torch
 from torch import nn
 
 from ..devices import Device
+from .grads import add_into
 from .micro import MemoryLog, cut
 from .outputs import ScalarPolicy, check_policy
 
 __all__ = ["local_inputs", "shard_loss", "local_fns"]
 
 LossFn = Callable[..., torch.Tensor]
+# One replica's gradients at its stand-ins for the step's targets, from (outputs, their gradients).
+Capture = Callable[[list[torch.Tensor], Any], list[Any]]
 
 
 def local_inputs(
@@ -57,23 +60,28 @@ def _run_pieces(
     device: Device,
     log: MemoryLog,
     loss_of: Callable[[Any, Any], torch.Tensor],
-) -> list[torch.Tensor]:
-    """Forward, weighted loss and backward of each micro-batch in turn; the losses, detached.
+    capture: Capture,
+) -> tuple[list[torch.Tensor], list[Any]]:
+    """Forward, weighted loss and backward of each micro-batch in turn: the losses (detached) and the gradients.
 
+    The gradients are captured at the replica's stand-ins for the step's targets
+    (``capture``) and summed over the micro-batches; nothing is written into a ``.grad``.
     Each micro-batch's graph is freed by its backward before the next is built, so the
     device holds one micro-batch's activations at a time.
     """
-    losses = []
+    losses, total = [], None
     for ((args, kwargs), target), size, w in zip(pieces, sizes, weights):
 
         def step(a: tuple[Any, ...] = args, k: dict[str, Any] = kwargs, t: Any = target, w: float = w) -> Any:
             loss = loss_of(replica(*a, **k), t)
-            (loss * w).backward()
-            return loss.detach()
+            found = capture([loss * w] if loss.requires_grad else [], None)
+            return loss.detach(), found
 
-        losses.append(log.watch(i, size, step, device))
+        loss, found = log.watch(i, size, step, device)
+        losses.append(loss)
+        total = found if total is None else add_into(total, found)
         log.done(i, size)
-    return losses
+    return losses, total if total is not None else []
 
 
 def local_fns(
@@ -84,23 +92,29 @@ def local_fns(
     devices: Sequence[Device],
     log: MemoryLog,
     dim: int,
-) -> tuple[list[list[Any]], Callable[[Sequence[float], LossFn, bool], list[Callable[[], list[torch.Tensor]]]]]:
+) -> tuple[list[list[Any]], Callable[[Sequence[float], LossFn, bool, Sequence[Capture]], list[Callable[[], Any]]]]:
     """The micro-shards of each active device, and a maker of its work given each micro-batch's weight.
 
     Returns:
         ``(pieces, make)``: ``pieces[j]`` are device ``j``'s micro-batches
-        ``((args, kwargs), target)``; ``make(weights, loss_fn, has_target)`` gives one
-        callable per device (``weights`` flat, one per micro-batch in order).
+        ``((args, kwargs), target)``; ``make(weights, loss_fn, has_target, captures)`` gives
+        one callable per device (``weights`` flat, one per micro-batch in order;
+        ``captures`` one per device, see :func:`_run_pieces`), returning its losses and
+        gradients.
     """
     pieces = [cut(shard, sizes, devices[i], dim) for shard, sizes, i in zip(shards, micro, active)]
 
-    def make(weights: Sequence[float], loss_fn: LossFn, has_target: bool) -> list[Callable[[], list[torch.Tensor]]]:
+    def make(
+        weights: Sequence[float], loss_fn: LossFn, has_target: bool, captures: Sequence[Capture]
+    ) -> list[Callable[[], Any]]:
         loss_of = lambda out, t: shard_loss(loss_fn, out, t, has_target)
         fns, pos = [], 0
-        for r, parts, sizes, i in zip(replicas, pieces, micro, active):
+        for r, parts, sizes, i, c in zip(replicas, pieces, micro, active, captures):
             ws = list(weights[pos : pos + len(parts)])
             pos += len(parts)
-            fns.append(lambda r=r, p=parts, s=sizes, w=ws, i=i: _run_pieces(r, p, s, w, i, devices[i], log, loss_of))
+            fns.append(
+                lambda r=r, p=parts, s=sizes, w=ws, i=i, c=c: _run_pieces(r, p, s, w, i, devices[i], log, loss_of, c)
+            )
         return fns
 
     return pieces, make

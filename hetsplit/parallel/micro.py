@@ -28,6 +28,7 @@ from ..devices import Device
 from ..emulation import is_out_of_memory
 from ..planning.memory import cap_after_oom
 from ..planning.plan import Plan
+from .grads import add_into
 from .scatter_gather import scatter_to
 
 __all__ = [
@@ -58,7 +59,11 @@ class Step:
     devices: list[Device]
     shards: list[tuple[tuple[Any, ...], dict[str, Any]]] = dataclasses.field(default_factory=list)
     pieces: list[list[Any]] = dataclasses.field(default_factory=list)  # per active device, its micro-shards
-    upstream: Any = None  # the inputs that require grad, cut from the caller's graph (parallel/upstream.py)
+    upstream: Any = None  # the inputs that require grad, and each shard's piece of them (parallel/upstream.py)
+    built: list[Any] = dataclasses.field(default_factory=list)  # this step's replicas (parallel/replicas.py)
+    graph_built: bool = False  # a backward of this step ran with create_graph=True
+    random: bool = False  # the forward drew random numbers
+    leaves: list[list[list[Any]]] = dataclasses.field(default_factory=list)  # per device, per micro-batch: outputs
 
     @property
     def sizes(self) -> list[int]:
@@ -186,50 +191,56 @@ def _generator_key(device: torch.device) -> tuple[str, int]:
 
 
 def backward_fn(
-    work: Sequence[tuple[list[torch.Tensor], list[torch.Tensor]]], sizes: Sequence[int], i: int, log: MemoryLog
-) -> Callable[[], None]:
-    """Backward of one device's micro-batches, one after another (each recomputes its own forward)."""
+    work: Sequence[tuple[list[torch.Tensor], list[torch.Tensor]]],
+    sizes: Sequence[int],
+    i: int,
+    log: MemoryLog,
+    capture: Callable[[list[torch.Tensor], list[torch.Tensor]], list[Any]],
+) -> Callable[[], list[Any]]:
+    """Backward of one device's micro-batches, one after another (each recomputes its own forward).
 
-    def run() -> None:
+    ``capture(outputs, grads)`` returns one micro-batch's gradients at the replica's
+    stand-ins for the step's targets; the device's are their sum.
+    """
+
+    def run() -> list[Any]:
+        total: list[Any] | None = None
         for (outs, grads), size in zip(work, sizes):
             if outs:
-                log.watch(i, size, lambda o=outs, g=grads: torch.autograd.backward(o, g))
+                found = log.watch(i, size, lambda o=outs, g=grads: capture(o, g))
+                total = found if total is None else add_into(total, found)
             log.done(i, size)
+        return total if total is not None else capture([], [])
 
     return run
 
 
-def with_recovery(
-    run: Callable[[], T], log: MemoryLog, plans: Any, devices: Sequence[Device], replicas: Callable[[], list[nn.Module]]
-) -> T:
+def with_recovery(run: Callable[[], T], log: MemoryLog, plans: Any, devices: Sequence[Device]) -> T:
     """``run()``; after an out-of-memory error, free the attempt, lower the failing device's cap, re-plan, run again.
 
-    The second attempt starts from scratch (the replicas' gradients of the first are
-    dropped; the module's were never touched). A second out-of-memory error in the same
-    step raises :class:`StepOutOfMemory` naming both.
+    The second attempt starts from scratch (nothing of the first reached the module's
+    ``.grad``). A second out-of-memory error in the same step raises
+    :class:`StepOutOfMemory` naming both.
     """
     try:
         return run()
     except BaseException as e:
         if not is_out_of_memory(e) or isinstance(e, StepOutOfMemory):  # the latter: handled, not to re-run
             raise
-        release(devices, replicas())
+        release(devices)
         first = lower_cap(log, plans, devices, e)
     try:
         return run()
     except BaseException as e:
         if not is_out_of_memory(e):
             raise
-        release(devices, replicas())
+        release(devices)
         fail_again(log, plans, devices, first)
         raise  # fail_again raises; this is for type checkers
 
 
-def release(devices: Sequence[Device], replicas: Sequence[nn.Module]) -> None:
-    """Free what a failed attempt left: the replicas' gradients, collected garbage, cached GPU memory."""
-    for r in replicas:
-        for p in r.parameters():
-            p.grad = None
+def release(devices: Sequence[Device]) -> None:
+    """Free what a failed attempt left: its graphs (collected garbage) and cached GPU memory."""
     gc.collect()
     for d in {d.torch_device for d in devices if d.type == "cuda"}:
         with torch.cuda.device(d):
@@ -270,16 +281,13 @@ def lower_cap(log: MemoryLog, plans: Any, devices: Sequence[Device], error: Base
     return line
 
 
-def backward_oom(
-    log: MemoryLog, plans: Any, devices: Sequence[Device], replicas: Sequence[nn.Module], error: BaseException
-) -> None:
+def backward_oom(log: MemoryLog, plans: Any, devices: Sequence[Device], error: BaseException) -> None:
     """Raise :class:`StepOutOfMemory` for an out-of-memory error in backward, after lowering the cap for next steps.
 
     The forward has returned its outputs by then, so the step cannot be re-run here:
-    the replicas' gradients are discarded (the module's ``.grad`` is as it was before
-    the step) and the caller runs the step again.
+    nothing of it reached the module's ``.grad`` and the caller runs the step again.
     """
-    release(devices, replicas)
+    release(devices)
     line = lower_cap(log, plans, devices, error)
     raise StepOutOfMemory(
         f"{line}; this happened in backward, after forward had returned, so the step could not be re-run: its "

@@ -10,7 +10,6 @@ import torch
 
 from ..tree import flatten, leaf_paths, to_device, unflatten
 from .scatter_gather import concat_column
-from .upstream import Upstream
 
 __all__ = ["ScalarPolicy", "SCALAR_POLICIES", "check_policy", "policy_weights", "combine", "count_tokens"]
 
@@ -19,7 +18,9 @@ __all__ = ["ScalarPolicy", "SCALAR_POLICIES", "check_policy", "policy_weights", 
 ScalarPolicy: TypeAlias = str | Callable[[tuple[Any, ...], dict[str, Any]], Any]
 SCALAR_POLICIES = ("mean", "sum", "stack")
 
-BackwardRunner = Callable[[list[tuple[list[torch.Tensor], list[torch.Tensor]]]], None]
+# Per replica its outputs and their gradients, whether to keep the graph and whether to
+# build one (create_graph) -> one gradient per target (None: none reached it).
+Backward = Callable[[list[tuple[list[torch.Tensor], list[torch.Tensor]]], bool, bool], list[torch.Tensor | None]]
 
 
 def check_policy(policy: ScalarPolicy, what: str = "scalar_outputs") -> ScalarPolicy:
@@ -91,33 +92,50 @@ def count_tokens(
     return weight
 
 
-class _GatherBackward(torch.autograd.Function):
-    """Combine replica outputs; on backward, run every replica's backward concurrently.
+class _Gather(torch.autograd.Function):
+    """Combine replica outputs; on backward, compute every replica's gradients concurrently.
 
     The forward receives *detached* copies of the outputs, so the autograd engine never
     walks into the replicas' graphs from the caller's thread (where it would run all CPU
-    backward work serially and unthrottled). Instead, backward cuts the incoming
-    gradient into one piece per replica and hands each to its replica's thread.
-
-    The step's differentiable inputs (``upstream.sources``) are extra inputs here: the
-    replicas ran on detached copies of their shards, and backward returns the gradients
-    those collected, so the engine walks the caller's graph in front of the wrapper once.
+    backward work serially and unthrottled). Its other inputs are the tensors the step
+    differentiates (``targets``: the module's parameters and the step's inputs that
+    require grad). Backward cuts the incoming gradient into one piece per replica, has
+    ``backward`` compute each replica's gradients in its own thread, and *returns* their
+    sums as the targets' gradients: torch's engine delivers them, so parameter hooks fire
+    once with the full-batch gradient, ``autograd.grad`` gets them without touching
+    ``.grad``, and a backward that fails in any replica hands nothing on. Run with
+    ``create_graph=True``, the returned gradients carry their own graph (double backward).
     """
 
     @staticmethod
-    def forward(
-        ctx: Any, runner: BackwardRunner, layout: _Layout, upstream: Upstream | None, *tensors: torch.Tensor
-    ) -> Any:
-        ctx.runner, ctx.layout, ctx.upstream = runner, layout, upstream
+    def forward(ctx: Any, backward: Backward, layout: _Layout, *tensors: torch.Tensor) -> Any:
+        ctx.backward_, ctx.layout = backward, layout
+        ctx.save_for_backward(torch.empty(0))  # freed with the graph: see backward
         out = layout.combine(tensors[: layout.n_inputs])
-        ctx.mark_non_differentiable(*[t for t in out if not t.is_floating_point() and not t.is_complex()])
+        # An output no replica's graph reaches (an integer, a mask passed through) stays
+        # without grad, as the plain module's would.
+        ctx.mark_non_differentiable(
+            *[t for t, c in zip(out, layout.columns) if not _differentiable(t) or not any(x.requires_grad for x in c)]
+        )
         return tuple(out)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> Any:
-        ctx.runner(ctx.layout.split(grads))
-        upstream = ctx.upstream.grads() if ctx.upstream is not None else []
-        return (None, None, None) + (None,) * ctx.layout.n_inputs + tuple(upstream)
+        _ = ctx.saved_tensors  # a second backward through a freed graph fails here, with torch's own message
+        found = ctx.backward_(ctx.layout.split(grads), _keeps_graph(), torch.is_grad_enabled())
+        return (None, None) + (None,) * ctx.layout.n_inputs + tuple(found)
+
+
+def _differentiable(t: torch.Tensor) -> bool:
+    return t.is_floating_point() or t.is_complex()
+
+
+def _keeps_graph() -> bool:
+    # Whether this backward keeps the graph (retain_graph) is not passed to a Function; torch's
+    # engine has it, and torch's own compiled functions ask it the same way. Where it cannot be
+    # asked, the replicas' graphs are kept: more memory until the output is dropped, never wrong.
+    ask = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+    return True if ask is None else bool(ask())
 
 
 class _Layout:
@@ -191,17 +209,17 @@ def combine(
     target: torch.device,
     dim: int,
     weights: Callable[[], list[float] | None],
-    runner: BackwardRunner,
+    backward: Backward,
     labels: Sequence[str],
-    upstream: Upstream | None = None,
+    targets: Sequence[torch.Tensor] = (),
 ) -> Any:
     """The replicas' outputs as one output on ``target``; backward goes through ``runner``.
 
     Tensors are concatenated along ``dim``; 0-dim floating tensors are combined with
     the replicas' ``weights()`` (stacked when it gives ``None``); other 0-dim tensors are stacked; any other
-    object comes back as a list with one entry per replica. ``upstream``: the step's
-    differentiable inputs, whose gradients (gathered from the replicas' shards) the
-    combined output's backward passes on to the caller's graph.
+    object comes back as a list with one entry per replica. ``targets``: the tensors the
+    step differentiates (the module's parameters, the inputs that require grad), whose
+    gradients ``backward`` computes from the replicas' graphs (see :class:`_Gather`).
 
     Raises:
         ValueError: If the replicas' outputs differ in structure or cannot be
@@ -232,10 +250,9 @@ def combine(
         return unflatten(leaves, spec)
     columns = [leaves[k] for k in positions]
     layout = _Layout(columns, lambda j: path(positions[j]), target, dim, weights)
-    if torch.is_grad_enabled() and any(t.requires_grad for c in columns for t in c):
-        detached = [t.detach().requires_grad_(t.requires_grad) for c in columns for t in c]
-        sources = upstream.sources if upstream is not None else []
-        combined = _GatherBackward.apply(runner, layout, upstream, *detached, *sources)
+    if torch.is_grad_enabled() and targets and any(t.requires_grad for c in columns for t in c):
+        detached = [t.detach() for c in columns for t in c]
+        combined = _Gather.apply(backward, layout, *detached, *targets)
     else:
         combined = layout.combine([t for c in columns for t in c])
     for k, value in zip(positions, combined):

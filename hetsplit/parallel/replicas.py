@@ -1,21 +1,33 @@
-"""Replicas: one copy of the module per device, kept in step with it, and its buffers merged back."""
+"""Replicas: the module on each device for one step, its parameters taken through autograd, its buffers merged back.
+
+Each step builds the replicas afresh, as ``torch.nn.parallel.replicate`` does: shallow
+copies of every submodule (``_replicate_for_data_parallel``, so a class's own rule, an
+RNN's weight list say, is kept) that share the module's hook dictionaries and
+attributes, so a hook or attribute set at any time is seen by the next step. A replica's
+parameters are derived from the module's *through autograd*: an alias on the module's
+device, a differentiable copy on another. Every gradient a replica computes therefore
+belongs to the module's graph, and the engine hands it back through autograd (hooks,
+``autograd.grad``, double backward), never by writing ``.grad`` behind autograd's back.
+
+Buffers are each replica's own copies, taken afresh every step, so replicas running at
+once never write into one another's (BatchNorm updates its statistics in place) and a
+graph that saved a copy (two forwards before one backward) keeps the values it saved.
+"""
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 from torch import nn
 
-from ..devices import Device
+from ..devices import DeviceLike, parse_devices
 from ..tree import to_device
 
-__all__ = ["Replicas", "module_device"]
+__all__ = ["replicate", "module_device"]
 
 # torch's norm layers count their training steps in this integer buffer; a full-batch
-# step advances it by one however many replicas ran.
+# step advances it as one forward of the module would, however many replicas ran.
 _STEP_COUNTER = "num_batches_tracked"
 
 
@@ -27,110 +39,98 @@ def module_device(module: nn.Module) -> torch.device:
     return first.device if first is not None else torch.device("cpu")
 
 
-class Replicas:
-    """Per-device replicas of ``module``, kept in step with it.
+def replicate(network: nn.Module, devices: Sequence[DeviceLike], detach: bool = False) -> list[nn.Module]:
+    """``torch.nn.parallel.replicate`` for any devices, the CPU and emulated ones included.
 
-    A replica on the module's device shares the module's parameter storage (no copy);
-    one on another device holds its own parameters, copied from the module before every
-    step. Buffers are copied into every replica before each step, so each starts from
-    the module's state, and merged back after it (:meth:`merge_buffers`). The module
-    itself never runs: its buffers are written while the replicas' graphs still hold
-    their own (BatchNorm's backward checks its running statistics are unchanged), and
-    gradients stay on the replicas until :meth:`sources` hands them to the reducer.
+    One replica of ``network`` per device (a device may repeat). Each replica's
+    parameters come from ``network``'s through autograd (an alias on ``network``'s
+    device, a copy elsewhere), so a loss computed on a replica back-propagates into
+    ``network``'s parameters; with ``detach=True`` they are detached copies instead.
+    Buffers are copied, and hooks are shared with ``network``.
+
+    Args:
+        network: The module to replicate (all on one device).
+        devices: One device per replica, e.g. ``["cpu", "cpu@0.25"]``.
+        detach: Cut the replicas' parameters from ``network``'s graph.
+
+    Returns:
+        The replicas, in the order of ``devices``.
+
+    Example:
+        >>> a, b = replicate(net, ["cpu", "cpu@0.25"])
+        >>> (a(x0).sum() + b(x1).sum()).backward()  # net's .grad: both replicas' gradients
+    """
+    targets = [d.torch_device for d in parse_devices(devices)]
+    with torch.set_grad_enabled(torch.is_grad_enabled() and not detach):
+        return [r.module for r in _Replicator(network).build(targets)]
+
+
+class _Replica:
+    """One step's replica: the module tree, and the tensors that stand for the module's parameters in it."""
+
+    def __init__(self, module: nn.Module, params: list[torch.Tensor], buffers: list[torch.Tensor]) -> None:
+        self.module = module
+        self.params = params  # aligned with the module's parameters (an alias or copy of each)
+        self.buffers = buffers  # the buffer tensors the replica started the step with
+
+
+class _Replicator:
+    """Builds each step's replicas of ``module`` and merges their buffer updates back.
 
     Args:
         module: The wrapped module (all on one device).
-        devices: The devices, in shard order.
     """
 
-    def __init__(self, module: nn.Module, devices: Sequence[Device]) -> None:
-        self.module, self.devices = module, list(devices)
-        self.copies: dict[int, nn.Module] = {}
-        self._key: tuple[tuple[int, ...], tuple[int, ...]] | None = None
-        self._pairs: dict[int, tuple[list[torch.Tensor], list[torch.Tensor], list[nn.Module], list[Any]]] = {}
-        self._module_list: list[nn.Module] | None = None
-        self._module_key: tuple[tuple[int, ...], tuple[int, ...]] | None = None
-        self._buffer_names: list[str] = []
-        # The module's tensors as of the last get(): the step's gradient targets and buffers.
-        self.params: list[torch.Tensor] = []
-        self.buffers: list[torch.Tensor] = []
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
 
-    def get(self, indices: Sequence[int]) -> list[nn.Module]:
-        """The replicas of devices ``indices``, synchronised with the module for a step."""
+    def build(self, devices: Sequence[torch.device]) -> list[_Replica]:
+        """The replicas for one step, one per device in ``devices`` (a device may repeat)."""
+        modules = list(self.module.modules())
         params = list(self.module.parameters())
         buffers = list(self.module.buffers())
-        # The module's structure (which tensors, in which modules, in which mode) rarely
-        # changes: the pairing of replica and module tensors is kept until it does.
-        key = (tuple(map(id, params)), tuple(map(id, buffers)))
-        if key != self._key:
-            self._key, self._pairs = key, {}
-            self._buffer_names = [name for name, _ in self.module.named_buffers()]
-        self.params, self.buffers = params, buffers
-        modes = [m.training for m in self._modules()]
+        param_at = {id(p): k for k, p in enumerate(params)}
+        buffer_at = {id(b): k for k, b in enumerate(buffers)}
+        graph = torch.is_grad_enabled()
         out = []
-        for i in indices:
-            replica = self.copies.get(i)
-            if replica is None or not self._sync(i, replica, params, buffers, modes):
-                replica = self.copies[i] = self._build(i)
-                self._pairs.pop(i, None)
-                self._sync(i, replica, params, buffers, modes)
-            out.append(replica)
+        for device in devices:
+            own_params = [_param_for(p, device, graph) for p in params]
+            own_buffers = self._buffers_for(buffers, device)
+            copies = [m._replicate_for_data_parallel() for m in modules]
+            index = {id(m): i for i, m in enumerate(modules)}
+            for m, r in zip(modules, copies):
+                for key, child in m._modules.items():
+                    if child is None:
+                        r._modules[key] = None
+                    else:
+                        setattr(r, key, copies[index[id(child)]])
+                for key, p in m._parameters.items():
+                    if p is None:
+                        r._parameters[key] = None
+                        continue
+                    t = own_params[param_at[id(p)]]
+                    # Through setattr, as torch's replicate does: a class that tracks its
+                    # weights (an RNN's flat weight list) then sees the replica's tensors.
+                    setattr(r, key, t)
+                    # Also listed as the replica's parameters: a model that asks
+                    # next(self.parameters()) for its device or dtype still gets an answer.
+                    r._parameters[key] = t
+                for key, b in m._buffers.items():
+                    r._buffers[key] = None if b is None else own_buffers[buffer_at[id(b)]]
+            out.append(_Replica(copies[0], own_params, own_buffers))
         return out
 
-    def _modules(self) -> list[nn.Module]:
-        if self._module_list is None or self._key != self._module_key:
-            self._module_list, self._module_key = list(self.module.modules()), self._key
-        return self._module_list
-
-    def _build(self, i: int) -> nn.Module:
-        replica = copy.deepcopy(self.module).to(self.devices[i].torch_device)
-        for p in replica.parameters():
-            p.grad = None
-        return replica
+    @staticmethod
+    def _buffers_for(buffers: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+        # Fresh copies every step, never written into: a graph that saved the last step's
+        # (two forwards before one backward) keeps the values it saved. Whether a buffer
+        # changed cannot be told from its version (BatchNorm updates its statistics without
+        # bumping it), so none is reused.
+        with torch.no_grad():
+            return [b.clone() if b.device == device else b.to(device, copy=True) for b in buffers]
 
     @torch.no_grad()
-    def _sync(
-        self, i: int, replica: nn.Module, params: list[torch.Tensor], buffers: list[torch.Tensor], modes: list[bool]
-    ) -> bool:
-        """Bring ``replica`` up to the module's state; ``False`` if it must be rebuilt."""
-        pairs = self._pairs.get(i)
-        if pairs is None:
-            own_params, own_buffers, own_modules = list(replica.parameters()), list(replica.buffers()), []
-            own_modules = list(replica.modules())
-            if (len(own_params), len(own_buffers), len(own_modules)) != (len(params), len(buffers), len(modes)):
-                return False
-            pairs = self._pairs[i] = (own_params, own_buffers, own_modules, [None])
-        own_params, own_buffers, own_modules, last_modes = pairs
-        for rp, mp in zip(own_params, params):
-            if rp.dtype != mp.dtype or rp.shape != mp.shape:
-                return False
-            if rp.device == mp.device:
-                if rp.data_ptr() != mp.data_ptr():
-                    rp.data = mp.data  # share the module's storage: optimizer steps are seen at once
-            else:
-                rp.copy_(mp, non_blocking=True)
-            if rp.requires_grad != mp.requires_grad:
-                rp.requires_grad_(mp.requires_grad)
-        for rb, mb in zip(own_buffers, buffers):
-            if rb.dtype != mb.dtype or rb.shape != mb.shape:
-                return False
-            rb.copy_(mb, non_blocking=True)
-        if last_modes[0] != modes:
-            for rm, mode in zip(own_modules, modes):
-                rm.training = mode
-            last_modes[0] = modes
-        return True
-
-    def sources(self, indices: Sequence[int]) -> list[list[torch.Tensor]]:
-        """The parameters of the replicas of devices ``indices``."""
-        return [
-            self._pairs[i][0] if i in self._pairs else list(self.copies[i].parameters())
-            for i in indices
-            if i in self.copies
-        ]
-
-    @torch.no_grad()
-    def merge_buffers(self, replicas: Sequence[nn.Module], sizes: Sequence[int]) -> None:
+    def merge_buffers(self, replicas: Sequence[_Replica], sizes: Sequence[int], runs: Sequence[int]) -> None:
         """Write the replicas' buffer updates of one step into the module.
 
         The module never ran, so its buffers still hold the step's starting values.
@@ -138,18 +138,34 @@ class Replicas:
         values (a running mean of batch means equals the full-batch one); an element no
         replica changed keeps its exact value. Integer buffers advance by the sum of the
         replicas' increments (a counter of samples counts them all), except
-        ``num_batches_tracked``, which advances as in one full-batch step (by the
-        largest increment). Everything stays on the devices: no value is read back, so a
-        GPU is never made to wait here.
+        ``num_batches_tracked``, which advances as in one forward of the module: by the
+        largest increment of one replica per forward it ran (``runs``: its micro-batches).
+        A boolean buffer takes the value a replica changed it to. Nothing is read back
+        from a device, so a GPU is never made to wait here.
+
+        Args:
+            replicas: The step's replicas, in the order of ``sizes``.
+            sizes: Each replica's samples.
+            runs: How many forwards each replica ran (its micro-batches).
         """
-        if not self.buffers:
+        targets = list(self.module.buffers())
+        if not targets:
             return  # the common case for many models: nothing to merge, no module walk
-        current = [list(r.buffers()) for r in replicas]
+        names = [name for name, _ in self.module.named_buffers()]
+        current = [list(r.module.buffers()) for r in replicas]
+        if any(len(bufs) != len(targets) for bufs in current):
+            raise RuntimeError(
+                f"a replica's forward added or removed buffers (the module has {len(targets)}, the replicas "
+                f"{[len(b) for b in current]}): register every buffer in __init__"
+            )
         total = float(sum(sizes))
-        for k, (name, target) in enumerate(zip(self._buffer_names, self.buffers)):
+        for k, (name, target) in enumerate(zip(names, targets)):
             values = [to_device(bufs[k], target.device) for bufs in current]
             if len(values) == 1:
                 target.copy_(values[0])  # one replica: its values are the step's
+            elif target.dtype == torch.bool:
+                flipped = torch.stack([v != target for v in values]).any(0)
+                target.copy_(torch.where(flipped, ~target, target))
             elif target.is_floating_point() or target.is_complex():
                 merged = sum((v * (s / total) for v, s in zip(values[1:], sizes[1:])), values[0] * (sizes[0] / total))
                 # A weighted mean of equal numbers can round: unchanged elements keep their value.
@@ -157,5 +173,21 @@ class Replicas:
                 target.copy_(torch.where(unchanged, target, merged))
             else:
                 deltas = torch.stack([v - target for v in values])
-                step = deltas.amax(0) if name.rsplit(".", 1)[-1] == _STEP_COUNTER else deltas.sum(0)
-                target.add_(step.to(target.dtype))
+                if name.rsplit(".", 1)[-1] == _STEP_COUNTER:
+                    per_run = torch.stack([d // max(n, 1) for d, n in zip(deltas, runs)])
+                    target.add_(per_run.amax(0).to(target.dtype))
+                else:
+                    target.add_(deltas.sum(0).to(target.dtype))
+
+
+def _param_for(p: torch.Tensor, device: torch.device, graph: bool) -> torch.Tensor:
+    """The tensor that stands for parameter ``p`` in a replica on ``device``.
+
+    On ``p``'s device an alias (a view): the replica's gradient is then captured at the
+    alias, where no hook of ``p``'s fires, and reaches ``p`` once, through the engine.
+    Elsewhere a differentiable copy. Without a graph to build (no grad mode, or a frozen
+    parameter) ``p`` itself, or a plain copy.
+    """
+    if not (graph and p.requires_grad):
+        return p if p.device == device else p.detach().to(device)
+    return p.view_as(p) if p.device == device else p.to(device)

@@ -138,43 +138,61 @@ class BatchPlans:
     ) -> None:
         if not isinstance(accumulate, bool):
             raise TypeError(f"accumulate must be True or False, got {accumulate!r}")
-        self.accumulate, self.caps = accumulate, {}
+        # An emulated memory (cpu@0.25:max8) stands in for a GPU's: like it, it is learned from a
+        # profile or from running out, not read off the device name.
+        self.accumulate = accumulate
+        self.caps: dict[str, int] = {}
         if weights is not None and (plan is not None or profile is not None):
-            raise ValueError("give weights, or a plan and/or profile, not both")
+            both = plan is not None and profile is not None
+            given = "plan= and profile=" if both else "plan=" if plan is not None else "profile="
+            raise ValueError(
+                f"got weights= together with {given}: give one source of shares (weights= splits every batch in "
+                "proportion; profile= solves every batch size; plan= fixes one batch size)"
+            )
         check_source(profile, plan=plan)
         if isinstance(profile, Plan):
             raise TypeError("profile must be a Profile; pass a Plan as plan=")
         self.devices, self.names = list(devices), [d.name for d in devices]
         self.weights = check_weights(weights, len(self.devices)) if weights is not None else None
         self.profile, self.rebalancer = profile, rebalancer
+        self.given: Plan | None = None  # a plan the user gave (plan= or set_plan): followed for its size
         self.current: Plan | None = None
         self.by_batch: dict[int, Plan] = {}
         if plan is not None:
             self.set(plan)
 
     def set(self, plan: Plan) -> None:
-        """Follow ``plan`` from now on (weights are dropped; a profile still serves other sizes).
+        """Follow ``plan`` for its batch size from now on; other sizes keep their source (profile or weights).
 
         Raises:
             ValueError: If the plan's devices are not these devices.
         """
         if list(plan.devices) != self.names:
             raise ValueError(f"the plan is for devices {plan.devices}, but this wrapper runs on {self.names}")
-        self.current, self.by_batch, self.weights = plan, {plan.batch_size: plan}, None
+        self.given, self.current, self.by_batch = plan, plan, {plan.batch_size: plan}
 
     def for_batch(self, batch: int) -> Plan:
-        """The plan for a batch of ``batch`` samples, which becomes :attr:`current`."""
+        """The plan for a batch of ``batch`` samples, which becomes :attr:`current`.
+
+        The given plan serves its own batch size; any other size is solved from the
+        profile (the rebalancer's corrected one once it has learned, else the given one),
+        else split in proportion to the weights; with neither, a plan given for another
+        size is an error (naming ``profile=`` and ``weights=``), and with nothing given at
+        all the stored profile of these devices (or a quick calibration) is found once and
+        solved for every size.
+        """
         plan = self.by_batch.get(batch)
         if plan is None:
             learned = self.rebalancer is not None and bool(self.rebalancer.log_factors)
             profile = self.rebalancer.corrected(self.names) if learned else self.profile
+            if profile is None and self.weights is None and self.given is None:
+                profile = self.profile = default_profile(self.devices)
             plan = self.by_batch[batch] = resolve_plan(
                 batch,
                 self.devices,
-                plan=self.current,
+                plan=self.given if profile is None and self.weights is None else None,
                 profile=profile,
-                weights=self.weights,
-                fallback=lambda: default_profile(self.devices),
+                weights=self.weights if profile is None else None,
                 accumulate=self.accumulate,
             )
             if self.caps:

@@ -1,13 +1,12 @@
-"""Upstream: replicas run on detached leaf shards; their input gradients rejoin the caller's graph once.
+"""Upstream: the inputs that require grad, each replica's piece of them, and their gradients put back together.
 
-An input that requires grad and is not a leaf (the output of a layer in front of the
-wrapper) belongs to the caller's graph. If every replica's backward walked into that
-graph through its own shard, the first would free it and the second fail ("backward
-through the graph a second time"); even a leaf input would have its gradient summed from
-several threads. So each replica gets its shard as a fresh leaf, and the gradients of
-those leaves, put back together on the input's device, are handed to the caller's graph
-in one backward: by the gather's autograd function in forward mode, by
-:meth:`Upstream.backward` in local-loss mode.
+An input that requires grad (a leaf the user differentiates by, or the output of a layer
+in front of the wrapper) is cut into one piece per replica. Each piece stays connected to
+the input through autograd (a differentiable split and copy), so a gradient of a gradient
+(``create_graph=True``) still reaches the input. The replicas' backward captures the
+gradient at its own piece, and the engine hands the pieces' gradients, concatenated on
+the input's device, to the input through autograd once: the caller's graph in front of
+the wrapper is walked once, by torch's engine, as for the plain module.
 """
 
 from __future__ import annotations
@@ -23,7 +22,7 @@ __all__ = ["Upstream"]
 
 
 class Upstream:
-    """The differentiable inputs of one step, cut from the caller's graph at the shards.
+    """The differentiable inputs of one step and each shard's own piece of them.
 
     Args:
         batch: The step's whole input (any nest), as given to the wrapper.
@@ -31,19 +30,19 @@ class Upstream:
         dim: The batch dimension the shards were cut along.
 
     After construction :attr:`shards` holds the shards to run (the same objects when
-    nothing requires grad, so the common step pays one flatten), and :attr:`sources`
-    the inputs whose gradients :meth:`grads` returns.
+    nothing requires grad, so the common step pays one flatten), :attr:`sources` the
+    inputs that require grad, and :attr:`pieces` ``[j]`` shard ``j``'s piece of each.
 
     Example:
         >>> up = Upstream(x, scatter(x, devices, sizes), 0)  # replicas run on up.shards
-        >>> ...  # each replica's backward
-        >>> up.backward()  # the caller's graph in front of x, walked once
+        >>> grads = [torch.autograd.grad(out_j, up.pieces[j], g_j) for ...]
+        >>> up.combine(grads)  # one gradient per source
     """
 
     def __init__(self, batch: Any, shards: Sequence[Any], dim: int) -> None:
         self.shards, self.dim = list(shards), dim
         self.sources: list[torch.Tensor] = []
-        self._cuts: list[list[torch.Tensor]] = []  # per source: its leaf in every shard
+        self.pieces: list[list[torch.Tensor]] = [[] for _ in self.shards]
         if not torch.is_grad_enabled():
             return
         leaves, spec = flatten(batch)
@@ -55,39 +54,36 @@ class Upstream:
             return  # an overridden scatter with its own structure: its shards run as they are
         new = [list(shard_leaves) for shard_leaves, _ in flat]
         for k in keys:
-            if not all(isinstance(shard[k], torch.Tensor) for shard in new):
+            if not all(isinstance(shard[k], torch.Tensor) and shard[k].requires_grad for shard in new):
                 continue
-            cut = [shard[k].detach().requires_grad_() for shard in new]
-            for shard, leaf in zip(new, cut):
-                shard[k] = leaf
+            # A piece on the input's own device is a view of it: a replica that wrote into its
+            # input in place would rewrite the input's history from several threads at once.
+            # It gets its own (differentiable) copy; a piece on another device is one already.
+            for shard in new:
+                if shard[k]._base is not None or shard[k] is leaves[k]:
+                    shard[k] = shard[k].clone()
             self.sources.append(leaves[k])
-            self._cuts.append(cut)
+            for j, shard in enumerate(new):
+                self.pieces[j].append(shard[k])
         if self.sources:
             self.shards = [unflatten(shard, spec) for shard in new]
 
-    def grads(self) -> list[torch.Tensor | None]:
-        """Each source's gradient from the replicas' backward (``None``: none reached it).
+    def combine(self, grads: Sequence[Sequence[torch.Tensor | None]]) -> list[torch.Tensor | None]:
+        """Each source's gradient from its pieces' gradients (``grads[j][s]``: shard ``j``, source ``s``).
 
-        A split input's gradient is its shards' gradients concatenated along ``dim`` on
-        the input's device; a 0-dim input, given whole to every replica, gets their sum.
-        The shard leaves' gradients are released.
+        A split input's gradient is its pieces' gradients concatenated along ``dim`` on the
+        input's device (zeros for a piece no gradient reached); a 0-dim input, given whole
+        to every replica, gets their sum. ``None`` where no gradient reached any piece.
         """
         out: list[torch.Tensor | None] = []
-        for source, cut in zip(self.sources, self._cuts):
-            got = [leaf.grad for leaf in cut]
-            for leaf in cut:
-                leaf.grad = None
+        for s, source in enumerate(self.sources):
+            got = [g[s] for g in grads]
             if all(g is None for g in got):
                 out.append(None)
                 continue
             parts = [
-                to_device(g if g is not None else torch.zeros_like(leaf), source.device) for g, leaf in zip(got, cut)
+                to_device(g if g is not None else torch.zeros_like(p[s]), source.device)
+                for g, p in zip(got, self.pieces)
             ]
             out.append(sum(parts[1:], parts[0]) if source.dim() == 0 else torch.cat(parts, dim=self.dim))
         return out
-
-    def backward(self) -> None:
-        """Walk the caller's graph once with the sources' gradients (local-loss mode)."""
-        pairs = [(s, g) for s, g in zip(self.sources, self.grads()) if g is not None]
-        if pairs:
-            torch.autograd.backward([s for s, _ in pairs], [g for _, g in pairs])
