@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["shard_weights", "reduce_gradients", "accumulate_gradients"]
+__all__ = ["shard_weights", "reduce_gradients"]
 
 
 def shard_weights(sizes: Sequence[int], reduction: str = "mean") -> list[float]:
@@ -121,28 +121,3 @@ def reduce_gradients(
                 p.grad = total.to(p.device, copy=True)
             else:
                 p.grad.copy_(total)
-
-
-@torch.no_grad()
-def accumulate_gradients(targets: Sequence[torch.Tensor], sources: Sequence[Sequence[torch.Tensor]]) -> None:
-    """Add every source's gradient into its target's ``.grad``, then clear the source's.
-
-    The replicas of :class:`~hetsplit.HeteroDataParallel` produce gradients that are
-    already their shard's share of the full-batch gradient (the loss covered the whole
-    batch, or was weighted per shard), so combining them is a plain sum into the
-    module's parameters, on top of whatever ``.grad`` held (gradient accumulation).
-
-    Args:
-        targets: The module's parameters.
-        sources: Per replica, its parameters in the same order.
-    """
-    for k, target in enumerate(targets):
-        total = None
-        for params in sources:
-            p = params[k]
-            if p.grad is not None:
-                g = p.grad.to(target.device, non_blocking=True)
-                total = g if total is None else total.add_(g)
-                p.grad = None
-        if total is not None:
-            target.grad = total if target.grad is None else target.grad.add_(total)
