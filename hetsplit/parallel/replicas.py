@@ -61,8 +61,7 @@ def replicate(network: nn.Module, devices: Sequence[DeviceLike], detach: bool = 
         >>> (a(x0).sum() + b(x1).sum()).backward()  # net's .grad: both replicas' gradients
     """
     targets = [d.torch_device for d in parse_devices(devices)]
-    with torch.set_grad_enabled(torch.is_grad_enabled() and not detach):
-        return [r.module for r in _Replicator(network).build(targets)]
+    return [r.module for r in _Replicator(network).build(targets, detach=detach)]
 
 
 class _Replica:
@@ -84,17 +83,17 @@ class _Replicator:
     def __init__(self, module: nn.Module) -> None:
         self.module = module
 
-    def build(self, devices: Sequence[torch.device]) -> list[_Replica]:
-        """The replicas for one step, one per device in ``devices`` (a device may repeat)."""
+    def build(self, devices: Sequence[torch.device], detach: bool = False) -> list[_Replica]:
+        """One step's replicas, one per device in ``devices`` (a device may repeat); ``detach``: cut from the graph."""
         modules = list(self.module.modules())
         params = list(self.module.parameters())
         buffers = list(self.module.buffers())
         param_at = {id(p): k for k, p in enumerate(params)}
         buffer_at = {id(b): k for k, b in enumerate(buffers)}
-        graph = torch.is_grad_enabled()
+        graph = torch.is_grad_enabled() and not detach
         out = []
         for device in devices:
-            own_params = [_param_for(p, device, graph) for p in params]
+            own_params = [_param_for(p, device, graph, detach) for p in params]
             own_buffers = self._buffers_for(buffers, device)
             copies = [m._replicate_for_data_parallel() for m in modules]
             index = {id(m): i for i, m in enumerate(modules)}
@@ -180,14 +179,16 @@ class _Replicator:
                     target.add_(deltas.sum(0).to(target.dtype))
 
 
-def _param_for(p: torch.Tensor, device: torch.device, graph: bool) -> torch.Tensor:
+def _param_for(p: torch.Tensor, device: torch.device, graph: bool, detach: bool = False) -> torch.Tensor:
     """The tensor that stands for parameter ``p`` in a replica on ``device``.
 
     On ``p``'s device an alias (a view): the replica's gradient is then captured at the
     alias, where no hook of ``p``'s fires, and reaches ``p`` once, through the engine.
     Elsewhere a differentiable copy. Without a graph to build (no grad mode, or a frozen
-    parameter) ``p`` itself, or a plain copy.
+    parameter) ``p`` itself, or a plain copy; ``detach``: a detached alias or copy.
     """
+    if detach:
+        return p.detach().to(device, copy=p.device != device)
     if not (graph and p.requires_grad):
         return p if p.device == device else p.detach().to(device)
     return p.view_as(p) if p.device == device else p.to(device)
