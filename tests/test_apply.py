@@ -160,3 +160,42 @@ def test_pinned_replicas_still_give_the_full_batch_gradients(one_thread):
     assert (expected is not None) == (hasattr(os, "sched_setaffinity") and len(os.sched_getaffinity(0)) >= 2)
     for p, q in zip(net.parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-12)
+
+
+def test_run_parallel_takes_device_strings():
+    assert run_parallel([lambda: 1, lambda: 2], ["cpu", "cpu@1"]) == [1, 2]
+    with pytest.raises(ValueError, match="2 callables and 1 devices"):
+        run_parallel([lambda: 1, lambda: 2], ["cpu"])
+
+
+class _Custom(Exception):
+    def __init__(self, code, detail):
+        super().__init__(code, detail)
+        self.code = code
+
+
+def _raise(e):
+    raise e
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        _Custom(7, "detail"),
+        FileNotFoundError(2, "No such file or directory", "data.csv"),
+        KeyError("missing"),
+    ],
+    ids=["custom-arguments", "oserror", "keyerror"],
+)
+def test_a_replica_s_exception_is_raised_as_itself_with_the_replica_named(error):
+    with pytest.raises(type(error), match="in replica 1 on device cpu@1") as info:
+        run_parallel([lambda: 1, lambda: _raise(error)], ["cpu", "cpu@1"])
+    assert info.value is error  # class, errno, file name and the user's own attributes all survive
+    if isinstance(error, OSError):
+        assert (info.value.errno, info.value.filename) == (2, "data.csv")
+
+
+def test_a_one_string_message_names_the_replica_in_str():
+    with pytest.raises(ValueError) as info:
+        run_parallel([lambda: 1, lambda: _raise(ValueError("bad label"))], ["cpu", "cpu@1"])
+    assert str(info.value) == "in replica 1 on device cpu@1: bad label"

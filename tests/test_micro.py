@@ -80,17 +80,36 @@ def test_oom_on_an_emulated_device_is_recovered_exactly(mode, caplog):
     _close(dp, _reference(net, x, y))
 
 
-def test_second_oom_in_a_step_is_an_error_naming_both():
+@pytest.mark.parametrize("mode", ["gather", "local"])
+def test_the_cap_keeps_coming_down_within_the_step_until_it_fits(mode, caplog):
+    # A true cap of 5 and a share of 24: 24 fails, then 12, then 6; 3 fits — in one step, one log line.
     net, (x, y) = _net(), _data()
     dp = HeteroDataParallel(copy.deepcopy(net), ["cpu", "cpu:max5"], weights=[1, 1])
-    with pytest.raises(
-        StepOutOfMemory, match=r"again on device 1 cpu:max5 \(micro-batch of 12.*first: out of memory on"
-    ):
+    with caplog.at_level(logging.WARNING, logger="hetsplit"):
+        _step(dp, x, y, mode)
+    assert dp.plan.micro_batches[1] == [3] * 8
+    assert len([r for r in caplog.records if r.name == "hetsplit"]) == 1
+    _close(dp, _reference(net, x, y))
+
+
+def test_a_device_that_holds_no_sample_is_an_error_naming_it():
+    net, (x, y) = _net(), _data()
+    # The model runs out on any batch of that device (a GPU already full): down to one sample, then an error.
+    dp = HeteroDataParallel(_Capped(copy.deepcopy(net), 0), ["cpu:max1000", "cpu@1:max1000"], weights=[1, 1])
+    with pytest.raises(StepOutOfMemory, match=r"again on device \d cpu.*1 sample.*first: out of memory on"):
         dp.train_step(x, y, F.cross_entropy)
     assert all(p.grad is None for p in dp.module.parameters())  # nothing of the failed step
-    dp.train_step(x, y, F.cross_entropy)  # the caps stay lowered: 6 fails, then 3 runs
-    assert dp.plan.micro_batches[1] == [3] * 8
-    _close(dp, _reference(net, x, y))
+
+
+def test_an_out_of_memory_error_raised_on_a_real_cpu_is_the_user_s():
+    # A real CPU never raises torch.OutOfMemoryError for lack of memory (its allocator raises a
+    # RuntimeError): one raised there is the model's own, re-raised as it is, and no cap is learned.
+    net, (x, y) = _net(), _data()
+    dp = HeteroDataParallel(_Capped(copy.deepcopy(net), 10), ["cpu", "cpu@0.5"], weights=[1, 1])
+    with pytest.raises(torch.OutOfMemoryError, match="48 samples|24 samples") as info:
+        dp.train_step(x, y, F.cross_entropy)
+    assert not isinstance(info.value, StepOutOfMemory)
+    assert dp._plans.caps == {} and dp.plan.micro_batches == [[24], [24]]
 
 
 def test_without_accumulate_and_profile_an_oom_says_what_to_do():
@@ -128,7 +147,8 @@ class _Fragile(nn.Module):
 
 def test_oom_in_backward_after_forward_returned_is_refused_clearly():
     net, (x, y) = _net(), _data()
-    dp = HeteroDataParallel(_Fragile(copy.deepcopy(net), 20), ["cpu", "cpu@0.5"], weights=[1, 1])
+    # ":max1000": a device whose memory is tracked, as a GPU's is (the model's own error stands in for its OOM).
+    dp = HeteroDataParallel(_Fragile(copy.deepcopy(net), 20), ["cpu:max1000", "cpu@0.5:max1000"], weights=[1, 1])
     _FailBackward.armed = True
     out = dp(x)
     with pytest.raises(StepOutOfMemory, match="in backward, after forward had returned.*run the step again"):
@@ -212,8 +232,9 @@ def test_an_oom_on_the_module_s_own_device_is_recovered_too(mode, caplog):
     # One real device holding the module runs the module itself (no replica); its out-of-memory
     # error still lowers the cap, re-plans into micro-batches and re-runs the step, exactly.
     net, (x, y) = _net(), _data()
-    prof = Profile.from_measurements({"cpu": [(8, 0.008), (32, 0.03)]})
-    dp = HeteroDataParallel(_Capped(copy.deepcopy(net), 30), ["cpu"], profile=prof)  # 48 fails, then half
+    prof = Profile.from_measurements({"cpu:max1000": [(8, 0.008), (32, 0.03)]})
+    # A device whose memory is tracked (":max1000", as a GPU's is); the model's own error stands in for its OOM.
+    dp = HeteroDataParallel(_Capped(copy.deepcopy(net), 30), ["cpu:max1000"], profile=prof)  # 48 fails, then half
     with caplog.at_level(logging.WARNING, logger="hetsplit"):
         _step(dp, x, y, mode)
     assert dp.plan.micro_batches == [[24, 24]], dp.plan

@@ -187,17 +187,24 @@ def _placement(devices: Sequence[Device], inline: int | None) -> tuple[list[int]
 
 
 def _reraise(e: BaseException, where: str) -> None:
-    message = f"{where}: {type(e).__name__}: {e}"
-    try:
-        new = type(e)(message)
-    except Exception:  # exception types whose constructor takes other arguments
-        new = RuntimeError(message)
-    raise new from e
+    """Raise the replica's own exception in the caller, the replica named in its message.
+
+    The object itself is raised — its class, ``errno``, file name and any attribute of the
+    user's own exception survive. A one-string message gets the replica in front (so
+    ``str(e)`` and ``pytest.raises(match=)`` name it); any other also gets a note.
+    """
+    if len(e.args) == 1 and isinstance(e.args[0], str) and not isinstance(e, KeyError | OSError):
+        e.args = (f"{where}: {e.args[0]}",)
+    elif hasattr(e, "add_note"):  # Python 3.11+
+        e.add_note(where)
+    else:  # pragma: no cover - Python 3.10 without notes: a new exception naming both
+        raise RuntimeError(f"{where}: {type(e).__name__}: {e}") from e
+    raise e
 
 
 def run_parallel(
     fns: Sequence[Callable[[], Any]],
-    devices: Sequence[Device],
+    devices: Sequence[DeviceLike],
     names: Sequence[str] | None = None,
     laps: list[Lap] | None = None,
     inline: int | None = 0,
@@ -210,7 +217,7 @@ def run_parallel(
 
     Args:
         fns: One zero-argument callable per device.
-        devices: The devices, for throttling and CUDA device selection.
+        devices: The devices (``"cpu@0.25"`` or parsed), for throttling and CUDA device selection.
         names: Replica labels for error messages (default: ``0, 1, ...``).
         laps: If given, receives one :class:`~hetsplit.timing.Lap` per call, in order:
             its busy time on the device (emulated slowdown included), measured without
@@ -226,6 +233,10 @@ def run_parallel(
         >>> run_parallel([lambda: 1, lambda: 2], parse_devices("cpu,cpu@0.5"))
         [1, 2]
     """
+    if any(not isinstance(d, Device) for d in devices):
+        devices = parse_devices(devices)
+    if len(devices) != len(fns):
+        raise ValueError(f"got {len(fns)} callables and {len(devices)} devices; give one device per callable")
     ctx = _Context()
     spent: list[Lap | None] = [None] * len(fns)
     results: list[tuple[bool, Any]] = [(False, None)] * len(fns)

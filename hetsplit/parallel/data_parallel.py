@@ -28,6 +28,7 @@ from .micro import (
     backward_oom,
     forward_fns,
     lower_cap,
+    recoverable,
     with_recovery,
 )
 from .outputs import ScalarPolicy, check_policy, combine, policy_weights
@@ -348,7 +349,7 @@ class HeteroDataParallel(nn.Module):
             try:
                 found = self._run([fn for *_, fn in jobs], " (backward)", [i for _, i, _ in jobs], inline)
             except BaseException as e:
-                if is_out_of_memory(e):
+                if recoverable(e, self._mem, self.devices):
                     backward_oom(self._mem, self._plans, self.devices, e)
                 raise
             per_replica: list[Grads] = [[None] * len(inputs) for inputs in grads.inputs]

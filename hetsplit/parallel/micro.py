@@ -42,7 +42,7 @@ __all__ = [
     "with_recovery",
     "release",
     "lower_cap",
-    "fail_again",
+    "again",
 ]
 
 LOG = logging.getLogger("hetsplit")
@@ -216,27 +216,45 @@ def backward_fn(
 
 
 def with_recovery(run: Callable[[], T], log: MemoryLog, plans: Any, devices: Sequence[Device]) -> T:
-    """``run()``; after an out-of-memory error, free the attempt, lower the failing device's cap, re-plan, run again.
+    """``run()``; after each out-of-memory error, free the attempt, lower the failing device's cap, re-plan, run again.
 
-    The second attempt starts from scratch (nothing of the first reached the module's
-    ``.grad``). A second out-of-memory error in the same step raises
-    :class:`StepOutOfMemory` naming both.
+    As ``find_executable_batch_size`` does, the caps keep coming down within the step
+    until it fits; each attempt starts from scratch (nothing of a failed one reached the
+    module's ``.grad``), and one line is logged for the step. It gives up with
+    :class:`StepOutOfMemory` naming the first failure and the last when a device cannot
+    hold even one sample, or no plan fits. An out-of-memory error on a device whose
+    memory is not tracked (a real CPU, or one raised by the user's own code there) is
+    re-raised as it is: no cap is learned from it.
     """
-    try:
-        return run()
-    except BaseException as e:
-        if not is_out_of_memory(e) or isinstance(e, StepOutOfMemory):  # the latter: handled, not to re-run
-            raise
-        release(devices)
-        first = lower_cap(log, plans, devices, e)
-    try:
-        return run()
-    except BaseException as e:
-        if not is_out_of_memory(e):
-            raise
-        release(devices)
-        fail_again(log, plans, devices, first)
-        raise  # fail_again raises; this is for type checkers
+    first: str | None = None
+    while True:
+        try:
+            out = run()
+        except BaseException as e:
+            if not recoverable(e, log, devices):
+                raise
+            release(devices)
+            if first is None:
+                first = lower_cap(log, plans, devices, e, quiet=True)
+            else:
+                again(log, plans, devices, first, e)
+            continue
+        if first is not None:
+            LOG.warning("hetsplit: %s; the step then ran with sizes %s", first, plans.current.micro_batches)
+        return out
+
+
+def recoverable(error: BaseException, log: MemoryLog, devices: Sequence[Device]) -> bool:
+    """Whether ``error`` is an out-of-memory error of a replica's forward on a device whose memory is tracked."""
+    if not is_out_of_memory(error) or isinstance(error, StepOutOfMemory):  # the latter: handled, not to re-run
+        return False
+    if log.failed is None:
+        return False
+    device = devices[log.failed[0]]
+    if device.type == "cuda" or device.max_batch is not None:
+        return True
+    log.failed = None  # a real CPU does not raise this for lack of memory: the user's own error
+    return False
 
 
 def release(devices: Sequence[Device]) -> None:
@@ -258,8 +276,10 @@ def oom_line(device: Device, i: int, plan: Plan, cap: int, new: Plan | None) -> 
     )
 
 
-def lower_cap(log: MemoryLog, plans: Any, devices: Sequence[Device], error: BaseException) -> str:
+def lower_cap(log: MemoryLog, plans: Any, devices: Sequence[Device], error: BaseException, quiet: bool = False) -> str:
     """After an out-of-memory ``error``: the device that failed gets the cap that last ran there; the new plan.
+
+    Returns the line saying so (logged unless ``quiet``).
 
     Raises:
         StepOutOfMemory: If the failing device is unknown or no plan fits the lowered cap.
@@ -277,7 +297,8 @@ def lower_cap(log: MemoryLog, plans: Any, devices: Sequence[Device], error: Base
     except ValueError as e:
         raise StepOutOfMemory(f"{oom_line(devices[i], i, plan, cap, None)}; no plan fits: {e}") from error
     line = oom_line(devices[i], i, plan, cap, new)
-    LOG.warning("hetsplit: %s", line)
+    if not quiet:
+        LOG.warning("hetsplit: %s", line)
     return line
 
 
@@ -296,23 +317,27 @@ def backward_oom(log: MemoryLog, plans: Any, devices: Sequence[Device], error: B
     ) from error
 
 
-def fail_again(log: MemoryLog, plans: Any, devices: Sequence[Device], first: str) -> None:
-    """Raise :class:`StepOutOfMemory` for a second out-of-memory error in one step, naming both.
+def again(log: MemoryLog, plans: Any, devices: Sequence[Device], first: str, error: BaseException) -> None:
+    """Lower the cap once more after another out-of-memory error in the same step, or give up naming both.
 
-    The device that failed again gets a lower cap still, for the steps after this one.
+    Raises:
+        StepOutOfMemory: When the failing device ran out on one sample, or no plan fits its lower cap.
     """
-    plan, where = plans.current, ""
-    if log.failed is not None:
-        i, size = log.failed
+    assert log.failed is not None
+    i, size = log.failed
+    plan = plans.current
+    if size <= 1:
         log.failed = None
-        cap = cap_after_oom(size, [log.ran.get(i, 0)])
-        where = f" on device {i} {devices[i].name} (micro-batch of {size}, shard {plan.sizes[i]})"
-        try:
-            plans.lower_cap(devices[i].name, cap)
-            where += f"; its cap is now {cap} for the next steps"
-        except ValueError:
-            where += f"; no plan fits a cap of {cap} there"
-    raise StepOutOfMemory(f"out of memory again{where} after re-planning the step; first: {plan_hint(first)}")
+        raise StepOutOfMemory(
+            f"out of memory again on device {i} {devices[i].name} with a micro-batch of 1 sample (shard "
+            f"{plan.sizes[i]}): it holds no sample; first: {plan_hint(first)}"
+        ) from error
+    try:
+        lower_cap(log, plans, devices, error, quiet=True)
+    except StepOutOfMemory as e:
+        raise StepOutOfMemory(
+            f"out of memory again on device {i} {devices[i].name}: {e}; first: {plan_hint(first)}"
+        ) from error
 
 
 def plan_hint(first: str) -> str:

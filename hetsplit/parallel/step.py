@@ -61,10 +61,12 @@ def direct_device(step: Step, module: nn.Module, rebalancing: bool) -> torch.dev
     wrapper, or a plan that leaves the other devices empty), as ``nn.DataParallel`` does
     with one device: no replica, no thread, no copy. Not while rebalancing: the
     rebalancer reads every step's busy times, which only the replicas' threads measure.
+    Nor on a slowed device (``cpu@0.25``), whose throttle runs in the replica's thread; an
+    emulated memory alone (``cpu:max64``) is checked here as on the replica path.
     Nor when the plan cuts the share into micro-batches (a memory cap): those run in a
     replica, one at a time.
     """
-    if rebalancing or len(step.active) != 1 or step.devices[0].emulated or step.split:
+    if rebalancing or len(step.active) != 1 or step.devices[0].speed != 1.0 or step.split:
         return None
     home = module_device(module)
     return home if step.devices[0].torch_device == home else None
