@@ -127,3 +127,24 @@ def test_a_re_solved_plan_under_accumulate_keeps_every_share_within_its_cap():
         new = rb.observe(plan, {"a": 3 * prof.step_time("a", plan.sizes[0]), "b": b_time}) or new
     assert new is not None and new.sizes[1] > plan.sizes[1]
     assert max(new.micro_batches[1]) <= 2 and sum(new.micro_batches[1]) == new.sizes[1]
+
+
+def test_without_a_profile_a_fixed_cost_per_step_is_learned_not_mistaken_for_slowness():
+    """Steps at two sizes separate a device's fixed cost from its cost per sample; gains are then true ones."""
+    from hetsplit.planning import plan_from_sizes
+
+    true = {"fast": lambda b: 0.0005 * b, "slow": lambda b: 0.01 + 0.001 * b}
+    devices = ["fast", "slow"]
+    rb = Rebalancer(every=1, threshold=0.0, max_move=0.1, window=3)
+    plan = plan_from_sizes(None, devices, [32, 32])
+    for _ in range(12):
+        new = rb.observe(plan, {d: true[d](s) for d, s in zip(devices, plan.sizes) if s})
+        plan = new or plan
+    curve = rb.corrected(devices).entry("slow").curve
+    assert curve.intercept == pytest.approx(0.01, rel=1e-9) and curve.slope == pytest.approx(0.001, rel=1e-9)
+    step = lambda sizes: max(true[d](s) for d, s in zip(devices, sizes))
+    assert len(rb.history) >= 3
+    last = rb.history[-1]  # by then steps of several sizes have shown the fixed cost: the prediction is exact
+    assert last.predicted_gain == pytest.approx(step(last.old_sizes) / step(last.new_sizes) - 1, rel=1e-6)
+    best = min(range(65), key=lambda b: step([64 - b, b]))
+    assert plan.sizes == [64 - best, best]

@@ -107,6 +107,9 @@ class Rebalancer:
         self.steps = 0
         self.seconds = 0.0  # time spent in the rebalancer itself, to report its overhead
         self._entries: dict[str, DeviceProfile] = {}
+        # Without a profile: each device's observed steps (runs, samples, seconds), to which a
+        # fixed per-run cost plus a cost per sample is fitted (see _fit).
+        self._seen: dict[str, deque[tuple[int, int, float]]] = {}
         self._last_check: tuple[list[int], dict[str, float], float] | None = None
 
     def factors(self) -> dict[str, float]:
@@ -133,10 +136,9 @@ class Rebalancer:
         if self.profile is not None:
             return self.profile.entry(name)
         # No profile: time proportional to the shard, one second per sample, which the
-        # factor then scales to the device's measured seconds per sample.
-        return DeviceProfile(
-            DeviceInfo(name=name, kind="observed", description=name), [], Curve([1.0], [1.0], 0.0, 1.0)
-        )
+        # factor then scales to the device's measured seconds per sample — until steps of
+        # two sizes let _fit separate a fixed per-step cost from the cost per sample.
+        return _observed(name, 0.0, 1.0)
 
     def observe(self, plan: Plan, step_times: Mapping[str, float]) -> Plan | None:
         """Record one step's measured busy seconds; return a new plan when one is due.
@@ -167,6 +169,8 @@ class Rebalancer:
             seconds = step_times.get(name)
             if size <= 0 or not seconds or seconds <= 0:
                 continue
+            if self.profile is None and self._fit(name, len(micro), size, seconds):
+                continue
             curve = self._entry(name).curve
             base = sum(curve(m) for m in micro)  # the predicted time of what ran: its micro-batches
             if not 0 < base < math.inf:
@@ -175,6 +179,44 @@ class Rebalancer:
             seen.append(math.log(seconds / base))
             self.log_factors[name] = statistics.median(seen)
         self.seconds += time.perf_counter() - started
+
+    def _fit(self, name: str, runs: int, samples: int, seconds: float) -> bool:
+        """Without a profile: fit ``t = a * runs + s * samples`` to the device's steps; ``True`` once fitted.
+
+        Learning time as proportional to the shard, a device with a fixed cost per step
+        looks slower per sample the smaller its share, and its share would creep down at
+        every switch. Once its steps have run at two sizes (a switch gives them), the fixed
+        cost ``a`` and the cost per sample ``s`` are fitted by least squares over the last
+        ``4 * window`` steps, and the device's curve is that line; its corrections are then
+        the steps' residuals against it (the factor stays near 1 and measures the noise).
+        """
+        seen = self._seen.setdefault(name, deque(maxlen=4 * self.window))
+        seen.append((runs, samples, seconds))
+        if len({n for _, n, _ in seen}) < 2:
+            return False
+        k = [float(r) for r, _, _ in seen]
+        n = [float(b) for _, b, _ in seen]
+        t = [v for _, _, v in seen]
+        # Normal equations of the two-parameter least squares.
+        kk, kn, nn = sum(x * x for x in k), sum(x * y for x, y in zip(k, n)), sum(y * y for y in n)
+        kt, nt = sum(x * v for x, v in zip(k, t)), sum(y * v for y, v in zip(n, t))
+        det = kk * nn - kn * kn
+        a, slope = ((kt * nn - nt * kn) / det, (kk * nt - kn * kt) / det) if det > 0 else (0.0, 0.0)
+        # The fixed cost is believed only where the steps show it: above twice its standard
+        # error (close sizes and noisy times cannot separate it), with a positive slope.
+        # Otherwise time is taken as proportional to the samples, as before any fit.
+        dof = len(seen) - 2
+        rss = sum((v - a * x - slope * y) ** 2 for x, y, v in zip(k, n, t))
+        error = math.sqrt(rss / dof * nn / det) if dof > 0 and det > 0 else math.inf
+        if not (slope > 0 and a > 2.0 * error):
+            a, slope = 0.0, sum(t) / sum(n)
+        self._entries[name] = _observed(name, a, slope)
+        self._last_check = None  # the curves changed: a re-solve is due
+        self.corrections[name] = deque(
+            (math.log(v / (a * r + slope * b)) for r, b, v in seen if a * r + slope * b > 0), maxlen=self.window
+        )
+        self.log_factors[name] = statistics.median(self.corrections[name]) if self.corrections[name] else 0.0
+        return True
 
     def propose(self, plan: Plan, step: int | None = None) -> Plan | None:
         """Re-solve now; return a better plan than ``plan``, or ``None`` to keep it.
@@ -257,6 +299,12 @@ class Rebalancer:
             self.on_change(change)
         # Under accumulate, a share beyond a device's cap runs as micro-batches, cut as solve() would.
         return plan_from_sizes(profile, plan.devices, sizes, accumulate=self.accumulate)
+
+
+def _observed(name: str, fixed: float, per_sample: float) -> DeviceProfile:
+    """A device known only from its steps: ``fixed + per_sample * b`` seconds for ``b`` samples."""
+    curve = Curve([1.0], [fixed + per_sample], fixed, per_sample)
+    return DeviceProfile(DeviceInfo(name=name, kind="observed", description=name), [], curve)
 
 
 def _bounded(old: Sequence[int], new: Sequence[int], budget: int) -> list[int]:
