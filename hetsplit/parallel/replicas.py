@@ -160,7 +160,11 @@ class _Replicator:
         total = float(sum(sizes))
         for k, (name, target) in enumerate(zip(names, targets)):
             values = [to_device(bufs[k], target.device) for bufs in current]
-            if len(values) == 1:
+            counter = name.rsplit(".", 1)[-1] == _STEP_COUNTER and not target.is_floating_point()
+            if counter:  # one step, however many replicas and micro-batches counted it
+                per_run = torch.stack([(v - target) // max(n, 1) for v, n in zip(values, runs)])
+                target.add_(per_run.amax(0).to(target.dtype))
+            elif len(values) == 1:
                 target.copy_(values[0])  # one replica: its values are the step's
             elif target.dtype == torch.bool:
                 flipped = torch.stack([v != target for v in values]).any(0)
@@ -171,12 +175,7 @@ class _Replicator:
                 unchanged = torch.stack([v == target for v in values]).all(0)
                 target.copy_(torch.where(unchanged, target, merged))
             else:
-                deltas = torch.stack([v - target for v in values])
-                if name.rsplit(".", 1)[-1] == _STEP_COUNTER:
-                    per_run = torch.stack([d // max(n, 1) for d, n in zip(deltas, runs)])
-                    target.add_(per_run.amax(0).to(target.dtype))
-                else:
-                    target.add_(deltas.sum(0).to(target.dtype))
+                target.add_(torch.stack([v - target for v in values]).sum(0).to(target.dtype))
 
 
 def _param_for(p: torch.Tensor, device: torch.device, graph: bool, detach: bool = False) -> torch.Tensor:
