@@ -150,10 +150,10 @@ class Harness(nn.Module):
 
 
 def _hooked(model):
-    """The submodule whose forward hooks a journey registers: one that returns a tensor."""
+    """The submodule whose forward hooks a journey registers: one returning a tensor, no BatchNorm after it."""
     if model.kind == "hf":
         return model.net.get_input_embeddings()
-    return model.head if model.kind == "lstm" else model.net[0]
+    return model.head if model.kind == "lstm" else model.net[-1]
 
 
 def _dim(kind):
@@ -207,6 +207,8 @@ class Cycle:
 
 @dataclasses.dataclass
 class Journey:
+    """A model, its devices, how the batch is split, and what the user does with it."""
+
     model: str
     seed: int
     seen_flag: bool  # the model has a bool buffer it sets in forward
@@ -371,7 +373,7 @@ class Runner:
     # - the two sides of one forward -
 
     def _again(self, run):
-        """``run()``, once more after a ``StepOutOfMemory``, as the README says to do.
+        """``run()``, again after a ``StepOutOfMemory`` (a few times), as the README says to do.
 
         With weights (or no split argument) the wrapper does not know an emulated device's cap:
         it halves the cap at each out-of-memory error, and a second one in the same step is an
@@ -546,9 +548,9 @@ class Runner:
     def _siamese(self, batch, what):
         (x1, x1_ref), y, flag = self._data(batch)
         (x2, x2_ref), _, _ = self._data(batch)
-        a, b = self._fwd(x1, flag), self._fwd(x2, flag)
-        a_ref = self._ref_forward((x1_ref, flag), batch)
-        b_ref = self._ref_forward((x2_ref, flag), batch)
+        # each reference forward right after the wrapper's: a rebalancer may change the plan in between
+        a, a_ref = self._fwd(x1, flag), self._ref_forward((x1_ref, flag), batch)
+        b, b_ref = self._fwd(x2, flag), self._ref_forward((x2_ref, flag), batch)
         for (p, q), ys in (((a, b), y), ((a_ref, b_ref), y)):
             diff = (_main_output(self.kind, p) - _main_output(self.kind, q)).pow(2).mean()
             (_loss(self.kind, p, ys) + diff).backward()
