@@ -46,10 +46,10 @@ RTOL = 1e-8
 # in its loss), so its losses, and the gradients through them, agree to float32 rounding only.
 RTOL_HF = 1e-5
 LONG = int(os.environ.get("HETSPLIT_JOURNEYS", "0"))
-EXAMPLES = LONG or 40
+EXAMPLES = LONG or 100  # ~0.3-0.5 s a journey on the 2-vCPU VM
 
 DEVICE_POOL = ["cpu", "cpu@1", "cpu@0.5", "cpu@1:max2", "cpu@1:max3", "cpu@0.5:max4", "cpu@1:max5"]
-MODELS = ["mlp", "cnn_bn", "lstm"]  # and, in about one journey in 12, the Hugging Face model (slowest)
+MODELS = ["mlp", "cnn_bn", "lstm"]  # and, in about one journey in 30, the Hugging Face model (slowest)
 SUBSTEPS = [
     "backward",
     "backward",
@@ -227,7 +227,7 @@ def _some(shares):
 
 @st.composite
 def journeys(draw):
-    model = "hf" if draw(st.integers(0, 59)) in (17, 29, 41, 53, 11) else draw(st.sampled_from(MODELS))
+    model = "hf" if draw(st.integers(0, 59)) in (17, 41) else draw(st.sampled_from(MODELS))
     devices = draw(st.lists(st.sampled_from(DEVICE_POOL), min_size=1, max_size=4, unique=True))
     n = len(devices)
     shares = draw(st.lists(st.integers(0, 4), min_size=n, max_size=n).map(_some))
@@ -235,7 +235,7 @@ def journeys(draw):
     # batch sizes: mostly the usual one, then short last batches and batches smaller than the device count
     size = st.one_of(st.just(first), st.just(first), st.integers(1, first - 1), st.integers(1, max(1, n - 1)))
     cycles = []
-    for _ in range(draw(st.integers(2, 5))):
+    for _ in range(draw(st.integers(2, 4))):
         kind = draw(st.sampled_from(["train", "train", "train", "eval", "fail"]))
         if kind == "train":
             subs = draw(st.lists(st.sampled_from(SUBSTEPS), min_size=1, max_size=3))
@@ -607,6 +607,17 @@ class Runner:
 
 # -- the test ---------------------------------------------------------------------------------------
 
+_RAN = [0]
+
+
+@pytest.fixture(scope="module")
+def _count_journeys(request):
+    """After the module: one line saying how many journeys ran to the end (the count of a long run)."""
+    yield
+    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.write_line(f"test_journeys: {_RAN[0]} journeys ran to the end (max_examples={EXAMPLES})")
+
 
 @settings(
     max_examples=EXAMPLES,
@@ -620,5 +631,6 @@ class Runner:
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much],
 )
 @given(journeys())
-def test_journey_equals_the_plain_module(journey):
+def test_journey_equals_the_plain_module(_count_journeys, journey):
     Runner(journey).run()
+    _RAN[0] += 1
