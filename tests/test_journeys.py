@@ -6,10 +6,12 @@ rarely a tiny Hugging Face Llama built from a config), 1-4 devices (``cpu``, ``c
 rebalancing or not, and a sequence of cycles: training cycles of one or more backwards
 before one optimizer step (gather mode, ``train_step``, ``autograd.grad`` of the input or
 of the parameters, ``backward(retain_graph=True)`` twice, a gradient penalty with
-``create_graph=True``, two forwards before one backward), evaluation batches under
-``no_grad`` (in train or eval mode), ``set_plan``, and injected failures (in one replica's
-forward or backward, or a ``KeyboardInterrupt``). Batch sizes vary: short last batches,
-batches smaller than the device count, evaluation batches of other sizes.
+``create_graph=True``, two forwards before one backward, parameter, post-accumulate and
+forward hooks registered mid-journey), evaluation batches under ``no_grad`` (in train or
+eval mode), ``set_plan``, and injected failures (in one replica's forward or backward, or a
+``KeyboardInterrupt``) that must leave nothing behind. Batch sizes vary: short last
+batches, batches smaller than the device count, evaluation batches of other sizes. Some
+models carry a bool buffer they set in forward.
 
 The same journey runs on a plain float64 copy of the model, and every gradient, output,
 loss, parameter and buffer must agree. For BatchNorm models the reference is the per-shard
@@ -18,8 +20,8 @@ micro-batches one after another), outputs concatenated; running statistics the
 shard-size-weighted average of each shard's update from the same start;
 ``num_batches_tracked`` +1 per step.
 
-CI runs a fixed, derandomized set of examples (~60 s on one core); ``HETSPLIT_JOURNEYS=<n>``
-runs ``n`` examples for a long run.
+CI runs a fixed, derandomized set of 100 journeys (~60 s on one core); ``HETSPLIT_JOURNEYS=<n>``
+runs ``n`` for a long run (with shrinking of a failure) and prints how many ran to the end.
 """
 
 import copy
