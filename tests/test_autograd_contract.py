@@ -131,6 +131,21 @@ def test_every_batch_size_with_a_profile():
     _train_over_loaders(_wrap(net, profile=_profile()), net)
 
 
+def test_no_split_argument_with_a_first_batch_under_no_grad():
+    # Evaluating before training (a sanity check of the validation loop) is the first step: the
+    # split must not depend on the caller's grad mode. cpu@0.75 is used by no other test, so no
+    # split of these devices is cached in this process yet.
+    net = _mlp()
+    dp = _wrap(net, ["cpu", "cpu@0.75"], weights=None)
+    x, y = _data(10)
+    with torch.no_grad():
+        _close(dp(x), net(x), "output under no_grad")
+    ref = copy.deepcopy(net)
+    F.cross_entropy(dp(x), y).backward()
+    F.cross_entropy(ref(x), y).backward()
+    _same_grads(dp.module, ref)
+
+
 def test_a_plan_for_another_batch_size_is_a_clear_error():
     net = _mlp()
     plan = hetsplit.Plan(["cpu", "cpu@1"], [4, 2], [0.0, 0.0], 6)
