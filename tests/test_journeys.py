@@ -616,9 +616,9 @@ _RAN = [0]
 def _count_journeys(request):
     """After the module: one line saying how many journeys ran to the end (the count of a long run)."""
     yield
-    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
-    if reporter is not None:
-        reporter.write_line(f"test_journeys: {_RAN[0]} journeys ran to the end (max_examples={EXAMPLES})")
+    capture = request.config.pluginmanager.get_plugin("capturemanager")
+    with capture.global_and_fixture_disabled():  # shown also when the test passes
+        print(f"\ntest_journeys: {_RAN[0]} journeys ran to the end (max_examples={EXAMPLES})")
 
 
 @settings(
