@@ -43,7 +43,9 @@ def default_profile(devices: Sequence[Device]) -> Profile:
     one times a small built-in model (see :func:`hetsplit.profiler.quick_profile`).
     """
     names = [d.name for d in devices]
-    return latest_profile(names) or quick_profile(list(devices))
+    # The quick calibration times training steps: also when the first batch comes under no_grad.
+    with torch.enable_grad():
+        return latest_profile(names) or quick_profile(list(devices))
 
 
 def split_sizes(
