@@ -393,3 +393,18 @@ def test_the_calling_thread_runs_the_first_replica_while_a_worker_runs_the_other
     dp = HeteroDataParallel(Where(), ["cpu", "cpu"], weights=[3, 1])
     dp(torch.randn(8, 3)).sum().backward()
     assert seen[6] is threading.current_thread() and seen[2] is not threading.current_thread()
+
+
+def test_the_seams_work_when_called_on_their_own():
+    """scatter, replicate, parallel_apply and gather, called as torch's DataParallel recipe calls them."""
+    net, (x, y) = _net(), _data(20)
+    ref = _reference(net, x, y)
+    dp = HeteroDataParallel(copy.deepcopy(net), DEVICES, weights=[3, 1])
+    args, kwargs = dp.scatter((x,), {}, dp.devices)
+    assert [a[0].shape[0] for a in args] == [15, 5]
+    replicas = dp.replicate(dp.module, dp.devices)
+    outputs = dp.parallel_apply(replicas, args, kwargs)
+    F.cross_entropy(dp.gather(outputs, dp.output_device), y).backward()
+    assert _max_rel_err(dp.module, ref) < 1e-9
+    with pytest.raises(ValueError, match="this wrapper's devices"):
+        dp.scatter((x,), {}, ["cpu"])

@@ -1,4 +1,4 @@
-"""The guides' code runs as written: every ``python`` block of README.md's one-process section and of docs/one-process.md.
+"""The guides' code runs as written: every ``python`` block of the README's one-process section and the guides.
 
 A guide's blocks run in order in one namespace (a later block uses what an earlier one
 made), in a fresh working directory, as a reader would paste them.

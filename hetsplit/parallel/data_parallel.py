@@ -16,7 +16,7 @@ from ..planning.profile import Profile
 from ..planning.rebalance import Rebalancer
 from ..timing import Lap
 from ..tree import batch_length, flatten, move, to_device
-from .apply import run_parallel
+from .apply import parallel_apply, run_parallel
 from .busy import BusyLog
 from .grads import Grads, StepGrads
 from .local import local_fns, local_inputs, shard_loss
@@ -33,7 +33,7 @@ from .micro import (
 )
 from .outputs import ScalarPolicy, check_policy, combine, policy_weights
 from .replicas import _Replicator, module_device
-from .scatter_gather import scatter_to
+from .scatter_gather import gather, scatter_to
 from .sizes import BatchPlans
 from .step import batch_of, call_on, cut_upstream, direct_device, engine_job, scatter_inputs
 from .upstream import Upstream
@@ -171,11 +171,24 @@ class HeteroDataParallel(nn.Module):
     # -- the steps, with nn.DataParallel's signatures --------------------------------------
 
     def scatter(
-        self, inputs: tuple[Any, ...], kwargs: dict[str, Any] | None, device_ids: Sequence[Device]
+        self, inputs: tuple[Any, ...], kwargs: dict[str, Any] | None, device_ids: Sequence[DeviceLike]
     ) -> tuple[list[tuple[Any, ...]], list[dict[str, Any]]]:
-        """Cut positional and keyword inputs into this step's shards for ``device_ids`` (the active devices)."""
-        assert self._step is not None
-        return scatter_inputs(inputs, kwargs, device_ids, self._step.sizes, self.dim)
+        """Cut positional and keyword inputs into shards for ``device_ids``.
+
+        Inside :meth:`forward` the shards are this step's (``device_ids``: its active
+        devices); called on its own, the batch is split over ``device_ids`` (all of
+        :attr:`devices`) as :meth:`sizes_for` says, empty shards included.
+        """
+        devices = parse_devices(device_ids)
+        if self._step is not None:
+            return scatter_inputs(inputs, kwargs, devices, self._step.sizes, self.dim)
+        if [d.name for d in devices] != self.device_names:
+            raise ValueError(
+                f"scatter on its own splits over this wrapper's devices {self.device_names}, got "
+                f"{[d.name for d in devices]}"
+            )
+        sizes = self.sizes_for(batch_length(batch_of(tuple(inputs), dict(kwargs or {})), self.dim))
+        return scatter_inputs(inputs, kwargs, devices, sizes, self.dim)
 
     def replicate(self, module: nn.Module, device_ids: Sequence[DeviceLike]) -> list[nn.Module]:
         """This step's replicas of ``module`` on ``device_ids`` (some of :attr:`devices`).
@@ -195,9 +208,14 @@ class HeteroDataParallel(nn.Module):
     def parallel_apply(
         self, replicas: Sequence[nn.Module], inputs: Sequence[tuple[Any, ...]], kwargs: Sequence[dict[str, Any]]
     ) -> list[Any]:
-        """Run ``replicas[i](*inputs[i], **kwargs[i])`` concurrently, each at its device's speed."""
+        """Run ``replicas[i](*inputs[i], **kwargs[i])`` concurrently, each at its device's speed.
+
+        Called on its own (outside :meth:`forward`), the replicas run on :attr:`devices` in
+        order, as :func:`hetsplit.parallel.parallel_apply` runs them.
+        """
         step = self._step
-        assert step is not None, "parallel_apply runs inside forward, which chooses the step's devices"
+        if step is None:
+            return parallel_apply(replicas, list(inputs), list(kwargs), self.devices[: len(replicas)])
         shards = list(zip(inputs, kwargs))
         fns, step.pieces = forward_fns(replicas, shards, step.micro, step.active, self.devices, self._mem, self.dim)
         before = _generators(step.devices)
@@ -207,9 +225,13 @@ class HeteroDataParallel(nn.Module):
         return outs if step.split else [o[0] for o in outs]  # micro-batched: a list per replica
 
     def gather(self, outputs: Sequence[Any], output_device: torch.device) -> Any:
-        """Combine the replicas' outputs on ``output_device``; backward reaches the module through autograd."""
+        """Combine the replicas' outputs on ``output_device``; backward reaches the module through autograd.
+
+        Called on its own (outside :meth:`forward`), it is :func:`hetsplit.gather` along :attr:`dim`.
+        """
         step = self._step
-        assert step is not None, "gather runs inside forward"
+        if step is None:
+            return gather(outputs, output_device, self.dim)
         sizes, shards, labels = step.flat()
         outputs = [o for outs in outputs for o in outs] if step.split else outputs
         weights = lambda: policy_weights(self.scalar_outputs, sizes, shards)
@@ -223,7 +245,10 @@ class HeteroDataParallel(nn.Module):
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         """Scatter, run the replicas concurrently, gather on the output device."""
         with self._lock:
-            return with_recovery(lambda: self._forward(inputs, kwargs), self._mem, self._plans, self.devices)
+            try:
+                return with_recovery(lambda: self._forward(inputs, kwargs), self._mem, self._plans, self.devices)
+            finally:
+                self.__dict__["_step"] = None  # the steps' seams, called on their own, work on their own
 
     def _forward(self, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         step = self._begin(batch_of(inputs, kwargs))
@@ -272,7 +297,10 @@ class HeteroDataParallel(nn.Module):
         args, kws = local_inputs(inputs, kwargs, loss_fn, reduction)
         with self._lock:
             run = lambda: self._train_step((args, kws), target, loss_fn, reduction)
-            return with_recovery(run, self._mem, self._plans, self.devices)
+            try:
+                return with_recovery(run, self._mem, self._plans, self.devices)
+            finally:
+                self.__dict__["_step"] = None
 
     def _train_step(self, inputs: Any, target: Any, loss_fn: Any, reduction: ScalarPolicy) -> torch.Tensor:
         """One local-loss step (see :meth:`train_step`), each device's micro-batches in turn."""
