@@ -53,10 +53,12 @@ def lenet(x: torch.Tensor, p: list[torch.Tensor]) -> torch.Tensor:
 def copy_params(params: list[torch.Tensor], device: hetsplit.Device) -> list[torch.Tensor]:
     """The course's get_params: a gradient-tracking copy of every parameter on ``device``.
 
-    ``clone()``: two "devices" that are both the CPU (``cpu`` and ``cpu@0.25``) would
-    otherwise share one tensor, and every SGD update would be applied to it twice.
+    Not ``p.to(device)``: ``"cpu@0.25"`` is no torch device string (torch says "Invalid
+    device string"), and ``p.to(device.torch_device)`` returns ``p`` itself when it is
+    already there, so ``cpu`` and ``cpu@0.25`` would share one tensor and every SGD
+    update would be applied to it twice. ``Device.copy`` always copies.
     """
-    return [p.detach().clone().to(device.torch_device).requires_grad_() for p in params]
+    return device.copy(params, requires_grad=True)
 
 
 def train_batch(x, y, device_params, devices, sizes, lr) -> float:

@@ -64,6 +64,9 @@ class Device:
         index = self.index
         if index is not None and (isinstance(index, bool) or not isinstance(index, int) or index < 0):
             raise ValueError(f"device index must be None or an integer >= 0, got {self.index!r}")
+        if self.type == "cpu" and index not in (None, 0):
+            raise ValueError(f"device 'cpu:{index}': the CPU has one index, 0; write 'cpu'")
+        object.__setattr__(self, "index", None if self.type == "cpu" else index)  # cpu:0 is the CPU, as in torch
         if not isinstance(self.emulated, bool):
             raise TypeError(f"Device.emulated must be True or False, got {self.emulated!r}")
         if self.emulated:
@@ -118,6 +121,10 @@ class Device:
     def throttle(self, *, cpu_time: bool = False) -> contextlib.AbstractContextManager[None]:
         """Run the enclosed work at this device's emulated speed (see :func:`hetsplit.emulation.throttle`)."""
         return emulation.throttle(self, cpu_time=cpu_time)
+
+    def copy(self, data: Any, *, requires_grad: bool = False) -> Any:
+        """``data`` copied onto this device, never sharing its storage (see :func:`hetsplit.emulation.copy_to`)."""
+        return emulation.copy_to(data, self.torch_device, requires_grad=requires_grad)
 
     def check_batch(self, batch: int) -> None:
         """Raise ``torch.OutOfMemoryError`` if this device's emulated memory cannot take ``batch`` samples.
@@ -179,7 +186,7 @@ class DeviceInfo:
 def parse_device(spec: DeviceLike, *, check: bool = True) -> Device:
     """Parse one device string into a :class:`Device`.
 
-    Accepted forms: ``cpu``, ``cuda``, ``cuda:N``, ``mps``, each optionally followed
+    Accepted forms: ``cpu`` (``cpu:0`` is the same), ``cuda``, ``cuda:N``, ``mps``, each optionally followed
     by ``@SPEED`` with ``0 < SPEED <= 1`` for an emulated slower device, then by
     ``:maxN`` for an emulated memory that holds a forward of at most ``N`` samples
     (``cpu@0.25:max64``; ``cpu:max64`` at full speed). A bare ``cuda`` means the current CUDA device.
@@ -201,9 +208,9 @@ def parse_device(spec: DeviceLike, *, check: bool = True) -> Device:
     if isinstance(spec, Device):
         dev = spec
     elif isinstance(spec, torch.device):
-        dev = Device(spec.type, spec.index)
-        if dev.type not in ("cpu", "cuda", "mps"):
+        if spec.type not in ("cpu", "cuda", "mps"):
             raise ValueError(f"unsupported device type {spec.type!r} in {spec}; use cpu, cuda:N or mps")
+        dev = Device(spec.type, spec.index)
     elif isinstance(spec, str):
         text = spec.strip().lower()
         match = _SPEC.match(text)
@@ -214,8 +221,6 @@ def parse_device(spec: DeviceLike, *, check: bool = True) -> Device:
             )
         kind = match["type"]
         index = int(match["index"]) if match["index"] is not None else None
-        if kind == "cpu" and index is not None:
-            raise ValueError(f"device {spec!r}: the CPU takes no index; write 'cpu'")
         if kind == "cuda" and index is None:
             index = torch.cuda.current_device() if torch.cuda.is_available() else 0
         speed = 1.0
@@ -329,9 +334,7 @@ def describe(device: DeviceLike) -> DeviceInfo:
             kind="cuda",
             description=props.name,
             memory_bytes=int(props.total_memory),
-            uuid=f"GPU-{uuid}"
-            if uuid is not None and not str(uuid).startswith("GPU-")
-            else (str(uuid) if uuid else None),
+            uuid=None if not uuid else str(uuid) if str(uuid).startswith("GPU-") else f"GPU-{uuid}",
             capability=f"{props.major}.{props.minor}",
             driver=hardware.nvidia_driver(),
             runtime=torch.version.cuda,

@@ -11,7 +11,10 @@ import contextlib
 import math
 import time
 from collections.abc import Callable, Iterator
-from typing import Protocol
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "MIN_SPEED",
@@ -25,6 +28,7 @@ __all__ = [
     "delayed",
     "throttle",
     "work_clock",
+    "copy_to",
 ]
 
 # Below this an emulated step takes over 1000 times its real duration: a typo, not a device.
@@ -58,7 +62,7 @@ def check_speed(speed: float, spec: str) -> None:
         raise TypeError(f"emulated speed for {spec!r} must be a number in [{MIN_SPEED:g}, 1], got {speed!r}")
     if not (math.isfinite(speed) and MIN_SPEED <= speed <= 1.0):
         raise ValueError(
-            f"emulated speed in {spec!r} must be in (0, 1] and at least {MIN_SPEED:g}, got {speed:g}; "
+            f"emulated speed in {spec!r} must be in (0, 1] and at least {MIN_SPEED:g}, got {speed!r}; "
             "write e.g. 'cpu@0.25' for the CPU at a quarter speed"
         )
 
@@ -191,3 +195,38 @@ def throttle(device: _Emulated, *, cpu_time: bool = False) -> Iterator[None]:
         _DELAYED[device.name] = _DELAYED.get(device.name, 0.0) + slept
     else:
         _SLEEP_DEBT[device.name] = -wanted
+
+
+def copy_to(data: Any, device: torch.device, *, requires_grad: bool = False) -> Any:
+    """A copy of ``data`` (a tensor or a nest of them) on ``device``, never sharing storage with it.
+
+    An emulated device does its work in its real device's memory, so ``cpu`` and
+    ``cpu@0.25`` are one memory: the course's ``get_params`` (``p.to(device)``, which
+    returns ``p`` itself when it is already there) would give both the *same*
+    parameters, and every update would be applied twice. (``p.to("cpu@0.25")`` is no
+    torch device string at all.) This always copies.
+
+    Args:
+        data: Tensors to copy; other leaves are kept as they are.
+        device: The real device (``Device.torch_device``).
+        requires_grad: Make each floating-point copy a leaf that records gradients.
+
+    Example:
+        >>> import torch
+        >>> params = [torch.zeros(3)]
+        >>> copies = [copy_to(params, torch.device("cpu"), requires_grad=True) for _ in range(2)]
+        >>> copies[0][0].data_ptr() != copies[1][0].data_ptr() != params[0].data_ptr()
+        True
+    """
+
+    import torch  # here, not at the top: the CLI may import this module before torch
+
+    from .tree import tree_map
+
+    def one(x: Any) -> Any:
+        if not isinstance(x, torch.Tensor):
+            return x
+        out = x.detach().to(device, copy=True)
+        return out.requires_grad_(requires_grad and out.is_floating_point())
+
+    return tree_map(one, data)

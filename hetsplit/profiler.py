@@ -18,6 +18,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from . import timing
 from .devices import Device, DeviceLike, describe, parse_devices
 from .emulation import is_out_of_memory
 from .planning import checks
@@ -173,9 +174,11 @@ class _Runner:
                 return True
             except Exception as e:
                 if not is_out_of_memory(e):
+                    hint = "check the model runs on this sample and the loss fits its output"
+                    if batch < 2 and any("BatchNorm" in type(m).__name__ for m in self.replica.modules()):
+                        hint = "BatchNorm needs batches of 2 or more"  # only then: it misled a loss error
                     raise RuntimeError(
-                        f"a training step of batch {batch} failed on {self.dev.name}: {type(e).__name__}: {e}; "
-                        "check the model runs on this sample (BatchNorm needs batches of 2 or more)"
+                        f"a training step of batch {batch} failed on {self.dev.name}: {type(e).__name__}: {e}; {hint}"
                     ) from e
                 self.replica.zero_grad(set_to_none=True)
                 return False
@@ -196,6 +199,7 @@ def profile(
     max_probe: int = MAX_PROBE,
     progress: bool | None = None,
     model_name: str | None = None,
+    threads: int | None = None,
 ) -> Profile:
     """Measure a full training step (forward, loss, backward) of ``model`` on each device.
 
@@ -230,6 +234,8 @@ def profile(
         max_probe: Largest batch tried when probing for the memory cap.
         progress: Show a progress bar (default: when stderr is a terminal).
         model_name: Name recorded in the profile (default: the model's class name).
+        threads: Torch CPU threads while timing, restored afterwards (default: 1 when every
+            device is the CPU, as ``hetsplit profile`` does; :func:`hetsplit.timing.cpu_threads`).
 
     Returns:
         The :class:`Profile`, with raw measurements and fitted curves.
@@ -253,23 +259,12 @@ def profile(
     show = sys.stderr.isatty() if progress is None else progress
     cuda_ids = [d.index for d in devs if d.type == "cuda"]
     with (
+        timing.threads_for(devs, threads),
         torch.random.fork_rng(devices=cuda_ids),
         tqdm(total=len(devs) * len(ladder), disable=not show, unit="size", desc="profiling", leave=False) as bar,
     ):
-        entries = _measure(
-            model,
-            devs,
-            sample,
-            target,
-            loss_fn,
-            ladder,
-            repeats,
-            warmup,
-            time_budget / len(devs),
-            find_memory_cap,
-            max_probe,
-            bar,
-        )
+        entries = _measure(model, devs, sample, target, loss_fn, ladder, repeats, warmup, time_budget / len(devs),
+                           find_memory_cap, max_probe, bar)  # fmt: skip
     return Profile(
         entries,
         model={

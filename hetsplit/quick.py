@@ -8,33 +8,79 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from . import store
 from .devices import Device, DeviceLike, parse_devices
 from .planning.curve import Curve
-from .planning.profile import DeviceProfile, Measurement, Profile
-from .profiler import profile
+from .planning.profile import DeviceProfile, Measurement, Profile, latest_profile
+from .profiler import fingerprint, profile
 from .store import warn_at_caller
 
-__all__ = ["quick_profile"]
+__all__ = ["quick_profile", "default_profile"]
 
 _QUICK: dict[str, DeviceProfile] = {}
+_NOISY: dict[str, str] = {}  # device -> what was noisy in its calibration, when it stayed noisy
 _NOTICE_SHOWN = False
+_REASONS_SHOWN: set[str] = set()
+# The calibration is trusted once, at every batch size, its two fastest repeats agree within
+# this factor: the fastest is then no lucky outlier, and no hiccup hides in it either.
+_STABLE = 1.25
+_ROUNDS = 3  # calibrations at most, their repeats pooled, before the split is called uncertain
 
 
-def quick_profile(devices: str | Sequence[DeviceLike]) -> Profile:
+def default_profile(devices: str | Sequence[DeviceLike], model: nn.Module | str | None = None) -> Profile:
+    """The profile used when nothing else says how to split: the newest stored one, else a quick one.
+
+    The stored profile is the newest in the profile directory measured on this host that
+    covers the devices and, when ``model`` is given, measured that model (its
+    :func:`~hetsplit.profiler.fingerprint`; see :func:`hetsplit.planning.latest_profile`):
+    a profile of LeNet does not decide an MLP's split. Otherwise the quick calibration
+    (:func:`quick_profile`), whose notice says why no stored profile applied.
+
+    Args:
+        devices: The devices to split over.
+        model: The model being trained (an ``nn.Module`` or its fingerprint), or ``None``
+            to accept a stored profile of any model.
+    """
+    devs = parse_devices(devices)
+    names = [d.name for d in devs]
+    if isinstance(model, nn.Module):
+        model = fingerprint(model)
+    found = latest_profile(names, model=model)
+    if found is not None:
+        return found
+    reason = None
+    if model is not None:
+        others = store._stored_profiles(names)
+        if others:
+            measured = others[0].doc.get("model")
+            what = measured.get("name") if isinstance(measured, dict) else None
+            reason = (
+                f"the stored profile {others[0].path} covers these devices but measured another model"
+                + (f" ({what})" if what else "")
+                + "; profile this one"
+            )
+    return quick_profile(devs, reason=reason)
+
+
+def quick_profile(devices: str | Sequence[DeviceLike], *, reason: str | None = None) -> Profile:
     """A quick, model-agnostic profile of each device (a small MLP), cached for the process.
 
     Used by :func:`hetsplit.balanced_split` when neither weights nor a profile is given
     and no stored profile covers the devices. Only real devices are timed; an emulated
     one (``cpu@0.25``) gets its real device's curve slowed by its speed, which is what
-    emulation does, without the noise of timing sleeps. When every device is the CPU,
-    real or emulated, it times with one intra-op thread (the rule of ``hetsplit
-    profile``, ``bench`` and ``demo``: such devices share the cores, and several threads
-    on a busy machine time a step's fixed cost erratically, which would leave an emulated
-    device nothing); torch's setting is restored afterwards. Each curve is fitted to the
+    emulation does, without the noise of timing sleeps. Threads follow
+    :func:`hetsplit.profile`'s rule: one intra-op thread when every device is the CPU,
+    real or emulated (such devices share the cores, and several threads on a busy machine
+    time a step's fixed cost erratically, which would leave an emulated device nothing);
+    torch's setting is restored afterwards. Each curve is fitted to the
     fastest of five repeats at each batch size, not their median (the measurements keep
     every repeat): a model-agnostic calibration wants capacity, and timing noise only
-    adds time. The first call warns once, at the caller's line, that a profile of the
-    real model is more accurate.
+    adds time. A busy machine can still leave every repeat of a point slow: the
+    calibration is repeated (at most three times, repeats pooled) until each point's two
+    fastest repeats agree within 25%; if they never do, a warning says the split is
+    uncertain and the profile's ``source`` is ``"calibration (noisy)"``. The first call
+    warns once, at the caller's line, that a profile of the real model is more accurate
+    (and, with ``reason``, why no stored profile applied; once per reason).
     """
     global _NOTICE_SHOWN
     devs = parse_devices(devices)
@@ -48,10 +94,8 @@ def quick_profile(devices: str | Sequence[DeviceLike]) -> Profile:
         # toy workload the fixed cost dominates and an emulated device's 4x-slowed share of it
         # would leave it nothing. The calibration still stays near a second.
         workload = nn.Sequential(nn.Linear(512, 1024), nn.ReLU(), nn.Linear(1024, 10))
-        threads = torch.get_num_threads()
-        if all(d.type == "cpu" for d in devs):
-            torch.set_num_threads(1)
-        try:
+        pooled: dict[str, DeviceProfile] = {}
+        for _ in range(_ROUNDS):
             prof = profile(
                 workload,
                 sample,
@@ -64,17 +108,52 @@ def quick_profile(devices: str | Sequence[DeviceLike]) -> Profile:
                 progress=False,
                 model_name="calibration-mlp",
             )
-        finally:
-            torch.set_num_threads(threads)
-        _QUICK.update({e.name: _fastest_fit(e) for e in prof.entries})
-    if not _NOTICE_SHOWN:
+            pooled = {e.name: _pooled(pooled.get(e.name), e) for e in prof.entries}
+            noisy = {name: why for name, e in pooled.items() if (why := _noise(e))}
+            if not noisy:
+                break
+        _QUICK.update({name: _fastest_fit(e) for name, e in pooled.items()})
+        _NOISY.update(noisy)
+        if noisy:
+            shown = "; ".join(f"{name}: {why}" for name, why in noisy.items())
+            warn_at_caller(
+                f"hetsplit: the quick built-in timings stayed noisy after {_ROUNDS} tries ({shown}): the "
+                "machine is busy, so this split is uncertain and may swing between runs; profile your model "
+                "on a quieter machine ('hetsplit profile --threads 1') or pass weights="
+            )
+    if not _NOTICE_SHOWN or (reason is not None and reason not in _REASONS_SHOWN):
         _NOTICE_SHOWN = True
+        why = ""
+        if reason is not None:
+            _REASONS_SHOWN.add(reason)
+            why = f" ({reason})"
         warn_at_caller(
-            "hetsplit: splitting by a quick built-in calibration of each device; a profile of your own model "
-            "(hetsplit.profile(...) or 'hetsplit profile') gives a more accurate split"
+            f"hetsplit: splitting by a quick built-in calibration of each device{why}; a profile of your own "
+            "model (hetsplit.profile(...) or 'hetsplit profile') gives a more accurate split"
         )
     entries = [_emulated_entry(_QUICK[b.name], d) for d, b in zip(dict.fromkeys(devs), bases)]
-    return Profile(entries, model={"name": "calibration-mlp"}, source="calibration")
+    source = "calibration (noisy)" if any(b.name in _NOISY for b in bases) else "calibration"
+    return Profile(entries, model={"name": "calibration-mlp"}, source=source)
+
+
+def _pooled(before: DeviceProfile | None, entry: DeviceProfile) -> DeviceProfile:
+    """``entry`` with the repeats of an earlier calibration of the same device added, batch by batch."""
+    if before is None:
+        return entry
+    times = {m.batch: list(m.times) for m in before.measurements}
+    for m in entry.measurements:
+        times.setdefault(m.batch, []).extend(m.times)
+    return dataclasses.replace(entry, measurements=[Measurement(b, ts) for b, ts in sorted(times.items())])
+
+
+def _noise(entry: DeviceProfile) -> str:
+    """Why ``entry``'s timings cannot be trusted ('' when they can): a point whose two fastest repeats disagree."""
+    for m in entry.measurements:
+        fastest = sorted(m.times)[:2]
+        if len(fastest) == 2 and fastest[1] > _STABLE * fastest[0]:
+            gap = fastest[1] / fastest[0] - 1
+            return f"at batch {m.batch} the two fastest of {len(m.times)} steps differ by {gap:.0%}"
+    return ""
 
 
 def _fastest_fit(entry: DeviceProfile) -> DeviceProfile:

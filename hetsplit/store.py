@@ -2,21 +2,24 @@
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import os
 import platform
 import re
 import sys
-import tempfile
+import threading
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
+from . import files
 from .devices import DeviceLike, canonical_name, local_gpus
+from .files import MAX_FILE_BYTES, SCHEMA_VERSION, ProfileFileError, check_writable, read_json, write_json
 
 __all__ = [
     "SCHEMA_VERSION",
+    "MAX_FILE_BYTES",
     "ENV_PROFILE_DIR",
     "ProfileFileError",
     "profile_dir",
@@ -28,12 +31,7 @@ __all__ = [
     "warn_at_caller",
 ]
 
-SCHEMA_VERSION = 1
 ENV_PROFILE_DIR = "HETSPLIT_PROFILE_DIR"
-
-
-class ProfileFileError(ValueError):
-    """A profile or plan file is missing, damaged, or of another schema version."""
 
 
 def profile_dir(directory: str | Path | None = None) -> Path:
@@ -47,124 +45,6 @@ def profile_dir(directory: str | Path | None = None) -> Path:
         return Path(directory)
     env = os.environ.get(ENV_PROFILE_DIR)
     return Path(env) if env else Path.cwd() / "profiles"
-
-
-def write_json(path: str | Path, kind: str, payload: dict[str, Any]) -> Path:
-    """Write ``payload`` with a schema header to ``path`` atomically.
-
-    The JSON goes to a temporary file in the same directory, is flushed to disk, then
-    renamed over ``path``: an interrupted write leaves the old file (or none), never a
-    half-written one.
-
-    Args:
-        path: Target file; parent directories are created.
-        kind: What the file holds (``"profile"``, ``"plan"``, ``"bench"``).
-        payload: JSON-ready data.
-
-    Returns:
-        The path written.
-    """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = _write_temp(path, kind, payload)
-    try:
-        os.replace(tmp, path)
-    except BaseException:
-        # Ctrl-C or a full disk: drop the temporary file, leave the target untouched.
-        tmp.unlink(missing_ok=True)
-        raise
-    return path
-
-
-def _write_temp(path: Path, kind: str, payload: dict[str, Any]) -> Path:
-    """The document, complete and on disk, in a hidden temporary file beside ``path``."""
-    doc = {"schema": "hetsplit", "kind": kind, "schema_version": SCHEMA_VERSION, **payload}
-    text = json.dumps(doc, indent=1, allow_nan=False)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        # mkstemp makes the file 0600; a profile is shared data, so follow the umask like open() does.
-        os.chmod(tmp, 0o666 & ~_umask())
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text + "\n")
-            fh.flush()
-            os.fsync(fh.fileno())
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return Path(tmp)
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-def check_writable(path: str | Path, *, directory: bool = False) -> Path:
-    """Raise now, before any work, if ``path`` (a file, or with ``directory`` a folder) cannot be written.
-
-    Raises:
-        ProfileFileError: Naming the path and what is wrong.
-    """
-    path = Path(path)
-    folder = path if directory else path.parent
-    if not directory and path.is_dir():
-        raise ProfileFileError(f"{path} is a directory; give a file name, e.g. {path / 'profile.json'}")
-    if folder.exists() and not folder.is_dir():
-        raise ProfileFileError(f"{folder} is not a directory; choose another place to write")
-    existing = folder
-    while not existing.exists():
-        existing = existing.parent
-    try:  # a real write: permission bits say nothing for root, or on /proc and read-only mounts
-        with tempfile.TemporaryFile(dir=existing):
-            pass
-    except OSError as e:
-        what = f"{folder}" if directory else f"{folder} (for {path.name})"
-        raise ProfileFileError(
-            f"cannot write to {what}: {e.strerror} (creating a file in {existing}); choose another place"
-        ) from None
-    return path
-
-
-def read_json(path: str | Path, kind: str | tuple[str, ...]) -> dict[str, Any]:
-    """Read a file written by :func:`write_json`, checking its kind and schema version.
-
-    Raises:
-        ProfileFileError: If the file is missing, not valid JSON, not a hetsplit file of
-            this ``kind``, or of another schema version; the message names the file.
-    """
-    path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise ProfileFileError(f"{path}: no such file; run 'hetsplit profile' to make one") from None
-    except UnicodeDecodeError as e:
-        raise ProfileFileError(f"{path}: not a text file ({e.reason} at byte {e.start}); not a hetsplit file") from e
-    except OSError as e:
-        raise ProfileFileError(f"{path}: cannot read it ({e.strerror})") from e
-    try:
-        doc = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ProfileFileError(
-            f"{path}: damaged file, not valid JSON ({e.msg} at line {e.lineno}); re-create it"
-        ) from e
-    except ValueError as e:  # e.g. an integer of thousands of digits
-        raise ProfileFileError(f"{path}: damaged file, not a hetsplit file ({str(e)[:80]})") from e
-    except RecursionError as e:  # absurdly nested JSON: no file of ours looks like that
-        raise ProfileFileError(f"{path}: damaged file, nested too deeply to be a hetsplit file") from e
-    if not isinstance(doc, dict) or doc.get("schema") != "hetsplit":
-        raise ProfileFileError(f"{path}: not a hetsplit file")
-    kinds = (kind,) if isinstance(kind, str) else kind
-    if doc.get("kind") not in kinds:
-        wanted = " or ".join(repr(k) for k in kinds)
-        raise ProfileFileError(f"{path}: holds a {doc.get('kind')!r}, expected a {wanted}")
-    version = doc.get("schema_version")
-    if version != SCHEMA_VERSION:
-        raise ProfileFileError(
-            f"{path}: schema version {version!r}, but this hetsplit reads version {SCHEMA_VERSION}; "
-            "re-create it with 'hetsplit profile'"
-        )
-    return doc
 
 
 def _slug(text: str) -> str:
@@ -190,10 +70,15 @@ def save_profile(profile: _Saveable, path: str | Path | None = None, *, director
     stamp = re.sub(r"[^0-9]", "", profile.created)[:14]
     base = f"{_slug(profile.host)}_{_slug(model)}_{_slug('+'.join(profile.devices))}_{stamp}"[:200]
     folder = profile_dir(directory)
-    folder.mkdir(parents=True, exist_ok=True)
-    tmp = _write_temp(folder / f"{base}.json", "profile", profile.to_dict())
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise files._write_error(folder, e) from e
+    tmp = files._write_temp(folder / f"{base}.json", "profile", profile.to_dict())
     try:
         return _publish_new(tmp, folder, base)
+    except OSError as e:
+        raise files._write_error(folder / f"{base}.json", e) from e
     finally:
         tmp.unlink(missing_ok=True)  # Ctrl-C or an error: nothing left behind
 
@@ -226,67 +111,159 @@ def _publish_new(tmp: Path, folder: Path, base: str) -> Path:
     raise ProfileFileError(f"{folder}: no free file name for {base}; clean the profile directory")
 
 
+@dataclasses.dataclass(frozen=True)
+class _Stored:
+    """A profile file of the store as last read: its path, its state on disk, its document."""
+
+    path: Path
+    stamp: tuple[int, ...]  # device, inode, size, modification time: a changed file is read again
+    doc: dict[str, Any]
+
+
+# {path: (stamp, _Stored or the reason it is skipped)}: a lookup stats every file and
+# reads only those changed since the last one; a skipped file is warned about once.
+_CACHE: dict[str, tuple[tuple[int, ...], _Stored | str]] = {}
+_CACHE_LOCK = threading.Lock()
+
+
 def find_profiles(
     devices: Sequence[DeviceLike] | None = None,
     directory: str | Path | None = None,
     *,
     host: str | None = None,
+    fingerprint: str | None = None,
 ) -> list[Path]:
     """Profile files in the profile directory, newest first.
+
+    Only regular ``*.json`` files of at most :data:`MAX_FILE_BYTES` are read; a link is
+    followed only to a file inside the directory. Anything else (a FIFO, a device, a link
+    out of the directory, a damaged file) is skipped, with one warning per lookup naming
+    the files skipped for the first time. Files are read again only when they change.
 
     Args:
         devices: If given, keep only profiles that cover all these devices (by name,
             including the emulation suffix).
         directory: Where to look (see :func:`profile_dir`).
         host: Keep only profiles measured on this host (default: this machine; ``"*"``: any).
+        fingerprint: Keep only profiles of the model with this fingerprint
+            (:func:`hetsplit.profiler.fingerprint`); default: any model.
 
     Returns:
-        Paths of readable profiles of the current schema; damaged files are skipped.
+        Paths of readable profiles of the current schema.
     """
+    return [s.path for s in _stored_profiles(devices, directory, host=host, fingerprint=fingerprint)]
+
+
+def _stored_profiles(
+    devices: Sequence[DeviceLike] | None = None,
+    directory: str | Path | None = None,
+    *,
+    host: str | None = None,
+    fingerprint: str | None = None,
+) -> list[_Stored]:
+    """:func:`find_profiles` with each file's document, read once per change of the file."""
     root = profile_dir(directory)
-    if not root.is_dir():
+    try:
+        listing = sorted(os.scandir(root), key=lambda e: e.name)
+    except OSError:  # no directory (yet), or not one
         return []
     want = {canonical_name(d) for d in devices} if devices is not None else set()
     host = platform.node() if host is None else host
     gpus = local_gpus() if want else {}
-    found: list[tuple[str, Path]] = []
-    for path in root.glob("*.json"):
-        try:
-            doc = read_json(path, "profile")
-            names = {_local_name(d.get("info", {}), gpus) for d in doc.get("devices", [])}
-        except ProfileFileError as e:
-            warn_at_caller(f"hetsplit: skipping a stored profile: {e}")
+    real_root = os.path.realpath(root)
+    found: list[tuple[str, float, _Stored]] = []
+    skipped: list[str] = []
+    for entry in listing:
+        if not entry.name.endswith(".json") or entry.name.startswith("."):
             continue
+        item, fresh = _load_entry(Path(entry.path), entry, real_root)
+        if isinstance(item, str):
+            if fresh:
+                skipped.append(item)
+            continue
+        doc = item.doc
+        try:
+            names = {_local_name(d.get("info", {}), gpus) for d in doc.get("devices", [])}
         except (AttributeError, TypeError, ValueError) as e:
-            warn_at_caller(f"hetsplit: skipping a stored profile: {path}: damaged profile ({e})")
+            _remember(item.path, item.stamp, f"{item.path}: damaged profile ({e})")
+            skipped.append(f"{item.path}: damaged profile ({e})")
+            continue
+        model = doc.get("model")
+        if fingerprint is not None and not (isinstance(model, dict) and model.get("fingerprint") == fingerprint):
             continue
         if want <= names and (host == "*" or doc.get("host") == host):
-            found.append((str(doc.get("created", "")), _mtime(path), path))
+            found.append((str(doc.get("created", "")), item.stamp[-1], item))
+    if skipped:
+        _warn_skipped(skipped)
+    with _CACHE_LOCK:  # forget files no longer there
+        for key in [k for k in _CACHE if os.path.dirname(k) == str(root) and not os.path.lexists(k)]:
+            del _CACHE[key]
     found.sort(key=lambda item: item[:2], reverse=True)
-    return [p for _, _, p in found]
+    return [item for _, _, item in found]
 
 
-def _mtime(path: Path) -> float:
+def _load_entry(path: Path, entry: os.DirEntry[str], real_root: str) -> tuple[_Stored | str, bool]:
+    """The stored profile at ``path``, or why it is skipped; and whether that is news (not cached)."""
     try:
-        return path.stat().st_mtime
-    except OSError:  # removed since it was read
-        return 0.0
+        info = entry.stat(follow_symlinks=True)
+    except OSError as e:
+        return f"{path}: cannot read it ({e.strerror})", False  # a dangling link: nothing to warn again and again
+    stamp = (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns)
+    with _CACHE_LOCK:
+        cached = _CACHE.get(str(path))
+    if cached is not None and cached[0] == stamp:
+        return cached[1], False
+    result: _Stored | str
+    if entry.is_symlink() and os.path.dirname(os.path.realpath(path)) != real_root:
+        result = f"{path}: a link to {os.path.realpath(path)}, outside the profile directory; not followed"
+    else:
+        try:
+            files._check_regular(path, info)
+            result = _Stored(path, stamp, read_json(path, "profile"))
+        except ProfileFileError as e:
+            result = str(e)
+    _remember(path, stamp, result)
+    return result, True
+
+
+def _remember(path: Path, stamp: tuple[int, ...], result: _Stored | str) -> None:
+    with _CACHE_LOCK:
+        _CACHE[str(path)] = (stamp, result)
+
+
+def _warn_skipped(reasons: list[str]) -> None:
+    shown = "; ".join(reasons[:5]) + (f"; and {len(reasons) - 5} more" if len(reasons) > 5 else "")
+    noun = "a stored profile" if len(reasons) == 1 else f"{len(reasons)} stored profiles"
+    warn_at_caller(f"hetsplit: skipping {noun}: {shown}")
+
+
+def _skip_damaged(item: _Stored, reason: str) -> None:
+    """Mark a stored profile damaged inside (found when it is loaded): skipped with a warning, once."""
+    with _CACHE_LOCK:
+        cached = _CACHE.get(str(item.path))
+        fresh = cached is None or not isinstance(cached[1], str) or cached[0] != item.stamp
+        _CACHE[str(item.path)] = (item.stamp, reason)
+    if fresh:
+        _warn_skipped([reason])
 
 
 _PACKAGE = os.path.dirname(os.path.abspath(__file__))
 
 
 def warn_at_caller(message: str, category: type[Warning] = UserWarning) -> None:
-    """``warnings.warn(message)`` reported at the first line outside hetsplit: the user's call.
+    """``warnings.warn(message)`` reported at the first line outside hetsplit and torch: the user's call.
 
-    Python 3.12+ skips hetsplit's frames itself (``skip_file_prefixes``); before that the
-    ``stacklevel`` is counted by walking the stack.
+    torch's frames are skipped too: ``dp(x)`` reaches hetsplit through ``nn.Module.__call__``,
+    whose line the user never wrote. Python 3.12+ skips the frames itself
+    (``skip_file_prefixes``); before that the ``stacklevel`` is counted by walking the stack.
     """
+    torch = sys.modules.get("torch")
+    skip = (_PACKAGE + os.sep,) + ((os.path.dirname(torch.__file__) + os.sep,) if torch is not None else ())
     if sys.version_info >= (3, 12):
-        warnings.warn(message, category, skip_file_prefixes=(_PACKAGE + os.sep,))
+        warnings.warn(message, category, skip_file_prefixes=skip)
         return
     level, frame = 1, sys._getframe(0)
-    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE + os.sep):
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(skip):
         frame, level = frame.f_back, level + 1
     warnings.warn(message, category, stacklevel=level if frame is not None else 2)
 

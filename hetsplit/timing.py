@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -12,7 +12,7 @@ from torch import nn
 
 from .devices import Device
 
-__all__ = ["Lap", "lap", "WorkTimer"]
+__all__ = ["Lap", "lap", "WorkTimer", "cpu_threads", "threads_for"]
 
 
 class Lap:
@@ -126,3 +126,33 @@ class WorkTimer:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+
+
+def cpu_threads(devices: Sequence[Device], requested: int | None = None) -> int:
+    """Torch's intra-op threads for timing ``devices``: the one rule of ``profile``, ``bench`` and ``demo``.
+
+    ``requested`` if given; else 1 when every device is the CPU, real or emulated (they
+    train side by side on its cores, and with several threads a busy machine times a
+    step erratically); else torch's own setting.
+
+    Raises:
+        ValueError: If ``requested`` is not a whole number >= 1.
+    """
+    if requested is not None:
+        if isinstance(requested, bool) or not isinstance(requested, int) or requested < 1:
+            raise ValueError(f"threads must be a whole number >= 1 (or None for the default), got {requested!r}")
+        return requested
+    return 1 if all(d.type == "cpu" for d in devices) else torch.get_num_threads()
+
+
+@contextlib.contextmanager
+def threads_for(devices: Sequence[Device], requested: int | None = None) -> Iterator[int]:
+    """Run the enclosed timing with :func:`cpu_threads` threads; torch's setting is restored afterwards."""
+    before, threads = torch.get_num_threads(), cpu_threads(devices, requested)
+    if threads != before:
+        torch.set_num_threads(threads)
+    try:
+        yield threads
+    finally:
+        if torch.get_num_threads() != before:
+            torch.set_num_threads(before)

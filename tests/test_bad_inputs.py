@@ -64,6 +64,10 @@ API_ROWS = [
     ("4 set_speed a string", lambda: hetsplit.parse_device("cpu@0.5").set_speed("0.5"), TypeError, "'0.5'"),
     ("4 set_speed a bool", lambda: hetsplit.parse_device("cpu@0.5").set_speed(True), TypeError, "got True"),
     ("4 Device built by hand", lambda: Device("cpu", None, 1e-9, True), ValueError, "at least 0.001"),
+    ("27 a speed just above 1, named exactly", lambda: hetsplit.parse_device("cpu@1.0000001"), ValueError,
+     "got 1.0000001"),
+    ("27 a CPU index other than 0", lambda: hetsplit.parse_device(torch.device("cpu", 1)), ValueError,
+     "the CPU has one index, 0"),
     # 7: Profile.merge is bounded and counts copies of one device on
     ("7 merge beyond any what-if", lambda: Profile.merge([(_profile(), "cpu", 10**9)]), ValueError,
      f"between 1 and {MAX_DEVICES:,} devices"),
@@ -191,6 +195,8 @@ LEGIT_ROWS = [
     ("15 weights as an array", lambda: hetsplit.split_sizes(10, ["cpu", "cpu@0.5"], weights=np.array([4.0, 1.0])),
      [8, 2]),
     ("15 weights of any magnitude", lambda: sizes_from_weights(10, [1e308, 1e308]), [5, 5]),
+    ("27 'cpu:0' is the CPU, as in torch", lambda: hetsplit.parse_device("cpu:0").name, "cpu"),
+    ("27 torch.device('cpu', 0) is the CPU", lambda: hetsplit.parse_device(torch.device("cpu", 0)).name, "cpu"),
     ("7 a device picked twice is numbered on", lambda: _merged([("cpu", 2), ("cpu@0.25", 1), ("cpu", 2)]).devices,
      ["cpu#1", "cpu#2", "cpu@0.25", "cpu#3", "cpu#4"]),
     ("10 the largest batch", lambda: sum(solve(_profile(), MAX_BATCH).sizes), MAX_BATCH),
@@ -308,7 +314,8 @@ def test_the_quick_profile_gives_an_emulated_device_its_share_and_warns_at_the_c
         warnings.simplefilter("always")
         sizes = [len(s) for s in hetsplit.balanced_split(torch.zeros(256, 3), ["cpu", "cpu@0.25"])]
     assert sizes[1] > 0 and sum(sizes) == 256, sizes  # was [256, 0]: the slow device silently unused
-    assert [w.filename for w in caught] == [__file__] and "quick built-in calibration" in str(caught[0].message)
+    assert {w.filename for w in caught} == {__file__}  # a busy machine may add the noisy-timings warning
+    assert any("quick built-in calibration" in str(w.message) for w in caught)
     assert torch.get_num_threads() == threads  # the calibration's one thread is given back
 
 
@@ -361,6 +368,10 @@ CLI_ROWS = [
     ("16", ["demo", "--threads-only", "--devices", "cpu"], 1, "two or more devices"),
     ("15", ["profile", "--budget", "inf", "--devices", "cpu"], 2, "expected a positive number, got 'inf'"),
     ("15", ["plan", "PROFILE", "--batch-size", "8", "--link-gbps", "nan"], 2, "expected a positive number"),
+    ("27", ["show", "PROFILE", "--plan", "PLAN", "--batch-size", "50"], 1,
+     "--batch-size 50, but the plan"),
+    ("27", ["launch", "--devices", "cpu,cpu@0.5"], 2, "give the training script to run"),
+    ("27", ["show", "FIFO"], 1, "a named pipe (FIFO), not a hetsplit file"),
 ]  # fmt: skip
 
 
@@ -370,7 +381,11 @@ CLI_ROWS = [
 def test_cli_bad_inputs_are_one_line_before_any_work(capsys, tmp_path, item, argv, status, fragment):
     stored = _profile().save(tmp_path / "p.json")
     (tmp_path / "bin.json").write_bytes(b"\x89PNG\xff")
-    names = {"PROFILE": str(stored), "DIRECTORY": str(tmp_path), "BINARY": str(tmp_path / "bin.json")}
+    os.mkfifo(tmp_path / "stuck.json")  # read, it would wait for a writer forever
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps(solve(Profile.load(stored), 100).to_dict()))
+    names = {"PROFILE": str(stored), "DIRECTORY": str(tmp_path), "BINARY": str(tmp_path / "bin.json"),
+             "FIFO": str(tmp_path / "stuck.json"), "PLAN": str(plan)}  # fmt: skip
     argv = [names.get(a, a.replace("PROFILE", str(stored))) for a in argv]
     if status == 2:  # argparse's own refusal: usage, then one error line
         with pytest.raises(SystemExit) as exc:

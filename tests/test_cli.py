@@ -278,3 +278,93 @@ def test_devices_rejects_unknown_arguments(capsys):
     with pytest.raises(SystemExit) as exc:
         main(["devices", "--bogus"])
     assert exc.value.code == 2 and "unrecognized arguments: --bogus" in capsys.readouterr().err
+
+
+def test_the_demo_ranks_import_the_standard_library_not_a_file_of_the_current_directory(tmp_path, monkeypatch):
+    import subprocess
+    import sys
+
+    from hetsplit.apps.demo import _rank_env
+
+    (tmp_path / "statistics.py").write_text("raise SystemExit('imported the statistics.py of the current directory')\n")
+    (tmp_path / "mymodel_here.py").write_text("import torch.nn as nn\ndef factory():\n    return nn.Linear(3, 2)\n")
+    (tmp_path / "bin").mkdir()
+    probe = tmp_path / "bin" / "rank.py"  # run by path, as torchrun runs the demo's ranks
+    probe.write_text(
+        "import statistics\nfrom hetsplit.apps.models import load_model\n"
+        "print(statistics.__file__, load_model('mymodel_here:factory', (3,)).name)\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    env = _rank_env(["cpu", "cpu@0.5"], 1)
+    proc = subprocess.run([sys.executable, str(probe)], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    stdlib, model = proc.stdout.split()
+    assert not stdlib.startswith(str(tmp_path)) and model == "mymodel_here:factory"  # a model module here still loads
+
+
+def test_bench_and_demo_train_a_model_of_any_number_of_classes(capsys, tmp_path, monkeypatch):
+    (tmp_path / "three_classes.py").write_text(
+        "import torch.nn as nn\ndef factory():\n    return nn.Linear(4, 3)\n"
+        "def sequence():\n    return nn.Conv1d(4, 3, 1)\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    code, out, err = _run(capsys, "bench", "--model", "three_classes:factory", "--input-shape", "4", "--devices",
+                          "cpu,cpu@0.5", "--batch-size", "8", "--steps", "1", "--budget", "1", "--calibrate", "0",
+                          "--quiet")  # fmt: skip
+    assert code == 0 and "balanced" in out, err  # was IndexError: Target 6 is out of bounds (10 classes assumed)
+    code, out, err = _run(capsys, "bench", "--model", "three_classes:sequence", "--input-shape", "4,5", "--devices",
+                          "cpu,cpu@0.5", "--steps", "1", "--quiet")  # fmt: skip
+    assert code == 1 and len(err.strip().splitlines()) == 1, err
+    assert (
+        "its output is a tensor of shape (2, 3, 5); give a classifier, or time any model with 'hetsplit profile'" in err
+    )
+
+
+def test_a_profile_of_a_built_in_model_is_named_after_it():
+    import torch
+
+    import hetsplit
+
+    prof = hetsplit.profile(hetsplit.models.lenet(), torch.zeros(2, 1, 28, 28), "cpu", batch_sizes=[2], repeats=1)
+    assert prof.model["name"] == "LeNet"  # was Sequential
+
+
+def test_budget_is_one_option_everywhere_and_the_old_spelling_still_works(capsys):
+    from hetsplit.apps.cli import build_parser
+
+    parser = build_parser()
+    for command in ("demo", "profile", "bench"):
+        assert parser.parse_args([command, "--budget", "3"]).budget == 3.0
+    assert parser.parse_args(["bench", "--profile-budget", "4"]).budget == 4.0
+    assert "--profile-budget is deprecated; use --budget" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parser.parse_args(["bench", "--help"])
+    help_text = capsys.readouterr().out
+    assert "--budget" in help_text and "--profile-budget" not in help_text
+
+
+def test_an_even_split_that_does_not_fit_is_explained_not_inf(capsys, tmp_path):
+    prof = Profile.from_measurements(
+        {"a": [(16, 0.01), (64, 0.03)], "b": [(16, 0.04), (64, 0.12)]}, memory_caps={"a": 60, "b": 20}
+    )
+    path = prof.save(tmp_path / "capped.json")
+    code, out, err = _run(capsys, "plan", str(path), "--batch-size", "70")
+    assert code == 0, err
+    assert "even split: does not fit in memory (b holds at most 20 samples, its even share is 35" in out
+    assert "one device alone: none holds the whole batch (batch 70; a at most 60, b at most 20)" in out
+    assert "inf" not in out
+
+
+def test_a_full_disk_after_profiling_names_the_file_and_keeps_the_results_shown(capsys, tmp_path, monkeypatch):
+    import errno
+    import os
+
+    def full(_fd):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "fsync", full)
+    out_file = tmp_path / "p.json"
+    code, out, err = _run(capsys, "profile", "--devices", "cpu,cpu@0.5", "--model", "mlp", "--batch-sizes", "2,4",
+                          "--budget", "1", "--quiet", "--out", str(out_file))  # fmt: skip
+    assert code == 1 and f"cannot write {out_file}: No space left on device" in err  # was "[Errno 28] ..." alone
+    assert "share of 256" in out and not out_file.exists() and list(tmp_path.iterdir()) == []

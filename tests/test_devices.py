@@ -33,7 +33,7 @@ def test_parse_cuda_forms_without_checking():
     "spec, fragment",
     [
         ("gpu", "cannot parse device 'gpu'"),
-        ("cpu:1", "takes no index"),
+        ("cpu:1", "the CPU has one index, 0; write 'cpu'"),
         ("cpu@0", "must be in (0, 1]"),
         ("cpu@1.5", "must be in (0, 1]"),
         ("cuda:0@-1", "cannot parse"),
@@ -115,3 +115,15 @@ def test_speed_can_change_over_time():
         dev.set_speed(None)
     with pytest.raises(ValueError, match="only emulated devices"):
         Device("cpu").set_speed(0.5)
+
+
+def test_a_copy_on_an_emulated_cpu_never_shares_the_sources_storage():
+    """The course's get_params on cpu and cpu@0.25: ``.to(torch_device)`` shared one tensor, updated twice."""
+    params = [torch.ones(3), torch.arange(2)]
+    replicas = [parse_device(d).copy(params, requires_grad=True) for d in ("cpu", "cpu@0.25")]
+    with torch.no_grad():
+        for replica in replicas:
+            replica[0] -= 0.5  # one SGD update per replica
+    assert torch.equal(params[0], torch.ones(3)) and all(torch.equal(r[0], torch.full((3,), 0.5)) for r in replicas)
+    assert replicas[0][0].requires_grad and replicas[0][0].is_leaf
+    assert not replicas[0][1].requires_grad  # integers record no gradient

@@ -116,3 +116,52 @@ def test_the_torchrun_example_runs_under_hetsplit_launch(tmp_path):
     assert "2 ranks on cpu, cpu@0.25 (gloo)" in proc.stdout and "2 steps in" in proc.stdout
     assert "plan: rank0:cpu" in proc.stdout and "epoch 1: 2 steps" in proc.stdout and "SYNTHETIC" in proc.stdout
     assert "plan changes; final shares" in proc.stdout  # --rebalance ran its exchanges
+
+
+LISTENERS = """
+import os
+import torch.distributed as dist
+import hetsplit.distributed as hd
+
+hd.init(timeout=20)
+dist.barrier()  # the ranks' gloo connections exist now
+inodes = set()
+for fd in os.listdir("/proc/self/fd"):
+    try:
+        target = os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        continue
+    if target.startswith("socket:["):
+        inodes.add(target[8:-1])
+addresses = []
+for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+    for line in open(table).read().splitlines()[1:]:
+        parts = line.split()
+        if parts[3] == "0A" and parts[9] in inodes:  # LISTEN, one of this rank's sockets
+            addresses.append(parts[1].rsplit(":", 1)[0])
+with open(f"rank{dist.get_rank()}.txt", "w") as fh:
+    fh.write(f"gloo on {os.environ.get('GLOO_SOCKET_IFNAME')} listens on {sorted(addresses)}")
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+LOOPBACK_HEX = {"0100007F", "00000000000000000000000001000000"}  # 127.0.0.1 and ::1 as /proc/net writes them
+
+
+@pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="reads the listening sockets from Linux's /proc")
+def test_a_single_machine_job_keeps_its_ranks_sockets_on_the_loopback(tmp_path):
+    assert "--local-addr" in torchrun_args("cpu,cpu@0.25", "t.py")[0]
+    script = tmp_path / "listeners.py"
+    script.write_text(LISTENERS)
+    env = {k: v for k, v in os.environ.items() if not k.endswith("_SOCKET_IFNAME")}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])  # this checkout's hetsplit, from tmp_path too
+    proc = subprocess.run(
+        [sys.executable, "-m", "hetsplit.apps.cli", "launch", "--devices", "cpu,cpu@0.25", str(script)],
+        capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = [(tmp_path / f"rank{r}.txt").read_text() for r in (0, 1)]
+    assert all(line.startswith("gloo on lo ") for line in lines), lines  # not the host name's address
+    for line in lines:  # the ranks' listening sockets: the loopback only
+        listening = eval(line.split("listens on ")[1])
+        assert listening and set(listening) <= LOOPBACK_HEX, line

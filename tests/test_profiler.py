@@ -200,3 +200,16 @@ def test_memory_model_round_trips_and_old_entries_load():
     assert DeviceProfile.from_dict({**data, "memory": model.to_dict()}).memory == model
     with pytest.raises(ValueError, match="bytes >= 0"):
         DeviceProfile.from_dict({**data, "memory": {"peaks": [[8, 1]], "base": -1.0, "per_sample": 2.0}})
+
+
+def test_cpu_devices_are_timed_with_one_thread_as_the_cli_advises():
+    torch.set_num_threads(2)
+    probe = nn.Linear(3, 2)
+    prof = profile(probe, torch.zeros(4, 3), ["cpu", "cpu@0.5"], batch_sizes=[2], repeats=1, warmup=0)
+    assert torch.get_num_threads() == 2  # given back
+    # each CPU entry records the threads it was timed with
+    assert [e.info.threads for e in prof.entries] == [1, 1]
+    prof = profile(probe, torch.zeros(4, 3), "cpu", batch_sizes=[2], repeats=1, warmup=0, threads=2)
+    assert prof.entry("cpu").info.threads == 2
+    with pytest.raises(ValueError, match="threads must be a whole number >= 1 .* got 0"):
+        profile(probe, torch.zeros(4, 3), "cpu", threads=0)

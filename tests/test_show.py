@@ -95,3 +95,25 @@ def test_show_draws_a_rebalance_run(tmp_path, capsys):
     path = store.write_json(tmp_path / "reb.json", "bench-rebalance", {"result": result.to_dict()})
     assert main(["show", str(path)]) == 0
     assert (tmp_path / "reb.png").stat().st_size > 10_000 and "picture written" in capsys.readouterr().out
+
+
+def test_pictures_follow_the_umask_as_json_files_do(tmp_path):
+    import os
+
+    old = os.umask(0o022)
+    try:
+        out = plot_profile(_profile(), tmp_path / "p.png")
+    finally:
+        os.umask(old)
+    assert out.stat().st_mode & 0o777 == 0o644  # was 0600, mkstemp's mode
+
+
+def test_the_timeline_title_says_when_one_device_alone_is_faster():
+    from hetsplit.apps.show import timeline_title
+
+    r = _bench()  # balanced 19,000 samples/s: 3.17x the even split, but cuda:0 alone does 21,000
+    assert "balanced is 3.17x the even split, but cuda:0 alone is faster (1.11x the balanced split)" in timeline_title(
+        r
+    )
+    r.balanced = 25200.0
+    assert timeline_title(r).endswith("balanced is 4.20x the even split, 1.20x cuda:0 alone")

@@ -3,6 +3,7 @@ import os
 
 import pytest
 
+import hetsplit.files as files
 import hetsplit.store as store
 from hetsplit import Profile, ProfileFileError
 from hetsplit.planning import latest_profile
@@ -99,3 +100,124 @@ def test_gpus_are_matched_by_uuid_when_their_index_changes():
     assert moved.devices == ["cuda:1", "cuda:0", "cuda:0@0.5"]
     assert moved.entry("cuda:1").info.uuid == "GPU-a" and prof.devices == ["cuda:0", "cuda:1", "cuda:1@0.5"]
     assert prof.matched_to_local({}).devices == prof.devices  # no GPU here: unchanged
+
+
+def _stored_here(directory, **kw):
+    import platform
+
+    p = _profile(**kw)
+    p.host = platform.node()
+    return p.save(directory / "good.json")
+
+
+def test_a_fifo_or_an_endless_device_in_the_store_is_skipped_not_read(tmp_path):
+    import warnings
+
+    good = _stored_here(tmp_path)
+    os.mkfifo(tmp_path / "stuck.json")  # reading it waited for a writer forever
+    (tmp_path / "zero.json").symlink_to("/dev/zero")  # reading it grew memory without bound
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert store.find_profiles(["cpu"], tmp_path) == [good]
+    assert len(caught) == 1  # one warning for the lookup, naming both
+    message = str(caught[0].message)
+    assert "stuck.json: a named pipe (FIFO)" in message and "zero.json: a link to /dev/zero" in message
+    with pytest.raises(ProfileFileError, match=r"stuck\.json: a named pipe \(FIFO\), not a hetsplit file"):
+        Profile.load(tmp_path / "stuck.json")  # named explicitly: refused at once, not hung
+    with pytest.raises(ProfileFileError, match="zero.json: a device"):
+        Profile.load(tmp_path / "zero.json")
+
+
+def test_an_oversized_file_is_refused_by_its_size_without_reading_it(tmp_path, monkeypatch):
+    big = tmp_path / "big.json"
+    with open(big, "wb") as fh:
+        fh.truncate(store.MAX_FILE_BYTES + 1)  # sparse: no disk used
+    reads = []
+    monkeypatch.setattr(store.os, "fdopen", lambda *a, **k: reads.append(a))
+    with pytest.raises(ProfileFileError, match=r"big\.json: 33,554,433 bytes, larger than any hetsplit file"):
+        Profile.load(big)
+    assert reads == []
+
+
+def test_a_link_is_followed_only_inside_the_profile_directory(tmp_path):
+    import warnings
+
+    inside = tmp_path / "store"
+    inside.mkdir()
+    good = _stored_here(inside)
+    (inside / "alias.json").symlink_to(good.name)  # inside: followed
+    outside = _profile(model={"name": "elsewhere"})
+    outside.host = __import__("platform").node()
+    outside.created = "9999-01-01T00:00:00+00:00"
+    (inside / "escape.json").symlink_to(outside.save(tmp_path / "outside.json"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        found = store.find_profiles(["cpu"], inside)
+    assert sorted(p.name for p in found) == ["alias.json", "good.json"]
+    assert "escape.json: a link to" in str(caught[0].message) and "outside the profile directory" in str(
+        caught[0].message
+    )
+
+
+def test_a_lookup_reads_only_files_changed_since_the_last_and_warns_once(tmp_path, monkeypatch):
+    import warnings
+
+    for k in range(20):
+        _profile().save(tmp_path / f"p{k}.json")
+    (tmp_path / "junk.json").write_text("{")
+    opened = []
+    real = files._read_text
+    monkeypatch.setattr(files, "_read_text", lambda path: opened.append(path.name) or real(path))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        latest_profile(["cpu"], tmp_path)
+        assert len(opened) == 21  # each file once (was twice for the one loaded)
+        opened.clear()
+        for _ in range(5):
+            latest_profile(["cpu"], tmp_path)
+        assert opened == []  # nothing changed: nothing read again
+        (tmp_path / "p3.json").write_text((tmp_path / "p3.json").read_text() + " ")
+        latest_profile(["cpu"], tmp_path)
+        assert opened == ["p3.json"]
+    assert len([w for w in caught if "junk.json" in str(w.message)]) == 1
+
+
+def test_a_stored_profile_applies_only_to_the_model_it_measured(tmp_path):
+    from torch import nn
+
+    from hetsplit.profiler import fingerprint
+
+    lenet, mlp = nn.Sequential(nn.Conv2d(1, 6, 5)), nn.Sequential(nn.Linear(3, 2))
+    _stored_here(tmp_path, model={"name": "lenet", "fingerprint": fingerprint(lenet)})
+    assert latest_profile(["cpu"], tmp_path, model=fingerprint(lenet)).model["name"] == "lenet"
+    assert latest_profile(["cpu"], tmp_path, model=fingerprint(mlp)) is None  # LeNet's curves: not for an MLP
+    assert latest_profile(["cpu"], tmp_path) is not None  # no model named: any model's profile, as before
+    with pytest.raises(TypeError, match=r"model must be a fingerprint string .*hetsplit.profiler.fingerprint"):
+        latest_profile(["cpu"], tmp_path, model=mlp)
+
+
+def test_saving_reads_the_umask_without_changing_it(tmp_path, monkeypatch):
+    old = os.umask(0o027)
+    try:
+        calls = []
+        monkeypatch.setattr(store.os, "umask", lambda *a: calls.append(a) or 0o027)
+        path = _profile().save(tmp_path / "p.json")
+    finally:
+        monkeypatch.undo()
+        os.umask(old)
+    assert calls == []  # /proc/self/status says it: no moment with another umask for other threads
+    assert path.stat().st_mode & 0o777 == 0o640
+
+
+def test_a_full_disk_names_the_file_and_leaves_no_temporary(tmp_path, monkeypatch):
+    import errno
+
+    def full(_fd):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(store.os, "fsync", full)
+    with pytest.raises(ProfileFileError, match=r"cannot write .*p\.json: No space left on device; free some space"):
+        _profile().save(tmp_path / "p.json")
+    with pytest.raises(ProfileFileError, match=f"cannot write {tmp_path}/"):
+        _profile().save(directory=tmp_path)
+    assert list(tmp_path.iterdir()) == []

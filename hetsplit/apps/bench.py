@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import timing
 from ..devices import Device, DeviceLike, parse_devices
 from ..parallel.data_parallel import HeteroDataParallel
 from ..planning.curve import holdout_error
@@ -38,13 +39,10 @@ __all__ = [
 def cpu_threads(devices: Sequence[Device], requested: int | None = None) -> int:
     """Torch's intra-op threads for a run on ``devices``: the one rule of profile, bench and demo.
 
-    ``requested`` if given; else 1 when every device is the CPU, real or emulated (they
-    train side by side on its cores, and with several threads CPU work after an emulated
-    sleep is erratic on small machines); else torch's own choice.
+    See :func:`hetsplit.timing.cpu_threads` (``requested`` if given; else 1 when every
+    device is the CPU, real or emulated; else torch's own choice).
     """
-    if requested:
-        return int(requested)
-    return 1 if all(d.type == "cpu" for d in devices) else torch.get_num_threads()
+    return timing.cpu_threads(devices, requested or None)
 
 
 def keep_freed_memory() -> bool:
@@ -180,6 +178,7 @@ def bench(
         time_budget=profile_budget,
         progress=progress,
         model_name=spec.name,
+        threads=torch.get_num_threads(),  # the threads the configurations train with, whatever they are
     )
     plan = solve(prof, batch_size)
     configs: dict[str, Callable[[], None]] = {}

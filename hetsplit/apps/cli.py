@@ -50,6 +50,27 @@ _positive_int, _positive_float, _count = _positive(int), _positive(float), _posi
 _non_negative_float = _positive(float, zero=True)
 
 
+def _budget(parser: argparse.ArgumentParser, default: float, *, old: str | None = None) -> None:
+    """``--budget SECONDS``, one spelling for every command; ``old`` is kept as a hidden, deprecated alias."""
+    parser.add_argument(
+        "--budget",
+        dest="budget",
+        type=_positive_float,
+        default=default,
+        help=f"seconds to spend profiling the devices (default {default:g})",
+    )
+    if old is not None:
+        parser.add_argument(old, dest="budget", type=_positive_float, action=_Deprecated, help=argparse.SUPPRESS)
+
+
+class _Deprecated(argparse.Action):
+    """Stores the value of an old option spelling, saying once which one replaces it."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any, option: Any = None):
+        print(f"{parser.prog}: {option} is deprecated; use --budget", file=sys.stderr)
+        setattr(namespace, self.dest, values)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``hetsplit`` argument parser, one subcommand per job."""
     parser = argparse.ArgumentParser(
@@ -75,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--input-shape", type=_ints, help="shape of one sample, e.g. 3,32,32 (needed for your own model)")
     p.add_argument("--batch-size", type=_positive_int, default=128, help="samples per step (default 128)")
     p.add_argument("--steps", type=_positive_int, default=15, help="timed steps per configuration (default 15)")
-    p.add_argument("--budget", type=_positive_float, default=10.0, help="seconds to profile (default 10)")
+    _budget(p, 10.0)
     p.add_argument("--threads", type=_positive_int, help="torch CPU threads (default 1 when every device is the CPU)")
     p.add_argument("--json", type=Path, help="also write the results to this JSON file (for 'hetsplit show')")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -97,7 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=DTYPES, default="float32", help="parameter and input dtype")
     p.add_argument("--batch-sizes", type=_ints, help="the ladder of batch sizes (default 2,4,8,...,256)")
     p.add_argument("--batch-size", type=_positive_int, default=256, help="batch to show the split of (default 256)")
-    p.add_argument("--budget", type=_positive_float, default=30.0, help="time budget in seconds (default 30)")
+    _budget(p, 30.0)
     p.add_argument("--repeats", type=_positive_int, default=5, help="timed steps per batch size (default 5)")
     p.add_argument("--out", type=Path, help="profile file to write (default: a new file in the profile directory)")
     p.add_argument("--profile-dir", type=Path, help="profile directory (default $HETSPLIT_PROFILE_DIR or ./profiles)")
@@ -133,7 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="gather",
         help="gather: loss on gathered outputs (DataParallel); local: loss per device",
     )
-    p.add_argument("--profile-budget", type=_positive_float, default=20.0, help="seconds to profile (default 20)")
+    _budget(p, 20.0, old="--profile-budget")
     p.add_argument(
         "--calibrate",
         type=_count,
@@ -221,8 +242,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--node-rank", type=int, default=0, help="this node's rank (default 0)")
     p.add_argument("--rdzv-endpoint", help="HOST:PORT of the rendezvous, the same on every node (several nodes)")
     p.add_argument("--rdzv-backend", default="c10d", help="torchrun's rendezvous backend (default c10d)")
-    p.add_argument("script", help="the training script")
+    # Optional to argparse, checked in main: a missing script was "required: script, script_args".
+    p.add_argument("script", nargs="?", help="the training script")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")
+    p.set_defaults(usage_error=p.error)
     return parser
 
 
@@ -241,6 +264,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; returns the exit status (errors are one line on stderr, status 1)."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command == "launch" and not args.script:
+        args.usage_error("give the training script to run, e.g. hetsplit launch --devices cpu,cpu@0.25 train.py")
     try:
         return _COMMANDS[args.command](args)
     except KeyboardInterrupt:

@@ -6,13 +6,16 @@ import argparse
 import json
 import math
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 __all__ = [
     "CLIError",
     "DTYPES",
     "default_devices",
     "fmt_time",
+    "even_note",
+    "alone_note",
     "table",
     "cmd_devices",
     "cmd_profile",
@@ -47,6 +50,28 @@ def fmt_time(t: float) -> str:
     if not math.isfinite(t):
         return "inf"
     return f"{t * 1000:.2f} ms" if t < 10 else f"{t:.2f} s"
+
+
+def even_note(plan: Any, caps: Mapping[str, int | None]) -> str:
+    """Why the even split of ``plan``'s batch cannot run: the devices whose even share exceeds their memory cap.
+
+    The plan's ``even_time`` is then infinite, which printed as ``inf`` (``infx faster``).
+    """
+    from ..planning import even_sizes
+
+    over = [
+        f"{d} holds at most {caps[d]} samples, its even share is {s}"
+        for d, s in zip(plan.devices, even_sizes(plan.batch_size, len(plan.devices)))
+        if caps.get(d) is not None and s > caps[d]  # type: ignore[operator]
+    ]
+    shown = "; ".join(over[:3]) + (f"; and {len(over) - 3} more" if len(over) > 3 else "")
+    return f"does not fit in memory ({shown or 'a device cannot take its even share'}; --accumulate runs it)"
+
+
+def alone_note(plan: Any, caps: Mapping[str, int | None]) -> str:
+    """Why no single device can take ``plan``'s whole batch: every device's memory cap, in short."""
+    known = [f"{d} at most {caps[d]}" for d in plan.devices if caps.get(d) is not None]
+    return f"batch {plan.batch_size}; " + (", ".join(known[:3]) or "each is above its memory cap")
 
 
 def _threads(n: int) -> str:
@@ -118,8 +143,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
     spec = load_model(args.model, tuple(args.input_shape) if args.input_shape else None)
     dtype = getattr(torch, args.dtype)
     model = build_model(spec).to(dtype)
-    x, y = synthetic_batch(spec, 16, dtype=dtype)
     builtin = args.model in BUILTIN_MODELS
+    x, y = synthetic_batch(spec, 16, dtype=dtype, targets=builtin)  # your model: its output summed, any shape
     emulated = [d.name for d in devs if d.emulated]
     print(
         f"profiling {spec.name} (input {tuple(spec.input_shape)}, {args.dtype}, synthetic data) on "
@@ -141,7 +166,6 @@ def cmd_profile(args: argparse.Namespace) -> int:
         progress=False if args.quiet else None,
         model_name=spec.name,
     )
-    path = store.save_profile(prof, args.out, directory=args.profile_dir)
     plan = solver.solve(prof, args.batch_size, accumulate=True)  # a capped device may take micro-batches
     rows = []
     for e, size in zip(prof.entries, plan.sizes):
@@ -159,10 +183,20 @@ def cmd_profile(args: argparse.Namespace) -> int:
     for e in prof.entries:
         if e.memory is not None:  # CUDA: the fitted memory curve
             print(f"{e.name} peak memory: {_memory_text(e.memory)}")
-    even = f"{plan.speedup_vs_even:.2f}x the even split" if math.isfinite(plan.speedup_vs_even) else "the even split"
-    print(
-        f"\npredicted step {fmt_time(plan.step_time)}: {even}, {plan.speedup_vs_single:.2f}x {plan.single_device} alone"
+    caps = prof.memory_caps()
+    even = (
+        f"{plan.speedup_vs_even:.2f}x the even split"
+        if math.isfinite(plan.even_time)
+        else f"the even split {even_note(plan, caps)}"
     )
+    alone = (
+        f"{plan.speedup_vs_single:.2f}x {plan.single_device} alone"
+        if math.isfinite(plan.single_time)
+        else f"no device alone holds the batch ({alone_note(plan, caps)})"
+    )
+    print(f"\npredicted step {fmt_time(plan.step_time)}: {even}, {alone}")
+    # Saved after the results are shown: a full disk then costs the file, not the measurements' summary.
+    path = store.save_profile(prof, args.out, directory=args.profile_dir)
     print(f"profile written to {path}" + (" (it replaced the file there)" if replacing else ""))
     return 0
 
@@ -213,6 +247,11 @@ def cmd_show(args: argparse.Namespace) -> int:
             missing = [d for d in plan.devices if d not in prof.devices]
             if missing:
                 raise CLIError(f"{args.plan}: devices {missing} are not in the profile {args.file} ({prof.devices})")
+            if args.batch_size is not None and args.batch_size != plan.batch_size:
+                raise CLIError(
+                    f"--batch-size {args.batch_size}, but the plan {args.plan} splits a batch of {plan.batch_size}; "
+                    "give --plan to draw that split, or --batch-size to solve one"
+                )
         for e in prof.entries:  # the caps and, on CUDA, the memory curve, also as text
             if e.memory_cap is not None or e.memory is not None:
                 cap = "not reached" if e.memory_cap is None else f"{e.memory_cap} samples"
@@ -276,7 +315,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         batch_size=args.batch_size,
         steps=steps,
         mode=args.mode,
-        profile_budget=args.profile_budget,
+        profile_budget=args.budget,
         calibrate=args.calibrate,
         calibrate_seconds=args.calibrate_seconds,
         log=log,

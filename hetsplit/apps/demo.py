@@ -142,7 +142,6 @@ def run_processes(
     if sum(sizes) < 1 or steps < 1:
         raise ValueError(f"the ranks need at least one sample and one step; got sizes {list(sizes)}, steps {steps}")
     load_model(model, tuple(input_shape) if input_shape else None)
-    from ..distributed.setup import ENV_DEVICES, rank_devices
     from . import demo_ranks
     from .launch import torchrun_args
 
@@ -153,10 +152,7 @@ def run_processes(
         if input_shape:
             script_args += ["--input-shape", ",".join(map(str, input_shape))]
         argv, _ = torchrun_args(",".join(devices), demo_ranks.__file__, script_args)
-        env = {**os.environ, ENV_DEVICES: ",".join(rank_devices(",".join(devices), len(devices)))}
-        env.setdefault("OMP_NUM_THREADS", str(threads))  # torchrun would print a warning and set 1
-        root = str(Path(__file__).resolve().parents[2])  # this hetsplit, also when run from a checkout
-        env["PYTHONPATH"] = os.pathsep.join([root, os.getcwd(), *filter(None, [env.get("PYTHONPATH")])])
+        env = _rank_env(devices, threads)
         failure = ""
         for _attempt in range(2):  # once more if it fails: a standalone rendezvous can race for its port
             try:
@@ -175,6 +171,27 @@ def run_processes(
         else:
             return {"error": failure}
         return json.loads(out.read_text(encoding="utf-8"))
+
+
+def _rank_env(devices: Sequence[str], threads: int) -> dict[str, str]:
+    """The environment of the demo's ranks: this hetsplit importable, nothing shadowing the standard library.
+
+    The ranks find this hetsplit (also when run from a checkout) through ``PYTHONPATH``;
+    ``PYTHONSAFEPATH`` keeps the current directory and the script's folder off the front of
+    their ``sys.path`` (a ``statistics.py`` here was imported by both ranks). A model module
+    in the current directory still imports: :func:`~hetsplit.apps.models.load_model` puts
+    the directory at the end of the path.
+    """
+    from ..distributed.setup import ENV_DEVICES, rank_devices
+    from .launch import local_env
+
+    env = {**os.environ, ENV_DEVICES: ",".join(rank_devices(",".join(devices), len(devices)))}
+    env.setdefault("OMP_NUM_THREADS", str(threads))  # torchrun would print a warning and set 1
+    root = str(Path(__file__).resolve().parents[2])  # this hetsplit, also when run from a checkout
+    env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
+    env["PYTHONSAFEPATH"] = "1"
+    local_env(env)
+    return env
 
 
 def verdict(result: BenchResult) -> str:

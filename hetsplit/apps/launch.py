@@ -5,10 +5,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-from collections.abc import Sequence
+import socket
+from collections.abc import MutableMapping, Sequence
 from pathlib import Path
 
-__all__ = ["launch", "torchrun_args", "cmd_launch"]
+__all__ = ["launch", "torchrun_args", "local_env", "cmd_launch"]
+
+LOOPBACK = "127.0.0.1"
 
 
 def torchrun_args(
@@ -49,12 +52,41 @@ def torchrun_args(
     parse_devices(local)  # this node must have its devices: fail here, not in a rank waiting for the others
     argv = ["--nnodes", str(nnodes), "--nproc-per-node", str(per_node), "--max-restarts", str(max_restarts)]
     if nnodes == 1 and rdzv_endpoint is None:
-        argv.append("--standalone")
+        # One machine: the ranks reach the agent's stores at the loopback address. torch's
+        # TCPStore still listens on every interface (it has no bind address); see local_env.
+        argv += ["--standalone", "--local-addr", LOOPBACK]
     else:
         if rdzv_endpoint is None:
             raise ValueError("a job of several nodes needs --rdzv-endpoint HOST:PORT, the same on every node")
         argv += ["--node-rank", str(node_rank), "--rdzv-backend", rdzv_backend, "--rdzv-endpoint", rdzv_endpoint]
     return [*argv, script, *script_args], local
+
+
+def local_env(environ: MutableMapping[str, str]) -> MutableMapping[str, str]:
+    """``environ`` set up for the ranks of a single-machine job: their own sockets on the loopback.
+
+    gloo and NCCL bind their connections between ranks to the interface named in
+    ``GLOO_SOCKET_IFNAME``/``NCCL_SOCKET_IFNAME``; on one machine that is the loopback
+    (a value the user set is kept). torchrun's rendezvous store (a ``TCPStore``) cannot
+    be bound: it listens on every interface, unauthenticated, for the job's lifetime.
+
+    Returns:
+        ``environ`` itself, updated.
+    """
+    loopback = _loopback_interface()
+    if loopback is not None:
+        environ.setdefault("GLOO_SOCKET_IFNAME", loopback)
+        environ.setdefault("NCCL_SOCKET_IFNAME", loopback)
+    return environ
+
+
+def _loopback_interface() -> str | None:
+    """The loopback interface's name (``lo`` on Linux, ``lo0`` on macOS), if there is one."""
+    try:
+        names = [name for _, name in socket.if_nameindex()]
+    except (OSError, AttributeError):  # no interface list on this platform
+        return None
+    return next((n for n in names if n in ("lo", "lo0")), None)
 
 
 def _failure_line(error: BaseException) -> str:
@@ -95,6 +127,8 @@ def launch(devices: str, script: str, script_args: Sequence[str] = (), **options
     from ..distributed.setup import ENV_DEVICES, rank_devices
 
     argv, _ = torchrun_args(devices, script, script_args, **options)  # type: ignore[arg-type]
+    if "--standalone" in argv:
+        local_env(os.environ)
     os.environ[ENV_DEVICES] = ",".join(rank_devices(devices, len([s for s in devices.split(",") if s.strip()])))
     try:
         run(parse_args(argv))

@@ -13,6 +13,9 @@ from torch import nn
 
 __all__ = [
     "ModelSpec",
+    "LeNet",
+    "CNN",
+    "MLP",
     "BUILTIN_MODELS",
     "cnn",
     "lenet",
@@ -24,9 +27,21 @@ __all__ = [
 ]
 
 
+class LeNet(nn.Sequential):
+    """LeNet-5 as built by :func:`lenet`: its own class, so a profile of it is named LeNet, not Sequential."""
+
+
+class CNN(nn.Sequential):
+    """The small CNN built by :func:`cnn`."""
+
+
+class MLP(nn.Sequential):
+    """The two-layer perceptron built by :func:`mlp`."""
+
+
 def lenet(num_classes: int = 10) -> nn.Module:
     """LeNet-5 for 1x28x28 images (the course's multi-GPU example network), no BatchNorm."""
-    return nn.Sequential(
+    return LeNet(
         nn.Conv2d(1, 6, kernel_size=5, padding=2), nn.ReLU(),
         nn.AvgPool2d(kernel_size=2, stride=2),
         nn.Conv2d(6, 16, kernel_size=5), nn.ReLU(),
@@ -44,7 +59,7 @@ def cnn(num_classes: int = 10) -> nn.Module:
     Its step is dominated by convolution arithmetic rather than Python, as a real
     training step is, so a split's gain is not eaten by per-step overhead.
     """
-    return nn.Sequential(
+    return CNN(
         nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
         nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
         nn.Conv2d(32, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
@@ -65,7 +80,7 @@ def resnet18(num_classes: int = 10, in_channels: int = 1) -> nn.Module:
 
 def mlp(num_classes: int = 10, width: int = 256, in_features: int = 256) -> nn.Module:
     """A small two-layer perceptron; the workload of the quick built-in calibration."""
-    return nn.Sequential(nn.Linear(in_features, width), nn.ReLU(), nn.Linear(width, num_classes))
+    return MLP(nn.Linear(in_features, width), nn.ReLU(), nn.Linear(width, num_classes))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,13 +91,17 @@ class ModelSpec:
         name: The name on the command line, or ``package.module:factory``.
         factory: Builds the model.
         input_shape: Shape of one sample, without the batch dimension.
-        num_classes: Classes of the output (targets are drawn in ``range(num_classes)``).
+        num_classes: Classes of the output (targets are drawn in ``range(num_classes)``);
+            ``None`` when the output is no ``(batch, classes)`` tensor of logits.
+        output: What the model's output was found to be, for the error when it is needed
+            as logits.
     """
 
     name: str
     factory: Callable[[], nn.Module]
     input_shape: tuple[int, ...]
-    num_classes: int = 10
+    num_classes: int | None = 10
+    output: str = ""
 
 
 BUILTIN_MODELS: dict[str, ModelSpec] = {
@@ -112,7 +131,9 @@ def load_model(name: str, input_shape: tuple[int, ...] | None = None) -> ModelSp
         raise ValueError(f"unknown model {name!r}; use one of {sorted(BUILTIN_MODELS)} or 'package.module:factory'")
     module_name, _, attr = name.partition(":")
     if "" not in sys.path and os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())  # mymodels.py in the current directory imports, as with `python -m`
+        # mymodels.py in the current directory imports, as with `python -m`; at the end of the
+        # path, so that no file here (a statistics.py) shadows the standard library.
+        sys.path.append(os.getcwd())
     try:
         factory = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as e:
@@ -121,16 +142,47 @@ def load_model(name: str, input_shape: tuple[int, ...] | None = None) -> ModelSp
         raise ValueError(f"model factory {name!r} is not callable")
     if not input_shape:
         raise ValueError(f"model {name!r} needs --input-shape, the shape of one sample such as 3,32,32")
-    return ModelSpec(name, factory, tuple(input_shape))
+    classes, output = _output_classes(factory, tuple(input_shape))
+    return ModelSpec(name, factory, tuple(input_shape), classes, output)
+
+
+def _output_classes(factory: Callable[[], nn.Module], shape: tuple[int, ...]) -> tuple[int | None, str]:
+    """The classes of a user model's output, from one forward of two samples: ``(C, "")`` or ``(None, why not)``.
+
+    demo and bench draw targets in ``range(C)``; they assumed 10, and a model of 3 outputs
+    failed inside a step (``IndexError: Target 6 is out of bounds``).
+    """
+    try:
+        model = factory()
+        if not isinstance(model, nn.Module):
+            return None, f"is built by a factory returning {type(model).__name__}"
+        with torch.no_grad():
+            out = model(torch.randn(2, *shape, generator=torch.Generator().manual_seed(0)))
+    except Exception as e:  # build_model and the step report it in full; here only why there are no classes
+        return None, f"could not be computed ({type(e).__name__}: {str(e)[:120]})"
+    if isinstance(out, torch.Tensor) and out.is_floating_point() and out.dim() == 2 and out.shape[1] >= 1:
+        return int(out.shape[1]), ""
+    what = f"a tensor of shape {tuple(out.shape)}" if isinstance(out, torch.Tensor) else type(out).__name__
+    return None, f"is {what}"
 
 
 def synthetic_batch(
-    spec: ModelSpec, batch: int, *, seed: int = 0, dtype: torch.dtype = torch.float32
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """A synthetic (random) batch of inputs and class targets for ``spec``."""
+    spec: ModelSpec, batch: int, *, seed: int = 0, dtype: torch.dtype = torch.float32, targets: bool = True
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A synthetic (random) batch of inputs and class targets for ``spec`` (no targets with ``targets=False``).
+
+    Raises:
+        ValueError: If targets are asked for and the model's output is no ``(batch, classes)``
+            tensor of logits (demo and bench train with cross-entropy), naming what it is.
+    """
+    if targets and spec.num_classes is None:
+        raise ValueError(
+            f"model {spec.name!r}: demo and bench train it with cross-entropy on logits of shape (batch, classes), "
+            f"but its output {spec.output}; give a classifier, or time any model with 'hetsplit profile'"
+        )
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn((batch, *spec.input_shape), generator=gen, dtype=dtype)
-    y = torch.randint(0, spec.num_classes, (batch,), generator=gen)
+    y = torch.randint(0, spec.num_classes, (batch,), generator=gen) if targets else None
     return x, y
 
 

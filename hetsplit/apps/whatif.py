@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .commands import CLIError, fmt_time, table
+from .commands import CLIError, alone_note, even_note, fmt_time, table
 
 if TYPE_CHECKING:
     from ..planning import Profile
@@ -137,12 +138,19 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print("gradient exchange not included (give --link-gbps to estimate it)")
     total = plan.step_time + (comm or 0.0)
     even_total = plan.even_time + exchange(plan.sizes, len(plan.devices))
-    print(f"even split: {fmt_time(even_total)} -> balanced is {even_total / total:.2f}x faster")
-    print(
-        f"{plan.single_device} alone: {fmt_time(plan.single_time)} (no exchange) -> balanced is "
-        f"{plan.single_time / total:.2f}x "
-        + ("faster" if plan.single_time >= total else "as fast: adding devices loses")
-    )
+    caps = combined.memory_caps()
+    if math.isfinite(even_total):
+        print(f"even split: {fmt_time(even_total)} -> balanced is {even_total / total:.2f}x faster")
+    else:
+        print(f"even split: {even_note(plan, caps)} -> only an uneven split runs")
+    if math.isfinite(plan.single_time):
+        print(
+            f"{plan.single_device} alone: {fmt_time(plan.single_time)} (no exchange) -> balanced is "
+            f"{plan.single_time / total:.2f}x "
+            + ("faster" if plan.single_time >= total else "as fast: adding devices loses")
+        )
+    else:
+        print(f"one device alone: none holds the whole batch ({alone_note(plan, caps)})")
     if whatif and len(parts) > 1:
         _print_worth(
             combined, parts, args.batch_size, total, exchange, with_comm=comm is not None, accumulate=args.accumulate

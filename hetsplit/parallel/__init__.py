@@ -14,13 +14,12 @@ from .outputs import count_tokens
 from .reduce import reduce_gradients, shard_weights
 from .replicas import replicate
 from .scatter_gather import gather, scatter
-from .sizes import balanced_split, default_profile, split_sizes
+from .sizes import balanced_split, split_sizes
 
 __all__ = [
     "HeteroDataParallel",
     "balanced_split",
     "count_tokens",
-    "default_profile",
     "gather",
     "parallel_apply",
     "reduce_gradients",

@@ -110,7 +110,13 @@ class HeteroDataParallel(nn.Module):
         self._output_device = parse_devices([output_device])[0].torch_device if output_device is not None else None
         rebalancer = rebalance if isinstance(rebalance, Rebalancer) else Rebalancer(profile) if rebalance else None
         self._plans = BatchPlans(
-            self.devices, plan=plan, profile=profile, weights=weights, rebalancer=rebalancer, accumulate=accumulate
+            self.devices,
+            plan=plan,
+            profile=profile,
+            weights=weights,
+            rebalancer=rebalancer,
+            accumulate=accumulate,
+            model=module,
         )
         self.register_state_dict_post_hook(_drop_module_prefix)
         self.register_load_state_dict_pre_hook(_add_module_prefix)

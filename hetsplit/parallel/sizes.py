@@ -6,18 +6,19 @@ from collections.abc import Iterable, Sequence
 from pathlib import PurePath
 
 import torch
+from torch import nn
 
 from ..devices import Device, DeviceLike, parse_devices
 from ..planning.memory import capped_plan
 from ..planning.plan import Plan
-from ..planning.profile import Profile, latest_profile
+from ..planning.profile import Profile
 from ..planning.rebalance import Rebalancer
 from ..planning.sizes import check_weights, resolve_plan
-from ..quick import quick_profile
+from ..quick import default_profile
 from ..tree import batch_length
 from .scatter_gather import scatter_to
 
-__all__ = ["default_profile", "check_source", "split_sizes", "balanced_split", "BatchPlans"]
+__all__ = ["check_source", "split_sizes", "balanced_split", "BatchPlans"]
 
 
 def check_source(profile: object, *, plan: object = None) -> None:
@@ -33,19 +34,6 @@ def check_source(profile: object, *, plan: object = None) -> None:
             hint = "; load a file with hetsplit.Profile.load(path)" if isinstance(value, str | PurePath) else ""
             wanted = " or ".join(k.__name__ for k in kinds)
             raise TypeError(f"{arg} must be a {wanted}, got {type(value).__name__}: {value!r}{hint}")
-
-
-def default_profile(devices: Sequence[Device]) -> Profile:
-    """The profile used when nothing else says how to split: the newest stored one, else a quick one.
-
-    The stored profile is the newest in the profile directory measured on this host
-    that covers the devices (see :func:`hetsplit.planning.latest_profile`); the quick
-    one times a small built-in model (see :func:`hetsplit.profiler.quick_profile`).
-    """
-    names = [d.name for d in devices]
-    # The quick calibration times training steps: also when the first batch comes under no_grad.
-    with torch.enable_grad():
-        return latest_profile(names) or quick_profile(list(devices))
 
 
 def split_sizes(
@@ -122,6 +110,8 @@ class BatchPlans:
         weights: Relative throughputs (not with ``plan``/``profile``).
         rebalancer: Once it has observed the devices, its corrected curves solve new sizes.
         accumulate: Let capped devices run their share as micro-batches.
+        model: The model being split, whose stored profile (its fingerprint) alone may decide
+            when nothing else is given.
 
     Attributes:
         caps: Memory caps learned from out-of-memory errors, by device name; every plan
@@ -137,6 +127,7 @@ class BatchPlans:
         weights: Sequence[float] | None = None,
         rebalancer: Rebalancer | None = None,
         accumulate: bool = False,
+        model: nn.Module | None = None,
     ) -> None:
         if not isinstance(accumulate, bool):
             raise TypeError(f"accumulate must be True or False, got {accumulate!r}")
@@ -156,7 +147,7 @@ class BatchPlans:
             raise TypeError("profile must be a Profile; pass a Plan as plan=")
         self.devices, self.names = list(devices), [d.name for d in devices]
         self.weights = check_weights(weights, len(self.devices)) if weights is not None else None
-        self.profile, self.rebalancer = profile, rebalancer
+        self.profile, self.rebalancer, self.model = profile, rebalancer, model
         self.given: Plan | None = None  # a plan the user gave (plan= or set_plan): followed for its size
         self.current: Plan | None = None
         self.by_batch: dict[int, Plan] = {}
@@ -188,7 +179,10 @@ class BatchPlans:
             learned = self.rebalancer is not None and bool(self.rebalancer.log_factors)
             profile = self.rebalancer.corrected(self.names) if learned else self.profile
             if profile is None and self.weights is None and self.given is None:
-                profile = self.profile = default_profile(self.devices)
+                # Found once, for every size: a stored profile of this model, else the quick
+                # calibration, which times training steps also when this batch came under no_grad.
+                with torch.enable_grad():
+                    profile = self.profile = default_profile(self.devices, self.model)
             plan = self.by_batch[batch] = resolve_plan(
                 batch,
                 self.devices,

@@ -335,18 +335,48 @@ class Profile:
             raise store.ProfileFileError(f"{path}: damaged profile: {e}; {advice}") from e
 
 
-def latest_profile(devices: Sequence[DeviceLike], directory: str | Path | None = None) -> Profile | None:
+def latest_profile(
+    devices: Sequence[DeviceLike], directory: str | Path | None = None, *, model: str | None = None
+) -> Profile | None:
     """The newest profile measured on this machine that covers ``devices``, or ``None``.
 
     GPUs are matched by UUID, so a profile still serves after ``CUDA_VISIBLE_DEVICES``
-    or the device order changes (see :meth:`Profile.matched_to_local`).
+    or the device order changes (see :meth:`Profile.matched_to_local`). Files are read
+    again only when they change; odd or damaged ones are skipped with a warning.
+
+    Args:
+        devices: The devices the profile must cover.
+        directory: Where to look (see :func:`hetsplit.store.profile_dir`).
+        model: A model's fingerprint (:func:`hetsplit.profiler.fingerprint`): only a
+            profile of that model applies. Default: a profile of any model.
+
+    Raises:
+        TypeError: If ``model`` is not a fingerprint string.
     """
-    for path in store.find_profiles(devices, directory):
-        try:
-            return Profile.load(path).matched_to_local()
-        except store.ProfileFileError as e:  # damaged inside: skip it, say so, use the next newest
-            store.warn_at_caller(f"hetsplit: skipping a stored profile: {e}")
+    if model is not None and not isinstance(model, str):
+        raise TypeError(
+            f"model must be a fingerprint string (hetsplit.profiler.fingerprint(model)), got {type(model).__name__}"
+        )
+    for item in store._stored_profiles(devices, directory, fingerprint=model):
+        key = (str(item.path), item.stamp)
+        prof = _LOADED.get(key)
+        if prof is None:
+            try:
+                prof = Profile.from_dict(item.doc)
+            except KeyError as e:  # damaged inside: skip it, say so, use the next newest
+                store._skip_damaged(item, f"{item.path}: damaged profile: no {e.args[0]!r} entry")
+                continue
+            except (TypeError, ValueError, AttributeError) as e:
+                store._skip_damaged(item, f"{item.path}: damaged profile: {e}")
+                continue
+            if len(_LOADED) >= 64:
+                _LOADED.clear()
+            _LOADED[key] = prof
+        return prof.matched_to_local()
     return None
+
+
+_LOADED: dict[tuple[str, tuple[int, ...]], Profile] = {}
 
 
 def _versions() -> dict[str, str]:

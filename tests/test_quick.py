@@ -1,0 +1,124 @@
+"""The quick calibration and the default profile: what splits a batch when nothing else says how."""
+
+import platform
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import hetsplit.quick as quick
+from hetsplit import Profile
+from hetsplit.devices import describe
+from hetsplit.planning.curve import Curve
+from hetsplit.planning.profile import DeviceProfile, Measurement
+from hetsplit.profiler import fingerprint
+
+
+@pytest.fixture(autouse=True)
+def _fresh(monkeypatch):
+    monkeypatch.setattr(quick, "_QUICK", {})
+    monkeypatch.setattr(quick, "_NOISY", {})
+    monkeypatch.setattr(quick, "_NOTICE_SHOWN", False)
+    monkeypatch.setattr(quick, "_REASONS_SHOWN", set())
+
+
+def _fake_profiler(monkeypatch, rounds):
+    """quick.profile replaced by timings given per call: {batch: [seconds of each repeat]}."""
+    calls = []
+
+    def fake(model, sample, devices, **kwargs):
+        times = rounds[min(len(calls), len(rounds) - 1)]
+        calls.append(kwargs)
+        ms = [Measurement(b, list(ts)) for b, ts in sorted(times.items())]
+        curve = Curve.fit([(m.batch, m.median) for m in ms], None)
+        return Profile([DeviceProfile(describe(d), ms, curve) for d in devices], source="measured")
+
+    monkeypatch.setattr(quick, "profile", fake)
+    return calls
+
+
+STEADY = {64: [0.010, 0.011, 0.012], 256: [0.040, 0.041, 0.05], 1024: [0.16, 0.165, 0.2]}
+NOISY = {64: [0.010, 0.030, 0.031], 256: [0.040, 0.041, 0.05], 1024: [0.16, 0.165, 0.2]}
+# a busy machine: each try's fastest step at batch 64 is another, so no two agree
+BUSY = [{**NOISY, 64: [0.010 * (k + 1), 0.05, 0.06]} for k in range(3)]
+
+
+def _quick(devices, **kw):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        prof = quick.quick_profile(devices, **kw)
+    return prof, [str(w.message) for w in caught]
+
+
+def test_noisy_timings_are_measured_again_until_they_agree(monkeypatch):
+    calls = _fake_profiler(monkeypatch, [STEADY])
+    prof, messages = _quick(["cpu", "cpu@0.25"])
+    assert len(calls) == 1 and prof.source == "calibration"  # steady: measured once
+    monkeypatch.setattr(quick, "_QUICK", {})
+    calls = _fake_profiler(monkeypatch, [NOISY, STEADY])
+    prof, messages = _quick(["cpu", "cpu@0.25"])
+    assert len(calls) == 2 and prof.source == "calibration"  # the second round's repeats confirm the fastest
+    assert not any("noisy" in m for m in messages)
+
+
+def test_timings_that_stay_noisy_say_the_split_is_uncertain(monkeypatch):
+    calls = _fake_profiler(monkeypatch, BUSY)
+    prof, messages = _quick(["cpu", "cpu@0.25"])
+    assert len(calls) == quick._ROUNDS and prof.source == "calibration (noisy)"
+    noisy = [m for m in messages if "noisy" in m]
+    assert len(noisy) == 1 and "cpu: at batch 64 the two fastest of 9 steps differ by 100%" in noisy[0]
+    assert "this split is uncertain" in noisy[0]
+    again, messages = _quick(["cpu", "cpu@0.25"])  # cached: not measured or warned about again
+    assert len(calls) == quick._ROUNDS and again.source == "calibration (noisy)" and messages == []
+
+
+def _stored(model, **devices):
+    prof = Profile.from_measurements(devices, host=platform.node())
+    prof.model = {"name": type(model).__name__, "fingerprint": fingerprint(model)}
+    return prof.save()
+
+
+def test_a_stored_profile_decides_only_its_own_models_split(monkeypatch):
+    _fake_profiler(monkeypatch, [STEADY])
+    lenet, mlp = nn.Sequential(nn.Conv2d(1, 6, 5)), nn.Linear(3, 2)
+    path = _stored(lenet, cpu=[(100, 0.1)], **{"cpu@0.25": [(100, 0.9)]})
+    assert quick.default_profile(["cpu", "cpu@0.25"], lenet).source == "external"  # its own profile
+    _quick(["cpu", "cpu@0.25"])  # the generic notice, once
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        prof = quick.default_profile(["cpu", "cpu@0.25"], mlp)
+    assert prof.source == "calibration"  # LeNet's curves were used for the MLP
+    assert len(caught) == 1 and caught[0].filename == __file__
+    message = str(caught[0].message)
+    assert f"the stored profile {path} covers these devices but measured another model (Sequential)" in message
+    assert quick.default_profile(["cpu", "cpu@0.25"]).source == "external"  # no model named: any profile
+    assert quick.default_profile("cpu,cpu@0.25", fingerprint(lenet)).source == "external"
+
+
+def test_a_wrapper_with_no_split_argument_uses_only_its_own_model_s_stored_profile(monkeypatch):
+    """HeteroDataParallel passes its module: a stored LeNet profile never splits an MLP's batches."""
+    import hetsplit
+
+    _fake_profiler(monkeypatch, [STEADY])
+    lenet, mlp = nn.Sequential(nn.Conv2d(1, 6, 5)), nn.Linear(3, 2)
+    _stored(lenet, cpu=[(100, 0.1)], **{"cpu@0.25": [(100, 0.9)]})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dp = hetsplit.HeteroDataParallel(mlp, ["cpu", "cpu@0.25"])
+        dp(torch.randn(8, 3))
+    assert dp._plans.profile.source == "calibration"
+    dp = hetsplit.HeteroDataParallel(lenet, ["cpu", "cpu@0.25"])
+    dp(torch.randn(8, 1, 8, 8))
+    assert dp._plans.profile.source == "external"  # its own model's stored profile
+
+
+def test_the_calibration_notice_from_a_wrapper_points_at_the_user_s_line(monkeypatch):
+    import hetsplit
+
+    _fake_profiler(monkeypatch, [STEADY])
+    dp = hetsplit.HeteroDataParallel(nn.Linear(3, 2), ["cpu", "cpu@0.25"])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        dp(torch.randn(8, 3))  # through nn.Module.__call__, not a line of torch's
+    assert caught and all(w.filename == __file__ for w in caught), [w.filename for w in caught]
