@@ -356,7 +356,8 @@ class HeteroDataParallel(nn.Module):
         return to_device(loss.detach(), self.output_device) * weight
 
     def _step_grads(self, step: Step) -> StepGrads:
-        return StepGrads(list(self.module.parameters()), step.built, step.upstream)
+        assert self._replicator is not None  # built this step's replicas
+        return StepGrads(self._replicator.params, step.built, step.upstream)
 
     def _backward(self, step: Step, grads: StepGrads) -> Callable[[list[Any], bool, bool], Grads]:
         """The gather's backward: every device's gradients computed concurrently, summed per target."""

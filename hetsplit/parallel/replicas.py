@@ -82,12 +82,16 @@ class _Replicator:
 
     def __init__(self, module: nn.Module) -> None:
         self.module = module
+        self.params: list[torch.Tensor] = []
+        self.named_buffers: list[tuple[str, torch.Tensor]] = []
 
     def build(self, devices: Sequence[torch.device], detach: bool = False) -> list[_Replica]:
         """One step's replicas, one per device in ``devices`` (a device may repeat); ``detach``: cut from the graph."""
         modules = list(self.module.modules())
-        params = list(self.module.parameters())
-        buffers = list(self.module.buffers())
+        # The module's tensors as of this step, for the engine (targets, merging): walked once.
+        self.params = params = list(self.module.parameters())
+        self.named_buffers = list(self.module.named_buffers())
+        buffers = [b for _, b in self.named_buffers]
         param_at = {id(p): k for k, p in enumerate(params)}
         buffer_at = {id(b): k for k, b in enumerate(buffers)}
         graph = torch.is_grad_enabled() and not detach
@@ -95,25 +99,24 @@ class _Replicator:
         for device in devices:
             own_params = [_param_for(p, device, graph, detach) for p in params]
             own_buffers = self._buffers_for(buffers, device)
-            copies = [m._replicate_for_data_parallel() for m in modules]
+            copies = [_shallow(m) for m in modules]
             index = {id(m): i for i, m in enumerate(modules)}
             for m, r in zip(modules, copies):
                 for key, child in m._modules.items():
-                    if child is None:
-                        r._modules[key] = None
-                    else:
-                        setattr(r, key, copies[index[id(child)]])
+                    r._modules[key] = None if child is None else copies[index[id(child)]]
+                own = r._parameters
+                tracked = type(r).__setattr__ is not nn.Module.__setattr__
                 for key, p in m._parameters.items():
-                    if p is None:
-                        r._parameters[key] = None
-                        continue
-                    t = own_params[param_at[id(p)]]
-                    # Through setattr, as torch's replicate does: a class that tracks its
-                    # weights (an RNN's flat weight list) then sees the replica's tensors.
-                    setattr(r, key, t)
-                    # Also listed as the replica's parameters: a model that asks
-                    # next(self.parameters()) for its device or dtype still gets an answer.
-                    r._parameters[key] = t
+                    t = None if p is None else own_params[param_at[id(p)]]
+                    if tracked and t is not None:
+                        # Through the class's setattr, as torch's replicate does: a class that
+                        # tracks its weights (an RNN's flat weight list) sees the replica's tensors.
+                        r._parameters = {}
+                        setattr(r, key, t)
+                        r._parameters = own
+                    # Listed as the replica's parameters: a model that asks next(self.parameters())
+                    # for its device or dtype still gets an answer.
+                    own[key] = t
                 for key, b in m._buffers.items():
                     r._buffers[key] = None if b is None else own_buffers[buffer_at[id(b)]]
             out.append(_Replica(copies[0], own_params, own_buffers))
@@ -147,10 +150,10 @@ class _Replicator:
             sizes: Each replica's samples.
             runs: How many forwards each replica ran (its micro-batches).
         """
-        targets = list(self.module.buffers())
-        if not targets:
-            return  # the common case for many models: nothing to merge, no module walk
-        names = [name for name, _ in self.module.named_buffers()]
+        if not self.named_buffers:
+            return  # the common case for many models: nothing to merge
+        names = [name for name, _ in self.named_buffers]
+        targets = [b for _, b in self.named_buffers]
         current = [list(r.module.buffers()) for r in replicas]
         if any(len(bufs) != len(targets) for bufs in current):
             raise RuntimeError(
@@ -176,6 +179,22 @@ class _Replicator:
                 target.copy_(torch.where(unchanged, target, merged))
             else:
                 target.add_(torch.stack([v - target for v in values]).sum(0).to(target.dtype))
+
+
+def _shallow(m: nn.Module) -> nn.Module:
+    """``m._replicate_for_data_parallel()``: a copy sharing ``m``'s attributes and hook dictionaries.
+
+    Done directly for classes that keep torch's rule (a step builds one per submodule and
+    device: nn.Module's setattr made it 20 us each); a class's own rule is kept.
+    """
+    if type(m)._replicate_for_data_parallel is not nn.Module._replicate_for_data_parallel:
+        return m._replicate_for_data_parallel()
+    replica = m.__new__(type(m))
+    state = m.__dict__.copy()
+    state["_parameters"], state["_buffers"], state["_modules"] = {}, dict(m._buffers), dict(m._modules)
+    state["_is_replica"] = True
+    object.__setattr__(replica, "__dict__", state)  # nn.Module's setattr would inspect it
+    return replica
 
 
 def _param_for(p: torch.Tensor, device: torch.device, graph: bool, detach: bool = False) -> torch.Tensor:
