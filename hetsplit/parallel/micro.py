@@ -240,7 +240,7 @@ def with_recovery(run: Callable[[], T], log: MemoryLog, plans: Any, devices: Seq
                 again(log, plans, devices, first, e)
             continue
         if first is not None:
-            LOG.warning("hetsplit: %s; the step then ran with sizes %s", first, plans.current.micro_batches)
+            LOG.warning("hetsplit: %s; the step then ran with micro-batches %s", first, plans.current.micro_batches)
         return out
 
 
