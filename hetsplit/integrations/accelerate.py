@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import contextlib
-import os
+import json
 import weakref
 from collections.abc import Iterator, Mapping
+from pathlib import Path
 from typing import Any, ClassVar
 
 import accelerate
@@ -22,7 +23,6 @@ from hetsplit.tree import tree_map
 from .accelerate_parts import (
     WEIGHTINGS,
     SharesLoader,
-    carried_settings,
     check_arguments,
     check_loader,
     check_whole_shares,
@@ -30,8 +30,12 @@ from .accelerate_parts import (
     throttle_forward,
 )
 from .collectives import uneven_gather, weighted_reduce
+from .core import carried_settings, device_name, is_cpu_job, launched_world, throttle
 
 __all__ = ["HeteroAccelerator", "WEIGHTINGS"]
+
+# The file beside accelerate's checkpoint that keeps each prepared loader's epoch.
+_LOADERS_FILE = "hetsplit_loaders.json"
 
 
 class HeteroAccelerator(accelerate.Accelerator):
@@ -88,6 +92,10 @@ class HeteroAccelerator(accelerate.Accelerator):
     # (HeteroTrainer's): with weighting="none" a plan with micro-batches is then followed
     # there instead of refused.
     loss_weights_micro_batches: ClassVar[bool] = False
+    # What a process whose share is 0 is served (hetsplit.distributed.ZERO_SHARES): one real
+    # sample weighted 0, so user code never sees an empty batch; HeteroTrainer, which runs
+    # such a share on a sample of its own, takes the empty batch.
+    zero_share: ClassVar[str] = "sample"
 
     def __init__(
         self,
@@ -101,7 +109,7 @@ class HeteroAccelerator(accelerate.Accelerator):
         plan_kwargs: Mapping[str, Any] | None = None,
         **accelerator_kwargs: Any,
     ) -> None:
-        world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+        rank, world = launched_world()
         names = check_arguments(
             devices, plan, profile, global_batch_size, weighting, accelerator_kwargs, world,
             loss_weights_micro_batches=self.loss_weights_micro_batches,
@@ -111,9 +119,20 @@ class HeteroAccelerator(accelerate.Accelerator):
             self.hetero_device = parse_device(names[rank])  # this machine must have it
             if world > 1 and not dist.is_initialized():  # NCCL only when every process is a GPU
                 self.hetero_device = hd.init(devices=",".join(names))
-        if self.hetero_device.type == "cpu" if self.hetero_device is not None else not torch.cuda.is_available():
-            accelerator_kwargs.setdefault("cpu", True)  # accelerate's MULTI_CPU: gloo, the CPU as device
+        if world > 1:  # prepare and gather alone, without training, join the group too
+            hd.drain_at_exit()  # at exit, let gloo's workers finish with the last collective first
+        if is_cpu_job(self.hetero_device, world):
+            # accelerate's MULTI_CPU (gloo, the CPU as device) only comes with cpu=True; an
+            # explicit cpu=False (upstream scripts pass cpu=args.cpu) would leave every process
+            # alone, each training its own copy.
+            accelerator_kwargs["cpu"] = True
         super().__init__(**accelerator_kwargs)
+        if self.num_processes != world:
+            raise ValueError(
+                f"{world} processes were launched but accelerate runs {self.num_processes} "
+                f"({self.distributed_type}): each would train alone; pass cpu=True on a machine without "
+                "CUDA, or launch one process per device with 'hetsplit launch --devices ...'"
+            )
         self.hetero_plan = plan
         self.hetero_profile = profile
         self.global_batch_size = global_batch_size
@@ -124,6 +143,11 @@ class HeteroAccelerator(accelerate.Accelerator):
         self._planned_loader: DataLoader | None = None  # the loader whose global batch the plan was made for
         self._weightings: list[hd.WeightingState] = []
         self._throttled: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
+
+    @property
+    def plan(self) -> Plan | None:
+        """The plan in force (``None`` until the first loader is prepared without ``plan=``)."""
+        return self.hetero_plan
 
     @property
     def device(self) -> torch.device:
@@ -190,7 +214,7 @@ class HeteroAccelerator(accelerate.Accelerator):
                 "HeteroAccelerator.prepare needs the model with the training loader to profile each process's "
                 "device (prepare(model, optimizer, loader)), or plan=/profile= to skip profiling"
             )
-        device = self.hetero_device.name if self.hetero_device is not None else str(self.device)
+        device = device_name(self.hetero_device if self.hetero_device is not None else self.device)
         # The profile draws batches and random numbers: the training run must not see that.
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
             sample, target, loss_fn = profiling_inputs(next(iter(loader)), self.loss_fn)
@@ -239,6 +263,7 @@ class HeteroAccelerator(accelerate.Accelerator):
             drop_last=data_loader.drop_last,
             num_replicas=self.num_processes,
             rank=self.process_index,
+            zero_share=self.zero_share,
             collate_fn=data_loader.collate_fn,
             **carried,
         )
@@ -285,8 +310,27 @@ class HeteroAccelerator(accelerate.Accelerator):
             _non_blocking=dataloader._non_blocking,
             **carried_settings(dataloader),
         )
+        loader.origin = dataloader
         loader._is_accelerate_prepared = True
         return loader
+
+    def save_state(self, output_dir: str | None = None, safe_serialization: bool = True, **kwargs: Any) -> str:
+        """accelerate's checkpoint, plus each prepared loader's epoch (its shuffle is ``seed + epoch``)."""
+        location = super().save_state(output_dir, safe_serialization=safe_serialization, **kwargs)
+        if self.is_main_process:
+            states = [loader.state() for loader in self._dataloaders if isinstance(loader, SharesLoader)]
+            (Path(location) / _LOADERS_FILE).write_text(json.dumps(states))
+        return location
+
+    def load_state(self, input_dir: str | None = None, **kwargs: Any) -> None:
+        """accelerate's resume, plus each prepared loader's epoch, so later epochs draw the orders they would have."""
+        super().load_state(input_dir, **kwargs)
+        saved = Path(input_dir) / _LOADERS_FILE if input_dir is not None else None
+        if saved is None or not saved.exists():  # a checkpoint of accelerate's own, or from before hetsplit kept it
+            return
+        loaders = [loader for loader in self._dataloaders if isinstance(loader, SharesLoader)]
+        for loader, state in zip(loaders, json.loads(saved.read_text())):
+            loader.iteration = int(state["iteration"])
 
     def prepare_model(self, model: torch.nn.Module, device_placement: Any = None, evaluation_mode: bool = False):
         """Wrap as accelerate does (DDP), then weight the gradients by shard; emulated devices run at their speed."""
@@ -338,15 +382,30 @@ class HeteroAccelerator(accelerate.Accelerator):
             super().backward(loss, **kwargs)
 
     def _throttle(self) -> contextlib.AbstractContextManager[Any]:
-        if self.hetero_device is None or not self.hetero_device.emulated:
-            return contextlib.nullcontext()
-        return self.hetero_device.throttle(cpu_time=True)
+        return throttle(self.hetero_device)
 
     def gather(self, tensor: Any) -> Any:
         """Every process's tensors concatenated along dim 0, whatever each one's length (uneven shards)."""
         if self.num_processes == 1:
             return tensor
         return uneven_gather(tensor)
+
+    def gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:
+        """Every process's rows of the current batch that are data, each sample once, in process order.
+
+        Inside a prepared loader's loop each process sends only its real rows (not the
+        padding of a last global batch, nor the one sample a share of 0 is served), so
+        the result covers every sample of the data set once, whatever the shares.
+        """
+        loader = getattr(self.gradient_state, "active_dataloader", None)
+        if not isinstance(loader, SharesLoader) or loader.current_samples is None or self.num_processes == 1:
+            return super().gather_for_metrics(input_data, use_gather_object=use_gather_object)
+        rows, real = loader._rows, loader.real_rows()
+        mine = _first_rows(input_data, rows, real)
+        tensors = _all_tensors(mine)
+        if use_gather_object or not tensors:
+            return accelerate.utils.gather_object(mine if isinstance(mine, list) else [mine])
+        return self.gather(mine)
 
     def reduce(self, tensor: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
         """Reduce across processes; a ``"mean"`` weights each process by its samples.
@@ -365,6 +424,30 @@ class HeteroAccelerator(accelerate.Accelerator):
             return super().reduce(tensor, reduction, scale)
         plain = lambda t, op: accelerate_reduce(t, op, scale)
         return tree_map(lambda t: weighted_reduce(t, samples, "mean", plain) if torch.is_tensor(t) else t, tensor)
+
+
+def _first_rows(data: Any, rows: int, real: int) -> Any:
+    """The first ``real`` rows of everything in ``data`` that has ``rows`` (a tensor, a list); the rest whole."""
+    if real == rows:
+        return data
+    if isinstance(data, Mapping):
+        return type(data)({k: _first_rows(v, rows, real) for k, v in data.items()})
+    nested = (torch.Tensor, list, tuple, Mapping)
+    if isinstance(data, list) and len(data) == rows and not any(isinstance(v, nested) for v in data):
+        return data[:real]  # one object per row (decoded texts, say)
+    if isinstance(data, (list, tuple)):
+        return type(data)(_first_rows(v, rows, real) for v in data)
+    if torch.is_tensor(data) and data.dim() and data.shape[0] == rows:
+        return data[:real]
+    return data
+
+
+def _all_tensors(data: Any) -> bool:
+    if isinstance(data, Mapping):
+        return all(_all_tensors(v) for v in data.values())
+    if isinstance(data, (list, tuple)):
+        return all(_all_tensors(v) for v in data)
+    return torch.is_tensor(data)
 
 
 def _ranks(n: int) -> list[str]:

@@ -21,11 +21,9 @@ from .collectives import samples_in
 __all__ = [
     "WEIGHTINGS",
     "check_whole_shares",
-    "CARRIED",
     "SharesLoader",
     "check_arguments",
     "check_loader",
-    "carried_settings",
     "profiling_inputs",
     "throttle_forward",
 ]
@@ -33,40 +31,45 @@ __all__ = [
 # "none": DDP's plain mean, for a loss already normalised over the global batch (what the
 # HF Trainer does with num_items_in_batch); the other two weight a per-process mean by shard.
 WEIGHTINGS = ("hook", "outputs", "none")
-# Loader settings the per-process loader carries over from the user's DataLoader.
-CARRIED = ("num_workers", "pin_memory", "timeout", "worker_init_fn", "persistent_workers", "multiprocessing_context")
 
 
 class SharesLoader(DataLoaderShard):
-    """accelerate's ``DataLoaderShard`` over hetsplit's shares, remembering each yielded batch's samples."""
+    """accelerate's ``DataLoaderShard`` over hetsplit's shares, knowing what each yielded batch holds.
+
+    Attributes:
+        current_samples: The samples of the current batch the gradient weighting counts
+            (0 for the one sample a share of 0 is served), ``None`` outside a loop.
+        origin: The loader this one was cut from by ``skip_first_batches``: its epoch
+            counter moves on with this one's, so the next epoch draws the next order.
+    """
 
     current_samples: int | None = None
+    origin: SharesLoader | None = None
+    _index: int = 0  # the current batch's index from the epoch's first (skipped ones included)
+    _rows: int = 0  # its rows
 
     def __iter__(self) -> Iterator[Any]:
+        self._index = self.skip_batches - 1
         for batch in super().__iter__():
-            self.current_samples = samples_in(batch)
+            self._index += 1
+            self._rows = samples_in(batch) or 0
+            self.current_samples = 0 if self.batch_sampler.is_filler(self._index) else self._rows
             yield batch
         self.current_samples = None
+        if self.origin is not None:
+            self.origin.iteration = max(self.origin.iteration, self.iteration)
 
     def real_rows(self) -> int:
-        """This process's rows of the current batch that are data, not the padding of a last incomplete batch."""
-        rows = self.current_samples or 0
-        if not (self.end_of_dataloader and self.remainder > 0):
-            return rows
-        sampler = self.batch_sampler
-        sizes = sampler.plan_at(sampler.yielded - 1).sizes  # the last step handed out is this batch's
-        before = sum(sizes[: sampler.rank])  # padding fills the end of the global batch
-        return max(0, min(rows, self.remainder - before))
+        """This process's rows of the current batch that are data counted once.
 
+        Not the padding that completes a last global batch, nor the one sample a share of
+        0 is served (:meth:`hetsplit.distributed.HeteroBatchSampler.real_rows`).
+        """
+        return min(self._rows, self.batch_sampler.real_rows(self._index))
 
-def carried_settings(loader: DataLoader) -> dict[str, Any]:
-    """The loader settings a re-cut loader keeps (workers, pinning, worker seeding)."""
-    carried = {k: getattr(loader, k) for k in CARRIED if hasattr(loader, k)}
-    if carried.get("num_workers", 0) > 0:
-        carried["prefetch_factor"] = loader.prefetch_factor
-    else:  # DataLoader refuses these without workers
-        carried.pop("persistent_workers", None)
-    return carried
+    def state(self) -> dict[str, int]:
+        """What a checkpoint keeps: the epoch counter (the shuffle of epoch ``e`` is ``seed + e``)."""
+        return {"iteration": int(self.iteration)}
 
 
 def check_arguments(

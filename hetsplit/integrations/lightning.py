@@ -21,6 +21,7 @@ from hetsplit.devices import Device, parse_device
 from hetsplit.planning import Plan, Profile, Rebalancer, plan_from_sizes, sizes_from_weights
 
 from .collectives import op_name, samples_in, weighted_reduce
+from .core import throttle
 from .lightning_micro import run_training_step
 from .lightning_parts import (
     HeteroCallback,
@@ -179,6 +180,8 @@ class HeteroDDPStrategy(DDPStrategy):
         self.set_world_ranks()
         self._check_devices()
         super().setup_environment()
+        if self.world_size > 1:  # whatever the entry point (fit, validate, test, predict)
+            hd.drain_at_exit()  # at exit, let gloo's workers finish with the last collective first
 
     def _check_devices(self) -> None:
         spec = self.device_list or os.environ.get(hd.ENV_DEVICES)
@@ -277,6 +280,7 @@ class HeteroDDPStrategy(DDPStrategy):
             shuffle=shuffle,
             seed=seed,
             drop_last=loader.drop_last,
+            pad=False,  # every sample once: a padded row would count twice in the logged metrics
             num_replicas=self.world_size,
             rank=self.global_rank,
             **kwargs,
@@ -329,15 +333,49 @@ class HeteroDDPStrategy(DDPStrategy):
     @contextlib.contextmanager
     def _step(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterator[None]:
         batch = args[0] if args else kwargs.get("batch")
-        self._samples = samples_in(batch)
+        rows = samples_in(batch)
+        self._samples = self._real_rows(rows, args, kwargs)
         if self._samples is not None:
-            stage = self.lightning_module.trainer.state.stage
-            self._seen[stage] = self._seen.get(stage, 0) + self._samples
+            trainer = self.lightning_module.trainer
+            self._seen[trainer.state.stage] = self._seen.get(trainer.state.stage, 0) + self._samples
+            if self._samples != rows and trainer._results is not None:
+                # Lightning weights an on_epoch mean by the batch size it reads off the
+                # batch (_ResultCollection.batch_size, reset at every batch start): the one
+                # sample a share of 0 runs must count as nothing.
+                trainer._results.batch_size = self._samples
         try:
             with self._throttle():
                 yield
         finally:
             self._samples = None
+
+    def _real_rows(self, rows: int | None, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int | None:
+        """The samples the running step's batch counts for, as its gradient does: 0 for a zero share's one sample.
+
+        (Evaluation loaders add no padding; a training step's wrap-around padding is
+        trained on, so its metrics count it as its gradient does.)
+        """
+        index = args[1] if len(args) > 1 else kwargs.get("batch_idx")
+        sampler = self._step_sampler(args[2] if len(args) > 2 else kwargs.get("dataloader_idx", 0))
+        if rows is None or not isinstance(index, int) or sampler is None:
+            return rows
+        return 0 if sampler.is_filler(index) else rows
+
+    def _step_sampler(self, dataloader_idx: int) -> hd.HeteroBatchSampler | None:
+        """The hetsplit sampler of the loader the running step's batch comes from, if it has one."""
+        trainer = self.lightning_module.trainer
+        if trainer.state.stage == RunningStage.TRAINING:
+            return self.train_sampler
+        loop = {
+            TrainerFn.FITTING: trainer.fit_loop.epoch_loop.val_loop,
+            TrainerFn.VALIDATING: trainer.validate_loop,
+            TrainerFn.TESTING: trainer.test_loop,
+        }.get(trainer.state.fn)
+        combined = getattr(loop, "_combined_loader", None)  # the loaders process_dataloader returned, in order
+        loaders = combined.flattened if combined is not None else []
+        loader = loaders[dataloader_idx] if 0 <= dataloader_idx < len(loaders) else None
+        sampler = getattr(loader, "batch_sampler", None)
+        return sampler if isinstance(sampler, hd.HeteroBatchSampler) else None
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         """The LightningModule's ``training_step`` at the rank's emulated speed and memory (means weighted by samples).
@@ -363,10 +401,7 @@ class HeteroDDPStrategy(DDPStrategy):
             return super().backward(closure_loss, optimizer, *args, **kwargs)
 
     def _throttle(self) -> contextlib.AbstractContextManager[Any]:
-        device = self._rank_device
-        if device is None or not device.emulated:
-            return contextlib.nullcontext()
-        return device.throttle(cpu_time=True)  # CPU time: waiting for the other ranks is not slowed
+        return throttle(self._rank_device)
 
     def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
         """Reduce across ranks; inside a ``*_step``, a mean is weighted by each rank's samples (see the class).

@@ -18,6 +18,8 @@ import hetsplit.distributed as hd
 from hetsplit.devices import parse_device
 from hetsplit.planning import Plan, Rebalancer
 
+from .core import carried_settings
+
 __all__ = [
     "StepModule",
     "LossModule",
@@ -321,22 +323,5 @@ def loader_settings(loader: Any, stage: str, *, strict: bool) -> tuple[bool, int
         if strict:
             raise ValueError(f"HeteroDDPStrategy cannot shard the {stage} loader: {problem}")
         return None
-    kwargs: dict[str, Any] = {
-        name: getattr(loader, name)
-        for name in (
-            "num_workers",
-            "collate_fn",
-            "pin_memory",
-            "timeout",
-            "worker_init_fn",
-            "multiprocessing_context",
-            "generator",
-            "persistent_workers",
-            "pin_memory_device",
-            "in_order",
-        )
-        if hasattr(loader, name)
-    }
-    if loader.num_workers > 0:
-        kwargs["prefetch_factor"] = loader.prefetch_factor
+    kwargs: dict[str, Any] = {"collate_fn": loader.collate_fn, **carried_settings(loader)}
     return shuffle, seed, kwargs
