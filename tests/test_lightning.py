@@ -125,7 +125,7 @@ def _job(out: Path) -> None:
         ref = init.layer
         opt = torch.optim.SGD(ref.parameters(), lr=0.1)
         losses, plain, first = [], [], None
-        real = [r for r in range(2) if not sizes or sizes[r] > 0]  # a share of 0 runs one sample weighted 0
+        real = [r for r in range(2) if strategy.plan.sizes[r] > 0]  # a share of 0 runs one sample weighted 0
         for k in range(len(steps[0])):
             parts = [torch.tensor(steps[r][k], dtype=torch.long) for r in real]
             rank_means = [F.mse_loss(ref(X[p]), Y[p]).item() for p in parts if len(p)]
@@ -263,7 +263,7 @@ def _job(out: Path) -> None:
     res["own_sampler"] = scenario([6, 2], use_distributed_sampler=False, strategy={"weighting": "outputs"})
     res["zero_share"] = scenario([8, 0])
     quick = {"time_budget": 0.5, "batch_sizes": [2, 4], "repeats": 1, "warmup": 1, "calibrate": 1}
-    res["profiled"] = scenario(None, strategy={"profile_kwargs": quick})
+    res["profiled"] = scenario(None, strategy={"plan_kwargs": quick})
     # Re-solve after every step, moving at most 1 sample at once: the shares may change, never to 0.
     eager = hetsplit.Rebalancer(every=1, threshold=0.0, window=1, max_move=0.125)
     res["rebalanced"] = scenario([5, 3], strategy={"rebalance": eager})
@@ -356,7 +356,7 @@ def test_batch_sizes_follow_the_plan(job, name, sizes):
 def test_profiled_plan_is_one_plan(job):
     plans = [r["profiled"]["plan"] for r in job]
     assert plans[0] == plans[1] and sum(plans[0]) == 8
-    assert [r["profiled"]["sizes"] for r in job] == [[plans[0][0]] * 3, [plans[0][1]] * 3]
+    assert [r["profiled"]["sizes"] for r in job] == [[plans[0][0] or 1] * 3, [plans[0][1] or 1] * 3]
 
 
 def test_rebalancing_keeps_steps_exact(job):

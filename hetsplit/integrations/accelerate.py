@@ -20,6 +20,7 @@ from hetsplit.devices import Device, parse_device
 from hetsplit.planning import Plan, Profile, resolve_plan
 from hetsplit.tree import tree_map
 
+from . import core
 from .accelerate_parts import (
     WEIGHTINGS,
     SharesLoader,
@@ -76,7 +77,8 @@ class HeteroAccelerator(accelerate.Accelerator):
             batch; default: ``output.loss`` for dict batches (Hugging Face models), the
             sum of the outputs otherwise.
         plan_kwargs: Passed to :func:`hetsplit.distributed.plan` (``time_budget``,
-            ``calibrate``, ``batch_sizes``); default ``{"time_budget": 10, "calibrate": 4}``.
+            ``calibrate``, ``batch_sizes``, ``weights``, ``accumulate``), over the defaults
+            ``{"time_budget": 10.0, "calibrate": 4}`` (the same in every integration).
         **accelerator_kwargs: Passed to ``accelerate.Accelerator``.
 
     Raises:
@@ -110,6 +112,7 @@ class HeteroAccelerator(accelerate.Accelerator):
         **accelerator_kwargs: Any,
     ) -> None:
         rank, world = launched_world()
+        core.check_arguments("HeteroAccelerator", plan_kwargs=plan_kwargs)
         names = check_arguments(
             devices, plan, profile, global_batch_size, weighting, accelerator_kwargs, world,
             loss_weights_micro_batches=self.loss_weights_micro_batches,
@@ -138,7 +141,7 @@ class HeteroAccelerator(accelerate.Accelerator):
         self.global_batch_size = global_batch_size
         self.weighting = weighting
         self.loss_fn = loss_fn
-        self.plan_kwargs = dict(plan_kwargs) if plan_kwargs is not None else {"time_budget": 10, "calibrate": 4}
+        self.plan_kwargs = core.plan_kwargs(plan_kwargs)
         self.model_to_profile: torch.nn.Module | None = None  # what prepare(loader) profiles without a model
         self._planned_loader: DataLoader | None = None  # the loader whose global batch the plan was made for
         self._weightings: list[hd.WeightingState] = []

@@ -14,8 +14,9 @@ from torch.utils.data import DataLoader, IterableDataset, RandomSampler, Sequent
 import hetsplit.distributed as hd
 from hetsplit.devices import Device
 from hetsplit.distributed.setup import rank_devices
-from hetsplit.planning import Plan, Profile
+from hetsplit.planning import Plan
 
+from . import core
 from .collectives import samples_in
 
 __all__ = [
@@ -30,7 +31,7 @@ __all__ = [
 
 # "none": DDP's plain mean, for a loss already normalised over the global batch (what the
 # HF Trainer does with num_items_in_batch); the other two weight a per-process mean by shard.
-WEIGHTINGS = ("hook", "outputs", "none")
+WEIGHTINGS = core.WEIGHTINGS
 
 
 class SharesLoader(DataLoaderShard):
@@ -88,12 +89,9 @@ def check_arguments(
     ``loss_weights_micro_batches``: the caller's loss weights each micro-batch itself
     (HeteroTrainer's), so ``weighting="none"`` takes a plan with micro-batches.
     """
-    if weighting not in WEIGHTINGS:
-        raise ValueError(f"weighting={weighting!r}: use one of {', '.join(map(repr, WEIGHTINGS))}")
-    if plan is not None and not isinstance(plan, Plan):
-        raise TypeError(f"plan must be a hetsplit Plan, got {type(plan).__name__}: {plan!r}")
-    if profile is not None and not isinstance(profile, Profile):
-        raise TypeError(f"profile must be a hetsplit Profile, got {type(profile).__name__}: {profile!r}")
+    core.check_arguments(
+        "HeteroAccelerator", plan=plan, profile=profile, global_batch_size=global_batch_size, weighting=weighting
+    )
     if plan is not None and weighting == "none" and not loss_weights_micro_batches:
         check_whole_shares(plan, 'HeteroAccelerator(weighting="none")')
     if plan is not None and len(plan.sizes) != world:
@@ -101,10 +99,6 @@ def check_arguments(
             f"the plan has {len(plan.sizes)} shares {list(plan.sizes)} but {world} processes run: "
             "give a plan with one share per process"
         )
-    if global_batch_size is not None and (
-        isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int) or global_batch_size < 1
-    ):
-        raise ValueError(f"global_batch_size must be a positive integer, got {global_batch_size!r}")
     config = accelerator_kwargs.get("dataloader_config")
     if config is not None and getattr(config, "use_stateful_dataloader", False):
         raise ValueError(

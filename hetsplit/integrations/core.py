@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -16,15 +17,29 @@ from torch.utils.data import DataLoader
 
 from hetsplit.devices import Device
 from hetsplit.distributed.setup import device_name
+from hetsplit.planning import Plan, Profile, Rebalancer
 
 __all__ = [
     "CARRIED",
+    "PLAN_KWARGS",
+    "WEIGHTINGS",
     "carried_settings",
+    "check_arguments",
     "device_name",
     "is_cpu_job",
     "launched_world",
+    "plan_kwargs",
     "throttle",
 ]
+
+# How gradients are weighted: "hook" (a DDP comm hook), "outputs" (the gradient into the
+# model's outputs is scaled), "none" (DDP's plain mean, for a loss already normalised over
+# the global batch; not every integration offers it).
+WEIGHTINGS = ("hook", "outputs", "none")
+
+# What hetsplit.distributed.plan is called with when the user does not say: a 10 s profile
+# per rank and a short calibration (4 DDP steps), the same in every integration.
+PLAN_KWARGS = {"time_budget": 10.0, "calibrate": 4}
 
 # DataLoader settings a re-cut loader keeps from the user's (the sampler, batch size and
 # drop_last are hetsplit's; collate_fn is passed on its own, as the zero share needs it).
@@ -80,6 +95,11 @@ def carried_settings(loader: DataLoader) -> dict[str, Any]:
     return carried
 
 
+def plan_kwargs(given: Any) -> dict[str, Any]:
+    """The arguments for :func:`hetsplit.distributed.plan`: :data:`PLAN_KWARGS` updated with ``given``."""
+    return {**PLAN_KWARGS, **(given or {})}
+
+
 def throttle(device: Device | None) -> contextlib.AbstractContextManager[Any]:
     """Run the block at ``device``'s emulated speed (a real device: no change).
 
@@ -89,3 +109,57 @@ def throttle(device: Device | None) -> contextlib.AbstractContextManager[Any]:
     if device is None or not device.emulated:
         return contextlib.nullcontext()
     return device.throttle(cpu_time=True)
+
+
+def check_arguments(
+    who: str,
+    *,
+    plan: Any = None,
+    profile: Any = None,
+    global_batch_size: Any = None,
+    weighting: str = "hook",
+    weightings: tuple[str, ...] = WEIGHTINGS,
+    rebalance: Any = 0,
+    plan_kwargs: Any = None,
+) -> None:
+    """The arguments every integration shares, checked the same way (same exceptions, same words).
+
+    Args:
+        who: The class the user made (named in every message).
+        plan, profile, global_batch_size, weighting, rebalance, plan_kwargs: As the user gave them.
+        weightings: The weightings ``who`` offers.
+
+    Raises:
+        TypeError: ``plan`` not a :class:`~hetsplit.Plan`, ``profile`` not a
+            :class:`~hetsplit.Profile`, ``plan_kwargs`` not a mapping.
+        ValueError: An unknown ``weighting``; a ``global_batch_size`` that is not a
+            positive integer or disagrees with the plan; a ``rebalance`` that is neither a
+            number of steps >= 0 nor a :class:`~hetsplit.Rebalancer`.
+    """
+    if weighting not in weightings:
+        raise ValueError(f"{who}(weighting={weighting!r}): use one of {', '.join(map(repr, weightings))}")
+    if plan is not None and not isinstance(plan, Plan):
+        raise TypeError(
+            f"{who}(plan=...) must be a hetsplit Plan, got {type(plan).__name__}: {plan!r}; for fixed shares use "
+            "hetsplit.planning.plan_from_sizes(None, ['rank0', 'rank1'], [6, 2]) or plan_kwargs={'weights': [3, 1]}"
+        )
+    if profile is not None and not isinstance(profile, Profile):
+        raise TypeError(f"{who}(profile=...) must be a hetsplit Profile, got {type(profile).__name__}: {profile!r}")
+    if plan_kwargs is not None and not isinstance(plan_kwargs, Mapping):
+        raise TypeError(f"{who}(plan_kwargs=...) must be a dict, got {type(plan_kwargs).__name__}: {plan_kwargs!r}")
+    if global_batch_size is not None and (
+        isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int) or global_batch_size < 1
+    ):
+        raise ValueError(f"{who}(global_batch_size={global_batch_size!r}): give a positive number of samples per step")
+    if plan is not None and global_batch_size is not None and plan.batch_size != global_batch_size:
+        raise ValueError(
+            f"{who}: global_batch_size={global_batch_size} but the plan splits {plan.batch_size}; "
+            "leave global_batch_size out (the plan sets it) or solve the plan for it"
+        )
+    if not isinstance(rebalance, Rebalancer) and (
+        isinstance(rebalance, bool) or not isinstance(rebalance, int) or rebalance < 0
+    ):
+        raise ValueError(
+            f"{who}(rebalance={rebalance!r}): give a number of steps >= 1, 0 for no rebalancing, "
+            "or a hetsplit.Rebalancer"
+        )

@@ -20,6 +20,7 @@ import hetsplit.distributed as hd
 from hetsplit.devices import Device, parse_device
 from hetsplit.planning import Plan, Profile, Rebalancer, plan_from_sizes, sizes_from_weights
 
+from . import core
 from .collectives import op_name, samples_in, weighted_reduce
 from .core import throttle
 from .lightning_micro import run_training_step
@@ -54,8 +55,8 @@ class HeteroDDPStrategy(DDPStrategy):
       naming every rank's device), else one profiled when the training loader is first
       processed: each rank times a copy of the LightningModule (no trainer attached,
       ``self.log`` silenced) on its own device, ``training_step(batch, 0)`` on a batch of
-      the user's loader being the loss (:func:`hetsplit.distributed.plan`; ``profile_kwargs``
-      default to ``{"time_budget": 10}``).
+      the user's loader being the loss (:func:`hetsplit.distributed.plan`; ``plan_kwargs``
+      over the defaults ``{"time_budget": 10.0, "calibrate": 4}``).
     - **Global batch**: ``plan.batch_size`` with a plan, else ``global_batch_size``, else
       world size × the training loader's ``batch_size`` (the global batch of plain DDP).
     - **Loaders**: the training loader is rebuilt on hetsplit's shares
@@ -110,8 +111,10 @@ class HeteroDDPStrategy(DDPStrategy):
             leaves the comm hook free; automatic optimization only).
         rebalance: Re-solve the shares every this many steps (0: never), or a
             :class:`hetsplit.Rebalancer` to set the policy (``every``, ``threshold``, ...).
-        profile_kwargs: Passed to :func:`hetsplit.distributed.plan` (``time_budget``,
-            ``calibrate``, ``batch_sizes``, ...).
+        plan_kwargs: Passed to :func:`hetsplit.distributed.plan` (``time_budget``,
+            ``calibrate``, ``batch_sizes``, ``weights``, ``accumulate``, ...), over the
+            defaults ``{"time_budget": 10.0, "calibrate": 4}`` (the same in every
+            integration). ``profile_kwargs`` is its former name, still taken.
         **ddp_kwargs: Passed to ``DDPStrategy`` (``timeout``, ``find_unused_parameters``, ...).
 
     Raises:
@@ -129,15 +132,20 @@ class HeteroDDPStrategy(DDPStrategy):
         weighting: str = "hook",
         rebalance: int | Rebalancer = 0,
         *,
+        plan_kwargs: dict[str, Any] | None = None,
         profile_kwargs: dict[str, Any] | None = None,
         **ddp_kwargs: Any,
     ) -> None:
         check_arguments(weighting, rebalance, global_batch_size, plan, ddp_kwargs)
+        if plan_kwargs is not None and profile_kwargs is not None:
+            raise ValueError("HeteroDDPStrategy: pass plan_kwargs= only (profile_kwargs= is its former name)")
+        given = plan_kwargs if plan_kwargs is not None else profile_kwargs
+        core.check_arguments("HeteroDDPStrategy", profile=profile, plan_kwargs=given)
         self._rank_device: Device | None = None  # before super(): root_device reads it
         super().__init__(**ddp_kwargs)
         self.device_list = devices if devices is None or isinstance(devices, str) else ",".join(map(str, devices))
         self.weighting, self.rebalance, self.global_batch_size = weighting, rebalance, global_batch_size
-        self.profile, self.profile_kwargs = profile, {"time_budget": 10.0, **(profile_kwargs or {})}
+        self.profile, self.plan_kwargs = profile, core.plan_kwargs(given)
         self._plan = plan
         self._labels: list[str] = []
         self.gradients: hd.WeightingState | None = None
@@ -319,7 +327,7 @@ class HeteroDDPStrategy(DDPStrategy):
         try:
             with torch.random.fork_rng(devices=cuda):  # training draws the same random numbers as unprofiled
                 return hd.plan(
-                    model, (sample,), batch_size, device=self._rank_device, profile=self.profile, **self.profile_kwargs
+                    model, (sample,), batch_size, device=self._rank_device, profile=self.profile, **self.plan_kwargs
                 )
         except (ValueError, TypeError, RuntimeError) as e:
             if isinstance(e, hd.DistributedError):

@@ -18,6 +18,7 @@ import hetsplit.distributed as hd
 from hetsplit.devices import parse_device
 from hetsplit.planning import Plan, Rebalancer
 
+from . import core
 from .core import carried_settings
 
 __all__ = [
@@ -165,30 +166,13 @@ def check_arguments(weighting: str, rebalance: Any, global_batch_size: Any, plan
     """Check HeteroDDPStrategy's arguments (see its docstring), before anything runs.
 
     Raises:
-        ValueError: Naming the bad argument and what to pass instead.
+        TypeError, ValueError: As :func:`hetsplit.integrations.core.check_arguments`, and a
+            ``ValueError`` for ``ddp_comm_hook`` with ``weighting="hook"``.
     """
-    if weighting not in ("hook", "outputs"):
-        raise ValueError(f"weighting={weighting!r}: use 'hook' (a DDP comm hook) or 'outputs'")
-    if not isinstance(rebalance, Rebalancer) and (
-        isinstance(rebalance, bool) or not isinstance(rebalance, int) or rebalance < 0
-    ):
-        raise ValueError(
-            f"rebalance={rebalance!r}: give a number of steps >= 1, 0 for no rebalancing, or a hetsplit.Rebalancer"
-        )
-    if global_batch_size is not None and (
-        isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int) or global_batch_size < 1
-    ):
-        raise ValueError(f"global_batch_size={global_batch_size!r}: give a positive number of samples per step")
-    if plan is not None and not isinstance(plan, Plan):
-        raise ValueError(
-            f"plan={plan!r}: give a hetsplit Plan; for fixed shares use "
-            "hetsplit.planning.plan_from_sizes(None, ['rank0', 'rank1'], [6, 2])"
-        )
-    if plan is not None and global_batch_size is not None and plan.batch_size != global_batch_size:
-        raise ValueError(
-            f"global_batch_size={global_batch_size} but the plan splits {plan.batch_size}; "
-            "leave global_batch_size out (the plan sets it) or solve the plan for it"
-        )
+    core.check_arguments(
+        "HeteroDDPStrategy", plan=plan, global_batch_size=global_batch_size, weighting=weighting,
+        weightings=("hook", "outputs"), rebalance=rebalance,
+    )  # fmt: skip
     if weighting == "hook" and ddp_kwargs.get("ddp_comm_hook") is not None:
         raise ValueError(
             "weighting='hook' registers hetsplit's DDP comm hook and DDP takes one: "
