@@ -58,3 +58,9 @@ def test_a_recut_loader_keeps_every_carried_setting():
     carried = core.carried_settings(loader)
     assert carried["generator"] is g and carried["in_order"] is False and "pin_memory_device" in carried
     assert "persistent_workers" not in carried  # DataLoader refuses it without workers
+
+
+def test_a_sharded_model_is_refused_before_any_work(monkeypatch):
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")  # what accelerate launch --use_deepspeed sets
+    with pytest.raises(ValueError, match="ACCELERATE_USE_DEEPSPEED shards the model instead"):
+        HeteroAccelerator()

@@ -99,6 +99,13 @@ def check_arguments(
             f"the plan has {len(plan.sizes)} shares {list(plan.sizes)} but {world} processes run: "
             "give a plan with one share per process"
         )
+    sharded = [k for k in ("deepspeed_plugin", "fsdp_plugin", "megatron_lm_plugin") if accelerator_kwargs.get(k)]
+    sharded += [k for k in ("ACCELERATE_USE_DEEPSPEED", "ACCELERATE_USE_FSDP") if _flag(os.environ.get(k))]
+    if sharded:
+        raise ValueError(
+            f"HeteroAccelerator splits batches for DDP; {sharded[0]} shards the model instead and is not supported: "
+            "launch without DeepSpeed/FSDP (accelerate launch --multi_gpu), or use the plain Accelerator"
+        )
     config = accelerator_kwargs.get("dataloader_config")
     if config is not None and getattr(config, "use_stateful_dataloader", False):
         raise ValueError(
@@ -122,6 +129,10 @@ def check_arguments(
             f"'hetsplit launch --devices {spec} ...' or torchrun"
         )
     return rank_devices(spec, world)
+
+
+def _flag(value: str | None) -> bool:
+    return (value or "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def check_loader(loader: DataLoader) -> None:
