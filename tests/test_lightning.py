@@ -124,7 +124,7 @@ def _job(out: Path) -> None:
         steps = gathered(model.seen)  # [rank][step] -> indices
         ref = init.layer
         opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-        losses, plain, first = [], [], None
+        losses, counts, plain, first = [], [], [], None
         real = [r for r in range(2) if strategy.plan.sizes[r] > 0]  # a share of 0 runs one sample weighted 0
         for k in range(len(steps[0])):
             parts = [torch.tensor(steps[r][k], dtype=torch.long) for r in real]
@@ -136,6 +136,7 @@ def _job(out: Path) -> None:
             loss.backward()
             opt.step()
             losses.append(loss.item())
+            counts.append(len(idx))
             if k == 0:
                 first = [p.detach().clone() for p in ref.parameters()]
         diff = lambda a, b: max((x - y).abs().max().item() for x, y in zip(a, b))
@@ -156,7 +157,7 @@ def _job(out: Path) -> None:
             "train_loss_ref": losses[-1],
             "train_loss_plain": plain[-1],
             "train_epoch": metrics.get("train_epoch"),
-            "train_epoch_ref": sum(losses) / len(losses),
+            "train_epoch_ref": sum(v * n for v, n in zip(losses, counts)) / sum(counts),  # each sample once
             "val_loss": metrics.get("val_loss"),
             "val_loss_ref": val_ref,
             "val_sizes": [len(v) for v in model.val_seen],
@@ -347,16 +348,22 @@ def test_steps_per_epoch_are_the_global_count_every_sample_seen(job, name):
 def test_batch_sizes_follow_the_plan(job, name, sizes):
     from hetsplit.planning import sizes_from_weights
 
-    last = sizes_from_weights(N % (2 * BATCH), sizes)  # evaluation: what is left, in proportion, no padding
+    # The last global batch is what is left (4 of 8), cut in proportion: nothing added in
+    # training or evaluation; a share of 0 is one sample, weighted 0.
+    last = sizes_from_weights(N % (2 * BATCH), sizes)
     for rank, r in enumerate(job):
-        assert r[name]["sizes"] == [sizes[rank] or 1] * 3  # a share of 0: one sample, weighted 0
+        assert r[name]["sizes"] == [sizes[rank] or 1] * 2 + [last[rank] or 1]
         assert r[name]["val_sizes"] == [sizes[rank] or 1] * 2 + [last[rank] or 1]
+    assert sum(sizes) * 2 + sum(last) == N
 
 
 def test_profiled_plan_is_one_plan(job):
     plans = [r["profiled"]["plan"] for r in job]
     assert plans[0] == plans[1] and sum(plans[0]) == 8
-    assert [r["profiled"]["sizes"] for r in job] == [[plans[0][0] or 1] * 3, [plans[0][1] or 1] * 3]
+    from hetsplit.planning import sizes_from_weights
+
+    last = sizes_from_weights(N % 8, plans[0])  # the short last global batch, in proportion
+    assert [r["profiled"]["sizes"] for r in job] == [[plans[0][r] or 1] * 2 + [last[r] or 1] for r in (0, 1)]
 
 
 def test_rebalancing_keeps_steps_exact(job):

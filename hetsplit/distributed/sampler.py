@@ -233,13 +233,25 @@ class HeteroBatchSampler(Sampler[list[int]]):
         last global batch. A last global batch short of ``B`` (``pad=False``) is cut in the
         proportions of ``sizes``.
         """
-        n, b = len(self.dataset), self.batch_size  # type: ignore[arg-type]
-        lo = step * b
-        here = min(b, self._served(n) - lo)
-        cut = list(sizes) if here == b else sizes_from_weights(here, sizes)
-        start = lo + sum(cut[: self.rank])
+        n = len(self.dataset)  # type: ignore[arg-type]
+        cut = self._sizes(step, sizes)
+        start = step * self.batch_size + sum(cut[: self.rank])
         count = cut[self.rank]
         return start, count, max(0, min(count, n - start))
+
+    def _sizes(self, step: int, sizes: Sequence[int]) -> list[int]:
+        """Every rank's rows at epoch step ``step``: ``sizes``, or a short last global batch cut in proportion."""
+        b = self.batch_size
+        here = min(b, self._served(len(self.dataset)) - step * b)  # type: ignore[arg-type]
+        return list(sizes) if here == b else sizes_from_weights(here, sizes)
+
+    def step_sizes(self, step: int) -> list[int]:
+        """Every rank's rows in batch ``step`` (from the epoch's first): what the gradients must be weighted by.
+
+        The plan's sizes, except for a last global batch short of ``B`` (``pad=False``),
+        which is cut in their proportions (a 0 there is served as :attr:`zero_share` says).
+        """
+        return self._sizes(step, self.plan_at(self.epoch_start + step).sizes)
 
     def is_filler(self, step: int) -> bool:
         """Whether batch ``step`` (from the epoch's first) is the one sample a share of 0 is served."""

@@ -63,11 +63,14 @@ class HeteroDDPStrategy(DDPStrategy):
       (:func:`hetsplit.distributed.data_loader`: same dataset, ``collate_fn``, workers,
       pinning; shuffled if the loader or Lightning's ``DistributedSampler`` shuffles),
       whatever ``use_distributed_sampler`` says; an epoch has ``ceil(len(dataset) / B)``
-      steps. A loader that is not a ``DataLoader`` over a map-style dataset with a
-      ``batch_size`` is an error. Validation and test loaders get shares of world ×
-      their ``batch_size`` in the proportions of the plan in force when each evaluation
-      starts (even shares before a plan exists, as in the sanity check), padded at the
-      end as ``DistributedSampler`` pads; loaders
+      steps, the last one what is left of the data set cut in the plan's proportions
+      (each rank's gradient weighted by its rows in it; padded by wrapping around instead
+      with ``rebalance``, micro-batches or ``accumulate_grad_batches > 1``, whose weights
+      are the plan's whole shares). A loader that is not a ``DataLoader`` over a
+      map-style dataset with a ``batch_size`` is an error. Validation and test loaders
+      get shares of world × their ``batch_size`` in the proportions of the plan in force
+      when each evaluation starts (even shares before a plan exists, as in the sanity
+      check), nothing added: the last batch is what is left, cut in proportion; loaders
       that cannot be rebuilt are left as Lightning made them; predict loaders are untouched.
     - **Micro-batches**: a plan that splits a rank's share (``plan.micro_batches``, from
       ``accumulate=True``) is followed exactly under automatic optimization: each micro-batch
@@ -79,7 +82,8 @@ class HeteroDDPStrategy(DDPStrategy):
       counts (:func:`~.lightning_parts.check_micro_plan`), manual optimization (at the first training step).
     - **Gradients** are weighted by shard (:func:`hetsplit.distributed.weight_gradients`,
       ``weighting="hook"`` or ``"outputs"``), so a step equals the full-batch step; a
-      share of 0 takes part with an empty batch. ``rebalance=K`` (or a
+      share of 0 runs one real sample of the global batch, weighted 0 in the gradients and
+      in synced metrics (never an empty batch). ``rebalance=K`` (or a
       :class:`hetsplit.Rebalancer` policy) re-solves the shares
       from measured step times every K steps (:class:`hetsplit.distributed.DistributedRebalancer`).
     - **Metrics** (``self.log(..., sync_dist=True)`` reduces through :meth:`reduce`). For an
@@ -153,6 +157,7 @@ class HeteroDDPStrategy(DDPStrategy):
         self.train_sampler: hd.HeteroBatchSampler | None = None
         self._eval_samplers: weakref.WeakKeyDictionary[hd.HeteroBatchSampler, int] = weakref.WeakKeyDictionary()
         self._samples: int | None = None  # this rank's samples in the step running now
+        self._weighted: list[int] | None = None  # every rank's rows the gradients are weighted by now
         self._seen: dict[Any, int] = {}  # per stage: this rank's samples since its metrics were last reset
         self._callback = HeteroCallback(self)
 
@@ -229,6 +234,7 @@ class HeteroDDPStrategy(DDPStrategy):
     def _weight(self) -> None:
         if self.gradients is None and self._plan is not None and isinstance(self.model, DistributedDataParallel):
             self.gradients = hd.weight_gradients(self.model, self._plan, method=self.weighting)
+            self._weighted = list(self._plan.sizes)  # the sizes the gradients are weighted by
 
     # ------------------------------------------------------------------ data
     def process_dataloader(self, dataloader: object) -> object:
@@ -247,12 +253,19 @@ class HeteroDDPStrategy(DDPStrategy):
             self._plan = self._make_plan(loader, batch)
         plan = self.plan
         check_micro_plan(plan, self.lightning_module, self.rebalance)  # every rank, before any step
+        # A last global batch short of B is served as it is, cut in the plan's proportions
+        # (DistributedSampler adds no more than world - 1 samples either), and each rank's
+        # gradient weighted by its rows in it (_weigh_step). Rebalancing, micro-batches and
+        # gradient accumulation weight by the plan's whole shares: those keep the padding.
+        whole = all(len(parts) <= 1 for parts in plan.micro_batches)
+        pad = bool(self.rebalance) or not whole or self.lightning_module.trainer.accumulate_grad_batches != 1
         new = hd.data_loader(
             loader.dataset,
             plan,
             shuffle=shuffle,
             seed=seed,
             drop_last=loader.drop_last,
+            pad=pad,
             num_replicas=self.world_size,
             rank=self.global_rank,
             **kwargs,
@@ -390,8 +403,23 @@ class HeteroDDPStrategy(DDPStrategy):
 
         A share the plan splits runs as its micro-batches (:func:`~.lightning_micro.run_training_step`).
         """
+        self._weigh_step(args[1] if len(args) > 1 else kwargs.get("batch_idx"))
         with self._step(args, kwargs):
             return run_training_step(self, super().training_step, args, kwargs)
+
+    def _weigh_step(self, index: Any) -> None:
+        """Weight this step's gradients by every rank's rows in it (a short last global batch), else by the plan.
+
+        Set before the step's forward and kept through its backward (the comm hook reads
+        it there); every rank computes the same sizes from the same sampler state.
+        """
+        sampler, gradients, plan = self.train_sampler, self.gradients, self.plan
+        if sampler is None or gradients is None or plan is None or self.rebalancer is not None:
+            return
+        sizes = sampler.step_sizes(index) if isinstance(index, int) else list(plan.sizes)
+        if sizes != self._weighted:  # only where it changes: the last step of an epoch and the one after
+            gradients.set_plan(plan if sizes == list(plan.sizes) else plan_from_sizes(None, self._labels, sizes))
+            self._weighted = sizes
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         """The LightningModule's ``validation_step``, as :meth:`training_step`."""
