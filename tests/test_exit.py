@@ -55,12 +55,19 @@ def _aborted(res: subprocess.CompletedProcess) -> bool:
     return res.returncode != 0 and ("exitcode: -" in res.stderr or "terminate called" in res.stderr)
 
 
+@pytest.fixture(scope="module")
+def runs(busy) -> dict[str, tuple[list, list]]:
+    # Every kind's runs at once (independent launches; their start-up is most of the time),
+    # with and without the wait, beside the busy process: a loaded machine.
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        futures = {k: ([pool.submit(_launch, k, True) for _ in range(RUNS)],
+                       [pool.submit(_launch, k, False) for _ in range(RUNS)]) for k in KINDS}  # fmt: skip
+        return {k: ([f.result() for f in w], [f.result() for f in b]) for k, (w, b) in futures.items()}
+
+
 @pytest.mark.parametrize("kind", KINDS)
-def test_a_job_that_never_trains_exits_cleanly(kind, busy):
-    with ThreadPoolExecutor(max_workers=2 * RUNS) as pool:
-        waited = [pool.submit(_launch, kind, True) for _ in range(RUNS)]
-        bare = [pool.submit(_launch, kind, False) for _ in range(RUNS)]
-        waited, bare = [f.result() for f in waited], [f.result() for f in bare]
+def test_a_job_that_never_trains_exits_cleanly(kind, runs):
+    waited, bare = runs[kind]
     for res in bare:  # without the wait a run may abort at exit; any other failure is a broken job
         assert res.returncode == 0 or _aborted(res), res.stdout[-2000:] + res.stderr[-4000:]
     print(f"{kind}: aborted at exit with the wait {sum(map(_aborted, waited))} of {RUNS}, "

@@ -20,7 +20,11 @@ from hetsplit.planning import plan_from_sizes
     [
         ({"plan": [6, 2]}, TypeError, "(plan=...) must be a hetsplit Plan, got list"),
         ({"profile": "cpu.json"}, TypeError, "(profile=...) must be a hetsplit Profile, got str"),
-        ({"global_batch_size": 0}, ValueError, "(global_batch_size=0): give a positive number"),
+        (
+            {"global_batch_size": 0},
+            ValueError,
+            "(global_batch_size=...) must be a positive number of samples per step, got 0",
+        ),
         ({"weighting": "mean"}, ValueError, "(weighting='mean'): use one of 'hook', 'outputs'"),
         ({"plan_kwargs": [("weights", [4, 1])]}, TypeError, "(plan_kwargs=...) must be a dict, got list"),
         (

@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import contextlib
-import json
 import weakref
 from collections.abc import Iterator, Mapping
-from pathlib import Path
 from typing import Any, ClassVar
 
 import accelerate
@@ -27,16 +24,16 @@ from .accelerate_parts import (
     check_arguments,
     check_loader,
     check_whole_shares,
+    load_epochs,
     profiling_inputs,
+    save_epochs,
+    shuffle_seed,
     throttle_forward,
 )
-from .collectives import uneven_gather, weighted_reduce
+from .collectives import all_tensors, first_rows, uneven_gather, weighted_reduce
 from .core import carried_settings, device_name, is_cpu_job, launched_world, throttle
 
 __all__ = ["HeteroAccelerator", "WEIGHTINGS"]
-
-# The file beside accelerate's checkpoint that keeps each prepared loader's epoch.
-_LOADERS_FILE = "hetsplit_loaders.json"
 
 
 class HeteroAccelerator(accelerate.Accelerator):
@@ -257,7 +254,7 @@ class HeteroAccelerator(accelerate.Accelerator):
             self.set_plan(self._make_plan(self.model_to_profile, data_loader))
         plan = self._loader_plan(data_loader)
         carried = carried_settings(data_loader)
-        seed = self._shuffle_seed(data_loader)
+        seed = shuffle_seed(data_loader, self.dataloader_config.data_seed, self.num_processes)
         inner = hd.data_loader(
             data_loader.dataset,
             plan,
@@ -284,56 +281,24 @@ class HeteroAccelerator(accelerate.Accelerator):
         self._dataloaders.append(loader)
         return loader
 
-    def _shuffle_seed(self, loader: DataLoader) -> int:
-        """The seed every process shuffles with: ``data_seed``, else process 0's (its loader's generator or torch's).
-
-        So ``set_seed`` and a loader's ``generator`` change the order as they would with
-        accelerate, and all processes cut the same order.
-        """
-        if self.dataloader_config.data_seed is not None:
-            return int(self.dataloader_config.data_seed)
-        generator = getattr(loader, "generator", None) or getattr(loader.sampler, "generator", None)
-        seed = [int(generator.initial_seed()) if generator is not None else int(torch.initial_seed())]
-        if self.num_processes > 1:
-            dist.broadcast_object_list(seed, src=0)
-        return seed[0] % (1 << 63)
-
     def skip_first_batches(self, dataloader: Any, num_batches: int = 0) -> Any:
         """``dataloader`` from its ``num_batches``-th batch on (resuming mid-epoch), with the same shares and order."""
         if not isinstance(dataloader, SharesLoader):
             return super().skip_first_batches(dataloader, num_batches)
-        loader = SharesLoader(
-            dataloader.dataset,
-            device=dataloader.device,
-            batch_sampler=dataloader.batch_sampler,
-            collate_fn=dataloader.collate_fn,
-            skip_batches=num_batches,
-            iteration=dataloader.iteration,
-            _drop_last=dataloader._drop_last,
-            _non_blocking=dataloader._non_blocking,
-            **carried_settings(dataloader),
-        )
-        loader.origin = dataloader
-        loader._is_accelerate_prepared = True
-        return loader
+        return dataloader.resumed(num_batches, **carried_settings(dataloader))
 
     def save_state(self, output_dir: str | None = None, safe_serialization: bool = True, **kwargs: Any) -> str:
         """accelerate's checkpoint, plus each prepared loader's epoch (its shuffle is ``seed + epoch``)."""
         location = super().save_state(output_dir, safe_serialization=safe_serialization, **kwargs)
         if self.is_main_process:
-            states = [loader.state() for loader in self._dataloaders if isinstance(loader, SharesLoader)]
-            (Path(location) / _LOADERS_FILE).write_text(json.dumps(states))
+            save_epochs(self._dataloaders, location)
         return location
 
     def load_state(self, input_dir: str | None = None, **kwargs: Any) -> None:
         """accelerate's resume, plus each prepared loader's epoch, so later epochs draw the orders they would have."""
         super().load_state(input_dir, **kwargs)
-        saved = Path(input_dir) / _LOADERS_FILE if input_dir is not None else None
-        if saved is None or not saved.exists():  # a checkpoint of accelerate's own, or from before hetsplit kept it
-            return
-        loaders = [loader for loader in self._dataloaders if isinstance(loader, SharesLoader)]
-        for loader, state in zip(loaders, json.loads(saved.read_text())):
-            loader.iteration = int(state["iteration"])
+        if input_dir is not None:
+            load_epochs(self._dataloaders, input_dir)
 
     def prepare_model(self, model: torch.nn.Module, device_placement: Any = None, evaluation_mode: bool = False):
         """Wrap as accelerate does (DDP), then weight the gradients by shard; emulated devices run at their speed."""
@@ -381,11 +346,8 @@ class HeteroAccelerator(accelerate.Accelerator):
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """``loss.backward()`` as accelerate does, at this process's emulated speed (waiting is not slowed)."""
-        with self._throttle():
+        with throttle(self.hetero_device):
             super().backward(loss, **kwargs)
-
-    def _throttle(self) -> contextlib.AbstractContextManager[Any]:
-        return throttle(self.hetero_device)
 
     def gather(self, tensor: Any) -> Any:
         """Every process's tensors concatenated along dim 0, whatever each one's length (uneven shards)."""
@@ -404,8 +366,8 @@ class HeteroAccelerator(accelerate.Accelerator):
         if not isinstance(loader, SharesLoader) or loader.current_samples is None or self.num_processes == 1:
             return super().gather_for_metrics(input_data, use_gather_object=use_gather_object)
         rows, real = loader._rows, loader.real_rows()
-        mine = _first_rows(input_data, rows, real)
-        tensors = _all_tensors(mine)
+        mine = first_rows(input_data, rows, real)
+        tensors = all_tensors(mine)
         if use_gather_object or not tensors:
             return accelerate.utils.gather_object(mine if isinstance(mine, list) else [mine])
         return self.gather(mine)
@@ -427,30 +389,6 @@ class HeteroAccelerator(accelerate.Accelerator):
             return super().reduce(tensor, reduction, scale)
         plain = lambda t, op: accelerate_reduce(t, op, scale)
         return tree_map(lambda t: weighted_reduce(t, samples, "mean", plain) if torch.is_tensor(t) else t, tensor)
-
-
-def _first_rows(data: Any, rows: int, real: int) -> Any:
-    """The first ``real`` rows of everything in ``data`` that has ``rows`` (a tensor, a list); the rest whole."""
-    if real == rows:
-        return data
-    if isinstance(data, Mapping):
-        return type(data)({k: _first_rows(v, rows, real) for k, v in data.items()})
-    nested = (torch.Tensor, list, tuple, Mapping)
-    if isinstance(data, list) and len(data) == rows and not any(isinstance(v, nested) for v in data):
-        return data[:real]  # one object per row (decoded texts, say)
-    if isinstance(data, (list, tuple)):
-        return type(data)(_first_rows(v, rows, real) for v in data)
-    if torch.is_tensor(data) and data.dim() and data.shape[0] == rows:
-        return data[:real]
-    return data
-
-
-def _all_tensors(data: Any) -> bool:
-    if isinstance(data, Mapping):
-        return all(_all_tensors(v) for v in data.values())
-    if isinstance(data, (list, tuple)):
-        return all(_all_tensors(v) for v in data)
-    return torch.is_tensor(data)
 
 
 def _ranks(n: int) -> list[str]:

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 from collections.abc import Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from accelerate.data_loader import DataLoaderShard
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler, SequentialSampler
 
@@ -22,6 +25,10 @@ from .collectives import samples_in
 __all__ = [
     "WEIGHTINGS",
     "check_whole_shares",
+    "LOADERS_FILE",
+    "load_epochs",
+    "save_epochs",
+    "shuffle_seed",
     "SharesLoader",
     "check_arguments",
     "check_loader",
@@ -68,9 +75,61 @@ class SharesLoader(DataLoaderShard):
         """
         return min(self._rows, self.batch_sampler.real_rows(self._index))
 
+    def resumed(self, skip: int, **settings: Any) -> SharesLoader:
+        """This loader from its ``skip``-th batch on (resuming mid-epoch): the same shares, order and epoch."""
+        loader = SharesLoader(
+            self.dataset,
+            device=self.device,
+            batch_sampler=self.batch_sampler,
+            collate_fn=self.collate_fn,
+            skip_batches=skip,
+            iteration=self.iteration,
+            _drop_last=self._drop_last,
+            _non_blocking=self._non_blocking,
+            **settings,
+        )
+        loader.origin = self
+        loader._is_accelerate_prepared = True
+        return loader
+
     def state(self) -> dict[str, int]:
         """What a checkpoint keeps: the epoch counter (the shuffle of epoch ``e`` is ``seed + e``)."""
         return {"iteration": int(self.iteration)}
+
+
+def shuffle_seed(loader: DataLoader, data_seed: int | None, processes: int) -> int:
+    """The seed every process shuffles with: ``data_seed``, else process 0's (its loader's generator or torch's).
+
+    So ``set_seed`` and a loader's ``generator`` change the order as they would with
+    accelerate, and all processes cut the same order.
+    """
+    if data_seed is not None:
+        return int(data_seed)
+    generator = getattr(loader, "generator", None) or getattr(loader.sampler, "generator", None)
+    seed = [int(generator.initial_seed()) if generator is not None else int(torch.initial_seed())]
+    if processes > 1:
+        dist.broadcast_object_list(seed, src=0)
+    return seed[0] % (1 << 63)
+
+
+# The file beside accelerate's checkpoint that keeps each prepared loader's epoch.
+LOADERS_FILE = "hetsplit_loaders.json"
+
+
+def save_epochs(loaders: list[Any], location: str) -> None:
+    """Write each :class:`SharesLoader`'s epoch counter beside the checkpoint at ``location``."""
+    states = [loader.state() for loader in loaders if isinstance(loader, SharesLoader)]
+    (Path(location) / LOADERS_FILE).write_text(json.dumps(states))
+
+
+def load_epochs(loaders: list[Any], location: str) -> None:
+    """Give each :class:`SharesLoader` the epoch saved at ``location`` (nothing for a checkpoint without it)."""
+    saved = Path(location) / LOADERS_FILE
+    if not saved.exists():  # a checkpoint of accelerate's own, or from before hetsplit kept it
+        return
+    mine = [loader for loader in loaders if isinstance(loader, SharesLoader)]
+    for loader, state in zip(mine, json.loads(saved.read_text())):
+        loader.iteration = int(state["iteration"])
 
 
 def check_arguments(

@@ -150,7 +150,9 @@ def check_arguments(
     if global_batch_size is not None and (
         isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int) or global_batch_size < 1
     ):
-        raise ValueError(f"{who}(global_batch_size={global_batch_size!r}): give a positive number of samples per step")
+        raise ValueError(
+            f"{who}(global_batch_size=...) must be a positive number of samples per step, got {global_batch_size!r}"
+        )
     if plan is not None and global_batch_size is not None and plan.batch_size != global_batch_size:
         raise ValueError(
             f"{who}: global_batch_size={global_batch_size} but the plan splits {plan.batch_size}; "

@@ -26,13 +26,14 @@ from .core import throttle
 from .lightning_micro import run_training_step
 from .lightning_parts import (
     HeteroCallback,
-    LossModule,
     StepModule,
     check_arguments,
     check_micro_plan,
     loader_settings,
+    profiled_plan,
     rank_devices,
 )
+from .lightning_steps import eval_loader, step_sampler, weigh_step
 
 __all__ = ["HeteroDDPStrategy"]
 
@@ -244,13 +245,13 @@ class HeteroDDPStrategy(DDPStrategy):
             return dataloader
         if trainer.state.stage == RunningStage.TRAINING:
             return self._train_loader(dataloader)
-        return self._eval_loader(dataloader, trainer)
+        return eval_loader(self, dataloader, trainer)
 
     def _train_loader(self, loader: Any) -> Any:
         shuffle, seed, kwargs = loader_settings(loader, "training", strict=True)
         if self._plan is None:
             batch = self.global_batch_size or self.world_size * loader.batch_size
-            self._plan = self._make_plan(loader, batch)
+            self._plan = profiled_plan(self, loader, batch)
         plan = self.plan
         check_micro_plan(plan, self.lightning_module, self.rebalance)  # every rank, before any step
         # A last global batch short of B is served as it is, cut in the plan's proportions
@@ -285,30 +286,6 @@ class HeteroDDPStrategy(DDPStrategy):
             )
         return new
 
-    def _eval_loader(self, loader: Any, trainer: pl.Trainer) -> Any:
-        settings = loader_settings(loader, str(trainer.state.stage), strict=False)
-        if settings is None:
-            return loader
-        shuffle, seed, kwargs = settings
-        total = self.world_size * loader.batch_size
-        if self._plan is None and self.profile is not None and trainer.state.fn != TrainerFn.FITTING:
-            self._plan = hd.plan(
-                self.lightning_module, None, total, device=self._rank_device, profile=self.profile, calibrate=0
-            )
-        new = hd.data_loader(
-            loader.dataset,
-            self._eval_plan(total),
-            shuffle=shuffle,
-            seed=seed,
-            drop_last=loader.drop_last,
-            pad=False,  # every sample once: a padded row would count twice in the logged metrics
-            num_replicas=self.world_size,
-            rank=self.global_rank,
-            **kwargs,
-        )
-        self._eval_samplers[new.batch_sampler] = total
-        return new
-
     def on_validation_start(self) -> None:
         """Evaluation shares follow the plan in force (made after the sanity check, or rebalanced)."""
         super().on_validation_start()
@@ -332,30 +309,17 @@ class HeteroDDPStrategy(DDPStrategy):
         weights = self.plan.sizes if self.plan is not None else [1] * self.world_size
         return plan_from_sizes(None, self._labels, sizes_from_weights(total, weights))
 
-    def _make_plan(self, loader: Any, batch_size: int) -> Plan:
-        """Profile a detached copy of the LightningModule on this rank's device; rank 0 solves for all."""
-        sample = next(iter(loader))  # as the loader gives it (on the CPU): the profiler moves rows itself
-        model = LossModule.detached(self.lightning_module, self.precision_plugin.train_step_context)
-        cuda = [self.root_device] if self.root_device.type == "cuda" else []
-        try:
-            with torch.random.fork_rng(devices=cuda):  # training draws the same random numbers as unprofiled
-                return hd.plan(
-                    model, (sample,), batch_size, device=self._rank_device, profile=self.profile, **self.plan_kwargs
-                )
-        except (ValueError, TypeError, RuntimeError) as e:
-            if isinstance(e, hd.DistributedError):
-                raise
-            raise RuntimeError(
-                f"HeteroDDPStrategy could not profile training_step on {self._rank_device} ({type(e).__name__}: {e}); "
-                "fix the step, or pass plan= (or profile=) to skip profiling"
-            ) from e
-
     # ------------------------------------------------------------------ steps
     @contextlib.contextmanager
     def _step(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterator[None]:
         batch = args[0] if args else kwargs.get("batch")
         rows = samples_in(batch)
-        self._samples = self._real_rows(rows, args, kwargs)
+        index = args[1] if len(args) > 1 else kwargs.get("batch_idx")
+        sampler = step_sampler(self, args[2] if len(args) > 2 else kwargs.get("dataloader_idx", 0))
+        # A zero share's one sample counts for nothing, as in its gradient (evaluation adds no padding).
+        self._samples = (
+            0 if rows is not None and isinstance(index, int) and sampler and sampler.is_filler(index) else rows
+        )
         if self._samples is not None:
             trainer = self.lightning_module.trainer
             self._seen[trainer.state.stage] = self._seen.get(trainer.state.stage, 0) + self._samples
@@ -365,61 +329,19 @@ class HeteroDDPStrategy(DDPStrategy):
                 # sample a share of 0 runs must count as nothing.
                 trainer._results.batch_size = self._samples
         try:
-            with self._throttle():
+            with throttle(self._rank_device):
                 yield
         finally:
             self._samples = None
-
-    def _real_rows(self, rows: int | None, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int | None:
-        """The samples the running step's batch counts for, as its gradient does: 0 for a zero share's one sample.
-
-        (Evaluation loaders add no padding; a training step's wrap-around padding is
-        trained on, so its metrics count it as its gradient does.)
-        """
-        index = args[1] if len(args) > 1 else kwargs.get("batch_idx")
-        sampler = self._step_sampler(args[2] if len(args) > 2 else kwargs.get("dataloader_idx", 0))
-        if rows is None or not isinstance(index, int) or sampler is None:
-            return rows
-        return 0 if sampler.is_filler(index) else rows
-
-    def _step_sampler(self, dataloader_idx: int) -> hd.HeteroBatchSampler | None:
-        """The hetsplit sampler of the loader the running step's batch comes from, if it has one."""
-        trainer = self.lightning_module.trainer
-        if trainer.state.stage == RunningStage.TRAINING:
-            return self.train_sampler
-        loop = {
-            TrainerFn.FITTING: trainer.fit_loop.epoch_loop.val_loop,
-            TrainerFn.VALIDATING: trainer.validate_loop,
-            TrainerFn.TESTING: trainer.test_loop,
-        }.get(trainer.state.fn)
-        combined = getattr(loop, "_combined_loader", None)  # the loaders process_dataloader returned, in order
-        loaders = combined.flattened if combined is not None else []
-        loader = loaders[dataloader_idx] if 0 <= dataloader_idx < len(loaders) else None
-        sampler = getattr(loader, "batch_sampler", None)
-        return sampler if isinstance(sampler, hd.HeteroBatchSampler) else None
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         """The LightningModule's ``training_step`` at the rank's emulated speed and memory (means weighted by samples).
 
         A share the plan splits runs as its micro-batches (:func:`~.lightning_micro.run_training_step`).
         """
-        self._weigh_step(args[1] if len(args) > 1 else kwargs.get("batch_idx"))
+        weigh_step(self, args[1] if len(args) > 1 else kwargs.get("batch_idx"))
         with self._step(args, kwargs):
             return run_training_step(self, super().training_step, args, kwargs)
-
-    def _weigh_step(self, index: Any) -> None:
-        """Weight this step's gradients by every rank's rows in it (a short last global batch), else by the plan.
-
-        Set before the step's forward and kept through its backward (the comm hook reads
-        it there); every rank computes the same sizes from the same sampler state.
-        """
-        sampler, gradients, plan = self.train_sampler, self.gradients, self.plan
-        if sampler is None or gradients is None or plan is None or self.rebalancer is not None:
-            return
-        sizes = sampler.step_sizes(index) if isinstance(index, int) else list(plan.sizes)
-        if sizes != self._weighted:  # only where it changes: the last step of an epoch and the one after
-            gradients.set_plan(plan if sizes == list(plan.sizes) else plan_from_sizes(None, self._labels, sizes))
-            self._weighted = sizes
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         """The LightningModule's ``validation_step``, as :meth:`training_step`."""
@@ -433,11 +355,8 @@ class HeteroDDPStrategy(DDPStrategy):
 
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
         """Backward as ``DDPStrategy`` does, at the rank's emulated speed (waiting for other ranks is not slowed)."""
-        with self._throttle():
+        with throttle(self._rank_device):
             return super().backward(closure_loss, optimizer, *args, **kwargs)
-
-    def _throttle(self) -> contextlib.AbstractContextManager[Any]:
-        return throttle(self._rank_device)
 
     def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
         """Reduce across ranks; inside a ``*_step``, a mean is weighted by each rank's samples (see the class).

@@ -22,6 +22,7 @@ from . import core
 from .core import carried_settings
 
 __all__ = [
+    "profiled_plan",
     "StepModule",
     "LossModule",
     "HeteroCallback",
@@ -309,3 +310,32 @@ def loader_settings(loader: Any, stage: str, *, strict: bool) -> tuple[bool, int
         return None
     kwargs: dict[str, Any] = {"collate_fn": loader.collate_fn, **carried_settings(loader)}
     return shuffle, seed, kwargs
+
+
+def profiled_plan(strategy: Any, loader: Any, batch_size: int) -> Plan:
+    """Profile a detached copy of the LightningModule on this rank's device; rank 0 solves for all.
+
+    Args:
+        strategy: The ``HeteroDDPStrategy`` (its module, device, profile and ``plan_kwargs``).
+        loader: The user's training loader (one batch of it is the profiling sample).
+        batch_size: The global batch to plan.
+
+    Raises:
+        RuntimeError: If ``training_step`` cannot be profiled (naming the device and the cause).
+    """
+    sample = next(iter(loader))  # as the loader gives it (on the CPU): the profiler moves rows itself
+    model = LossModule.detached(strategy.lightning_module, strategy.precision_plugin.train_step_context)
+    device = strategy.rank_device
+    cuda = [strategy.root_device] if strategy.root_device.type == "cuda" else []
+    try:
+        with torch.random.fork_rng(devices=cuda):  # training draws the same random numbers as unprofiled
+            return hd.plan(
+                model, (sample,), batch_size, device=device, profile=strategy.profile, **strategy.plan_kwargs
+            )
+    except (ValueError, TypeError, RuntimeError) as e:
+        if isinstance(e, hd.DistributedError):
+            raise
+        raise RuntimeError(
+            f"HeteroDDPStrategy could not profile training_step on {device} ({type(e).__name__}: {e}); "
+            "fix the step, or pass plan= (or profile=) to skip profiling"
+        ) from e
