@@ -103,7 +103,7 @@ def main() -> None:
         devices=args.devices,
         global_batch_size=args.batch_size,
         rebalance=args.rebalance,
-        profile_kwargs={"time_budget": args.profile_budget},
+        plan_kwargs={"time_budget": args.profile_budget},
     )
     trainer = L.Trainer(
         strategy=strategy,

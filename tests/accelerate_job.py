@@ -161,10 +161,10 @@ def _():
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     model, opt, loader = acc.prepare(model, opt, DataLoader(DATA, batch_size=4))
     idx, xb, yb = next(iter(loader))
-    assert len(idx) == [8, 0][acc.process_index]
+    assert len(idx) == [8, 1][acc.process_index]  # a share of 0: one real sample, weighted 0
     acc.backward(F.mse_loss(model(xb), yb))
     opt.step()
-    reference_step(ref, [acc.gather(idx)])
+    reference_step(ref, [acc.gather_for_metrics(idx)])  # the real rows only
     assert_same(model, ref, "zero share")
 
 
@@ -228,7 +228,7 @@ def _():
     both = acc.gather(torch.tensor(sizes))
     assert both.tolist() == sizes * 2, both
     xb, _ = next(iter(loader))
-    assert len(xb) == sizes[acc.process_index]
+    assert len(xb) == (sizes[acc.process_index] or 1)  # a share of 0 (profiling may give one): one sample
 
 
 @scenario("refused")

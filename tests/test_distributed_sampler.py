@@ -103,9 +103,32 @@ def test_batch_sampler_collates_an_empty_share_to_empty_tensors():
 
     data = TensorDataset(torch.randn(20, 3), torch.arange(20))
     plan = plan_from_sizes(None, ["rank0", "rank1"], [10, 0])
-    sampler = HeteroBatchSampler(data, plan, num_replicas=2, rank=1)
+    sampler = HeteroBatchSampler(data, plan, num_replicas=2, rank=1, zero_share="empty")
     x, y = next(iter(DataLoader(data, batch_sampler=sampler, collate_fn=sampler.collate)))
     assert x.shape == (0, 3) and y.shape == (0,) and y.dtype == torch.int64
+
+
+def test_a_zero_share_is_served_one_real_sample_that_counts_as_none():
+    from hetsplit.distributed import HeteroBatchSampler
+
+    plan = plan_from_sizes(None, ["rank0", "rank1"], [8, 0])
+    sampler = HeteroBatchSampler(list(range(20)), plan, num_replicas=2, rank=1, shuffle=False)
+    assert list(sampler) == [[0], [8], [16]]  # the first sample of each global batch
+    assert [sampler.real_rows(k) for k in range(3)] == [0, 0, 0] and sampler.is_filler(0)
+    with pytest.raises(ValueError, match="zero_share='none'"):
+        HeteroBatchSampler(list(range(20)), plan, num_replicas=2, rank=1, zero_share="none")
+
+
+def test_unpadded_last_global_batch_is_cut_in_proportion_every_sample_once():
+    from hetsplit.distributed import HeteroBatchSampler
+
+    plan = plan_from_sizes(None, ["rank0", "rank1"], [6, 2])
+    cut = [HeteroBatchSampler(list(range(21)), plan, num_replicas=2, rank=r, shuffle=False, pad=False) for r in (0, 1)]
+    batches = [list(s) for s in cut]
+    assert [len(b) for b in batches[0]] == [6, 6, 4] and [len(b) for b in batches[1]] == [2, 2, 1]
+    assert sorted(i for b in batches for step in b for i in step) == list(range(21))
+    padded = HeteroBatchSampler(list(range(21)), plan, num_replicas=2, rank=1, shuffle=False)
+    assert list(padded)[-1] == [1, 2] and padded.real_rows(2) == 0  # wrap-around padding counts as none
 
 
 @pytest.mark.parametrize(

@@ -124,9 +124,10 @@ def _job(out: Path) -> None:
         steps = gathered(model.seen)  # [rank][step] -> indices
         ref = init.layer
         opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-        losses, plain, first = [], [], None
+        losses, counts, plain, first = [], [], [], None
+        real = [r for r in range(2) if strategy.plan.sizes[r] > 0]  # a share of 0 runs one sample weighted 0
         for k in range(len(steps[0])):
-            parts = [torch.tensor(s[k], dtype=torch.long) for s in steps]
+            parts = [torch.tensor(steps[r][k], dtype=torch.long) for r in real]
             rank_means = [F.mse_loss(ref(X[p]), Y[p]).item() for p in parts if len(p)]
             plain.append(sum(rank_means) / len(rank_means) if len(rank_means) == 2 else math.nan)
             idx = torch.cat(parts)
@@ -135,10 +136,12 @@ def _job(out: Path) -> None:
             loss.backward()
             opt.step()
             losses.append(loss.item())
+            counts.append(len(idx))
             if k == 0:
                 first = [p.detach().clone() for p in ref.parameters()]
         diff = lambda a, b: max((x - y).abs().max().item() for x, y in zip(a, b))
-        val = torch.cat([torch.tensor(v, dtype=torch.long) for s in gathered(model.val_seen) for v in s])
+        val_seen = gathered(model.val_seen)
+        val = torch.cat([torch.tensor(v, dtype=torch.long) for r in real for v in val_seen[r]])
         with torch.no_grad():
             val_ref = F.mse_loss(ref(X[val]), Y[val]).item()
         metrics = {k: float(v) for k, v in t.callback_metrics.items()}
@@ -154,7 +157,7 @@ def _job(out: Path) -> None:
             "train_loss_ref": losses[-1],
             "train_loss_plain": plain[-1],
             "train_epoch": metrics.get("train_epoch"),
-            "train_epoch_ref": sum(losses) / len(losses),
+            "train_epoch_ref": sum(v * n for v, n in zip(losses, counts)) / sum(counts),  # each sample once
             "val_loss": metrics.get("val_loss"),
             "val_loss_ref": val_ref,
             "val_sizes": [len(v) for v in model.val_seen],
@@ -261,7 +264,7 @@ def _job(out: Path) -> None:
     res["own_sampler"] = scenario([6, 2], use_distributed_sampler=False, strategy={"weighting": "outputs"})
     res["zero_share"] = scenario([8, 0])
     quick = {"time_budget": 0.5, "batch_sizes": [2, 4], "repeats": 1, "warmup": 1, "calibrate": 1}
-    res["profiled"] = scenario(None, strategy={"profile_kwargs": quick})
+    res["profiled"] = scenario(None, strategy={"plan_kwargs": quick})
     # Re-solve after every step, moving at most 1 sample at once: the shares may change, never to 0.
     eager = hetsplit.Rebalancer(every=1, threshold=0.0, window=1, max_move=0.125)
     res["rebalanced"] = scenario([5, 3], strategy={"rebalance": eager})
@@ -315,7 +318,9 @@ def _job(out: Path) -> None:
 @pytest.fixture(scope="module")
 def job(tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("lightning")
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    # PYTHONPATH: the ranks import this checkout's hetsplit, not an installed one.
+    root = str(Path(__file__).resolve().parents[1])
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", PYTHONPATH=root)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", __file__, str(out)]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=150, env=env)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
@@ -341,23 +346,35 @@ def test_steps_per_epoch_are_the_global_count_every_sample_seen(job, name):
 
 @pytest.mark.parametrize(("name", "sizes"), [("ddp_sampler", [6, 2]), ("own_sampler", [6, 2]), ("zero_share", [8, 0])])
 def test_batch_sizes_follow_the_plan(job, name, sizes):
+    from hetsplit.planning import sizes_from_weights
+
+    # The last global batch is what is left (4 of 8), cut in proportion: nothing added in
+    # training or evaluation; a share of 0 is one sample, weighted 0.
+    last = sizes_from_weights(N % (2 * BATCH), sizes)
     for rank, r in enumerate(job):
-        assert r[name]["sizes"] == [sizes[rank]] * 3
-        assert r[name]["val_sizes"] == [sizes[rank]] * 3  # evaluation shares in the plan's proportions
+        assert r[name]["sizes"] == [sizes[rank] or 1] * 2 + [last[rank] or 1]
+        assert r[name]["val_sizes"] == [sizes[rank] or 1] * 2 + [last[rank] or 1]
+    assert sum(sizes) * 2 + sum(last) == N
 
 
 def test_profiled_plan_is_one_plan(job):
     plans = [r["profiled"]["plan"] for r in job]
     assert plans[0] == plans[1] and sum(plans[0]) == 8
-    assert [r["profiled"]["sizes"] for r in job] == [[plans[0][0]] * 3, [plans[0][1]] * 3]
+    from hetsplit.planning import sizes_from_weights
+
+    last = sizes_from_weights(N % 8, plans[0])  # the short last global batch, in proportion
+    assert [r["profiled"]["sizes"] for r in job] == [[plans[0][r] or 1] * 2 + [last[r] or 1] for r in (0, 1)]
 
 
 def test_rebalancing_keeps_steps_exact(job):
     per_step = [a + b for a, b in zip(job[0]["rebalanced"]["sizes"], job[1]["rebalanced"]["sizes"])]
     assert per_step == [8, 8, 8]  # every step is the whole global batch, whatever the shares became
     assert job[0]["rebalanced"]["changes"] == job[1]["rebalanced"]["changes"]
+    from hetsplit.planning import sizes_from_weights
+
     final = job[0]["rebalanced"]["plan"]
-    assert [r["rebalanced"]["val_sizes"] for r in job] == [[final[0]] * 3, [final[1]] * 3]  # evaluation follows
+    last = sizes_from_weights(N % (2 * BATCH), final)  # what is left of the evaluation set, in proportion
+    assert [r["rebalanced"]["val_sizes"] for r in job] == [[final[r]] * 2 + [last[r]] for r in (0, 1)]
 
 
 @pytest.mark.parametrize("name", SCENARIOS)
@@ -380,7 +397,7 @@ def test_checkpoint_resumes_for_a_second_epoch(job):
 
 def test_validate_alone_uses_the_plan_shares(job):
     for rank, r in enumerate(job):
-        assert r["validate"]["sizes"] == [[6, 2][rank]] * 3
+        assert r["validate"]["sizes"] == [[6, 6, 3], [2, 2, 1]][rank]  # 20 samples: nothing added
         assert r["validate"]["val_loss"] == pytest.approx(r["validate"]["ref"], rel=1e-9, abs=1e-12)
 
 

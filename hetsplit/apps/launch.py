@@ -59,7 +59,7 @@ def torchrun_args(
         if rdzv_endpoint is None:
             raise ValueError("a job of several nodes needs --rdzv-endpoint HOST:PORT, the same on every node")
         argv += ["--node-rank", str(node_rank), "--rdzv-backend", rdzv_backend, "--rdzv-endpoint", rdzv_endpoint]
-    return [*argv, script, *script_args], local
+    return [*argv, "-m", "hetsplit.distributed._rank_main", script, *script_args], local  # waits for gloo at exit
 
 
 def local_env(environ: MutableMapping[str, str]) -> MutableMapping[str, str]:

@@ -177,7 +177,9 @@ def weight_gradients(
 
     With a ``plan``, every step must follow it (as :class:`HeteroDistributedSampler`
     gives; a step of another size raises on that rank rather than being weighted
-    wrongly).
+    wrongly). A rank the plan gives 0 runs the one real sample :func:`data_loader`
+    serves it, weighted 0. Without a plan that sample would count as one: pass the plan
+    (or ``data_loader(..., zero_share="empty")``).
 
     Args:
         ddp_model: The DistributedDataParallel model (call before the first backward).
@@ -224,7 +226,10 @@ def weight_gradients(
             _micro_step(state, rank)
             return
         state.started()
-        if state.planned is not None and state.local != state.planned:
+        # A share of 0 is served one real sample (HeteroBatchSampler's zero_share="sample"),
+        # which the plan's weight, 0, leaves out of the gradient.
+        filler = state.planned == 0 and state.local == 1
+        if state.planned is not None and state.local != state.planned and not filler:
             raise DistributedError(
                 f"rank {rank}: this step has {state.local} samples but the plan gives this rank {state.planned}; "
                 "steps must follow the plan (use HeteroDistributedSampler), or call weight_gradients(ddp) "

@@ -72,6 +72,7 @@ def plan(
     loss_fn: Callable[..., torch.Tensor] | None = None,
     target: Any = None,
     profile: Profile | None = None,
+    weights: Sequence[float] | None = None,
     calibrate: int = 16,
     accumulate: bool = False,
     group: Any = None,
@@ -103,6 +104,10 @@ def plan(
         loss_fn, target: As for :func:`hetsplit.profile`.
         profile: This rank's profile, to skip profiling (one device, or the device
             named by ``device``).
+        weights: Hand-set shares instead of profiling: one relative throughput per
+            rank (``[4, 1]``: 80 % of every global batch to rank 0, 20 % to rank 1), as
+            ``HeteroDataParallel(weights=)``. Every rank must pass the same weights (they
+            are checked); nothing is profiled or calibrated.
         accumulate: Let a rank with a memory cap run its share as micro-batches
             (``plan.micro_batches``; run them with :func:`micro_batches`). A plan with
             micro-batches is not calibrated (calibration runs whole shares).
@@ -115,20 +120,19 @@ def plan(
         The same :class:`Plan` on every rank.
 
     Raises:
-        ValueError: On a negative ``calibrate``, before anything else runs.
-        DistributedError: If hetsplit versions differ across ranks, a calibration step
+        ValueError: On a negative ``calibrate``, ``weights`` with ``profile``, or
+            ``weights`` of another length than the world or not positive and finite,
+            before anything else runs.
+        DistributedError: If ``weights`` differ across ranks, hetsplit versions differ across ranks, a calibration step
             fails on some rank, or a rank dies or hangs past the group's timeout.
     """
     if isinstance(calibrate, bool) or not isinstance(calibrate, int) or calibrate < 0:
         raise ValueError(f"calibrate must be a number of steps >= 0, got {calibrate!r}")
     rank, world = group_info(group)
+    if weights is not None:
+        return _weighted_plan(batch_size, weights, profile, rank, world, group)
     dev = parse_device(device if device is not None else _default_device())
-    versions = all_gather(__version__, "comparing hetsplit versions", group)
-    if len(set(versions)) > 1:
-        raise DistributedError(
-            f"hetsplit versions differ across ranks: {dict(enumerate(versions))}; "
-            "install the same version on every node"
-        )
+    _check_versions(group)
     if profile is None:
         profile = run_profile(model, sample, [dev], loss_fn, target=target, progress=False, **profile_kwargs)
     entry = profile.entry(dev.name) if len(profile.entries) > 1 else profile.entries[0]
@@ -159,6 +163,36 @@ def plan(
             group,
             rank,
             world,
+        )
+    return result
+
+
+def _check_versions(group: Any) -> None:
+    versions = all_gather(__version__, "comparing hetsplit versions", group)
+    if len(set(versions)) > 1:
+        raise DistributedError(
+            f"hetsplit versions differ across ranks: {dict(enumerate(versions))}; "
+            "install the same version on every node"
+        )
+
+
+def _weighted_plan(
+    batch_size: int, weights: Sequence[float], profile: Profile | None, rank: int, world: int, group: Any
+) -> Plan:
+    """The plan of hand-set ``weights`` (one per rank), the same on every rank; nothing is profiled."""
+    if profile is not None:
+        raise ValueError("pass weights= or profile=, not both: weights set the shares without a profile")
+    values = list(weights)
+    if len(values) != world:
+        raise ValueError(f"weights={values} has {len(values)} entries for {world} ranks; give one weight per rank")
+    # Every rank checks the same list, so a bad one raises everywhere before any collective.
+    labels = [f"rank{r}" for r in range(world)]
+    result = resolve_plan(batch_size, labels, weights=values)
+    _check_versions(group)
+    theirs = all_gather(values, "comparing weights", group)
+    if any(w != values for w in theirs):
+        raise DistributedError(
+            f"the ranks pass different weights: {dict(enumerate(theirs))}; pass the same weights= on every rank"
         )
     return result
 

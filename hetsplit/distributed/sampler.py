@@ -9,11 +9,14 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
 
-from ..planning.plan import Plan
+from ..planning.plan import Plan, sizes_from_weights
 from ..tree import tree_map
 from ._group import group_info
 
-__all__ = ["HeteroDistributedSampler", "HeteroBatchSampler", "data_loader", "plan_at"]
+__all__ = ["ZERO_SHARES", "HeteroDistributedSampler", "HeteroBatchSampler", "data_loader", "plan_at"]
+
+# What a rank whose share is 0 is served: one real sample weighted 0, or an empty batch.
+ZERO_SHARES = ("sample", "empty")
 
 
 class HeteroDistributedSampler(Sampler[int]):
@@ -52,8 +55,9 @@ class HeteroDistributedSampler(Sampler[int]):
         drop_last: bool = False,
     ) -> None:
         self._batches = HeteroBatchSampler(
-            dataset, plan, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed, drop_last=drop_last
-        )
+            dataset, plan, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed, drop_last=drop_last,
+            zero_share="empty",  # the flat form serves whole shares; a share of 0 is no indices
+        )  # fmt: skip
         self.dataset, self.plan = dataset, plan
         self.num_replicas, self.rank = self._batches.num_replicas, self._batches.rank
         self.shuffle, self.seed, self.drop_last = shuffle, seed, drop_last
@@ -133,6 +137,14 @@ class HeteroBatchSampler(Sampler[list[int]]):
         shuffle: Shuffle each epoch.
         seed: Seed of the shuffle, the same on every rank.
         drop_last: Drop the last incomplete global batch instead of padding it.
+        pad: Complete a last incomplete global batch by wrapping around (``True``, as
+            ``DistributedSampler`` and accelerate pad), or cut what is left in the plan's
+            proportions (``False``: every sample once, none added; evaluation).
+        zero_share: What a rank the plan gives 0 samples gets each step: ``"sample"``
+            (default), one real sample of the global batch, which the plan's gradient
+            weighting counts as 0 and :meth:`real_rows` reports as 0 (models that cannot
+            run a batch of 0 rows, ``x.view(x.size(0), -1)``, still run); or ``"empty"``,
+            an empty batch.
 
     Raises:
         ValueError: If the plan's device count differs from ``num_replicas`` or ``rank``
@@ -149,11 +161,17 @@ class HeteroBatchSampler(Sampler[list[int]]):
         shuffle: bool = True,
         seed: int = 0,
         drop_last: bool = False,
+        pad: bool = True,
+        zero_share: str = "sample",
     ) -> None:
         self.num_replicas, self.rank = _world(num_replicas, rank, plan)
         self.dataset, self.shuffle, self.seed, self.drop_last = dataset, shuffle, seed, drop_last
+        if zero_share not in ZERO_SHARES:
+            raise ValueError(f"zero_share={zero_share!r}: use one of {', '.join(map(repr, ZERO_SHARES))}")
+        self.pad, self.zero_share = pad, zero_share
         self.epoch = 0
         self.yielded = 0  # steps handed out so far, across epochs
+        self.epoch_start = 0  # the global step of the current epoch's first batch
         self.schedule: list[tuple[int, Plan]] = [(0, plan)]
         n, b = len(dataset), plan.batch_size  # type: ignore[arg-type]
         self.steps = n // b if drop_last else math.ceil(n / b)
@@ -191,13 +209,62 @@ class HeteroBatchSampler(Sampler[list[int]]):
         self.epoch = epoch
 
     def __iter__(self) -> Iterator[list[int]]:
-        b = self.batch_size
-        order = _epoch_order(len(self.dataset), self.steps * b, self.shuffle, self.seed + self.epoch)  # type: ignore[arg-type]
+        n = len(self.dataset)  # type: ignore[arg-type]
+        order = _epoch_order(n, self._served(n), self.shuffle, self.seed + self.epoch)
+        self.epoch_start = self.yielded
         for step in range(self.steps):
-            sizes = self.plan_at(self.yielded).sizes
-            start = step * b + sum(sizes[: self.rank])
+            start, count, _ = self._cut(step, self.plan_at(self.yielded).sizes)
             self.yielded += 1
-            yield order[start : start + sizes[self.rank]]
+            if count == 0 and self.zero_share == "sample":
+                # One real sample of this global batch, which the weighting counts as 0
+                # (the plan gives this rank 0): models that cannot run 0 rows still run.
+                yield order[step * self.batch_size : step * self.batch_size + 1]
+            else:
+                yield order[start : start + count]
+
+    def _served(self, n: int) -> int:
+        """The indices an epoch serves: whole global batches, or every sample once (``pad=False``)."""
+        return n if not self.pad and not self.drop_last else self.steps * self.batch_size
+
+    def _cut(self, step: int, sizes: Sequence[int]) -> tuple[int, int, int]:
+        """This rank's ``(start, count, real)`` in the epoch's order at epoch step ``step`` with ``sizes``.
+
+        ``real`` counts the rows that are data seen once: not the wrap-around padding of a
+        last global batch. A last global batch short of ``B`` (``pad=False``) is cut in the
+        proportions of ``sizes``.
+        """
+        n = len(self.dataset)  # type: ignore[arg-type]
+        cut = self._sizes(step, sizes)
+        start = step * self.batch_size + sum(cut[: self.rank])
+        count = cut[self.rank]
+        return start, count, max(0, min(count, n - start))
+
+    def _sizes(self, step: int, sizes: Sequence[int]) -> list[int]:
+        """Every rank's rows at epoch step ``step``: ``sizes``, or a short last global batch cut in proportion."""
+        b = self.batch_size
+        here = min(b, self._served(len(self.dataset)) - step * b)  # type: ignore[arg-type]
+        return list(sizes) if here == b else sizes_from_weights(here, sizes)
+
+    def step_sizes(self, step: int) -> list[int]:
+        """Every rank's rows in batch ``step`` (from the epoch's first): what the gradients must be weighted by.
+
+        The plan's sizes, except for a last global batch short of ``B`` (``pad=False``),
+        which is cut in their proportions (a 0 there is served as :attr:`zero_share` says).
+        """
+        return self._sizes(step, self.plan_at(self.epoch_start + step).sizes)
+
+    def is_filler(self, step: int) -> bool:
+        """Whether batch ``step`` (from the epoch's first) is the one sample a share of 0 is served."""
+        return self.zero_share == "sample" and self._cut(step, self.plan_at(self.epoch_start + step).sizes)[1] == 0
+
+    def real_rows(self, step: int) -> int:
+        """This rank's rows of batch ``step`` (counted from the epoch's first) that are data counted once.
+
+        0 for the one sample a zero share is served (:attr:`zero_share`), fewer than the
+        batch's rows where a last global batch is completed by wrapping around: what
+        metrics should weight this rank's batch by.
+        """
+        return self._cut(step, self.plan_at(self.epoch_start + step).sizes)[2]
 
     def __len__(self) -> int:
         return self.steps
@@ -236,6 +303,8 @@ def data_loader(
     shuffle: bool = True,
     seed: int = 0,
     drop_last: bool = False,
+    pad: bool = True,
+    zero_share: str = "sample",
     num_replicas: int | None = None,
     rank: int | None = None,
     **loader_kwargs: Any,
@@ -243,15 +312,19 @@ def data_loader(
     """This rank's ``DataLoader`` over its shares of every global batch, a share of 0 included.
 
     ``DataLoader(batch_size=0)`` is refused by torch, so a rank the plan gives nothing
-    would fail; this loader yields that rank an empty batch each step instead, so it
-    still takes part in every collective. The batch sampler
+    would fail; this loader serves that rank one real sample each step instead (or an
+    empty batch with ``zero_share="empty"``), so it still takes part in every
+    collective. The plan's gradient weighting (:func:`weight_gradients` with the plan)
+    counts that sample as 0, and ``loader.batch_sampler.real_rows(step)`` says 0 for
+    it (weight metrics by that). The batch sampler
     (``loader.batch_sampler``, a :class:`HeteroBatchSampler`) follows plan changes and
     needs ``loader.batch_sampler.set_epoch(epoch)`` before each epoch.
 
     Args:
         dataset: A map-style dataset.
         plan: The plan every rank holds.
-        shuffle, seed, drop_last, num_replicas, rank: As for :class:`HeteroBatchSampler`.
+        shuffle, seed, drop_last, pad, zero_share, num_replicas, rank: As for
+            :class:`HeteroBatchSampler`.
         **loader_kwargs: Passed to ``DataLoader`` (``num_workers``, ``pin_memory``,
             ``collate_fn``, ...); ``batch_size``, ``sampler`` and ``shuffle`` are the plan's.
 
@@ -262,7 +335,8 @@ def data_loader(
     if taken:
         raise ValueError(f"data_loader sets {taken} from the plan; leave them out")
     sampler = HeteroBatchSampler(
-        dataset, plan, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed, drop_last=drop_last
-    )
+        dataset, plan, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed, drop_last=drop_last,
+        pad=pad, zero_share=zero_share,
+    )  # fmt: skip
     collate = _Collate(sampler, loader_kwargs.pop("collate_fn", None))
     return DataLoader(dataset, batch_sampler=sampler, collate_fn=collate, **loader_kwargs)

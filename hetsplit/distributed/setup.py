@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import re
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -11,10 +13,35 @@ from ..devices import Device, parse_device
 from ._group import init_timeout
 from .teardown import drain_at_exit
 
-__all__ = ["ENV_DEVICES", "rank_devices", "choose_backend", "init"]
+__all__ = ["ENV_DEVICES", "device_name", "device_names", "rank_devices", "choose_backend", "init"]
 
 # `hetsplit launch` puts the job's device list here, one device per global rank.
 ENV_DEVICES = "HETSPLIT_DEVICES"
+
+
+# The frameworks name the CPU with an index (accelerate's multi-CPU device is "cpu:0",
+# torch.device("cpu", 0) prints so); hetsplit's CPU takes none. The index is dropped,
+# whatever follows it (@speed, :maxN).
+_CPU_INDEX = re.compile(r"^cpu:\d+(?=$|[@:])")
+
+
+def device_name(device: Any) -> str:
+    """hetsplit's name for a device as a framework writes it: ``cpu:0`` is ``cpu``, ``cuda:1`` stays.
+
+    Args:
+        device: A ``torch.device``, a hetsplit ``Device`` or a name (``"cpu:0@0.25"``).
+
+    Returns:
+        The name :func:`hetsplit.parse_device` takes.
+    """
+    if isinstance(device, Device):
+        return device.name
+    return _CPU_INDEX.sub("cpu", str(device).strip())
+
+
+def device_names(spec: str) -> str:
+    """A comma-separated device list with every entry named as :func:`device_name` names it."""
+    return ",".join(device_name(s) for s in spec.split(",") if s.strip())
 
 
 def rank_devices(spec: str, world: int) -> list[str]:
@@ -26,7 +53,7 @@ def rank_devices(spec: str, world: int) -> list[str]:
     Raises:
         ValueError: If the list is empty, malformed, or its length is not ``world``.
     """
-    items = [s.strip() for s in spec.split(",") if s.strip()]
+    items = [device_name(s) for s in spec.split(",") if s.strip()]
     if not items:
         raise ValueError(f"no devices in {spec!r}; list one device per process, e.g. 'cuda:0,cuda:1,cpu'")
     names = [parse_device(s, check=False).name for s in items]

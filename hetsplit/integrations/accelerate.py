@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
-import os
 import weakref
 from collections.abc import Iterator, Mapping
 from typing import Any, ClassVar
@@ -19,17 +17,21 @@ from hetsplit.devices import Device, parse_device
 from hetsplit.planning import Plan, Profile, resolve_plan
 from hetsplit.tree import tree_map
 
+from . import core
 from .accelerate_parts import (
     WEIGHTINGS,
     SharesLoader,
-    carried_settings,
     check_arguments,
     check_loader,
     check_whole_shares,
+    load_epochs,
     profiling_inputs,
+    save_epochs,
+    shuffle_seed,
     throttle_forward,
 )
-from .collectives import uneven_gather, weighted_reduce
+from .collectives import all_tensors, first_rows, uneven_gather, weighted_reduce
+from .core import carried_settings, device_name, is_cpu_job, launched_world, throttle
 
 __all__ = ["HeteroAccelerator", "WEIGHTINGS"]
 
@@ -72,7 +74,8 @@ class HeteroAccelerator(accelerate.Accelerator):
             batch; default: ``output.loss`` for dict batches (Hugging Face models), the
             sum of the outputs otherwise.
         plan_kwargs: Passed to :func:`hetsplit.distributed.plan` (``time_budget``,
-            ``calibrate``, ``batch_sizes``); default ``{"time_budget": 10, "calibrate": 4}``.
+            ``calibrate``, ``batch_sizes``, ``weights``, ``accumulate``), over the defaults
+            ``{"time_budget": 10.0, "calibrate": 4}`` (the same in every integration).
         **accelerator_kwargs: Passed to ``accelerate.Accelerator``.
 
     Raises:
@@ -88,6 +91,10 @@ class HeteroAccelerator(accelerate.Accelerator):
     # (HeteroTrainer's): with weighting="none" a plan with micro-batches is then followed
     # there instead of refused.
     loss_weights_micro_batches: ClassVar[bool] = False
+    # What a process whose share is 0 is served (hetsplit.distributed.ZERO_SHARES): one real
+    # sample weighted 0, so user code never sees an empty batch; HeteroTrainer, which runs
+    # such a share on a sample of its own, takes the empty batch.
+    zero_share: ClassVar[str] = "sample"
 
     def __init__(
         self,
@@ -101,7 +108,8 @@ class HeteroAccelerator(accelerate.Accelerator):
         plan_kwargs: Mapping[str, Any] | None = None,
         **accelerator_kwargs: Any,
     ) -> None:
-        world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+        rank, world = launched_world()
+        core.check_arguments("HeteroAccelerator", plan_kwargs=plan_kwargs)
         names = check_arguments(
             devices, plan, profile, global_batch_size, weighting, accelerator_kwargs, world,
             loss_weights_micro_batches=self.loss_weights_micro_batches,
@@ -111,19 +119,35 @@ class HeteroAccelerator(accelerate.Accelerator):
             self.hetero_device = parse_device(names[rank])  # this machine must have it
             if world > 1 and not dist.is_initialized():  # NCCL only when every process is a GPU
                 self.hetero_device = hd.init(devices=",".join(names))
-        if self.hetero_device.type == "cpu" if self.hetero_device is not None else not torch.cuda.is_available():
-            accelerator_kwargs.setdefault("cpu", True)  # accelerate's MULTI_CPU: gloo, the CPU as device
+        if world > 1:  # prepare and gather alone, without training, join the group too
+            hd.drain_at_exit()  # at exit, let gloo's workers finish with the last collective first
+        if is_cpu_job(self.hetero_device, world):
+            # accelerate's MULTI_CPU (gloo, the CPU as device) only comes with cpu=True; an
+            # explicit cpu=False (upstream scripts pass cpu=args.cpu) would leave every process
+            # alone, each training its own copy.
+            accelerator_kwargs["cpu"] = True
         super().__init__(**accelerator_kwargs)
+        if self.num_processes != world:
+            raise ValueError(
+                f"{world} processes were launched but accelerate runs {self.num_processes} "
+                f"({self.distributed_type}): each would train alone; pass cpu=True on a machine without "
+                "CUDA, or launch one process per device with 'hetsplit launch --devices ...'"
+            )
         self.hetero_plan = plan
         self.hetero_profile = profile
         self.global_batch_size = global_batch_size
         self.weighting = weighting
         self.loss_fn = loss_fn
-        self.plan_kwargs = dict(plan_kwargs) if plan_kwargs is not None else {"time_budget": 10, "calibrate": 4}
+        self.plan_kwargs = core.plan_kwargs(plan_kwargs)
         self.model_to_profile: torch.nn.Module | None = None  # what prepare(loader) profiles without a model
         self._planned_loader: DataLoader | None = None  # the loader whose global batch the plan was made for
         self._weightings: list[hd.WeightingState] = []
         self._throttled: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
+
+    @property
+    def plan(self) -> Plan | None:
+        """The plan in force (``None`` until the first loader is prepared without ``plan=``)."""
+        return self.hetero_plan
 
     @property
     def device(self) -> torch.device:
@@ -190,7 +214,7 @@ class HeteroAccelerator(accelerate.Accelerator):
                 "HeteroAccelerator.prepare needs the model with the training loader to profile each process's "
                 "device (prepare(model, optimizer, loader)), or plan=/profile= to skip profiling"
             )
-        device = self.hetero_device.name if self.hetero_device is not None else str(self.device)
+        device = device_name(self.hetero_device if self.hetero_device is not None else self.device)
         # The profile draws batches and random numbers: the training run must not see that.
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
             sample, target, loss_fn = profiling_inputs(next(iter(loader)), self.loss_fn)
@@ -230,7 +254,7 @@ class HeteroAccelerator(accelerate.Accelerator):
             self.set_plan(self._make_plan(self.model_to_profile, data_loader))
         plan = self._loader_plan(data_loader)
         carried = carried_settings(data_loader)
-        seed = self._shuffle_seed(data_loader)
+        seed = shuffle_seed(data_loader, self.dataloader_config.data_seed, self.num_processes)
         inner = hd.data_loader(
             data_loader.dataset,
             plan,
@@ -239,6 +263,7 @@ class HeteroAccelerator(accelerate.Accelerator):
             drop_last=data_loader.drop_last,
             num_replicas=self.num_processes,
             rank=self.process_index,
+            zero_share=self.zero_share,
             collate_fn=data_loader.collate_fn,
             **carried,
         )
@@ -256,37 +281,24 @@ class HeteroAccelerator(accelerate.Accelerator):
         self._dataloaders.append(loader)
         return loader
 
-    def _shuffle_seed(self, loader: DataLoader) -> int:
-        """The seed every process shuffles with: ``data_seed``, else process 0's (its loader's generator or torch's).
-
-        So ``set_seed`` and a loader's ``generator`` change the order as they would with
-        accelerate, and all processes cut the same order.
-        """
-        if self.dataloader_config.data_seed is not None:
-            return int(self.dataloader_config.data_seed)
-        generator = getattr(loader, "generator", None) or getattr(loader.sampler, "generator", None)
-        seed = [int(generator.initial_seed()) if generator is not None else int(torch.initial_seed())]
-        if self.num_processes > 1:
-            dist.broadcast_object_list(seed, src=0)
-        return seed[0] % (1 << 63)
-
     def skip_first_batches(self, dataloader: Any, num_batches: int = 0) -> Any:
         """``dataloader`` from its ``num_batches``-th batch on (resuming mid-epoch), with the same shares and order."""
         if not isinstance(dataloader, SharesLoader):
             return super().skip_first_batches(dataloader, num_batches)
-        loader = SharesLoader(
-            dataloader.dataset,
-            device=dataloader.device,
-            batch_sampler=dataloader.batch_sampler,
-            collate_fn=dataloader.collate_fn,
-            skip_batches=num_batches,
-            iteration=dataloader.iteration,
-            _drop_last=dataloader._drop_last,
-            _non_blocking=dataloader._non_blocking,
-            **carried_settings(dataloader),
-        )
-        loader._is_accelerate_prepared = True
-        return loader
+        return dataloader.resumed(num_batches, **carried_settings(dataloader))
+
+    def save_state(self, output_dir: str | None = None, safe_serialization: bool = True, **kwargs: Any) -> str:
+        """accelerate's checkpoint, plus each prepared loader's epoch (its shuffle is ``seed + epoch``)."""
+        location = super().save_state(output_dir, safe_serialization=safe_serialization, **kwargs)
+        if self.is_main_process:
+            save_epochs(self._dataloaders, location)
+        return location
+
+    def load_state(self, input_dir: str | None = None, **kwargs: Any) -> None:
+        """accelerate's resume, plus each prepared loader's epoch, so later epochs draw the orders they would have."""
+        super().load_state(input_dir, **kwargs)
+        if input_dir is not None:
+            load_epochs(self._dataloaders, input_dir)
 
     def prepare_model(self, model: torch.nn.Module, device_placement: Any = None, evaluation_mode: bool = False):
         """Wrap as accelerate does (DDP), then weight the gradients by shard; emulated devices run at their speed."""
@@ -334,19 +346,31 @@ class HeteroAccelerator(accelerate.Accelerator):
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """``loss.backward()`` as accelerate does, at this process's emulated speed (waiting is not slowed)."""
-        with self._throttle():
+        with throttle(self.hetero_device):
             super().backward(loss, **kwargs)
-
-    def _throttle(self) -> contextlib.AbstractContextManager[Any]:
-        if self.hetero_device is None or not self.hetero_device.emulated:
-            return contextlib.nullcontext()
-        return self.hetero_device.throttle(cpu_time=True)
 
     def gather(self, tensor: Any) -> Any:
         """Every process's tensors concatenated along dim 0, whatever each one's length (uneven shards)."""
         if self.num_processes == 1:
             return tensor
         return uneven_gather(tensor)
+
+    def gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:
+        """Every process's rows of the current batch that are data, each sample once, in process order.
+
+        Inside a prepared loader's loop each process sends only its real rows (not the
+        padding of a last global batch, nor the one sample a share of 0 is served), so
+        the result covers every sample of the data set once, whatever the shares.
+        """
+        loader = getattr(self.gradient_state, "active_dataloader", None)
+        if not isinstance(loader, SharesLoader) or loader.current_samples is None or self.num_processes == 1:
+            return super().gather_for_metrics(input_data, use_gather_object=use_gather_object)
+        rows, real = loader._rows, loader.real_rows()
+        mine = first_rows(input_data, rows, real)
+        tensors = all_tensors(mine)
+        if use_gather_object or not tensors:
+            return accelerate.utils.gather_object(mine if isinstance(mine, list) else [mine])
+        return self.gather(mine)
 
     def reduce(self, tensor: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
         """Reduce across processes; a ``"mean"`` weights each process by its samples.

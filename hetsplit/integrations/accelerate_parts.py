@@ -3,70 +3,133 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 from collections.abc import Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from accelerate.data_loader import DataLoaderShard
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler, SequentialSampler
 
 import hetsplit.distributed as hd
 from hetsplit.devices import Device
 from hetsplit.distributed.setup import rank_devices
-from hetsplit.planning import Plan, Profile
+from hetsplit.planning import Plan
 
+from . import core
 from .collectives import samples_in
 
 __all__ = [
     "WEIGHTINGS",
     "check_whole_shares",
-    "CARRIED",
+    "LOADERS_FILE",
+    "load_epochs",
+    "save_epochs",
+    "shuffle_seed",
     "SharesLoader",
     "check_arguments",
     "check_loader",
-    "carried_settings",
     "profiling_inputs",
     "throttle_forward",
 ]
 
 # "none": DDP's plain mean, for a loss already normalised over the global batch (what the
 # HF Trainer does with num_items_in_batch); the other two weight a per-process mean by shard.
-WEIGHTINGS = ("hook", "outputs", "none")
-# Loader settings the per-process loader carries over from the user's DataLoader.
-CARRIED = ("num_workers", "pin_memory", "timeout", "worker_init_fn", "persistent_workers", "multiprocessing_context")
+WEIGHTINGS = core.WEIGHTINGS
 
 
 class SharesLoader(DataLoaderShard):
-    """accelerate's ``DataLoaderShard`` over hetsplit's shares, remembering each yielded batch's samples."""
+    """accelerate's ``DataLoaderShard`` over hetsplit's shares, knowing what each yielded batch holds.
+
+    Attributes:
+        current_samples: The samples of the current batch the gradient weighting counts
+            (0 for the one sample a share of 0 is served), ``None`` outside a loop.
+        origin: The loader this one was cut from by ``skip_first_batches``: its epoch
+            counter moves on with this one's, so the next epoch draws the next order.
+    """
 
     current_samples: int | None = None
+    origin: SharesLoader | None = None
+    _index: int = 0  # the current batch's index from the epoch's first (skipped ones included)
+    _rows: int = 0  # its rows
 
     def __iter__(self) -> Iterator[Any]:
+        self._index = self.skip_batches - 1
         for batch in super().__iter__():
-            self.current_samples = samples_in(batch)
+            self._index += 1
+            self._rows = samples_in(batch) or 0
+            self.current_samples = 0 if self.batch_sampler.is_filler(self._index) else self._rows
             yield batch
         self.current_samples = None
+        if self.origin is not None:
+            self.origin.iteration = max(self.origin.iteration, self.iteration)
 
     def real_rows(self) -> int:
-        """This process's rows of the current batch that are data, not the padding of a last incomplete batch."""
-        rows = self.current_samples or 0
-        if not (self.end_of_dataloader and self.remainder > 0):
-            return rows
-        sampler = self.batch_sampler
-        sizes = sampler.plan_at(sampler.yielded - 1).sizes  # the last step handed out is this batch's
-        before = sum(sizes[: sampler.rank])  # padding fills the end of the global batch
-        return max(0, min(rows, self.remainder - before))
+        """This process's rows of the current batch that are data counted once.
+
+        Not the padding that completes a last global batch, nor the one sample a share of
+        0 is served (:meth:`hetsplit.distributed.HeteroBatchSampler.real_rows`).
+        """
+        return min(self._rows, self.batch_sampler.real_rows(self._index))
+
+    def resumed(self, skip: int, **settings: Any) -> SharesLoader:
+        """This loader from its ``skip``-th batch on (resuming mid-epoch): the same shares, order and epoch."""
+        loader = SharesLoader(
+            self.dataset,
+            device=self.device,
+            batch_sampler=self.batch_sampler,
+            collate_fn=self.collate_fn,
+            skip_batches=skip,
+            iteration=self.iteration,
+            _drop_last=self._drop_last,
+            _non_blocking=self._non_blocking,
+            **settings,
+        )
+        loader.origin = self
+        loader._is_accelerate_prepared = True
+        return loader
+
+    def state(self) -> dict[str, int]:
+        """What a checkpoint keeps: the epoch counter (the shuffle of epoch ``e`` is ``seed + e``)."""
+        return {"iteration": int(self.iteration)}
 
 
-def carried_settings(loader: DataLoader) -> dict[str, Any]:
-    """The loader settings a re-cut loader keeps (workers, pinning, worker seeding)."""
-    carried = {k: getattr(loader, k) for k in CARRIED if hasattr(loader, k)}
-    if carried.get("num_workers", 0) > 0:
-        carried["prefetch_factor"] = loader.prefetch_factor
-    else:  # DataLoader refuses these without workers
-        carried.pop("persistent_workers", None)
-    return carried
+def shuffle_seed(loader: DataLoader, data_seed: int | None, processes: int) -> int:
+    """The seed every process shuffles with: ``data_seed``, else process 0's (its loader's generator or torch's).
+
+    So ``set_seed`` and a loader's ``generator`` change the order as they would with
+    accelerate, and all processes cut the same order.
+    """
+    if data_seed is not None:
+        return int(data_seed)
+    generator = getattr(loader, "generator", None) or getattr(loader.sampler, "generator", None)
+    seed = [int(generator.initial_seed()) if generator is not None else int(torch.initial_seed())]
+    if processes > 1:
+        dist.broadcast_object_list(seed, src=0)
+    return seed[0] % (1 << 63)
+
+
+# The file beside accelerate's checkpoint that keeps each prepared loader's epoch.
+LOADERS_FILE = "hetsplit_loaders.json"
+
+
+def save_epochs(loaders: list[Any], location: str) -> None:
+    """Write each :class:`SharesLoader`'s epoch counter beside the checkpoint at ``location``."""
+    states = [loader.state() for loader in loaders if isinstance(loader, SharesLoader)]
+    (Path(location) / LOADERS_FILE).write_text(json.dumps(states))
+
+
+def load_epochs(loaders: list[Any], location: str) -> None:
+    """Give each :class:`SharesLoader` the epoch saved at ``location`` (nothing for a checkpoint without it)."""
+    saved = Path(location) / LOADERS_FILE
+    if not saved.exists():  # a checkpoint of accelerate's own, or from before hetsplit kept it
+        return
+    mine = [loader for loader in loaders if isinstance(loader, SharesLoader)]
+    for loader, state in zip(mine, json.loads(saved.read_text())):
+        loader.iteration = int(state["iteration"])
 
 
 def check_arguments(
@@ -85,12 +148,9 @@ def check_arguments(
     ``loss_weights_micro_batches``: the caller's loss weights each micro-batch itself
     (HeteroTrainer's), so ``weighting="none"`` takes a plan with micro-batches.
     """
-    if weighting not in WEIGHTINGS:
-        raise ValueError(f"weighting={weighting!r}: use one of {', '.join(map(repr, WEIGHTINGS))}")
-    if plan is not None and not isinstance(plan, Plan):
-        raise TypeError(f"plan must be a hetsplit Plan, got {type(plan).__name__}: {plan!r}")
-    if profile is not None and not isinstance(profile, Profile):
-        raise TypeError(f"profile must be a hetsplit Profile, got {type(profile).__name__}: {profile!r}")
+    core.check_arguments(
+        "HeteroAccelerator", plan=plan, profile=profile, global_batch_size=global_batch_size, weighting=weighting
+    )
     if plan is not None and weighting == "none" and not loss_weights_micro_batches:
         check_whole_shares(plan, 'HeteroAccelerator(weighting="none")')
     if plan is not None and len(plan.sizes) != world:
@@ -98,10 +158,13 @@ def check_arguments(
             f"the plan has {len(plan.sizes)} shares {list(plan.sizes)} but {world} processes run: "
             "give a plan with one share per process"
         )
-    if global_batch_size is not None and (
-        isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int) or global_batch_size < 1
-    ):
-        raise ValueError(f"global_batch_size must be a positive integer, got {global_batch_size!r}")
+    sharded = [k for k in ("deepspeed_plugin", "fsdp_plugin", "megatron_lm_plugin") if accelerator_kwargs.get(k)]
+    sharded += [k for k in ("ACCELERATE_USE_DEEPSPEED", "ACCELERATE_USE_FSDP") if _flag(os.environ.get(k))]
+    if sharded:
+        raise ValueError(
+            f"HeteroAccelerator splits batches for DDP; {sharded[0]} shards the model instead and is not supported: "
+            "launch without DeepSpeed/FSDP (accelerate launch --multi_gpu), or use the plain Accelerator"
+        )
     config = accelerator_kwargs.get("dataloader_config")
     if config is not None and getattr(config, "use_stateful_dataloader", False):
         raise ValueError(
@@ -125,6 +188,10 @@ def check_arguments(
             f"'hetsplit launch --devices {spec} ...' or torchrun"
         )
     return rank_devices(spec, world)
+
+
+def _flag(value: str | None) -> bool:
+    return (value or "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def check_loader(loader: DataLoader) -> None:

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["samples_in", "op_name", "weighted_reduce", "uneven_gather"]
+__all__ = ["samples_in", "op_name", "weighted_reduce", "uneven_gather", "first_rows", "all_tensors"]
 
 _MAX_DIMS = 8  # the shape a gather exchanges first has room for this many dimensions
 
@@ -116,3 +116,28 @@ def uneven_gather(data: Any, group: Any = None) -> Any:
     parts = [torch.empty_like(padded) for _ in counts]
     dist.all_gather(parts, padded.contiguous(), group=group)
     return torch.cat([p[:c] for p, c in zip(parts, counts)])
+
+
+def first_rows(data: Any, rows: int, real: int) -> Any:
+    """The first ``real`` rows of everything in ``data`` that has ``rows`` (a tensor, a list); the rest whole."""
+    if real == rows:
+        return data
+    if isinstance(data, Mapping):
+        return type(data)({k: first_rows(v, rows, real) for k, v in data.items()})
+    nested = (torch.Tensor, list, tuple, Mapping)
+    if isinstance(data, list) and len(data) == rows and not any(isinstance(v, nested) for v in data):
+        return data[:real]  # one object per row (decoded texts, say)
+    if isinstance(data, (list, tuple)):
+        return type(data)(first_rows(v, rows, real) for v in data)
+    if torch.is_tensor(data) and data.dim() and data.shape[0] == rows:
+        return data[:real]
+    return data
+
+
+def all_tensors(data: Any) -> bool:
+    """Whether ``data`` (dicts, lists, tuples walked) holds tensors only."""
+    if isinstance(data, Mapping):
+        return all(all_tensors(v) for v in data.values())
+    if isinstance(data, (list, tuple)):
+        return all(all_tensors(v) for v in data)
+    return torch.is_tensor(data)

@@ -20,17 +20,20 @@ import hetsplit.distributed as hd
 from hetsplit.devices import Device, parse_device
 from hetsplit.planning import Plan, Profile, Rebalancer, plan_from_sizes, sizes_from_weights
 
+from . import core
 from .collectives import op_name, samples_in, weighted_reduce
+from .core import throttle
 from .lightning_micro import run_training_step
 from .lightning_parts import (
     HeteroCallback,
-    LossModule,
     StepModule,
     check_arguments,
     check_micro_plan,
     loader_settings,
+    profiled_plan,
     rank_devices,
 )
+from .lightning_steps import eval_loader, step_sampler, weigh_step
 
 __all__ = ["HeteroDDPStrategy"]
 
@@ -53,19 +56,22 @@ class HeteroDDPStrategy(DDPStrategy):
       naming every rank's device), else one profiled when the training loader is first
       processed: each rank times a copy of the LightningModule (no trainer attached,
       ``self.log`` silenced) on its own device, ``training_step(batch, 0)`` on a batch of
-      the user's loader being the loss (:func:`hetsplit.distributed.plan`; ``profile_kwargs``
-      default to ``{"time_budget": 10}``).
+      the user's loader being the loss (:func:`hetsplit.distributed.plan`; ``plan_kwargs``
+      over the defaults ``{"time_budget": 10.0, "calibrate": 4}``).
     - **Global batch**: ``plan.batch_size`` with a plan, else ``global_batch_size``, else
       world size × the training loader's ``batch_size`` (the global batch of plain DDP).
     - **Loaders**: the training loader is rebuilt on hetsplit's shares
       (:func:`hetsplit.distributed.data_loader`: same dataset, ``collate_fn``, workers,
       pinning; shuffled if the loader or Lightning's ``DistributedSampler`` shuffles),
       whatever ``use_distributed_sampler`` says; an epoch has ``ceil(len(dataset) / B)``
-      steps. A loader that is not a ``DataLoader`` over a map-style dataset with a
-      ``batch_size`` is an error. Validation and test loaders get shares of world ×
-      their ``batch_size`` in the proportions of the plan in force when each evaluation
-      starts (even shares before a plan exists, as in the sanity check), padded at the
-      end as ``DistributedSampler`` pads; loaders
+      steps, the last one what is left of the data set cut in the plan's proportions
+      (each rank's gradient weighted by its rows in it; padded by wrapping around instead
+      with ``rebalance``, micro-batches or ``accumulate_grad_batches > 1``, whose weights
+      are the plan's whole shares). A loader that is not a ``DataLoader`` over a
+      map-style dataset with a ``batch_size`` is an error. Validation and test loaders
+      get shares of world × their ``batch_size`` in the proportions of the plan in force
+      when each evaluation starts (even shares before a plan exists, as in the sanity
+      check), nothing added: the last batch is what is left, cut in proportion; loaders
       that cannot be rebuilt are left as Lightning made them; predict loaders are untouched.
     - **Micro-batches**: a plan that splits a rank's share (``plan.micro_batches``, from
       ``accumulate=True``) is followed exactly under automatic optimization: each micro-batch
@@ -77,7 +83,8 @@ class HeteroDDPStrategy(DDPStrategy):
       counts (:func:`~.lightning_parts.check_micro_plan`), manual optimization (at the first training step).
     - **Gradients** are weighted by shard (:func:`hetsplit.distributed.weight_gradients`,
       ``weighting="hook"`` or ``"outputs"``), so a step equals the full-batch step; a
-      share of 0 takes part with an empty batch. ``rebalance=K`` (or a
+      share of 0 runs one real sample of the global batch, weighted 0 in the gradients and
+      in synced metrics (never an empty batch). ``rebalance=K`` (or a
       :class:`hetsplit.Rebalancer` policy) re-solves the shares
       from measured step times every K steps (:class:`hetsplit.distributed.DistributedRebalancer`).
     - **Metrics** (``self.log(..., sync_dist=True)`` reduces through :meth:`reduce`). For an
@@ -109,8 +116,10 @@ class HeteroDDPStrategy(DDPStrategy):
             leaves the comm hook free; automatic optimization only).
         rebalance: Re-solve the shares every this many steps (0: never), or a
             :class:`hetsplit.Rebalancer` to set the policy (``every``, ``threshold``, ...).
-        profile_kwargs: Passed to :func:`hetsplit.distributed.plan` (``time_budget``,
-            ``calibrate``, ``batch_sizes``, ...).
+        plan_kwargs: Passed to :func:`hetsplit.distributed.plan` (``time_budget``,
+            ``calibrate``, ``batch_sizes``, ``weights``, ``accumulate``, ...), over the
+            defaults ``{"time_budget": 10.0, "calibrate": 4}`` (the same in every
+            integration). ``profile_kwargs`` is its former name, still taken.
         **ddp_kwargs: Passed to ``DDPStrategy`` (``timeout``, ``find_unused_parameters``, ...).
 
     Raises:
@@ -128,15 +137,20 @@ class HeteroDDPStrategy(DDPStrategy):
         weighting: str = "hook",
         rebalance: int | Rebalancer = 0,
         *,
+        plan_kwargs: dict[str, Any] | None = None,
         profile_kwargs: dict[str, Any] | None = None,
         **ddp_kwargs: Any,
     ) -> None:
         check_arguments(weighting, rebalance, global_batch_size, plan, ddp_kwargs)
+        if plan_kwargs is not None and profile_kwargs is not None:
+            raise ValueError("HeteroDDPStrategy: pass plan_kwargs= only (profile_kwargs= is its former name)")
+        given = plan_kwargs if plan_kwargs is not None else profile_kwargs
+        core.check_arguments("HeteroDDPStrategy", profile=profile, plan_kwargs=given)
         self._rank_device: Device | None = None  # before super(): root_device reads it
         super().__init__(**ddp_kwargs)
         self.device_list = devices if devices is None or isinstance(devices, str) else ",".join(map(str, devices))
         self.weighting, self.rebalance, self.global_batch_size = weighting, rebalance, global_batch_size
-        self.profile, self.profile_kwargs = profile, {"time_budget": 10.0, **(profile_kwargs or {})}
+        self.profile, self.plan_kwargs = profile, core.plan_kwargs(given)
         self._plan = plan
         self._labels: list[str] = []
         self.gradients: hd.WeightingState | None = None
@@ -144,6 +158,7 @@ class HeteroDDPStrategy(DDPStrategy):
         self.train_sampler: hd.HeteroBatchSampler | None = None
         self._eval_samplers: weakref.WeakKeyDictionary[hd.HeteroBatchSampler, int] = weakref.WeakKeyDictionary()
         self._samples: int | None = None  # this rank's samples in the step running now
+        self._weighted: list[int] | None = None  # every rank's rows the gradients are weighted by now
         self._seen: dict[Any, int] = {}  # per stage: this rank's samples since its metrics were last reset
         self._callback = HeteroCallback(self)
 
@@ -179,6 +194,8 @@ class HeteroDDPStrategy(DDPStrategy):
         self.set_world_ranks()
         self._check_devices()
         super().setup_environment()
+        if self.world_size > 1:  # whatever the entry point (fit, validate, test, predict)
+            hd.drain_at_exit()  # at exit, let gloo's workers finish with the last collective first
 
     def _check_devices(self) -> None:
         spec = self.device_list or os.environ.get(hd.ENV_DEVICES)
@@ -218,6 +235,7 @@ class HeteroDDPStrategy(DDPStrategy):
     def _weight(self) -> None:
         if self.gradients is None and self._plan is not None and isinstance(self.model, DistributedDataParallel):
             self.gradients = hd.weight_gradients(self.model, self._plan, method=self.weighting)
+            self._weighted = list(self._plan.sizes)  # the sizes the gradients are weighted by
 
     # ------------------------------------------------------------------ data
     def process_dataloader(self, dataloader: object) -> object:
@@ -227,21 +245,28 @@ class HeteroDDPStrategy(DDPStrategy):
             return dataloader
         if trainer.state.stage == RunningStage.TRAINING:
             return self._train_loader(dataloader)
-        return self._eval_loader(dataloader, trainer)
+        return eval_loader(self, dataloader, trainer)
 
     def _train_loader(self, loader: Any) -> Any:
         shuffle, seed, kwargs = loader_settings(loader, "training", strict=True)
         if self._plan is None:
             batch = self.global_batch_size or self.world_size * loader.batch_size
-            self._plan = self._make_plan(loader, batch)
+            self._plan = profiled_plan(self, loader, batch)
         plan = self.plan
         check_micro_plan(plan, self.lightning_module, self.rebalance)  # every rank, before any step
+        # A last global batch short of B is served as it is, cut in the plan's proportions
+        # (DistributedSampler adds no more than world - 1 samples either), and each rank's
+        # gradient weighted by its rows in it (_weigh_step). Rebalancing, micro-batches and
+        # gradient accumulation weight by the plan's whole shares: those keep the padding.
+        whole = all(len(parts) <= 1 for parts in plan.micro_batches)
+        pad = bool(self.rebalance) or not whole or self.lightning_module.trainer.accumulate_grad_batches != 1
         new = hd.data_loader(
             loader.dataset,
             plan,
             shuffle=shuffle,
             seed=seed,
             drop_last=loader.drop_last,
+            pad=pad,
             num_replicas=self.world_size,
             rank=self.global_rank,
             **kwargs,
@@ -259,29 +284,6 @@ class HeteroDDPStrategy(DDPStrategy):
                 model=self.model,
                 device=self._rank_device,
             )
-        return new
-
-    def _eval_loader(self, loader: Any, trainer: pl.Trainer) -> Any:
-        settings = loader_settings(loader, str(trainer.state.stage), strict=False)
-        if settings is None:
-            return loader
-        shuffle, seed, kwargs = settings
-        total = self.world_size * loader.batch_size
-        if self._plan is None and self.profile is not None and trainer.state.fn != TrainerFn.FITTING:
-            self._plan = hd.plan(
-                self.lightning_module, None, total, device=self._rank_device, profile=self.profile, calibrate=0
-            )
-        new = hd.data_loader(
-            loader.dataset,
-            self._eval_plan(total),
-            shuffle=shuffle,
-            seed=seed,
-            drop_last=loader.drop_last,
-            num_replicas=self.world_size,
-            rank=self.global_rank,
-            **kwargs,
-        )
-        self._eval_samplers[new.batch_sampler] = total
         return new
 
     def on_validation_start(self) -> None:
@@ -307,34 +309,27 @@ class HeteroDDPStrategy(DDPStrategy):
         weights = self.plan.sizes if self.plan is not None else [1] * self.world_size
         return plan_from_sizes(None, self._labels, sizes_from_weights(total, weights))
 
-    def _make_plan(self, loader: Any, batch_size: int) -> Plan:
-        """Profile a detached copy of the LightningModule on this rank's device; rank 0 solves for all."""
-        sample = next(iter(loader))  # as the loader gives it (on the CPU): the profiler moves rows itself
-        model = LossModule.detached(self.lightning_module, self.precision_plugin.train_step_context)
-        cuda = [self.root_device] if self.root_device.type == "cuda" else []
-        try:
-            with torch.random.fork_rng(devices=cuda):  # training draws the same random numbers as unprofiled
-                return hd.plan(
-                    model, (sample,), batch_size, device=self._rank_device, profile=self.profile, **self.profile_kwargs
-                )
-        except (ValueError, TypeError, RuntimeError) as e:
-            if isinstance(e, hd.DistributedError):
-                raise
-            raise RuntimeError(
-                f"HeteroDDPStrategy could not profile training_step on {self._rank_device} ({type(e).__name__}: {e}); "
-                "fix the step, or pass plan= (or profile=) to skip profiling"
-            ) from e
-
     # ------------------------------------------------------------------ steps
     @contextlib.contextmanager
     def _step(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterator[None]:
         batch = args[0] if args else kwargs.get("batch")
-        self._samples = samples_in(batch)
+        rows = samples_in(batch)
+        index = args[1] if len(args) > 1 else kwargs.get("batch_idx")
+        sampler = step_sampler(self, args[2] if len(args) > 2 else kwargs.get("dataloader_idx", 0))
+        # A zero share's one sample counts for nothing, as in its gradient (evaluation adds no padding).
+        self._samples = (
+            0 if rows is not None and isinstance(index, int) and sampler and sampler.is_filler(index) else rows
+        )
         if self._samples is not None:
-            stage = self.lightning_module.trainer.state.stage
-            self._seen[stage] = self._seen.get(stage, 0) + self._samples
+            trainer = self.lightning_module.trainer
+            self._seen[trainer.state.stage] = self._seen.get(trainer.state.stage, 0) + self._samples
+            if self._samples != rows and trainer._results is not None:
+                # Lightning weights an on_epoch mean by the batch size it reads off the
+                # batch (_ResultCollection.batch_size, reset at every batch start): the one
+                # sample a share of 0 runs must count as nothing.
+                trainer._results.batch_size = self._samples
         try:
-            with self._throttle():
+            with throttle(self._rank_device):
                 yield
         finally:
             self._samples = None
@@ -344,6 +339,7 @@ class HeteroDDPStrategy(DDPStrategy):
 
         A share the plan splits runs as its micro-batches (:func:`~.lightning_micro.run_training_step`).
         """
+        weigh_step(self, args[1] if len(args) > 1 else kwargs.get("batch_idx"))
         with self._step(args, kwargs):
             return run_training_step(self, super().training_step, args, kwargs)
 
@@ -359,14 +355,8 @@ class HeteroDDPStrategy(DDPStrategy):
 
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
         """Backward as ``DDPStrategy`` does, at the rank's emulated speed (waiting for other ranks is not slowed)."""
-        with self._throttle():
+        with throttle(self._rank_device):
             return super().backward(closure_loss, optimizer, *args, **kwargs)
-
-    def _throttle(self) -> contextlib.AbstractContextManager[Any]:
-        device = self._rank_device
-        if device is None or not device.emulated:
-            return contextlib.nullcontext()
-        return device.throttle(cpu_time=True)  # CPU time: waiting for the other ranks is not slowed
 
     def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
         """Reduce across ranks; inside a ``*_step``, a mean is weighted by each rank's samples (see the class).

@@ -18,7 +18,11 @@ import hetsplit.distributed as hd
 from hetsplit.devices import parse_device
 from hetsplit.planning import Plan, Rebalancer
 
+from . import core
+from .core import carried_settings
+
 __all__ = [
+    "profiled_plan",
     "StepModule",
     "LossModule",
     "HeteroCallback",
@@ -163,30 +167,13 @@ def check_arguments(weighting: str, rebalance: Any, global_batch_size: Any, plan
     """Check HeteroDDPStrategy's arguments (see its docstring), before anything runs.
 
     Raises:
-        ValueError: Naming the bad argument and what to pass instead.
+        TypeError, ValueError: As :func:`hetsplit.integrations.core.check_arguments`, and a
+            ``ValueError`` for ``ddp_comm_hook`` with ``weighting="hook"``.
     """
-    if weighting not in ("hook", "outputs"):
-        raise ValueError(f"weighting={weighting!r}: use 'hook' (a DDP comm hook) or 'outputs'")
-    if not isinstance(rebalance, Rebalancer) and (
-        isinstance(rebalance, bool) or not isinstance(rebalance, int) or rebalance < 0
-    ):
-        raise ValueError(
-            f"rebalance={rebalance!r}: give a number of steps >= 1, 0 for no rebalancing, or a hetsplit.Rebalancer"
-        )
-    if global_batch_size is not None and (
-        isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int) or global_batch_size < 1
-    ):
-        raise ValueError(f"global_batch_size={global_batch_size!r}: give a positive number of samples per step")
-    if plan is not None and not isinstance(plan, Plan):
-        raise ValueError(
-            f"plan={plan!r}: give a hetsplit Plan; for fixed shares use "
-            "hetsplit.planning.plan_from_sizes(None, ['rank0', 'rank1'], [6, 2])"
-        )
-    if plan is not None and global_batch_size is not None and plan.batch_size != global_batch_size:
-        raise ValueError(
-            f"global_batch_size={global_batch_size} but the plan splits {plan.batch_size}; "
-            "leave global_batch_size out (the plan sets it) or solve the plan for it"
-        )
+    core.check_arguments(
+        "HeteroDDPStrategy", plan=plan, global_batch_size=global_batch_size, weighting=weighting,
+        weightings=("hook", "outputs"), rebalance=rebalance,
+    )  # fmt: skip
     if weighting == "hook" and ddp_kwargs.get("ddp_comm_hook") is not None:
         raise ValueError(
             "weighting='hook' registers hetsplit's DDP comm hook and DDP takes one: "
@@ -321,22 +308,34 @@ def loader_settings(loader: Any, stage: str, *, strict: bool) -> tuple[bool, int
         if strict:
             raise ValueError(f"HeteroDDPStrategy cannot shard the {stage} loader: {problem}")
         return None
-    kwargs: dict[str, Any] = {
-        name: getattr(loader, name)
-        for name in (
-            "num_workers",
-            "collate_fn",
-            "pin_memory",
-            "timeout",
-            "worker_init_fn",
-            "multiprocessing_context",
-            "generator",
-            "persistent_workers",
-            "pin_memory_device",
-            "in_order",
-        )
-        if hasattr(loader, name)
-    }
-    if loader.num_workers > 0:
-        kwargs["prefetch_factor"] = loader.prefetch_factor
+    kwargs: dict[str, Any] = {"collate_fn": loader.collate_fn, **carried_settings(loader)}
     return shuffle, seed, kwargs
+
+
+def profiled_plan(strategy: Any, loader: Any, batch_size: int) -> Plan:
+    """Profile a detached copy of the LightningModule on this rank's device; rank 0 solves for all.
+
+    Args:
+        strategy: The ``HeteroDDPStrategy`` (its module, device, profile and ``plan_kwargs``).
+        loader: The user's training loader (one batch of it is the profiling sample).
+        batch_size: The global batch to plan.
+
+    Raises:
+        RuntimeError: If ``training_step`` cannot be profiled (naming the device and the cause).
+    """
+    sample = next(iter(loader))  # as the loader gives it (on the CPU): the profiler moves rows itself
+    model = LossModule.detached(strategy.lightning_module, strategy.precision_plugin.train_step_context)
+    device = strategy.rank_device
+    cuda = [strategy.root_device] if strategy.root_device.type == "cuda" else []
+    try:
+        with torch.random.fork_rng(devices=cuda):  # training draws the same random numbers as unprofiled
+            return hd.plan(
+                model, (sample,), batch_size, device=device, profile=strategy.profile, **strategy.plan_kwargs
+            )
+    except (ValueError, TypeError, RuntimeError) as e:
+        if isinstance(e, hd.DistributedError):
+            raise
+        raise RuntimeError(
+            f"HeteroDDPStrategy could not profile training_step on {device} ({type(e).__name__}: {e}); "
+            "fix the step, or pass plan= (or profile=) to skip profiling"
+        ) from e

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -13,10 +14,14 @@ import transformers
 from torch import nn
 from transformers.loss.loss_utils import ForCausalLMLoss
 
+import hetsplit.distributed as hd
+from hetsplit.devices import parse_device
+from hetsplit.distributed.setup import rank_devices
 from hetsplit.planning import Plan, Profile
 
 from .accelerate import HeteroAccelerator
 from .collectives import samples_in
+from .core import is_cpu_job, launched_world
 from .transformers_parts import items_in, piece_items, row_range, share_micro_sizes, zero_gradients
 
 __all__ = ["HeteroTrainer"]
@@ -84,6 +89,7 @@ class HeteroTrainer(transformers.Trainer):
         plan_kwargs: Mapping[str, Any] | None = None,
         **trainer_kwargs: Any,
     ) -> None:
+        _run_on_cpu(trainer_kwargs.get("args", args[1] if len(args) > 1 else None), devices)
         self._hetero_kwargs = {"devices": devices, "plan": plan, "profile": profile, "plan_kwargs": plan_kwargs}
         self._window_items: float | None = None  # items of the global batch over this accumulation window
         self._piece_items: dict[int, tuple[Any, list[int], list[float]]] = {}  # id: batch, sizes, their items
@@ -104,9 +110,11 @@ class HeteroTrainer(transformers.Trainer):
         self.accelerator.model_to_profile = self.model  # also when evaluation comes first
 
     @property
-    def hetero_plan(self) -> Plan | None:
+    def plan(self) -> Plan | None:
         """The plan in force (``None`` until the first loader is made)."""
         return getattr(self.accelerator, "hetero_plan", None)
+
+    hetero_plan = plan  # the name before the three integrations shared one vocabulary
 
     def _build_accelerator_args(self, **kwargs: Any) -> dict[str, Any]:
         # Kept to build the HeteroAccelerator with exactly the Trainer's own settings.
@@ -340,10 +348,32 @@ def _rows(tree: Any, n: int) -> Any:
     return tree[:n] if torch.is_tensor(tree) and tree.dim() else tree
 
 
+def _run_on_cpu(args: Any, devices: str | None) -> None:
+    """Make a multi-process job on the CPU one job: ``TrainingArguments(use_cpu=True)``, as it must be.
+
+    Without it (upstream scripts leave ``use_cpu`` out) the Trainer's accelerate state on
+    a machine without CUDA is a single process, so every process would train its own copy.
+    The arguments set up their devices (and accelerate's shared state) when made, in a
+    cached property: that cache is dropped and the devices set up again, with the flag.
+    """
+    rank, world = launched_world()
+    spec = devices if devices is not None else os.environ.get(hd.ENV_DEVICES)
+    try:
+        device = parse_device(rank_devices(spec, world)[rank], check=False) if spec else None
+    except ValueError:
+        device = None  # a bad list is reported, naming it, where the accelerator is made
+    if args is None or getattr(args, "use_cpu", True) or not is_cpu_job(device, world):
+        return
+    args.use_cpu = True
+    vars(args).pop("_setup_devices", None)
+    _ = args.device  # set up again: accelerate's shared state is reset and made a multi-CPU job
+
+
 class _TrainerAccelerator(HeteroAccelerator):
     """The HeteroAccelerator of a HeteroTrainer, whose loss weights each micro-batch itself (``training_step``)."""
 
     loss_weights_micro_batches = True
+    zero_share = "empty"  # compute_loss runs a share of 0 on one real sample of its own, weighted 0
 
 
 def _part(loss: torch.Tensor, factor: float) -> torch.Tensor:

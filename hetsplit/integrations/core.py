@@ -1,0 +1,167 @@
+"""Core: the decisions every integration (Lightning, accelerate, the HF Trainer) shares, made in one place.
+
+Each framework keeps only its own wiring; what a rank's device is called, whether a
+multi-process job runs on the CPU, which DataLoader settings a re-cut loader keeps and
+how an emulated device is throttled are decided here, so the three cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader
+
+from hetsplit.devices import Device
+from hetsplit.distributed.setup import device_name
+from hetsplit.planning import Plan, Profile, Rebalancer
+
+__all__ = [
+    "CARRIED",
+    "PLAN_KWARGS",
+    "WEIGHTINGS",
+    "carried_settings",
+    "check_arguments",
+    "device_name",
+    "is_cpu_job",
+    "launched_world",
+    "plan_kwargs",
+    "throttle",
+]
+
+# How gradients are weighted: "hook" (a DDP comm hook), "outputs" (the gradient into the
+# model's outputs is scaled), "none" (DDP's plain mean, for a loss already normalised over
+# the global batch; not every integration offers it).
+WEIGHTINGS = ("hook", "outputs", "none")
+
+# What hetsplit.distributed.plan is called with when the user does not say: a 10 s profile
+# per rank and a short calibration (4 DDP steps), the same in every integration.
+PLAN_KWARGS = {"time_budget": 10.0, "calibrate": 4}
+
+# DataLoader settings a re-cut loader keeps from the user's (the sampler, batch size and
+# drop_last are hetsplit's; collate_fn is passed on its own, as the zero share needs it).
+CARRIED = (
+    "num_workers",
+    "pin_memory",
+    "timeout",
+    "worker_init_fn",
+    "multiprocessing_context",
+    "generator",
+    "persistent_workers",
+    "pin_memory_device",
+    "in_order",
+)
+
+
+def launched_world() -> tuple[int, int]:
+    """``(rank, world)`` of the job the launcher started (torchrun's ``RANK``/``WORLD_SIZE``; 0, 1 alone).
+
+    Raises:
+        ValueError: If ``RANK`` or ``WORLD_SIZE`` is not an integer (naming it).
+    """
+    values = {}
+    for name, default in (("RANK", "0"), ("WORLD_SIZE", "1")):
+        raw = os.environ.get(name, default)
+        try:
+            values[name] = int(raw)
+        except ValueError as e:
+            raise ValueError(f"{name} must be an integer, got {raw!r}; start the job with torchrun") from e
+    return values["RANK"], values["WORLD_SIZE"]
+
+
+def is_cpu_job(device: Device | None, world: int) -> bool:
+    """Whether this rank of a multi-process job runs on the CPU: its device is one, or, without a
+    device list, the machine has no CUDA.
+
+    The frameworks run such a job as one multi-process CPU job only when told (accelerate's
+    ``cpu=True``, the Trainer's ``use_cpu=True``); otherwise each process believes it is
+    alone and trains its own copy. The integrations tell them.
+    """
+    if world <= 1:
+        return False
+    return device.type == "cpu" if device is not None else not torch.cuda.is_available()
+
+
+def carried_settings(loader: DataLoader) -> dict[str, Any]:
+    """The settings of ``loader`` a loader re-cut into hetsplit's shares keeps (:data:`CARRIED`)."""
+    carried = {k: getattr(loader, k) for k in CARRIED if hasattr(loader, k)}
+    if carried.get("num_workers", 0) > 0:
+        carried["prefetch_factor"] = loader.prefetch_factor
+    else:  # DataLoader refuses these without workers
+        carried.pop("persistent_workers", None)
+    return carried
+
+
+def plan_kwargs(given: Any) -> dict[str, Any]:
+    """The arguments for :func:`hetsplit.distributed.plan`: :data:`PLAN_KWARGS` updated with ``given``."""
+    return {**PLAN_KWARGS, **(given or {})}
+
+
+def throttle(device: Device | None) -> contextlib.AbstractContextManager[Any]:
+    """Run the block at ``device``'s emulated speed (a real device: no change).
+
+    By process CPU time: waiting for the other ranks in a collective is not work, so it
+    is not slowed down as if it were.
+    """
+    if device is None or not device.emulated:
+        return contextlib.nullcontext()
+    return device.throttle(cpu_time=True)
+
+
+def check_arguments(
+    who: str,
+    *,
+    plan: Any = None,
+    profile: Any = None,
+    global_batch_size: Any = None,
+    weighting: str = "hook",
+    weightings: tuple[str, ...] = WEIGHTINGS,
+    rebalance: Any = 0,
+    plan_kwargs: Any = None,
+) -> None:
+    """The arguments every integration shares, checked the same way (same exceptions, same words).
+
+    Args:
+        who: The class the user made (named in every message).
+        plan, profile, global_batch_size, weighting, rebalance, plan_kwargs: As the user gave them.
+        weightings: The weightings ``who`` offers.
+
+    Raises:
+        TypeError: ``plan`` not a :class:`~hetsplit.Plan`, ``profile`` not a
+            :class:`~hetsplit.Profile`, ``plan_kwargs`` not a mapping.
+        ValueError: An unknown ``weighting``; a ``global_batch_size`` that is not a
+            positive integer or disagrees with the plan; a ``rebalance`` that is neither a
+            number of steps >= 0 nor a :class:`~hetsplit.Rebalancer`.
+    """
+    if weighting not in weightings:
+        raise ValueError(f"{who}(weighting={weighting!r}): use one of {', '.join(map(repr, weightings))}")
+    if plan is not None and not isinstance(plan, Plan):
+        raise TypeError(
+            f"{who}(plan=...) must be a hetsplit Plan, got {type(plan).__name__}: {plan!r}; for fixed shares use "
+            "hetsplit.planning.plan_from_sizes(None, ['rank0', 'rank1'], [6, 2]) or plan_kwargs={'weights': [3, 1]}"
+        )
+    if profile is not None and not isinstance(profile, Profile):
+        raise TypeError(f"{who}(profile=...) must be a hetsplit Profile, got {type(profile).__name__}: {profile!r}")
+    if plan_kwargs is not None and not isinstance(plan_kwargs, Mapping):
+        raise TypeError(f"{who}(plan_kwargs=...) must be a dict, got {type(plan_kwargs).__name__}: {plan_kwargs!r}")
+    if global_batch_size is not None and (
+        isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int) or global_batch_size < 1
+    ):
+        raise ValueError(
+            f"{who}(global_batch_size=...) must be a positive number of samples per step, got {global_batch_size!r}"
+        )
+    if plan is not None and global_batch_size is not None and plan.batch_size != global_batch_size:
+        raise ValueError(
+            f"{who}: global_batch_size={global_batch_size} but the plan splits {plan.batch_size}; "
+            "leave global_batch_size out (the plan sets it) or solve the plan for it"
+        )
+    if not isinstance(rebalance, Rebalancer) and (
+        isinstance(rebalance, bool) or not isinstance(rebalance, int) or rebalance < 0
+    ):
+        raise ValueError(
+            f"{who}(rebalance={rebalance!r}): give a number of steps >= 1, 0 for no rebalancing, "
+            "or a hetsplit.Rebalancer"
+        )

@@ -1,0 +1,77 @@
+"""Jobs that join the group through an integration but never train exit cleanly (status 0).
+
+Each case runs one kind of job from tests/exit_jobs.py (Lightning validate / test /
+predict alone, HeteroTrainer.evaluate alone, HeteroAccelerator prepare and gather
+alone) several times at once beside a busy process, as a loaded machine runs them:
+every run with hetsplit's exit wait must exit 0, and the same job without the wait
+(taken off at its very end) is run beside them to measure how often it aborts instead
+(printed; ``EXIT_RUNS=N`` runs N of each, for docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("accelerate")
+pytest.importorskip("lightning")
+pytest.importorskip("transformers")
+
+ROOT = Path(__file__).resolve().parents[1]
+KINDS = [
+    "lightning_validate",
+    "lightning_test",
+    "lightning_predict",
+    "trainer_evaluate",
+    "accelerate_prepare_gather",
+]
+RUNS = int(os.environ.get("EXIT_RUNS", "1"))
+
+
+@pytest.fixture(scope="module")
+def busy():
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        yield
+    finally:
+        spinner.kill()
+        spinner.wait()
+
+
+def _launch(kind: str, wait: bool) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), HETSPLIT_DEVICES="", PYTHONWARNINGS="ignore")
+    env["NO_EXIT_WAIT"] = "0" if wait else "1"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(ROOT / "tests" / "exit_jobs.py"), kind]  # fmt: skip
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, cwd=ROOT)
+
+
+def _aborted(res: subprocess.CompletedProcess) -> bool:
+    return res.returncode != 0 and ("exitcode: -" in res.stderr or "terminate called" in res.stderr)
+
+
+@pytest.fixture(scope="module")
+def runs(busy) -> dict[str, tuple[list, list]]:
+    # Every kind's runs at once (independent launches; their start-up is most of the time),
+    # with and without the wait, beside the busy process: a loaded machine.
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        futures = {k: ([pool.submit(_launch, k, True) for _ in range(RUNS)],
+                       [pool.submit(_launch, k, False) for _ in range(RUNS)]) for k in KINDS}  # fmt: skip
+        return {k: ([f.result() for f in w], [f.result() for f in b]) for k, (w, b) in futures.items()}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_job_that_never_trains_exits_cleanly(kind, runs):
+    waited, bare = runs[kind]
+    for res in bare:  # without the wait a run may abort at exit; any other failure is a broken job
+        assert res.returncode == 0 or _aborted(res), res.stdout[-2000:] + res.stderr[-4000:]
+    print(f"{kind}: aborted at exit with the wait {sum(map(_aborted, waited))} of {RUNS}, "
+          f"without it {sum(map(_aborted, bare))} of {RUNS}")  # fmt: skip
+    for res in waited:
+        assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
+        assert res.stdout.count("WAIT True") == 2, res.stdout[-2000:]  # registered on both ranks

@@ -1,0 +1,88 @@
+"""Upstream-script patterns with each integration, one two-process gloo job per scenario.
+
+Each test launches ``tests/integration_jobs.py SCENARIO`` under torchrun (world size 2,
+one thread per rank) and requires both ranks to pass its asserts; the scenario's name is
+the test's, so a failure says which pattern broke.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("accelerate")
+pytest.importorskip("lightning")
+pytest.importorskip("transformers")
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+SCENARIOS = [
+    "accelerate_zero_share_batch_keeps_its_type",
+    "accelerate_cpu_false_on_a_cpu_only_machine_is_one_job",
+    "accelerate_profiles_on_the_device_accelerate_names",
+    "accelerate_resume_draws_the_orders_of_an_uninterrupted_run",
+    "torchrun_weights_split_every_global_batch_in_proportion",
+    "trainer_without_use_cpu_on_a_cpu_only_machine_is_one_job",
+    "lightning_zero_share_never_reaches_the_step_empty",
+    "lightning_sync_dist_metrics_cover_500_samples_once",
+]
+
+
+def _launch(name: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), HETSPLIT_DEVICES="", PYTHONWARNINGS="ignore")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(ROOT / "tests" / "integration_jobs.py"), name]  # fmt: skip
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+
+
+@pytest.fixture(scope="module")
+def jobs() -> dict[str, subprocess.CompletedProcess]:
+    # The jobs are independent two-process launches: run four at once (the suite's time is
+    # mostly their start-up), each judged by its own test below.
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        return dict(zip(SCENARIOS, pool.map(_launch, SCENARIOS)))
+
+
+def _run(jobs: dict[str, subprocess.CompletedProcess], name: str) -> None:
+    res = jobs[name]
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-6000:]
+    for rank in (0, 1):
+        assert f"OK {name} rank {rank}" in res.stdout, res.stdout[-2000:]
+
+
+def test_accelerate_zero_share_batch_keeps_its_type(jobs):
+    _run(jobs, "accelerate_zero_share_batch_keeps_its_type")
+
+
+def test_accelerate_cpu_false_on_a_cpu_only_machine_is_one_job(jobs):
+    _run(jobs, "accelerate_cpu_false_on_a_cpu_only_machine_is_one_job")
+
+
+def test_accelerate_profiles_on_the_device_accelerate_names(jobs):
+    _run(jobs, "accelerate_profiles_on_the_device_accelerate_names")
+
+
+def test_accelerate_resume_draws_the_orders_of_an_uninterrupted_run(jobs):
+    _run(jobs, "accelerate_resume_draws_the_orders_of_an_uninterrupted_run")
+
+
+def test_torchrun_weights_split_every_global_batch_in_proportion(jobs):
+    _run(jobs, "torchrun_weights_split_every_global_batch_in_proportion")
+
+
+def test_trainer_without_use_cpu_on_a_cpu_only_machine_is_one_job(jobs):
+    _run(jobs, "trainer_without_use_cpu_on_a_cpu_only_machine_is_one_job")
+
+
+def test_lightning_zero_share_never_reaches_the_step_empty(jobs):
+    _run(jobs, "lightning_zero_share_never_reaches_the_step_empty")
+
+
+def test_lightning_sync_dist_metrics_cover_500_samples_once(jobs):
+    _run(jobs, "lightning_sync_dist_metrics_cover_500_samples_once")
