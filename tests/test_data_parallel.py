@@ -408,3 +408,44 @@ def test_the_seams_work_when_called_on_their_own():
     assert _max_rel_err(dp.module, ref) < 1e-9
     with pytest.raises(ValueError, match="this wrapper's devices"):
         dp.scatter((x,), {}, ["cpu"])
+
+
+class _FlagThenFail(nn.Module):
+    """Sets a buffer in forward; its backward fails for a shard holding a marked row."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 2).double()
+        self.register_buffer("seen", torch.tensor(False))
+
+    def forward(self, x):
+        self.seen.fill_(True)
+        return _FailIfMarked.apply(self.lin(x), x)
+
+
+class _FailIfMarked(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, out, x):
+        ctx.marked = bool((x[:, 0] > 100).any())
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, g):
+        if ctx.marked:
+            raise ValueError("marked row")
+        return g, None
+
+
+@pytest.mark.parametrize("mode", ["gather", "local"])
+def test_a_step_that_fails_in_backward_keeps_its_forward_s_buffer_updates(mode):
+    """As with the plain module: the forward ran (the buffer is set), the gradients are not kept."""
+    x = torch.randn(8, 4, dtype=torch.float64)
+    x[-1, 0] = 1000
+    net = _FlagThenFail()
+    dp = HeteroDataParallel(net, DEVICES, weights=[1, 1])
+    with pytest.raises(ValueError, match="marked row"):
+        if mode == "gather":
+            dp(x).sum().backward()
+        else:
+            dp.train_step(x, None, lambda out: out.sum())
+    assert bool(net.seen) and all(p.grad is None for p in net.parameters())

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -266,8 +267,8 @@ class HeteroDataParallel(nn.Module):
         args, kws = self.scatter(inputs, kwargs, step.devices)
         args, kws = cut_upstream(step, (inputs, kwargs), args, kws, self.dim)  # each shard's piece of the inputs
         replicas = self.replicate(self.module, step.devices)
-        outputs = self.parallel_apply(replicas, args, kws)
-        self._merge_buffers(step)
+        with self._keeping_buffers(step):
+            outputs = self.parallel_apply(replicas, args, kws)
         return self.gather(outputs, self.output_device)
 
     def train_step(
@@ -325,8 +326,8 @@ class HeteroDataParallel(nn.Module):
         assert weights is not None
         grads = self._step_grads(step)
         captures = [lambda o, g, j=j: grads.capture(j, o, g, False, False) for j in range(len(step.active))]
-        done = self._run(make(weights, loss_fn, target is not None, captures), "", step.active)
-        self._merge_buffers(step)
+        with self._keeping_buffers(step):
+            done = self._run(make(weights, loss_fn, target is not None, captures), "", step.active)
         # Every replica has finished: only now does anything reach the module (one engine call).
         grads.deliver(grads.reduce([found or [None] * len(grads.inputs[j]) for j, (_, found) in enumerate(done)]))
         self._finish(step)
@@ -413,6 +414,22 @@ class HeteroDataParallel(nn.Module):
             )
         assert self._replicator is not None
         return self._replicator.build([d.torch_device for d in step.devices])
+
+    @contextlib.contextmanager
+    def _keeping_buffers(self, step: Step) -> Iterator[None]:
+        """Merge the replicas' buffer updates after the step's forwards, also when one of them raised.
+
+        A plain module's forward leaves its buffer updates when the step fails later (in its
+        backward, or at a layer further on); so do the replicas' — unless the step is about
+        to run again after an out-of-memory error, where the retry makes the updates.
+        """
+        try:
+            yield
+        except BaseException as e:
+            if not recoverable(e, self._mem, self.devices):
+                self._merge_buffers(step)
+            raise
+        self._merge_buffers(step)
 
     def _merge_buffers(self, step: Step) -> None:
         if self._replicator is not None and len(step.built) == len(step.active):
