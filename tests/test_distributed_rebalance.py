@@ -80,14 +80,16 @@ def _worker(rank, init_file, out_dir):
                 check = bool(rb.history) and step == rb.history[0].step
                 before = copy.deepcopy(model.module.state_dict()) if check else None
                 with rb.step() as current:
-                    assert len(x) == current.sizes[rank], (step, len(x), current.sizes)
+                    shares = list(current.sizes)
+                    # A zero share is served one real sample of the global batch, weighted 0.
+                    assert len(x) == (shares[rank] or 1), (step, len(x), shares)
                     with device.throttle(cpu_time=True):
                         loss = F.cross_entropy(model(x), y)
                     opt.zero_grad(set_to_none=True)
                     with device.throttle(cpu_time=True):
                         loss.backward()
-                res["sizes"].append(len(x))
-                rows = _all_rows(x, y)
+                res["sizes"].append(len(x) if shares[rank] else 0)
+                rows = _all_rows(x, y, shares)
                 res["distinct"].append(len(torch.unique(rows[0], dim=0)))
                 if check:  # the first step on a new plan: the gradient is still the full batch's
                     ref = _net()
@@ -112,10 +114,11 @@ def _worker(rank, init_file, out_dir):
     dist.destroy_process_group()
 
 
-def _all_rows(x, y):
-    """The step's whole global batch (every rank's shard, in rank order)."""
+def _all_rows(x, y, shares):
+    """The step's whole global batch (every rank's shard, in rank order; a zero share's stand-in sample left out)."""
     parts = [None] * WORLD
     dist.all_gather_object(parts, (x, y))
+    parts = [p for p, share in zip(parts, shares) if share]
     return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
 
 

@@ -15,7 +15,7 @@ models carry a bool buffer they set in forward.
 
 The same journey runs on a plain float64 copy of the model, and every gradient, output,
 loss, parameter and buffer must agree. For BatchNorm models the reference is the per-shard
-one the README defines: the plain module on each shard of ``dp.plan`` separately (a shard's
+one docs/one-process.md defines: the plain module on each shard of ``dp.plan`` separately (a shard's
 micro-batches one after another), outputs concatenated; running statistics the
 shard-size-weighted average of each shard's update from the same start;
 ``num_batches_tracked`` +1 per step.
@@ -375,7 +375,7 @@ class Runner:
     # - the two sides of one forward -
 
     def _again(self, run):
-        """``run()``, again after a ``StepOutOfMemory`` (a few times), as the README says to do.
+        """``run()``, again after a ``StepOutOfMemory`` (a few times), as docs/memory.md says to do.
 
         With weights (or no split argument) the wrapper does not know an emulated device's cap:
         it halves the cap at each out-of-memory error, and a second one in the same step is an

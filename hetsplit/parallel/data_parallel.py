@@ -59,7 +59,7 @@ class HeteroDataParallel(nn.Module):
     list, one entry per replica that ran. The module itself never runs: replicas share
     its parameter storage (copies on other devices), start each step from its buffers,
     and the buffers a step changed are merged back (floating ones shard-weighted,
-    integer ones by the sum of increments; README: "Buffers"). :attr:`step_times` holds
+    integer ones by the sum of increments; docs/one-process.md: "Buffers"). :attr:`step_times` holds
     each device's busy seconds in the last step; with ``rebalance`` they feed the
     rebalancer at the next step.
 
@@ -77,7 +77,7 @@ class HeteroDataParallel(nn.Module):
             shard, e.g. :func:`hetsplit.count_tokens`.
         accumulate: Let a device with a memory cap run its share as micro-batches
             (``plan.micro_batches``); after an out-of-memory error the device's cap is
-            lowered, the step re-planned and run again (README: "Memory").
+            lowered, the step re-planned and run again (docs/memory.md).
 
     Raises:
         ValueError: If the module spans devices, the plan's devices differ, or the

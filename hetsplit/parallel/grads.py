@@ -73,7 +73,7 @@ class StepGrads:
         if _reentrant_checkpoint(outputs):
             # Reentrant checkpointing runs a backward of its own inside, which cannot stop at
             # stand-ins (torch refuses it under autograd.grad): the replica's gradients flow on
-            # into the module's parameters, as with the plain module (README: Compatibility).
+            # into the module's parameters, as with the plain module (docs/compatibility.md).
             # An input that requires grad is reached through each replica's piece of it: a
             # leaf accumulates them (under its own lock), but the graph in front of a
             # non-leaf would be walked by several replicas at once.

@@ -187,10 +187,11 @@ class Rebalancer:
         looks slower per sample the smaller its share, and its share would creep down at
         every switch. Once its steps have run at two sizes (a switch gives them), the fixed
         cost ``a`` and the cost per sample ``s`` are fitted by least squares over the last
-        ``4 * window`` steps, and the device's curve is that line; its corrections are then
+        ``window`` steps, and the device's curve is that line; its corrections are then
         the steps' residuals against it (the factor stays near 1 and measures the noise).
         """
-        seen = self._seen.setdefault(name, deque(maxlen=4 * self.window))
+        # The same window as the corrections': a device whose speed changes is followed as fast.
+        seen = self._seen.setdefault(name, deque(maxlen=self.window))
         seen.append((runs, samples, seconds))
         if len({n for _, n, _ in seen}) < 2:
             return False
