@@ -267,8 +267,9 @@ class HeteroDataParallel(nn.Module):
         args, kws = self.scatter(inputs, kwargs, step.devices)
         args, kws = cut_upstream(step, (inputs, kwargs), args, kws, self.dim)  # each shard's piece of the inputs
         replicas = self.replicate(self.module, step.devices)
-        with self._keeping_buffers(step):
-            outputs = self.parallel_apply(replicas, args, kws)
+        # A forward that fails leaves the buffers as they were (see _merge_after).
+        outputs = self.parallel_apply(replicas, args, kws)
+        self._merge_buffers(step)
         return self.gather(outputs, self.output_device)
 
     def train_step(
@@ -325,8 +326,14 @@ class HeteroDataParallel(nn.Module):
         weights = policy_weights(reduction, [m for sizes in step.micro for m in sizes], flat)
         assert weights is not None
         grads = self._step_grads(step)
-        captures = [lambda o, g, j=j: grads.capture(j, o, g, False, False) for j in range(len(step.active))]
-        with self._keeping_buffers(step):
+        ran = [0] * len(step.active)  # each replica's forwards that completed
+
+        def capture(j: int, outputs: list[torch.Tensor], given: Any) -> Grads:
+            ran[j] += 1
+            return grads.capture(j, outputs, given, False, False)
+
+        captures = [lambda o, g, j=j: capture(j, o, g) for j in range(len(step.active))]
+        with self._merge_after(step, lambda: ran == [len(m) for m in step.micro]):
             done = self._run(make(weights, loss_fn, target is not None, captures), "", step.active)
         # Every replica has finished: only now does anything reach the module (one engine call).
         grads.deliver(grads.reduce([found or [None] * len(grads.inputs[j]) for j, (_, found) in enumerate(done)]))
@@ -416,17 +423,19 @@ class HeteroDataParallel(nn.Module):
         return self._replicator.build([d.torch_device for d in step.devices])
 
     @contextlib.contextmanager
-    def _keeping_buffers(self, step: Step) -> Iterator[None]:
-        """Merge the replicas' buffer updates after the step's forwards, also when one of them raised.
+    def _merge_after(self, step: Step, forwards_done: Callable[[], bool]) -> Iterator[None]:
+        """Merge the replicas' buffer updates after the step's work, also when it failed after every forward.
 
-        A plain module's forward leaves its buffer updates when the step fails later (in its
-        backward, or at a layer further on); so do the replicas' — unless the step is about
-        to run again after an out-of-memory error, where the retry makes the updates.
+        A plain module's forward leaves its buffer updates when the step fails later, in its
+        backward: so do the replicas'. A forward that fails in one replica leaves the buffers
+        as they were: the plain module's would hold, for the whole batch, the updates of the
+        layers before the failure, which no replica computed. Nothing is merged before a
+        step runs again after an out-of-memory error.
         """
         try:
             yield
         except BaseException as e:
-            if not recoverable(e, self._mem, self.devices):
+            if forwards_done() and not recoverable(e, self._mem, self.devices):
                 self._merge_buffers(step)
             raise
         self._merge_buffers(step)
