@@ -326,14 +326,20 @@ class HeteroDataParallel(nn.Module):
         weights = policy_weights(reduction, [m for sizes in step.micro for m in sizes], flat)
         assert weights is not None
         grads = self._step_grads(step)
-        ran = [0] * len(step.active)  # each replica's forwards that completed
+        # Per replica: backwards begun and finished (each follows its micro-batch's forward).
+        begun, finished = [0] * len(step.active), [0] * len(step.active)
 
         def capture(j: int, outputs: list[torch.Tensor], given: Any) -> Grads:
-            ran[j] += 1
-            return grads.capture(j, outputs, given, False, False)
+            begun[j] += 1
+            found = grads.capture(j, outputs, given, False, False)
+            finished[j] += 1
+            return found
+
+        def no_forward_failed() -> bool:  # a replica either finished, or failed in a backward
+            return all(f == len(m) or b > f for b, f, m in zip(begun, finished, step.micro))
 
         captures = [lambda o, g, j=j: capture(j, o, g) for j in range(len(step.active))]
-        with self._merge_after(step, lambda: ran == [len(m) for m in step.micro]):
+        with self._merge_after(step, no_forward_failed):
             done = self._run(make(weights, loss_fn, target is not None, captures), "", step.active)
         # Every replica has finished: only now does anything reach the module (one engine call).
         grads.deliver(grads.reduce([found or [None] * len(grads.inputs[j]) for j, (_, found) in enumerate(done)]))
@@ -423,11 +429,12 @@ class HeteroDataParallel(nn.Module):
         return self._replicator.build([d.torch_device for d in step.devices])
 
     @contextlib.contextmanager
-    def _merge_after(self, step: Step, forwards_done: Callable[[], bool]) -> Iterator[None]:
-        """Merge the replicas' buffer updates after the step's work, also when it failed after every forward.
+    def _merge_after(self, step: Step, no_forward_failed: Callable[[], bool]) -> Iterator[None]:
+        """Merge the replicas' buffer updates after the step's work, also when it failed in a backward.
 
         A plain module's forward leaves its buffer updates when the step fails later, in its
-        backward: so do the replicas'. A forward that fails in one replica leaves the buffers
+        backward: so do the replicas' (a micro-batched replica's, up to the micro-batch whose
+        backward failed). A forward that fails in one replica leaves the buffers
         as they were: the plain module's would hold, for the whole batch, the updates of the
         layers before the failure, which no replica computed. Nothing is merged before a
         step runs again after an out-of-memory error.
@@ -435,7 +442,7 @@ class HeteroDataParallel(nn.Module):
         try:
             yield
         except BaseException as e:
-            if forwards_done() and not recoverable(e, self._mem, self.devices):
+            if no_forward_failed() and not recoverable(e, self._mem, self.devices):
                 self._merge_buffers(step)
             raise
         self._merge_buffers(step)
