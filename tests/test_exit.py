@@ -4,8 +4,9 @@ Each case runs one kind of job from tests/exit_jobs.py (Lightning validate / tes
 predict alone, HeteroTrainer.evaluate alone, HeteroAccelerator prepare and gather
 alone) several times at once beside a busy process, as a loaded machine runs them:
 every run with hetsplit's exit wait must exit 0, and the same job without the wait
-(taken off at its very end) is run beside them to measure how often it aborts instead
-(printed; ``EXIT_RUNS=N`` runs N of each, for docs/benchmarks.md).
+(taken off at its very end) is run beside them to measure how often it aborts instead —
+the validate-only Lightning job, the issue's case, in every run; every kind with
+``EXIT_RUNS=N``, which runs N of each, for docs/benchmarks.md (printed).
 """
 
 from __future__ import annotations
@@ -59,9 +60,17 @@ def _aborted(res: subprocess.CompletedProcess) -> bool:
 def runs(busy) -> dict[str, tuple[list, list]]:
     # Every kind's runs at once (independent launches; their start-up is most of the time),
     # with and without the wait, beside the busy process: a loaded machine.
+    # Without the wait, the issue's own case (a validate-only Lightning job) in every run; every
+    # kind when EXIT_RUNS asks for a measurement (it keeps the suite within its time).
+    bare = KINDS if "EXIT_RUNS" in os.environ else KINDS[:1]
     with ThreadPoolExecutor(max_workers=4) as pool:
-        futures = {k: ([pool.submit(_launch, k, True) for _ in range(RUNS)],
-                       [pool.submit(_launch, k, False) for _ in range(RUNS)]) for k in KINDS}  # fmt: skip
+        futures = {
+            k: (
+                [pool.submit(_launch, k, True) for _ in range(RUNS)],
+                [pool.submit(_launch, k, False) for _ in range(RUNS if k in bare else 0)],
+            )
+            for k in KINDS
+        }
         return {k: ([f.result() for f in w], [f.result() for f in b]) for k, (w, b) in futures.items()}
 
 
@@ -71,7 +80,7 @@ def test_a_job_that_never_trains_exits_cleanly(kind, runs):
     for res in bare:  # without the wait a run may abort at exit; any other failure is a broken job
         assert res.returncode == 0 or _aborted(res), res.stdout[-2000:] + res.stderr[-4000:]
     print(f"{kind}: aborted at exit with the wait {sum(map(_aborted, waited))} of {RUNS}, "
-          f"without it {sum(map(_aborted, bare))} of {RUNS}")  # fmt: skip
+          f"without it {sum(map(_aborted, bare))} of {len(bare)}")  # fmt: skip
     for res in waited:
         assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
         assert res.stdout.count("WAIT True") == 2, res.stdout[-2000:]  # registered on both ranks
