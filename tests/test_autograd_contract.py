@@ -455,3 +455,51 @@ def test_micro_batched_batchnorm_counts_one_per_step(mode):
         assert dp.plan.micro_batches == [[4], [4, 4, 4]]
         count = int(dp.module[1].num_batches_tracked)
         assert count == step, f"num_batches_tracked is {count} after {step} micro-batched step(s)"
+
+
+def test_an_unused_output_leaves_the_parameters_only_it_reaches_without_a_gradient():
+    """As with the plain module: a parameter the loss does not reach gets no .grad (not zeros)."""
+
+    class TwoHeads(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 2).double(), nn.Linear(4, 2).double()
+
+        def forward(self, x):
+            return self.a(x), self.b(x)
+
+    net = TwoHeads()
+    dp = HeteroDataParallel(net, ["cpu", "cpu@1"], weights=[1, 1])
+    dp(torch.randn(6, 4, dtype=torch.float64))[0].sum().backward()
+    assert net.a.weight.grad is not None and net.b.weight.grad is None
+
+
+def test_a_learnable_tensor_outside_the_module_is_refused_not_silently_left_without_gradient():
+    outside = torch.randn(4, dtype=torch.float64, requires_grad=True)
+
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4).double()
+
+        def forward(self, x):
+            return self.lin(x) * outside
+
+    dp = HeteroDataParallel(Scaled(), ["cpu", "cpu@1"], weights=[1, 1])
+    with pytest.raises(RuntimeError, match=r"neither parameters of the module nor inputs.*nn.Parameter"):
+        dp(torch.randn(6, 4, dtype=torch.float64)).sum().backward()
+
+
+def test_an_idle_worker_keeps_nothing_of_the_last_step_alive():
+    import gc
+    import weakref
+
+    net = nn.Sequential(nn.Linear(4, 4)).double()
+    seen = []  # the replicas' own outputs (the module's hooks fire on its replicas)
+    net[0].register_forward_hook(lambda module, args, output: seen.append(weakref.ref(output)))
+    dp = HeteroDataParallel(net, ["cpu", "cpu@1"], weights=[1, 1])
+    out = dp(torch.randn(6, 4, dtype=torch.float64))
+    out.sum().backward()
+    del out
+    gc.collect()
+    assert len(seen) == 2 and all(ref() is None for ref in seen)  # nothing of the step outlives its output

@@ -39,6 +39,7 @@ class _Worker:
             while True:
                 job, done = self.jobs.get()
                 job()
+                job = None  # an idle worker must not keep the last step's results (outputs, gradients) alive
                 # Idle again before the caller hears of it: its next submission then reuses
                 # this worker instead of starting another.
                 with pool.lock:

@@ -246,7 +246,7 @@ class HeteroDataParallel(nn.Module):
         # outputs are combined as they are, and backward walks through them as torch's would.
         grads = self._step_grads(step) if len(step.built) == len(step.active) else None
         targets = grads.targets if grads is not None else []
-        backward = self._backward(step, grads) if grads is not None else _no_backward
+        backward = self._backward(step, grads) if grads is not None else None
         return combine(outputs, output_device, self.dim, weights, backward, labels, targets)
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
@@ -321,7 +321,6 @@ class HeteroDataParallel(nn.Module):
         shards = step.upstream.shards
         replicas = self.replicate(self.module, step.devices)
         step.pieces, make = local_fns(replicas, shards, step.micro, step.active, self.devices, self._mem, self.dim)
-        step.shards = [(tuple(a), dict(k)) for (a, k), _ in shards]
         flat = [(tuple(a), dict(k)) for parts in step.pieces for (a, k), _ in parts]
         weights = policy_weights(reduction, [m for sizes in step.micro for m in sizes], flat)
         assert weights is not None
@@ -404,7 +403,9 @@ class HeteroDataParallel(nn.Module):
             per_replica: list[Grads] = [[None] * len(inputs) for inputs in grads.inputs]
             for (j, _, _), got in zip(jobs, found):
                 per_replica[j] = got
-            self._finish(step)
+            if not step.finished:  # a second backward (retain_graph) is not a second step
+                step.finished = True
+                self._finish(step)
             return grads.reduce(per_replica)
 
         return run
@@ -503,10 +504,6 @@ def _again(step: Step, j: int, replica: Any, grads: StepGrads, pieces: list[Any]
         return grads.capture(j, [leaves[at[id(t)]] for t in outs], given, True, True, inputs)
 
     return capture
-
-
-def _no_backward(work: Any, keep: bool, build: bool) -> Grads:  # pragma: no cover - never called without targets
-    return []
 
 
 def _check_one_device(module: nn.Module) -> None:

@@ -61,6 +61,8 @@ class Step:
     pieces: list[list[Any]] = dataclasses.field(default_factory=list)  # per active device, its micro-shards
     upstream: Any = None  # the inputs that require grad, and each shard's piece of them (parallel/upstream.py)
     built: list[Any] = dataclasses.field(default_factory=list)  # this step's replicas (parallel/replicas.py)
+    finished: bool = False  # its backward ran: busy times logged
+    # For a backward with create_graph=True, which runs the forwards again (data_parallel._rebuilt):
     graph_built: bool = False  # a backward of this step ran with create_graph=True
     random: bool = False  # the forward drew random numbers
     leaves: list[list[list[Any]]] = dataclasses.field(default_factory=list)  # per device, per micro-batch: outputs

@@ -111,6 +111,9 @@ class _Gather(torch.autograd.Function):
     def forward(ctx: Any, backward: Backward, layout: _Layout, *tensors: torch.Tensor) -> Any:
         ctx.backward_, ctx.layout = backward, layout
         ctx.save_for_backward(torch.empty(0))  # freed with the graph: see backward
+        # An output the loss does not use gets no gradient (not zeros): the replicas' backward then
+        # leaves the parameters only it reaches without one, as the plain module's would.
+        ctx.set_materialize_grads(False)
         out = layout.combine(tensors[: layout.n_inputs])
         # An output no replica's graph reaches (an integer, a mask passed through) stays
         # without grad, as the plain module's would.
@@ -122,8 +125,12 @@ class _Gather(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> Any:
         _ = ctx.saved_tensors  # a second backward through a freed graph fails here, with torch's own message
-        found = ctx.backward_(ctx.layout.split(grads), _keeps_graph(), torch.is_grad_enabled())
-        return (None, None) + (None,) * ctx.layout.n_inputs + tuple(found)
+        keep = _keeps_graph()
+        n_inputs = ctx.layout.n_inputs
+        found = ctx.backward_(ctx.layout.split(grads), keep, torch.is_grad_enabled())
+        if not keep:  # the step's replicas, shards and outputs are not needed again: let them go now
+            ctx.backward_ = ctx.layout = None
+        return (None, None) + (None,) * n_inputs + tuple(found)
 
 
 def _differentiable(t: torch.Tensor) -> bool:
@@ -209,11 +216,11 @@ def combine(
     target: torch.device,
     dim: int,
     weights: Callable[[], list[float] | None],
-    backward: Backward,
+    backward: Backward | None,
     labels: Sequence[str],
     targets: Sequence[torch.Tensor] = (),
 ) -> Any:
-    """The replicas' outputs as one output on ``target``; backward goes through ``runner``.
+    """The replicas' outputs as one output on ``target``; its backward runs ``backward`` (see :class:`_Gather`).
 
     Tensors are concatenated along ``dim``; 0-dim floating tensors are combined with
     the replicas' ``weights()`` (stacked when it gives ``None``); other 0-dim tensors are stacked; any other
@@ -250,7 +257,12 @@ def combine(
         return unflatten(leaves, spec)
     columns = [leaves[k] for k in positions]
     layout = _Layout(columns, lambda j: path(positions[j]), target, dim, weights)
-    if torch.is_grad_enabled() and targets and any(t.requires_grad for c in columns for t in c):
+    if (
+        backward is not None
+        and targets
+        and torch.is_grad_enabled()
+        and any(t.requires_grad for c in columns for t in c)
+    ):
         detached = [t.detach() for c in columns for t in c]
         combined = _Gather.apply(backward, layout, *detached, *targets)
     else:

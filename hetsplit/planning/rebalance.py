@@ -211,8 +211,10 @@ class Rebalancer:
         error = math.sqrt(rss / dof * nn / det) if dof > 0 and det > 0 else math.inf
         if not (slope > 0 and a > 2.0 * error):
             a, slope = 0.0, sum(t) / sum(n)
-        self._entries[name] = _observed(name, a, slope)
-        self._last_check = None  # the curves changed: a re-solve is due
+        old = self._entries.get(name)
+        if old is None or (old.curve.intercept, old.curve.slope) != (a, slope):
+            self._entries[name] = _observed(name, a, slope)
+            self._last_check = None  # the curve changed: the last re-solve proves nothing about it
         self.corrections[name] = deque(
             (math.log(v / (a * r + slope * b)) for r, b, v in seen if a * r + slope * b > 0), maxlen=self.window
         )
