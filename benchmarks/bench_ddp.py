@@ -82,9 +82,8 @@ def main() -> None:
 
     keep_freed_memory()
     torch.set_num_threads(args.threads)
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
+    dev = hd.init(300, devices=args.devices, backend="gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    dev = hetsplit.parse_device(hd.rank_device(args.devices, rank))
     spec = hetsplit.models.load_model(args.model)
     data = TensorDataset(*hetsplit.models.synthetic_batch(spec, args.samples))
 
@@ -175,7 +174,7 @@ def main() -> None:
             "date": datetime.date.today().isoformat(),
             "host": platform.node(),
             "torch": torch.__version__,
-            "devices": [hd.rank_device(args.devices, r) for r in range(world)],
+            "devices": [d.strip() for d in args.devices.split(",")],
             "batch_size": args.batch_size,
             "model": spec.name,
             "samples": args.samples,

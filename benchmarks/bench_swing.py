@@ -26,6 +26,7 @@ import hetsplit
 from hetsplit import emulation
 from hetsplit.apps.bench import keep_freed_memory
 from hetsplit.apps.models import build_model, load_model, synthetic_batch
+from hetsplit.devices import parse_device
 from hetsplit.parallel import data_parallel
 from hetsplit.planning import plan_from_sizes
 
@@ -86,9 +87,7 @@ def one_run(spec, x, y, sizes: list[int], steps: int) -> dict[str, float]:
     for name, n in zip(DEVICES, sizes):
         if n:
             out[f"{name} busy"] = med(p[2][name] for p in bwd)
-            out[f"{name} work alone x{1 / hetsplit.parse_device(name).speed:g}"] = (
-                med(alone[n]) / hetsplit.parse_device(name).speed
-            )
+            out[f"{name} work alone x{1 / parse_device(name).speed:g}"] = med(alone[n]) / parse_device(name).speed
     out["rest"] = out["step"] - out["forward wall"] - out["backward wall"]
     out["sleep overshoot median"] = med(sleeps) if sleeps else 0.0
     out["sleep overshoot max"] = max(sleeps) if sleeps else 0.0

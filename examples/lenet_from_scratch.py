@@ -50,7 +50,7 @@ def lenet(x: torch.Tensor, p: list[torch.Tensor]) -> torch.Tensor:
     return h @ p[8] + p[9]
 
 
-def copy_params(params: list[torch.Tensor], device: hetsplit.Device) -> list[torch.Tensor]:
+def copy_params(params: list[torch.Tensor], device) -> list[torch.Tensor]:  # device: from hetsplit.parse_devices
     """The course's get_params: a gradient-tracking copy of every parameter on ``device``.
 
     Not ``p.to(device)``: ``"cpu@0.25"`` is no torch device string (torch says "Invalid
@@ -102,7 +102,7 @@ def main() -> None:
     if any(d.emulated for d in devices):
         print("emulated devices:", ", ".join(d.name for d in devices if d.emulated))
     if args.even:
-        sizes = hetsplit.planning.even_sizes(args.batch_size, len(devices))
+        sizes = [len(part) for part in torch.arange(args.batch_size).tensor_split(len(devices))]  # d2l's split_batch
     else:
         x0, y0 = next(iter(train_iter))
         prof = hetsplit.profile(

@@ -31,7 +31,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -45,7 +44,7 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--devices",
-        default=os.environ.get(hd.ENV_DEVICES, "cpu,cpu@0.25"),
+        default=os.environ.get("HETSPLIT_DEVICES", "cpu,cpu@0.25"),
         help="one device per rank, e.g. cuda:0,cpu (default: what 'hetsplit launch --devices' set, else cpu,cpu@0.25)",
     )
     parser.add_argument("--batch-size", type=int, default=256, help="global batch per step, across all ranks")
@@ -94,7 +93,7 @@ def train(args: argparse.Namespace) -> None:
     except ValueError as e:
         raise ValueError(f"--devices {args.devices}: {e}") from None
     rank, world = dist.get_rank(), dist.get_world_size()
-    devices = [hd.rank_device(args.devices, r, world=world) for r in range(world)]
+    devices = [d.strip() for d in args.devices.split(",")]  # hd.init checked: one per rank
     backend = dist.get_backend()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -110,27 +109,24 @@ def train(args: argparse.Namespace) -> None:
     torch.manual_seed(0)
     model = hetsplit.models.lenet().to(dev.torch_device)
     x0, y0 = next(iter(train_iter))
-    if args.equal:
-        sizes = hetsplit.planning.even_sizes(args.batch_size, world)
-        plan = hetsplit.planning.plan_from_sizes(None, [f"rank{r}" for r in range(world)], sizes)
-    else:
-        plan = hd.plan(
-            model,
-            x0[:16],
-            args.batch_size,
-            device=dev,
-            loss_fn=F.cross_entropy,
-            target=y0[:16],
-            time_budget=args.profile_budget,
-        )
+    plan = hd.plan(
+        model,
+        x0[:16],
+        args.batch_size,
+        device=dev,
+        loss_fn=F.cross_entropy,
+        target=y0[:16],
+        weights=[1] * world if args.equal else None,  # --equal: DistributedSampler's shares
+        time_budget=args.profile_budget,
+    )
     say("plan:", ", ".join(f"{d} {s}" for d, s in zip(plan.devices, plan.sizes)))
 
     with hd.guard(what="setting up DDP"):  # DDP broadcasts the model from rank 0
         ddp = DDP(model, device_ids=[dev.index] if dev.type == "cuda" else None)
         grads = None if args.weighting == "none" else hd.weight_gradients(ddp, plan, method=args.weighting)
     # One list of indices per step: the shares can change between steps (--rebalance).
-    sampler = hd.HeteroBatchSampler(train_set, plan, shuffle=True, seed=0)
-    loader = DataLoader(train_set, batch_sampler=sampler, collate_fn=sampler.collate)
+    loader = hd.data_loader(train_set, plan, shuffle=True, seed=0)
+    sampler = loader.batch_sampler
     rebalancer = None
     if args.rebalance:
         rebalancer = hd.DistributedRebalancer(
@@ -160,7 +156,10 @@ def train(args: argparse.Namespace) -> None:
                 with rebalancer.step() if rebalancer else contextlib.nullcontext():
                     # Forward, loss, backward, each at the device's (emulated) speed; cpu_time:
                     # DDP's backward also waits for the other ranks, and only work is slowed.
-                    loss = hetsplit.profiler.train_step(ddp, x, y, F.cross_entropy, dev, cpu_time=True)
+                    with dev.throttle(cpu_time=True):
+                        loss = F.cross_entropy(ddp(x), y)
+                    with dev.throttle(cpu_time=True):
+                        loss.backward()
                 opt.step()
             if args.log_every and done % args.log_every == 0:
                 say(f"step {done}: loss {loss.item():.3f}")
@@ -195,8 +194,6 @@ def main() -> None:
     except Exception as e:  # one line per failed rank; --debug adds the traceback
         if args.debug:
             traceback.print_exc()
-        if hd.is_failure(e):  # a torch.distributed error outside the guards
-            e = hd.DistributedError(hd.failure_message(e))
         text = " ".join(str(e).split()) or "(no message)"
         if not isinstance(e, hd.DistributedError) and "RANK" in os.environ:
             text = f"rank {os.environ['RANK']}: {text}"

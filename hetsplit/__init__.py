@@ -7,6 +7,10 @@ The package reads top to bottom as the pipeline: :mod:`~hetsplit.devices` (what 
 :mod:`~hetsplit.parallel` (one process: scatter, replicas, gather, gradients) and
 :mod:`~hetsplit.distributed` (torchrun ranks) → :mod:`~hetsplit.apps` (the CLI, bench,
 demo, pictures, built-in models). :mod:`~hetsplit.tree` walks nested batches for all.
+
+The public API is ``__all__`` below, :mod:`hetsplit.distributed`'s, the integrations'
+classes (``hetsplit.lightning``, ``hetsplit.accelerate``, ``hetsplit.transformers``) and
+the built-in models (``hetsplit.models``); the other modules are the package's own layers.
 """
 
 import importlib
@@ -18,104 +22,83 @@ from .version import __version__
 # start are instant: torch loads when a name that needs it is touched, after the CLI has
 # set up its one-line handling of errors and Ctrl-C.
 _WHERE = {
-    "models": ".apps.models",
-    "solver": ".planning.solver",
-    "Device": ".devices",
-    "DeviceInfo": ".devices",
-    "discover": ".devices",
     "emulate": ".devices",
-    "parse_device": ".devices",
     "parse_devices": ".devices",
-    "HeteroDataParallel": ".parallel",
-    "balanced_split": ".parallel",
-    "count_tokens": ".parallel",
-    "gather": ".parallel",
-    "parallel_apply": ".parallel",
-    "reduce_gradients": ".parallel",
-    "run_parallel": ".parallel",
-    "scatter": ".parallel",
-    "split_sizes": ".parallel",
-    "Curve": ".planning",
-    "DeviceProfile": ".planning",
-    "Measurement": ".planning",
-    "Plan": ".planning",
-    "PlanChange": ".planning",
-    "Profile": ".planning",
-    "Rebalancer": ".planning",
-    "solve": ".planning",
+    "HeteroDataParallel": ".parallel.data_parallel",
+    "balanced_split": ".parallel.sizes",
+    "count_tokens": ".parallel.outputs",
+    "gather": ".parallel.scatter_gather",
+    "parallel_apply": ".parallel.apply",
+    "reduce_gradients": ".parallel.reduce",
+    "replicate": ".parallel.replicas",
+    "run_parallel": ".parallel.apply",
+    "scatter": ".parallel.scatter_gather",
+    "Plan": ".planning.plan",
+    "Profile": ".planning.profile",
+    "Rebalancer": ".planning.rebalance",
+    "solve": ".planning.solver",
     "profile": ".profiler",
-    "quick_profile": ".quick",
-    "ProfileFileError": ".store",
 }
 
 
+# Modules reachable as attributes after a plain `import hetsplit`: `hetsplit.distributed` (the
+# torchrun API) and `hetsplit.models` (the built-in models) for users; the rest are the
+# package's own layers, importable but not part of the public API.
+_MODULES = {"models": ".apps.models"}
 _SUBPACKAGES = ("apps", "devices", "distributed", "emulation", "parallel", "planning", "profiler", "quick",
                 "store", "timing", "tree")  # fmt: skip
 
 
 def __getattr__(name: str) -> Any:
-    if name in _SUBPACKAGES:  # `hetsplit.planning.even_sizes` after a plain `import hetsplit`
-        return importlib.import_module(f".{name}", __name__)
+    if name in _SUBPACKAGES or name in _MODULES:
+        return importlib.import_module(_MODULES.get(name, f".{name}"), __name__)
     where = _WHERE.get(name)
     if where is None:
         raise AttributeError(f"module 'hetsplit' has no attribute {name!r}")
     module = importlib.import_module(where, __name__)
-    value = module if name in ("models", "solver") else getattr(module, name)
+    value = getattr(module, name)
     globals()[name] = value
     return value
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_WHERE) | set(_SUBPACKAGES))
+    return sorted(set(globals()) | set(_WHERE) | set(_MODULES) | set(_SUBPACKAGES))
 
 
 if TYPE_CHECKING:  # what static tools see: the same names, imported eagerly
-    from .apps import models
-    from .devices import Device, DeviceInfo, discover, emulate, parse_device, parse_devices
-    from .parallel import (
-        HeteroDataParallel,
-        balanced_split,
-        count_tokens,
-        gather,
-        parallel_apply,
-        reduce_gradients,
-        run_parallel,
-        scatter,
-        split_sizes,
-    )
-    from .planning import Curve, DeviceProfile, Measurement, Plan, PlanChange, Profile, Rebalancer, solve, solver
+    from .apps import models as models
+    from .devices import emulate, parse_devices
+    from .parallel.apply import parallel_apply, run_parallel
+    from .parallel.data_parallel import HeteroDataParallel
+    from .parallel.outputs import count_tokens
+    from .parallel.reduce import reduce_gradients
+    from .parallel.replicas import replicate
+    from .parallel.scatter_gather import gather, scatter
+    from .parallel.sizes import balanced_split
+    from .planning.plan import Plan
+    from .planning.profile import Profile
+    from .planning.rebalance import Rebalancer
+    from .planning.solver import solve
     from .profiler import profile
-    from .quick import quick_profile
-    from .store import ProfileFileError
 
+# The public API: one process (the module wrapper, torch's recipe for any devices, the
+# hand-written loop's pieces), profiling and planning, and naming devices.
 __all__ = [
     "__version__",
-    "Curve",
-    "Device",
-    "DeviceInfo",
-    "DeviceProfile",
     "HeteroDataParallel",
-    "Measurement",
-    "Plan",
-    "PlanChange",
-    "Profile",
-    "ProfileFileError",
-    "Rebalancer",
     "balanced_split",
-    "count_tokens",
-    "discover",
-    "emulate",
-    "gather",
-    "models",
-    "parallel_apply",
-    "parse_device",
-    "parse_devices",
-    "profile",
-    "quick_profile",
-    "reduce_gradients",
-    "run_parallel",
     "scatter",
+    "replicate",
+    "parallel_apply",
+    "gather",
+    "run_parallel",
+    "reduce_gradients",
+    "count_tokens",
+    "profile",
     "solve",
-    "solver",
-    "split_sizes",
+    "Profile",
+    "Plan",
+    "Rebalancer",
+    "parse_devices",
+    "emulate",
 ]

@@ -12,20 +12,6 @@ import torch
 
 from . import emulation, hardware
 
-__all__ = [
-    "Device",
-    "DeviceInfo",
-    "emulate",
-    "DeviceLike",
-    "parse_device",
-    "parse_devices",
-    "canonical_name",
-    "discover",
-    "describe",
-    "local_gpus",
-    "synchronize",
-]
-
 DeviceLike = Union[str, torch.device, "Device"]
 
 _SPEC = re.compile(

@@ -16,25 +16,10 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:
     import torch
 
-__all__ = [
-    "MIN_SPEED",
-    "MAX_EMULATED_BATCH",
-    "check_speed",
-    "check_max_batch",
-    "check_batch",
-    "is_out_of_memory",
-    "current_speed",
-    "set_speed",
-    "delayed",
-    "throttle",
-    "work_clock",
-    "copy_to",
-]
-
 # Below this an emulated step takes over 1000 times its real duration: a typo, not a device.
 MIN_SPEED = 1e-3
 # An emulated memory above this is a typo: no forward that large could run.
-MAX_EMULATED_BATCH = 1 << 40
+_MAX_EMULATED_BATCH = 1 << 40
 
 _SPEED_OVERRIDES: dict[str, float] = {}
 _SLEEP_DEBT: dict[str, float] = {}
@@ -68,7 +53,7 @@ def check_speed(speed: float, spec: str) -> None:
 
 
 def check_max_batch(max_batch: object, spec: str) -> None:
-    """Raise unless ``max_batch`` is ``None`` or a whole number of samples from 1 to :data:`MAX_EMULATED_BATCH`.
+    """Raise unless ``max_batch`` is ``None`` or a whole number of samples from 1 to :data:`_MAX_EMULATED_BATCH`.
 
     Raises:
         TypeError: If it is not an integer (a float, a string, a bool).
@@ -81,9 +66,9 @@ def check_max_batch(max_batch: object, spec: str) -> None:
             f"emulated max_batch for {spec!r} must be a whole number of samples >= 1, "
             f"got {type(max_batch).__name__}: {max_batch!r}"
         )
-    if not 1 <= max_batch <= MAX_EMULATED_BATCH:
+    if not 1 <= max_batch <= _MAX_EMULATED_BATCH:
         raise ValueError(
-            f"emulated max_batch for {spec!r} must be from 1 to {MAX_EMULATED_BATCH:,} samples, got {max_batch}; "
+            f"emulated max_batch for {spec!r} must be from 1 to {_MAX_EMULATED_BATCH:,} samples, got {max_batch}; "
             "a device that holds no sample cannot train"
         )
 

@@ -10,16 +10,6 @@ import threading
 from pathlib import Path
 from typing import Any
 
-__all__ = [
-    "SCHEMA_VERSION",
-    "MAX_FILE_BYTES",
-    "ProfileFileError",
-    "write_json",
-    "read_json",
-    "check_writable",
-    "umask",
-]
-
 SCHEMA_VERSION = 1
 # The largest file read as a profile, plan or bench result. A profile of the most devices
 # a plan takes (10,000) is a few MiB; anything far larger is not ours, and parsing it

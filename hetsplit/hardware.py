@@ -6,8 +6,6 @@ import functools
 import os
 import platform
 
-__all__ = ["cpu_name", "host_memory", "nvidia_driver"]
-
 
 def cpu_name() -> str:
     """The CPU's model name (from ``/proc/cpuinfo`` where there is one)."""

@@ -27,9 +27,7 @@ from .planning.profile import DeviceProfile, Measurement, Profile
 from .planning.records import MemoryModel
 from .tree import batch_length, flatten, move, take_rows
 
-__all__ = ["profile", "default_ladder", "check_ladder", "fingerprint", "call_model", "train_step"]
-
-MAX_PROBE = 1 << 16
+_MAX_PROBE = 1 << 16
 
 LossFn = Callable[..., torch.Tensor]
 
@@ -47,7 +45,7 @@ def default_ladder(max_batch: int = 256) -> list[int]:
     return [*ladder, max_batch]
 
 
-def check_ladder(batch_sizes: Sequence[int] | None, max_probe: int = MAX_PROBE) -> list[int]:
+def check_ladder(batch_sizes: Sequence[int] | None, max_probe: int = _MAX_PROBE) -> list[int]:
     """The ladder a profile climbs: ``batch_sizes`` sorted and deduplicated (default :func:`default_ladder`).
 
     Checked before any device work: whole numbers of samples, at least one, none above
@@ -79,7 +77,7 @@ def fingerprint(model: nn.Module) -> str:
     return h.hexdigest()[:16]
 
 
-def call_model(model: nn.Module, inputs: Any) -> Any:
+def _call_model(model: nn.Module, inputs: Any) -> Any:
     """``model(inputs)``; ``model(*inputs)`` for a tuple or list; ``model(**inputs)`` for a dict."""
     if isinstance(inputs, dict):
         return model(**inputs)
@@ -118,7 +116,7 @@ def train_step(
     """
     throttle = functools.partial(device.throttle, cpu_time=cpu_time) if device is not None else contextlib.nullcontext
     with throttle():
-        output = call_model(model, inputs)
+        output = _call_model(model, inputs)
         if loss_fn is None:
             loss = _default_loss(output)
         else:
@@ -196,7 +194,7 @@ def profile(
     warmup: int = 2,
     time_budget: float = 60.0,
     find_memory_cap: bool = True,
-    max_probe: int = MAX_PROBE,
+    max_probe: int = _MAX_PROBE,
     progress: bool | None = None,
     model_name: str | None = None,
     threads: int | None = None,

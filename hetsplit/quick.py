@@ -15,8 +15,6 @@ from .planning.profile import DeviceProfile, Measurement, Profile, latest_profil
 from .profiler import fingerprint, profile
 from .store import warn_at_caller
 
-__all__ = ["quick_profile", "default_profile"]
-
 _QUICK: dict[str, DeviceProfile] = {}
 _NOISY: dict[str, str] = {}  # device -> what was noisy in its calibration, when it stayed noisy
 _NOTICE_SHOWN = False

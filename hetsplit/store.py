@@ -15,23 +15,9 @@ from typing import Any, Protocol
 
 from . import files
 from .devices import DeviceLike, canonical_name, local_gpus
-from .files import MAX_FILE_BYTES, SCHEMA_VERSION, ProfileFileError, check_writable, read_json, write_json
+from .files import ProfileFileError, read_json, write_json
 
-__all__ = [
-    "SCHEMA_VERSION",
-    "MAX_FILE_BYTES",
-    "ENV_PROFILE_DIR",
-    "ProfileFileError",
-    "profile_dir",
-    "write_json",
-    "read_json",
-    "check_writable",
-    "save_profile",
-    "find_profiles",
-    "warn_at_caller",
-]
-
-ENV_PROFILE_DIR = "HETSPLIT_PROFILE_DIR"
+_ENV_PROFILE_DIR = "HETSPLIT_PROFILE_DIR"
 
 
 def profile_dir(directory: str | Path | None = None) -> Path:
@@ -43,7 +29,7 @@ def profile_dir(directory: str | Path | None = None) -> Path:
     """
     if directory is not None:
         return Path(directory)
-    env = os.environ.get(ENV_PROFILE_DIR)
+    env = os.environ.get(_ENV_PROFILE_DIR)
     return Path(env) if env else Path.cwd() / "profiles"
 
 

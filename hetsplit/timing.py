@@ -12,8 +12,6 @@ from torch import nn
 
 from .devices import Device
 
-__all__ = ["Lap", "lap", "WorkTimer", "cpu_threads", "threads_for"]
-
 
 class Lap:
     """An interval of work on a device, read later without forcing a synchronisation.

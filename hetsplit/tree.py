@@ -13,26 +13,14 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-__all__ = [
-    "TreeSpec",
-    "flatten",
-    "unflatten",
-    "tree_map",
-    "leaf_paths",
-    "batch_length",
-    "take_rows",
-    "to_device",
-    "move",
-]
-
-TreeSpec = pytree.TreeSpec
+_TreeSpec = pytree.TreeSpec
 
 
 def _is_unregistered_dataclass(x: Any) -> bool:
     return dataclasses.is_dataclass(x) and not isinstance(x, type) and type(x) not in pytree.SUPPORTED_NODES
 
 
-def flatten(tree: Any) -> tuple[list[Any], TreeSpec]:
+def flatten(tree: Any) -> tuple[list[Any], _TreeSpec]:
     """Flatten a nested batch into leaves and a spec, like ``torch.utils._pytree.tree_flatten``.
 
     Tuples, lists, dicts, namedtuples and anything torch registers are containers; so are
@@ -51,7 +39,7 @@ def flatten(tree: Any) -> tuple[list[Any], TreeSpec]:
                 pass
 
 
-def unflatten(leaves: list[Any], spec: TreeSpec) -> Any:
+def unflatten(leaves: list[Any], spec: _TreeSpec) -> Any:
     """Rebuild a nest from :func:`flatten`'s leaves and spec."""
     return pytree.tree_unflatten(leaves, spec)
 

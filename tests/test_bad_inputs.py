@@ -21,12 +21,15 @@ import torch
 from torch import nn
 
 import hetsplit
-from hetsplit import Profile, ProfileFileError
+from hetsplit import Profile
 from hetsplit.apps.cli import main
-from hetsplit.devices import Device
+from hetsplit.devices import Device, parse_device
+from hetsplit.files import ProfileFileError
+from hetsplit.parallel.sizes import split_sizes
 from hetsplit.planning import plan_from_sizes, solve
 from hetsplit.planning.checks import MAX_BATCH, MAX_DEVICES
 from hetsplit.planning.plan import sizes_from_weights
+from hetsplit.quick import quick_profile
 
 
 def _profile():
@@ -58,15 +61,15 @@ def _tiny_profile(devices):
 
 API_ROWS = [
     # 4: emulated speeds have a lower bound everywhere a speed is given
-    ("4 emulated speed too small", lambda: hetsplit.parse_device("cpu@0.0000001"), ValueError, "at least 0.001"),
-    ("4 emulated speed zero", lambda: hetsplit.parse_device("cpu@0"), ValueError, "must be in (0, 1]"),
-    ("4 set_speed too small", lambda: hetsplit.parse_device("cpu@0.5").set_speed(1e-7), ValueError, "at least 0.001"),
-    ("4 set_speed a string", lambda: hetsplit.parse_device("cpu@0.5").set_speed("0.5"), TypeError, "'0.5'"),
-    ("4 set_speed a bool", lambda: hetsplit.parse_device("cpu@0.5").set_speed(True), TypeError, "got True"),
+    ("4 emulated speed too small", lambda: parse_device("cpu@0.0000001"), ValueError, "at least 0.001"),
+    ("4 emulated speed zero", lambda: parse_device("cpu@0"), ValueError, "must be in (0, 1]"),
+    ("4 set_speed too small", lambda: parse_device("cpu@0.5").set_speed(1e-7), ValueError, "at least 0.001"),
+    ("4 set_speed a string", lambda: parse_device("cpu@0.5").set_speed("0.5"), TypeError, "'0.5'"),
+    ("4 set_speed a bool", lambda: parse_device("cpu@0.5").set_speed(True), TypeError, "got True"),
     ("4 Device built by hand", lambda: Device("cpu", None, 1e-9, True), ValueError, "at least 0.001"),
-    ("27 a speed just above 1, named exactly", lambda: hetsplit.parse_device("cpu@1.0000001"), ValueError,
+    ("27 a speed just above 1, named exactly", lambda: parse_device("cpu@1.0000001"), ValueError,
      "got 1.0000001"),
-    ("27 a CPU index other than 0", lambda: hetsplit.parse_device(torch.device("cpu", 1)), ValueError,
+    ("27 a CPU index other than 0", lambda: parse_device(torch.device("cpu", 1)), ValueError,
      "the CPU has one index, 0"),
     # 7: Profile.merge is bounded and counts copies of one device on
     ("7 merge beyond any what-if", lambda: Profile.merge([(_profile(), "cpu", 10**9)]), ValueError,
@@ -86,7 +89,7 @@ API_ROWS = [
     ("8 a time of years", lambda: Profile.from_measurements({"a": [(1, 1e300)]}), ValueError, "at most 1e+06"),
     # 10: sizes have a documented bound (2**40)
     ("10 batch beyond any machine", lambda: solve(_profile(), 10**30), ValueError, f"{MAX_BATCH:,}"),
-    ("10 split_sizes beyond any machine", lambda: hetsplit.split_sizes(10**30, ["cpu", "cpu@0.5"], weights=[1, 1]),
+    ("10 split_sizes beyond any machine", lambda: split_sizes(10**30, ["cpu", "cpu@0.5"], weights=[1, 1]),
      ValueError, f"{MAX_BATCH:,}"),
     ("10 profile a batch beyond the probe", lambda: hetsplit.profile(nn.Linear(3, 2), torch.zeros(4, 3), "cpu",
      batch_sizes=[1_000_000_000]), ValueError, "above max_probe"),
@@ -128,8 +131,8 @@ API_ROWS = [
     ("m emulate max_batch a string", lambda: hetsplit.emulate("cpu", max_batch="64"), TypeError, "str: '64'"),
     ("m emulate an emulated device", lambda: hetsplit.emulate("cpu@0.5"), ValueError, "takes a real device"),
     ("m emulate speed 0", lambda: hetsplit.emulate("cpu", speed=0), ValueError, "at least 0.001"),
-    ("m device string cap 0", lambda: hetsplit.parse_device("cpu:max0"), ValueError, "got 0"),
-    ("m device string cap fractional", lambda: hetsplit.parse_device("cpu@0.5:max1.5"), ValueError,
+    ("m device string cap 0", lambda: parse_device("cpu:max0"), ValueError, "got 0"),
+    ("m device string cap fractional", lambda: parse_device("cpu@0.5:max1.5"), ValueError,
      "after ':max' must be a whole number"),
     ("m Device cap on a real device", lambda: Device("cpu", max_batch=4), ValueError, "pass emulated=True"),
     ("m accumulate not a bool", lambda: solve(_profile(), 10, accumulate="yes"), TypeError, "got 'yes'"),
@@ -189,14 +192,14 @@ LEGIT_ROWS = [
     # 15: one rule for repeated devices: a profile measures each distinct device once, the
     # engines accept repeats (several replicas on one device) and use that curve for each.
     ("15 profile a device twice: measured once", lambda: _tiny_profile(["cpu", "cpu"]).devices, ["cpu"]),
-    ("15 split over a repeated device", lambda: hetsplit.split_sizes(10, ["cpu", "cpu"], profile=_profile()), [5, 5]),
-    ("15 weights as a tensor", lambda: hetsplit.split_sizes(10, ["cpu", "cpu@0.5"], weights=torch.tensor([4, 1])),
+    ("15 split over a repeated device", lambda: split_sizes(10, ["cpu", "cpu"], profile=_profile()), [5, 5]),
+    ("15 weights as a tensor", lambda: split_sizes(10, ["cpu", "cpu@0.5"], weights=torch.tensor([4, 1])),
      [8, 2]),
-    ("15 weights as an array", lambda: hetsplit.split_sizes(10, ["cpu", "cpu@0.5"], weights=np.array([4.0, 1.0])),
+    ("15 weights as an array", lambda: split_sizes(10, ["cpu", "cpu@0.5"], weights=np.array([4.0, 1.0])),
      [8, 2]),
     ("15 weights of any magnitude", lambda: sizes_from_weights(10, [1e308, 1e308]), [5, 5]),
-    ("27 'cpu:0' is the CPU, as in torch", lambda: hetsplit.parse_device("cpu:0").name, "cpu"),
-    ("27 torch.device('cpu', 0) is the CPU", lambda: hetsplit.parse_device(torch.device("cpu", 0)).name, "cpu"),
+    ("27 'cpu:0' is the CPU, as in torch", lambda: parse_device("cpu:0").name, "cpu"),
+    ("27 torch.device('cpu', 0) is the CPU", lambda: parse_device(torch.device("cpu", 0)).name, "cpu"),
     ("7 a device picked twice is numbered on", lambda: _merged([("cpu", 2), ("cpu@0.25", 1), ("cpu", 2)]).devices,
      ["cpu#1", "cpu#2", "cpu@0.25", "cpu#3", "cpu#4"]),
     ("10 the largest batch", lambda: sum(solve(_profile(), MAX_BATCH).sizes), MAX_BATCH),
@@ -299,7 +302,7 @@ def test_an_interrupted_save_leaves_nothing_behind(tmp_path, monkeypatch):
 
 
 def test_the_quick_profile_derives_an_emulated_device_from_its_real_one():
-    prof = hetsplit.quick_profile(["cpu", "cpu@0.25"])
+    prof = quick_profile(["cpu", "cpu@0.25"])
     real, slow = prof.entry("cpu").curve, prof.entry("cpu@0.25").curve
     assert slow.seconds == pytest.approx([4 * t for t in real.seconds]) and prof.entry("cpu@0.25").info.emulated
 

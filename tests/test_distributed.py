@@ -16,6 +16,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import hetsplit
 import hetsplit.distributed as hd
+from hetsplit.distributed._group import verify_plan
 from hetsplit.planning import plan_from_sizes
 
 WORLD = 2
@@ -198,7 +199,7 @@ def _worker(rank, init_file, out_dir):
     finally:
         plan_module.__version__ = real
     try:
-        hd.verify_plan(plan_from_sizes(None, ["a", "b"], [5, 5] if rank == 0 else [6, 4]))
+        verify_plan(plan_from_sizes(None, ["a", "b"], [5, 5] if rank == 0 else [6, 4]))
     except hd.DistributedError as e:
         res["plan_error"] = str(e)
     # A rank that hangs: the other stops with a clear error once the group's timeout ends.
@@ -206,7 +207,7 @@ def _worker(rank, init_file, out_dir):
     if rank == 0:
         start = time.perf_counter()
         try:
-            hd.verify_plan(plan, group=short)
+            verify_plan(plan, group=short)
         except hd.DistributedError as e:
             res["timeout_error"] = str(e)
         res["timeout_after"] = time.perf_counter() - start

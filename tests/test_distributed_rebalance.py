@@ -23,6 +23,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import hetsplit
 import hetsplit.distributed as hd
+from hetsplit.devices import parse_device
+from hetsplit.distributed.sampler import HeteroBatchSampler
 from hetsplit.planning import plan_from_sizes
 
 WORLD, BATCH, STEPS, SLOW_AT = 2, 128, 48, 12
@@ -58,10 +60,10 @@ def _worker(rank, init_file, out_dir):
     dist.init_process_group(
         "gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=60)
     )
-    device = hetsplit.parse_device("cpu" if rank == 0 else "cpu@1")
+    device = parse_device("cpu" if rank == 0 else "cpu@1")
     data = _data()
     plan = plan_from_sizes(None, ["rank0:cpu", "rank1:cpu@1"], [BATCH // 2, BATCH // 2])
-    sampler = hd.HeteroBatchSampler(data, plan, shuffle=True, seed=3)
+    sampler = HeteroBatchSampler(data, plan, shuffle=True, seed=3)
     loader = DataLoader(data, batch_sampler=sampler, collate_fn=sampler.collate)
     model = DDP(_net())
     grads = hd.weight_gradients(model, plan)

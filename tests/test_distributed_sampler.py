@@ -64,7 +64,7 @@ def test_bad_arguments(kw, fragment):
 
 
 def _batch_samplers(n, plan=PLAN, **kw):
-    from hetsplit.distributed import HeteroBatchSampler
+    from hetsplit.distributed.sampler import HeteroBatchSampler
 
     return [HeteroBatchSampler(list(range(n)), plan, num_replicas=3, rank=r, **kw) for r in range(3)]
 
@@ -99,7 +99,7 @@ def test_batch_sampler_collates_an_empty_share_to_empty_tensors():
     import torch
     from torch.utils.data import DataLoader, TensorDataset
 
-    from hetsplit.distributed import HeteroBatchSampler
+    from hetsplit.distributed.sampler import HeteroBatchSampler
 
     data = TensorDataset(torch.randn(20, 3), torch.arange(20))
     plan = plan_from_sizes(None, ["rank0", "rank1"], [10, 0])
@@ -109,7 +109,7 @@ def test_batch_sampler_collates_an_empty_share_to_empty_tensors():
 
 
 def test_a_zero_share_is_served_one_real_sample_that_counts_as_none():
-    from hetsplit.distributed import HeteroBatchSampler
+    from hetsplit.distributed.sampler import HeteroBatchSampler
 
     plan = plan_from_sizes(None, ["rank0", "rank1"], [8, 0])
     sampler = HeteroBatchSampler(list(range(20)), plan, num_replicas=2, rank=1, shuffle=False)
@@ -120,7 +120,7 @@ def test_a_zero_share_is_served_one_real_sample_that_counts_as_none():
 
 
 def test_unpadded_last_global_batch_is_cut_in_proportion_every_sample_once():
-    from hetsplit.distributed import HeteroBatchSampler
+    from hetsplit.distributed.sampler import HeteroBatchSampler
 
     plan = plan_from_sizes(None, ["rank0", "rank1"], [6, 2])
     cut = [HeteroBatchSampler(list(range(21)), plan, num_replicas=2, rank=r, shuffle=False, pad=False) for r in (0, 1)]

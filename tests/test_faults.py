@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 
 import hetsplit.distributed as hd
-from hetsplit.distributed._group import as_error
+from hetsplit.distributed._group import as_error, is_failure
+from hetsplit.distributed.rank_plan import rank_device
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "torchrun_ddp.py"
 TIMEOUT = 5  # the process group's timeout in these jobs, seconds
@@ -167,17 +168,17 @@ def test_a_device_list_of_another_length_than_the_world_fails_on_every_rank(tmp_
 
 
 def test_rank_device_is_strict(monkeypatch):
-    assert hd.rank_device("cpu, cpu@0.25", 1, world=2) == "cpu@0.25"
+    assert rank_device("cpu, cpu@0.25", 1, world=2) == "cpu@0.25"
     with pytest.raises(ValueError, match=r"3 devices \['cpu', 'cpu', 'cpu'\] for 2 processes"):
-        hd.rank_device(["cpu"] * 3, 0, world=2)
+        rank_device(["cpu"] * 3, 0, world=2)
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "2")
-    assert hd.rank_device("cuda:0,cpu") == "cpu"  # torchrun's environment before init_process_group
+    assert rank_device("cuda:0,cpu") == "cpu"  # torchrun's environment before init_process_group
     with pytest.raises(ValueError, match=r"1 device \['cpu'\] for 2 processes"):
-        hd.rank_device("cpu")
+        rank_device("cpu")
     monkeypatch.delenv("WORLD_SIZE")
     with pytest.raises(ValueError, match="pass rank= and world="):
-        hd.rank_device("cpu")
+        rank_device("cpu")
 
 
 GLOO_DEAD = (
@@ -208,10 +209,10 @@ def test_failure_lines_name_the_rank_step_and_timeout():
 
 
 def test_only_communication_failures_are_converted():
-    assert hd.is_failure(RuntimeError(GLOO_DEAD)) and hd.is_failure(RuntimeError(GLOO_HUNG))
-    assert not hd.is_failure(RuntimeError("mat1 and mat2 shapes cannot be multiplied (4x3 and 5x2)"))
-    assert not hd.is_failure(ValueError("Connection reset by peer, gloo"))  # not a RuntimeError
-    assert not hd.is_failure(hd.DistributedError("already one line"))
+    assert is_failure(RuntimeError(GLOO_DEAD)) and is_failure(RuntimeError(GLOO_HUNG))
+    assert not is_failure(RuntimeError("mat1 and mat2 shapes cannot be multiplied (4x3 and 5x2)"))
+    assert not is_failure(ValueError("Connection reset by peer, gloo"))  # not a RuntimeError
+    assert not is_failure(hd.DistributedError("already one line"))
     with pytest.raises(RuntimeError, match="shapes cannot be multiplied"), hd.guard(step=1):
         raise RuntimeError("mat1 and mat2 shapes cannot be multiplied")
     expected = r"^this rank, step 4: training step failed: another rank died"  # no process group: rank unknown

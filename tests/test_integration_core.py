@@ -6,6 +6,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
+from hetsplit.distributed.setup import device_name
+
 pytest.importorskip("accelerate")
 pytest.importorskip("lightning")
 
@@ -47,8 +49,8 @@ def test_plan_kwargs_have_one_name_and_one_default():
 
 
 def test_framework_device_names_are_hetsplit_names():
-    assert core.device_name(torch.device("cpu", 0)) == "cpu"
-    assert [core.device_name(s) for s in ("cpu:0", "cpu:1@0.25", "cpu:max4", "cuda:1")] == [
+    assert device_name(torch.device("cpu", 0)) == "cpu"
+    assert [device_name(s) for s in ("cpu:0", "cpu:1@0.25", "cpu:max4", "cuda:1")] == [
         "cpu",
         "cpu@0.25",
         "cpu:max4",

@@ -24,6 +24,8 @@ pytest.importorskip("lightning")
 
 import torch
 
+from hetsplit.devices import parse_device
+
 __all__: list[str] = []
 
 N, BATCH = 20, 4  # 20 samples, loader batch 4 on 2 ranks: a global batch of 8, 3 steps per epoch
@@ -491,7 +493,7 @@ def test_micro_batch_refusals_and_memory_caps():
         module = SimpleNamespace(automatic_optimization=True, device=torch.device("cpu"))
         context = SimpleNamespace(train_step_context=lambda: contextlib.nullcontext())
         return SimpleNamespace(
-            lightning_module=module, plan=plan, global_rank=0, rank_device=hetsplit.parse_device(device),
+            lightning_module=module, plan=plan, global_rank=0, rank_device=parse_device(device),
             model=None, precision_plugin=context,
         )  # fmt: skip
 

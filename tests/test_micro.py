@@ -10,6 +10,7 @@ from torch import nn
 
 import hetsplit
 from hetsplit import HeteroDataParallel, Profile, solve
+from hetsplit.devices import parse_device
 from hetsplit.parallel.micro import StepOutOfMemory
 
 
@@ -162,7 +163,7 @@ def test_oom_in_backward_after_forward_returned_is_refused_clearly():
 def test_guard_turns_an_oom_into_one_line_that_stops_the_rank():
     import hetsplit.distributed as hd
 
-    dev = hetsplit.parse_device("cpu@0.5:max4")
+    dev = parse_device("cpu@0.5:max4")
     with (
         pytest.raises(
             hd.DistributedError,

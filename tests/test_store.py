@@ -5,7 +5,8 @@ import pytest
 
 import hetsplit.files as files
 import hetsplit.store as store
-from hetsplit import Profile, ProfileFileError
+from hetsplit import Profile
+from hetsplit.files import ProfileFileError
 from hetsplit.planning import latest_profile
 
 
@@ -19,7 +20,7 @@ def test_save_load_round_trip_with_schema_header(tmp_path):
     p = _profile(model={"name": "lenet", "fingerprint": "abc", "input_shape": [[1, 28, 28]]})
     path = p.save(tmp_path / "p.json")
     doc = json.loads(path.read_text())
-    assert doc["schema_version"] == store.SCHEMA_VERSION and doc["kind"] == "profile"
+    assert doc["schema_version"] == files.SCHEMA_VERSION and doc["kind"] == "profile"
     assert doc["versions"]["torch"] and doc["versions"]["hetsplit"]
     assert doc["devices"][0]["measurements"][0]["times"] == [0.1]
     q = Profile.load(path)
@@ -131,7 +132,7 @@ def test_a_fifo_or_an_endless_device_in_the_store_is_skipped_not_read(tmp_path):
 def test_an_oversized_file_is_refused_by_its_size_without_reading_it(tmp_path, monkeypatch):
     big = tmp_path / "big.json"
     with open(big, "wb") as fh:
-        fh.truncate(store.MAX_FILE_BYTES + 1)  # sparse: no disk used
+        fh.truncate(files.MAX_FILE_BYTES + 1)  # sparse: no disk used
     reads = []
     monkeypatch.setattr(store.os, "fdopen", lambda *a, **k: reads.append(a))
     with pytest.raises(ProfileFileError, match=r"big\.json: 33,554,433 bytes, larger than any hetsplit file"):

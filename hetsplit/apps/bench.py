@@ -23,18 +23,6 @@ from .bench_result import BenchResult
 from .bench_timing import calibrate_plan, time_steps
 from .models import ModelSpec, build_model, load_model, synthetic_batch
 
-__all__ = [
-    "BenchResult",
-    "bench",
-    "calibrate_plan",
-    "holdout_errors",
-    "time_steps",
-    "keep_freed_memory",
-    "home_device",
-    "dp_step",
-    "cpu_threads",
-]
-
 
 def cpu_threads(devices: Sequence[Device], requested: int | None = None) -> int:
     """Torch's intra-op threads for a run on ``devices``: the one rule of profile, bench and demo.
@@ -227,7 +215,7 @@ def bench(
         overhead=overhead,
         busy=timeline,
         predicted={k: v for k, v in predicted.items() if v == v and v < float("inf")},
-        holdout=holdout_errors(prof),
+        holdout=_holdout_errors(prof),
         calibration=calibration,
         meta={
             "date": _dt.date.today().isoformat(),
@@ -243,7 +231,7 @@ def bench(
     )
 
 
-def holdout_errors(prof: Any) -> dict[str, dict[str, float]]:
+def _holdout_errors(prof: Any) -> dict[str, dict[str, float]]:
     """Per device of a profile, its curve's error at the middle measured size, refitted without it."""
     out = {}
     for entry in prof.entries:

@@ -21,8 +21,6 @@ from ..planning.rebalance import PlanChange, Rebalancer
 from .bench import dp_step, home_device, keep_freed_memory, time_steps
 from .models import ModelSpec, load_model, synthetic_batch
 
-__all__ = ["RebalanceResult", "bench_rebalance", "parse_change"]
-
 
 def parse_change(text: str) -> tuple[str, float, int]:
     """Parse a speed change ``DEVICE=SPEED@STEP``: ``"cpu@1=0.25@30"`` slows ``cpu@1`` to 0.25x at step 30.

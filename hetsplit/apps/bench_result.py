@@ -7,8 +7,6 @@ from typing import Any
 
 from ..planning.plan import Plan
 
-__all__ = ["BenchResult"]
-
 
 @dataclasses.dataclass
 class BenchResult:

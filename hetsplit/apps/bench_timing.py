@@ -12,10 +12,8 @@ from ..planning.plan import Plan
 from ..planning.rebalance import Rebalancer
 from ..planning.solver import plan_from_sizes
 
-__all__ = ["MAX_CALIBRATION_STEPS", "calibrate_plan", "time_steps"]
-
 # Calibration steps at most, however short a step is.
-MAX_CALIBRATION_STEPS = 200
+_MAX_CALIBRATION_STEPS = 200
 
 
 def time_steps(
@@ -109,7 +107,7 @@ def calibrate_plan(
     busy.clear()  # the warm-up steps' busy times are not calibration
     samples: dict[str, list[float]] = {}
     walls: list[float] = []
-    while not walls or (sum(walls) < seconds and len(walls) < MAX_CALIBRATION_STEPS):
+    while not walls or (sum(walls) < seconds and len(walls) < _MAX_CALIBRATION_STEPS):
         time_steps({"balanced": step}, devs, steps, 0, samples=samples)
         walls += samples["balanced"]
     rebalancer = Rebalancer(prof, every=1, threshold=0.01, max_move=1.0, window=max(1, len(busy)))

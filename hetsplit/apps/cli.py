@@ -14,8 +14,6 @@ from .commands import DTYPES, CLIError, cmd_bench, cmd_demo, cmd_devices, cmd_pr
 from .launch import cmd_launch
 from .whatif import cmd_plan
 
-__all__ = ["main", "run", "build_parser"]
-
 
 def _ints(text: str) -> list[int]:
     try:

@@ -9,21 +9,6 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-__all__ = [
-    "CLIError",
-    "DTYPES",
-    "default_devices",
-    "fmt_time",
-    "even_note",
-    "alone_note",
-    "table",
-    "cmd_devices",
-    "cmd_profile",
-    "cmd_show",
-    "cmd_bench",
-    "cmd_demo",
-]
-
 DTYPES = ("float32", "float64", "float16", "bfloat16")
 
 
@@ -125,7 +110,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
     import torch
     import torch.nn.functional as F
 
-    from .. import profiler, store
+    from .. import files, profiler, store
     from ..devices import parse_devices
     from ..planning import solver
     from .bench import cpu_threads
@@ -135,9 +120,9 @@ def cmd_profile(args: argparse.Namespace) -> int:
     devs = list(dict.fromkeys(listed))  # a profile measures each device once
     ladder = profiler.check_ladder(args.batch_sizes)
     if args.out is not None:  # where the result goes is checked before any profiling
-        store.check_writable(args.out)
+        files.check_writable(args.out)
     else:
-        store.check_writable(store.profile_dir(args.profile_dir), directory=True)
+        files.check_writable(store.profile_dir(args.profile_dir), directory=True)
     replacing = args.out is not None and args.out.exists()
     torch.set_num_threads(cpu_threads(devs, args.threads))
     spec = load_model(args.model, tuple(args.input_shape) if args.input_shape else None)
@@ -202,7 +187,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    from .. import store
+    from .. import files, store
     from ..planning import Plan, Profile
     from .bench import BenchResult
     from .bench_rebalance import RebalanceResult
@@ -210,7 +195,7 @@ def cmd_show(args: argparse.Namespace) -> int:
 
     doc = store.read_json(args.file, ("profile", "bench", "bench-rebalance"))
     out = args.out or args.file.with_suffix(".png")
-    store.check_writable(out)  # before drawing, naming the picture's path
+    files.check_writable(out)  # before drawing, naming the picture's path
     if doc["kind"] == "bench-rebalance":
         try:
             path = plot_rebalance(RebalanceResult.from_dict(doc["result"]), out)
@@ -266,7 +251,7 @@ def cmd_show(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     import torch
 
-    from .. import store
+    from .. import files, store
     from ..devices import parse_devices
     from .bench import bench, cpu_threads
     from .bench_rebalance import bench_rebalance, parse_change
@@ -288,7 +273,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         )
     spec = load_model(args.model, tuple(args.input_shape) if args.input_shape else None)
     if args.json is not None:
-        store.check_writable(args.json)
+        files.check_writable(args.json)
     torch.set_num_threads(cpu_threads(devs, args.threads))
     steps = args.steps or (120 if args.rebalance else 20)
     emulated = [d.name for d in devs if d.emulated]
@@ -328,7 +313,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from .. import store
+    from .. import files, store
     from ..devices import parse_devices
     from .demo import run_demo
     from .models import load_model
@@ -337,7 +322,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     if devices is not None and len(devices) < 2:
         raise CLIError(f"the demo compares splits, so it needs two or more devices; got {[d.name for d in devices]}")
     if args.json is not None:
-        store.check_writable(args.json)
+        files.check_writable(args.json)
     result = run_demo(
         devices,
         model=load_model(args.model, tuple(args.input_shape) if args.input_shape else None),

@@ -17,8 +17,6 @@ from ..devices import DeviceLike, discover, parse_devices
 from .bench import BenchResult, bench, cpu_threads
 from .models import ModelSpec
 
-__all__ = ["demo_devices", "run_demo", "run_processes", "verdict"]
-
 
 def demo_devices() -> list[str]:
     """Every local device; on a one-device machine, plus an emulated ``cpu@0.25`` to split against."""

@@ -12,8 +12,6 @@ import json
 import statistics
 import time
 
-__all__ = ["main"]
-
 
 def main() -> None:
     """Train ``--steps`` DDP steps on this rank's share of the batch; rank 0 writes the timings."""

@@ -9,9 +9,7 @@ import socket
 from collections.abc import MutableMapping, Sequence
 from pathlib import Path
 
-__all__ = ["launch", "torchrun_args", "local_env", "cmd_launch"]
-
-LOOPBACK = "127.0.0.1"
+_LOOPBACK = "127.0.0.1"
 
 
 def torchrun_args(
@@ -54,7 +52,7 @@ def torchrun_args(
     if nnodes == 1 and rdzv_endpoint is None:
         # One machine: the ranks reach the agent's stores at the loopback address. torch's
         # TCPStore still listens on every interface (it has no bind address); see local_env.
-        argv += ["--standalone", "--local-addr", LOOPBACK]
+        argv += ["--standalone", "--local-addr", _LOOPBACK]
     else:
         if rdzv_endpoint is None:
             raise ValueError("a job of several nodes needs --rdzv-endpoint HOST:PORT, the same on every node")

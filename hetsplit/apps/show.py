@@ -16,8 +16,6 @@ if TYPE_CHECKING:
     from .bench import BenchResult
     from .bench_rebalance import RebalanceResult
 
-__all__ = ["plot_rebalance", "MissingPlotExtra", "plot_profile", "plot_timeline", "timeline_title"]
-
 _COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf"]
 
 

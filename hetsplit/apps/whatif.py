@@ -14,16 +14,14 @@ from .commands import CLIError, alone_note, even_note, fmt_time, table
 if TYPE_CHECKING:
     from ..planning import Profile
 
-__all__ = ["MAX_ROWS", "MAX_WORTH", "parse_use", "cmd_plan"]
-
 # A plan table longer than this shows the first rows and sums up the rest.
-MAX_ROWS = 40
+_MAX_ROWS = 40
 # "What each addition is worth" re-solves once per addition (twice for copies); past this
 # many additions the rest are not evaluated, and the output says so.
-MAX_WORTH = 40
+_MAX_WORTH = 40
 
 
-def parse_use(text: str, limit: int) -> tuple[Path, str, int]:
+def _parse_use(text: str, limit: int) -> tuple[Path, str, int]:
     """``profiles/a.json:cuda:0*8`` -> (path, "cuda:0", 8), with at most ``limit`` copies.
 
     Raises:
@@ -82,7 +80,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         for device in wanted:
             pick(path, device, 1)
     for text in args.use:
-        pick(*parse_use(text, checks.MAX_DEVICES))
+        pick(*_parse_use(text, checks.MAX_DEVICES))
     parts = [(loaded[path], name, n) for (path, name), n in picks.items()]
     combined = Profile.merge(parts)
     whatif = len(loaded) > 1 or bool(args.use)
@@ -117,9 +115,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print(f"{'what-if ' if whatif else ''}split of a batch of {plan.batch_size} ({model}; profiles: {sources})")
     if len(fingerprints) > 1:
         print("warning: the profiles are of different models; their times do not add up to one job")
-    if len(rows) > MAX_ROWS:
-        hidden = rows[MAX_ROWS:]
-        rows = [*rows[:MAX_ROWS], [f"... {len(hidden):,} more", str(sum(int(r[1]) for r in hidden)), "", "", ""]]
+    if len(rows) > _MAX_ROWS:
+        hidden = rows[_MAX_ROWS:]
+        rows = [*rows[:_MAX_ROWS], [f"... {len(hidden):,} more", str(sum(int(r[1]) for r in hidden)), "", "", ""]]
     print(table(rows, ["device", "samples", "share", "predicted time", "note"]))
     print(f"\npredicted compute per step {fmt_time(plan.step_time)}")
 
@@ -181,8 +179,8 @@ def _print_worth(
     names, start = combined.devices, 0
     for k, (prof, device, n) in enumerate(parts):
         end = start + n
-        if k == MAX_WORTH:
-            print(f"  ... {len(parts) - k:,} more additions not evaluated (at most {MAX_WORTH} are)")
+        if k == _MAX_WORTH:
+            print(f"  ... {len(parts) - k:,} more additions not evaluated (at most {_MAX_WORTH} are)")
             break
         label = f"{device}{'*' + str(n) if n > 1 else ''} of {prof.host}"
         cases = [(f"without {label}", names[:start] + names[end:])]

@@ -6,33 +6,25 @@ share of every global batch; ``accumulate`` its micro-batches) → ``comm_hooks`
 ``rebalance`` (online rebalancing across ranks); ``teardown`` waits at exit for gloo's workers.
 """
 
-from ._group import DistributedError, failure_message, guard, init_timeout, is_failure, verify_plan
+from ._group import DistributedError, guard
 from .accumulate import micro_batches
-from .comm_hooks import WeightingState, scale_loss, weight_gradients
-from .rank_plan import plan, rank_device
+from .comm_hooks import weight_gradients
+from .rank_plan import plan
 from .rebalance import DistributedRebalancer
-from .sampler import HeteroBatchSampler, HeteroDistributedSampler, data_loader
-from .setup import ENV_DEVICES, init
+from .sampler import HeteroDistributedSampler, data_loader
+from .setup import init
 from .teardown import drain_at_exit
 
+# The public API of the torchrun path; the modules' other names are the package's own.
 __all__ = [
-    "ENV_DEVICES",
-    "DistributedError",
-    "DistributedRebalancer",
-    "HeteroBatchSampler",
-    "HeteroDistributedSampler",
-    "WeightingState",
-    "data_loader",
-    "drain_at_exit",
-    "failure_message",
-    "guard",
     "init",
-    "init_timeout",
-    "is_failure",
-    "micro_batches",
     "plan",
-    "rank_device",
-    "scale_loss",
-    "verify_plan",
+    "data_loader",
+    "HeteroDistributedSampler",
     "weight_gradients",
+    "micro_batches",
+    "DistributedRebalancer",
+    "guard",
+    "DistributedError",
+    "drain_at_exit",
 ]

@@ -17,22 +17,6 @@ from ..emulation import is_out_of_memory
 from ..planning.plan import Plan
 from .teardown import drain_at_exit
 
-__all__ = [
-    "DistributedError",
-    "group_info",
-    "collective",
-    "all_gather",
-    "verify_plan",
-    "init_timeout",
-    "group_timeout",
-    "is_failure",
-    "failure_message",
-    "as_error",
-    "guard",
-    "note_step",
-    "current_step",
-]
-
 
 class DistributedError(RuntimeError):
     """Ranks disagree (versions, plans) or one of them died or hangs.
@@ -73,7 +57,7 @@ def note_step(step: int) -> None:
     _progress["step"] = step
 
 
-def current_step() -> int | None:
+def _current_step() -> int | None:
     """The step last recorded by :func:`note_step`, or ``None`` before training."""
     return _progress["step"]
 
@@ -204,13 +188,13 @@ class guard:  # lower case: used like a function, `with hd.guard(step=i):`
 
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None) -> bool:
         if error is not None and is_out_of_memory(error) and not isinstance(error, DistributedError):
-            raise _oom_error(error, self.step if self.step is not None else current_step(), self.group) from error
+            raise _oom_error(error, self.step if self.step is not None else _current_step(), self.group) from error
         if error is None or not is_failure(error):
             return False
         rank = world = None
         if dist.is_available() and dist.is_initialized():
             rank, world = dist.get_rank(self.group), dist.get_world_size(self.group)
-        step = self.step if self.step is not None else current_step()
+        step = self.step if self.step is not None else _current_step()
         raise as_error(
             error, rank=rank, world=world, step=step, what=self.what, timeout=group_timeout(self.group)
         ) from error

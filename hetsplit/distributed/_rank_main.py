@@ -14,8 +14,6 @@ import sys
 
 from .teardown import drain_at_exit
 
-__all__ = ["main"]
-
 
 def main() -> None:
     """Run ``sys.argv[1]`` as ``python SCRIPT ARGS...`` would, with the exit wait registered."""

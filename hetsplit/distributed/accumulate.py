@@ -14,8 +14,6 @@ from ..planning.plan import Plan
 from ..tree import batch_length, flatten
 from ._group import group_info
 
-__all__ = ["micro_batches"]
-
 
 def micro_batches(
     ddp_model: nn.Module,

@@ -15,8 +15,6 @@ from ..planning.plan import Plan
 from ..tree import batch_length, tree_map
 from ._group import DistributedError, as_error, group_info, group_timeout, note_step, verify_plan
 
-__all__ = ["WeightingState", "weight_gradients", "scale_loss"]
-
 
 class WeightingState:
     """What the comm hook needs: this step's local batch size, the reduction, and the plan's weight.
@@ -287,18 +285,3 @@ def _micro_step(state: WeightingState, rank: int) -> None:
         state.started()  # a step is all of the rank's micro-batches
     state.part = state.local / sum(micro) if state.reduction == "mean" else 1.0
     state.pos = (state.pos + 1) % len(micro)
-
-
-def scale_loss(loss: torch.Tensor, local_size: int, global_size: int, *, world_size: int | None = None) -> torch.Tensor:
-    """Scale a rank's mean loss so that averaging gradients over ranks weighs shards by size.
-
-    For code that averages gradients itself (an all-reduce divided by the world size,
-    or DDP without :func:`weight_gradients`): each rank's loss is multiplied by
-    ``world_size * local_size / global_size``, turning the plain mean over ranks into
-    ``sum_r b_r * g_r / B``.
-    """
-    if world_size is None:
-        _, world_size = group_info(None)
-    if global_size <= 0:
-        raise ValueError(f"global_size must be > 0, got {global_size}")
-    return loss * (world_size * local_size / global_size)

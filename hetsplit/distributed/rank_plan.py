@@ -27,8 +27,6 @@ from ..version import __version__
 from ._group import DistributedError, all_gather, collective, group_info, guard
 from .setup import rank_devices
 
-__all__ = ["plan", "rank_device"]
-
 
 def rank_device(devices: str | Sequence[DeviceLike], rank: int | None = None, *, world: int | None = None) -> str:
     """This rank's device from a per-rank list: ``"cuda:0,cpu@0.25"`` gives rank 1 ``cpu@0.25``.

@@ -17,8 +17,6 @@ from ._group import all_gather, group_info, guard, verify_plan
 from .comm_hooks import WeightingState
 from .sampler import HeteroBatchSampler, plan_at
 
-__all__ = ["DistributedRebalancer"]
-
 
 class DistributedRebalancer:
     """Online rebalancing for a torchrun job: all ranks' step times pooled, one switch step for all.

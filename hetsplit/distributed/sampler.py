@@ -13,8 +13,6 @@ from ..planning.plan import Plan, sizes_from_weights
 from ..tree import tree_map
 from ._group import group_info
 
-__all__ = ["ZERO_SHARES", "HeteroDistributedSampler", "HeteroBatchSampler", "data_loader", "plan_at"]
-
 # What a rank whose share is 0 is served: one real sample weighted 0, or an empty batch.
 ZERO_SHARES = ("sample", "empty")
 

@@ -13,8 +13,6 @@ from ..devices import Device, parse_device
 from ._group import init_timeout
 from .teardown import drain_at_exit
 
-__all__ = ["ENV_DEVICES", "device_name", "device_names", "rank_devices", "choose_backend", "init"]
-
 # `hetsplit launch` puts the job's device list here, one device per global rank.
 ENV_DEVICES = "HETSPLIT_DEVICES"
 

@@ -13,7 +13,7 @@ load: a two-rank job exiting right after an all-reduce aborted in 22 of 30 runs.
 So every rank that uses hetsplit's distributed pieces registers (once) an ``atexit``
 handler, which runs while the interpreter is still whole: it releases the GIL in short
 sleeps until no gloo worker thread has run or is runnable across one sleep, at most
-:data:`EXIT_WAIT_SECONDS`. Worker threads blocked on a peer (a collective still
+:data:`_EXIT_WAIT_SECONDS`. Worker threads blocked on a peer (a collective still
 pending) count as settled, so a rank that fails never waits on the others.
 """
 
@@ -24,27 +24,25 @@ import functools
 import os
 import time
 
-__all__ = ["EXIT_WAIT_SECONDS", "WORKER_THREAD_NAMES", "drain_at_exit", "thread_states", "wait_for_workers"]
-
 # The longest an exiting rank waits for the workers (they need microseconds; a loaded
 # machine may not schedule them for tens of milliseconds).
-EXIT_WAIT_SECONDS = 2.0
+_EXIT_WAIT_SECONDS = 2.0
 # Native thread names (Linux ``comm``) of the c10d threads that drop a collective's tensors.
-WORKER_THREAD_NAMES = ("pt_gloo_runloop",)
+_WORKER_THREAD_NAMES = ("pt_gloo_runloop",)
 _SLICE = 0.005  # seconds the GIL is let go per look: long enough for a waiting thread to take it
 
 
 @functools.cache  # once per process (and names): called from every rank's use of the group
-def drain_at_exit(names: tuple[str, ...] = WORKER_THREAD_NAMES) -> None:
+def drain_at_exit(names: tuple[str, ...] = _WORKER_THREAD_NAMES) -> None:
     """Register :func:`wait_for_workers` to run at interpreter exit.
 
     Args:
         names: Native names of the threads to wait for (gloo's worker by default).
     """
-    atexit.register(wait_for_workers, EXIT_WAIT_SECONDS, names)
+    atexit.register(wait_for_workers, _EXIT_WAIT_SECONDS, names)
 
 
-def thread_states(names: tuple[str, ...] = WORKER_THREAD_NAMES) -> dict[int, tuple[str, int]] | None:
+def thread_states(names: tuple[str, ...] = _WORKER_THREAD_NAMES) -> dict[int, tuple[str, int]] | None:
     """This process's threads called one of ``names``, with their state and context switches.
 
     Args:
@@ -75,7 +73,7 @@ def thread_states(names: tuple[str, ...] = WORKER_THREAD_NAMES) -> dict[int, tup
     return out
 
 
-def wait_for_workers(timeout: float = EXIT_WAIT_SECONDS, names: tuple[str, ...] = WORKER_THREAD_NAMES) -> bool:
+def wait_for_workers(timeout: float = _EXIT_WAIT_SECONDS, names: tuple[str, ...] = _WORKER_THREAD_NAMES) -> bool:
     """Let the GIL go until the worker threads stay still across one short sleep.
 
     Still means: none is running, runnable or in I/O, and none was scheduled during the

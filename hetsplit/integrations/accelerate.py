@@ -14,12 +14,13 @@ from torch.utils.data import DataLoader, RandomSampler
 
 import hetsplit.distributed as hd
 from hetsplit.devices import Device, parse_device
+from hetsplit.distributed.comm_hooks import WeightingState
+from hetsplit.distributed.setup import device_name
 from hetsplit.planning import Plan, Profile, resolve_plan
 from hetsplit.tree import tree_map
 
 from . import core
 from .accelerate_parts import (
-    WEIGHTINGS,
     SharesLoader,
     check_arguments,
     check_loader,
@@ -31,9 +32,7 @@ from .accelerate_parts import (
     throttle_forward,
 )
 from .collectives import all_tensors, first_rows, uneven_gather, weighted_reduce
-from .core import carried_settings, device_name, is_cpu_job, launched_world, throttle
-
-__all__ = ["HeteroAccelerator", "WEIGHTINGS"]
+from .core import carried_settings, is_cpu_job, launched_world, throttle
 
 
 class HeteroAccelerator(accelerate.Accelerator):
@@ -141,7 +140,7 @@ class HeteroAccelerator(accelerate.Accelerator):
         self.plan_kwargs = core.plan_kwargs(plan_kwargs)
         self.model_to_profile: torch.nn.Module | None = None  # what prepare(loader) profiles without a model
         self._planned_loader: DataLoader | None = None  # the loader whose global batch the plan was made for
-        self._weightings: list[hd.WeightingState] = []
+        self._weightings: list[WeightingState] = []
         self._throttled: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
 
     @property

@@ -14,27 +14,12 @@ import torch.distributed as dist
 from accelerate.data_loader import DataLoaderShard
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler, SequentialSampler
 
-import hetsplit.distributed as hd
 from hetsplit.devices import Device
-from hetsplit.distributed.setup import rank_devices
+from hetsplit.distributed.setup import ENV_DEVICES, rank_devices
 from hetsplit.planning import Plan
 
 from . import core
 from .collectives import samples_in
-
-__all__ = [
-    "WEIGHTINGS",
-    "check_whole_shares",
-    "LOADERS_FILE",
-    "load_epochs",
-    "save_epochs",
-    "shuffle_seed",
-    "SharesLoader",
-    "check_arguments",
-    "check_loader",
-    "profiling_inputs",
-    "throttle_forward",
-]
 
 # "none": DDP's plain mean, for a loss already normalised over the global batch (what the
 # HF Trainer does with num_items_in_batch); the other two weight a per-process mean by shard.
@@ -71,7 +56,7 @@ class SharesLoader(DataLoaderShard):
         """This process's rows of the current batch that are data counted once.
 
         Not the padding that completes a last global batch, nor the one sample a share of
-        0 is served (:meth:`hetsplit.distributed.HeteroBatchSampler.real_rows`).
+        0 is served (:meth:`HeteroBatchSampler.real_rows`).
         """
         return min(self._rows, self.batch_sampler.real_rows(self._index))
 
@@ -176,7 +161,7 @@ def check_arguments(
             "dispatch_batches=True sends every batch from process 0; HeteroAccelerator gives each process its "
             "own share instead: leave dispatch_batches unset"
         )
-    spec = devices if devices is not None else os.environ.get(hd.ENV_DEVICES)
+    spec = devices if devices is not None else os.environ.get(ENV_DEVICES)
     if not spec:
         return None
     items = [s for s in spec.split(",") if s.strip()]

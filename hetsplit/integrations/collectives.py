@@ -9,8 +9,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["samples_in", "op_name", "weighted_reduce", "uneven_gather", "first_rows", "all_tensors"]
-
 _MAX_DIMS = 8  # the shape a gather exchanges first has room for this many dimensions
 
 

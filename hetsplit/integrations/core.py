@@ -16,21 +16,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from hetsplit.devices import Device
-from hetsplit.distributed.setup import device_name
 from hetsplit.planning import Plan, Profile, Rebalancer
-
-__all__ = [
-    "CARRIED",
-    "PLAN_KWARGS",
-    "WEIGHTINGS",
-    "carried_settings",
-    "check_arguments",
-    "device_name",
-    "is_cpu_job",
-    "launched_world",
-    "plan_kwargs",
-    "throttle",
-]
 
 # How gradients are weighted: "hook" (a DDP comm hook), "outputs" (the gradient into the
 # model's outputs is scaled), "none" (DDP's plain mean, for a loss already normalised over

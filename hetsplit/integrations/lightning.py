@@ -18,6 +18,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 import hetsplit.distributed as hd
 from hetsplit.devices import Device, parse_device
+from hetsplit.distributed.comm_hooks import WeightingState
+from hetsplit.distributed.sampler import HeteroBatchSampler
+from hetsplit.distributed.setup import ENV_DEVICES
 from hetsplit.planning import Plan, Profile, Rebalancer, plan_from_sizes, sizes_from_weights
 
 from . import core
@@ -34,8 +37,6 @@ from .lightning_parts import (
     rank_devices,
 )
 from .lightning_steps import eval_loader, step_sampler, weigh_step
-
-__all__ = ["HeteroDDPStrategy"]
 
 
 class HeteroDDPStrategy(DDPStrategy):
@@ -153,10 +154,10 @@ class HeteroDDPStrategy(DDPStrategy):
         self.profile, self.plan_kwargs = profile, core.plan_kwargs(given)
         self._plan = plan
         self._labels: list[str] = []
-        self.gradients: hd.WeightingState | None = None
+        self.gradients: WeightingState | None = None
         self.rebalancer: hd.DistributedRebalancer | None = None
-        self.train_sampler: hd.HeteroBatchSampler | None = None
-        self._eval_samplers: weakref.WeakKeyDictionary[hd.HeteroBatchSampler, int] = weakref.WeakKeyDictionary()
+        self.train_sampler: HeteroBatchSampler | None = None
+        self._eval_samplers: weakref.WeakKeyDictionary[HeteroBatchSampler, int] = weakref.WeakKeyDictionary()
         self._samples: int | None = None  # this rank's samples in the step running now
         self._weighted: list[int] | None = None  # every rank's rows the gradients are weighted by now
         self._seen: dict[Any, int] = {}  # per stage: this rank's samples since its metrics were last reset
@@ -198,7 +199,7 @@ class HeteroDDPStrategy(DDPStrategy):
             hd.drain_at_exit()  # at exit, let gloo's workers finish with the last collective first
 
     def _check_devices(self) -> None:
-        spec = self.device_list or os.environ.get(hd.ENV_DEVICES)
+        spec = self.device_list or os.environ.get(ENV_DEVICES)
         if not spec:  # the Trainer's own devices, on every node
             spec = ",".join([str(d) for d in (self.parallel_devices or [])] * self.num_nodes)
         first = self.node_rank * self.num_processes

@@ -39,8 +39,6 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-__all__ = ["BufferKeeper", "Snapshot", "Reenterable"]
-
 _KEEPERS: weakref.WeakKeyDictionary[nn.Module, BufferKeeper] = weakref.WeakKeyDictionary()
 
 

@@ -32,8 +32,6 @@ from hetsplit.planning import Plan
 from .collectives import samples_in
 from .lightning_buffers import BufferKeeper, Reenterable, Snapshot
 
-__all__ = ["run_training_step", "share_micro_batches", "micro_training_step", "LogRecorder", "combine", "share_output"]
-
 _LOG_SIGNATURE = inspect.signature(pl.LightningModule.log)
 _NOT_SET = object()
 

@@ -16,21 +16,11 @@ from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, Ra
 
 import hetsplit.distributed as hd
 from hetsplit.devices import parse_device
+from hetsplit.distributed.rank_plan import rank_device
 from hetsplit.planning import Plan, Rebalancer
 
 from . import core
 from .core import carried_settings
-
-__all__ = [
-    "profiled_plan",
-    "StepModule",
-    "LossModule",
-    "HeteroCallback",
-    "check_arguments",
-    "check_micro_plan",
-    "rank_devices",
-    "loader_settings",
-]
 
 
 class StepModule(nn.Module):
@@ -238,7 +228,7 @@ def rank_devices(spec: str, world: int, accelerator: str, here: Sequence[int]) -
             accelerator's (a CPU with ``accelerator="gpu"``), or one this node lacks.
     """
     try:
-        names = [hd.rank_device(spec, r, world=world) for r in range(world)]
+        names = [rank_device(spec, r, world=world) for r in range(world)]
     except ValueError as e:
         raise ValueError(
             f"HeteroDDPStrategy(devices={spec!r}) with {world} processes (Trainer devices × num_nodes): {e}"

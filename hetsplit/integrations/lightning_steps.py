@@ -8,14 +8,13 @@ import lightning.pytorch as pl
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 
 import hetsplit.distributed as hd
+from hetsplit.distributed.sampler import HeteroBatchSampler
 from hetsplit.planning import plan_from_sizes
 
 from .lightning_parts import loader_settings
 
-__all__ = ["eval_loader", "step_sampler", "weigh_step"]
 
-
-def step_sampler(strategy: Any, dataloader_idx: int) -> hd.HeteroBatchSampler | None:
+def step_sampler(strategy: Any, dataloader_idx: int) -> HeteroBatchSampler | None:
     """The hetsplit sampler of the loader the running step's batch comes from, if it has one.
 
     Evaluation loaders are found where Lightning keeps what ``process_dataloader``
@@ -33,7 +32,7 @@ def step_sampler(strategy: Any, dataloader_idx: int) -> hd.HeteroBatchSampler | 
     loaders = combined.flattened if combined is not None else []
     loader = loaders[dataloader_idx] if 0 <= dataloader_idx < len(loaders) else None
     sampler = getattr(loader, "batch_sampler", None)
-    return sampler if isinstance(sampler, hd.HeteroBatchSampler) else None
+    return sampler if isinstance(sampler, HeteroBatchSampler) else None
 
 
 def eval_loader(strategy: Any, loader: Any, trainer: pl.Trainer) -> Any:

@@ -14,17 +14,14 @@ import transformers
 from torch import nn
 from transformers.loss.loss_utils import ForCausalLMLoss
 
-import hetsplit.distributed as hd
 from hetsplit.devices import parse_device
-from hetsplit.distributed.setup import rank_devices
+from hetsplit.distributed.setup import ENV_DEVICES, rank_devices
 from hetsplit.planning import Plan, Profile
 
 from .accelerate import HeteroAccelerator
 from .collectives import samples_in
 from .core import is_cpu_job, launched_world
 from .transformers_parts import items_in, piece_items, row_range, share_micro_sizes, zero_gradients
-
-__all__ = ["HeteroTrainer"]
 
 
 class HeteroTrainer(transformers.Trainer):
@@ -357,7 +354,7 @@ def _run_on_cpu(args: Any, devices: str | None) -> None:
     cached property: that cache is dropped and the devices set up again, with the flag.
     """
     rank, world = launched_world()
-    spec = devices if devices is not None else os.environ.get(hd.ENV_DEVICES)
+    spec = devices if devices is not None else os.environ.get(ENV_DEVICES)
     try:
         device = parse_device(rank_devices(spec, world)[rank], check=False) if spec else None
     except ValueError:

@@ -16,8 +16,6 @@ from hetsplit.tree import tree_map
 
 from .collectives import samples_in
 
-__all__ = ["items_in", "piece_items", "row_range", "share_micro_sizes", "zero_gradients"]
-
 
 def items_in(inputs: Mapping[str, Any], shifted: bool) -> torch.Tensor | int:
     """Items a mean loss averages over in ``inputs``: label tokens that count (not -100, a tensor), else samples.

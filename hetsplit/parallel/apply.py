@@ -15,8 +15,6 @@ from torch import nn
 from ..devices import Device, DeviceLike, parse_devices
 from ..timing import Lap, lap
 
-__all__ = ["cpu_cores", "run_parallel", "parallel_apply"]
-
 
 class _Worker:
     """One persistent worker thread with a queue of its own, so a job can be placed before it wakes."""

@@ -8,8 +8,6 @@ from collections.abc import Iterator
 from ..planning.plan import Plan
 from ..timing import Lap
 
-__all__ = ["BusyLog"]
-
 
 class BusyLog:
     """The laps of every device in each step, and the finished steps not read yet.

@@ -39,8 +39,6 @@ from .sizes import BatchPlans
 from .step import batch_of, call_on, cut_upstream, direct_device, engine_job, scatter_inputs
 from .upstream import Upstream
 
-__all__ = ["HeteroDataParallel"]
-
 _RUNTIME = ("_replicator", "_step", "_log", "_lock", "_mem")
 
 

@@ -21,8 +21,6 @@ from ..tree import to_device
 from .replicas import _Replica
 from .upstream import Upstream
 
-__all__ = ["StepGrads"]
-
 Grads = list[torch.Tensor | None]
 
 
@@ -103,7 +101,7 @@ class StepGrads:
         out: Grads = []
         for k in range(self.n_params):
             device = self.targets[k].device
-            out.append(add_all([to_device(g[k], device) if g[k] is not None else None for g in per_replica]))
+            out.append(_add_all([to_device(g[k], device) if g[k] is not None else None for g in per_replica]))
         if self.upstream is not None:
             out += self.upstream.combine([g[self.n_params :] for g in per_replica])
         return out
@@ -118,7 +116,7 @@ class StepGrads:
             torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
 
 
-def add_all(values: Sequence[torch.Tensor | None]) -> torch.Tensor | None:
+def _add_all(values: Sequence[torch.Tensor | None]) -> torch.Tensor | None:
     """The sum of the tensors among ``values`` (``None`` if none).
 
     Out of place: a captured gradient can be a tensor the caller still holds (the
@@ -133,8 +131,8 @@ def add_all(values: Sequence[torch.Tensor | None]) -> torch.Tensor | None:
 
 
 def add_into(totals: Grads, more: Grads) -> Grads:
-    """Element-wise :func:`add_all` of two gradient lists (a device's micro-batches, one after another)."""
-    return [add_all([a, b]) for a, b in zip(totals, more)]
+    """Element-wise :func:`_add_all` of two gradient lists (a device's micro-batches, one after another)."""
+    return [_add_all([a, b]) for a, b in zip(totals, more)]
 
 
 def _walk(outputs: Sequence[torch.Tensor], stand_ins: Sequence[torch.Tensor]) -> tuple[bool, list[torch.Tensor]]:

@@ -13,11 +13,9 @@ from .grads import add_into
 from .micro import MemoryLog, cut
 from .outputs import ScalarPolicy, check_policy
 
-__all__ = ["local_inputs", "shard_loss", "local_fns"]
-
 LossFn = Callable[..., torch.Tensor]
 # One replica's gradients at its stand-ins for the step's targets, from (outputs, their gradients).
-Capture = Callable[[list[torch.Tensor], Any], list[Any]]
+_Capture = Callable[[list[torch.Tensor], Any], list[Any]]
 
 
 def local_inputs(
@@ -60,7 +58,7 @@ def _run_pieces(
     device: Device,
     log: MemoryLog,
     loss_of: Callable[[Any, Any], torch.Tensor],
-    capture: Capture,
+    capture: _Capture,
 ) -> tuple[list[torch.Tensor], list[Any]]:
     """Forward, weighted loss and backward of each micro-batch in turn: the losses (detached) and the gradients.
 
@@ -92,7 +90,7 @@ def local_fns(
     devices: Sequence[Device],
     log: MemoryLog,
     dim: int,
-) -> tuple[list[list[Any]], Callable[[Sequence[float], LossFn, bool, Sequence[Capture]], list[Callable[[], Any]]]]:
+) -> tuple[list[list[Any]], Callable[[Sequence[float], LossFn, bool, Sequence[_Capture]], list[Callable[[], Any]]]]:
     """The micro-shards of each active device, and a maker of its work given each micro-batch's weight.
 
     Returns:
@@ -105,7 +103,7 @@ def local_fns(
     pieces = [cut(shard, sizes, devices[i], dim) for shard, sizes, i in zip(shards, micro, active)]
 
     def make(
-        weights: Sequence[float], loss_fn: LossFn, has_target: bool, captures: Sequence[Capture]
+        weights: Sequence[float], loss_fn: LossFn, has_target: bool, captures: Sequence[_Capture]
     ) -> list[Callable[[], Any]]:
         loss_of = lambda out, t: shard_loss(loss_fn, out, t, has_target)
         fns, pos = [], 0

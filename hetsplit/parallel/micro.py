@@ -31,21 +31,7 @@ from ..planning.plan import Plan
 from .grads import add_into
 from .scatter_gather import scatter_to
 
-__all__ = [
-    "Step",
-    "MemoryLog",
-    "StepOutOfMemory",
-    "forward_fns",
-    "backward_oom",
-    "cut",
-    "backward_fn",
-    "with_recovery",
-    "release",
-    "lower_cap",
-    "again",
-]
-
-LOG = logging.getLogger("hetsplit")
+_LOG = logging.getLogger("hetsplit")
 T = TypeVar("T")
 Shard = tuple[tuple[Any, ...], dict[str, Any]]
 
@@ -242,7 +228,7 @@ def with_recovery(run: Callable[[], T], log: MemoryLog, plans: Any, devices: Seq
                 again(log, plans, devices, first, e)
             continue
         if first is not None:
-            LOG.warning("hetsplit: %s; the step then ran with micro-batches %s", first, plans.current.micro_batches)
+            _LOG.warning("hetsplit: %s; the step then ran with micro-batches %s", first, plans.current.micro_batches)
         return out
 
 
@@ -267,7 +253,7 @@ def release(devices: Sequence[Device]) -> None:
             torch.cuda.empty_cache()
 
 
-def oom_line(device: Device, i: int, plan: Plan, cap: int, new: Plan | None) -> str:
+def _oom_line(device: Device, i: int, plan: Plan, cap: int, new: Plan | None) -> str:
     """One line naming the device, its shard, the new cap and the new plan."""
     shard = f"device {i} {device.name}, shard of {plan.sizes[i]} as micro-batches {plan.micro_batches[i]}"
     if new is None:
@@ -297,10 +283,10 @@ def lower_cap(log: MemoryLog, plans: Any, devices: Sequence[Device], error: Base
     try:
         new = plans.lower_cap(devices[i].name, cap)
     except ValueError as e:
-        raise StepOutOfMemory(f"{oom_line(devices[i], i, plan, cap, None)}; no plan fits: {e}") from error
-    line = oom_line(devices[i], i, plan, cap, new)
+        raise StepOutOfMemory(f"{_oom_line(devices[i], i, plan, cap, None)}; no plan fits: {e}") from error
+    line = _oom_line(devices[i], i, plan, cap, new)
     if not quiet:
-        LOG.warning("hetsplit: %s", line)
+        _LOG.warning("hetsplit: %s", line)
     return line
 
 
@@ -332,17 +318,17 @@ def again(log: MemoryLog, plans: Any, devices: Sequence[Device], first: str, err
         log.failed = None
         raise StepOutOfMemory(
             f"out of memory again on device {i} {devices[i].name} with a micro-batch of 1 sample (shard "
-            f"{plan.sizes[i]}): it holds no sample; first: {plan_hint(first)}"
+            f"{plan.sizes[i]}): it holds no sample; first: {_plan_hint(first)}"
         ) from error
     try:
         lower_cap(log, plans, devices, error, quiet=True)
     except StepOutOfMemory as e:
         raise StepOutOfMemory(
-            f"out of memory again on device {i} {devices[i].name}: {e}; first: {plan_hint(first)}"
+            f"out of memory again on device {i} {devices[i].name}: {e}; first: {_plan_hint(first)}"
         ) from error
 
 
-def plan_hint(first: str) -> str:
+def _plan_hint(first: str) -> str:
     return (
         f"{first}. Give that device a smaller cap (a profile with its memory cap, e.g. from "
         "hetsplit.profile on it) or a smaller batch"

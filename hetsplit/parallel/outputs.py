@@ -11,12 +11,10 @@ import torch
 from ..tree import flatten, leaf_paths, to_device, unflatten
 from .scatter_gather import concat_column
 
-__all__ = ["ScalarPolicy", "SCALAR_POLICIES", "check_policy", "policy_weights", "combine", "count_tokens"]
-
 # How 0-dim floating outputs of the replicas (per-shard losses) become one: a named rule,
 # or a callable giving each replica's weight from its input shard (args, kwargs).
 ScalarPolicy: TypeAlias = str | Callable[[tuple[Any, ...], dict[str, Any]], Any]
-SCALAR_POLICIES = ("mean", "sum", "stack")
+_SCALAR_POLICIES = ("mean", "sum", "stack")
 
 # Per replica its outputs and their gradients, whether to keep the graph and whether to
 # build one (create_graph) -> one gradient per target (None: none reached it).
@@ -24,15 +22,15 @@ Backward = Callable[[list[tuple[list[torch.Tensor], list[torch.Tensor]]], bool, 
 
 
 def check_policy(policy: ScalarPolicy, what: str = "scalar_outputs") -> ScalarPolicy:
-    """Return ``policy`` if it is one of :data:`SCALAR_POLICIES` or a callable.
+    """Return ``policy`` if it is one of :data:`_SCALAR_POLICIES` or a callable.
 
     Raises:
         ValueError: Naming the value and the choices.
     """
-    if callable(policy) or policy in SCALAR_POLICIES:
+    if callable(policy) or policy in _SCALAR_POLICIES:
         return policy
     raise ValueError(
-        f"{what} must be one of {', '.join(map(repr, SCALAR_POLICIES))} or a callable "
+        f"{what} must be one of {', '.join(map(repr, _SCALAR_POLICIES))} or a callable "
         f"(args, kwargs) -> weight, got {policy!r}"
     )
 

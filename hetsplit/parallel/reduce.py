@@ -6,8 +6,6 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["shard_weights", "reduce_gradients"]
-
 
 def shard_weights(sizes: Sequence[int], reduction: str = "mean") -> list[float]:
     """Each shard's weight in the combined gradient.

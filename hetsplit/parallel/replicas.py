@@ -24,8 +24,6 @@ from torch import nn
 from ..devices import DeviceLike, parse_devices
 from ..tree import to_device
 
-__all__ = ["replicate", "module_device"]
-
 # torch's norm layers count their training steps in this integer buffer; a full-batch
 # step advances it as one forward of the module would, however many replicas ran.
 _STEP_COUNTER = "num_batches_tracked"

@@ -12,8 +12,6 @@ from ..devices import Device, DeviceLike, parse_devices
 from ..planning.plan import check_sizes
 from ..tree import batch_length, flatten, leaf_paths, to_device, unflatten
 
-__all__ = ["scatter", "gather", "scatter_to", "concat_column"]
-
 
 def scatter(inputs: Any, devices: Sequence[DeviceLike], sizes: Sequence[int], dim: int = 0) -> list[Any]:
     """Cut a nested batch into shards of the given sizes, each moved to its device.

@@ -18,10 +18,8 @@ from ..quick import default_profile
 from ..tree import batch_length
 from .scatter_gather import scatter_to
 
-__all__ = ["check_source", "split_sizes", "balanced_split", "BatchPlans"]
 
-
-def check_source(profile: object, *, plan: object = None) -> None:
+def _check_source(profile: object, *, plan: object = None) -> None:
     """Refuse a ``profile`` that is neither a :class:`Profile` nor a :class:`Plan`, or a ``plan`` that is no Plan.
 
     A file name is not silently ignored (which would fall back to a stored or quick profile).
@@ -59,7 +57,7 @@ def split_sizes(
             and a profile are given, or a plan does not match the devices or batch.
     """
     devs = parse_devices(devices)
-    check_source(profile)
+    _check_source(profile)
     plan = profile if isinstance(profile, Plan) else None
     prof = profile if isinstance(profile, Profile) else None
     return resolve_plan(
@@ -142,7 +140,7 @@ class BatchPlans:
                 f"got weights= together with {given}: give one source of shares (weights= splits every batch in "
                 "proportion; profile= solves every batch size; plan= fixes one batch size)"
             )
-        check_source(profile, plan=plan)
+        _check_source(profile, plan=plan)
         if isinstance(profile, Plan):
             raise TypeError("profile must be a Profile; pass a Plan as plan=")
         self.devices, self.names = list(devices), [d.name for d in devices]

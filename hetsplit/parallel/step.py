@@ -15,15 +15,6 @@ from .replicas import module_device
 from .scatter_gather import scatter_to
 from .upstream import Upstream
 
-__all__ = [
-    "cut_upstream",
-    "engine_job",
-    "direct_device",
-    "batch_of",
-    "call_on",
-    "scatter_inputs",
-]
-
 
 def cut_upstream(
     step: Step, batch: tuple[tuple[Any, ...], dict[str, Any]], args: list[Any], kws: list[Any], dim: int

@@ -18,8 +18,6 @@ import torch
 
 from ..tree import flatten, to_device, unflatten
 
-__all__ = ["Upstream"]
-
 
 class Upstream:
     """The differentiable inputs of one step and each shard's own piece of them.

@@ -7,8 +7,6 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["MAX_BATCH", "MAX_SECONDS", "MAX_DEVICES", "batch_count", "seconds", "memory_cap", "device_count"]
-
 # No real batch comes near 2**40 samples; past it the solver's arithmetic (float64 sums
 # of sample counts) would lose integers, and a typo would run for hours.
 MAX_BATCH = 1 << 40

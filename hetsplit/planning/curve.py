@@ -15,8 +15,6 @@ from scipy.optimize import isotonic_regression, nnls
 
 from . import checks
 
-__all__ = ["Curve", "CurveTable", "holdout_error", "rounded_bounds"]
-
 
 @dataclasses.dataclass
 class Curve:

@@ -11,10 +11,8 @@ from .plan import Plan
 from .profile import Profile
 from .solver import solve
 
-__all__ = ["with_caps", "capped_plan", "fits", "cap_after_oom"]
 
-
-def with_caps(profile: Profile, caps: Mapping[str, int]) -> Profile:
+def _with_caps(profile: Profile, caps: Mapping[str, int]) -> Profile:
     """A copy of ``profile`` whose devices named in ``caps`` hold at most that many samples.
 
     A cap only ever lowers what the profile says (a probed cap stays when it is smaller).
@@ -51,7 +49,7 @@ def capped_plan(
     if fits(plan, caps):
         return plan
     if profile is not None:
-        return solve(with_caps(profile, caps), plan.batch_size, devices=plan.devices, accumulate=accumulate)
+        return solve(_with_caps(profile, caps), plan.batch_size, devices=plan.devices, accumulate=accumulate)
     over = [(d, caps[d]) for d, m in zip(plan.devices, plan.micro_batches) if max(m, default=0) > caps.get(d, math.inf)]
     if not accumulate or any(c < 1 for _, c in over):
         shown = ", ".join(f"{d}: {c}" for d, c in over)

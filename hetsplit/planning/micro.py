@@ -23,8 +23,6 @@ import numpy as np
 
 from .curve import CurveTable, rounded_bounds
 
-__all__ = ["MicroTable", "micro_sizes"]
-
 
 def micro_sizes(batch: int, count: int) -> list[int]:
     """``batch`` samples as ``count`` near-equal micro-batches (larger first; sizes differ by at most 1).

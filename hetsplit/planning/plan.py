@@ -10,8 +10,6 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["Plan", "check_sizes", "check_micro_batches", "even_sizes", "sizes_from_weights"]
-
 
 @dataclasses.dataclass
 class Plan:
@@ -48,7 +46,7 @@ class Plan:
         if not self.micro_batches:
             self.micro_batches = [[int(s)] if s > 0 else [] for s in self.sizes]
         else:
-            self.micro_batches = check_micro_batches(self.micro_batches, self.sizes)
+            self.micro_batches = _check_micro_batches(self.micro_batches, self.sizes)
 
     @property
     def step_time(self) -> float:
@@ -139,7 +137,7 @@ def check_sizes(sizes: Sequence[Any], total: int, n_devices: int) -> list[int]:
     return out
 
 
-def check_micro_batches(micro: Sequence[Sequence[Any]], sizes: Sequence[int]) -> list[list[int]]:
+def _check_micro_batches(micro: Sequence[Sequence[Any]], sizes: Sequence[int]) -> list[list[int]]:
     """Validate micro-batch sizes: per device, whole numbers >= 1 summing to its share.
 
     Raises:

@@ -19,8 +19,6 @@ from . import checks
 from .curve import Curve, CurveTable
 from .records import DeviceProfile, Measurement
 
-__all__ = ["Measurement", "DeviceProfile", "Profile", "latest_profile"]
-
 
 def _now() -> str:
     return _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat()

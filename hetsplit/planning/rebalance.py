@@ -17,8 +17,6 @@ from .profile import DeviceProfile, Profile
 from .sizes import resolve_plan
 from .solver import micro_table, plan_from_sizes
 
-__all__ = ["PlanChange", "Rebalancer"]
-
 
 @dataclasses.dataclass
 class PlanChange:

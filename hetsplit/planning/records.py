@@ -14,8 +14,6 @@ from ..emulation import check_speed
 from . import checks
 from .curve import Curve
 
-__all__ = ["Measurement", "MemoryModel", "DeviceProfile"]
-
 
 @dataclasses.dataclass
 class Measurement:

@@ -13,8 +13,6 @@ from .plan import Plan, sizes_from_weights
 from .profile import Profile
 from .solver import plan_from_sizes, solve
 
-__all__ = ["resolve_plan", "check_weights"]
-
 
 def check_weights(weights: Sequence[float], n_devices: int) -> list[float]:
     """Validate relative throughputs: one finite, non-negative number per device, not all zero.

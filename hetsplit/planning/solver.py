@@ -16,8 +16,6 @@ from .micro import MicroTable, micro_sizes
 from .plan import Plan, check_sizes, even_sizes
 from .profile import DeviceProfile, Profile
 
-__all__ = ["solve", "plan_from_sizes", "allreduce_time"]
-
 # Past this many candidate (device, sample) items left after bisection, stop enumerating
 # them one by one: bisection only stops that wide when floating point can't separate
 # the candidates' times, so they are all equal and any choice among them is optimal.
