@@ -1,3 +1,4 @@
+import argparse
 import json
 
 import pytest
@@ -368,3 +369,16 @@ def test_a_full_disk_after_profiling_names_the_file_and_keeps_the_results_shown(
                           "--budget", "1", "--quiet", "--out", str(out_file))  # fmt: skip
     assert code == 1 and f"cannot write {out_file}: No space left on device" in err  # was "[Errno 28] ..." alone
     assert "share of 256" in out and not out_file.exists() and list(tmp_path.iterdir()) == []
+
+
+def test_every_subcommand_says_what_it_does_and_its_defaults():
+    from hetsplit.apps.cli import build_parser
+
+    parser = build_parser()
+    subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    for name, sub in subparsers.choices.items():
+        assert sub.description, f"'hetsplit {name} --help' has no description"
+        for action in sub._actions:
+            if action.help in (None, argparse.SUPPRESS) or action.default in (None, False, [], argparse.SUPPRESS):
+                continue
+            assert "default" in action.help, f"hetsplit {name} {action.option_strings}: help does not say the default"

@@ -89,7 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--devices", help="comma-separated devices (default: every local device, plus cpu@0.25 if only one)")
     p.add_argument(
-        "--model", default="cnn", help="built-in model (cnn, lenet, resnet18, mlp) or package.module:factory"
+        "--model",
+        default="cnn",
+        help="built-in model (cnn, lenet, resnet18, mlp) or package.module:factory (default cnn)",
     )
     p.add_argument("--input-shape", type=_ints, help="shape of one sample, e.g. 3,32,32 (needed for your own model)")
     p.add_argument("--batch-size", type=_positive_int, default=128, help="samples per step (default 128)")
@@ -100,20 +102,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.add_argument("--threads-only", action="store_true", help="skip the process engine (torchrun ranks)")
 
-    p = sub.add_parser("devices", help="list usable devices")
+    p = sub.add_parser(
+        "devices",
+        help="list usable devices",
+        description="List the devices this machine can train on and what a profile depends on: name, memory, "
+        "driver and, for GPUs, the UUID that matches stored profiles across CUDA_VISIBLE_DEVICES changes.",
+    )
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
-    p = sub.add_parser("profile", help="time a training step on each device and store the profile")
+    p = sub.add_parser(
+        "profile",
+        help="time a training step on each device and store the profile",
+        description="Time real training steps (forward, loss, backward) of a model on each device over a ladder of "
+        "batch sizes, find memory caps, save the profile (versioned JSON) and show the split of --batch-size.",
+    )
     p.add_argument(
         "--devices",
         help="comma-separated devices, e.g. cuda:0,cpu or cpu,cpu@0.25 "
         "(default: every local device, plus an emulated cpu@0.25 when there is only one)",
     )
     p.add_argument(
-        "--model", default="lenet", help="built-in model (cnn, lenet, resnet18, mlp) or package.module:factory"
+        "--model",
+        default="lenet",
+        help="built-in model (cnn, lenet, resnet18, mlp) or package.module:factory (default lenet)",
     )
     p.add_argument("--input-shape", type=_ints, help="shape of one sample, e.g. 3,32,32 (needed for your own model)")
-    p.add_argument("--dtype", choices=DTYPES, default="float32", help="parameter and input dtype")
+    p.add_argument("--dtype", choices=DTYPES, default="float32", help="parameter and input dtype (default float32)")
     p.add_argument("--batch-sizes", type=_ints, help="the ladder of batch sizes (default 2,4,8,...,256)")
     p.add_argument("--batch-size", type=_positive_int, default=256, help="batch to show the split of (default 256)")
     _budget(p, 30.0)
@@ -139,7 +153,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="two or more devices (default cpu,cpu@0.25; with --change DEV=..., cpu and DEV)",
     )
     p.add_argument(
-        "--model", default="lenet", help="built-in model (cnn, lenet, resnet18, mlp) or package.module:factory"
+        "--model",
+        default="lenet",
+        help="built-in model (cnn, lenet, resnet18, mlp) or package.module:factory (default lenet)",
     )
     p.add_argument("--input-shape", type=_ints, help="shape of one sample, for your own model")
     p.add_argument("--batch-size", type=_positive_int, default=256, help="samples per step (default 256)")
@@ -150,7 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--mode",
         choices=("gather", "local"),
         default="gather",
-        help="gather: loss on gathered outputs (DataParallel); local: loss per device",
+        help="gather: loss on gathered outputs (DataParallel); local: loss per device (default gather)",
     )
     _budget(p, 20.0, old="--profile-budget")
     p.add_argument(
@@ -166,7 +182,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="calibrate on, --calibrate steps at a time, until they took this long (default 2; 0: just --calibrate)",
     )
     p.add_argument(
-        "--threads", type=_positive_int, help="torch intra-op CPU threads (1 is steadiest for emulated CPUs)"
+        "--threads",
+        type=_positive_int,
+        help="torch intra-op CPU threads (default: 1 when every device is the CPU, real or emulated; else torch's "
+        "choice; 1 is steadiest for emulated CPUs)",
     )
     p.add_argument("--json", type=Path, help="also write the results to this JSON file")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
@@ -206,7 +225,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--link-gbps",
         type=_positive_float,
-        help="bandwidth of the slowest link between the devices (Gbit/s), to estimate the all-reduce",
+        help="bandwidth of the slowest link between the devices (Gbit/s), to estimate the all-reduce "
+        "(default: no estimate)",
     )
     p.add_argument(
         "--accumulate",
