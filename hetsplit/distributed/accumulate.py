@@ -12,6 +12,7 @@ from ..devices import DeviceLike, parse_device
 from ..parallel.scatter_gather import scatter_to
 from ..planning.plan import Plan
 from ..tree import batch_length, flatten
+from . import sharded as _sharded
 from ._group import group_info
 
 
@@ -32,10 +33,23 @@ def micro_batches(
     :func:`~hetsplit.distributed.weight_gradients` and the same ``plan``, each
     micro-batch's gradient is weighted by its share of the rank's samples, so a mean
     loss per micro-batch still gives the full-batch gradient. A rank with no samples
-    gets its (empty) batch once, so it still takes part in the all-reduce.
+    gets its batch (one sample weighted 0, or an empty batch) once, so it still takes
+    part in the all-reduce.
+
+    An FSDP2 model (``fully_shard``) gathers parameters in every forward and
+    reduce-scatters in every backward, so every rank runs the same number of
+    micro-batches, the plan's largest ``K``, each synchronising its (weighted)
+    gradient: a rank with fewer runs its share as ``K`` smaller ones, a rank with fewer
+    than ``K`` samples adds one real sample weighted 0 for each missing one. Nothing
+    is kept gathered, so a rank holds its shards plus one micro-batch's activations and
+    a layer or two gathered, as in a plain FSDP2 step; the price is ``K`` gathers and
+    reduce-scatters per step instead of one (measurements: docs/torchrun.md). Leaving
+    the loop early leaves the other ranks waiting in their next collective, as with
+    DDP.
 
     Args:
-        ddp_model: The ``DistributedDataParallel`` model (anything with ``no_sync()``).
+        ddp_model: The ``DistributedDataParallel`` model (anything with ``no_sync()``),
+            or the FSDP2 root module.
         batch: This rank's batch of ``plan.sizes[rank]`` samples (a tensor or a nest).
         plan: The plan every rank holds.
         rank: This rank (default: the process group's).
@@ -51,11 +65,14 @@ def micro_batches(
         >>> for xm, ym in hd.micro_batches(ddp, (x, y), plan):
         ...     F.cross_entropy(ddp(xm), ym).backward()
     """
+    kind = _sharded.kind(ddp_model)
+    if kind == "fsdp1":
+        raise ValueError(f"{type(ddp_model).__name__} (FSDP1) is not supported; use FSDP2's fully_shard (or DDP)")
     if rank is None:
         rank, _ = group_info(group)
-    sizes = plan.micro_batches[rank]
+    sizes = _sharded.rank_micro(plan, rank, kind == "fsdp2")
     n = batch_length(batch, dim)
-    if n != plan.sizes[rank]:
+    if n != plan.sizes[rank] and not (plan.sizes[rank] == 0 and n <= 1):  # a zero share's one sample
         raise ValueError(
             f"rank {rank}: the batch has {n} samples but the plan gives this rank {plan.sizes[rank]}; "
             "pass this rank's share (hd.data_loader gives it)"
@@ -65,6 +82,12 @@ def micro_batches(
         if dev is not None:
             dev.check_batch(n)
         yield batch
+        return
+    if kind == "fsdp2":
+        for piece, size in _sharded.micro_pieces(batch, sizes, dim):
+            if dev is not None:
+                dev.check_batch(max(size, 1))
+            yield piece
         return
     pieces = scatter_to(batch, [_home(batch)] * len(sizes), sizes, dim)
     for j, (piece, size) in enumerate(zip(pieces, sizes)):

@@ -13,6 +13,7 @@ from torch import nn
 from ..parallel.reduce import shard_weights
 from ..planning.plan import Plan
 from ..tree import batch_length, tree_map
+from . import sharded as _sharded
 from ._group import DistributedError, as_error, group_info, group_timeout, note_step, verify_plan
 
 
@@ -23,8 +24,11 @@ class WeightingState:
     ``step`` is the one running (from 0), named by a failure in its all-reduce.
     """
 
-    def __init__(self, group: Any, reduction: str, rank: int, world: int | None = None) -> None:
+    def __init__(
+        self, group: Any, reduction: str, rank: int, world: int | None = None, *, sharded: bool = False
+    ) -> None:
         self.group, self.reduction, self.rank, self.world = group, reduction, rank, world
+        self.sharded = sharded  # an FSDP2 model: every rank runs the same number of micro-batches
         self.local = 0
         self.steps = 0
         self.step: int | None = None
@@ -42,7 +46,8 @@ class WeightingState:
             self.weight = self.planned = None
             return
         self.planned = plan.sizes[self.rank]
-        self.micro = list(plan.micro_batches[self.rank]) if len(plan.micro_batches[self.rank]) > 1 else None
+        micro = _sharded.rank_micro(plan, self.rank, self.sharded)
+        self.micro = micro if len(micro) > 1 else None
         self.weight = self.planned / plan.batch_size if self.reduction == "mean" else float(self.planned > 0)
 
     def started(self) -> None:
@@ -140,10 +145,10 @@ _METHODS = ("hook", "outputs")
 
 
 def weight_gradients(
-    ddp_model: nn.parallel.DistributedDataParallel,
+    ddp_model: nn.Module,
     plan: Plan | None = None,
     *,
-    method: str = "hook",
+    method: str | None = None,
     reduction: str = "mean",
     dim: int = 0,
     group: Any = None,
@@ -158,7 +163,7 @@ def weight_gradients(
 
     Two ways to weight:
 
-    - ``method="hook"`` (the default) registers a DDP comm hook. With a ``plan``, each
+    - ``method="hook"`` (the default for DDP) registers a DDP comm hook. With a ``plan``, each
       bucket is scaled in place by the constant ``b_r / B`` and summed: the cost of any
       Python comm hook. Without a plan, steps may have any sizes: each bucket travels
       as ``[b_r * g_r, b_r]`` in one message and is divided by the summed count. Every
@@ -173,6 +178,20 @@ def weight_gradients(
       too); a loss term built from activations stored elsewhere would not be weighted:
       use the hook then.
 
+    An FSDP2 model (``fully_shard`` per layer and at the root, on a 1-D mesh, the same
+    on every rank) is weighted at the outputs, with or without a plan (FSDP2 has no
+    comm hook; ``method="hook"`` is refused). FSDP2 reduce-scatters a plain mean over
+    ranks, so the gradient flowing into the root's outputs is scaled by
+    ``world * b_r / B``: one multiplication of the outputs' gradient, exact (the mean
+    divides by ``world`` again). ``set_gradient_divide_factor`` cannot do it alone (its
+    factor is one for all ranks; the weights differ per rank). Without a plan, each
+    training forward all-reduces this rank's sample count (one tiny collective per
+    step, met on every rank since the forward is collective) to learn ``B``. The
+    sharding is compared across ranks first (one all-gather): FSDP1, hybrid sharding
+    (a 2-D mesh) and a model sharded differently on different ranks are refused on
+    every rank. With :func:`micro_batches`, every rank runs the same number of
+    micro-batches (see :func:`micro_batches`).
+
     With a ``plan``, every step must follow it (as :class:`HeteroDistributedSampler`
     gives; a step of another size raises on that rank rather than being weighted
     wrongly). A rank the plan gives 0 runs the one real sample :func:`data_loader`
@@ -180,10 +199,12 @@ def weight_gradients(
     (or ``data_loader(..., zero_share="empty")``).
 
     Args:
-        ddp_model: The DistributedDataParallel model (call before the first backward).
+        ddp_model: The DistributedDataParallel model, or the FSDP2 root module (call
+            before the first backward).
         plan: The plan every rank holds (checked to be the same everywhere), or ``None``
-            for steps of any size (``method="hook"`` only).
-        method: ``"hook"`` or ``"outputs"``, as above.
+            for steps of any size (``method="hook"`` for DDP; FSDP2 too).
+        method: ``"hook"`` or ``"outputs"``, as above (default: ``"hook"`` for DDP,
+            ``"outputs"`` for FSDP2).
         reduction: ``"mean"`` or ``"sum"``: how each rank's loss reduces its samples.
         dim: The batch dimension of the inputs.
         group: The process group DDP uses (default: the world).
@@ -194,13 +215,25 @@ def weight_gradients(
         :class:`DistributedRebalancer` does).
 
     Raises:
-        ValueError: On an unknown ``reduction`` or ``method``, or ``method="outputs"``
-            without a plan.
+        ValueError: On an unknown ``reduction`` or ``method``, ``method="outputs"``
+            without a plan for DDP, or ``method="hook"`` for FSDP2.
+        DistributedError: On every rank, for an FSDP1 or hybrid-sharded model, or one
+            sharded differently on different ranks.
     """
     shard_weights([1], reduction)  # validates the reduction
+    sharded = _sharded.is_sharded(ddp_model)
+    if method is None:
+        method = "outputs" if sharded else "hook"
     if method not in _METHODS:
         raise ValueError(f"unknown method {method!r}; use one of {', '.join(_METHODS)}")
-    if method == "outputs" and plan is None:
+    if sharded and method == "hook":
+        raise ValueError(
+            'method="hook" weights DDP\'s comm hook; an FSDP2 model has none: leave method out '
+            "(FSDP2 is weighted at the outputs, with or without a plan)"
+        )
+    if sharded:
+        _sharded.check_sharded(ddp_model, group)  # every rank, before any step
+    if method == "outputs" and plan is None and not sharded:
         raise ValueError(
             'method="outputs" needs the plan (the weights must be known before the step); '
             'use method="hook" for steps of any size'
@@ -208,11 +241,13 @@ def weight_gradients(
     if plan is not None:
         verify_plan(plan, group)
     rank, world = group_info(group)
-    state = WeightingState(group, reduction, rank, world)
+    state = WeightingState(group, reduction, rank, world, sharded=sharded)
     state.set_plan(plan)
     # The hooks travel with copy.deepcopy(ddp.module) (an EMA model, an evaluation copy);
     # they act only on the module they were registered on, so a copy runs unweighted.
-    owner = weakref.ref(ddp_model.module)
+    # FSDP2 has no inner module: its hooks go on the root (which torch refuses to copy).
+    inner = ddp_model if sharded else ddp_model.module
+    owner = weakref.ref(inner)
 
     def record(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         first = args[0] if args else None
@@ -246,8 +281,8 @@ def weight_gradients(
                 return None
             return _scaled(output, state.part)
 
-        ddp_model.module.register_forward_pre_hook(before, with_kwargs=True)
-        ddp_model.module.register_forward_hook(part, with_kwargs=True)
+        inner.register_forward_pre_hook(before, with_kwargs=True)
+        inner.register_forward_hook(part, with_kwargs=True)
         ddp_model.register_comm_hook(state, _weighted_allreduce)
         return state
 
@@ -255,9 +290,14 @@ def weight_gradients(
         if not torch.is_grad_enabled() or module is not owner():
             return None
         record(args, kwargs)  # after the forward: one Python call per step; an off-plan step still raises
-        return _scaled(output, world * state.weight * state.part)  # type: ignore[operator]
+        if state.weight is None:  # FSDP2 without a plan: B from this step's counts
+            total = _sharded.exchanged_total(state.local, module, group, rank)
+            b = state.local
+            weight = (b / total if total else 0.0) if reduction == "mean" else float(b > 0)
+            return _scaled(output, world * weight)
+        return _scaled(output, world * state.weight * state.part)
 
-    ddp_model.module.register_forward_hook(after, with_kwargs=True)
+    inner.register_forward_hook(after, with_kwargs=True)
     return state
 
 
@@ -276,12 +316,17 @@ def _micro_step(state: WeightingState, rank: int) -> None:
     """A forward of one of this rank's micro-batches: checked against the plan, its share noted."""
     micro = state.micro
     assert micro is not None
-    if state.local != micro[state.pos]:
+    # A 0 is a sharded model's filler: one real sample weighted 0 (see sharded.even_micro).
+    filler = micro[state.pos] == 0 and state.local <= 1
+    if state.local != micro[state.pos] and not filler:
         raise DistributedError(
-            f"rank {rank}: this forward has {state.local} samples but the plan's micro-batches for this rank are "
-            f"{micro} (next: {micro[state.pos]}); run them with hd.micro_batches(ddp, batch, plan)"
+            f"rank {rank}: this forward has {state.local} samples but the micro-batches for this rank are "
+            f"{micro} (next: {micro[state.pos]}); run them with hd.micro_batches(model, batch, plan)"
         )
     if state.pos == 0:
         state.started()  # a step is all of the rank's micro-batches
-    state.part = state.local / sum(micro) if state.reduction == "mean" else 1.0
+    if filler:
+        state.part = 0.0
+    else:
+        state.part = state.local / sum(micro) if state.reduction == "mean" else 1.0
     state.pos = (state.pos + 1) % len(micro)

@@ -24,6 +24,7 @@ from ..profiler import train_step
 from ..timing import WorkTimer
 from ..tree import move, take_rows
 from ..version import __version__
+from . import sharded as _sharded
 from ._group import DistributedError, all_gather, collective, group_info, guard
 from .setup import rank_devices
 
@@ -93,8 +94,16 @@ def plan(
     work short of it scales the curve down) and the plan is solved again. ``model`` is
     not touched.
 
+    A sharded model (FSDP2's ``fully_shard``, checked across ranks as
+    :func:`weight_gradients` does) is profiled as an unsharded replica in host memory,
+    its parameters gathered once on every rank, so that each rank times its own device
+    alone (an FSDP2 forward is collective); the model is left as it was. Each device
+    then runs the whole model in the profile, so its memory cap (probed on CUDA,
+    ``cpu:max8`` when emulated) is that of the unsharded model: safe (a sharded step
+    holds less), if conservative. Such a plan is not calibrated (calibration runs DDP).
+
     Args:
-        model: The model (unwrapped, or the module inside DDP).
+        model: The model (unwrapped, the module inside DDP, or an FSDP2 root module).
         sample: Example input for the profiler (see :func:`hetsplit.profile`).
         batch_size: The global batch: samples per step across all ranks.
         device: This rank's device (default: ``cuda:LOCAL_RANK`` if CUDA is available,
@@ -131,8 +140,15 @@ def plan(
         return _weighted_plan(batch_size, weights, profile, rank, world, group)
     dev = parse_device(device if device is not None else _default_device())
     _check_versions(group)
+    sharded = _sharded.is_sharded(model)
+    if sharded:
+        _sharded.check_sharded(model, group)
     if profile is None:
-        profile = run_profile(model, sample, [dev], loss_fn, target=target, progress=False, **profile_kwargs)
+        # A sharded model's forward is collective, so the ranks could not time their own
+        # devices apart: each profiles an unsharded replica (gathered once, all ranks together).
+        subject = _sharded.plain_replica(model) if sharded else model
+        profile = run_profile(subject, sample, [dev], loss_fn, target=target, progress=False, **profile_kwargs)
+        del subject
     entry = profile.entry(dev.name) if len(profile.entries) > 1 else profile.entries[0]
     gathered = all_gather({"entry": entry.to_dict(), "model": profile.model}, "gathering profiles", group)
     combined = None
@@ -146,7 +162,7 @@ def plan(
     result = _broadcast_plan(
         lambda: resolve_plan(batch_size, combined.devices, profile=combined, accumulate=accumulate), group, rank, world
     )
-    if calibrate and min(result.sizes) > 0 and max(map(len, result.micro_batches)) == 1:
+    if calibrate and not sharded and min(result.sizes) > 0 and max(map(len, result.micro_batches)) == 1:
         work = _calibration_work(model, sample, target, loss_fn, dev, result.sizes[rank], calibrate, group, rank)
         if rank == 0:
             combined = dataclasses.replace(

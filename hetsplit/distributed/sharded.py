@@ -1,0 +1,231 @@
+"""Sharded: FSDP2 (``fully_shard``) in the torchrun pieces — what is refused, the micro-batches, a replica to profile.
+
+The other modules dispatch here for a sharded model: ``comm_hooks`` (weighting: at the
+outputs, the step's sizes exchanged when there is no plan), ``accumulate`` (the
+micro-batches every rank runs), ``rank_plan`` (a plain replica to profile). Only
+torch's public FSDP2 API is used, except :func:`_plain_replica`, which rebuilds
+``fully_shard``'s classes (torch refuses ``copy.deepcopy`` of an FSDP2 module).
+
+Why every rank runs the same number of micro-batches. FSDP2 all-gathers each
+group's parameters in every forward (and again in backward) and reduce-scatters its
+gradients in every backward, so ranks running different numbers of forwards would
+wait for each other forever. Two ways out: keep the parameters gathered across a
+rank's micro-batches with gradient sync only in the last (``unshard()``,
+``set_reshard_after_forward(False)``, ``set_requires_gradient_sync(False)``), or give
+every rank the same number of micro-batches. The first holds the whole model's
+parameters *and* unsharded gradients on every rank for the whole step — what a model
+larger than the smallest device cannot afford (measured: docs/benchmarks.md). The
+second keeps everything sharded: a rank whose plan has fewer micro-batches runs its
+share as that many smaller ones (less activation memory, no more samples), and a rank
+with fewer samples than micro-batches runs one real sample weighted 0 for each
+missing one. Each micro-batch reduce-scatters (its gradient weighted by its share),
+and FSDP2 accumulates the sharded gradients: the sum is the full-batch gradient.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..planning.micro import micro_sizes
+from ..planning.plan import Plan
+from ..tree import batch_length, tree_map
+from ._group import DistributedError, all_gather, collective
+
+__all__ = [
+    "kind",
+    "is_sharded",
+    "check_sharded",
+    "rank_micro",
+    "even_micro",
+    "micro_pieces",
+    "exchanged_total",
+    "plain_replica",
+]
+
+_WORKS = (
+    "FSDP2's fully_shard on a 1-D device mesh (the default: every rank in one shard group), the same on every rank, "
+    "or DDP"
+)
+
+
+def _fsdp2_module() -> type | None:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch without FSDP2
+        return None
+    return FSDPModule
+
+
+def _fsdp1_module() -> type | None:
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+    except ImportError:
+        return None
+    return FullyShardedDataParallel
+
+
+def kind(model: nn.Module) -> str:
+    """``"fsdp2"`` (``fully_shard`` at the root), ``"fsdp1"`` (``FullyShardedDataParallel``), else ``"ddp"``."""
+    fsdp2, fsdp1 = _fsdp2_module(), _fsdp1_module()
+    if fsdp2 is not None and isinstance(model, fsdp2):
+        return "fsdp2"
+    if fsdp1 is not None and isinstance(model, fsdp1):
+        return "fsdp1"
+    return "ddp"
+
+
+def is_sharded(model: nn.Module) -> bool:
+    """Whether ``model`` is sharded (FSDP2 or FSDP1): it needs :func:`check_sharded`, not DDP's paths."""
+    return kind(model) != "ddp"
+
+
+def _describe(model: nn.Module) -> dict[str, Any]:
+    """This rank's sharding: the ``fully_shard`` modules and their meshes, or why it is refused."""
+    if kind(model) == "fsdp1":
+        return {"refused": f"{type(model).__name__} (FSDP1, torch.distributed.fsdp.FullyShardedDataParallel)"}
+    fsdp2 = _fsdp2_module()
+    layout = [name or "<root>" for name, m in model.named_modules() if fsdp2 is not None and isinstance(m, fsdp2)]
+    for name, p in model.named_parameters():
+        mesh = getattr(p, "device_mesh", None)
+        if mesh is not None and mesh.ndim != 1:
+            shape = tuple(mesh.shape)
+            return {"refused": f"hybrid sharding (HSDP): parameter {name!r} is sharded on a {mesh.ndim}-D mesh {shape}"}
+    return {"layout": layout}
+
+
+def check_sharded(model: nn.Module, group: Any = None) -> None:
+    """Check a sharded model on every rank at once: one all-gather, the same error everywhere.
+
+    Refused: FSDP1, hybrid sharding (a 2-D mesh: HSDP, whose replicas would each need
+    their own shares), and a model sharded differently on different ranks (their
+    all-gathers would not match: a hang, not an error).
+
+    Raises:
+        DistributedError: One line naming the rank and what works, on every rank.
+    """
+    mine = _describe(model)
+    theirs = all_gather(mine, "comparing how the ranks shard the model", group)
+    for r, item in enumerate(theirs):
+        if "refused" in item:
+            raise DistributedError(f"rank {r}: {item['refused']} is not supported; use {_WORKS}")
+    differ = [r for r, item in enumerate(theirs) if item["layout"] != theirs[0]["layout"]]
+    if differ:
+        ours = {r: theirs[r]["layout"] for r in (0, differ[0])}
+        raise DistributedError(
+            f"ranks {differ} shard the model differently from rank 0 (fully_shard modules {ours}); "
+            f"apply the same fully_shard calls on every rank ({_WORKS})"
+        )
+
+
+def rank_micro(plan: Plan, rank: int, sharded: bool) -> list[int]:
+    """The micro-batches rank ``rank`` runs under ``plan``: the plan's, or for a sharded model :func:`even_micro`'s."""
+    return even_micro(plan)[rank] if sharded else list(plan.micro_batches[rank])
+
+
+def even_micro(plan: Plan) -> list[list[int]]:
+    """Every rank's micro-batches for a sharded model: the same count on every rank (see the module's doc).
+
+    The count is the plan's largest, ``K``; a rank whose plan has ``K`` keeps them, one
+    with fewer runs its share as ``K`` near-equal ones (each no larger than before, so
+    under any cap), and one with fewer than ``K`` samples runs them one at a time, then
+    a ``0`` for each missing micro-batch: one real sample weighted 0 (:func:`micro_pieces`).
+    """
+    count = max([1, *map(len, plan.micro_batches)])
+    out = []
+    for size, own in zip(plan.sizes, plan.micro_batches):
+        if count == 1:
+            out.append([size])
+        elif len(own) == count:
+            out.append(list(own))
+        elif size >= count:
+            out.append(micro_sizes(size, count))
+        else:
+            out.append([1] * size + [0] * (count - size))
+    return out
+
+
+def micro_pieces(batch: Any, sizes: Sequence[int], dim: int) -> Iterator[tuple[Any, int]]:
+    """``batch`` cut into the real ``sizes`` (in order), then a filler for each ``0``; yields ``(piece, size)``.
+
+    A filler is the batch's first sample, which the weighting counts as 0 (an empty
+    batch, ``zero_share="empty"``, stays empty).
+    """
+    start = 0
+    for size in sizes:
+        at, n = (start, size) if size > 0 else (0, min(1, batch_length(batch, dim)))
+        yield tree_map(lambda t, at=at, n=n: t.narrow(dim, at, n) if _batched(t, dim) else t, batch), size
+        start += size
+
+
+def _batched(t: Any, dim: int) -> bool:
+    return isinstance(t, torch.Tensor) and t.dim() > dim
+
+
+def exchanged_total(local: int, model: nn.Module, group: Any, rank: int) -> int:
+    """The step's global batch: every rank's sample count summed (one all-reduce of one number).
+
+    Without a plan the weights ``b_r / B`` need ``B`` before the backward, so the
+    counts travel in the forward; every rank runs the forward of an FSDP2 step (it is
+    collective), so every rank meets this all-reduce, once per step.
+    """
+    count = torch.tensor([float(local)], dtype=torch.float64, device=_device(model))
+    collective("exchanging the step's sample counts", lambda: dist.all_reduce(count, group=group), rank, group)
+    return round(count.item())
+
+
+def _device(model: nn.Module) -> torch.device:
+    """The device of this rank's shards (what the process group's backend moves for it)."""
+    for p in model.parameters():
+        local = p.to_local() if hasattr(p, "to_local") else p
+        return local.device
+    return torch.device("cpu")
+
+
+def plain_replica(model: nn.Module) -> nn.Module:
+    """An unsharded copy of an FSDP2 model on the CPU, without FSDP2: for profiling each rank alone.
+
+    Collective (every rank, in the same order: one all-gather per parameter). Each
+    rank then times its own device on the whole model without meeting the others, as
+    for DDP; the sharded model is left untouched. Costs one full copy of the
+    parameters in host memory while it lives.
+    """
+    fulls: dict[int, nn.Parameter] = {}
+    for _name, p in model.named_parameters():
+        if id(p) not in fulls:
+            full = p.full_tensor() if hasattr(p, "full_tensor") else p.data
+            fulls[id(p)] = nn.Parameter(full.detach().to("cpu", copy=True), requires_grad=p.requires_grad)
+    return _rebuild(model, fulls)
+
+
+# What fully_shard adds to a module's __dict__ (its state, the composable-API registry).
+_FSDP_KEYS = ("__composable_api_state_key", "_is_fsdp_managed_module", "_fsdp_use_orig_params")
+_HOOKS = (
+    "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called", "_backward_pre_hooks", "_backward_hooks", "_state_dict_hooks",
+    "_state_dict_pre_hooks", "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks",
+)  # fmt: skip
+
+
+def _rebuild(module: nn.Module, fulls: dict[int, nn.Parameter]) -> nn.Module:
+    """``module`` as its original class, with the gathered parameters and copied buffers, without hooks."""
+    fsdp2 = _fsdp2_module()
+    cls = type(module)
+    if fsdp2 is not None and isinstance(module, fsdp2):
+        cls = cls.__mro__[cls._orig_cls_mro_index]  # fully_shard's FSDP<Name> → <Name>
+    new = cls.__new__(cls)
+    state = {k: v for k, v in module.__dict__.items() if not k.startswith(_FSDP_KEYS)}
+    for key in _HOOKS:  # FSDP2's hooks (and the weighting's, on the root) stay on the sharded model
+        if key in state:
+            state[key] = type(state[key])() if cls is not type(module) else type(state[key])(state[key])
+    state["_parameters"] = {n: (fulls[id(p)] if p is not None else None) for n, p in module._parameters.items()}
+    state["_buffers"] = {
+        n: (b.detach().to("cpu", copy=True) if b is not None else None) for n, b in module._buffers.items()
+    }
+    state["_modules"] = {n: (_rebuild(m, fulls) if m is not None else None) for n, m in module._modules.items()}
+    new.__dict__.update(state)
+    return new

@@ -1,0 +1,345 @@
+"""FSDP2 (``fully_shard``) in hetsplit.distributed on two gloo ranks, float64, against one full-batch process.
+
+One spawn for the module; each scenario runs on both ranks in turn and records its
+result (or its error) under its own key, asserted by its own test below.
+"""
+
+import datetime
+import json
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch import nn
+
+import hetsplit
+import hetsplit.distributed as hd
+from hetsplit.planning import plan_from_sizes
+
+fsdp = pytest.importorskip("torch.distributed.fsdp")
+fully_shard = fsdp.fully_shard
+
+WORLD = 2
+N = 30  # samples in the data set: three global batches of 10
+
+
+def _net(width=8):
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, width), nn.Tanh(), nn.Linear(width, 5), nn.Tanh(), nn.Linear(5, 3)).double()
+
+
+def _sharded(root_only=False, width=8):
+    model = _net(width)
+    if not root_only:
+        for layer in model:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer)
+    return fully_shard(model)
+
+
+def _data():
+    gen = torch.Generator().manual_seed(3)
+    x, y = torch.randn(N, 6, dtype=torch.float64, generator=gen), torch.randint(0, 3, (N,), generator=gen)
+    return torch.utils.data.TensorDataset(x, y, torch.arange(N))
+
+
+def _plan(sizes, micro=None):
+    if micro is None:
+        return plan_from_sizes(None, [f"rank{r}" for r in range(WORLD)], sizes)
+    return hetsplit.Plan([f"rank{r}" for r in range(WORLD)], sizes, [0.0] * WORLD, sum(sizes), micro_batches=micro)
+
+
+def _full(model):
+    return [p.full_tensor().detach() for p in model.parameters()]
+
+
+def _reference(batches, width=8):
+    """A plain single-process model trained with Adam on the same global batches (index lists)."""
+    data = _data()
+    ref = _net(width)
+    opt = torch.optim.Adam(ref.parameters(), lr=0.01)
+    for idx in batches:
+        x, y, _ = data[torch.tensor(sorted(idx))]
+        opt.zero_grad()
+        F.cross_entropy(ref(x), y).backward()
+        opt.step()
+    return [p.detach() for p in ref.parameters()]
+
+
+def _max_err(got, want):
+    return max(float((a - b).abs().max()) for a, b in zip(got, want))
+
+
+def _train(plan, *, weighted_plan="same", micro=False, steps=3, epoch_of=None, zero_share="sample"):
+    """Steps of Adam on an FSDP2 model fed by hd.data_loader; returns the error vs the reference and what ran."""
+    model = _sharded()
+    hd.weight_gradients(model, plan if weighted_plan == "same" else None)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    loader = hd.data_loader(_data(), plan, shuffle=True, seed=1, zero_share=zero_share)
+    seen, sizes, forwards = [], [], []
+    for step, (x, y, idx) in enumerate(loader):
+        if step == steps:
+            break
+        opt.zero_grad()
+        if micro:
+            for xm, ym, _ in hd.micro_batches(model, (x, y, idx), plan, device="cpu"):
+                forwards.append(len(xm))
+                F.cross_entropy(model(xm), ym).backward()
+        else:
+            forwards.append(len(x))
+            F.cross_entropy(model(x), y).backward()
+        opt.step()
+        real = loader.batch_sampler.real_rows(step) if plan.sizes[dist.get_rank()] > 0 else 0
+        mine = idx.tolist()[:real] if plan.sizes[dist.get_rank()] > 0 else []
+        every = [None] * WORLD
+        dist.all_gather_object(every, mine)
+        seen.append(every)
+        sizes.append(len(x))
+    batches = [[i for part in every for i in part] for every in seen]
+    return {
+        "err": _max_err(_full(model), _reference(batches)),
+        "sizes": sizes,
+        "forwards": forwards,
+        "batches": batches,
+    }
+
+
+def _scenarios(rank, tmp):
+    res = {}
+
+    def run(name, fn):
+        try:
+            res[name] = fn()
+        except Exception as e:
+            res[name] = {"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()[-1500:]}
+
+    run("uneven", lambda: _train(_plan([7, 3])))
+    run("zero_share", lambda: _train(_plan([10, 0])))
+    run("no_plan", lambda: _train(_plan([7, 3]), weighted_plan=None))
+    run("micro", lambda: _train(_plan([7, 3], [[3, 2, 2], [3]]), micro=True))
+    run("micro_fillers", lambda: _train(_plan([8, 2], [[2, 2, 2, 2], [2]]), micro=True))
+    run("micro_zero_share", lambda: _train(_plan([10, 0], [[4, 3, 3], []]), micro=True))
+    run("planned", lambda: _planned(rank))
+    run("rebalancer", lambda: _rebalanced(rank))
+    run("checkpoint", lambda: _checkpoint(rank, tmp))
+    run("refusals", lambda: _refusals(rank))
+    return res
+
+
+def _planned(rank):
+    """hd.plan on the sharded model: rank 1 emulates a memory of 4 samples, so its share runs as micro-batches."""
+    model = _sharded(width=512)  # wide enough that a step's arithmetic outweighs its overhead: both ranks get work
+    before = _full(model)
+    data = _data()
+    x, y, _ = data[:8]
+    device = "cpu" if rank == 0 else "cpu:max4"
+    plan = hd.plan(
+        model, x, N, device=device, loss_fn=F.cross_entropy, target=y, accumulate=True,
+        batch_sizes=[2, 4, 8], repeats=1, time_budget=2,
+    )  # fmt: skip
+    untouched = _max_err(_full(model), before) == 0 and all(p.grad is None for p in model.parameters())
+    hd.weight_gradients(model, plan)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    loader = hd.data_loader(data, plan, shuffle=False)
+    biggest = 0
+    for batch in loader:
+        opt.zero_grad()
+        for xm, ym, _ in hd.micro_batches(model, batch, plan, device=device):  # raises beyond the cap
+            biggest = max(biggest, len(xm))
+            F.cross_entropy(model(xm), ym).backward()
+        opt.step()
+    ref = _reference([list(range(N))], width=512)
+    return {"plan": plan.to_dict(), "untouched": untouched, "biggest": biggest, "err": _max_err(_full(model), ref)}
+
+
+def _rebalanced(rank):
+    """DistributedRebalancer, unchanged, on an FSDP2 model: every plan change still gives full-batch steps."""
+    model = _sharded()
+    plan = _plan([5, 5])
+    state = hd.weight_gradients(model, plan)
+    sampler = hd.HeteroBatchSampler(_data(), plan, shuffle=False)
+    loader = torch.utils.data.DataLoader(_data(), batch_sampler=sampler, collate_fn=sampler.collate)
+    rb = hd.DistributedRebalancer(plan, hetsplit.Rebalancer(every=1, threshold=0.0), sampler=sampler,
+                                  gradients=state, model=model, device="cpu" if rank == 0 else "cpu@0.25")  # fmt: skip
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    sizes = []
+    for _ in range(2):
+        for x, y, _ in loader:
+            with rb.step(), rb.device.throttle(cpu_time=True):
+                loss = F.cross_entropy(model(x), y)
+                opt.zero_grad()
+                loss.backward()
+            opt.step()
+            sizes.append(len(x))
+    ref = _reference([list(range(0, 10)), list(range(10, 20)), list(range(20, 30))] * 2)
+    return {"err": _max_err(_full(model), ref), "sizes": sizes, "changes": len(rb.history)}
+
+
+def _checkpoint(rank, tmp):
+    """DCP: save an FSDP2 model and its Adam state after a step on one plan, resume on another."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    data = _data()
+    first, second = _plan([7, 3]), _plan([2, 8])
+    model = _sharded()
+    hd.weight_gradients(model, first)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    x, y, _ = data[0:7] if rank == 0 else data[7:10]
+    F.cross_entropy(model(x), y).backward()
+    opt.step()
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(Path(tmp) / "ckpt"))
+    # Resume on another plan, in new objects: the second step equals the full-batch one.
+    model = _sharded()
+    hd.weight_gradients(model, second)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    msd, osd = get_state_dict(model, opt)
+    state = {"model": msd, "optim": osd}
+    dcp.load(state, checkpoint_id=str(Path(tmp) / "ckpt"))
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    x, y, _ = data[10:12] if rank == 0 else data[12:20]
+    opt.zero_grad()
+    F.cross_entropy(model(x), y).backward()
+    opt.step()
+    ref = _reference([list(range(0, 10)), list(range(10, 20))])
+    return {"err": _max_err(_full(model), ref)}
+
+
+def _refusals(rank):
+    """Each refused model: the error every rank raises (one line), or None if it was accepted."""
+    out = {}
+
+    def attempt(name, fn):
+        try:
+            fn()
+            out[name] = None
+        except (hd.DistributedError, ValueError) as e:
+            out[name] = str(e)
+
+    plan = _plan([7, 3])
+    attempt("different", lambda: hd.weight_gradients(_sharded(root_only=rank == 1), plan))
+    attempt("hook", lambda: hd.weight_gradients(_sharded(), plan, method="hook"))
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (1, WORLD), mesh_dim_names=("replicate", "shard"))
+    attempt("hsdp", lambda: hd.weight_gradients(fully_shard(_net(), mesh=mesh), plan))
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    fsdp1 = FullyShardedDataParallel(_net(), device_id=torch.device("cpu"))
+    attempt("fsdp1", lambda: hd.weight_gradients(fsdp1, plan))
+    attempt("fsdp1_micro", lambda: next(iter(hd.micro_batches(fsdp1, torch.zeros(7 if rank == 0 else 3, 6), plan))))
+    attempt("off_plan", lambda: _off_plan(plan))
+    return out
+
+
+def _off_plan(plan):
+    model = _sharded()
+    hd.weight_gradients(model, plan)
+    model(torch.zeros(5, 6, dtype=torch.float64))  # 5 samples where the plan says 7 or 3
+
+
+def _worker(rank, init_file, out_dir):
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=60)
+    )
+    res = _scenarios(rank, out_dir)
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(res))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("fsdp")
+    mp.spawn(_worker, args=(str(tmp / "rendezvous"), str(tmp)), nprocs=WORLD, join=True)
+    return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(WORLD)]
+
+
+def _ok(ranks, key):
+    for r in ranks:
+        assert "error" not in r[key], r[key]
+    return [r[key] for r in ranks]
+
+
+def test_an_uneven_plan_gives_the_full_batch_steps(ranks):
+    for r in _ok(ranks, "uneven"):
+        assert r["err"] < 1e-12  # float64, three Adam steps: only summation order differs
+    assert ranks[0]["uneven"]["sizes"] == [7, 7, 7] and ranks[1]["uneven"]["sizes"] == [3, 3, 3]  # the plan's shares
+
+
+def test_an_epoch_covers_the_data_once(ranks):
+    r0, r1 = _ok(ranks, "uneven")  # three steps: one epoch
+    assert r0["batches"] == r1["batches"]
+    every = [i for batch in r0["batches"] for i in batch]
+    assert sorted(every) == list(range(N))  # each sample once, none twice
+
+
+def test_a_zero_share_runs_one_sample_weighted_zero(ranks):
+    r0, r1 = _ok(ranks, "zero_share")
+    assert r0["err"] < 1e-12 and r1["err"] < 1e-12
+    assert r0["sizes"] == [10, 10, 10] and r1["sizes"] == [1, 1, 1]  # never an empty batch
+
+
+def test_without_a_plan_the_sizes_are_exchanged(ranks):
+    r0, r1 = _ok(ranks, "no_plan")
+    assert r0["err"] < 1e-12 and r1["err"] < 1e-12
+
+
+def test_different_micro_batch_counts_do_not_deadlock_and_give_the_full_batch(ranks):
+    r0, r1 = _ok(ranks, "micro")
+    assert r0["err"] < 1e-12 and r1["err"] < 1e-12
+    # the plan gives rank 1 one micro-batch: it runs three (as many as rank 0), each synchronised
+    assert r0["forwards"] == [3, 2, 2] * 3 and r1["forwards"] == [1, 1, 1] * 3
+
+
+def test_micro_batches_with_fillers_and_a_zero_share(ranks):
+    r0, r1 = _ok(ranks, "micro_fillers")
+    assert r0["err"] < 1e-12 and r1["err"] < 1e-12
+    assert r0["forwards"] == [2, 2, 2, 2] * 3 and r1["forwards"] == [1, 1, 1, 1] * 3  # two real, two weighted 0
+    r0, r1 = _ok(ranks, "micro_zero_share")
+    assert r0["err"] < 1e-12 and r1["err"] < 1e-12
+    assert r0["forwards"] == [4, 3, 3] * 3 and r1["forwards"] == [1, 1, 1] * 3
+
+
+def test_plan_profiles_the_sharded_model_and_respects_the_emulated_cap(ranks):
+    r0, r1 = _ok(ranks, "planned")
+    assert r0["plan"] == r1["plan"]
+    plan = r0["plan"]
+    assert sum(plan["sizes"]) == N and plan["devices"] == ["rank0:cpu", "rank1:cpu:max4"]
+    assert all(m <= 4 for m in plan["micro_batches"][1])  # the small device's cap
+    assert r1["biggest"] <= 4
+    assert r0["untouched"] and r1["untouched"]  # profiling gathered, then left the model as it was
+    assert r0["err"] < 1e-12 and r1["err"] < 1e-12
+
+
+def test_the_rebalancer_works_unchanged(ranks):
+    r0, r1 = _ok(ranks, "rebalancer")
+    assert r0["err"] < 1e-12 and r1["err"] < 1e-12
+    for a, b in zip(r0["sizes"], r1["sizes"]):  # the global batch, or all of it on rank 0 and rank 1's filler
+        assert a + b == 10 or (a, b) == (10, 1)
+    assert r0["changes"] == r1["changes"] >= 1  # rank 1 is slower than its plan said: the shares move
+
+
+def test_a_sharded_checkpoint_resumes_on_another_plan(ranks):
+    r0, r1 = _ok(ranks, "checkpoint")
+    assert r0["err"] < 1e-12 and r1["err"] < 1e-12
+
+
+def test_refusals_are_one_line_on_every_rank(ranks):
+    r0, r1 = _ok(ranks, "refusals")
+    for r in (r0, r1):
+        assert r["different"].startswith("ranks [1] shard the model differently from rank 0"), r["different"]
+        assert "hybrid sharding (HSDP)" in r["hsdp"] and "use FSDP2's fully_shard on a 1-D device mesh" in r["hsdp"]
+        assert "FSDP1" in r["fsdp1"] and "use FSDP2's fully_shard" in r["fsdp1"]
+        assert "FSDP1" in r["fsdp1_micro"]
+        assert 'method="hook"' in r["hook"]
+        for text in r.values():
+            assert "\n" not in text
+    assert "rank 0: this step has 5 samples but the plan gives this rank 7" in r0["off_plan"]
+    assert "rank 1: this step has 5 samples but the plan gives this rank 3" in r1["off_plan"]
