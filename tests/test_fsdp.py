@@ -161,8 +161,8 @@ def _rebalanced(rank):
     model = _sharded()
     plan = _plan([5, 5])
     state = hd.weight_gradients(model, plan)
-    sampler = hd.HeteroBatchSampler(_data(), plan, shuffle=False)
-    loader = torch.utils.data.DataLoader(_data(), batch_sampler=sampler, collate_fn=sampler.collate)
+    loader = hd.data_loader(_data(), plan, shuffle=False)
+    sampler = loader.batch_sampler
     rb = hd.DistributedRebalancer(plan, hetsplit.Rebalancer(every=1, threshold=0.0), sampler=sampler,
                                   gradients=state, model=model, device="cpu" if rank == 0 else "cpu@0.25")  # fmt: skip
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
@@ -255,10 +255,15 @@ def _worker(rank, init_file, out_dir):
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory):
+def job(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("fsdp")
     mp.spawn(_worker, args=(str(tmp / "rendezvous"), str(tmp)), nprocs=WORLD, join=True)
-    return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    return tmp, [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(WORLD)]
+
+
+@pytest.fixture(scope="module")
+def ranks(job):
+    return job[1]
 
 
 def _ok(ranks, key):
@@ -343,3 +348,25 @@ def test_refusals_are_one_line_on_every_rank(ranks):
             assert "\n" not in text
     assert "rank 0: this step has 5 samples but the plan gives this rank 7" in r0["off_plan"]
     assert "rank 1: this step has 5 samples but the plan gives this rank 3" in r1["off_plan"]
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_sharded_checkpoint_resumes_in_one_process(job):
+    """The two ranks' checkpoint (after the first step) loads into a plain model and Adam: world size 1."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    tmp, ranks = job
+    _ok(ranks, "checkpoint")
+    model = _net()
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    msd, osd = get_state_dict(model, opt)
+    state = {"model": msd, "optim": osd}
+    dcp.load(state, checkpoint_id=str(tmp / "ckpt"))  # no process group: this process alone
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    x, y, _ = _data()[10:20]
+    opt.zero_grad()
+    F.cross_entropy(model(x), y).backward()
+    opt.step()
+    want = _reference([list(range(0, 10)), list(range(10, 20))])
+    assert _max_err([p.detach() for p in model.parameters()], want) < 1e-12
