@@ -121,3 +121,27 @@ def test_lenet_from_scratch_step_equals_one_full_batch_step():
     for copy in device_params:  # both devices' copies took exactly the one full-batch step
         for got, want in zip(copy, expected):
             torch.testing.assert_close(got.detach(), want, rtol=1e-12, atol=1e-14)
+
+
+def test_fsdp_hetero_under_hetsplit_launch(tmp_path):
+    """The FSDP2 example on the emulated pair (the second rank a quarter as fast, 8 samples at once), a few steps."""
+    pytest.importorskip("transformers")
+    import os
+
+    root = EXAMPLES.parent
+    proc = subprocess.run(
+        [sys.executable, "-m", "hetsplit.apps.cli", "launch", "--devices", "cpu,cpu@0.25:max8",
+         str(EXAMPLES / "fsdp_hetero.py"), "--steps", "3", "--profile-budget", "1", "--threads", "1",
+         "--timeout", "60", "--save", str(tmp_path / "ckpt")],
+        capture_output=True, text=True, timeout=240, cwd=tmp_path,
+        env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(root)),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    assert "2 ranks on cpu, cpu@0.25:max8 (gloo)" in out and "SYNTHETIC" in out and "sharded over 2 ranks" in out
+    assert "plan: rank0:cpu " in out and "3 steps in" in out and "saved a sharded checkpoint" in out
+    share = int(out.split("rank1:cpu@0.25:max8 ")[1].split()[0])
+    assert 0 <= share < 32  # the slow rank gets less than the half an even split would give it
+    micro = out.split("rank1:cpu@0.25:max8 ")[1].split(" as ")[1].splitlines()[0]
+    assert all(int(m) <= 8 for m in micro.strip("[]").split(",") if m.strip())  # its memory of 8 samples
+    assert (tmp_path / "ckpt" / ".metadata").exists()
