@@ -414,3 +414,32 @@ def test_a_sharded_checkpoint_resumes_in_one_process(job):
     opt.step()
     want = _reference([list(range(0, 10)), list(range(10, 20))])
     assert _max_err([p.detach() for p in model.parameters()], want) < 1e-12
+
+
+def _gpu_worker(rank, init_file, out_dir):
+    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=0, world_size=1)
+    torch.cuda.set_device(0)
+    model = _sharded(width=256).cuda()
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(64, 6, dtype=torch.float64, generator=gen)
+    y = torch.randint(0, 3, (64,), generator=gen)
+    plan = hd.plan(model, x, 64, device="cuda:0", loss_fn=F.cross_entropy, target=y, batch_sizes=[2, 8, 32],
+                   repeats=1, time_budget=2, max_probe=64)  # fmt: skip
+    hd.weight_gradients(model, plan)
+    F.cross_entropy(model(x.cuda()), y.cuda()).backward()
+    ref = _net(256)
+    F.cross_entropy(ref(x), y).backward()
+    got = [p.grad.full_tensor().cpu() for p in model.parameters()]
+    out = {"plan": plan.to_dict(), "err": _max_err(got, [p.grad for p in ref.parameters()])}
+    Path(out_dir, "gpu.json").write_text(json.dumps(out))
+    dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+def test_on_cuda_the_plan_and_the_weighting_of_a_sharded_model(tmp_path):
+    """The CUDA path of hd.plan on an FSDP2 model (its replica profiled on the GPU, peak memory probed), one exact step."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    mp.spawn(_gpu_worker, args=(str(tmp_path / "rendezvous"), str(tmp_path)), nprocs=1, join=True)
+    out = json.loads((tmp_path / "gpu.json").read_text())
+    assert out["plan"]["sizes"] == [64] and out["err"] < 1e-12
