@@ -437,7 +437,7 @@ def _gpu_worker(rank, init_file, out_dir):
 
 @pytest.mark.gpu
 def test_on_cuda_the_plan_and_the_weighting_of_a_sharded_model(tmp_path):
-    """The CUDA path of hd.plan on an FSDP2 model (its replica profiled on the GPU, peak memory probed), one exact step."""
+    """hd.plan on an FSDP2 model on CUDA (its replica profiled on the GPU, peak memory probed), one exact step."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     mp.spawn(_gpu_worker, args=(str(tmp_path / "rendezvous"), str(tmp_path)), nprocs=1, join=True)

@@ -316,7 +316,7 @@ def _micro_step(state: WeightingState, rank: int) -> None:
     """A forward of one of this rank's micro-batches: checked against the plan, its share noted."""
     micro = state.micro
     assert micro is not None
-    # A 0 is a sharded model's filler: one real sample weighted 0 (see sharded.even_micro).
+    # A 0 is a sharded model's filler: one real sample weighted 0 (see sharded._even_micro).
     filler = micro[state.pos] == 0 and state.local <= 1
     if state.local != micro[state.pos] and not filler:
         raise DistributedError(

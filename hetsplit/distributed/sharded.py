@@ -36,17 +36,6 @@ from ..planning.plan import Plan
 from ..tree import batch_length, tree_map
 from ._group import DistributedError, all_gather, collective
 
-__all__ = [
-    "kind",
-    "is_sharded",
-    "check_sharded",
-    "rank_micro",
-    "even_micro",
-    "micro_pieces",
-    "exchanged_total",
-    "plain_replica",
-]
-
 _WORKS = (
     "FSDP2's fully_shard on a 1-D device mesh (the default: every rank in one shard group), the same on every rank, "
     "or DDP"
@@ -123,11 +112,11 @@ def check_sharded(model: nn.Module, group: Any = None) -> None:
 
 
 def rank_micro(plan: Plan, rank: int, sharded: bool) -> list[int]:
-    """The micro-batches rank ``rank`` runs under ``plan``: the plan's, or for a sharded model :func:`even_micro`'s."""
-    return even_micro(plan)[rank] if sharded else list(plan.micro_batches[rank])
+    """The micro-batches rank ``rank`` runs under ``plan``: the plan's, or for a sharded model :func:`_even_micro`'s."""
+    return _even_micro(plan)[rank] if sharded else list(plan.micro_batches[rank])
 
 
-def even_micro(plan: Plan) -> list[list[int]]:
+def _even_micro(plan: Plan) -> list[list[int]]:
     """Every rank's micro-batches for a sharded model: the same count on every rank (see the module's doc).
 
     The count is the plan's largest, ``K``; a rank whose plan has ``K`` keeps them, one
