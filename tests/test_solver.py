@@ -10,6 +10,7 @@ from hetsplit.planning import Plan, check_sizes, even_sizes, plan_from_sizes, si
 from hetsplit.planning.curve import Curve
 from hetsplit.planning.profile import Profile
 from hetsplit.planning.records import DeviceProfile
+from hetsplit.planning.solver import solve_lockstep
 
 
 def _brute_force(profile, names, batch):
@@ -310,3 +311,50 @@ def test_bounds_bracket_the_exact_capacity_even_at_the_cap_and_knots():
             least, k = engine.extreme(b, largest=False)
             assert top == full.max() and full[i] == top
             assert least == full.min() and full[k] == least
+
+
+def test_lockstep_is_optimal_against_brute_force():
+    """solve_lockstep (FSDP2: every device runs as many micro-batches) against every k and every split."""
+    rng = random.Random(2)
+    checked = 0
+    for _ in range(150):
+        profile = _convex_profile(rng, rng.randint(1, 3))
+        names, batch = profile.devices, rng.randint(1, 16)
+        curves = [profile.curve(n) for n in names]
+        if all(c.memory_cap == 0 for c in curves):
+            with pytest.raises(ValueError, match="holds even one sample"):
+                solve_lockstep(profile, batch)
+            continue
+        caps = [c.memory_cap for c in curves if c.memory_cap]
+        top = max(1, -(-batch // min(caps))) if caps else 1
+        best = math.inf
+        for k in range(1, top + 1):
+            for head in itertools.product(range(batch + 1), repeat=len(names) - 1):
+                if sum(head) <= batch:
+                    sizes = (*head, batch - sum(head))
+                    best = min(best, max(k * c(s / k) if s else 0.0 for c, s in zip(curves, sizes)))
+        plan = solve_lockstep(profile, batch)
+        assert plan.step_time == pytest.approx(best, rel=1e-9, abs=1e-15)
+        k = max(map(len, plan.micro_batches), default=1)
+        # one k for all: a share of k or more runs as k micro-batches, a smaller one sample at a time
+        assert all(len(m) == min(s, k) for m, s in zip(plan.micro_batches, plan.sizes))
+        for c, size, micro in zip(curves, plan.sizes, plan.micro_batches):
+            assert sum(micro) == size
+            assert c.memory_cap is None or max(micro, default=0) <= c.memory_cap
+        checked += 1
+    assert checked > 100
+
+
+def test_lockstep_prices_the_fast_devices_extra_micro_batches():
+    # A capped slow device: per-device accumulation gives it micro-batches and the fast device one
+    # batch, which FSDP2 cannot run (the fast rank would have to run as many micro-batches too).
+    p = Profile.from_measurements(
+        {"fast": [(8, 0.010), (64, 0.040)], "slow": [(2, 0.02), (4, 0.035)]}, memory_caps={"slow": 4}
+    )
+    apart = solve(p, 128, accumulate=True)
+    assert apart.micro_batches == [[120], [4, 4]]
+    lockstep = solve_lockstep(p, 128)
+    assert lockstep.sizes == [124, 4] and lockstep.micro_batches == [[124], [4]]  # one micro-batch each is fastest
+    # Priced as FSDP2 runs it, the per-device plan is slower than the lockstep one.
+    as_run = max(2 * p.curve("fast")(120 / 2), 2 * p.curve("slow")(8 / 2))
+    assert lockstep.step_time < as_run

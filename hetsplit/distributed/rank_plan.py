@@ -19,6 +19,7 @@ from ..planning.curve import Curve
 from ..planning.plan import Plan
 from ..planning.profile import DeviceProfile, Profile
 from ..planning.sizes import resolve_plan
+from ..planning.solver import solve_lockstep
 from ..profiler import profile as run_profile
 from ..profiler import train_step
 from ..timing import WorkTimer
@@ -101,6 +102,9 @@ def plan(
     then runs the whole model in the profile, so its memory cap (probed on CUDA,
     ``cpu:max8`` when emulated) is that of the unsharded model: safe (a sharded step
     holds less), if conservative. Such a plan is not calibrated (calibration runs DDP).
+    With ``accumulate=True`` its shares are solved for what FSDP2 runs: every rank as
+    many micro-batches as the others (:func:`hetsplit.planning.solver.solve_lockstep`),
+    so a fast rank's extra micro-batches are priced in, not only the capped rank's.
 
     Args:
         model: The model (unwrapped, the module inside DDP, or an FSDP2 root module).
@@ -159,9 +163,16 @@ def plan(
             e.info.name = f"rank{r}:{e.info.name}"
             entries.append(e)
         combined = Profile(entries, model=gathered[0]["model"], host="torchrun", source="distributed")
-    result = _broadcast_plan(
-        lambda: resolve_plan(batch_size, combined.devices, profile=combined, accumulate=accumulate), group, rank, world
-    )
+    if sharded and accumulate:
+        # Every rank of a sharded model runs as many micro-batches as the others: solve for that.
+        result = _broadcast_plan(lambda: solve_lockstep(combined, batch_size), group, rank, world)
+    else:
+        result = _broadcast_plan(
+            lambda: resolve_plan(batch_size, combined.devices, profile=combined, accumulate=accumulate),
+            group,
+            rank,
+            world,
+        )
     if calibrate and not sharded and min(result.sizes) > 0 and max(map(len, result.micro_batches)) == 1:
         work = _calibration_work(model, sample, target, loss_fn, dev, result.sizes[rank], calibrate, group, rank)
         if rank == 0:

@@ -138,6 +138,23 @@ class Curve:
             slope=self.slope * factor,
         )
 
+    def repeated(self, count: int) -> Curve:
+        """``count * t(b / count)``: ``b`` samples run as ``count`` back-to-back micro-batches of ``b / count``.
+
+        Exact for the piecewise-linear model: knots and times scale by ``count``, the
+        slope past the last knot stays, and the memory cap (per micro-batch) covers
+        ``count`` times the samples.
+        """
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise ValueError(f"a curve can only be repeated a whole number >= 1 of times, got {count!r}")
+        return dataclasses.replace(
+            self,
+            batch=[b * count for b in self.batch],
+            seconds=[t * count for t in self.seconds],
+            intercept=self.intercept * count,
+            memory_cap=None if self.memory_cap is None else self.memory_cap * count,
+        )
+
     def shifted(self, seconds: float) -> Curve:
         """This curve with ``seconds`` (>= 0) of fixed overhead added to every used batch.
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import math
 from collections.abc import Iterator, Sequence
@@ -89,6 +90,58 @@ def _solve(profile: Profile, entries: Sequence[DeviceProfile], batch_size: int, 
         )
     sizes = _solve_sizes(engine, batch_size)
     return _make_plan(entries, names, engine, sizes, batch_size)
+
+
+# Beyond this many micro-batches per step a lockstep plan is not searched: the all-gathers
+# and reduce-scatters of every micro-batch would cost more than any split saves.
+_MAX_LOCKSTEP = 256
+
+
+def solve_lockstep(profile: Profile, batch_size: int, *, devices: Sequence[DeviceLike] | None = None) -> Plan:
+    """The split when every device runs its share as the same number ``k`` of micro-batches.
+
+    Sharded data parallelism (FSDP2) gathers parameters in every forward and
+    reduce-scatters gradients in every backward, so all ranks must run as many
+    micro-batches as each other. A device's time for ``b`` samples is then
+    ``k * t(b / k)`` (:meth:`Curve.repeated`) and its memory cap limits ``b / k``. Each
+    ``k`` from 1 up to what the smallest cap needs is solved exactly (:func:`solve`), and
+    the fastest wins (the smallest ``k`` on a tie): a fast uncapped device pays for extra
+    micro-batches too, so the smallest ``k`` that fits is not always best, nor the largest.
+    ``plan.micro_batches`` lists each device's ``k`` micro-batches (fewer when its share
+    is smaller than ``k``; the rank runs fillers weighted 0 for the rest); ``plan.times``,
+    ``even_time`` and ``single_time`` are predicted for that ``k``.
+
+    Raises:
+        ValueError: If no device holds a sample, as :func:`solve` with ``accumulate=True``.
+    """
+    entries = profile.entries if devices is None else [profile.entry(d) for d in devices]
+    caps = [e.curve.memory_cap for e in entries if e.curve.memory_cap]
+    if not caps and not any(e.curve.memory_cap is None for e in entries):
+        names = [e.info.name for e in entries]
+        raise ValueError(f"no device holds even one sample ({names}); give devices with memory for a sample")
+    top = 1 if not caps else min(_MAX_LOCKSTEP, max(1, -(-int(batch_size) // min(caps))))
+    names = [e.info.name for e in entries]
+    best: tuple[int, Plan] | None = None
+    for k in range(1, top + 1):
+        repeated = dataclasses.replace(
+            profile, entries=[dataclasses.replace(e, curve=e.curve.repeated(k)) for e in entries]
+        )
+        try:
+            plan = solve(repeated, batch_size, devices=names)
+        except ValueError:  # the caps hold fewer than batch_size samples in k micro-batches
+            continue
+        if best is None or plan.step_time < best[1].step_time:
+            best = (k, plan)
+    if best is None:
+        raise ValueError(
+            f"batch of {batch_size} does not fit the devices' memory in {top} micro-batches ("
+            + ", ".join(f"{e.info.name}: {e.curve.memory_cap}" for e in entries)
+            + "); use a smaller batch or more devices"
+        )
+    k, plan = best
+    if k > 1:
+        plan = dataclasses.replace(plan, micro_batches=[micro_sizes(b, k) for b in plan.sizes])
+    return plan
 
 
 @contextlib.contextmanager
