@@ -10,6 +10,7 @@ import time
 
 import pytest
 import torch
+from helpers import assert_same_grads
 
 from hetsplit import parse_devices, run_parallel
 from hetsplit.parallel.apply import cpu_cores
@@ -158,8 +159,7 @@ def test_pinned_replicas_still_give_the_full_batch_gradients(one_thread):
     torch.nn.functional.cross_entropy(dp(x), y).backward()
     expected = cpu_cores(parse_devices(["cpu", "cpu@0.5"]), 0)
     assert (expected is not None) == (hasattr(os, "sched_setaffinity") and len(os.sched_getaffinity(0)) >= 2)
-    for p, q in zip(net.parameters(), ref.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-12)
+    assert_same_grads(net, ref, rtol=1e-12, atol=1e-12)
 
 
 def test_run_parallel_takes_device_strings():

@@ -6,8 +6,8 @@ speed emulated CPU: a worker thread, no sleeping), so the real multi-replica pat
 
 Tolerances: float64 throughout, and the wrapper differs from the plain run only in how the
 batch is cut and the per-shard sums are added, so the error is rounding (~1e-15 relative);
-``rtol=1e-9`` with an absolute floor scaled to the gradients leaves room for that while any
-real defect (a lost or doubled shard, a missing hook, a stale gradient) is off by >1e-2.
+``helpers.RTOL`` (1e-9) with an absolute floor scaled to the gradients leaves room for that
+while any real defect (a lost or doubled shard, a missing hook, a stale gradient) is off by >1e-2.
 """
 
 import copy
@@ -16,6 +16,8 @@ import threading
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import RTOL, assert_close, assert_same_grads, assert_same_params, batch, mlp
+from helpers import step as _step
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -23,22 +25,18 @@ import hetsplit
 from hetsplit import HeteroDataParallel
 
 DEVICES = ["cpu", "cpu@1"]
-RTOL = 1e-9
 
 
 def _mlp(seed=0):
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 4)).double()
+    return mlp(3, 5, 4, seed=seed)
 
 
 def _bn_net(seed=0):
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(3, 5), nn.BatchNorm1d(5), nn.Tanh(), nn.Linear(5, 4)).double()
+    return mlp(3, 5, 4, seed=seed, batch_norm=True)
 
 
 def _data(n=10, seed=1):
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randn(n, 3, dtype=torch.float64, generator=gen), torch.randint(0, 4, (n,), generator=gen)
+    return batch(n, (3,), classes=4, seed=seed)
 
 
 def _wrap(net, devices=DEVICES, **kwargs):
@@ -47,35 +45,6 @@ def _wrap(net, devices=DEVICES, **kwargs):
         kwargs.setdefault("weights", [4, 1] if len(devices) == 2 else [1] * len(devices))
     kwargs = {k: v for k, v in kwargs.items() if v is not None}
     return HeteroDataParallel(copy.deepcopy(net), devices, **kwargs)
-
-
-def _close(actual, expected, what="", scale=None):
-    # scale: the largest value of the set ``expected`` belongs to (all of a model's gradients): a
-    # gradient that is zero up to rounding (a bias in front of BatchNorm) is compared at that scale.
-    if scale is None:
-        scale = max(float(expected.abs().max()), 1e-300) if expected.numel() else 1.0
-    torch.testing.assert_close(actual, expected, rtol=RTOL, atol=RTOL * scale, msg=lambda m: f"{what}: {m}")
-
-
-def _same_grads(module, ref, what=""):
-    scale = max(float(q.grad.abs().max()) for q in ref.parameters() if q.grad is not None)
-    for (name, p), q in zip(module.named_parameters(), ref.parameters()):
-        has, plain = p.grad is not None, q.grad is not None
-        assert has == plain, f"{what}{name}: has a .grad {has}, the plain module's {plain}"
-        if q.grad is not None:
-            _close(p.grad, q.grad, f"{what}{name}.grad", scale)
-
-
-def _same_params(module, ref):
-    for (name, p), q in zip(module.named_parameters(), ref.parameters()):
-        _close(p.detach(), q.detach(), name)
-
-
-def _step(dp, x, y, mode):
-    if mode == "gather":
-        F.cross_entropy(dp(x), y).backward()
-    else:
-        dp.train_step(x, y, F.cross_entropy)
 
 
 # -- every batch size ---------------------------------------------------------------------
@@ -97,18 +66,18 @@ def _train_over_loaders(dp, net):
             o.zero_grad()
         F.cross_entropy(dp(xb), yb).backward()
         F.cross_entropy(ref(xb), yb).backward()
-        _same_grads(dp.module, ref)
+        assert_same_grads(dp.module, ref)
         opt.step()
         opt_ref.step()
-    _same_params(dp.module, ref)
+    assert_same_params(dp.module, ref)
     with torch.no_grad():
         for (xb,) in DataLoader(TensorDataset(x), batch_size=5):  # 5, 5, 5, 5, 2
-            _close(dp(xb), ref(xb), "eval output")
+            assert_close(dp(xb), ref(xb), "eval output")
     # and back to training at the first size
     xb, yb = x[:8], y[:8]
     F.cross_entropy(dp(xb), yb).backward()
     F.cross_entropy(ref(xb), yb).backward()
-    _same_grads(dp.module, ref)
+    assert_same_grads(dp.module, ref)
 
 
 def test_every_batch_size_with_weights():
@@ -139,11 +108,11 @@ def test_no_split_argument_with_a_first_batch_under_no_grad():
     dp = _wrap(net, ["cpu", "cpu@0.75"], weights=None)
     x, y = _data(10)
     with torch.no_grad():
-        _close(dp(x), net(x), "output under no_grad")
+        assert_close(dp(x), net(x), "output under no_grad")
     ref = copy.deepcopy(net)
     F.cross_entropy(dp(x), y).backward()
     F.cross_entropy(ref(x), y).backward()
-    _same_grads(dp.module, ref)
+    assert_same_grads(dp.module, ref)
 
 
 def test_a_plan_for_another_batch_size_is_a_clear_error():
@@ -223,10 +192,10 @@ def test_failed_step_leaves_nothing_behind(failure, mode):
     opt_ref.zero_grad()
     _step(dp, x, y, mode)
     F.cross_entropy(ref(x), y).backward()
-    _same_grads(dp.module, ref, f"a good step after a failed one ({failure}, {mode}) and zero_grad(): ")
+    assert_same_grads(dp.module, ref, f"a good step after a failed one ({failure}, {mode}) and zero_grad(): ")
     opt.step()
     opt_ref.step()
-    _same_params(dp.module, ref)
+    assert_same_params(dp.module, ref)
 
 
 def test_no_thread_leak_over_many_failed_steps():
@@ -253,7 +222,7 @@ def test_autograd_grad_of_the_input_equals_plain_and_leaves_param_grads_none():
     x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
     (g,) = torch.autograd.grad(F.cross_entropy(dp(x1), y), x1)
     (g_ref,) = torch.autograd.grad(F.cross_entropy(net(x2), y), x2)
-    _close(g, g_ref, "d loss / d x")
+    assert_close(g, g_ref, "d loss / d x")
     written = [n for n, p in dp.named_parameters() if p.grad is not None]
     assert not written, f"autograd.grad(loss, x) wrote the .grad of {written}"
     assert x1.grad is None
@@ -266,7 +235,7 @@ def test_autograd_grad_of_the_parameters_equals_plain():
     grads = torch.autograd.grad(F.cross_entropy(dp(x), y), list(dp.parameters()))
     grads_ref = torch.autograd.grad(F.cross_entropy(net(x), y), list(net.parameters()))
     for (name, _), g, g_ref in zip(dp.named_parameters(), grads, grads_ref):
-        _close(g, g_ref, name, max(float(r.abs().max()) for r in grads_ref))
+        assert_close(g, g_ref, name, scale=max(float(r.abs().max()) for r in grads_ref))
     assert all(p.grad is None for p in dp.parameters()), "autograd.grad(loss, params) wrote .grad"
 
 
@@ -278,10 +247,10 @@ def test_retain_graph_then_a_second_backward_accumulates_like_plain():
     loss, loss_ref = F.cross_entropy(dp(x), y), F.cross_entropy(ref(x), y)
     loss.backward(retain_graph=True)
     loss_ref.backward(retain_graph=True)
-    _same_grads(dp.module, ref)
+    assert_same_grads(dp.module, ref)
     loss.backward()
     loss_ref.backward()
-    _same_grads(dp.module, ref)  # twice the gradient
+    assert_same_grads(dp.module, ref)  # twice the gradient
 
 
 def test_gradient_penalty_with_create_graph_equals_plain():
@@ -294,8 +263,8 @@ def test_gradient_penalty_with_create_graph_equals_plain():
         out = model(xi)
         (g,) = torch.autograd.grad(out.sum(), xi, create_graph=True)
         (F.cross_entropy(out, y) + g.pow(2).sum()).backward()
-    _same_grads(dp.module, ref)
-    _close(xs[0].grad, xs[1].grad, "x.grad")
+    assert_same_grads(dp.module, ref)
+    assert_close(xs[0].grad, xs[1].grad, "x.grad")
 
 
 # -- hooks -----------------------------------------------------------------------------------
@@ -320,8 +289,10 @@ def test_parameter_hooks_fire_once_with_the_full_batch_gradient_and_can_change_i
     for name, _ in net.named_parameters():
         got = [g for n, g in seen["dp"] if n == name]
         for g, g_ref in zip(got, [g for n, g in seen["ref"] if n == name]):
-            _close(g, g_ref, f"hook's gradient of {name}", max(float(r.abs().max()) for _, r in seen["ref"]))
-    _same_grads(dp.module, ref)  # the clamped gradients, accumulated twice
+            assert_close(
+                g, g_ref, f"hook's gradient of {name}", scale=max(float(r.abs().max()) for _, r in seen["ref"])
+            )
+    assert_same_grads(dp.module, ref)  # the clamped gradients, accumulated twice
 
 
 def test_post_accumulate_grad_hooks_fire_once_per_backward():
@@ -341,8 +312,11 @@ def test_post_accumulate_grad_hooks_fire_once_per_backward():
     assert names("dp") == names("ref"), f"post-accumulate-grad hooks fired for {names('dp')}; plain: {names('ref')}"
     got = dict(fired["dp"])
     for name, g_ref in fired["ref"]:
-        _close(
-            got[name], g_ref, f".grad seen by the hook of {name}", max(float(r.abs().max()) for _, r in fired["ref"])
+        assert_close(
+            got[name],
+            g_ref,
+            f".grad seen by the hook of {name}",
+            scale=max(float(r.abs().max()) for _, r in fired["ref"]),
         )
 
 
@@ -370,9 +344,9 @@ def test_forward_hooks_registered_after_the_first_step_fire(mode):
     _step(dp, x, y, mode)
     assert calls["pre"] >= 1 and calls["post"] >= 1, f"forward hooks registered after the first step: calls {calls}"
     F.cross_entropy(ref(x), y).backward()
-    _same_grads(dp.module, ref)  # the hooks changed the computation as they do in the plain model
+    assert_same_grads(dp.module, ref)  # the hooks changed the computation as they do in the plain model
     with torch.no_grad():
-        _close(dp(x), ref(x), "output with the hooks")
+        assert_close(dp(x), ref(x), "output with the hooks")
 
 
 # -- buffers --------------------------------------------------------------------------------
@@ -410,9 +384,9 @@ def test_two_forwards_before_one_backward_with_batchnorm():
     sizes = dp.plan.sizes
     a_ref, b_ref = _per_shard(ref, x, sizes), _per_shard(ref, x2, sizes)
     ((a_ref - b_ref).pow(2).mean() + a_ref.tanh().sum()).backward()
-    _close(a.detach(), a_ref.detach(), "first output")
-    _close(b.detach(), b_ref.detach(), "second output")
-    _same_grads(dp.module, ref)
+    assert_close(a.detach(), a_ref.detach(), "first output")
+    assert_close(b.detach(), b_ref.detach(), "second output")
+    assert_same_grads(dp.module, ref)
     for (name, buf), buf_ref in zip(dp.module.named_buffers(), ref.buffers()):
         torch.testing.assert_close(buf, buf_ref, rtol=RTOL, atol=RTOL, msg=lambda m, n=name: f"{n}: {m}")
     assert int(dp.module[1].num_batches_tracked) == 2
@@ -440,7 +414,7 @@ def test_a_bool_buffer_changed_in_forward_merges(mode):
     _step(dp, x, y, mode)
     F.cross_entropy(ref(x), y).backward()
     assert dp.module.seen.dtype == torch.bool and bool(dp.module.seen)
-    _same_grads(dp.module, ref)
+    assert_same_grads(dp.module, ref)
 
 
 @pytest.mark.parametrize("mode", ["gather", "train_step"])

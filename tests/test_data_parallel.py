@@ -4,6 +4,7 @@ import threading
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import assert_same_grads, batch, cnn, max_rel_grad_error
 from torch import nn
 
 from hetsplit import HeteroDataParallel, Plan, Profile
@@ -12,20 +13,11 @@ from hetsplit.planning import plan_from_sizes
 DEVICES = ["cpu", "cpu@0.25"]
 
 
-def _net():
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Conv2d(1, 3, 3), nn.ReLU(), nn.Flatten(), nn.Linear(3 * 6 * 6, 4)).double()
+_net = cnn
 
 
 def _data(n=50):
-    gen = torch.Generator().manual_seed(1)
-    return torch.randn(n, 1, 8, 8, dtype=torch.float64, generator=gen), torch.randint(0, 4, (n,), generator=gen)
-
-
-def _max_rel_err(a, b):
-    return max(
-        ((p.grad - q.grad).abs().max() / q.grad.abs().max()).item() for p, q in zip(a.parameters(), b.parameters())
-    )
+    return batch(n, (1, 8, 8), classes=4)
 
 
 def _reference(net, x, y):
@@ -48,7 +40,7 @@ def test_uneven_gradients_equal_full_batch(mode):
         assert float(loss) == pytest.approx(expected, rel=1e-12)
     assert dp.plan.sizes == [40, 10]
     # float64 and a handful of additions in another order: agreement far below 1e-6.
-    assert _max_rel_err(dp.module, ref) < 1e-6
+    assert max_rel_grad_error(dp.module, ref) < 1e-6
 
 
 @pytest.mark.parametrize("mode", ["gather", "local"])
@@ -79,7 +71,7 @@ def test_sum_reduction_in_local_mode():
     F.cross_entropy(ref(x), y, reduction="sum").backward()
     dp = HeteroDataParallel(copy.deepcopy(net), DEVICES, weights=[1, 3])
     dp.train_step(x, y, lambda out, t: F.cross_entropy(out, t, reduction="sum"), reduction="sum")
-    assert _max_rel_err(dp.module, ref) < 1e-6
+    assert max_rel_grad_error(dp.module, ref) < 1e-6
 
 
 def test_zero_size_shard_and_tiny_batch():
@@ -87,7 +79,7 @@ def test_zero_size_shard_and_tiny_batch():
     ref = _reference(net, x, y)
     dp = HeteroDataParallel(copy.deepcopy(net), ["cpu", "cpu@0.5", "cpu"], weights=[1, 0, 1])
     F.cross_entropy(dp(x), y).backward()
-    assert dp.plan.sizes == [2, 0, 1] and _max_rel_err(dp.module, ref) < 1e-6
+    assert dp.plan.sizes == [2, 0, 1] and max_rel_grad_error(dp.module, ref) < 1e-6
     dp2 = HeteroDataParallel(copy.deepcopy(net), ["cpu", "cpu", "cpu", "cpu"], weights=[1, 1, 1, 1])
     out = dp2(x[:2])  # fewer samples than devices
     assert out.shape == (2, 4) and dp2.plan.sizes == [1, 1, 0, 0]
@@ -102,7 +94,7 @@ def test_set_plan_between_steps_and_plan_property():
     dp.module.zero_grad()
     dp.set_plan(plan_from_sizes(None, DEVICES, [17, 3]))
     F.cross_entropy(dp(x), y).backward()
-    assert dp.plan.sizes == [17, 3] and _max_rel_err(dp.module, ref) < 1e-6
+    assert dp.plan.sizes == [17, 3] and max_rel_grad_error(dp.module, ref) < 1e-6
     with pytest.raises(ValueError, match="the plan splits 20 samples, but the batch has 10"):
         dp(x[:10])
 
@@ -136,7 +128,7 @@ def test_kwargs_and_dict_outputs():
     ]  # one per replica, never replica 0 alone (issue 12)
     assert torch.allclose(res["out"], net(a, scale=scale)["out"])
     res["out"].pow(2).sum().backward()
-    assert _max_rel_err(dp.module, ref) < 1e-6
+    assert max_rel_grad_error(dp.module, ref) < 1e-6
 
 
 def test_replica_exception_names_device():
@@ -285,8 +277,7 @@ def test_one_real_device_runs_the_module_itself():
     torch.testing.assert_close(out, ref_out, rtol=0, atol=0)
     out.pow(2).sum().backward()
     ref_out.pow(2).sum().backward()
-    for p, q in zip(net.parameters(), ref.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)
+    assert_same_grads(net, ref, rtol=0, atol=0)
     assert torch.equal(net[1].running_mean, ref[1].running_mean) and int(net[1].num_batches_tracked) == 1
     assert dp._replicator is None and dp.plan.sizes == [10]  # nothing was copied; the plan is still kept
 
@@ -323,8 +314,7 @@ def test_trainable_layer_in_front_of_the_wrapper(mode, devices, weights):
         dp.train_step(stem(x), y, F.cross_entropy)
     assert dp.plan.sizes.count(0) == weights.count(0)
     for got, want in ((stem, ref_stem), (body, ref_body)):
-        for p, q in zip(got.parameters(), want.parameters()):
-            torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-14)
+        assert_same_grads(got, want, rtol=1e-12, atol=1e-14)
 
 
 def test_input_gradients_of_a_leaf_and_a_scalar_given_to_every_replica():
@@ -362,8 +352,7 @@ def test_a_step_with_one_active_device_runs_the_module_itself(mode):
         F.cross_entropy(dp(x), y).backward()
     else:
         dp.train_step(x, y, F.cross_entropy)
-    for p, q in zip(net.parameters(), ref.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)
+    assert_same_grads(net, ref, rtol=0, atol=0)
     assert torch.equal(net[1].running_mean, ref[1].running_mean) and int(net[1].num_batches_tracked) == 1
     assert dp._replicator is None and dp.step_times == {}  # no replica, no thread: no busy time measured
     # Only an emulated device active: its replica runs, throttled; gradients still exact.
@@ -373,8 +362,7 @@ def test_a_step_with_one_active_device_runs_the_module_itself(mode):
     assert dp._replicator is not None and set(dp.step_times) == {"cpu@0.25"}
     ref.zero_grad()
     F.cross_entropy(ref(x), y).backward()
-    for p, q in zip(net.parameters(), ref.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-14)
+    assert_same_grads(net, ref, rtol=1e-12, atol=1e-14)
 
 
 def test_the_calling_thread_runs_the_first_replica_while_a_worker_runs_the_other():
@@ -405,7 +393,7 @@ def test_the_seams_work_when_called_on_their_own():
     replicas = dp.replicate(dp.module, dp.devices)
     outputs = dp.parallel_apply(replicas, args, kwargs)
     F.cross_entropy(dp.gather(outputs, dp.output_device), y).backward()
-    assert _max_rel_err(dp.module, ref) < 1e-9
+    assert max_rel_grad_error(dp.module, ref) < 1e-9
     with pytest.raises(ValueError, match="this wrapper's devices"):
         dp.scatter((x,), {}, ["cpu"])
 

@@ -1,6 +1,6 @@
 """DistributedRebalancer on two gloo ranks: one emulated rank slows down 4x mid-run.
 
-One spawn for the module (file rendezvous in a temp dir, one thread per rank). Rank 1
+One run for the module (tests/helpers.py's two-rank runner: one thread per rank). Rank 1
 runs on ``cpu@1`` (the CPU emulated at full speed) and drops to a quarter speed at
 step 12; rank 1 also draws its batches two steps ahead, as a prefetching DataLoader
 would, so the ranks' samplers are at different steps when a plan change is decided.
@@ -8,16 +8,12 @@ would, so the ranks' samplers are at different steps when a plan change is decid
 
 import collections
 import copy
-import datetime
-import json
-from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
-from torch import nn
+from helpers import max_rel_grad_error, mlp, run_ranks
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -39,9 +35,8 @@ def _data():
 
 
 def _net():
-    torch.manual_seed(0)
     # Enough work per sample (about 1 MFLOP) that a share's time follows its size.
-    return nn.Sequential(nn.Linear(256, 384), nn.Tanh(), nn.Linear(384, 384), nn.Tanh(), nn.Linear(384, 4)).double()
+    return mlp(256, 384, 384, 4)
 
 
 def _batches(loader, ahead):
@@ -55,11 +50,9 @@ def _batches(loader, ahead):
     yield from queue
 
 
-def _worker(rank, init_file, out_dir):
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=60)
-    )
+def rebalance(ctx):
+    """The one scenario: training with the rebalancer while rank 1 slows down."""
+    rank = ctx.rank
     device = parse_device("cpu" if rank == 0 else "cpu@1")
     data = _data()
     plan = plan_from_sizes(None, ["rank0:cpu", "rank1:cpu@1"], [BATCH // 2, BATCH // 2])
@@ -97,10 +90,7 @@ def _worker(rank, init_file, out_dir):
                     ref = _net()
                     ref.load_state_dict(before)
                     F.cross_entropy(ref(rows[0]), rows[1]).backward()
-                    res["grad_err"] = max(
-                        float((p.grad - q.grad).abs().max() / q.grad.abs().max())
-                        for p, q in zip(model.module.parameters(), ref.parameters())
-                    )
+                    res["grad_err"] = max_rel_grad_error(model.module, ref)
                 opt.step()
                 step += 1
                 if step >= STEPS:
@@ -111,9 +101,7 @@ def _worker(rank, init_file, out_dir):
     res["history"] = [c.to_dict() for c in rb.history]
     res["final"] = rb.plan.sizes
     res["schedule"] = [(s, p.sizes) for s, p in rb.schedule]
-    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(res))
-    dist.barrier()  # tear down together: a rank leaving while the other still reads can abort at exit
-    dist.destroy_process_group()
+    return res
 
 
 def _all_rows(x, y, shares):
@@ -126,9 +114,9 @@ def _all_rows(x, y, shares):
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("dist_rebalance")
-    mp.spawn(_worker, args=(str(tmp / "rendezvous"), str(tmp)), nprocs=WORLD, join=True)
-    return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    return run_ranks({"rebalance": rebalance}, tmp_path_factory.mktemp("dist_rebalance"), world=WORLD, timeout=60)[
+        "rebalance"
+    ]
 
 
 def test_all_ranks_switch_plans_at_the_same_step(ranks):

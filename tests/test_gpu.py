@@ -5,6 +5,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import assert_same_grads, mlp
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -17,17 +18,14 @@ pytestmark = [
 
 
 def _net():
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 4)).double()
+    return mlp(6, 16, 4)
 
 
 def _assert_grads(model, ref):
     # The reference runs on the CPU, the replicas partly on the GPU: cuBLAS and the CPU's
     # BLAS round float64 differently (~1e-9 relative after a few layers), while a weighting
     # error shows at 1e-2 and more. So: 1e-7 of the largest gradient.
-    scale = max(float(q.grad.abs().max()) for q in ref.parameters() if q.grad is not None)
-    for p, q in zip(model.parameters(), ref.parameters()):
-        torch.testing.assert_close(p.grad.cpu(), q.grad.cpu(), rtol=1e-7, atol=1e-7 * scale)
+    assert_same_grads(model, ref, rtol=1e-7)
 
 
 @pytest.mark.parametrize("home", ["cuda:0", "cpu"])

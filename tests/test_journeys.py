@@ -32,6 +32,7 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import assert_close
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -425,8 +426,7 @@ class Runner:
         """
         if scale is None:
             scale = float(b.abs().max()) if b.numel() else 1.0
-        rtol = RTOL_HF if self.kind == "hf" else RTOL
-        torch.testing.assert_close(a, b, rtol=rtol, atol=rtol * max(scale, 1e-12), msg=lambda m: f"{what}: {m}")
+        assert_close(a, b, what, rtol=RTOL_HF if self.kind == "hf" else RTOL, scale=max(scale, 1e-12))
 
     def _same_grads(self, what):
         scale = _scale(q.grad for q in self.plain.parameters())

@@ -6,6 +6,7 @@ import logging
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import assert_same_grads, batch, cnn, step
 from torch import nn
 
 import hetsplit
@@ -13,22 +14,13 @@ from hetsplit import HeteroDataParallel, Profile, solve
 from hetsplit.devices import parse_device
 from hetsplit.parallel.micro import StepOutOfMemory
 
-
-def _net():
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Conv2d(1, 3, 3), nn.ReLU(), nn.Flatten(), nn.Linear(3 * 6 * 6, 4)).double()
+_net, _step = cnn, step
+# Micro-batches change only the order of a handful of float64 additions: agreement to 1e-12.
+TIGHT = {"rtol": 1e-12, "atol": 1e-13}
 
 
 def _data(n=48):
-    gen = torch.Generator().manual_seed(1)
-    return torch.randn(n, 1, 8, 8, dtype=torch.float64, generator=gen), torch.randint(0, 4, (n,), generator=gen)
-
-
-def _step(dp, x, y, mode):
-    if mode == "gather":
-        F.cross_entropy(dp(x), y).backward()
-    else:
-        dp.train_step(x, y, F.cross_entropy)
+    return batch(n, (1, 8, 8), classes=4)
 
 
 def _reference(net, x, y, start=None):
@@ -37,11 +29,6 @@ def _reference(net, x, y, start=None):
         p.grad = None if g is None else g.clone()
     F.cross_entropy(ref(x), y).backward()
     return [p.grad for p in ref.parameters()]
-
-
-def _close(dp, ref):
-    for p, g in zip(dp.module.parameters(), ref):
-        torch.testing.assert_close(p.grad, g, rtol=1e-12, atol=1e-13)
 
 
 @pytest.mark.parametrize("mode", ["gather", "local"])
@@ -55,7 +42,7 @@ def test_micro_batched_plan_gives_full_batch_gradients(mode):
     dp = HeteroDataParallel(copy.deepcopy(net), ["cpu", "cpu@0.5"], profile=prof)
     _step(dp, x, y, mode)
     assert dp.plan.micro_batches == plan.micro_batches
-    _close(dp, _reference(net, x, y))
+    assert_same_grads(dp.module, _reference(net, x, y), **TIGHT)
 
 
 @pytest.mark.parametrize("mode", ["gather", "local"])
@@ -71,14 +58,14 @@ def test_oom_on_an_emulated_device_is_recovered_exactly(mode, caplog):
     lines = [r.getMessage() for r in caplog.records if r.name == "hetsplit"]
     assert len(lines) == 1 and "cpu:max12" in lines[0] and "shard of 24" in lines[0] and "cap lowered to 12" in lines[0]
     assert dp.plan.sizes == [24, 24] and dp.plan.micro_batches == [[24], [12, 12]]
-    _close(dp, _reference(net, x, y, start))  # nothing of the failed attempt leaked in
+    assert_same_grads(dp.module, _reference(net, x, y, start), **TIGHT)  # nothing of the failed attempt leaked in
     caplog.clear()
     for p in dp.module.parameters():
         p.grad = None
     with caplog.at_level(logging.WARNING, logger="hetsplit"):
         _step(dp, x, y, mode)  # the next step starts within the cap: no warning
     assert not caplog.records
-    _close(dp, _reference(net, x, y))
+    assert_same_grads(dp.module, _reference(net, x, y), **TIGHT)
 
 
 @pytest.mark.parametrize("mode", ["gather", "local"])
@@ -90,7 +77,7 @@ def test_the_cap_keeps_coming_down_within_the_step_until_it_fits(mode, caplog):
         _step(dp, x, y, mode)
     assert dp.plan.micro_batches[1] == [3] * 8
     assert len([r for r in caplog.records if r.name == "hetsplit"]) == 1
-    _close(dp, _reference(net, x, y))
+    assert_same_grads(dp.module, _reference(net, x, y), **TIGHT)
 
 
 def test_a_device_that_holds_no_sample_is_an_error_naming_it():
@@ -157,7 +144,7 @@ def test_oom_in_backward_after_forward_returned_is_refused_clearly():
     assert all(p.grad is None for p in dp.module.parameters())  # the failed step left nothing behind
     F.cross_entropy(dp(x), y).backward()  # the step again: that device now runs micro-batches
     assert dp.plan.micro_batches[0] == [12, 12] or dp.plan.micro_batches[1] == [12, 12]
-    _close(dp, _reference(net, x, y))
+    assert_same_grads(dp.module, _reference(net, x, y), **TIGHT)
 
 
 def test_guard_turns_an_oom_into_one_line_that_stops_the_rank():
@@ -212,7 +199,7 @@ def test_rebalancing_keeps_micro_batches_within_the_caps():
             p.grad = None
         dp.train_step(x, y, F.cross_entropy)
         assert max(dp.plan.micro_batches[0]) <= 8 and max(dp.plan.micro_batches[1]) <= 16
-        _close(dp, _reference(net, x, y))
+        assert_same_grads(dp.module, _reference(net, x, y), **TIGHT)
 
 
 class _Capped(nn.Module):
@@ -240,8 +227,7 @@ def test_an_oom_on_the_module_s_own_device_is_recovered_too(mode, caplog):
         _step(dp, x, y, mode)
     assert dp.plan.micro_batches == [[24, 24]], dp.plan
     assert len([r for r in caplog.records if r.name == "hetsplit"]) == 1
-    for p, g in zip(dp.module.net.parameters(), _reference(net, x, y)):
-        torch.testing.assert_close(p.grad, g, rtol=1e-12, atol=1e-13)
+    assert_same_grads(dp.module.net, _reference(net, x, y), **TIGHT)
 
 
 def test_dropout_with_recomputed_micro_batches_on_a_shared_generator_is_refused():

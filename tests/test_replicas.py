@@ -5,6 +5,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import assert_same_grads, batch, mlp
 from torch import nn
 
 import hetsplit
@@ -12,13 +13,11 @@ from hetsplit.parallel import gather, parallel_apply, replicate, scatter
 
 
 def _net():
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(5, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 3)).double()
+    return mlp(5, 8, 3, batch_norm=True)
 
 
 def _data(n=20):
-    gen = torch.Generator().manual_seed(1)
-    return torch.randn(n, 5, dtype=torch.float64, generator=gen), torch.randint(0, 3, (n,), generator=gen)
+    return batch(n, (5,), classes=3)
 
 
 def test_replicas_backpropagate_into_the_module():
@@ -31,8 +30,7 @@ def test_replicas_backpropagate_into_the_module():
     # The per-shard reference: BatchNorm normalises each shard by its own statistics.
     ref = copy.deepcopy(net)
     F.cross_entropy(torch.cat([ref(x[:12]), ref(x[12:])]), y).backward()
-    for p, q in zip(net.parameters(), ref.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-9, atol=1e-12)
+    assert_same_grads(net, ref, atol=1e-12)
 
 
 def test_replicas_share_hooks_and_leave_the_module_alone():
@@ -68,8 +66,7 @@ def test_create_graph_through_a_model_that_draws_random_numbers_is_refused():
     (gr,) = torch.autograd.grad(ref(xr).sum(), xr, create_graph=True)
     g.pow(2).sum().backward()
     gr.pow(2).sum().backward()
-    for p, q in zip(net.parameters(), ref.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-9, atol=1e-12)
+    assert_same_grads(net, ref, atol=1e-12)
 
 
 def test_gradient_penalty_with_batchnorm_and_a_loss_of_the_output():
@@ -84,5 +81,4 @@ def test_gradient_penalty_with_batchnorm_and_a_loss_of_the_output():
         loss = F.cross_entropy(out, y) + out.pow(2).mean()
         (g,) = torch.autograd.grad(loss, inputs, create_graph=True)
         (loss + g.pow(2).sum()).backward()
-    for p, q in zip(net.parameters(), ref.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-9, atol=1e-12)
+    assert_same_grads(net, ref, atol=1e-12)

@@ -6,7 +6,8 @@ import pickle
 import pytest
 import torch
 import torch.nn.functional as F
-from compat_helpers import DEVICES, assert_same_grads, wrap
+from compat_helpers import DEVICES, wrap
+from helpers import assert_same_grads
 from torch import nn
 from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 

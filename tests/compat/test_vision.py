@@ -5,7 +5,8 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from compat_helpers import WEIGHTS, assert_same_grads, round_trips, train_lowers_loss, wrap
+from compat_helpers import WEIGHTS, round_trips, train_lowers_loss, wrap
+from helpers import assert_same_grads
 from torch import nn
 
 torchvision = pytest.importorskip("torchvision")
