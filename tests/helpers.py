@@ -9,6 +9,9 @@ from __future__ import annotations
 import datetime
 import itertools
 import json
+import os
+import subprocess
+import sys
 import time
 import traceback
 from collections.abc import Callable, Iterable, Sequence
@@ -21,6 +24,27 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# -- subprocesses ------------------------------------------------------------------------------
+
+
+def subprocess_env(**extra: str) -> dict[str, str]:
+    """The environment for a child Python: this checkout's ``hetsplit`` first, one intra-op thread.
+
+    Without ``PYTHONPATH`` a child started outside the checkout (a temporary folder, ``examples/``)
+    imports whichever ``hetsplit`` is installed, which need not be this one.
+    """
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    return {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", **extra}
+
+
+def launch(devices: str, script, *args: str, cwd, timeout: float = 240, env=None) -> subprocess.CompletedProcess:
+    """``hetsplit launch --devices DEVICES SCRIPT ARGS`` in ``cwd`` with this checkout's hetsplit; output captured."""
+    cmd = [sys.executable, "-m", "hetsplit.apps.cli", "launch", "--devices", devices, str(script), *map(str, args)]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=cwd, env=env or subprocess_env())
+
 
 # -- a tiny net and its data ------------------------------------------------------------------
 

@@ -429,10 +429,8 @@ def test_a_model_module_in_the_current_directory_imports(capsys, tmp_path, monke
     assert code == 0 and "hetsplit demo: mymodels_here:factory on cpu, cpu@0.5" in out, err
 
 
-@pytest.mark.serial  # the signal's moment is timed: run alone, not beside the other pytest worker
-def test_ctrl_c_at_any_moment_is_one_line(tmp_path):
-    """The CLI starts without torch, so an early Ctrl-C lands in its handler, not in an import."""
-    import signal
+def test_the_cli_starts_without_torch():
+    """So an early Ctrl-C lands in the CLI's handler, not in an import."""
     import subprocess
     import sys
 
@@ -441,14 +439,22 @@ def test_ctrl_c_at_any_moment_is_one_line(tmp_path):
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert probe.stdout.strip() == "False"
-    for delay in (0.3, 1.5):  # while torch loads, and once profiling runs
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "hetsplit.apps.cli", "profile", "--devices", "cpu", "--quiet",
-             "--out", str(tmp_path / "p.json")],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        )  # fmt: skip
-        time.sleep(delay)
-        proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=60)
-        assert proc.returncode == 130 and err.strip() == "hetsplit: interrupted", err
-        assert not (tmp_path / "p.json").exists()
+
+
+@pytest.mark.serial  # the signal's moment is timed: run alone, not beside the other pytest worker
+@pytest.mark.parametrize("delay", [0.3, 1.5], ids=["while_torch_loads", "while_profiling"])
+def test_ctrl_c_at_any_moment_is_one_line(tmp_path, delay):
+    import signal
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "hetsplit.apps.cli", "profile", "--devices", "cpu", "--quiet",
+         "--out", str(tmp_path / "p.json")],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    time.sleep(delay)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and err.strip() == "hetsplit: interrupted", err
+    assert not (tmp_path / "p.json").exists()

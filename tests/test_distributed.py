@@ -55,6 +55,8 @@ def _micro_step(ctx, sizes, micro, method):
     x, y = _batch(sum(sizes))
     start = sum(sizes[: ctx.rank])
     xs, ys = x[start : start + sizes[ctx.rank]], y[start : start + sizes[ctx.rank]]
+    if not sizes[ctx.rank]:  # a zero share: one real sample, as hd.data_loader serves it, weighted 0
+        xs, ys = x[:1], y[:1]
     plan = hetsplit.Plan(["a", "b"], sizes, [0.0, 0.0], sum(sizes), micro_batches=micro)
     ddp = DDP(_net())
     hd.weight_gradients(ddp, plan, method=method)
@@ -133,6 +135,11 @@ EXACT = {  # scenario: (how it steps, the bound on its relative gradient error)
     "micro_hook": (functools.partial(_micro_step, sizes=[7, 5], micro=[[3, 2, 2], [5]], method="hook"), 1e-9),
     "micro_outputs": (functools.partial(_micro_step, sizes=[7, 5], micro=[[3, 2, 2], [5]], method="outputs"), 1e-9),
     "micro_both_ranks": (functools.partial(_micro_step, sizes=[6, 4], micro=[[3, 3], [2, 1, 1]], method="hook"), 1e-9),
+    "micro_zero_share": (functools.partial(_micro_step, sizes=[10, 0], micro=[[4, 3, 3], []], method="hook"), 1e-9),
+    "micro_zero_share_outputs": (
+        functools.partial(_micro_step, sizes=[10, 0], micro=[[4, 3, 3], []], method="outputs"),
+        1e-9,
+    ),
 }
 
 

@@ -1,21 +1,53 @@
-"""The guides' code runs as written: every ``python`` block of the README's one-process section and the guides.
+"""The guides are true to the code: every fenced block of docs/*.md and the README's one-process section is checked.
 
-A guide's blocks run in order in one namespace (a later block uses what an earlier one
-made), in a fresh working directory, as a reader would paste them.
+- ``python`` blocks run, one test each. A guide's blocks run in order in one namespace, in a
+  fresh working directory, as a reader would paste them. A block after an HTML comment
+  ``<!-- test: ... setup "NAME" ... -->`` starts anew from ``SETUPS[NAME]`` (below: what a
+  fragment leaves to the reader — a model, data — and what completes it, e.g. a ``fit``),
+  and the blocks after it continue its namespace. A setup with a ``job`` runs its blocks
+  on two CPU ranks under ``hetsplit launch`` (tests/docs_job.py): one launch per job and
+  guide, each test reading its own block's result.
+- ``bash`` blocks: each ``hetsplit ...`` and ``torchrun ...`` command is parsed by the parser
+  that would run it (the CLI's, torchrun's, the example script's), and a CPU-only ``hetsplit
+  launch`` device list is checked as the launcher checks it; after a ``setup`` comment the
+  commands run.
+- Blocks without a language, and ``text`` blocks (output, listings), name their check in
+  the comment, ``check "NAME"``: a function of ``CHECKS`` compares the block with what the
+  code prints or holds.
 """
 
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import logging
 import re
+import shlex
+import sys
+import textwrap
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import ROOT, launch
 
-ROOT = Path(__file__).resolve().parents[1]
-BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
+FENCE = re.compile(r"^(?P<indent> *)```(?P<lang>\w*)\n(?P<body>.*?)^(?P=indent)```[ \t]*$", re.S | re.M)
+MARKER = re.compile(r"<!--\s*test:(.*?)-->", re.S)
 
 
-def _blocks(text: str) -> list[str]:
-    return BLOCK.findall(text)
+@dataclasses.dataclass
+class Block:
+    guide: str
+    number: int  # 1-based, among the guide's fenced blocks
+    lang: str
+    code: str
+    setup: str | None  # named by the comment before the block
+    check: str | None
+
+    @property
+    def id(self) -> str:
+        return f"{self.guide} block {self.number}"
 
 
 def _readme_one_process() -> str:
@@ -24,21 +56,449 @@ def _readme_one_process() -> str:
     return text[start : text.index("\n## ", start + 1)]
 
 
-GUIDES = {
-    "README one process": _readme_one_process,
-    "docs/one-process.md": lambda: (ROOT / "docs" / "one-process.md").read_text(encoding="utf-8"),
+GUIDES = {"README.md, One process": _readme_one_process} | {
+    f"docs/{p.name}": (lambda p=p: p.read_text(encoding="utf-8")) for p in sorted((ROOT / "docs").glob("*.md"))
 }
 
 
-@pytest.mark.parametrize("guide", list(GUIDES))
-def test_every_code_block_runs(guide, tmp_path, monkeypatch):
-    blocks = _blocks(GUIDES[guide]())
-    assert blocks, f"{guide} has no python block"
-    monkeypatch.chdir(tmp_path)
-    torch.set_num_threads(1)  # the guides' timings are steadiest on one thread; conftest restores it
-    namespace: dict = {"__name__": "__guide__"}
-    for k, code in enumerate(blocks):
+def _blocks(guide: str) -> list[Block]:
+    text = GUIDES[guide]()
+    found = []
+    for k, m in enumerate(FENCE.finditer(text), 1):
+        before = text[: m.start()].rstrip().splitlines()
+        marker = MARKER.fullmatch(before[-1].strip()) if before else None
+        words = marker.group(1) if marker else ""
+        setup, check = re.search(r'setup "([\w-]+)"', words), re.search(r'check "([\w-]+)"', words)
+        found.append(
+            Block(guide, k, m["lang"] or "text", textwrap.dedent(m["body"]), setup and setup[1], check and check[1])
+        )
+    return found
+
+
+ALL = [b for guide in GUIDES for b in _blocks(guide)]
+
+
+# -- setups: what a fragment leaves to the reader -----------------------------------------------
+
+
+@dataclasses.dataclass
+class Setup:
+    before: str  # runs before the block, in its namespace
+    after: str = ""  # completes the block (the guide's next step, a fit)
+    job: str | None = None  # run on two CPU ranks, in one launch per job and guide
+    devices: str = "cpu,cpu@0.5"
+
+
+_TORCHRUN = """
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, TensorDataset
+
+import hetsplit
+import hetsplit.distributed as hd
+
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+dataset = TensorDataset(torch.randn(512, 8), torch.randint(0, 3, (512,)))
+sample, y = dataset[:8]
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+epochs = 1
+"""
+# A later unit of the job: the recipe's hd.init made the process group and this rank's device.
+_TORCHRUN_LATER = (
+    _TORCHRUN
+    + """
+import os
+import torch.distributed as dist
+
+dev = hetsplit.parse_devices(os.environ["HETSPLIT_DEVICES"])[dist.get_rank()]
+"""
+)
+
+_TINY_LOADER = """
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+torch.manual_seed(0)
+loader = DataLoader(TensorDataset(torch.randn(64, 8), torch.randint(0, 3, (64,))), batch_size=8, shuffle=True)
+"""
+
+SETUPS = {
+    "torchrun": Setup(_TORCHRUN, job="torchrun"),
+    "torchrun-micro": Setup(
+        _TORCHRUN_LATER
+        + """
+plan = hetsplit.Plan(["rank0:cpu", "rank1:cpu@0.5"], [48, 16], [0.0, 0.0], 64, micro_batches=[[16, 16, 16], [16]])
+ddp = DDP(model)
+hd.weight_gradients(ddp, plan)
+loader = hd.data_loader(dataset, plan)
+""",
+        job="torchrun",
+    ),
+    "torchrun-rebalance": Setup(
+        _TORCHRUN_LATER
+        + """
+plan = hd.plan(model, sample, 32, device=dev, weights=[3, 1])  # 16 steps: one exchange at step 10
+ddp = DDP(model)
+""",
+        job="torchrun",
+    ),
+    "lightning": Setup(
+        _TINY_LOADER
+        + """
+import lightning as L
+
+
+class Tiny(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        return F.cross_entropy(self(batch[0]), batch[1])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+""",
+        after="""
+trainer.fit_loop.max_epochs = 1  # the guide's Trainer would train for Lightning's default 1000 epochs
+trainer.fit(Tiny(), loader)
+assert trainer.global_step == 4, trainer.global_step  # 64 samples, a global batch of 2 x 8
+""",
+        job="lightning",
+        devices="cpu,cpu@0.25",
+    ),
+    "accelerate": Setup(
+        _TINY_LOADER
+        + """
+model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+""",
+        job="accelerate",
+    ),
+    "transformers": Setup(
+        """
+import torch
+from transformers import BertConfig, BertForSequenceClassification, TrainingArguments
+
+torch.manual_seed(0)
+config = BertConfig(
+    vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
+    max_position_embeddings=16, num_labels=2,
+)
+model = BertForSequenceClassification(config)
+
+
+def item(i):
+    return {"input_ids": torch.randint(1, 50, (8,)), "attention_mask": torch.ones(8, dtype=torch.long),
+            "labels": torch.tensor(i % 2)}
+
+
+train, test = [item(i) for i in range(32)], [item(i) for i in range(8)]
+args = TrainingArguments(
+    output_dir="trainer-out", max_steps=2, per_device_train_batch_size=4, per_device_eval_batch_size=4,
+    report_to=[], save_strategy="no", disable_tqdm=True, use_cpu=True,
+)
+""",
+        after="""
+trainer.train()
+assert "eval_loss" in trainer.evaluate()
+""",
+        job="transformers",
+    ),
+    "whatif-profiles": Setup(
+        """
+import hetsplit
+
+model = {"name": "resnet18", "parameter_bytes": 44_700_000, "fingerprint": "f"}  # what a profile records of it
+curve = [(64, 0.02), (256, 0.07), (1024, 0.27)]
+hetsplit.Profile.from_measurements({"cuda:0": curve}, host="gpubox", model=model).save("profiles/gpubox.json")
+slow = [(b, 12 * t) for b, t in curve]
+hetsplit.Profile.from_measurements({"cpu": slow}, host="oldbox", model=model).save("profiles/oldbox.json")
+"""
+    ),
+}
+
+
+# -- python blocks ------------------------------------------------------------------------------
+
+
+def _units(blocks: list[Block]) -> list[tuple[str | None, list[Block]]]:
+    """The guide's python blocks as (setup, blocks) runs: a setup comment starts a run, others continue it."""
+    units: list[tuple[str | None, list[Block]]] = []
+    for b in blocks:
+        if b.lang != "python":
+            continue
+        if b.setup is not None or not units:
+            units.append((b.setup, []))
+        units[-1][1].append(b)
+    return units
+
+
+class Outcomes:
+    """Each python block's outcome (``None``: it ran; else why not), running each unit or job once."""
+
+    def __init__(self) -> None:
+        self.results: dict[str, str | None] = {}
+
+    def of(self, block: Block, tmp_path: Path, monkeypatch) -> str | None:
+        if block.id not in self.results:
+            units = [u for u in _units(_blocks(block.guide)) if block in u[1]]
+            setup = SETUPS[units[0][0]] if units[0][0] else None
+            if setup is not None and setup.job is not None:
+                self._job(block.guide, setup, tmp_path)
+            else:
+                self._here(units[0], tmp_path, monkeypatch)
+        return self.results[block.id]
+
+    def _here(self, unit, tmp_path: Path, monkeypatch) -> None:
+        name, blocks = unit
+        setup = SETUPS[name] if name else Setup("")
+        monkeypatch.chdir(tmp_path)
+        torch.set_num_threads(1)  # the guides' timings are steadiest on one thread; conftest restores it
+        namespace: dict = {"__name__": "__guide__"}
+        failed = None
+        for k, b in enumerate(blocks):
+            if failed:
+                self.results[b.id] = f"not run: {failed} failed"
+                continue
+            parts = [setup.before] if k == 0 else []
+            parts += [b.code] + ([setup.after] if b is blocks[-1] else [])
+            try:
+                for code in parts:
+                    exec(compile(code, b.id if code is b.code else f"setup {name!r}", "exec"), namespace)
+                self.results[b.id] = None
+            except Exception as e:  # name the block: the reader's line to fix
+                self.results[b.id] = f"{type(e).__name__}: {e}"
+                failed = b.id
+
+    def _job(self, guide: str, setup: Setup, tmp_path: Path) -> None:
+        units = [
+            {"setup": name, "before": SETUPS[name].before, "after": SETUPS[name].after,
+             "blocks": [{"id": b.id, "code": b.code} for b in blocks]}
+            for name, blocks in _units(_blocks(guide))
+            if name is not None and SETUPS[name].job == setup.job
+        ]  # fmt: skip
+        (tmp_path / "units.json").write_text(json.dumps(units))
+        proc = launch(setup.devices, ROOT / "tests" / "docs_job.py", "units.json", ".", cwd=tmp_path, timeout=300)
+        ranks = [json.loads(f.read_text()) if (f := tmp_path / f"rank{r}.json").exists() else {} for r in range(2)]
+        tail = (proc.stdout[-3000:] + proc.stderr[-3000:]).strip()
+        for unit in units:
+            for b in unit["blocks"]:
+                errors = [f"rank {r}: {res[b['id']]}" for r, res in enumerate(ranks) if res.get(b["id"])]
+                missing = [r for r, res in enumerate(ranks) if b["id"] not in res]
+                if errors:
+                    self.results[b["id"]] = "\n".join(errors)
+                elif missing:
+                    self.results[b["id"]] = f"did not finish on rank {missing} (exit status {proc.returncode}):\n{tail}"
+                else:
+                    self.results[b["id"]] = None
+
+
+@pytest.fixture(scope="module")
+def outcomes():
+    return Outcomes()
+
+
+PYTHON = [b for b in ALL if b.lang == "python"]
+
+
+@pytest.mark.parametrize("block", PYTHON, ids=[b.id for b in PYTHON])
+def test_python_block_runs(block, outcomes, tmp_path, monkeypatch):
+    error = outcomes.of(block, tmp_path, monkeypatch)
+    assert error is None, f"{block.id} failed: {error}\n{block.code}"
+
+
+# -- shell blocks -------------------------------------------------------------------------------
+
+
+def _commands(code: str) -> list[list[str]]:
+    lines = code.replace("\\\n", " ").splitlines()
+    return [shlex.split(line, comments=True) for line in lines if line.strip() and not line.lstrip().startswith("#")]
+
+
+def _example_args(script: str, args: list[str]) -> None:
+    """``args`` parse with the example script's own parser (its ``parse_args()``)."""
+    path = ROOT / script
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(path.parent))
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(path.parent))
+    argv = sys.argv
+    sys.argv = [script, *args]
+    try:
+        module.parse_args()
+    finally:
+        sys.argv = argv
+
+
+def _parses(argv: list[str]) -> None:
+    from hetsplit.apps.cli import build_parser
+
+    if argv[0] == "hetsplit":
+        args = build_parser().parse_args(argv[1:])
+        if args.command == "launch" and all(d.strip().startswith("cpu") for d in args.devices.split(",")):
+            from hetsplit.apps.launch import torchrun_args
+
+            torchrun_args(args.devices, args.script, args.script_args)  # the launcher's own checks
+    elif argv[0] == "torchrun":
+        from torch.distributed.run import get_args_parser
+
+        args = get_args_parser().parse_args(argv[1:])
+        _example_args(args.training_script, args.training_script_args)
+    else:
+        raise AssertionError(f"no parser known for {argv[0]!r}")
+
+
+SHELL = [b for b in ALL if b.lang in ("bash", "sh", "shell", "console")]
+
+
+@pytest.mark.parametrize("block", SHELL, ids=[b.id for b in SHELL])
+def test_shell_block_commands_parse_or_run(block, tmp_path, monkeypatch, capsys):
+    commands = _commands(block.code)
+    assert commands, f"{block.id} has no command"
+    if block.setup is not None:  # run them, where the setup prepared what they read
+        from hetsplit.apps.cli import main
+
+        monkeypatch.chdir(tmp_path)
+        exec(compile(SETUPS[block.setup].before, f"setup {block.setup!r}", "exec"), {})
+        for argv in commands:
+            assert argv[0] == "hetsplit", argv
+            code = main(argv[1:])
+            out, err = capsys.readouterr()
+            assert code == 0, f"{block.id}: {shlex.join(argv)} exited {code}: {err}"
+            assert out.strip(), f"{block.id}: {shlex.join(argv)} printed nothing"
+        return
+    for argv in commands:
         try:
-            exec(compile(code, f"{guide} block {k + 1}", "exec"), namespace)
-        except Exception as e:  # name the block: the reader's line to fix
-            raise AssertionError(f"{guide}, block {k + 1} failed: {type(e).__name__}: {e}\n{code}") from e
+            _parses(argv)
+        except SystemExit as e:
+            raise AssertionError(f"{block.id}: {shlex.join(argv)} does not parse: {capsys.readouterr().err}") from e
+
+
+# -- blocks checked against the code ------------------------------------------------------------
+
+
+def _synopsis(block: Block) -> None:
+    """Each ``hetsplit SUB [--option VALUE]`` line: the option exists, a number shown is its default, and so are choices."""
+    from hetsplit.apps.cli import build_parser
+
+    parser = build_parser()
+    commands = next(a for a in parser._actions if a.dest == "command").choices
+    sub = None
+    for line in block.code.splitlines():
+        line = line.split("#")[0]
+        if line.startswith("hetsplit "):
+            sub = commands[line.split()[1]]
+        assert sub is not None, line
+        options = {o: a for a in sub._actions for o in a.option_strings}
+        for opt, value in re.findall(r"(--[\w-]+)(?: ([^\s\]]+))?", line):
+            assert opt in options, f"hetsplit {sub.prog.split()[-1]}: no option {opt}"
+            action = options[opt]
+            if value and re.fullmatch(r"\d+(\.\d+)?", value):
+                # the parser's default, or the one its help states (default 20; 120 with --rebalance)
+                shown = {(float(action.default or "nan"), "")}
+                for m in re.finditer(r"default (\d[\d.]*)(?:; (\d[\d.]*) with (--[\w-]+))?", action.help or ""):
+                    shown |= {(float(m[1]), "")} | ({(float(m[2]), m[3])} if m[2] else set())
+                condition = next((w for _, w in shown if w and w in line), "")
+                assert (float(value), condition) in shown, f"{sub.prog} {opt}: shown {value}, default {shown}"
+            if value and "|" in value and action.choices:
+                assert set(value.split("|")) <= set(action.choices), f"{sub.prog} {opt}: {value} vs {action.choices}"
+
+
+def _package_map(block: Block) -> None:
+    """Every module and folder the map names exists in the package."""
+    package = ROOT / "hetsplit"
+    folders: dict[str, str] = {}  # a folder's text: the names between the dots, with comments in parentheses
+    folder = None
+    for line in block.code.splitlines()[1:]:
+        head = re.match(r"  (\w+)(\.py|/)", line)
+        if head and head[2] == ".py":
+            assert (package / f"{head[1]}.py").is_file(), f"{head[1]}.py is named but does not exist"
+            folder = None
+        elif head:
+            folder = head[1]
+            assert (package / folder).is_dir(), f"{folder}/ is named but does not exist"
+            folders[folder] = line[head.end() :]
+        elif folder is not None:
+            folders[folder] += " " + line
+    assert folders, "no folder in the map"
+    for folder, text in folders.items():
+        while re.search(r"\([^()]*\)", text):  # comments, nested ones too
+            text = re.sub(r"\([^()]*\)", "", text)
+        for name in (n.split()[0] for n in text.split("·") if n.split()):
+            assert (package / folder / f"{name}.py").is_file(), f"{folder}/{name}.py is named but does not exist"
+
+
+def _oom_line(block: Block) -> None:
+    """The log line of the out-of-memory example: the step the guide describes, run."""
+    from torch import nn
+
+    import hetsplit
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    dp = hetsplit.HeteroDataParallel(net, ["cpu", "cpu:max5"], weights=[1, 1])
+    seen = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    logger = logging.getLogger("hetsplit")
+    logger.addHandler(handler)
+    try:
+        torch.nn.functional.cross_entropy(dp(torch.randn(48, 4)), torch.randint(0, 2, (48,))).backward()
+    finally:
+        logger.removeHandler(handler)
+    assert seen == [block.code.strip()]
+
+
+def _failure_lines(block: Block) -> None:
+    """The example's lines for a dead and a hung rank: what ``hd.guard`` makes of gloo's errors."""
+    from hetsplit.distributed._group import as_error
+
+    dead = RuntimeError(
+        "[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:545] Read error [127.0.0.1]:40625: Connection reset "
+        "by peer. This is typically caused by a remote worker hanging or bugs in the application."
+    )
+    hung = RuntimeError(
+        "[/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 5000ms for recv "
+        "operation to complete"
+    )
+    made = [
+        as_error(error, rank=0, world=2, step=step, what="gradient all-reduce", timeout=5.0)
+        for error, step in ((dead, 13), (hung, 16))
+    ]
+    assert block.code.strip().splitlines() == [f"torchrun_ddp.py: DistributedError: {e}" for e in made]
+
+
+CHECKS = {
+    "cli-synopsis": _synopsis,
+    "package-map": _package_map,
+    "oom-line": _oom_line,
+    "failure-lines": _failure_lines,
+}
+TEXT = [b for b in ALL if b.lang not in ("python", "bash", "sh", "shell", "console")]
+
+
+@pytest.mark.parametrize("block", TEXT, ids=[b.id for b in TEXT])
+def test_text_block_is_what_the_code_says(block):
+    assert block.check in CHECKS, f'{block.id}: no check; precede it with <!-- test: check "NAME" --> (CHECKS)'
+    CHECKS[block.check](block)
+
+
+def test_every_setup_and_check_named_in_a_guide_exists():
+    for b in ALL:
+        assert b.setup is None or b.setup in SETUPS, f"{b.id}: no setup {b.setup!r}"
+        assert b.check is None or b.check in CHECKS, f"{b.id}: no check {b.check!r}"
+        job = b.setup and SETUPS[b.setup].job
+        assert not (job and b.lang != "python"), f"{b.id}: a job runs python blocks"
+    counts = {g: len(_blocks(g)) for g in GUIDES}
+    assert counts["docs/one-process.md"] and counts["docs/torchrun.md"] and counts["docs/integrations.md"], counts

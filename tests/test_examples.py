@@ -2,17 +2,18 @@
 
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from helpers import ROOT, subprocess_env
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+EXAMPLES = ROOT / "examples"
 
 
 def _run(name, *args):
     proc = subprocess.run(
-        [sys.executable, str(EXAMPLES / name), *args], capture_output=True, text=True, timeout=240, cwd=EXAMPLES
-    )
+        [sys.executable, str(EXAMPLES / name), *args],
+        capture_output=True, text=True, timeout=240, cwd=EXAMPLES, env=subprocess_env(),
+    )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
     return proc.stdout
 
@@ -89,6 +90,7 @@ def test_missing_fashion_mnist_is_explained(name, tmp_path):
         text=True,
         timeout=120,
         cwd=EXAMPLES,
+        env=subprocess_env(),
     )
     assert proc.returncode != 0 and "never downloads" in proc.stderr
 

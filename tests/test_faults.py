@@ -7,22 +7,21 @@ survivor must end in exactly one line naming the step, the failed rank and the t
 and exit 1 at once for a dead peer, at the process group's timeout for a hung one.
 """
 
-import os
 import re
 import signal
 import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
+from helpers import ROOT, subprocess_env
 
 import hetsplit.distributed as hd
 from hetsplit.distributed._group import as_error, is_failure
 from hetsplit.distributed.rank_plan import rank_device
 
-EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "torchrun_ddp.py"
+EXAMPLE = ROOT / "examples" / "torchrun_ddp.py"
 TIMEOUT = 5  # the process group's timeout in these jobs, seconds
 TRAIN = [
     "--equal",
@@ -52,9 +51,7 @@ def _free_port():
 
 
 def _start(tmp_path, args, world=2):
-    env = dict(
-        os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(world), OMP_NUM_THREADS="1"
-    )
+    env = subprocess_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(world))
     procs = []
     for rank in range(world):
         out = open(tmp_path / f"rank{rank}.out", "w")  # noqa: SIM115 - closed with the process

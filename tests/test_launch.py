@@ -1,12 +1,10 @@
 """`hetsplit launch` and `hetsplit.distributed.init`: one process per device on top of torchrun."""
 
-import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
+from helpers import ROOT, launch, subprocess_env
 
 from hetsplit.apps.launch import torchrun_args
 from hetsplit.distributed.setup import choose_backend, init, rank_devices
@@ -30,13 +28,7 @@ def _launch(tmp_path, *args):
     script = tmp_path / "job.py"
     script.write_text(SCRIPT)
     start = time.perf_counter()
-    proc = subprocess.run(
-        [sys.executable, "-m", "hetsplit.apps.cli", "launch", "--devices", "cpu,cpu@0.25", str(script), *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=tmp_path,
-    )
+    proc = launch("cpu,cpu@0.25", script, *args, cwd=tmp_path, timeout=120)
     return proc, time.perf_counter() - start
 
 
@@ -105,12 +97,10 @@ def test_backend_follows_the_device_mix():
 def test_the_torchrun_example_runs_under_hetsplit_launch(tmp_path):
     # The example under hetsplit launch (torchrun underneath), with online rebalancing and the
     # outputs weighting: one run covers the launcher and the example's distributed features.
-    example = Path(__file__).resolve().parents[1] / "examples" / "torchrun_ddp.py"
-    proc = subprocess.run(
-        [sys.executable, "-m", "hetsplit.apps.cli", "launch", "--devices", "cpu,cpu@0.25", str(example),
-         "--steps", "2", "--profile-budget", "2", "--data", "synthetic", "--train-size", "512", "--test-size", "128",
-         "--threads", "1", "--timeout", "60", "--rebalance", "1", "--weighting", "outputs"],
-        capture_output=True, text=True, timeout=240, cwd=tmp_path, env=dict(os.environ, OMP_NUM_THREADS="1"),
+    proc = launch(
+        "cpu,cpu@0.25", ROOT / "examples" / "torchrun_ddp.py",
+        "--steps", "2", "--profile-budget", "2", "--data", "synthetic", "--train-size", "512", "--test-size", "128",
+        "--threads", "1", "--timeout", "60", "--rebalance", "1", "--weighting", "outputs", cwd=tmp_path,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "2 ranks on cpu, cpu@0.25 (gloo)" in proc.stdout and "2 steps in" in proc.stdout
@@ -153,12 +143,8 @@ def test_a_single_machine_job_keeps_its_ranks_sockets_on_the_loopback(tmp_path):
     assert "--local-addr" in torchrun_args("cpu,cpu@0.25", "t.py")[0]
     script = tmp_path / "listeners.py"
     script.write_text(LISTENERS)
-    env = {k: v for k, v in os.environ.items() if not k.endswith("_SOCKET_IFNAME")}
-    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])  # this checkout's hetsplit, from tmp_path too
-    proc = subprocess.run(
-        [sys.executable, "-m", "hetsplit.apps.cli", "launch", "--devices", "cpu,cpu@0.25", str(script)],
-        capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env,
-    )  # fmt: skip
+    env = {k: v for k, v in subprocess_env().items() if not k.endswith("_SOCKET_IFNAME")}
+    proc = launch("cpu,cpu@0.25", script, cwd=tmp_path, timeout=120, env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
     lines = [(tmp_path / f"rank{r}.txt").read_text() for r in (0, 1)]
     assert all(line.startswith("gloo on lo ") for line in lines), lines  # not the host name's address
