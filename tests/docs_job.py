@@ -1,9 +1,10 @@
 """One rank of a guide's two-rank job, behind tests/test_docs.py: ``hetsplit launch ... docs_job.py UNITS OUT``.
 
 UNITS (JSON) lists units: a setup's code, the guide's blocks that follow it, and the code
-that completes them. Each unit runs in a namespace of its own; the process group the first
-one creates serves them all (a group destroyed and created again in one process can meet the
-old one's addresses in torchrun's store). Each rank writes ``OUT/rank{r}.json``: for each
+that completes them. Each unit runs as a script of its own would: in a namespace of its
+own, the process group of the unit before destroyed. Its next one meets in a new store
+(rank 0 hosts it on a free port): in torchrun's, the new group's keys would be the old
+one's, and a rank could read the other's old address. Each rank writes ``OUT/rank{r}.json``: for each
 block, ``null`` when it ran, else the traceback. A failure ends the job at once, so that the
 other rank is not left waiting in a collective until its timeout.
 """
@@ -22,6 +23,7 @@ def main() -> None:
     out = Path(sys.argv[2]) / f"rank{os.environ['RANK']}.json"
     results: dict[str, str | None] = {}
     for unit in units:
+        _fresh_group()
         namespace = {"__name__": "__main__"}
         blocks = unit["blocks"]
         steps = [(f"setup {unit['setup']!r}", unit["before"], blocks[0]["id"], None)]
@@ -43,6 +45,25 @@ def main() -> None:
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+
+
+def _fresh_group() -> None:
+    """Destroy the process group a unit left; the next one's rendezvous is a new store of rank 0's."""
+    import socket
+
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return
+    port = [None]
+    if dist.get_rank() == 0:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = [s.getsockname()[1]]
+    dist.broadcast_object_list(port, src=0)
+    dist.barrier()
+    dist.destroy_process_group()
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port[0]), TORCHELASTIC_USE_AGENT_STORE="False")
 
 
 if __name__ == "__main__":

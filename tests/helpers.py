@@ -177,12 +177,13 @@ def run_ranks(
     """Run ``scenarios`` in order on ``world`` gloo ranks (processes, one intra-op thread each).
 
     Each scenario is a module-level function ``fn(ctx)`` returning something JSON can hold;
-    ``ctx`` has ``rank`` and ``world``, and scenarios may leave attributes on it for later
-    ones. Every rank runs every scenario; a scenario that raises on any rank is recorded with
-    its traceback and ends the run (the ranks' collectives no longer pair up after a one-sided
-    failure): the later ones are recorded as not run. Rendezvous through a file in
-    ``tmp_path``; ``timeout`` is the process group's, ``limit`` the whole run's (then the
-    ranks are killed, and what each had recorded is kept).
+    ``ctx`` has ``rank``, ``world`` and ``tmp_path`` (shared by the ranks), and scenarios may
+    leave attributes on it for later ones. Every rank runs every scenario; a scenario that
+    raises on any rank is recorded with its traceback and ends the run (the ranks'
+    collectives no longer pair up after a one-sided failure): the later ones are recorded
+    as not run. Rendezvous through a file in ``tmp_path``; ``timeout`` is the process
+    group's, ``limit`` the whole run's (then the ranks are killed, and what each had
+    recorded is kept).
     """
     ctx = mp.start_processes(
         _rank_main,
@@ -242,7 +243,7 @@ def _rank_main(rank, scenarios, init_file, out_dir, world, timeout):
         world_size=world,
         timeout=datetime.timedelta(seconds=timeout),
     )
-    ctx = SimpleNamespace(rank=rank, world=world)
+    ctx = SimpleNamespace(rank=rank, world=world, tmp_path=Path(out_dir))
     out, failed = Path(out_dir, f"rank{rank}.json"), None
     results: dict = {}
     for name, fn in scenarios.items():

@@ -106,16 +106,45 @@ sample, y = dataset[:8]
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
 epochs = 1
 """
-# A later unit of the job: the recipe's hd.init made the process group and this rank's device.
-_TORCHRUN_LATER = (
+# A later unit of the job starts as its own script would: with hd.init.
+_TORCHRUN_INIT = (
     _TORCHRUN
     + """
-import os
-import torch.distributed as dist
-
-dev = hetsplit.parse_devices(os.environ["HETSPLIT_DEVICES"])[dist.get_rank()]
+dev = hd.init(timeout=60)
 """
 )
+
+_FSDP = """
+import collections
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+Out = collections.namedtuple("Out", "loss")
+
+
+class TinyLM(nn.Module):  # a Hugging Face model's shape: .model.layers, model(**batch).loss
+    def __init__(self):
+        super().__init__()
+        self.model = nn.Module()
+        self.model.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x, labels):
+        for layer in self.model.layers:
+            x = torch.tanh(layer(x))
+        return Out(F.cross_entropy(self.head(x), labels))
+
+
+def build_model():
+    torch.manual_seed(0)
+    return TinyLM()
+
+
+dataset = [{"x": torch.randn(8), "labels": torch.tensor(i % 3)} for i in range(256)]
+sample = {"x": torch.randn(8, 8), "labels": torch.arange(8) % 3}
+"""
 
 _TINY_LOADER = """
 import torch
@@ -129,7 +158,7 @@ loader = DataLoader(TensorDataset(torch.randn(64, 8), torch.randint(0, 3, (64,))
 SETUPS = {
     "torchrun": Setup(_TORCHRUN, job="torchrun"),
     "torchrun-micro": Setup(
-        _TORCHRUN_LATER
+        _TORCHRUN_INIT
         + """
 plan = hetsplit.Plan(["rank0:cpu", "rank1:cpu@0.5"], [48, 16], [0.0, 0.0], 64, micro_batches=[[16, 16, 16], [16]])
 ddp = DDP(model)
@@ -139,10 +168,26 @@ loader = hd.data_loader(dataset, plan)
         job="torchrun",
     ),
     "torchrun-rebalance": Setup(
-        _TORCHRUN_LATER
+        _TORCHRUN_INIT
         + """
 plan = hd.plan(model, sample, 32, device=dev, weights=[3, 1])  # 16 steps: one exchange at step 10
 ddp = DDP(model)
+""",
+        job="torchrun",
+    ),
+    "fsdp": Setup(_FSDP, job="torchrun"),
+    "fsdp-checkpoint": Setup(
+        _FSDP
+        + """
+import hetsplit.distributed as hd
+from torch.distributed.fsdp import fully_shard
+
+hd.init(timeout=60)
+model = build_model()
+for layer in model.model.layers:
+    fully_shard(layer)
+fully_shard(model)
+opt = torch.optim.AdamW(model.parameters())
 """,
         job="torchrun",
     ),
@@ -389,7 +434,7 @@ def test_shell_block_commands_parse_or_run(block, tmp_path, monkeypatch, capsys)
 
 
 def _synopsis(block: Block) -> None:
-    """Each ``hetsplit SUB [--option VALUE]`` line: the option exists, a number shown is its default, and so are choices."""
+    """Each ``hetsplit SUB [--option VALUE]`` line: the option exists; a number or choices shown are its own."""
     from hetsplit.apps.cli import build_parser
 
     parser = build_parser()

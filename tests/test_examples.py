@@ -4,7 +4,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers import ROOT, subprocess_env
+from helpers import ROOT, launch, subprocess_env
 
 EXAMPLES = ROOT / "examples"
 
@@ -128,15 +128,9 @@ def test_lenet_from_scratch_step_equals_one_full_batch_step():
 def test_fsdp_hetero_under_hetsplit_launch(tmp_path):
     """The FSDP2 example on the emulated pair (the second rank a quarter as fast, 8 samples at once), a few steps."""
     pytest.importorskip("transformers")
-    import os
-
-    root = EXAMPLES.parent
-    proc = subprocess.run(
-        [sys.executable, "-m", "hetsplit.apps.cli", "launch", "--devices", "cpu,cpu@0.25:max8",
-         str(EXAMPLES / "fsdp_hetero.py"), "--steps", "3", "--profile-budget", "1", "--threads", "1",
-         "--timeout", "60", "--save", str(tmp_path / "ckpt")],
-        capture_output=True, text=True, timeout=240, cwd=tmp_path,
-        env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(root)),
+    proc = launch(
+        "cpu,cpu@0.25:max8", EXAMPLES / "fsdp_hetero.py", "--steps", "3", "--profile-budget", "1", "--threads", "1",
+        "--timeout", "60", "--save", tmp_path / "ckpt", cwd=tmp_path,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout

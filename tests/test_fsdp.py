@@ -1,12 +1,10 @@
 """FSDP2 (``fully_shard``) in hetsplit.distributed on two gloo ranks, float64, against one full-batch process.
 
-One spawn for the module; each scenario runs on both ranks in turn and records its
-result (or its error) under its own key, asserted by its own test below.
+One run for the module (tests/helpers.py's two-rank runner); each scenario runs on both
+ranks in turn and its result (or its traceback) is asserted by its own test below.
 """
 
-import datetime
 import json
-import traceback
 from pathlib import Path
 
 import pytest
@@ -14,6 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from helpers import mlp, run_ranks
 from torch import nn
 
 import hetsplit
@@ -28,8 +27,7 @@ N = 30  # samples in the data set: three global batches of 10
 
 
 def _net(width=8):
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(6, width), nn.Tanh(), nn.Linear(width, 5), nn.Tanh(), nn.Linear(5, 3)).double()
+    return mlp(6, width, 5, 3)
 
 
 def _sharded(root_only=False, width=8):
@@ -108,27 +106,58 @@ def _train(plan, *, weighted_plan="same", micro=False, steps=3, epoch_of=None, z
     }
 
 
-def _scenarios(rank, tmp):
-    res = {}
+# -- the scenarios, in the order the ranks run them ------------------------------------------
 
-    def run(name, fn):
-        try:
-            res[name] = fn()
-        except Exception as e:
-            res[name] = {"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()[-1500:]}
 
-    run("uneven", lambda: _train(_plan([7, 3])))
-    run("zero_share", lambda: _train(_plan([10, 0])))
-    run("no_plan", lambda: _train(_plan([7, 3]), weighted_plan=None))
-    run("micro", lambda: _train(_plan([7, 3], [[3, 2, 2], [3]]), micro=True))
-    run("micro_fillers", lambda: _train(_plan([8, 2], [[2, 2, 2, 2], [2]]), micro=True))
-    run("micro_zero_share", lambda: _train(_plan([10, 0], [[4, 3, 3], []]), micro=True))
-    run("llama", lambda: _llama(rank))
-    run("planned", lambda: _planned(rank))
-    run("rebalancer", lambda: _rebalanced(rank))
-    run("checkpoint", lambda: _checkpoint(rank, tmp))
-    run("refusals", lambda: _refusals(rank))
-    return res
+def uneven(ctx):
+    return _train(_plan([7, 3]))
+
+
+def zero_share(ctx):
+    return _train(_plan([10, 0]))
+
+
+def no_plan(ctx):
+    return _train(_plan([7, 3]), weighted_plan=None)
+
+
+def micro(ctx):
+    return _train(_plan([7, 3], [[3, 2, 2], [3]]), micro=True)
+
+
+def micro_fillers(ctx):
+    return _train(_plan([8, 2], [[2, 2, 2, 2], [2]]), micro=True)
+
+
+def micro_zero_share(ctx):
+    return _train(_plan([10, 0], [[4, 3, 3], []]), micro=True)
+
+
+def llama(ctx):
+    return _llama(ctx.rank)
+
+
+def planned(ctx):
+    return _planned(ctx.rank)
+
+
+def rebalancer(ctx):
+    return _rebalanced(ctx.rank)
+
+
+def checkpoint(ctx):
+    return _checkpoint(ctx.rank, ctx.tmp_path)
+
+
+def refusals(ctx):
+    return _refusals(ctx.rank)
+
+
+SCENARIOS = {
+    fn.__name__: fn
+    for fn in (uneven, zero_share, no_plan, micro, micro_fillers, micro_zero_share, llama, planned, rebalancer,
+               checkpoint, refusals)
+}  # fmt: skip
 
 
 def _llama(rank):
@@ -281,22 +310,10 @@ def _off_plan(plan):
     model(torch.zeros(5, 6, dtype=torch.float64))  # 5 samples where the plan says 7 or 3
 
 
-def _worker(rank, init_file, out_dir):
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=60)
-    )
-    res = _scenarios(rank, out_dir)
-    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(res))
-    dist.barrier()
-    dist.destroy_process_group()
-
-
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("fsdp")
-    mp.spawn(_worker, args=(str(tmp / "rendezvous"), str(tmp)), nprocs=WORLD, join=True)
-    return tmp, [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    return tmp, run_ranks(SCENARIOS, tmp, world=WORLD, timeout=60)
 
 
 @pytest.fixture(scope="module")
@@ -304,60 +321,58 @@ def ranks(job):
     return job[1]
 
 
-def _ok(ranks, key):
-    for r in ranks:
-        assert "error" not in r[key], r[key]
-    return [r[key] for r in ranks]
-
-
 def test_an_uneven_plan_gives_the_full_batch_steps(ranks):
-    for r in _ok(ranks, "uneven"):
+    for r in ranks["uneven"]:
         assert r["err"] < 1e-12  # float64, three Adam steps: only summation order differs
-    assert ranks[0]["uneven"]["sizes"] == [7, 7, 7] and ranks[1]["uneven"]["sizes"] == [3, 3, 3]  # the plan's shares
+    r0, r1 = ranks["uneven"]
+    assert r0["sizes"] == [7, 7, 7] and r1["sizes"] == [3, 3, 3]  # the plan's shares
 
 
 def test_an_epoch_covers_the_data_once(ranks):
-    r0, r1 = _ok(ranks, "uneven")  # three steps: one epoch
+    r0, r1 = ranks["uneven"]  # three steps: one epoch
     assert r0["batches"] == r1["batches"]
     every = [i for batch in r0["batches"] for i in batch]
     assert sorted(every) == list(range(N))  # each sample once, none twice
 
 
 def test_a_zero_share_runs_one_sample_weighted_zero(ranks):
-    r0, r1 = _ok(ranks, "zero_share")
+    r0, r1 = ranks["zero_share"]
     assert r0["err"] < 1e-12 and r1["err"] < 1e-12
     assert r0["sizes"] == [10, 10, 10] and r1["sizes"] == [1, 1, 1]  # never an empty batch
 
 
 def test_without_a_plan_the_sizes_are_exchanged(ranks):
-    r0, r1 = _ok(ranks, "no_plan")
+    r0, r1 = ranks["no_plan"]
     assert r0["err"] < 1e-12 and r1["err"] < 1e-12
 
 
 def test_different_micro_batch_counts_do_not_deadlock_and_give_the_full_batch(ranks):
-    r0, r1 = _ok(ranks, "micro")
+    r0, r1 = ranks["micro"]
     assert r0["err"] < 1e-12 and r1["err"] < 1e-12
     # the plan gives rank 1 one micro-batch: it runs three (as many as rank 0), each synchronised
     assert r0["forwards"] == [3, 2, 2] * 3 and r1["forwards"] == [1, 1, 1] * 3
 
 
-def test_micro_batches_with_fillers_and_a_zero_share(ranks):
-    r0, r1 = _ok(ranks, "micro_fillers")
+def test_micro_batches_with_fillers(ranks):
+    r0, r1 = ranks["micro_fillers"]
     assert r0["err"] < 1e-12 and r1["err"] < 1e-12
     assert r0["forwards"] == [2, 2, 2, 2] * 3 and r1["forwards"] == [1, 1, 1, 1] * 3  # two real, two weighted 0
-    r0, r1 = _ok(ranks, "micro_zero_share")
+
+
+def test_micro_batches_with_a_zero_share(ranks):
+    r0, r1 = ranks["micro_zero_share"]
     assert r0["err"] < 1e-12 and r1["err"] < 1e-12
     assert r0["forwards"] == [4, 3, 3] * 3 and r1["forwards"] == [1, 1, 1] * 3
 
 
 def test_a_transformers_llama_with_its_loss_inside_the_model(ranks):
-    r0, r1 = _ok(ranks, "llama")
+    r0, r1 = ranks["llama"]
     assert r0["err"] < 1e-12 and r1["err"] < 1e-12  # the same pieces in one process
     assert r0["err_full"] < 1e-7  # one full batch: within the model's own float32 rounding
 
 
 def test_plan_profiles_the_sharded_model_and_respects_the_emulated_cap(ranks):
-    r0, r1 = _ok(ranks, "planned")
+    r0, r1 = ranks["planned"]
     assert r0["plan"] == r1["plan"]
     plan = r0["plan"]
     assert sum(plan["sizes"]) == N and plan["devices"] == ["rank0:cpu", "rank1:cpu:max4"]
@@ -368,7 +383,7 @@ def test_plan_profiles_the_sharded_model_and_respects_the_emulated_cap(ranks):
 
 
 def test_the_rebalancer_works_unchanged(ranks):
-    r0, r1 = _ok(ranks, "rebalancer")
+    r0, r1 = ranks["rebalancer"]
     assert r0["err"] < 1e-12 and r1["err"] < 1e-12
     for a, b in zip(r0["sizes"], r1["sizes"]):  # the global batch, or all of it on rank 0 and rank 1's filler
         assert a + b == 10 or (a, b) == (10, 1)
@@ -376,22 +391,27 @@ def test_the_rebalancer_works_unchanged(ranks):
 
 
 def test_a_sharded_checkpoint_resumes_on_another_plan(ranks):
-    r0, r1 = _ok(ranks, "checkpoint")
+    r0, r1 = ranks["checkpoint"]
     assert r0["err"] < 1e-12 and r1["err"] < 1e-12
 
 
-def test_refusals_are_one_line_on_every_rank(ranks):
-    r0, r1 = _ok(ranks, "refusals")
-    for r in (r0, r1):
-        assert r["different"].startswith("ranks [1] shard the model differently from rank 0"), r["different"]
-        assert "hybrid sharding (HSDP)" in r["hsdp"] and "use FSDP2's fully_shard on a 1-D device mesh" in r["hsdp"]
-        assert "FSDP1" in r["fsdp1"] and "use FSDP2's fully_shard" in r["fsdp1"]
-        assert "FSDP1" in r["fsdp1_micro"]
-        assert 'method="hook"' in r["hook"]
-        for text in r.values():
-            assert "\n" not in text
-    assert "rank 0: this step has 5 samples but the plan gives this rank 7" in r0["off_plan"]
-    assert "rank 1: this step has 5 samples but the plan gives this rank 3" in r1["off_plan"]
+REFUSED = {  # each refused model: what its one line says on each rank
+    "different": lambda r, text: text.startswith("ranks [1] shard the model differently from rank 0"),
+    "hsdp": lambda r, text: "hybrid sharding (HSDP)" in text and "use FSDP2's fully_shard on a 1-D device mesh" in text,
+    "fsdp1": lambda r, text: "FSDP1" in text and "use FSDP2's fully_shard" in text,
+    "fsdp1_micro": lambda r, text: "FSDP1" in text,
+    "hook": lambda r, text: 'method="hook"' in text,
+    "off_plan": lambda r, text: f"rank {r}: this step has 5 samples but the plan gives this rank {[7, 3][r]}" in text,
+}
+
+
+@pytest.mark.parametrize("refused", list(REFUSED))
+def test_refusals_are_one_line_on_every_rank(ranks, refused):
+    for rank, r in enumerate(ranks["refusals"]):
+        text = r[refused]
+        assert text is not None, f"rank {rank}: accepted"
+        assert REFUSED[refused](rank, text), f"rank {rank}: {text}"
+        assert "\n" not in text
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -401,7 +421,7 @@ def test_a_sharded_checkpoint_resumes_in_one_process(job):
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     tmp, ranks = job
-    _ok(ranks, "checkpoint")
+    ranks["checkpoint"]  # ran through on both ranks
     model = _net()
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
     msd, osd = get_state_dict(model, opt)
