@@ -1,12 +1,13 @@
 """One rank of a guide's two-rank job, behind tests/test_docs.py: ``hetsplit launch ... docs_job.py UNITS OUT``.
 
-UNITS (JSON) lists units: a setup's code, the guide's blocks that follow it, and the code
-that completes them. Each unit runs as a script of its own would: in a namespace of its
-own, the process group of the unit before destroyed. Its next one meets in a new store
-(rank 0 hosts it on a free port): in torchrun's, the new group's keys would be the old
-one's, and a rank could read the other's old address. Each rank writes ``OUT/rank{r}.json``: for each
-block, ``null`` when it ran, else the traceback. A failure ends the job at once, so that the
-other rank is not left waiting in a collective until its timeout.
+UNITS (JSON) lists units: a setup's code, the guide's blocks that follow it, the code that
+completes them, and for each unit after the first a free port. Each unit runs as a script
+of its own would: in a namespace of its own, the process group of the unit before
+destroyed, its own rendezvous in a new store that rank 0 hosts on the unit's port (in
+torchrun's store a new group's keys are the old one's, and a rank could read the other's
+old address). Each rank writes ``OUT/rank{r}.json``: for each block, ``null`` when it ran,
+else the traceback. A failure ends the job at once, so that the other rank is not left
+waiting in a collective until its timeout.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ def main() -> None:
     out = Path(sys.argv[2]) / f"rank{os.environ['RANK']}.json"
     results: dict[str, str | None] = {}
     for unit in units:
-        _fresh_group()
+        if "port" in unit:
+            _fresh_group(unit["port"])
         namespace = {"__name__": "__main__"}
         blocks = unit["blocks"]
         steps = [(f"setup {unit['setup']!r}", unit["before"], blocks[0]["id"], None)]
@@ -47,23 +49,14 @@ def main() -> None:
         dist.destroy_process_group()
 
 
-def _fresh_group() -> None:
-    """Destroy the process group a unit left; the next one's rendezvous is a new store of rank 0's."""
-    import socket
-
+def _fresh_group(port: int) -> None:
+    """Destroy the process group the unit before left; the next rendezvous is a new store on ``port``."""
     import torch.distributed as dist
 
-    if not dist.is_initialized():
-        return
-    port = [None]
-    if dist.get_rank() == 0:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = [s.getsockname()[1]]
-    dist.broadcast_object_list(port, src=0)
-    dist.barrier()
-    dist.destroy_process_group()
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port[0]), TORCHELASTIC_USE_AGENT_STORE="False")
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="False")
 
 
 if __name__ == "__main__":

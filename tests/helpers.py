@@ -1,7 +1,8 @@
 """Shared test helpers: tiny float64 nets and their data, gradient comparisons, a two-rank gloo runner.
 
 Tests import them as ``from helpers import ...`` (``tests/`` is on ``sys.path``: pytest puts the
-folder of ``tests/conftest.py`` there). Only public ``torch`` and ``hetsplit`` names are used.
+folder of ``tests/conftest.py`` there). Nothing here imports hetsplit: the helpers outlive its
+renames, and a child started with ``subprocess_env`` finds this checkout's.
 """
 
 from __future__ import annotations
@@ -78,8 +79,11 @@ def batch(n: int, shape: Sequence[int], classes: int, seed: int = 1) -> tuple[to
 
 
 def step(dp, x, y, mode: str) -> None:
-    """One cross-entropy training step through a HeteroDataParallel: ``mode`` is ``"gather"``
-    (the outputs gathered, one loss, ``backward``) or ``"local"`` (``dp.train_step``)."""
+    """One cross-entropy training step through a HeteroDataParallel ``dp``.
+
+    ``mode``: ``"gather"`` (the outputs gathered, one loss, ``backward``), else local-loss mode
+    (``dp.train_step``).
+    """
     if mode == "gather":
         F.cross_entropy(dp(x), y).backward()
     else:

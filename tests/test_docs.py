@@ -24,6 +24,7 @@ import json
 import logging
 import re
 import shlex
+import socket
 import sys
 import textwrap
 from pathlib import Path
@@ -330,6 +331,10 @@ class Outcomes:
             for name, blocks in _units(_blocks(guide))
             if name is not None and SETUPS[name].job == setup.job
         ]  # fmt: skip
+        for unit in units[1:]:  # each later unit meets in a store of its own (tests/docs_job.py)
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                unit["port"] = s.getsockname()[1]
         (tmp_path / "units.json").write_text(json.dumps(units))
         proc = launch(setup.devices, ROOT / "tests" / "docs_job.py", "units.json", ".", cwd=tmp_path, timeout=300)
         ranks = [json.loads(f.read_text()) if (f := tmp_path / f"rank{r}.json").exists() else {} for r in range(2)]
