@@ -290,7 +290,7 @@ def test_a_calibration_step_failing_on_one_rank_is_reported_on_every_rank(ranks)
 
 
 @pytest.mark.parametrize("scenario", list(EXACT))
-def test_weighted_gradients_equal_the_full_batch_s(ranks, scenario):
+def test_weighted_gradients_equal_the_full_batch_gradients(ranks, scenario):
     # hook / outputs: the two weightings; _zero: a rank with 0 samples takes part; any_size: no
     # plan, each bucket carries its count; plain_equal_shares: DDP's plain mean is right then.
     bound = EXACT[scenario][1]
