@@ -352,10 +352,17 @@ def _measure(
 
 
 def _probe_cap(runner: _Runner, ok: int, max_probe: int, deadline: float) -> tuple[int | None, int]:
-    """Double the batch until out of memory, then bisect; returns (cap or None, largest tried)."""
+    """Double the batch until out of memory, then bisect; returns (cap or None, largest tried).
+
+    ``None`` only when every batch up to ``max_probe`` fit. Out of time before an
+    out-of-memory error (a loaded machine, a slow device), the largest batch that fit is
+    the cap: a plan must never hand a device more than it was seen to hold.
+    """
     bad = None
     b = ok * 2
-    while b <= max_probe and time.perf_counter() < deadline:
+    while b <= max_probe:
+        if time.perf_counter() >= deadline:
+            return ok, ok
         if runner.try_step(b):
             ok, b = b, b * 2
         else:

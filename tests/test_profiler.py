@@ -213,3 +213,19 @@ def test_cpu_devices_are_timed_with_one_thread_as_the_cli_advises():
     assert prof.entry("cpu").info.threads == 2
     with pytest.raises(ValueError, match="threads must be a whole number >= 1 .* got 0"):
         profile(probe, torch.zeros(4, 3), "cpu", threads=0)
+
+
+def test_a_memory_probe_out_of_time_keeps_the_largest_batch_that_fit():
+    # Under load the probe's time can run out before any out-of-memory error: the device
+    # must then be planned at what it was seen to hold, never as if its memory had no end.
+    import time
+
+    from hetsplit.profiler import _probe_cap
+
+    class Runner:  # holds 8 samples, like cpu:max8
+        def try_step(self, b):
+            return b <= 8
+
+    assert _probe_cap(Runner(), 4, 4096, time.perf_counter() + 60) == (8, 16)
+    assert _probe_cap(Runner(), 4, 4096, time.perf_counter() - 1) == (4, 4)  # out of time at once
+    assert _probe_cap(Runner(), 2, 8, time.perf_counter() + 60) == (None, 8)  # fit up to max_probe
