@@ -54,7 +54,7 @@ def main() -> None:
     # Everything below is a plain accelerate script.
     model, optimizer, train, test = accelerator.prepare(model, optimizer, train, test)
     accelerator.print(f"data: {label}")
-    plan = accelerator.hetero_plan
+    plan = accelerator.plan
     accelerator.print("plan:", ", ".join(f"{d} {s}" for d, s in zip(plan.devices, plan.sizes)), f"of {plan.batch_size}")
     for epoch in range(args.epochs):
         model.train()

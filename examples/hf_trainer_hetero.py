@@ -79,7 +79,7 @@ def main() -> None:
     trainer.train()
     metrics = trainer.evaluate()
     if trainer.is_world_process_zero():
-        plan = trainer.hetero_plan
+        plan = trainer.plan
         print("plan:", ", ".join(f"{d} {s}" for d, s in zip(plan.devices, plan.sizes)), f"of {plan.batch_size}")
         print(f"eval loss {metrics['eval_loss']:.3f} after {args.steps} steps", flush=True)
 

@@ -176,6 +176,64 @@ def torchrun_weights_split_every_global_batch_in_proportion():
     assert len(idx) == [8, 2][acc.process_index]
 
 
+def ddp_job(sizes):
+    """A torchrun job's pieces: the process group, a DDP model and its plain twin, the plan, this rank's loader."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    import hetsplit.distributed as hd
+
+    if not dist.is_initialized():
+        hd.init(devices="cpu,cpu@1")
+    model = net()
+    p = plan(*sizes)
+    return DistributedDataParallel(model), model, net(), p, hd.data_loader(DATA, p, shuffle=False)
+
+
+@scenario
+def torchrun_weighting_without_a_plan_leaves_a_zero_shares_stand_in_out():
+    # weight_gradients(ddp) without a plan weights each step by its real samples: the one sample
+    # data_loader serves a share of 0 is not one (it counted as one before, a 9th sample in the mean).
+    import hetsplit.distributed as hd
+
+    ddp, model, ref, _, loader = ddp_job((8, 0))
+    hd.weight_gradients(ddp)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    batches = []
+    for idx, x, y in loader:
+        assert len(idx) == [8, 1][dist.get_rank()], idx  # the stand-in: one real sample
+        opt.zero_grad()
+        F.mse_loss(ddp(x), y).backward()
+        opt.step()
+        batches.append(torch.tensor(gathered(idx.tolist())[0]))  # rank 0's rows: the global batch
+    assert_same(model, sgd_reference(ref, batches), "weight_gradients without a plan, a zero share")
+
+
+@scenario
+def torchrun_rebalancer_does_not_time_a_zero_shares_stand_in():
+    # The rank the plan gives 0 runs one stand-in sample each step; its time is no measurement of its
+    # speed (0 samples in t seconds), so the rebalancer records none for it, and steps stay exact.
+    import hetsplit.distributed as hd
+    from hetsplit import Rebalancer
+
+    ddp, model, ref, p, loader = ddp_job((8, 0))
+    state = hd.weight_gradients(ddp, p)
+    policy = Rebalancer(every=1, threshold=0.0, window=1)
+    rb = hd.DistributedRebalancer(p, policy, sampler=loader.batch_sampler, gradients=state, model=ddp, device="cpu")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    batches = []
+    for epoch in range(3):
+        loader.batch_sampler.set_epoch(epoch)
+        for idx, x, y in loader:
+            with rb.step():
+                opt.zero_grad()
+                F.mse_loss(ddp(x), y).backward()
+            opt.step()
+            batches.append(torch.tensor(gathered(idx.tolist())[0]))
+    assert rb.steps == 6 and "rank1" not in policy.log_factors and "rank1" not in policy.corrections, policy.factors()
+    assert "rank0" in policy.log_factors and list(rb.plan.sizes) == [8, 0], (policy.factors(), rb.plan)
+    assert_same(model, sgd_reference(ref, batches), "rebalanced steps with a zero share")
+
+
 # ----------------------------------------------------------------------------- the HF Trainer
 @scenario
 def trainer_without_use_cpu_on_a_cpu_only_machine_is_one_job():

@@ -10,11 +10,16 @@ from hetsplit.distributed.setup import device_name
 
 pytest.importorskip("accelerate")
 pytest.importorskip("lightning")
+pytest.importorskip("transformers")
 
+import hetsplit
 from hetsplit.accelerate import HeteroAccelerator
 from hetsplit.integrations import core
 from hetsplit.lightning import HeteroDDPStrategy
-from hetsplit.planning import plan_from_sizes
+from hetsplit.planning import Plan, plan_from_sizes
+from hetsplit.transformers import HeteroTrainer
+
+MICRO = Plan(["rank0", "rank1"], [6, 2], [0.0, 0.0], 8, micro_batches=[[2, 2, 2], [2]])
 
 
 @pytest.mark.parametrize(
@@ -42,10 +47,57 @@ def test_the_same_mistake_is_the_same_error_in_every_integration(integration, kw
         integration(**kwargs)
 
 
+SHARED = [  # the arguments all three take (HeteroTrainer's loss weights by items itself: no weighting=)
+    ({"devices": 2}, TypeError, "(devices=...) must be a string such as 'cuda:0,cpu' or a list"),
+    ({"plan": [6, 2]}, TypeError, "(plan=...) must be a hetsplit Plan, got list"),
+    ({"profile": "cpu.json"}, TypeError, "(profile=...) must be a hetsplit Profile, got str"),
+    ({"plan_kwargs": [("weights", [4, 1])]}, TypeError, "(plan_kwargs=...) must be a dict, got list"),
+    ({"global_batch_size": 0}, ValueError, "(global_batch_size=...) must be a positive number"),
+    ({"rebalance": -1}, ValueError, "(rebalance=-1): give a number of steps >= 1, 0 for no rebalancing"),
+    ({"rebalance": True}, ValueError, "(rebalance=True): give a number of steps"),
+    ({"plan": MICRO, "rebalance": 2}, ValueError, "(rebalance=2) with a plan with micro-batches"),
+]
+
+
+@pytest.mark.parametrize(("kwargs", "error", "fragment"), SHARED)
+@pytest.mark.parametrize("integration", [HeteroDDPStrategy, HeteroAccelerator, HeteroTrainer])
+def test_rebalance_devices_and_plans_are_checked_alike_in_all_three(integration, kwargs, error, fragment):
+    # Raised by the constructor, before any process group, Trainer or accelerator exists.
+    with pytest.raises(error, match=f"^{integration.__name__}.*" + fragment.replace("(", r"\(").replace(")", r"\)")):
+        integration(**kwargs)
+
+
+def test_one_name_for_the_plan_and_the_device_old_names_deprecated():
+    plan = plan_from_sizes(None, ["rank0"], [4])
+    acc = HeteroAccelerator(plan=plan, rebalance=hetsplit.Rebalancer(every=3))
+    assert acc.plan is plan and acc.rank_device is None and acc.rebalancer is None  # made at the first step
+    with pytest.warns(DeprecationWarning, match="use .plan"):
+        assert acc.hetero_plan is plan
+    strategy = HeteroDDPStrategy(plan=plan, rebalance=2)
+    assert strategy.plan is plan and strategy.rank_device is None and strategy.rebalance == 2
+    assert not hasattr(acc, "hetero_device")
+
+
 def test_plan_kwargs_have_one_name_and_one_default():
     assert HeteroDDPStrategy().plan_kwargs == core.PLAN_KWARGS
-    assert HeteroDDPStrategy(profile_kwargs={"calibrate": 0}).plan_kwargs == {**core.PLAN_KWARGS, "calibrate": 0}
+    with pytest.warns(DeprecationWarning, match="use plan_kwargs="):
+        assert HeteroDDPStrategy(profile_kwargs={"calibrate": 0}).plan_kwargs == {**core.PLAN_KWARGS, "calibrate": 0}
     assert HeteroAccelerator(plan_kwargs={"weights": [1]}).plan_kwargs == {**core.PLAN_KWARGS, "weights": [1]}
+
+
+def test_one_cut_for_micro_batches_keeps_shared_values_whole_and_the_mapping_type():
+    from hetsplit.distributed.accumulate import _micro_sizes, _pieces
+
+    class Encoding(dict):  # a tokenizer's BatchEncoding: a dict subclass the tree walk keeps whole
+        pass
+
+    batch = Encoding(ids=torch.arange(6).reshape(6, 1), position_ids=torch.arange(3).reshape(1, 3), tag="x")
+    pieces = _pieces(batch, [2, 2, 2])
+    assert all(type(p) is Encoding and p["tag"] == "x" for p in pieces)
+    assert [p["ids"].flatten().tolist() for p in pieces] == [[0, 1], [2, 3], [4, 5]]
+    assert all(p["position_ids"] is batch["position_ids"] for p in pieces)  # not the batch's rows: whole
+    assert _micro_sizes(MICRO, 0, 6) == [2, 2, 2] and _micro_sizes(MICRO, 0, 5) == [2, 2, 1]  # none above 2
+    assert _micro_sizes(MICRO, 1, 2) == [2] and _micro_sizes(None, 0, 7) == [7]
 
 
 def test_framework_device_names_are_hetsplit_names():

@@ -28,6 +28,8 @@ SCENARIOS = [
     "accelerate_profiles_on_the_device_accelerate_names",
     "accelerate_resume_draws_the_orders_of_an_uninterrupted_run",
     "torchrun_weights_split_every_global_batch_in_proportion",
+    "torchrun_weighting_without_a_plan_leaves_a_zero_shares_stand_in_out",
+    "torchrun_rebalancer_does_not_time_a_zero_shares_stand_in",
     "trainer_without_use_cpu_on_a_cpu_only_machine_is_one_job",
     "lightning_zero_share_never_reaches_the_step_empty",
     "lightning_sync_dist_metrics_cover_500_samples_once",
@@ -74,6 +76,14 @@ def test_accelerate_resume_draws_the_orders_of_an_uninterrupted_run(jobs):
 
 def test_torchrun_weights_split_every_global_batch_in_proportion(jobs):
     _run(jobs, "torchrun_weights_split_every_global_batch_in_proportion")
+
+
+def test_torchrun_weighting_without_a_plan_leaves_a_zero_shares_stand_in_out(jobs):
+    _run(jobs, "torchrun_weighting_without_a_plan_leaves_a_zero_shares_stand_in_out")
+
+
+def test_torchrun_rebalancer_does_not_time_a_zero_shares_stand_in(jobs):
+    _run(jobs, "torchrun_rebalancer_does_not_time_a_zero_shares_stand_in")
 
 
 def test_trainer_without_use_cpu_on_a_cpu_only_machine_is_one_job(jobs):

@@ -188,12 +188,17 @@ def _job(out: Path) -> None:
             self.shares: list[list[int]] = []
             self.outs: list[tuple[float, int]] = []
             self.first: list[torch.Tensor] | None = None
+            self.before_zero: list[list[float]] = []  # what on_before_zero_grad sees: the last window's gradients
+
+        def on_before_zero_grad(self, optimizer):
+            if any(p.grad is not None for p in self.net.parameters()):  # not before the first step
+                self.before_zero.append([p.grad.sum().item() for p in self.net.parameters()])
 
         def training_step(self, batch, batch_idx):
             idx, x, y = batch
             state = torch.get_rng_state()  # dropout draws from here: the reference replays it
             seen = self.calls.setdefault(f"{batch_idx}:{idx.tolist()}", [state, 0, True])
-            seen[1] += 1  # a recomputed micro-batch comes back here in backward, with its forward's state
+            seen[1] += 1  # each micro-batch's step runs once (no recomputation)
             seen[2] = seen[2] and torch.equal(seen[0], state)
             out = self.net(x)
             loss = self.loss(out, y)
@@ -213,19 +218,26 @@ def _job(out: Path) -> None:
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=0.1)
 
-    def micro_scenario(make, loss, X, Y, devices, micro, **strategy) -> dict:
+    def micro_scenario(make, loss, X, Y, devices, micro, accumulate=1, **strategy) -> dict:
         """A plan whose shares run as ``micro`` against one float64 process running each micro-batch in turn."""
         L.seed_everything(0)
         model = MicroNet(make(), loss)
         ref = copy.deepcopy(model.net)
         plan = hetsplit.Plan(["rank0", "rank1"], [sum(m) for m in micro], [0.0, 0.0], 8, micro_batches=micro)
-        t = trainer(HeteroDDPStrategy(devices=devices, plan=plan, **strategy), limit_val_batches=0)
+        t = trainer(
+            HeteroDDPStrategy(devices=devices, plan=plan, **strategy), limit_val_batches=0,
+            accumulate_grad_batches=accumulate,
+        )  # fmt: skip
         t.fit(model, DataLoader(TensorDataset(torch.arange(N), X, Y), batch_size=BATCH, shuffle=True))
         calls, shares = gathered(model.calls), gathered(model.shares)
         opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-        losses, share_losses, first = [], [], None
-        for k in range(len(shares[0])):
-            opt.zero_grad()
+        losses, share_losses, first, before_zero = [], [], None, []
+        steps = len(shares[0])
+        for k in range(steps):
+            if k % accumulate == 0:
+                if k:
+                    before_zero.append([p.grad.sum().item() for p in ref.parameters()])
+                opt.zero_grad()
             parts = [torch.tensor(shares[r][k], dtype=torch.long).split(micro[r]) for r in range(2)]
             terms, total = [[], []], 0.0
             start = [b.clone() for b in ref.buffers()]  # DDP broadcasts rank 0's buffers in each step's first forward
@@ -237,13 +249,14 @@ def _job(out: Path) -> None:
                     terms[r].append(loss(ref(X[p]), Y[p]) * len(p))
                 if r == 0:
                     kept = [b.clone() for b in ref.buffers()]
-                part = sum(terms[r]) / 8
+                part = sum(terms[r]) / 8 / accumulate  # Lightning divides the loss by accumulate_grad_batches
                 part.backward()  # before the next rank's buffers are set (BatchNorm's backward holds them)
                 total += part.item()
             for b, old in zip(ref.buffers(), kept):  # rank 0's, as its forwards left them, go on to the next step
                 b.copy_(old)
-            opt.step()
-            losses.append(total)
+            if k % accumulate == accumulate - 1 or k == steps - 1:
+                opt.step()
+            losses.append(total * accumulate)
             share_losses.append(sum(terms[rank]).item() / sum(micro[rank]))
             first = first or [p.detach().clone() for p in ref.parameters()]
         diff = lambda a, b: max((x - y).abs().max().item() for x, y in zip(a, b))
@@ -259,9 +272,14 @@ def _job(out: Path) -> None:
             "samples": metrics["samples"],
             "calls": sorted({c[1] for c in model.calls.values()}),
             "same_state": all(c[2] for c in model.calls.values()),
-            "outs": model.outs,
+            "outs": [(loss * accumulate, rows) for loss, rows in model.outs],  # Lightning's is divided by it
             "share_losses": share_losses,
             "shares": [len(s) for s in model.shares],
+            "before_zero_diff": max(
+                (abs(a - b) for got, want in zip(model.before_zero, before_zero) for a, b in zip(got, want)),
+                default=0.0,
+            ),
+            "before_zero_count": [len(model.before_zero), len(before_zero)],
         }
 
     res: dict = {}
@@ -296,6 +314,9 @@ def _job(out: Path) -> None:
         torch.nn.utils.parametrizations.spectral_norm(torch.nn.Linear(3, 8)), torch.nn.Tanh(), torch.nn.Linear(8, 1)
     ).double()
     res["micro_buffers"] = micro_scenario(spectral, F.mse_loss, X, Y, "cpu:max2,cpu@1", [[2, 2, 2], [2]])
+    # Lightning's gradient accumulation over micro-batched shares; on_before_zero_grad reads the last window's
+    # gradients, so the micro-batches' gradients wait beside them (not dropped early).
+    res["micro_accumulate"] = micro_scenario(mlp, F.mse_loss, X, Y, "cpu:max2,cpu:max1", [[2, 2, 2], [1, 1]], 2)
 
     # Resume the first scenario's checkpoint for a second epoch.
     L.seed_everything(0)
@@ -320,8 +341,8 @@ def _job(out: Path) -> None:
     # uneven micro-batch counts is refused there too, but DDP refuses it on a CPU first: tested below).
     model = Net()
     uneven = hetsplit.Plan(["rank0", "rank1"], [6, 2], [0.0, 0.0], 8, micro_batches=[[2, 2, 2], [2]])
-    t = trainer(HeteroDDPStrategy(devices="cpu,cpu@1", plan=uneven, rebalance=2))
-    res["micro_rebalance"] = {"error": error(lambda: t.fit(model, *loaders())), "steps": len(model.seen)}
+    given = lambda: trainer(HeteroDDPStrategy(devices="cpu,cpu@1", plan=uneven, rebalance=2)).fit(model, *loaders())
+    res["micro_rebalance"] = {"error": error(given), "steps": len(model.seen)}  # refused by the constructor
     (out / f"rank{rank}.json").write_text(json.dumps(res))
     dist.barrier()
 
@@ -423,8 +444,9 @@ def test_bad_input_is_one_clear_error_on_every_rank(job):
         assert "dataset Stream is iterable" in r["iterable"]
 
 
-# An MLP with dropout (both ranks split); mobilenet_v3_small, weighting="outputs"; an MLP with a spectral norm.
-MICRO = ["micro", "micro_vision", "micro_buffers"]
+# An MLP with dropout (both ranks split); mobilenet_v3_small, weighting="outputs"; an MLP with a spectral norm;
+# the MLP under Lightning's gradient accumulation (2 batches), with an on_before_zero_grad reading the gradients.
+MICRO = ["micro", "micro_vision", "micro_buffers", "micro_accumulate"]
 
 
 @pytest.mark.parametrize("name", MICRO)
@@ -433,11 +455,11 @@ def test_micro_batched_shares_equal_full_batch_sgd(job, name):
         s = r[name]
         assert s["first_step_diff"] < 1e-12 and s["final_diff"] < 1e-12, (s["first_step_diff"], s["final_diff"])
         assert s["shares"] == [[6, 2][rank]] * 3  # Lightning hands each rank its share; the strategy cuts it
-        assert s["same_state"]  # a micro-batch recomputed in backward draws its forward's dropout masks
-    assert job[0][name]["calls"] == [2]  # each of rank 0's micro-batches: its forward, then its recomputation
-    assert job[1][name]["calls"] == {"micro": [2]}.get(name, [1])  # [1, 1] checkpointed; [2] runs whole
-    # Recomputation reads the buffers its forward read (spectral norm: gradients exact above) and updates them
-    # no second time (BatchNorm's running statistics, the spectral norm's vectors).
+        assert s["calls"] == [1]  # every micro-batch's training_step runs once: no recomputation
+        # what on_before_zero_grad saw: the last window's gradients (the micro-batches' set aside meanwhile)
+        assert s["before_zero_diff"] < 1e-12 and s["before_zero_count"][0] == s["before_zero_count"][1]
+    # Buffers are updated once per forward, as one process running the micro-batches in turn updates them
+    # (BatchNorm's running statistics, the spectral norm's vectors).
     assert job[0][name]["buffer_diff"] < 1e-12
 
 
@@ -466,7 +488,13 @@ def test_micro_batch_refusals_and_memory_caps():
     from lightning.pytorch.plugins import TorchSyncBatchNorm
 
     import hetsplit
-    from hetsplit.integrations.lightning_micro import combine, run_training_step, share_micro_batches, share_output
+    from hetsplit.integrations.lightning_micro import (
+        GradientsAside,
+        combine,
+        run_training_step,
+        share_micro_batches,
+        share_output,
+    )
     from hetsplit.integrations.lightning_parts import check_micro_plan
 
     micro = hetsplit.Plan(["r0", "r1"], [6, 2], [0.0, 0.0], 8, micro_batches=[[2, 2, 2], [2]])
@@ -490,11 +518,13 @@ def test_micro_batch_refusals_and_memory_caps():
         share_output([torch.ones((), requires_grad=True), None, torch.ones(())], [2, 2, 2])
 
     def strategy(plan, device):
-        module = SimpleNamespace(automatic_optimization=True, device=torch.device("cpu"))
+        trainer = SimpleNamespace(accumulate_grad_batches=1, callbacks=[])
+        module = SimpleNamespace(automatic_optimization=True, device=torch.device("cpu"), trainer=trainer)
+        module.parameters = lambda: []
         context = SimpleNamespace(train_step_context=lambda: contextlib.nullcontext())
         return SimpleNamespace(
             lightning_module=module, plan=plan, global_rank=0, rank_device=parse_device(device),
-            model=None, precision_plugin=context,
+            model=None, precision_plugin=context, aside=GradientsAside(),
         )  # fmt: skip
 
     whole = hetsplit.Plan(["r0", "r1"], [6, 2], [0.0, 0.0], 8)
@@ -513,76 +543,6 @@ def test_micro_batch_refusals_and_memory_caps():
     assert combine([{"a": 1.0, "b": "x"}, {"a": 3.0, "b": "y"}], [1, 1]) == {"a": 2.0, "b": "y"}
     loss = share_output([torch.tensor(1.0, requires_grad=True), torch.tensor(4.0, requires_grad=True)], [2, 1])
     assert loss.item() == pytest.approx(2.0)
-
-
-def test_micro_batch_recomputation_restores_buffers_by_name_copies_only_changed_ones_and_reenters(monkeypatch):
-    from functools import partial
-
-    from torch.utils.checkpoint import checkpoint
-
-    from hetsplit.integrations.lightning_buffers import BufferKeeper
-    from hetsplit.integrations.lightning_micro import LogRecorder
-
-    class Net(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.lin, self.bn = torch.nn.Linear(3, 2).double(), torch.nn.BatchNorm1d(2).double()
-            self.register_buffer("mean", torch.zeros(3, dtype=torch.float64))  # rebound: an EMA idiom
-            self.register_buffer("scale", torch.ones(3, dtype=torch.float64))  # updated in place
-            self.register_buffer("mask", torch.ones(3, dtype=torch.float64))  # never changed (a causal mask)
-            self.register_buffer("late", torch.zeros(()))  # first changed on the third step
-            self.steps = 0
-
-        def forward(self, x):
-            y = self.lin((x - self.mean) * self.scale * self.mask)
-            self.mean = 0.5 * self.mean + 0.5 * x.mean(0)
-            with torch.no_grad():
-                self.scale.mul_(1.5)
-                if self.steps >= 2:
-                    self.late.add_(1)
-            return self.bn(y).square().mean() + y.square().mean()
-
-    torch.manual_seed(0)
-    model, X = Net(), torch.randn(6, 3, dtype=torch.float64)
-    ref = copy.deepcopy(model)
-    copied = []  # data pointers of the tensors cloned
-    clone = torch.Tensor.clone
-    monkeypatch.setattr(torch.Tensor, "clone", lambda t, *a, **k: copied.append(t.data_ptr()) or clone(t, *a, **k))
-    for passes in (1, 2, 1):  # two backward passes through a retained graph: twice the gradients
-        recorder, copied[:] = LogRecorder(model), []
-        parts = X.split(2)  # micro-batches [2, 2, 2]
-        late = r"buffer\(s\) \['late'\] changed in place in its forward.*copied from now on"
-        with pytest.warns(RuntimeWarning, match=late) if model.steps == 2 else contextlib.nullcontext():
-            loss = sum(
-                checkpoint(model, p, use_reentrant=False, context_fn=partial(recorder.contexts, 2)) for p in parts
-            )
-        sum(ref(p) for p in parts).mul(passes).backward()
-        after = dict(model.named_buffers())
-        for _ in range(passes):
-            loss.backward(retain_graph=True)
-        for name, buffer in ref.named_buffers():  # as the forwards left them, in the tensors they left
-            assert torch.equal(after[name], buffer) and dict(model.named_buffers())[name] is after[name], name
-        for mine, theirs in zip(model.parameters(), ref.parameters()):  # recomputation read what forwards read
-            torch.testing.assert_close(mine.grad, theirs.grad, rtol=0, atol=1e-12)
-            mine.grad = theirs.grad = None
-        model.steps = ref.steps = model.steps + 1
-        # The mask is copied once, by the first forward (which learns what changes), never after.
-        assert copied.count(model.mask.data_ptr()) == (1 if model.steps == 1 else 0)
-    keeper = BufferKeeper.of(model)
-    assert keeper.changing == {"mean", "scale", "late", "bn.running_mean", "bn.running_var", "bn.num_batches_tracked"}
-    assert keeper.invisible == {"bn.running_mean", "bn.running_var"}  # BatchNorm does not move the version counter
-
-    lin = torch.nn.Linear(3, 1).double()  # a gradient penalty: torch.autograd.grad inside the step recomputes it
-
-    def penalised(x):
-        loss = lin(x).square().mean()
-        (grad,) = torch.autograd.grad(loss, lin.weight, create_graph=True)
-        return loss + grad.square().sum()
-
-    checkpoint(penalised, X, use_reentrant=False, context_fn=partial(LogRecorder(lin).contexts, 6)).backward()
-    grad, lin.weight.grad = lin.weight.grad, None
-    penalised(X).backward()
-    torch.testing.assert_close(grad, lin.weight.grad, rtol=0, atol=1e-12)
 
 
 def test_constructor_rejects_bad_arguments():

@@ -1,17 +1,24 @@
-"""Accumulate: a rank's share run as the plan's micro-batches, all but the last under DDP's ``no_sync()``."""
+"""Accumulate: a rank's share run as the plan's micro-batches, all but the last under DDP's ``no_sync()``.
+
+The one place where a rank's batch is cut into micro-batches and DDP is told to all-reduce
+once: :func:`micro_batches` (torchrun loops, ``HeteroAccelerator``, ``HeteroDDPStrategy``)
+and ``HeteroTrainer`` (which runs only the pieces that hold items) are built on
+:func:`_micro_sizes`, :func:`_pieces` and :func:`_all_reduce_once`.
+"""
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import math
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-from torch import nn
+from torch import Tensor, nn
 
 from ..devices import DeviceLike, parse_device
-from ..parallel.scatter_gather import scatter_to
+from ..planning.micro import micro_sizes
 from ..planning.plan import Plan
-from ..tree import batch_length, flatten
+from ..tree import batch_length, tree_map
 from . import sharded as _sharded
 from ._group import group_info
 
@@ -32,9 +39,9 @@ def micro_batches(
     locally and DDP all-reduces once, in the last micro-batch's backward. With
     :func:`~hetsplit.distributed.weight_gradients` and the same ``plan``, each
     micro-batch's gradient is weighted by its share of the rank's samples, so a mean
-    loss per micro-batch still gives the full-batch gradient. A rank with no samples
-    gets its batch (one sample weighted 0, or an empty batch) once, so it still takes
-    part in the all-reduce.
+    loss per micro-batch still gives the full-batch gradient. A share that runs whole
+    (one micro-batch, or the one stand-in sample a share of 0 is served, or an empty
+    batch) is yielded once, as it is, so the rank still takes part in the all-reduce.
 
     An FSDP2 model (``fully_shard``) gathers parameters in every forward and
     reduce-scatters in every backward, so every rank runs the same number of
@@ -72,36 +79,82 @@ def micro_batches(
         rank, _ = group_info(group)
     sizes = _sharded.rank_micro(plan, rank, kind == "fsdp2")
     n = batch_length(batch, dim)
-    if n != plan.sizes[rank] and not (plan.sizes[rank] == 0 and n <= 1):  # a zero share's one sample
+    if n != plan.sizes[rank] and not (plan.sizes[rank] == 0 and n <= 1):  # a zero share's one sample (or none)
         raise ValueError(
             f"rank {rank}: the batch has {n} samples but the plan gives this rank {plan.sizes[rank]}; "
             "pass this rank's share (hd.data_loader gives it)"
         )
     dev = parse_device(device) if device is not None else None
-    if len(sizes) <= 1:
-        if dev is not None:
-            dev.check_batch(n)
-        yield batch
-        return
-    if kind == "fsdp2":
+    if kind == "fsdp2" and len(sizes) > 1:
         for piece, size in _sharded.micro_pieces(batch, sizes, dim):
             if dev is not None:
                 dev.check_batch(max(size, 1))
             yield piece
         return
-    pieces = scatter_to(batch, [_home(batch)] * len(sizes), sizes, dim)
-    for j, (piece, size) in enumerate(zip(pieces, sizes)):
+    parts = list(sizes) if len(sizes) > 1 else [n]
+    for piece, size in zip(_all_reduce_once(ddp_model, _pieces(batch, parts, dim)), parts):
         if dev is not None:
             dev.check_batch(size)
-        last = j == len(sizes) - 1
-        with contextlib.nullcontext() if last else ddp_model.no_sync():
+        yield piece
+
+
+def _micro_sizes(plan: Plan | None, rank: int, rows: int) -> list[int]:
+    """The micro-batches ``rows`` rows of rank ``rank``'s batch run as (``[rows]``: whole).
+
+    The plan's ``micro_batches[rank]`` when ``rows`` is that share; another number of rows
+    (a loader cut in the plan's proportions, a step outside the training loop) as
+    near-equal pieces no larger than the largest micro-batch the plan gives this rank,
+    so a memory cap the plan respects is respected too.
+    """
+    parts = plan.micro_batches[rank] if plan is not None else []
+    if len(parts) <= 1 or rows <= 1:
+        return [rows]
+    if rows == sum(parts):
+        return list(parts)
+    return micro_sizes(rows, math.ceil(rows / max(parts)))
+
+
+def _pieces(batch: Any, sizes: Sequence[int], dim: int = 0) -> list[Any]:
+    """``batch`` as consecutive pieces of ``sizes`` rows (views, no copy).
+
+    Every tensor whose length along ``dim`` is the batch's (``sum(sizes)``) is cut; other
+    values (a 0-dim tensor, ``position_ids`` of one row shared by the batch, a string) go
+    whole to every piece. A mapping keeps its type where its constructor takes a dict (a
+    tokenizer's ``BatchEncoding`` walked key by key, which the tree walk would keep whole).
+    """
+    if len(sizes) <= 1:
+        return [batch]
+    rows = sum(sizes)
+    out, start = [], 0
+    for size in sizes:
+
+        def cut(x: Any, start: int = start, size: int = size) -> Any:
+            if isinstance(x, Tensor) and -x.dim() <= dim < x.dim() and x.shape[dim] == rows:
+                return x.narrow(dim, start, size)
+            return x
+
+        out.append(_mapped(cut, batch))
+        start += size
+    return out
+
+
+def _mapped(fn: Any, batch: Any) -> Any:
+    if isinstance(batch, Mapping) and type(batch) is not dict:  # the tree walk keeps these whole
+        cut = {k: tree_map(fn, v) for k, v in batch.items()}
+        try:
+            return type(batch)(cut)
+        except TypeError:
+            return cut
+    return tree_map(fn, batch)
+
+
+def _all_reduce_once(ddp_model: nn.Module, pieces: Sequence[Any]) -> Iterator[Any]:
+    """Each of ``pieces``, all but the last inside ``ddp_model.no_sync()`` (a model without one: as it is).
+
+    The loop body runs each piece's forward and backward: DDP then accumulates locally and
+    all-reduces once, in the last piece's backward.
+    """
+    sync = getattr(ddp_model, "no_sync", None)
+    for j, piece in enumerate(pieces):
+        with sync() if sync is not None and j < len(pieces) - 1 else contextlib.nullcontext():
             yield piece
-
-
-def _home(batch: Any) -> Any:
-    """The device the batch's tensors are on (pieces stay there)."""
-    leaves, _ = flatten(batch)
-    for leaf in leaves:
-        if hasattr(leaf, "device"):
-            return parse_device(leaf.device, check=False)
-    return parse_device("cpu", check=False)

@@ -15,6 +15,7 @@ from ..planning.plan import Plan
 from ..tree import batch_length, tree_map
 from . import sharded as _sharded
 from ._group import DistributedError, as_error, group_info, group_timeout, note_step, verify_plan
+from .sampler import _IN_HAND
 
 
 class WeightingState:
@@ -195,8 +196,9 @@ def weight_gradients(
     With a ``plan``, every step must follow it (as :class:`HeteroDistributedSampler`
     gives; a step of another size raises on that rank rather than being weighted
     wrongly). A rank the plan gives 0 runs the one real sample :func:`data_loader`
-    serves it, weighted 0. Without a plan that sample would count as one: pass the plan
-    (or ``data_loader(..., zero_share="empty")``).
+    serves it, weighted 0; without a plan too, as that loader marks the batch it hands
+    out as the stand-in (a stand-in from a loader of another kind would count as one
+    sample: use :func:`data_loader`, or pass the plan).
 
     Args:
         ddp_model: The DistributedDataParallel model, or the FSDP2 root module (call
@@ -255,6 +257,8 @@ def weight_gradients(
             state.local = first.shape[dim]  # the common case, without walking the inputs
         else:
             state.local = batch_length((args, kwargs), dim)
+        if state.planned is None and state.local == 1 and _IN_HAND.stand_in:
+            state.local = 0  # data_loader's stand-in for a share of 0: one real sample that counts for nothing
         if state.micro is not None:
             _micro_step(state, rank)
             return

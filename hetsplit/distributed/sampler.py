@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -275,6 +276,34 @@ class HeteroBatchSampler(Sampler[list[int]]):
         return tree_map(lambda t: t[:0] if isinstance(t, torch.Tensor) else t, one)
 
 
+class _InHand(threading.local):
+    """Whether the batch a :func:`data_loader` handed this thread last is a zero share's stand-in.
+
+    The sampler cannot say it: a loader with workers draws its indices ahead of the batch
+    in hand. The loader says it as it yields the batch, so
+    :func:`~hetsplit.distributed.weight_gradients` without a plan can weight that one real
+    sample 0, as the plan's weighting does.
+    """
+
+    stand_in = False
+
+
+_IN_HAND = _InHand()
+
+
+class _SharesLoader(DataLoader):
+    """:func:`data_loader`'s ``DataLoader``: marks each batch it yields as a stand-in or not (:data:`_IN_HAND`)."""
+
+    def __iter__(self) -> Iterator[Any]:
+        sampler = self.batch_sampler
+        try:
+            for step, batch in enumerate(super().__iter__()):
+                _IN_HAND.stand_in = sampler.is_filler(step)
+                yield batch
+        finally:
+            _IN_HAND.stand_in = False
+
+
 class _Collate:
     """``collate_fn`` for a :class:`HeteroBatchSampler`: the user's, except for an empty share."""
 
@@ -312,9 +341,9 @@ def data_loader(
     ``DataLoader(batch_size=0)`` is refused by torch, so a rank the plan gives nothing
     would fail; this loader serves that rank one real sample each step instead (or an
     empty batch with ``zero_share="empty"``), so it still takes part in every
-    collective. The plan's gradient weighting (:func:`weight_gradients` with the plan)
-    counts that sample as 0, and ``loader.batch_sampler.real_rows(step)`` says 0 for
-    it (weight metrics by that). The batch sampler
+    collective. The gradient weighting (:func:`weight_gradients`, with the plan or
+    without: the loader marks the batch in hand as that stand-in) counts that sample as
+    0, and ``loader.batch_sampler.real_rows(step)`` says 0 for it (weight metrics by that). The batch sampler
     (``loader.batch_sampler``, a :class:`HeteroBatchSampler`) follows plan changes and
     needs ``loader.batch_sampler.set_epoch(epoch)`` before each epoch.
 
@@ -337,4 +366,4 @@ def data_loader(
         pad=pad, zero_share=zero_share,
     )  # fmt: skip
     collate = _Collate(sampler, loader_kwargs.pop("collate_fn", None))
-    return DataLoader(dataset, batch_sampler=sampler, collate_fn=collate, **loader_kwargs)
+    return _SharesLoader(dataset, batch_sampler=sampler, collate_fn=collate, **loader_kwargs)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import warnings
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, ClassVar
 
 import accelerate
@@ -16,7 +18,7 @@ import hetsplit.distributed as hd
 from hetsplit.devices import Device, parse_device
 from hetsplit.distributed.comm_hooks import WeightingState
 from hetsplit.distributed.setup import device_name
-from hetsplit.planning import Plan, Profile, resolve_plan
+from hetsplit.planning import Plan, Profile, Rebalancer, resolve_plan
 from hetsplit.tree import tree_map
 
 from . import core
@@ -29,10 +31,9 @@ from .accelerate_parts import (
     profiling_inputs,
     save_epochs,
     shuffle_seed,
-    throttle_forward,
 )
 from .collectives import all_tensors, first_rows, uneven_gather, weighted_reduce
-from .core import carried_settings, is_cpu_job, launched_world, throttle
+from .core import carried_settings, is_cpu_job, launched_world, throttle, throttle_forward
 
 
 class HeteroAccelerator(accelerate.Accelerator):
@@ -54,10 +55,18 @@ class HeteroAccelerator(accelerate.Accelerator):
     its samples in the current batch (the mean over the global batch). A plan with
     micro-batches (``solve(..., accumulate=True)``) is followed with :meth:`micro_batches`.
 
+    Attributes:
+        plan: The plan in force (``None`` until the first loader is prepared without
+            ``plan=``; the rebalancer's current one when rebalancing).
+        rank_device: This process's hetsplit :class:`~hetsplit.Device` (``None`` without a
+            device list: accelerate's ``device`` is then the device).
+        rebalancer: The :class:`~hetsplit.distributed.DistributedRebalancer` with
+            ``rebalance``, made at the training loader's first batch.
+
     Args:
-        devices: One device per process (``"cuda:0,cpu"``, ``"cpu,cpu@0.25"``); default
-            ``$HETSPLIT_DEVICES`` (set by ``hetsplit launch``), else accelerate's choice.
-            Emulated devices run at their speed (forward and backward throttled).
+        devices: One device per process (``"cuda:0,cpu"``, ``"cpu,cpu@0.25"`` or a list);
+            default ``$HETSPLIT_DEVICES`` (set by ``hetsplit launch``), else accelerate's
+            choice. Emulated devices run at their speed (forward and backward throttled).
         plan: A :class:`~hetsplit.Plan` with one share per process; else one is made at
             ``prepare``.
         profile: This process's :class:`~hetsplit.Profile`, used instead of timing the model.
@@ -69,6 +78,11 @@ class HeteroAccelerator(accelerate.Accelerator):
             language-model loss) would be weighted by samples: normalise it over the
             global batch's tokens yourself (``loss_sum / global_tokens * processes``) and
             use ``"none"``, or use :class:`~hetsplit.transformers.HeteroTrainer`.
+        rebalance: Re-solve the shares every this many steps (0: never), or a
+            :class:`hetsplit.Rebalancer` to set the policy: each batch of the training
+            loader (from its yield to the next) is one step, timed and exchanged
+            (:class:`hetsplit.distributed.DistributedRebalancer`). Not with a plan with
+            micro-batches.
         loss_fn: ``loss_fn(output, target)`` for profiling a ``(input, target, ...)``
             batch; default: ``output.loss`` for dict batches (Hugging Face models), the
             sum of the outputs otherwise.
@@ -78,8 +92,9 @@ class HeteroAccelerator(accelerate.Accelerator):
         **accelerator_kwargs: Passed to ``accelerate.Accelerator``.
 
     Raises:
-        ValueError: On a bad ``weighting``, ``plan``, ``global_batch_size`` or device
-            list (one device per process), before any process group is created.
+        TypeError, ValueError: As :func:`hetsplit.integrations.core.check_arguments` (the
+            same for every integration), and a ``ValueError`` for a device list without one
+            device per process; before any process group is created.
 
     Example:
         >>> accelerator = HeteroAccelerator()  # was: Accelerator()
@@ -98,29 +113,29 @@ class HeteroAccelerator(accelerate.Accelerator):
     def __init__(
         self,
         *,
-        devices: str | None = None,
+        devices: str | Sequence[Any] | None = None,
         plan: Plan | None = None,
         profile: Profile | None = None,
         global_batch_size: int | None = None,
         weighting: str = "hook",
+        rebalance: int | Rebalancer = 0,
         loss_fn: Any = None,
         plan_kwargs: Mapping[str, Any] | None = None,
         **accelerator_kwargs: Any,
     ) -> None:
         rank, world = launched_world()
-        core.check_arguments("HeteroAccelerator", plan_kwargs=plan_kwargs)
-        names = check_arguments(
-            devices, plan, profile, global_batch_size, weighting, accelerator_kwargs, world,
-            loss_weights_micro_batches=self.loss_weights_micro_batches,
-        )  # fmt: skip
-        self.hetero_device: Device | None = None
+        given = {"devices": devices, "plan": plan, "profile": profile, "global_batch_size": global_batch_size}
+        given.update(weighting=weighting, rebalance=rebalance, plan_kwargs=plan_kwargs)
+        own_loss = self.loss_weights_micro_batches
+        names = check_arguments(given, accelerator_kwargs, world, loss_weights_micro_batches=own_loss)
+        self.rank_device: Device | None = None
         if names is not None:
-            self.hetero_device = parse_device(names[rank])  # this machine must have it
+            self.rank_device = parse_device(names[rank])  # this machine must have it
             if world > 1 and not dist.is_initialized():  # NCCL only when every process is a GPU
-                self.hetero_device = hd.init(devices=",".join(names))
+                self.rank_device = hd.init(devices=",".join(names))
         if world > 1:  # prepare and gather alone, without training, join the group too
             hd.drain_at_exit()  # at exit, let gloo's workers finish with the last collective first
-        if is_cpu_job(self.hetero_device, world):
+        if is_cpu_job(self.rank_device, world):
             # accelerate's MULTI_CPU (gloo, the CPU as device) only comes with cpu=True; an
             # explicit cpu=False (upstream scripts pass cpu=args.cpu) would leave every process
             # alone, each training its own copy.
@@ -132,27 +147,36 @@ class HeteroAccelerator(accelerate.Accelerator):
                 f"({self.distributed_type}): each would train alone; pass cpu=True on a machine without "
                 "CUDA, or launch one process per device with 'hetsplit launch --devices ...'"
             )
-        self.hetero_plan = plan
-        self.hetero_profile = profile
+        self._plan = plan
+        self._profile = profile  # not .profile: accelerate's Accelerator.profile() is a method
         self.global_batch_size = global_batch_size
         self.weighting = weighting
+        self.rebalance = rebalance
+        self.rebalancer: hd.DistributedRebalancer | None = None
         self.loss_fn = loss_fn
         self.plan_kwargs = core.plan_kwargs(plan_kwargs)
         self.model_to_profile: torch.nn.Module | None = None  # what prepare(loader) profiles without a model
         self._planned_loader: DataLoader | None = None  # the loader whose global batch the plan was made for
+        self._planned_shares: SharesLoader | None = None  # that loader, prepared (its sampler is rebalanced)
         self._weightings: list[WeightingState] = []
         self._throttled: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
 
     @property
     def plan(self) -> Plan | None:
         """The plan in force (``None`` until the first loader is prepared without ``plan=``)."""
-        return self.hetero_plan
+        return self.rebalancer.plan if self.rebalancer is not None else self._plan
+
+    @property
+    def hetero_plan(self) -> Plan | None:
+        """Deprecated: :attr:`plan` (the name before the three integrations shared one vocabulary)."""
+        warnings.warn("hetero_plan is deprecated: use .plan", DeprecationWarning, stacklevel=2)
+        return self.plan
 
     @property
     def device(self) -> torch.device:
         """This process's device: the hetsplit device given, else accelerate's."""
-        if self.hetero_device is not None:
-            return self.hetero_device.torch_device
+        if self.rank_device is not None:
+            return self.rank_device.torch_device
         return super().device
 
     # -- prepare ------------------------------------------------------------------------
@@ -172,7 +196,7 @@ class HeteroAccelerator(accelerate.Accelerator):
         loaders = [a for a in args if isinstance(a, DataLoader) and not getattr(a, "_is_accelerate_prepared", False)]
         for loader in loaders:
             check_loader(loader)
-        if loaders and self.hetero_plan is None:
+        if loaders and self._plan is None:
             models = [a for a in args if isinstance(a, torch.nn.Module)]
             model = models[0] if models else self.model_to_profile
             self.set_plan(self._make_plan(model, loaders[0]))
@@ -193,7 +217,10 @@ class HeteroAccelerator(accelerate.Accelerator):
             )
         if self.weighting == "none" and not self.loss_weights_micro_batches:
             check_whole_shares(plan, 'HeteroAccelerator(weighting="none")')
-        self.hetero_plan = plan
+        core.check_rebalance("HeteroAccelerator", plan, self.rebalance)
+        if self.rebalancer is not None:
+            raise ValueError("set_plan while rebalancing: the rebalancer owns the plan; pass rebalance=0 to set plans")
+        self._plan = plan
         for state in self._weightings:
             state.set_plan(plan)
 
@@ -213,27 +240,20 @@ class HeteroAccelerator(accelerate.Accelerator):
                 "HeteroAccelerator.prepare needs the model with the training loader to profile each process's "
                 "device (prepare(model, optimizer, loader)), or plan=/profile= to skip profiling"
             )
-        device = device_name(self.hetero_device if self.hetero_device is not None else self.device)
-        # The profile draws batches and random numbers: the training run must not see that.
-        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+        device = device_name(self.rank_device if self.rank_device is not None else self.device)
+        cuda = [self.device] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=cuda):  # drawing the sample shuffles: the run must not see it
             sample, target, loss_fn = profiling_inputs(next(iter(loader)), self.loss_fn)
-            try:
-                return hd.plan(
-                    model, sample, batch, device=device, loss_fn=loss_fn, target=target,
-                    profile=self.hetero_profile, **self.plan_kwargs,
-                )  # fmt: skip
-            except (ValueError, TypeError, RuntimeError) as e:
-                if isinstance(e, hd.DistributedError):
-                    raise
-                raise RuntimeError(
-                    f"HeteroAccelerator could not profile the model on {device} ({e}); it calls model(**batch).loss "
-                    "for a dict batch and loss_fn(model(batch[0]), batch[1]) for a tuple: pass loss_fn=, or "
-                    "plan= (or profile=) to skip profiling"
-                ) from e
+        return core.profiled_plan(
+            "HeteroAccelerator", "the model", model, sample, batch, device=device, profile=self._profile,
+            plan_kwargs=self.plan_kwargs, cuda=cuda, loss_fn=loss_fn, target=target,
+            hint="it calls model(**batch).loss for a dict batch and loss_fn(model(batch[0]), batch[1]) for a tuple: "
+            "pass loss_fn=, or plan= (or profile=) to skip profiling",
+        )  # fmt: skip
 
     def _loader_plan(self, loader: DataLoader) -> Plan:
         """The shares for this loader's global batch: the plan, or its proportions for another batch size."""
-        plan = self.hetero_plan
+        plan = self._plan
         assert plan is not None
         if self._planned_loader is None:  # a given plan: it is for the first loader prepared
             self._planned_loader = loader
@@ -249,7 +269,7 @@ class HeteroAccelerator(accelerate.Accelerator):
         if getattr(data_loader, "_is_accelerate_prepared", False):
             return data_loader
         check_loader(data_loader)
-        if self.hetero_plan is None:  # called directly rather than through prepare()
+        if self._plan is None:  # called directly rather than through prepare()
             self.set_plan(self._make_plan(self.model_to_profile, data_loader))
         plan = self._loader_plan(data_loader)
         carried = carried_settings(data_loader)
@@ -277,8 +297,34 @@ class HeteroAccelerator(accelerate.Accelerator):
             **carried,
         )
         loader._is_accelerate_prepared = True
+        if data_loader is self._planned_loader and self.rebalance_in_loader:
+            self._planned_shares = loader
+            loader.step_context = self.rebalance_step  # each batch is a step the rebalancer times
+        elif data_loader is self._planned_loader:
+            self._planned_shares = loader
         self._dataloaders.append(loader)
         return loader
+
+    # With rebalance, each batch of the training loader is one step of the rebalancer, from
+    # its yield to the next; a subclass whose framework fetches several batches before
+    # running them (HeteroTrainer, over an accumulation window) times its own steps.
+    rebalance_in_loader: ClassVar[bool] = True
+
+    def rebalance_step(self) -> contextlib.AbstractContextManager[Any]:
+        """One training step, timed by the rebalancer (nothing without ``rebalance``).
+
+        The rebalancer is made at the first step, over the training loader's sampler, the
+        prepared model's gradient weighting and this process's device.
+        """
+        if not self.rebalance or self._planned_shares is None or self._plan is None:
+            return contextlib.nullcontext()
+        if self.rebalancer is None:
+            self.rebalancer = core.rebalancer(
+                self._plan, self.rebalance, sampler=self._planned_shares.batch_sampler,
+                gradients=self._weightings[0] if self._weightings else None,
+                model=self._models[0] if self._models else None, device=self.rank_device,
+            )  # fmt: skip
+        return self.rebalancer.step()
 
     def skip_first_batches(self, dataloader: Any, num_batches: int = 0) -> Any:
         """``dataloader`` from its ``num_batches``-th batch on (resuming mid-epoch), with the same shares and order."""
@@ -303,14 +349,14 @@ class HeteroAccelerator(accelerate.Accelerator):
         """Wrap as accelerate does (DDP), then weight the gradients by shard; emulated devices run at their speed."""
         model = super().prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
         if isinstance(model, torch.nn.parallel.DistributedDataParallel) and self.weighting != "none":
-            if self.weighting == "outputs" and self.hetero_plan is None:
+            if self.weighting == "outputs" and self._plan is None:
                 raise ValueError(
                     'weighting="outputs" needs the plan when the model is prepared: prepare the model together '
                     "with the training loader, or pass plan="
                 )
-            self._weightings.append(hd.weight_gradients(model, self.hetero_plan, method=self.weighting))
-        if self.hetero_device is not None and self.hetero_device.emulated and model not in self._throttled:
-            throttle_forward(model, self.hetero_device)
+            self._weightings.append(hd.weight_gradients(model, self._plan, method=self.weighting))
+        if model not in self._throttled:
+            throttle_forward(model, self.rank_device)
             self._throttled.add(model)
         return model
 
@@ -334,18 +380,18 @@ class HeteroAccelerator(accelerate.Accelerator):
             >>> for xm, ym in accelerator.micro_batches(model, (xb, yb)):
             ...     accelerator.backward(F.mse_loss(model(xm), ym))
         """
-        plan = self.hetero_plan
+        plan = self.plan
         if plan is None:
             raise ValueError("no plan yet: prepare the training loader first, or pass plan= to HeteroAccelerator")
         if self.weighting == "none":
             raise ValueError(
                 'micro_batches needs hetsplit to weight each micro-batch: use weighting="hook" or "outputs", not "none"'
             )
-        return hd.micro_batches(model, batch, plan, rank=self.process_index, dim=dim, device=self.hetero_device)
+        return hd.micro_batches(model, batch, plan, rank=self.process_index, dim=dim, device=self.rank_device)
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """``loss.backward()`` as accelerate does, at this process's emulated speed (waiting is not slowed)."""
-        with throttle(self.hetero_device):
+        with throttle(self.rank_device):
             super().backward(loss, **kwargs)
 
     def gather(self, tensor: Any) -> Any:
@@ -382,8 +428,8 @@ class HeteroAccelerator(accelerate.Accelerator):
         """
         loader = getattr(self.gradient_state, "active_dataloader", None)
         samples = getattr(loader, "current_samples", None)
-        if samples is None and self.hetero_plan is not None:  # after a loop (an epoch's mean): the plan's shares
-            samples = self.hetero_plan.sizes[self.process_index]
+        if samples is None and self.plan is not None:  # after a loop (an epoch's mean): the plan's shares
+            samples = self.plan.sizes[self.process_index]
         if reduction != "mean" or samples is None or self.num_processes == 1:
             return super().reduce(tensor, reduction, scale)
         plain = lambda t, op: accelerate_reduce(t, op, scale)

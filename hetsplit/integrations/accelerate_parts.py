@@ -1,11 +1,11 @@
-"""Accelerate parts: the loader, argument checks and throttling HeteroAccelerator is built from."""
+"""Accelerate parts: the loader, checkpointed epochs and argument checks HeteroAccelerator is built from."""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +14,6 @@ import torch.distributed as dist
 from accelerate.data_loader import DataLoaderShard
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler, SequentialSampler
 
-from hetsplit.devices import Device
 from hetsplit.distributed.setup import ENV_DEVICES, rank_devices
 from hetsplit.planning import Plan
 
@@ -34,10 +33,13 @@ class SharesLoader(DataLoaderShard):
             (0 for the one sample a share of 0 is served), ``None`` outside a loop.
         origin: The loader this one was cut from by ``skip_first_batches``: its epoch
             counter moves on with this one's, so the next epoch draws the next order.
+        step_context: Makes the context each batch is handed out in, from its yield to the
+            next (the accelerator's rebalancer times it as one step); ``None``: none.
     """
 
     current_samples: int | None = None
     origin: SharesLoader | None = None
+    step_context: Callable[[], contextlib.AbstractContextManager[Any]] | None = None
     _index: int = 0  # the current batch's index from the epoch's first (skipped ones included)
     _rows: int = 0  # its rows
 
@@ -47,7 +49,8 @@ class SharesLoader(DataLoaderShard):
             self._index += 1
             self._rows = samples_in(batch) or 0
             self.current_samples = 0 if self.batch_sampler.is_filler(self._index) else self._rows
-            yield batch
+            with self.step_context() if self.step_context is not None else contextlib.nullcontext():
+                yield batch
         self.current_samples = None
         if self.origin is not None:
             self.origin.iteration = max(self.origin.iteration, self.iteration)
@@ -73,7 +76,7 @@ class SharesLoader(DataLoaderShard):
             _non_blocking=self._non_blocking,
             **settings,
         )
-        loader.origin = self
+        loader.origin, loader.step_context = self, self.step_context
         loader._is_accelerate_prepared = True
         return loader
 
@@ -118,11 +121,7 @@ def load_epochs(loaders: list[Any], location: str) -> None:
 
 
 def check_arguments(
-    devices: str | None,
-    plan: Any,
-    profile: Any,
-    global_batch_size: Any,
-    weighting: str,
+    given: Mapping[str, Any],
     accelerator_kwargs: Mapping[str, Any],
     world: int,
     *,
@@ -130,12 +129,15 @@ def check_arguments(
 ) -> list[str] | None:
     """Every argument checked before accelerate or a process group starts; the per-process device names.
 
-    ``loss_weights_micro_batches``: the caller's loss weights each micro-batch itself
-    (HeteroTrainer's), so ``weighting="none"`` takes a plan with micro-batches.
+    Args:
+        given: HeteroAccelerator's own arguments by name (``devices``, ``plan``, ``weighting``, ...).
+        accelerator_kwargs: Those for ``accelerate.Accelerator``.
+        world: The number of processes launched.
+        loss_weights_micro_batches: The caller's loss weights each micro-batch itself
+            (HeteroTrainer's), so ``weighting="none"`` takes a plan with micro-batches.
     """
-    core.check_arguments(
-        "HeteroAccelerator", plan=plan, profile=profile, global_batch_size=global_batch_size, weighting=weighting
-    )
+    core.check_arguments("HeteroAccelerator", **given)
+    plan, weighting, devices = given.get("plan"), given.get("weighting", "hook"), given.get("devices")
     if plan is not None and weighting == "none" and not loss_weights_micro_batches:
         check_whole_shares(plan, 'HeteroAccelerator(weighting="none")')
     if plan is not None and len(plan.sizes) != world:
@@ -161,6 +163,8 @@ def check_arguments(
             "dispatch_batches=True sends every batch from process 0; HeteroAccelerator gives each process its "
             "own share instead: leave dispatch_batches unset"
         )
+    if devices is not None and not isinstance(devices, str):
+        devices = ",".join(map(str, devices))
     spec = devices if devices is not None else os.environ.get(ENV_DEVICES)
     if not spec:
         return None
@@ -207,23 +211,6 @@ def profiling_inputs(batch: Any, loss_fn: Any) -> tuple[Any, Any, Any]:
     if isinstance(batch, (list, tuple)) and batch:
         return batch[0], None, None
     return batch, None, None
-
-
-def throttle_forward(model: torch.nn.Module, device: Device) -> None:
-    """Run every forward of ``model`` at ``device``'s emulated speed (its backward is throttled in ``backward``)."""
-    open_: list[contextlib.AbstractContextManager[Any]] = []
-
-    def before(module: torch.nn.Module, args: Any) -> None:
-        ctx = device.throttle(cpu_time=True)
-        ctx.__enter__()
-        open_.append(ctx)
-
-    def after(module: torch.nn.Module, args: Any, output: Any) -> None:
-        if open_:
-            open_.pop().__exit__(None, None, None)
-
-    model.register_forward_pre_hook(before)
-    model.register_forward_hook(after)
 
 
 def check_whole_shares(plan: Plan, who: str) -> None:

@@ -1,20 +1,24 @@
 """Core: the decisions every integration (Lightning, accelerate, the HF Trainer) shares, made in one place.
 
 Each framework keeps only its own wiring; what a rank's device is called, whether a
-multi-process job runs on the CPU, which DataLoader settings a re-cut loader keeps and
-how an emulated device is throttled are decided here, so the three cannot drift apart.
+multi-process job runs on the CPU, which DataLoader settings a re-cut loader keeps, how
+an emulated device is throttled, how the model is profiled for the plan, how ``rebalance``
+becomes a rebalancer and which arguments are refused are decided here, so the three
+cannot drift apart. A rank's micro-batches are cut in :mod:`hetsplit.distributed.accumulate`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
+from torch import nn
 from torch.utils.data import DataLoader
 
+import hetsplit.distributed as hd
 from hetsplit.devices import Device
 from hetsplit.planning import Plan, Profile, Rebalancer
 
@@ -97,9 +101,103 @@ def throttle(device: Device | None) -> contextlib.AbstractContextManager[Any]:
     return device.throttle(cpu_time=True)
 
 
+def throttle_forward(model: nn.Module, device: Device | None) -> None:
+    """Run every forward of ``model`` at ``device``'s emulated speed, by :func:`throttle`'s rule.
+
+    For a framework that calls the model itself (accelerate): its backward is throttled
+    where the framework runs it.
+    """
+    if device is None or not device.emulated:
+        return
+    open_: list[contextlib.AbstractContextManager[Any]] = []
+
+    def before(module: nn.Module, args: Any) -> None:
+        ctx = throttle(device)
+        ctx.__enter__()
+        open_.append(ctx)
+
+    def after(module: nn.Module, args: Any, output: Any) -> None:
+        if open_:
+            open_.pop().__exit__(None, None, None)
+
+    model.register_forward_pre_hook(before)
+    model.register_forward_hook(after)
+
+
+def profiled_plan(
+    who: str,
+    what: str,
+    model: nn.Module,
+    sample: Any,
+    batch_size: int,
+    *,
+    device: Any,
+    profile: Profile | None,
+    plan_kwargs: Mapping[str, Any],
+    hint: str,
+    cuda: Sequence[torch.device] = (),
+    **kwargs: Any,
+) -> Plan:
+    """The plan for every rank, each profiling ``model`` on its own device (:func:`hetsplit.distributed.plan`).
+
+    Profiling draws batches and random numbers: the training run must not see that, so the
+    random state (the CPU's and ``cuda``'s) is put back after. A failure other than a
+    peer's (:class:`~hetsplit.distributed.DistributedError`) becomes one ``RuntimeError``
+    naming ``who``, ``what`` was profiled, the device and the cause, then ``hint``.
+
+    Args:
+        who: The class the user made.
+        what: What was profiled (``"the model"``, ``"training_step"``).
+        model, sample, batch_size, device, profile: As for :func:`hetsplit.distributed.plan`.
+        plan_kwargs: The other arguments of :func:`hetsplit.distributed.plan` (:func:`plan_kwargs`).
+        hint: What the user can do instead.
+        cuda: The GPUs whose random state to keep.
+        **kwargs: ``loss_fn``, ``target``: as for :func:`hetsplit.distributed.plan`.
+    """
+    try:
+        with torch.random.fork_rng(devices=list(cuda)):
+            return hd.plan(model, sample, batch_size, device=device, profile=profile, **kwargs, **plan_kwargs)
+    except (ValueError, TypeError, RuntimeError) as e:
+        if isinstance(e, hd.DistributedError):
+            raise
+        raise RuntimeError(f"{who} could not profile {what} on {device} ({type(e).__name__}: {e}); {hint}") from e
+
+
+def check_rebalance(who: str, plan: Plan | None, rebalance: int | Rebalancer) -> None:
+    """Refuse ``rebalance`` with a plan that runs some rank's share as micro-batches (every rank, before any step).
+
+    Raises:
+        ValueError: Naming the rank, its micro-batches and the two ways out.
+    """
+    if not rebalance or plan is None or all(len(parts) <= 1 for parts in plan.micro_batches):
+        return
+    r = next(r for r, parts in enumerate(plan.micro_batches) if len(parts) > 1)
+    given = f"Rebalancer(every={rebalance.every})" if isinstance(rebalance, Rebalancer) else rebalance
+    raise ValueError(
+        f"{who}(rebalance={given}) with a plan with micro-batches: the plan splits rank {r}'s share "
+        f"{plan.sizes[r]} into micro-batches {plan.micro_batches[r]}, but the rebalancer re-solves and records "
+        "whole shares (its first new plan would run a share over a device's memory cap whole, out of memory; "
+        "with a capped profile the shares would never move). Pass rebalance=0 to keep these micro-batches, or "
+        "solve the plan without accumulate (shares within the memory caps) to rebalance"
+    )
+
+
+def rebalancer(plan: Plan, rebalance: int | Rebalancer, **kwargs: Any) -> hd.DistributedRebalancer | None:
+    """The :class:`~hetsplit.distributed.DistributedRebalancer` that ``rebalance`` asks for (``None`` for 0).
+
+    ``rebalance`` is a number of steps between re-solves, or a :class:`~hetsplit.Rebalancer`
+    policy; ``kwargs`` (``sampler``, ``gradients``, ``model``, ``device``) are passed on.
+    """
+    if not rebalance:
+        return None
+    policy = rebalance if isinstance(rebalance, Rebalancer) else Rebalancer(every=rebalance)
+    return hd.DistributedRebalancer(plan, policy, **kwargs)
+
+
 def check_arguments(
     who: str,
     *,
+    devices: Any = None,
     plan: Any = None,
     profile: Any = None,
     global_batch_size: Any = None,
@@ -112,16 +210,22 @@ def check_arguments(
 
     Args:
         who: The class the user made (named in every message).
-        plan, profile, global_batch_size, weighting, rebalance, plan_kwargs: As the user gave them.
+        devices, plan, profile, global_batch_size, weighting, rebalance, plan_kwargs: As the user gave them.
         weightings: The weightings ``who`` offers.
 
     Raises:
-        TypeError: ``plan`` not a :class:`~hetsplit.Plan`, ``profile`` not a
-            :class:`~hetsplit.Profile`, ``plan_kwargs`` not a mapping.
+        TypeError: ``devices`` neither a string nor a list of devices, ``plan`` not a
+            :class:`~hetsplit.Plan`, ``profile`` not a :class:`~hetsplit.Profile`,
+            ``plan_kwargs`` not a mapping.
         ValueError: An unknown ``weighting``; a ``global_batch_size`` that is not a
             positive integer or disagrees with the plan; a ``rebalance`` that is neither a
             number of steps >= 0 nor a :class:`~hetsplit.Rebalancer`.
     """
+    if devices is not None and (isinstance(devices, bytes) or not isinstance(devices, str | Sequence)):
+        raise TypeError(
+            f"{who}(devices=...) must be a string such as 'cuda:0,cpu' or a list with one device per process, "
+            f"got {type(devices).__name__}: {devices!r}"
+        )
     if weighting not in weightings:
         raise ValueError(f"{who}(weighting={weighting!r}): use one of {', '.join(map(repr, weightings))}")
     if plan is not None and not isinstance(plan, Plan):
@@ -151,3 +255,4 @@ def check_arguments(
             f"{who}(rebalance={rebalance!r}): give a number of steps >= 1, 0 for no rebalancing, "
             "or a hetsplit.Rebalancer"
         )
+    check_rebalance(who, plan, rebalance)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import warnings
 import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -26,7 +27,7 @@ from hetsplit.planning import Plan, Profile, Rebalancer, plan_from_sizes, sizes_
 from . import core
 from .collectives import op_name, samples_in, weighted_reduce
 from .core import throttle
-from .lightning_micro import run_training_step
+from .lightning_micro import GradientsAside, run_training_step
 from .lightning_parts import (
     HeteroCallback,
     StepModule,
@@ -76,9 +77,9 @@ class HeteroDDPStrategy(DDPStrategy):
       that cannot be rebuilt are left as Lightning made them; predict loaders are untouched.
     - **Micro-batches**: a plan that splits a rank's share (``plan.micro_batches``, from
       ``accumulate=True``) is followed exactly under automatic optimization: each micro-batch
-      runs ``training_step`` under activation checkpointing (recomputed in Lightning's one backward
-      with its forward's random state and buffers), the step's loss is the share's mean and
-      ``self.log`` logs once per step (:mod:`~hetsplit.integrations.lightning_micro`). An
+      runs ``training_step`` once, all but the last with their backward inside the step (their
+      gradients kept from ``zero_grad`` until Lightning's one backward), the step's loss is the
+      share's mean and ``self.log`` logs once per step (:mod:`~hetsplit.integrations.lightning_micro`). An
       emulated memory (``cpu:max4``) raises ``torch.OutOfMemoryError`` for a training share or
       micro-batch beyond it. Refused with such a plan: ``rebalance``, SyncBatchNorm with uneven micro-batch
       counts (:func:`~.lightning_parts.check_micro_plan`), manual optimization (at the first training step).
@@ -110,6 +111,8 @@ class HeteroDDPStrategy(DDPStrategy):
 
     Args:
         devices: One device per rank: ``"cuda:0,cuda:1"``, ``"cpu,cpu@0.25"`` or a list.
+            The strategy's ``rank_device`` is this rank's hetsplit device, and ``plan`` the
+            plan in force (the rebalancer's current one when rebalancing).
         plan: The plan for all ranks (``plan.sizes[rank]`` samples per step).
         profile: A profile to solve the plan from instead of timing the model.
         global_batch_size: Samples per step over all ranks (default: world × loader batch size).
@@ -120,13 +123,13 @@ class HeteroDDPStrategy(DDPStrategy):
         plan_kwargs: Passed to :func:`hetsplit.distributed.plan` (``time_budget``,
             ``calibrate``, ``batch_sizes``, ``weights``, ``accumulate``, ...), over the
             defaults ``{"time_budget": 10.0, "calibrate": 4}`` (the same in every
-            integration). ``profile_kwargs`` is its former name, still taken.
+            integration). ``profile_kwargs`` is its former name, deprecated.
         **ddp_kwargs: Passed to ``DDPStrategy`` (``timeout``, ``find_unused_parameters``, ...).
 
     Raises:
-        ValueError: On an unknown ``weighting``, a negative ``rebalance``, a
-            ``global_batch_size`` that is not a positive integer or disagrees with the
-            plan, or ``ddp_comm_hook`` with ``weighting="hook"``.
+        TypeError, ValueError: As :func:`hetsplit.integrations.core.check_arguments` (the
+            same for every integration), and a ``ValueError`` for ``ddp_comm_hook`` with
+            ``weighting="hook"``.
     """
 
     def __init__(
@@ -142,16 +145,21 @@ class HeteroDDPStrategy(DDPStrategy):
         profile_kwargs: dict[str, Any] | None = None,
         **ddp_kwargs: Any,
     ) -> None:
-        check_arguments(weighting, rebalance, global_batch_size, plan, ddp_kwargs)
-        if plan_kwargs is not None and profile_kwargs is not None:
-            raise ValueError("HeteroDDPStrategy: pass plan_kwargs= only (profile_kwargs= is its former name)")
-        given = plan_kwargs if plan_kwargs is not None else profile_kwargs
-        core.check_arguments("HeteroDDPStrategy", profile=profile, plan_kwargs=given)
+        if profile_kwargs is not None:
+            if plan_kwargs is not None:
+                raise ValueError("HeteroDDPStrategy: pass plan_kwargs= only (profile_kwargs= is its former name)")
+            warnings.warn(
+                "HeteroDDPStrategy(profile_kwargs=...) is deprecated: use plan_kwargs=", DeprecationWarning, 2
+            )
+            plan_kwargs = profile_kwargs
+        given = {"devices": devices, "plan": plan, "profile": profile, "global_batch_size": global_batch_size}
+        given.update(weighting=weighting, rebalance=rebalance, plan_kwargs=plan_kwargs)
+        check_arguments(given, ddp_kwargs)
         self._rank_device: Device | None = None  # before super(): root_device reads it
         super().__init__(**ddp_kwargs)
         self.device_list = devices if devices is None or isinstance(devices, str) else ",".join(map(str, devices))
         self.weighting, self.rebalance, self.global_batch_size = weighting, rebalance, global_batch_size
-        self.profile, self.plan_kwargs = profile, core.plan_kwargs(given)
+        self.profile, self.plan_kwargs = profile, core.plan_kwargs(plan_kwargs)
         self._plan = plan
         self._labels: list[str] = []
         self.gradients: WeightingState | None = None
@@ -162,6 +170,7 @@ class HeteroDDPStrategy(DDPStrategy):
         self._weighted: list[int] | None = None  # every rank's rows the gradients are weighted by now
         self._seen: dict[Any, int] = {}  # per stage: this rank's samples since its metrics were last reset
         self._callback = HeteroCallback(self)
+        self.aside = GradientsAside()  # a micro-batched step's gradients, until Lightning's backward
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()  # Lightning pickles the strategy to spawn ranks
@@ -274,17 +283,11 @@ class HeteroDDPStrategy(DDPStrategy):
         )
         self.train_sampler = new.batch_sampler
         self._weight()
-        if self.rebalance:
-            policy = self.rebalance if isinstance(self.rebalance, Rebalancer) else Rebalancer(every=self.rebalance)
-            policy = self.rebalancer.rebalancer if self.rebalancer is not None else policy  # a reloaded loader
-            self.rebalancer = hd.DistributedRebalancer(
-                plan,
-                policy,
-                sampler=self.train_sampler,
-                gradients=self.gradients,
-                model=self.model,
-                device=self._rank_device,
-            )
+        policy = self.rebalancer.rebalancer if self.rebalancer is not None else self.rebalance  # a reloaded loader
+        self.rebalancer = core.rebalancer(
+            plan, policy, sampler=self.train_sampler, gradients=self.gradients, model=self.model,
+            device=self._rank_device,
+        )  # fmt: skip
         return new
 
     def on_validation_start(self) -> None:
@@ -355,7 +358,11 @@ class HeteroDDPStrategy(DDPStrategy):
             return super().test_step(*args, **kwargs)
 
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
-        """Backward as ``DDPStrategy`` does, at the rank's emulated speed (waiting for other ranks is not slowed)."""
+        """Backward as ``DDPStrategy`` does, at the rank's emulated speed (waiting for other ranks is not slowed).
+
+        A micro-batched step's first micro-batches' gradients are put back first (:class:`GradientsAside`).
+        """
+        self.aside.restore()
         with throttle(self._rank_device):
             return super().backward(closure_loss, optimizer, *args, **kwargs)
 

@@ -1,14 +1,17 @@
-"""Lightning micro-batches: a rank's share run as the plan's micro-batches inside one training step, one backward.
+"""Lightning micro-batches: a rank's share run as the plan's micro-batches inside one training step.
 
 A plan solved with ``accumulate=True`` may split a rank's share (``plan.micro_batches[rank]``,
 e.g. ``[64, 64, 63]`` on a device with little memory). Lightning's automatic optimization
-calls the strategy's ``training_step`` once with the whole share, then ``zero_grad``, then
-one backward on the loss it returned, so gradients computed inside the step would be
-wiped. HeteroDDPStrategy therefore runs each micro-batch's ``training_step`` under
-activation checkpointing (only its inputs and its loss are kept) and returns one loss
-for the share; Lightning's backward recomputes one micro-batch at a time, so the rank
-holds about one micro-batch's activations, and the optimizer, precision plugin and
-backward hooks run once per step as usual.
+calls the strategy's ``training_step`` once with the whole share, then ``zero_grad`` (at
+the first batch of an accumulation window), then one backward on the loss it returned.
+HeteroDDPStrategy cuts the share with :func:`hetsplit.distributed.micro_batches` (all but
+the last micro-batch under ``no_sync()``, so DDP all-reduces once) and runs every
+micro-batch's ``training_step`` through DDP once: all but the last run their backward at
+once, inside the step; their gradients are set aside where ``zero_grad`` cannot wipe them
+(:class:`GradientsAside`) and put back before Lightning's one backward, which runs the last
+micro-batch's and all-reduces the sum. The rank holds one micro-batch's activations at a
+time; every forward runs once, so buffers (BatchNorm's running statistics), random draws
+and other side effects are those of one process running the micro-batches in turn.
 """
 
 from __future__ import annotations
@@ -23,14 +26,11 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from torch import Tensor, nn
-from torch.utils.checkpoint import checkpoint
 
 import hetsplit.distributed as hd
-from hetsplit.devices import Device
 from hetsplit.planning import Plan
 
 from .collectives import samples_in
-from .lightning_buffers import BufferKeeper, Reenterable, Snapshot
 
 _LOG_SIGNATURE = inspect.signature(pl.LightningModule.log)
 _NOT_SET = object()
@@ -60,7 +60,7 @@ def run_training_step(strategy: Any, plain: Callable[..., Any], args: tuple[Any,
             device.check_batch(samples)
         return plain(*args, **kwargs)
     with strategy.precision_plugin.train_step_context():  # as DDPStrategy.training_step (autocast)
-        return micro_training_step(strategy.model, module, plan, rank, args, kwargs, device=device)
+        return micro_training_step(strategy, args, kwargs)
 
 
 def share_micro_batches(plan: Plan | None, rank: int, module: pl.LightningModule) -> list[int] | None:
@@ -95,37 +95,24 @@ def share_micro_batches(plan: Plan | None, rank: int, module: pl.LightningModule
     return list(parts) if len(parts) > 1 else None
 
 
-def micro_training_step(
-    ddp: nn.Module,
-    module: pl.LightningModule,
-    plan: Plan,
-    rank: int,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    *,
-    device: Device | None = None,
-) -> Any:
+def micro_training_step(strategy: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Run this rank's share as ``plan.micro_batches[rank]``; return the share's step output for Lightning.
 
     The batch is cut by :func:`hetsplit.distributed.micro_batches` (which also makes an
     emulated memory such as ``cpu:max64`` raise ``torch.OutOfMemoryError`` for a
-    micro-batch it cannot hold). Each micro-batch goes through DDP, all but the last
-    under ``no_sync()`` (DDP then prepares one gradient all-reduce, for the step's one
-    backward), so the strategy's gradient weighting sees each micro-batch and scales its
-    gradient by its share of the rank's samples. Inside, ``training_step`` runs under
-    non-reentrant activation checkpointing that restores the random state of its forward
-    when it is recomputed (dropout masks are the forward's; on a GPU that GPU's
-    generator too) and the buffers of its forward. ``self.log`` is recorded and logged
-    once for the share after the last micro-batch (:class:`LogRecorder`).
+    micro-batch it cannot hold). Each micro-batch goes through DDP once, all but the last
+    under ``no_sync()``, so the strategy's gradient weighting sees each micro-batch and
+    scales its gradient by its share of the rank's samples. All but the last run their
+    backward here (divided by ``accumulate_grad_batches`` and through the precision
+    plugin's gradient scaler, as Lightning's would be), and their gradients wait in
+    ``strategy.aside`` for Lightning's backward. ``self.log`` is recorded and logged once
+    for the share after the last micro-batch (:class:`LogRecorder`).
 
     Args:
-        ddp: The DDP model; its module is the strategy's ``StepModule``.
-        module: The LightningModule.
-        plan: The plan in force.
-        rank: This rank.
+        strategy: The ``HeteroDDPStrategy`` (its DDP model, LightningModule, plan, rank,
+            device, precision plugin and ``aside``).
         args: The arguments Lightning gave ``training_step`` (the share's batch first).
         kwargs: Its keyword arguments.
-        device: This rank's hetsplit device (an emulated memory cap is enforced).
 
     Returns:
         The step output, as :func:`share_output` builds it.
@@ -134,37 +121,114 @@ def micro_training_step(
         ValueError: If the batch is not this rank's share, or a micro-batch's step returns no loss.
         torch.OutOfMemoryError: If a micro-batch exceeds the device's emulated memory.
     """
+    ddp, module, plan, rank = strategy.model, strategy.lightning_module, strategy.plan, strategy.global_rank
     sizes = plan.micro_batches[rank]
     batch = args[0] if args else kwargs["batch"]
+    index = args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
     recorder = LogRecorder(module)
-    # Non-reentrant checkpointing saves the random state of the devices its tensor arguments
-    # are on (and always the CPU's): this empty tensor makes that the module's device, even
-    # for a batch it cannot see into.
-    anchor = torch.empty(0, device=module.device)
+    aside = strategy.aside
+    aside.begin(module, index)
+    scaler = getattr(strategy.precision_plugin, "scaler", None)  # mixed precision's GradScaler
+    # Lightning divides the loss it backpropagates by accumulate_grad_batches; so are these.
+    normalize = getattr(module.trainer, "accumulate_grad_batches", 1)
     outs = []
-    for piece, samples in zip(hd.micro_batches(ddp, batch, plan, rank=rank, device=device), sizes):
+    pieces = hd.micro_batches(ddp, batch, plan, rank=rank, device=strategy.rank_device)
+    for j, (piece, samples) in enumerate(zip(pieces, sizes)):
         piece_args, piece_kwargs = ((piece, *args[1:]), kwargs) if args else (args, {**kwargs, "batch": piece})
-        with ddp.module.calling(partial(_checkpointed, module, recorder, samples, anchor)):
+        with ddp.module.calling(partial(_recorded, module, recorder, samples)):
             outs.append(ddp(*piece_args, **piece_kwargs))
+        if j < len(sizes) - 1:  # inside no_sync: gradients accumulate locally
+            loss = _loss(outs[-1], j, sizes) / normalize
+            (scaler.scale(loss) if scaler is not None else loss).backward()
+            outs[-1] = _detached(outs[-1])  # its graph is spent
+    aside.end()
     result = share_output(outs, sizes)
     recorder.replay()
     return result
 
 
-def _checkpointed(
-    module: pl.LightningModule, recorder: LogRecorder, samples: int, anchor: Tensor, *args: Any, **kwargs: Any
-) -> Any:
-    """``module.training_step(*args, **kwargs)`` for one micro-batch, under activation checkpointing."""
+def _recorded(module: pl.LightningModule, recorder: LogRecorder, samples: int, *args: Any, **kwargs: Any) -> Any:
+    """``module.training_step(*args, **kwargs)`` for one micro-batch of ``samples``, its ``self.log`` recorded."""
+    with recorder.recording(samples):
+        return module.training_step(*args, **kwargs)
 
-    def step(_anchor: Tensor, *a: Any, **k: Any) -> Any:
-        return module.training_step(*a, **k)
 
-    contexts = partial(recorder.contexts, samples)
-    return checkpoint(step, anchor, *args, use_reentrant=False, preserve_rng_state=True, context_fn=contexts, **kwargs)
+def _loss(out: Any, j: int, sizes: Sequence[int]) -> Tensor:
+    """The loss of micro-batch ``j``'s step output (a loss, or a dict with ``"loss"``); else one clear error."""
+    loss = out.get("loss") if isinstance(out, Mapping) else out
+    if not isinstance(loss, Tensor):
+        raise ValueError(
+            f"training_step returned {type(out).__name__} for micro-batch {j + 1} of {len(sizes)} ({sizes[j]} "
+            f"samples) of this rank's share, which the plan splits into {list(sizes)}; HeteroDDPStrategy "
+            "combines the micro-batches' losses into the step's loss, so each needs one: return a loss tensor "
+            "(or a dict with 'loss') from every training_step (skipping a step with None stalls the other ranks "
+            "under DDP anyway), or solve the plan without accumulate"
+        )
+    return loss
+
+
+class GradientsAside:
+    """The gradients of a step's first micro-batches, kept from ``zero_grad`` until Lightning's backward.
+
+    Lightning zeroes the gradients between ``training_step`` and its backward at the first
+    batch of an accumulation window (``batch_idx % accumulate_grad_batches == 0``); other
+    batches accumulate, and nothing needs setting aside. At a window's first batch the
+    gradients held before the step (the last window's) are moved out of the way while the
+    micro-batches run; when nothing reads them before ``zero_grad`` wipes them (no
+    ``on_before_zero_grad`` of the module's or a callback's, no ``optimizer_zero_grad`` of
+    the module's) they are dropped at once, as ``zero_grad`` would drop them, so no
+    memory is spent; otherwise they are put back for those hooks, and the micro-batches'
+    gradients, one gradient-sized copy, wait beside them. :meth:`restore` adds them back
+    before the backward.
+    """
+
+    def __init__(self) -> None:
+        self.held: list[tuple[Tensor, Tensor]] | None = None
+        self._old: list[tuple[Tensor, Tensor | None]] | None = None
+
+    def begin(self, module: pl.LightningModule, batch_idx: Any) -> None:
+        """Before a micro-batched step's first backward."""
+        self.held, self._old = None, None  # a step whose backward Lightning skipped leaves nothing behind
+        trainer = module.trainer
+        window = getattr(trainer, "accumulate_grad_batches", 1)
+        if not isinstance(batch_idx, int) or batch_idx % window != 0:
+            return  # no zero_grad before this step's backward: the gradients simply accumulate
+        params = [p for p in module.parameters() if p.requires_grad]
+        self._old = [(p, p.grad if _read_before_zero_grad(module) else None) for p in params]
+        for p in params:
+            p.grad = None
+
+    def end(self) -> None:
+        """After the step's micro-batches but the last: their gradients aside, the old ones back."""
+        if self._old is None:
+            return
+        self.held = [(p, p.grad) for p, _ in self._old if p.grad is not None]
+        for p, old in self._old:
+            p.grad = old
+        self._old = None
+
+    def restore(self) -> None:
+        """Before Lightning's backward: the micro-batches' gradients added to what ``zero_grad`` left."""
+        held, self.held = self.held, None
+        for p, grad in held or []:
+            if p.grad is None:
+                p.grad = grad
+            else:
+                p.grad.add_(grad)
+
+
+def _read_before_zero_grad(module: pl.LightningModule) -> bool:
+    """Whether user code may read the gradients between ``training_step`` and ``zero_grad``."""
+    overridden = any(
+        getattr(type(module), name, None) is not getattr(pl.LightningModule, name)
+        for name in ("on_before_zero_grad", "optimizer_zero_grad")
+    )
+    callbacks = getattr(module.trainer, "callbacks", [])
+    return overridden or any(type(c).on_before_zero_grad is not pl.Callback.on_before_zero_grad for c in callbacks)
 
 
 class _ShareLoss(torch.autograd.Function):
-    """Forward: the share's loss ``value``. Backward: the incoming gradient to every micro-batch's loss, unchanged."""
+    """Forward: the share's loss ``value``. Backward: the incoming gradient to the given losses, unchanged."""
 
     @staticmethod
     def forward(ctx: Any, value: Tensor, *losses: Tensor) -> Tensor:  # type: ignore[override]
@@ -181,9 +245,10 @@ def share_output(outs: Sequence[Any], sizes: Sequence[int]) -> Any:
 
     The loss's value is the sample-weighted mean of the micro-batches' losses: the mean
     loss over the share, what one batch gives, so Lightning logs and the strategy's
-    shard weighting see the share as before. Its backward sends the gradient to each
-    micro-batch's loss unweighted: the strategy's gradient weighting already scales each
-    micro-batch's gradient by its share of the rank's samples. The other entries of a
+    shard weighting see the share as before. Its backward sends the gradient, unweighted,
+    to the last micro-batch's loss, the only one whose backward has not run yet: the
+    strategy's gradient weighting already scales each micro-batch's gradient by its share
+    of the rank's samples. The other entries of a
     dict are combined by :func:`combine` with ``rows=True`` (per-sample tensors are
     concatenated in order, scalars averaged by samples).
 
@@ -197,21 +262,10 @@ def share_output(outs: Sequence[Any], sizes: Sequence[int]) -> Any:
     Raises:
         ValueError: If a micro-batch returned no loss (``None``, or a dict without ``"loss"``).
     """
-    losses = []
-    for j, out in enumerate(outs):
-        loss = out.get("loss") if isinstance(out, Mapping) else out
-        if not isinstance(loss, Tensor):
-            raise ValueError(
-                f"training_step returned {type(out).__name__} for micro-batch {j + 1} of {len(outs)} ({sizes[j]} "
-                f"samples) of this rank's share, which the plan splits into {list(sizes)}; HeteroDDPStrategy "
-                "combines the micro-batches' losses into the step's loss, so each needs one: return a loss tensor "
-                "(or a dict with 'loss') from every training_step (skipping a step with None stalls the other ranks "
-                "under DDP anyway), or solve the plan without accumulate"
-            )
-        losses.append(loss)
+    losses = [_loss(out, j, sizes) for j, out in enumerate(outs)]
     total = sum(sizes)
     value = sum(loss.detach() * (n / total) for loss, n in zip(losses, sizes))
-    combined = _ShareLoss.apply(value, *losses)
+    combined = _ShareLoss.apply(value, losses[-1])
     if not isinstance(outs[-1], Mapping):
         return combined
     extra = {}
@@ -272,70 +326,30 @@ def _reduction(fx: Any) -> str:
 
 
 class LogRecorder:
-    """``self.log`` and buffers in a micro-batched step: each micro-batch recorded in its forward, replayed once.
+    """``self.log`` in a micro-batched step: each micro-batch's calls recorded, replayed once for the share.
 
     Lightning's ``self.log`` acts at once: an ``on_step`` value with ``sync_dist=True``
     is an all-reduce per call, and the step's value is the last one logged. Logged per
     micro-batch, ranks running different numbers of micro-batches would issue different
     numbers of collectives, and the value would be one micro-batch's. So inside each
-    micro-batch's forward ``self.log`` (and ``self.log_dict``, which calls it) only
-    records; :meth:`replay` then logs every name once, its values combined by
+    micro-batch's ``training_step`` ``self.log`` (and ``self.log_dict``, which calls it)
+    only records; :meth:`replay` then logs every name once, its values combined by
     :func:`combine` according to ``reduce_fx`` (a mean by samples, or by the
     ``batch_size=`` given, which is then summed): the share's value, as one batch would
-    log it. When a micro-batch is recomputed in backward (after every micro-batch's
-    forward), ``self.log`` does nothing, and the buffers its forward changed read as that
-    forward found them, then are put back as the forwards left them, so they are updated
-    no second time (BatchNorm's running statistics, a spectral norm's vectors, a moving
-    average rebound with ``self.mean = ...``): see :mod:`.lightning_buffers`, which also
-    says what the copies cost (one copy of each buffer the forward changes, per
-    micro-batch, until backward). Other side effects of ``training_step`` (a torchmetrics
-    metric updated in it, a counter) may happen again, up to the last operation backward
-    needs: non-reentrant checkpointing stops the recomputation there, so a metric updated
-    after the loss is counted once.
+    log it.
 
     Args:
-        module: The LightningModule whose ``log`` and buffers are handled.
+        module: The LightningModule whose ``log`` is recorded.
     """
 
     def __init__(self, module: pl.LightningModule) -> None:
         self.module = module
         self.calls: dict[str, list[tuple[Any, int, dict[str, Any]]]] = {}
 
-    def contexts(self, samples: int) -> tuple[contextlib.AbstractContextManager[None], ...]:
-        """The forward and recomputation contexts of one micro-batch of ``samples`` samples (a ``context_fn``).
-
-        The recomputation context may be entered several times (a second backward through
-        a retained graph, ``torch.autograd.grad`` inside ``training_step``).
-        """
-        buffers = BufferKeeper.of(self.module).snapshot()
-        return self.recording(samples, buffers), Reenterable(partial(self.recomputing, buffers))
-
     @contextlib.contextmanager
-    def recording(self, samples: int, buffers: Snapshot | None = None) -> Iterator[None]:
-        """Inside: ``self.log`` records its calls, for a micro-batch of ``samples`` samples.
-
-        Args:
-            samples: The micro-batch's samples (what its logged values are weighted by).
-            buffers: Entered around the forward: keeps the buffers it changes as it found them.
-        """
-        with (
-            buffers if buffers is not None else contextlib.nullcontext(),
-            _log_replaced(self.module, partial(self._record, samples)),
-        ):
-            yield
-
-    @contextlib.contextmanager
-    def recomputing(self, buffers: Snapshot | None = None) -> Iterator[None]:
-        """Inside (a micro-batch recomputed in backward): ``self.log`` does nothing; buffers as its forward found them.
-
-        Args:
-            buffers: The micro-batch's :class:`~.lightning_buffers.Snapshot` (from its forward's
-                :meth:`recording`); the buffers are put back as they were after.
-        """
-        with (
-            buffers.restored() if buffers is not None else contextlib.nullcontext(),
-            _log_replaced(self.module, _ignore),
-        ):
+    def recording(self, samples: int) -> Iterator[None]:
+        """Inside: ``self.log`` records its calls, for a micro-batch of ``samples`` samples."""
+        with _log_replaced(self.module, partial(self._record, samples)):
             yield
 
     def _record(self, samples: int, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
@@ -365,10 +379,6 @@ def _detached(value: Any) -> Any:
     if isinstance(value, Mapping):
         return {k: _detached(v) for k, v in value.items()}
     return value
-
-
-def _ignore(*args: Any, **kwargs: Any) -> None:
-    """``self.log`` while a micro-batch is recomputed: its forward's calls were recorded already."""
 
 
 @contextlib.contextmanager

@@ -14,7 +14,6 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler, SequentialSampler
 
-import hetsplit.distributed as hd
 from hetsplit.devices import parse_device
 from hetsplit.distributed.rank_plan import rank_device
 from hetsplit.planning import Plan, Rebalancer
@@ -153,18 +152,15 @@ class HeteroCallback(pl.Callback):
         self._steps.pop_all()
 
 
-def check_arguments(weighting: str, rebalance: Any, global_batch_size: Any, plan: Any, ddp_kwargs: dict) -> None:
-    """Check HeteroDDPStrategy's arguments (see its docstring), before anything runs.
+def check_arguments(given: Mapping[str, Any], ddp_kwargs: Mapping[str, Any]) -> None:
+    """Check HeteroDDPStrategy's arguments ``given`` by name (see its docstring), before anything runs.
 
     Raises:
         TypeError, ValueError: As :func:`hetsplit.integrations.core.check_arguments`, and a
             ``ValueError`` for ``ddp_comm_hook`` with ``weighting="hook"``.
     """
-    core.check_arguments(
-        "HeteroDDPStrategy", plan=plan, global_batch_size=global_batch_size, weighting=weighting,
-        weightings=("hook", "outputs"), rebalance=rebalance,
-    )  # fmt: skip
-    if weighting == "hook" and ddp_kwargs.get("ddp_comm_hook") is not None:
+    core.check_arguments("HeteroDDPStrategy", weightings=("hook", "outputs"), **given)
+    if given.get("weighting", "hook") == "hook" and ddp_kwargs.get("ddp_comm_hook") is not None:
         raise ValueError(
             "weighting='hook' registers hetsplit's DDP comm hook and DDP takes one: "
             "use weighting='outputs' to keep your ddp_comm_hook"
@@ -180,30 +176,23 @@ def check_micro_plan(plan: Plan | None, module: nn.Module, rebalance: int | Reba
         rebalance: The strategy's ``rebalance`` argument.
 
     Raises:
-        ValueError: If the plan splits some rank's share and ``rebalance`` is set (the
-            rebalancer re-solves whole shares), or ranks run different numbers of
-            micro-batches and ``module`` holds a ``torch.nn.SyncBatchNorm`` (its
+        ValueError: If the plan splits some rank's share and ``rebalance`` is set
+            (:func:`~hetsplit.integrations.core.check_rebalance`), or ranks run different
+            numbers of micro-batches and ``module`` holds a ``torch.nn.SyncBatchNorm`` (its
             collectives would not match across ranks).
     """
+    core.check_rebalance("HeteroDDPStrategy", plan, rebalance)
     if plan is None or all(len(parts) <= 1 for parts in plan.micro_batches):
         return
     r = next(r for r, parts in enumerate(plan.micro_batches) if len(parts) > 1)
     split = f"the plan splits rank {r}'s share {plan.sizes[r]} into micro-batches {plan.micro_batches[r]}"
-    if rebalance:
-        given = f"Rebalancer(every={rebalance.every})" if isinstance(rebalance, Rebalancer) else rebalance
-        raise ValueError(
-            f"HeteroDDPStrategy(rebalance={given}) with a plan with micro-batches: {split}, but the rebalancer "
-            "re-solves and records whole shares (its first new plan would run a share over a device's memory cap "
-            "whole, out of memory; with a capped profile the shares would never move). Pass rebalance=0 to keep "
-            "these micro-batches, or solve the plan without accumulate (shares within the memory caps) to rebalance"
-        )
     counts = [max(1, len(parts)) for parts in plan.micro_batches]  # a share that runs whole is one forward
     sync = next((name or "the model" for name, m in module.named_modules() if isinstance(m, nn.SyncBatchNorm)), None)
     if sync is not None and len(set(counts)) > 1:
         raise ValueError(
             f"the model has a SyncBatchNorm ({sync}, e.g. from Trainer(sync_batchnorm=True)) and {split}, while "
-            f"the ranks run {counts} micro-batches: SyncBatchNorm's collectives run in every micro-batch's forward "
-            "and recomputation, so ranks with different counts would wait on each other forever. Use a plan "
+            f"the ranks run {counts} micro-batches: SyncBatchNorm's collectives run in every micro-batch's forward, "
+            "so ranks with different counts would wait on each other forever. Use a plan "
             "without micro-batches (solve without accumulate), one giving every rank the same number of "
             "micro-batches, or plain BatchNorm (Trainer(sync_batchnorm=False))"
         )
@@ -313,19 +302,12 @@ def profiled_plan(strategy: Any, loader: Any, batch_size: int) -> Plan:
     Raises:
         RuntimeError: If ``training_step`` cannot be profiled (naming the device and the cause).
     """
-    sample = next(iter(loader))  # as the loader gives it (on the CPU): the profiler moves rows itself
-    model = LossModule.detached(strategy.lightning_module, strategy.precision_plugin.train_step_context)
-    device = strategy.rank_device
     cuda = [strategy.root_device] if strategy.root_device.type == "cuda" else []
-    try:
-        with torch.random.fork_rng(devices=cuda):  # training draws the same random numbers as unprofiled
-            return hd.plan(
-                model, (sample,), batch_size, device=device, profile=strategy.profile, **strategy.plan_kwargs
-            )
-    except (ValueError, TypeError, RuntimeError) as e:
-        if isinstance(e, hd.DistributedError):
-            raise
-        raise RuntimeError(
-            f"HeteroDDPStrategy could not profile training_step on {device} ({type(e).__name__}: {e}); "
-            "fix the step, or pass plan= (or profile=) to skip profiling"
-        ) from e
+    with torch.random.fork_rng(devices=cuda):  # drawing the sample shuffles: the run must not see it
+        sample = next(iter(loader))  # as the loader gives it (on the CPU): the profiler moves rows itself
+    model = LossModule.detached(strategy.lightning_module, strategy.precision_plugin.train_step_context)
+    return core.profiled_plan(
+        "HeteroDDPStrategy", "training_step", model, (sample,), batch_size, device=strategy.rank_device,
+        profile=strategy.profile, plan_kwargs=strategy.plan_kwargs, cuda=cuda,
+        hint="fix the step, or pass plan= (or profile=) to skip profiling",
+    )  # fmt: skip

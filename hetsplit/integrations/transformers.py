@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
-from collections.abc import Mapping
+import warnings
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -14,14 +14,16 @@ import transformers
 from torch import nn
 from transformers.loss.loss_utils import ForCausalLMLoss
 
-from hetsplit.devices import parse_device
+from hetsplit.devices import Device, parse_device
+from hetsplit.distributed.accumulate import _all_reduce_once, _micro_sizes, _pieces
 from hetsplit.distributed.setup import ENV_DEVICES, rank_devices
-from hetsplit.planning import Plan, Profile
+from hetsplit.planning import Plan, Profile, Rebalancer
 
+from . import core
 from .accelerate import HeteroAccelerator
 from .collectives import samples_in
 from .core import is_cpu_job, launched_world
-from .transformers_parts import items_in, piece_items, row_range, share_micro_sizes, zero_gradients
+from .transformers_parts import items_in, piece_items, zero_gradients
 
 
 class HeteroTrainer(transformers.Trainer):
@@ -60,14 +62,27 @@ class HeteroTrainer(transformers.Trainer):
 
     Args:
         *args: As for ``transformers.Trainer``.
-        devices: One device per process (default: ``$HETSPLIT_DEVICES``, else the Trainer's).
+        devices: One device per process (a string or a list; default: ``$HETSPLIT_DEVICES``,
+            else the Trainer's).
         plan: A :class:`~hetsplit.Plan` with one share per process.
         profile: This process's :class:`~hetsplit.Profile`, instead of timing the model.
+        global_batch_size: Samples per step over all processes (default: the Trainer's,
+            processes × ``per_device_train_batch_size``).
+        rebalance: Re-solve the shares every this many training steps (0: never), or a
+            :class:`hetsplit.Rebalancer`; each ``training_step`` is one step the rebalancer
+            times (:class:`hetsplit.distributed.DistributedRebalancer`). Not with a plan
+            with micro-batches.
         plan_kwargs: Passed to :func:`hetsplit.distributed.plan` (see :class:`HeteroAccelerator`);
             ``{"accumulate": True}`` lets a device with a memory cap run its share as micro-batches.
         **trainer_kwargs: As for ``transformers.Trainer``.
 
+    The gradients are not weighted by samples (there is no ``weighting`` argument): the
+    loss itself is each process's part of the global batch's mean over items, exact for
+    token losses, where weighting by samples is not.
+
     Raises:
+        TypeError, ValueError: As :func:`hetsplit.integrations.core.check_arguments` (the
+            same for every integration), before the Trainer starts.
         ValueError: With DeepSpeed or FSDP (not supported), if a process would run
             several GPUs (``nn.DataParallel``), or this process's device is not where the
             Trainer puts the model.
@@ -80,14 +95,21 @@ class HeteroTrainer(transformers.Trainer):
     def __init__(
         self,
         *args: Any,
-        devices: str | None = None,
+        devices: str | Sequence[Any] | None = None,
         plan: Plan | None = None,
         profile: Profile | None = None,
+        global_batch_size: int | None = None,
+        rebalance: int | Rebalancer = 0,
         plan_kwargs: Mapping[str, Any] | None = None,
         **trainer_kwargs: Any,
     ) -> None:
+        given = {"devices": devices, "plan": plan, "profile": profile, "global_batch_size": global_batch_size}
+        given.update(rebalance=rebalance, plan_kwargs=plan_kwargs)
+        core.check_arguments("HeteroTrainer", weighting="none", **given)
+        if devices is not None and not isinstance(devices, str):
+            given["devices"] = devices = ",".join(map(str, devices))
         _run_on_cpu(trainer_kwargs.get("args", args[1] if len(args) > 1 else None), devices)
-        self._hetero_kwargs = {"devices": devices, "plan": plan, "profile": profile, "plan_kwargs": plan_kwargs}
+        self._hetero_kwargs = given
         self._window_items: float | None = None  # items of the global batch over this accumulation window
         self._piece_items: dict[int, tuple[Any, list[int], list[float]]] = {}  # id: batch, sizes, their items
         self._eval_sums: list[float] | None = None  # (summed loss, items) of this process's evaluation
@@ -108,10 +130,19 @@ class HeteroTrainer(transformers.Trainer):
 
     @property
     def plan(self) -> Plan | None:
-        """The plan in force (``None`` until the first loader is made)."""
-        return getattr(self.accelerator, "hetero_plan", None)
+        """The plan in force (``None`` until the first loader is made; the rebalancer's when rebalancing)."""
+        return getattr(self.accelerator, "plan", None)
 
-    hetero_plan = plan  # the name before the three integrations shared one vocabulary
+    @property
+    def hetero_plan(self) -> Plan | None:
+        """Deprecated: :attr:`plan` (the name before the three integrations shared one vocabulary)."""
+        warnings.warn("hetero_plan is deprecated: use .plan", DeprecationWarning, stacklevel=2)
+        return self.plan
+
+    @property
+    def rank_device(self) -> Device | None:
+        """This process's hetsplit device (``None`` without a device list)."""
+        return getattr(self.accelerator, "rank_device", None)
 
     def _build_accelerator_args(self, **kwargs: Any) -> dict[str, Any]:
         # Kept to build the HeteroAccelerator with exactly the Trainer's own settings.
@@ -165,7 +196,7 @@ class HeteroTrainer(transformers.Trainer):
         with the same one synchronisation.
         """
         shifted, rank = self._shifts(self.model), self.accelerator.process_index
-        layout = [(batch, share_micro_sizes(self.hetero_plan, rank, samples_in(batch) or 0)) for batch in batches]
+        layout = [(batch, _micro_sizes(self.plan, rank, samples_in(batch) or 0)) for batch in batches]
         counts = [piece_items(batch, sizes, shifted, device) for batch, sizes in layout]  # on the device
         local = torch.cat(counts) if counts else torch.zeros(0, dtype=torch.float64, device=device)
         total = local.sum().reshape(1)
@@ -180,7 +211,7 @@ class HeteroTrainer(transformers.Trainer):
 
     def _pieces(self, inputs: Any) -> tuple[list[int], list[float]]:
         """This batch's micro-batch sizes and the items of each (counted with its window's, else here)."""
-        sizes = share_micro_sizes(self.hetero_plan, self.accelerator.process_index, samples_in(inputs) or 0)
+        sizes = _micro_sizes(self.plan, self.accelerator.process_index, samples_in(inputs) or 0)
         batch, known, counts = self._piece_items.get(id(inputs), (None, None, None))
         if batch is inputs and known == sizes:
             return sizes, counts
@@ -214,27 +245,26 @@ class HeteroTrainer(transformers.Trainer):
             torch.OutOfMemoryError: If a micro-batch (or an unsplit share) exceeds this
                 process's emulated memory (``cpu:max4``), as a GPU would run out.
         """
+        with self.accelerator.rebalance_step():  # one step of the rebalancer (nothing without rebalance)
+            return self._step(model, inputs, num_items_in_batch)
+
+    def _step(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: Any) -> torch.Tensor:
         outside = self._window_items is None  # a step outside the Trainer's loop: its items, counted once here
         if outside:  # on every process whatever its micro-batches, so the all-reduces pair up
             self._window_items = self._count_items([inputs], self.args.device)
         try:
             sizes, counts = self._pieces(inputs)
-            rows, device = sum(sizes), self.accelerator.hetero_device
-            if device is not None and rows:
+            device = self.rank_device
+            if device is not None and sum(sizes):
                 device.check_batch(max(sizes))  # before any forward
-            starts = [sum(sizes[:j]) for j in range(len(sizes))]
-            run = [(start, size) for start, size, n in zip(starts, sizes, counts) if n > 0]
+            pieces = _pieces(inputs, sizes)
+            run = [piece for piece, n in zip(pieces, counts) if n > 0]
             if not run:  # no items: DDP still needs this process's backward, which must add exact zeros
-                piece = inputs if len(sizes) == 1 else row_range(inputs, starts[-1], rows, rows)
                 with zero_gradients(model):
-                    return super().training_step(model, piece, num_items_in_batch)
-            if run == [(0, rows)]:
-                return super().training_step(model, inputs, num_items_in_batch)
+                    return super().training_step(model, pieces[-1], num_items_in_batch)
             total = None
-            for j, (start, size) in enumerate(run):
-                with contextlib.nullcontext() if j == len(run) - 1 else self.accelerator.no_sync(model):
-                    piece = row_range(inputs, start, start + size, rows)
-                    loss = super().training_step(model, piece, num_items_in_batch)
+            for piece in _all_reduce_once(model, run):  # a piece without items adds nothing: not run
+                loss = super().training_step(model, piece, num_items_in_batch)
                 total = loss if total is None else total + loss
             return total
         finally:
@@ -371,6 +401,7 @@ class _TrainerAccelerator(HeteroAccelerator):
 
     loss_weights_micro_batches = True
     zero_share = "empty"  # compute_loss runs a share of 0 on one real sample of its own, weighted 0
+    rebalance_in_loader = False  # the Trainer fetches a whole accumulation window first: training_step is timed
 
 
 def _part(loss: torch.Tensor, factor: float) -> torch.Tensor:

@@ -1,18 +1,15 @@
-"""HeteroTrainer parts: counting a batch's items, cutting it into micro-batches, holding gradients at zero."""
+"""HeteroTrainer parts: counting a batch's items (per micro-batch), holding gradients at zero."""
 
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
-from hetsplit.planning import Plan
-from hetsplit.planning.micro import micro_sizes
-from hetsplit.tree import tree_map
+from hetsplit.distributed.accumulate import _pieces
 
 from .collectives import samples_in
 
@@ -36,44 +33,14 @@ def items_in(inputs: Mapping[str, Any], shifted: bool) -> torch.Tensor | int:
     return samples_in(inputs) or 0
 
 
-def share_micro_sizes(plan: Plan | None, rank: int, rows: int) -> list[int]:
-    """The micro-batch sizes to run ``rows`` rows of process ``rank``'s batch as (``[rows]``: whole).
-
-    The plan's ``micro_batches[rank]`` when ``rows`` is that share; another number of rows
-    (a loader cut in the plan's proportions) as near-equal pieces (:func:`micro_sizes`) no
-    larger than the largest micro-batch the plan gives this process.
-    """
-    parts = plan.micro_batches[rank] if plan is not None else []
-    if len(parts) <= 1 or rows <= 1:
-        return [rows]
-    if rows == sum(parts):
-        return list(parts)
-    return micro_sizes(rows, math.ceil(rows / max(parts)))
-
-
-def row_range(inputs: Any, start: int, stop: int, rows: int) -> Any:
-    """Rows ``start:stop`` of every tensor in ``inputs`` whose first dimension has ``rows``; other values whole."""
-
-    def cut(x: Any) -> Any:
-        return x[start:stop] if torch.is_tensor(x) and x.dim() > 0 and x.shape[0] == rows else x
-
-    if isinstance(inputs, Mapping):  # a plain dict: the tree walk would keep a BatchEncoding whole
-        return {k: tree_map(cut, v) for k, v in inputs.items()}
-    return tree_map(cut, inputs)
-
-
 def piece_items(inputs: Any, sizes: list[int], shifted: bool, device: torch.device) -> torch.Tensor:
     """The items (:func:`items_in`) of each micro-batch of ``inputs``, ``sizes`` rows one after another.
 
     Returns:
         One float64 count per micro-batch, on ``device``, without a synchronisation.
     """
-    rows, start, out = sum(sizes), 0, []
-    for size in sizes:
-        piece = inputs if len(sizes) == 1 else row_range(inputs, start, start + size, rows)
-        out.append(torch.as_tensor(items_in(piece, shifted), dtype=torch.float64, device=device).reshape(1))
-        start += size
-    return torch.cat(out)
+    out = [items_in(piece, shifted) for piece in _pieces(inputs, sizes)]
+    return torch.cat([torch.as_tensor(n, dtype=torch.float64, device=device).reshape(1) for n in out])
 
 
 @contextlib.contextmanager

@@ -1,0 +1,58 @@
+"""Launching the integrations' two-process jobs and judging each scenario of a job on its own.
+
+A job (``tests/accelerate_job.py``, ``tests/trainer_job.py``, ``tests/integration_jobs.py``)
+runs its scenarios on two gloo ranks and prints, per scenario and rank, ``OK NAME rank R``
+or a ``FAIL NAME rank R`` block with the traceback (``END NAME rank R`` closes it): one
+failing scenario does not hide the others. :func:`check` turns one scenario's lines into
+one test's verdict, naming the scenario and showing only its own traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def launch(script: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """``torchrun --standalone --nproc_per_node=2 tests/SCRIPT ARGS`` (one thread per rank, no device list)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), HETSPLIT_DEVICES="", PYTHONWARNINGS="ignore")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(ROOT / "tests" / script), *args]  # fmt: skip
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+    except subprocess.TimeoutExpired as e:  # what it printed until then still judges the scenarios that ran
+        out = e.stdout.decode() if isinstance(e.stdout, bytes) else e.stdout or ""
+        err = e.stderr.decode() if isinstance(e.stderr, bytes) else e.stderr or ""
+        return subprocess.CompletedProcess(cmd, -9, out, err + f"\n(the job ran past its {timeout} s)")
+
+
+def check(res: subprocess.CompletedProcess, name: str, ranks: tuple[int, ...] = (0, 1)) -> None:
+    """Fail unless every rank printed ``OK NAME``: with that scenario's traceback, or the job's tail."""
+    for rank in ranks:
+        if f"OK {name} rank {rank}" in res.stdout:
+            continue
+        tag = rf"{re.escape(name)} rank {rank}"
+        block = re.search(rf"FAIL {tag}\n(.*?)END {tag}", res.stdout, re.S)
+        if block:
+            raise AssertionError(f"scenario {name!r} failed on rank {rank}:\n{block.group(1)}")
+        raise AssertionError(
+            f"scenario {name!r} did not report on rank {rank} (the job stopped first, exit status "
+            f"{res.returncode}):\n{res.stdout[-2500:]}\n{res.stderr[-4000:]}"
+        )
+
+
+def run_scenario(name: str, fn: Callable[[], object], rank: int) -> None:
+    """Run one scenario in a job; print ``OK`` or the ``FAIL`` block that :func:`check` reads."""
+    try:
+        fn()
+    except Exception:
+        print(f"FAIL {name} rank {rank}\n{traceback.format_exc()}END {name} rank {rank}", flush=True)
+    else:
+        print(f"OK {name} rank {rank}", flush=True)
