@@ -17,6 +17,8 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -31,6 +33,15 @@ def launch(script: str, *args: str, timeout: float = 300) -> subprocess.Complete
         out = e.stdout.decode() if isinstance(e.stdout, bytes) else e.stdout or ""
         err = e.stderr.decode() if isinstance(e.stderr, bytes) else e.stderr or ""
         return subprocess.CompletedProcess(cmd, -9, out, err + f"\n(the job ran past its {timeout} s)")
+
+
+def job_fixture(script: str, timeout: float) -> Callable[[], subprocess.CompletedProcess]:
+    """A module-scoped fixture that launches ``script`` once (the start-up is most of a job's time)."""
+
+    def job() -> subprocess.CompletedProcess:
+        return launch(script, timeout=timeout)
+
+    return pytest.fixture(scope="module", name="job")(job)
 
 
 def check(res: subprocess.CompletedProcess, name: str, ranks: tuple[int, ...] = (0, 1)) -> None:

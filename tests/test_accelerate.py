@@ -13,7 +13,7 @@ import pytest
 
 pytest.importorskip("accelerate")
 
-from integration_launch import ROOT, check, launch
+from integration_launch import ROOT, check, job_fixture
 
 SCENARIOS = (
     "step", "accumulate", "micro", "micro_hf", "zero", "metrics", "epochs", "profiled", "micro_zero", "rebalance",
@@ -21,9 +21,7 @@ SCENARIOS = (
 )  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def job() -> subprocess.CompletedProcess:
-    return launch("accelerate_job.py", timeout=240)
+job = job_fixture("accelerate_job.py", timeout=240)
 
 
 @pytest.mark.parametrize("name", SCENARIOS)

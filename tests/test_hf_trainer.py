@@ -15,7 +15,7 @@ import pytest
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-from integration_launch import ROOT, check, launch
+from integration_launch import ROOT, check, job_fixture
 
 SCENARIOS = (
     "tokens", "accumulate", "zero", "classify", "evaluate", "profiled", "rebalance",
@@ -23,9 +23,7 @@ SCENARIOS = (
 )  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def job() -> subprocess.CompletedProcess:
-    return launch("trainer_job.py", timeout=300)
+job = job_fixture("trainer_job.py", timeout=300)
 
 
 @pytest.mark.parametrize("name", SCENARIOS)
