@@ -190,10 +190,6 @@ def _job(out: Path) -> None:
             self.first: list[torch.Tensor] | None = None
             self.before_zero: list[list[float]] = []  # what on_before_zero_grad sees: the last window's gradients
 
-        def on_before_zero_grad(self, optimizer):
-            if any(p.grad is not None for p in self.net.parameters()):  # not before the first step
-                self.before_zero.append([p.grad.sum().item() for p in self.net.parameters()])
-
         def training_step(self, batch, batch_idx):
             idx, x, y = batch
             state = torch.get_rng_state()  # dropout draws from here: the reference replays it
@@ -218,10 +214,21 @@ def _job(out: Path) -> None:
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=0.1)
 
-    def micro_scenario(make, loss, X, Y, devices, micro, accumulate=1, **strategy) -> dict:
-        """A plan whose shares run as ``micro`` against one float64 process running each micro-batch in turn."""
+    class WatchedMicroNet(MicroNet):
+        """Reads the gradients before Lightning zeroes them: the last window's must still be there."""
+
+        def on_before_zero_grad(self, optimizer):
+            if any(p.grad is not None for p in self.net.parameters()):  # not before the first step
+                self.before_zero.append([p.grad.sum().item() for p in self.net.parameters()])
+
+    def micro_scenario(make, loss, X, Y, devices, micro, accumulate=1, watch=True, **strategy) -> dict:
+        """A plan whose shares run as ``micro`` against one float64 process running each micro-batch in turn.
+
+        ``watch``: the module has an ``on_before_zero_grad`` (the strategy then keeps the last window's
+        gradients beside the micro-batches'; without one it drops them as the step starts).
+        """
         L.seed_everything(0)
-        model = MicroNet(make(), loss)
+        model = (WatchedMicroNet if watch else MicroNet)(make(), loss)
         ref = copy.deepcopy(model.net)
         plan = hetsplit.Plan(["rank0", "rank1"], [sum(m) for m in micro], [0.0, 0.0], 8, micro_batches=micro)
         t = trainer(
@@ -235,7 +242,7 @@ def _job(out: Path) -> None:
         steps = len(shares[0])
         for k in range(steps):
             if k % accumulate == 0:
-                if k:
+                if k and watch:
                     before_zero.append([p.grad.sum().item() for p in ref.parameters()])
                 opt.zero_grad()
             parts = [torch.tensor(shares[r][k], dtype=torch.long).split(micro[r]) for r in range(2)]
@@ -307,7 +314,7 @@ def _job(out: Path) -> None:
     images, labels = torch.randn(N, 3, 48, 48, dtype=torch.float64), torch.randint(0, 2, (N,))
     vision = lambda: mobilenet_v3_small(num_classes=2).double()  # BatchNorm, dropout, squeeze-excite
     res["micro_vision"] = micro_scenario(
-        vision, F.cross_entropy, images, labels, "cpu:max2,cpu@1", [[2, 2, 2], [2]], weighting="outputs"
+        vision, F.cross_entropy, images, labels, "cpu:max2,cpu@1", [[2, 2, 2], [2]], watch=False, weighting="outputs"
     )
     # A buffer the training forward reads and updates: spectral norm's power-iteration vectors.
     spectral = lambda: torch.nn.Sequential(
@@ -317,6 +324,10 @@ def _job(out: Path) -> None:
     # Lightning's gradient accumulation over micro-batched shares; on_before_zero_grad reads the last window's
     # gradients, so the micro-batches' gradients wait beside them (not dropped early).
     res["micro_accumulate"] = micro_scenario(mlp, F.mse_loss, X, Y, "cpu:max2,cpu:max1", [[2, 2, 2], [1, 1]], 2)
+    # The same without the hook: the last window's gradients are dropped as the window's first step starts.
+    res["micro_accumulate_unwatched"] = micro_scenario(
+        mlp, F.mse_loss, X, Y, "cpu:max2,cpu:max1", [[2, 2, 2], [1, 1]], 2, watch=False
+    )
 
     # Resume the first scenario's checkpoint for a second epoch.
     L.seed_everything(0)
@@ -445,8 +456,9 @@ def test_bad_input_is_one_clear_error_on_every_rank(job):
 
 
 # An MLP with dropout (both ranks split); mobilenet_v3_small, weighting="outputs"; an MLP with a spectral norm;
-# the MLP under Lightning's gradient accumulation (2 batches), with an on_before_zero_grad reading the gradients.
-MICRO = ["micro", "micro_vision", "micro_buffers", "micro_accumulate"]
+# the MLP under Lightning's gradient accumulation (2 batches), with an on_before_zero_grad reading the gradients
+# and without one. The MLPs and the spectral norm have that hook; mobilenet and the unwatched MLP do not.
+MICRO = ["micro", "micro_vision", "micro_buffers", "micro_accumulate", "micro_accumulate_unwatched"]
 
 
 @pytest.mark.parametrize("name", MICRO)

@@ -124,7 +124,9 @@ def micro_training_step(strategy: Any, args: tuple[Any, ...], kwargs: dict[str, 
     ddp, module, plan, rank = strategy.model, strategy.lightning_module, strategy.plan, strategy.global_rank
     sizes = plan.micro_batches[rank]
     batch = args[0] if args else kwargs["batch"]
-    index = args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
+    # The index Lightning decides zero_grad by (its epoch loop's), also for a training_step without batch_idx.
+    loop = getattr(getattr(module.trainer, "fit_loop", None), "epoch_loop", None)
+    index = loop.batch_idx if loop is not None else args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
     recorder = LogRecorder(module)
     aside = strategy.aside
     aside.begin(module, index)
