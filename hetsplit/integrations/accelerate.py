@@ -297,11 +297,10 @@ class HeteroAccelerator(accelerate.Accelerator):
             **carried,
         )
         loader._is_accelerate_prepared = True
-        if data_loader is self._planned_loader and self.rebalance_in_loader:
+        if data_loader is self._planned_loader:
             self._planned_shares = loader
-            loader.step_context = self.rebalance_step  # each batch is a step the rebalancer times
-        elif data_loader is self._planned_loader:
-            self._planned_shares = loader
+            if self.rebalance_in_loader:
+                loader.step_context = self.rebalance_step  # each batch is a step the rebalancer times
         self._dataloaders.append(loader)
         return loader
 
