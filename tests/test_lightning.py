@@ -57,6 +57,7 @@ def _job(out: Path) -> None:
             super().__init__()
             self.layer = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1)).double()
             self.seen: list[list[int]] = []
+            self.stand_in: list[bool] = []  # per training step: this rank ran a zero share's one stand-in sample
             self.val_seen: list[list[int]] = []
             self.first: list[torch.Tensor] | None = None
 
@@ -66,6 +67,8 @@ def _job(out: Path) -> None:
         def training_step(self, batch, batch_idx):
             idx, x, y = batch
             self.seen.append(idx.tolist())
+            if self._trainer is not None:  # not the copy the strategy profiles
+                self.stand_in.append(self._trainer.strategy.train_sampler.is_filler(batch_idx))
             loss = F.mse_loss(self(x), y)  # self(x): the weighting must not see this call as a step
             self.log("train_loss", loss, sync_dist=True)  # on_step
             self.log("train_epoch", loss, sync_dist=True, on_step=False, on_epoch=True)
@@ -127,9 +130,11 @@ def _job(out: Path) -> None:
         ref = init.layer
         opt = torch.optim.SGD(ref.parameters(), lr=0.1)
         losses, counts, plain, first = [], [], [], None
-        real = [r for r in range(2) if strategy.plan.sizes[r] > 0]  # a share of 0 runs one sample weighted 0
+        # A share of 0 runs one sample weighted 0: a plan's zero share, or a small share's cut of a short last
+        # global batch (a profiled plan of [7, 1] cuts the last 4 samples [4, 0]).
+        stand_in = gathered(model.stand_in)
         for k in range(len(steps[0])):
-            parts = [torch.tensor(steps[r][k], dtype=torch.long) for r in real]
+            parts = [torch.tensor(steps[r][k], dtype=torch.long) for r in range(2) if not stand_in[r][k]]
             rank_means = [F.mse_loss(ref(X[p]), Y[p]).item() for p in parts if len(p)]
             plain.append(sum(rank_means) / len(rank_means) if len(rank_means) == 2 else math.nan)
             idx = torch.cat(parts)
@@ -300,6 +305,7 @@ def _job(out: Path) -> None:
     res["ddp_sampler"] = scenario([6, 2], save=ckpt, use_distributed_sampler=True)
     res["own_sampler"] = scenario([6, 2], use_distributed_sampler=False, strategy={"weighting": "outputs"})
     res["zero_share"] = scenario([8, 0])
+    res["small_share"] = scenario([7, 1])  # the last 4 samples are cut [4, 0]: rank 1 runs a stand-in there
     quick = {"time_budget": 0.5, "batch_sizes": [2, 4], "repeats": 1, "warmup": 1, "calibrate": 1}
     res["profiled"] = scenario(None, strategy={"plan_kwargs": quick})
     # Re-solve after every step, moving at most 1 sample at once: the shares may change, never to 0.
@@ -371,7 +377,7 @@ def job(tmp_path_factory) -> list[dict]:
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 
 
-SCENARIOS = ["ddp_sampler", "own_sampler", "zero_share", "profiled", "rebalanced"]
+SCENARIOS = ["ddp_sampler", "own_sampler", "zero_share", "small_share", "profiled", "rebalanced"]
 
 
 @pytest.mark.parametrize("name", SCENARIOS)
