@@ -448,10 +448,13 @@ def test_ctrl_c_at_any_moment_is_one_line(tmp_path, delay):
     import subprocess
     import sys
 
+    # As from a terminal: a pytest started in the background (`cmd &`) ignores SIGINT, and
+    # its children would inherit that.
     proc = subprocess.Popen(
         [sys.executable, "-m", "hetsplit.apps.cli", "profile", "--devices", "cpu", "--quiet",
          "--out", str(tmp_path / "p.json")],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )  # fmt: skip
     time.sleep(delay)
     proc.send_signal(signal.SIGINT)
