@@ -92,6 +92,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=256)
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--lr", type=float, default=0.1)
+    parser.add_argument("--profile-budget", type=float, default=10.0, help="seconds to profile the devices")
     parser.add_argument("--even", action="store_true", help="use the even split, as the course does, to compare")
     add_data_args(parser)
     args = parser.parse_args()
@@ -112,7 +113,7 @@ def main() -> None:
             F.cross_entropy,
             target=y0[:16],
             batch_sizes=[8, 16, 32, 64, 128, 256],
-            time_budget=10,
+            time_budget=args.profile_budget,
             progress=False,
         )
         sizes = hetsplit.solve(prof, args.batch_size).sizes

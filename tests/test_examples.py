@@ -33,6 +33,8 @@ def test_lenet_from_scratch():
         "256",
         "--batch-size",
         "128",
+        "--profile-budget",
+        "2",
     )
     assert "SYNTHETIC" in out and "emulated devices: cpu@0.5" in out and "split per batch" in out
     accs = [float(line.split("test acc ")[1].split(",")[0]) for line in out.splitlines() if "test acc" in line]
@@ -57,7 +59,7 @@ def test_resnet18_dataparallel():
         "--image-size",
         "16",
         "--profile-budget",
-        "3",
+        "1",
     )
     assert "SYNTHETIC" in out and out.count("s/epoch") == 2 and "emulated: cpu@0.5" in out
 
