@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import os
+import sys
+import traceback
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -70,3 +74,27 @@ def accuracy(predict, loader: DataLoader, device: torch.device) -> float:
         right += int((predict(x.to(device)).argmax(dim=1).cpu() == y).sum())
         total += len(y)
     return right / max(total, 1)
+
+
+def run_rank(train: Callable[[argparse.Namespace], None], args: argparse.Namespace, script: str) -> None:
+    """Run ``train(args)`` on this rank; a failure ends in one line on stderr and exit status 1.
+
+    ``args.debug`` adds the traceback. The rank leaves without tearing the process group
+    down: after a dead or hung peer, gloo's threads still wait on its sockets, and
+    destroying the group (explicitly or at interpreter exit) can block or abort with a C++
+    message and SIGABRT. Exiting at once also closes this rank's connections, so the
+    other ranks fail now instead of at the timeout.
+    """
+    import hetsplit.distributed as hd
+
+    try:
+        train(args)
+    except Exception as e:  # one line per failed rank
+        if args.debug:
+            traceback.print_exc()
+        text = " ".join(str(e).split()) or "(no message)"
+        if not isinstance(e, hd.DistributedError) and "RANK" in os.environ:
+            text = f"rank {os.environ['RANK']}: {text}"
+        print(f"{script}: {type(e).__name__}: {text}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(1)

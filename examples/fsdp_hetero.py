@@ -22,7 +22,6 @@ import argparse
 import os
 import sys
 import time
-import traceback
 
 import torch
 import torch.distributed as dist
@@ -31,6 +30,10 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.utils.data import Dataset
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from common import run_rank
 
 import hetsplit.distributed as hd
 
@@ -167,17 +170,7 @@ def train(args: argparse.Namespace) -> None:
 
 def main() -> None:
     args = parse_args()
-    try:
-        train(args)
-    except Exception as e:  # one line per failed rank; --debug adds the traceback
-        if args.debug:
-            traceback.print_exc()
-        text = " ".join(str(e).split()) or "(no message)"
-        if not isinstance(e, hd.DistributedError) and "RANK" in os.environ:
-            text = f"rank {os.environ['RANK']}: {text}"
-        print(f"fsdp_hetero.py: {type(e).__name__}: {text}", file=sys.stderr, flush=True)
-        sys.stdout.flush()
-        os._exit(1)  # after a failed collective, tearing gloo down can block (see torchrun_ddp.py)
+    run_rank(train, args, "fsdp_hetero.py")
 
 
 if __name__ == "__main__":

@@ -25,7 +25,6 @@ import contextlib
 import os
 import sys
 import time
-import traceback
 
 import torch
 import torch.distributed as dist
@@ -34,7 +33,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from common import accuracy, add_data_args, load
+from common import accuracy, add_data_args, load, run_rank
 
 import hetsplit
 import hetsplit.distributed as hd
@@ -189,22 +188,7 @@ def train(args: argparse.Namespace) -> None:
 
 def main() -> None:
     args = parse_args()
-    try:
-        train(args)
-    except Exception as e:  # one line per failed rank; --debug adds the traceback
-        if args.debug:
-            traceback.print_exc()
-        text = " ".join(str(e).split()) or "(no message)"
-        if not isinstance(e, hd.DistributedError) and "RANK" in os.environ:
-            text = f"rank {os.environ['RANK']}: {text}"
-        print(f"torchrun_ddp.py: {type(e).__name__}: {text}", file=sys.stderr, flush=True)
-        sys.stdout.flush()
-        # Leave without tearing the process group down: after a dead or hung peer, gloo's
-        # threads still wait on its sockets, and destroying the group (explicitly or at
-        # interpreter exit) can block or abort with a C++ message and SIGABRT. Exiting at once
-        # also closes this rank's connections, so the other ranks fail now instead of at the
-        # timeout.
-        os._exit(1)
+    run_rank(train, args, "torchrun_ddp.py")
 
 
 if __name__ == "__main__":
