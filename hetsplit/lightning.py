@@ -1,5 +1,6 @@
-"""HeteroDDPStrategy: a Lightning DDP strategy with each rank's share of every batch from one hetsplit plan."""
+"""Lightning strategies with each rank's share of every batch from one hetsplit plan: DDP, and FSDP2."""
 
 from hetsplit.integrations.lightning import HeteroDDPStrategy
+from hetsplit.integrations.lightning_sharded import HeteroModelParallelStrategy
 
-__all__ = ["HeteroDDPStrategy"]
+__all__ = ["HeteroDDPStrategy", "HeteroModelParallelStrategy"]

@@ -83,7 +83,7 @@ def test_pytree_is_used_in_one_module():
 PUBLIC = {
     "hetsplit": 16,
     "hetsplit.distributed": 10,
-    "hetsplit.lightning": 1,
+    "hetsplit.lightning": 2,
     "hetsplit.accelerate": 1,
     "hetsplit.transformers": 1,
     "hetsplit.apps.models": None,

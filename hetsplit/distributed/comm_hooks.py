@@ -39,6 +39,7 @@ class WeightingState:
         self.micro: list[int] | None = None  # with a plan: this rank's micro-batches, when several
         self.pos = 0  # the next micro-batch
         self.part = 1.0  # the running micro-batch's share of the rank's gradient
+        self.handles: list[Any] = []  # the forward hooks on the model (an integration removes them at teardown)
 
     def set_plan(self, plan: Plan | None) -> None:
         """Weight the following steps by ``plan`` (``None``: by each step's real sizes)."""
@@ -285,8 +286,8 @@ def weight_gradients(
                 return None
             return _scaled(output, state.part)
 
-        inner.register_forward_pre_hook(before, with_kwargs=True)
-        inner.register_forward_hook(part, with_kwargs=True)
+        state.handles.append(inner.register_forward_pre_hook(before, with_kwargs=True))
+        state.handles.append(inner.register_forward_hook(part, with_kwargs=True))
         ddp_model.register_comm_hook(state, _weighted_allreduce)
         return state
 
@@ -301,7 +302,7 @@ def weight_gradients(
             return _scaled(output, world * weight)
         return _scaled(output, world * state.weight * state.part)
 
-    inner.register_forward_hook(after, with_kwargs=True)
+    state.handles.append(inner.register_forward_hook(after, with_kwargs=True))
     return state
 
 

@@ -107,7 +107,8 @@ def plan(
     so a fast rank's extra micro-batches are priced in, not only the capped rank's.
 
     Args:
-        model: The model (unwrapped, the module inside DDP, or an FSDP2 root module).
+        model: The model (unwrapped, the module inside DDP, an FSDP2 root module, or a
+            module holding one).
         sample: Example input for the profiler (see :func:`hetsplit.profile`).
         batch_size: The global batch: samples per step across all ranks.
         device: This rank's device (default: ``cuda:LOCAL_RANK`` if CUDA is available,
@@ -144,7 +145,7 @@ def plan(
         return _weighted_plan(batch_size, weights, profile, rank, world, group)
     dev = parse_device(device if device is not None else _default_device())
     _check_versions(group)
-    sharded = _sharded.is_sharded(model)
+    sharded = _sharded.holds_sharded(model)  # the FSDP2 root, or a module around it (a LightningModule's loss)
     if sharded:
         _sharded.check_sharded(model, group)
     if profile is None:

@@ -73,6 +73,15 @@ def is_sharded(model: nn.Module) -> bool:
     return kind(model) != "ddp"
 
 
+def holds_sharded(model: nn.Module) -> bool:
+    """Whether ``model`` is sharded or holds a sharded module (a LightningModule whose layers ``fully_shard`` sharded).
+
+    Such a model's forward is collective, as a sharded root's is: it is profiled as a
+    plain replica (:func:`plain_replica` rebuilds the whole tree) and solved as FSDP2 runs.
+    """
+    return any(is_sharded(m) for m in model.modules())
+
+
 def _describe(model: nn.Module) -> dict[str, Any]:
     """This rank's sharding: the ``fully_shard`` modules and their meshes, or why it is refused."""
     if kind(model) == "fsdp1":

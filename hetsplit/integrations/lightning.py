@@ -1,4 +1,10 @@
-"""HeteroDDPStrategy: Lightning's DDP with every rank's share of each batch from one hetsplit plan."""
+"""HeteroDDPStrategy: Lightning's DDP with every rank's share of each batch from one hetsplit plan.
+
+What does not depend on how gradients are synchronised (devices, the plan, the re-cut
+loaders, weighted metrics, micro-batches, emulated speed) is :class:`_HeteroStrategy`,
+which :class:`HeteroDDPStrategy` and the FSDP2 strategy
+(:class:`~hetsplit.integrations.lightning_sharded.HeteroModelParallelStrategy`) share.
+"""
 
 from __future__ import annotations
 
@@ -40,7 +46,279 @@ from .lightning_parts import (
 from .lightning_steps import eval_loader, step_sampler, weigh_step
 
 
-class HeteroDDPStrategy(DDPStrategy):
+class _HeteroStrategy:
+    """What every hetsplit Lightning strategy does, whatever synchronises the gradients (a mixin).
+
+    Placed before a Lightning strategy class (``DDPStrategy``, ``ModelParallelStrategy``),
+    whose methods its ``super()`` calls reach. A subclass says how the gradients are
+    weighted (:meth:`_weighted_model`) and how one micro-batch's step runs
+    (:meth:`_micro_model`, :meth:`_run_piece`); the docstring of :class:`HeteroDDPStrategy`
+    describes the behaviour.
+    """
+
+    _who = "HeteroDDPStrategy"  # the class the user made, named in every message
+
+    def __init__(
+        self,
+        devices: str | Sequence[Any] | None = None,
+        plan: Plan | None = None,
+        profile: Profile | None = None,
+        global_batch_size: int | None = None,
+        weighting: str = "hook",
+        rebalance: int | Rebalancer = 0,
+        *,
+        plan_kwargs: dict[str, Any] | None = None,
+        **strategy_kwargs: Any,
+    ) -> None:
+        given = {"devices": devices, "plan": plan, "profile": profile, "global_batch_size": global_batch_size}
+        given.update(weighting=weighting, rebalance=rebalance, plan_kwargs=plan_kwargs)
+        self._check_arguments(given, strategy_kwargs)
+        self._rank_device: Device | None = None  # before super(): root_device reads it
+        super().__init__(**strategy_kwargs)
+        self.device_list = devices if devices is None or isinstance(devices, str) else ",".join(map(str, devices))
+        self.weighting, self.rebalance, self.global_batch_size = weighting, rebalance, global_batch_size
+        self.profile, self.plan_kwargs = profile, core.plan_kwargs(plan_kwargs)
+        self._plan = plan
+        self._labels: list[str] = []
+        self.gradients: WeightingState | None = None
+        self.rebalancer: hd.DistributedRebalancer | None = None
+        self.train_sampler: HeteroBatchSampler | None = None
+        self._eval_samplers: weakref.WeakKeyDictionary[HeteroBatchSampler, int] = weakref.WeakKeyDictionary()
+        self._samples: int | None = None  # this rank's samples in the step running now
+        self._weighted: list[int] | None = None  # every rank's rows the gradients are weighted by now
+        self._seen: dict[Any, int] = {}  # per stage: this rank's samples since its metrics were last reset
+        self._callback = HeteroCallback(self)
+        self.aside = GradientsAside()  # a micro-batched step's gradients, until Lightning's backward
+
+    def _check_arguments(self, given: dict[str, Any], strategy_kwargs: dict[str, Any]) -> None:
+        check_arguments(given, strategy_kwargs)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()  # Lightning pickles the strategy to spawn ranks
+        state["_eval_samplers"] = None  # weak references do not pickle; samplers belong to one process
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self._eval_samplers = weakref.WeakKeyDictionary()
+
+    @property
+    def plan(self) -> Plan | None:
+        """The plan in force (the rebalancer's current one when rebalancing)."""
+        return self.rebalancer.plan if self.rebalancer is not None else self._plan
+
+    @property
+    def rank_device(self) -> Device | None:
+        """This rank's hetsplit device (known once the environment is set up)."""
+        return self._rank_device
+
+    @property
+    def root_device(self) -> torch.device:
+        """The device this rank's model and batches live on: its entry in the device list."""
+        if self._rank_device is not None:
+            return self._rank_device.torch_device
+        return super().root_device
+
+    # ------------------------------------------------------------------ setup
+    def setup_environment(self) -> None:
+        """Check the device list (and plan) against the world, on every rank, then join the process group."""
+        self.set_world_ranks()
+        self._check_devices()
+        super().setup_environment()
+        if self.world_size > 1:  # whatever the entry point (fit, validate, test, predict)
+            hd.drain_at_exit()  # at exit, let gloo's workers finish with the last collective first
+
+    def _check_devices(self) -> None:
+        spec = self.device_list or os.environ.get(ENV_DEVICES)
+        if not spec:  # the Trainer's own devices, on every node
+            spec = ",".join([str(d) for d in (self.parallel_devices or [])] * self.num_nodes)
+        first = self.node_rank * self.num_processes
+        here = range(first, first + self.num_processes)
+        names = rank_devices(spec, self.world_size, super().root_device.type, here, who=self._who)
+        if self._plan is not None and len(self._plan.sizes) != self.world_size:
+            raise ValueError(
+                f"{self._who}(plan=...) has {len(self._plan.sizes)} shares {list(self._plan.sizes)} for "
+                f"{self.world_size} processes; solve a plan with one share per process"
+            )
+        self._rank_device = parse_device(names[self.global_rank])
+        self._labels = [f"rank{r}:{n}" for r, n in enumerate(names)]
+
+    def setup(self, trainer: pl.Trainer) -> None:
+        """Install the strategy's callback (epochs, rebalancing), then set up as the Lightning strategy does."""
+        if self._callback not in trainer.callbacks:
+            trainer.callbacks.append(self._callback)
+        super().setup(trainer)
+
+    def _weight(self) -> None:
+        """Weight the gradients by the plan's shares, once the plan and the model to weight both exist."""
+        model = self._weighted_model()
+        if self.gradients is None and self._plan is not None and model is not None:
+            self.gradients = hd.weight_gradients(model, self._plan, method=self.weighting)
+            self._weighted = list(self._plan.sizes)  # the sizes the gradients are weighted by
+
+    def _weighted_model(self) -> nn.Module | None:
+        """The module whose gradients :func:`hetsplit.distributed.weight_gradients` weights (``None``: not yet)."""
+        raise NotImplementedError
+
+    def _micro_model(self) -> nn.Module:
+        """The module :func:`hetsplit.distributed.micro_batches` synchronises once per step (DDP, or FSDP2's root)."""
+        raise NotImplementedError
+
+    def _run_piece(self, call: Any, *args: Any, **kwargs: Any) -> Any:
+        """Run one micro-batch's ``training_step`` (``call``) where the weighting sees it."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ data
+    def process_dataloader(self, dataloader: object) -> object:
+        """Rebuild a training or evaluation loader on hetsplit's shares (predict loaders are left alone)."""
+        trainer = self.lightning_module.trainer
+        if trainer.state.fn == TrainerFn.PREDICTING:
+            return dataloader
+        if trainer.state.stage == RunningStage.TRAINING:
+            return self._train_loader(dataloader)
+        return eval_loader(self, dataloader, trainer)
+
+    def _train_loader(self, loader: Any) -> Any:
+        shuffle, seed, kwargs = loader_settings(loader, "training", strict=True)
+        if self._plan is None:
+            batch = self.global_batch_size or self.world_size * loader.batch_size
+            self._plan = profiled_plan(self, loader, batch)
+        plan = self.plan
+        check_micro_plan(plan, self.lightning_module, self.rebalance, who=self._who)  # every rank, before any step
+        # A last global batch short of B is served as it is, cut in the plan's proportions
+        # (DistributedSampler adds no more than world - 1 samples either), and each rank's
+        # gradient weighted by its rows in it (_weigh_step). Rebalancing, micro-batches and
+        # gradient accumulation weight by the plan's whole shares: those keep the padding.
+        whole = all(len(parts) <= 1 for parts in plan.micro_batches)
+        pad = bool(self.rebalance) or not whole or self.lightning_module.trainer.accumulate_grad_batches != 1
+        new = hd.data_loader(
+            loader.dataset,
+            plan,
+            shuffle=shuffle,
+            seed=seed,
+            drop_last=loader.drop_last,
+            pad=pad,
+            num_replicas=self.world_size,
+            rank=self.global_rank,
+            **kwargs,
+        )
+        self.train_sampler = new.batch_sampler
+        self._weight()
+        policy = self.rebalancer.rebalancer if self.rebalancer is not None else self.rebalance  # a reloaded loader
+        self.rebalancer = core.rebalancer(
+            plan, policy, sampler=self.train_sampler, gradients=self.gradients, model=self.model,
+            device=self._rank_device,
+        )  # fmt: skip
+        return new
+
+    def on_validation_start(self) -> None:
+        """Evaluation shares follow the plan in force (made after the sanity check, or rebalanced)."""
+        super().on_validation_start()
+        self._follow_plan()
+        self.count_samples()
+
+    def on_test_start(self) -> None:
+        """As :meth:`on_validation_start`."""
+        super().on_test_start()
+        self._follow_plan()
+        self.count_samples()
+
+    def _follow_plan(self) -> None:
+        for sampler, total in list(self._eval_samplers.items()):
+            new = self._eval_plan(total)
+            if sampler.plan_at(sampler.yielded).sizes != new.sizes:  # from this rank's next step, as on every rank
+                sampler.set_plan(new, sampler.yielded)
+
+    def _eval_plan(self, total: int) -> Plan:
+        """Shares of an evaluation batch of ``total`` in the plan's proportions (even without a plan)."""
+        weights = self.plan.sizes if self.plan is not None else [1] * self.world_size
+        return plan_from_sizes(None, self._labels, sizes_from_weights(total, weights))
+
+    # ------------------------------------------------------------------ steps
+    @contextlib.contextmanager
+    def _step(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterator[None]:
+        batch = args[0] if args else kwargs.get("batch")
+        rows = samples_in(batch)
+        index = args[1] if len(args) > 1 else kwargs.get("batch_idx")
+        sampler = step_sampler(self, args[2] if len(args) > 2 else kwargs.get("dataloader_idx", 0))
+        # A zero share's one sample counts for nothing, as in its gradient (evaluation adds no padding).
+        self._samples = (
+            0 if rows is not None and isinstance(index, int) and sampler and sampler.is_filler(index) else rows
+        )
+        if self._samples is not None:
+            trainer = self.lightning_module.trainer
+            self._seen[trainer.state.stage] = self._seen.get(trainer.state.stage, 0) + self._samples
+            if self._samples != rows and trainer._results is not None:
+                # Lightning weights an on_epoch mean by the batch size it reads off the
+                # batch (_ResultCollection.batch_size, reset at every batch start): the one
+                # sample a share of 0 runs must count as nothing.
+                trainer._results.batch_size = self._samples
+        try:
+            with throttle(self._rank_device):
+                yield
+        finally:
+            self._samples = None
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        """The LightningModule's ``training_step`` at the rank's emulated speed and memory (means weighted by samples).
+
+        A share the plan splits runs as its micro-batches (:func:`~.lightning_micro.run_training_step`).
+        """
+        weigh_step(self, args[1] if len(args) > 1 else kwargs.get("batch_idx"))
+        with self._step(args, kwargs):
+            return run_training_step(self, super().training_step, args, kwargs)
+
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        """The LightningModule's ``validation_step``, as :meth:`training_step`."""
+        with self._step(args, kwargs):
+            return super().validation_step(*args, **kwargs)
+
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        """The LightningModule's ``test_step``, as :meth:`training_step`."""
+        with self._step(args, kwargs):
+            return super().test_step(*args, **kwargs)
+
+    def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
+        """Backward as the Lightning strategy does, at the rank's emulated speed (waiting for others is not slowed).
+
+        A micro-batched step's first micro-batches' gradients are put back first (:class:`GradientsAside`).
+        """
+        self.aside.restore()
+        with throttle(self._rank_device):
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+
+    def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
+        """Reduce across ranks; inside a ``*_step``, a mean is weighted by each rank's samples (see the class).
+
+        Args:
+            tensor: The value to reduce (anything else is returned unchanged).
+            group: The process group (default: the world).
+            reduce_op: ``"mean"`` (default), ``"sum"``, ``"max"``, ``"min"`` or a ``ReduceOp``.
+
+        Returns:
+            The reduced tensor, the same on every rank.
+        """
+        if not isinstance(tensor, Tensor) or not (dist.is_available() and dist.is_initialized()):
+            return super().reduce(tensor, group, reduce_op)
+        plain = super().reduce
+        if self._samples is not None:
+            return weighted_reduce(tensor, self._samples, reduce_op, lambda t, op: plain(t, group, op))
+        if op_name(reduce_op) in ("mean", "sum") and tensor.is_floating_point() and self._stage_seen() == 0:
+            tensor = torch.nan_to_num(tensor, nan=0.0)  # sum(value * 0) of a rank without samples: NaN * 0
+        return plain(tensor, group, reduce_op)
+
+    def count_samples(self) -> None:
+        """Start counting this rank's samples for the running stage (its epoch metrics start afresh)."""
+        self._seen[self.lightning_module.trainer.state.stage] = 0
+
+    def _stage_seen(self) -> int | None:
+        try:
+            return self._seen.get(self.lightning_module.trainer.state.stage)
+        except (AttributeError, RuntimeError):  # no module, or not attached to a trainer
+            return None
+
+
+class HeteroDDPStrategy(_HeteroStrategy, DDPStrategy):
     """Lightning's ``DDPStrategy`` with uneven per-rank batches from one hetsplit plan and exact gradients.
 
     Use it as ``L.Trainer(strategy=HeteroDDPStrategy(devices="cpu,cpu@0.25"), accelerator="cpu", devices=2)``
@@ -152,80 +430,9 @@ class HeteroDDPStrategy(DDPStrategy):
                 "HeteroDDPStrategy(profile_kwargs=...) is deprecated: use plan_kwargs=", DeprecationWarning, 2
             )
             plan_kwargs = profile_kwargs
-        given = {"devices": devices, "plan": plan, "profile": profile, "global_batch_size": global_batch_size}
-        given.update(weighting=weighting, rebalance=rebalance, plan_kwargs=plan_kwargs)
-        check_arguments(given, ddp_kwargs)
-        self._rank_device: Device | None = None  # before super(): root_device reads it
-        super().__init__(**ddp_kwargs)
-        self.device_list = devices if devices is None or isinstance(devices, str) else ",".join(map(str, devices))
-        self.weighting, self.rebalance, self.global_batch_size = weighting, rebalance, global_batch_size
-        self.profile, self.plan_kwargs = profile, core.plan_kwargs(plan_kwargs)
-        self._plan = plan
-        self._labels: list[str] = []
-        self.gradients: WeightingState | None = None
-        self.rebalancer: hd.DistributedRebalancer | None = None
-        self.train_sampler: HeteroBatchSampler | None = None
-        self._eval_samplers: weakref.WeakKeyDictionary[HeteroBatchSampler, int] = weakref.WeakKeyDictionary()
-        self._samples: int | None = None  # this rank's samples in the step running now
-        self._weighted: list[int] | None = None  # every rank's rows the gradients are weighted by now
-        self._seen: dict[Any, int] = {}  # per stage: this rank's samples since its metrics were last reset
-        self._callback = HeteroCallback(self)
-        self.aside = GradientsAside()  # a micro-batched step's gradients, until Lightning's backward
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = super().__getstate__()  # Lightning pickles the strategy to spawn ranks
-        state["_eval_samplers"] = None  # weak references do not pickle; samplers belong to one process
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        super().__setstate__(state)
-        self._eval_samplers = weakref.WeakKeyDictionary()
-
-    @property
-    def plan(self) -> Plan | None:
-        """The plan in force (the rebalancer's current one when rebalancing)."""
-        return self.rebalancer.plan if self.rebalancer is not None else self._plan
-
-    @property
-    def rank_device(self) -> Device | None:
-        """This rank's hetsplit device (known once the environment is set up)."""
-        return self._rank_device
-
-    @property
-    def root_device(self) -> torch.device:
-        """The device this rank's model and batches live on: its entry in the device list."""
-        if self._rank_device is not None:
-            return self._rank_device.torch_device
-        return super().root_device
-
-    # ------------------------------------------------------------------ setup
-    def setup_environment(self) -> None:
-        """Check the device list (and plan) against the world, on every rank, then join the process group."""
-        self.set_world_ranks()
-        self._check_devices()
-        super().setup_environment()
-        if self.world_size > 1:  # whatever the entry point (fit, validate, test, predict)
-            hd.drain_at_exit()  # at exit, let gloo's workers finish with the last collective first
-
-    def _check_devices(self) -> None:
-        spec = self.device_list or os.environ.get(ENV_DEVICES)
-        if not spec:  # the Trainer's own devices, on every node
-            spec = ",".join([str(d) for d in (self.parallel_devices or [])] * self.num_nodes)
-        first = self.node_rank * self.num_processes
-        names = rank_devices(spec, self.world_size, super().root_device.type, range(first, first + self.num_processes))
-        if self._plan is not None and len(self._plan.sizes) != self.world_size:
-            raise ValueError(
-                f"HeteroDDPStrategy(plan=...) has {len(self._plan.sizes)} shares {list(self._plan.sizes)} for "
-                f"{self.world_size} processes; solve a plan with one share per process"
-            )
-        self._rank_device = parse_device(names[self.global_rank])
-        self._labels = [f"rank{r}:{n}" for r, n in enumerate(names)]
-
-    def setup(self, trainer: pl.Trainer) -> None:
-        """Install the strategy's callback (epochs, rebalancing), then set up as ``DDPStrategy`` does."""
-        if self._callback not in trainer.callbacks:
-            trainer.callbacks.append(self._callback)
-        super().setup(trainer)
+        super().__init__(
+            devices, plan, profile, global_batch_size, weighting, rebalance, plan_kwargs=plan_kwargs, **ddp_kwargs
+        )
 
     def _setup_model(self, model: nn.Module) -> DistributedDataParallel:
         """DDP over a :class:`StepModule` holding the LightningModule (so weighting sees one call per step)."""
@@ -242,156 +449,13 @@ class HeteroDDPStrategy(DDPStrategy):
         self.gradients = self.rebalancer = self.train_sampler = None
         self._weight()
 
-    def _weight(self) -> None:
-        if self.gradients is None and self._plan is not None and isinstance(self.model, DistributedDataParallel):
-            self.gradients = hd.weight_gradients(self.model, self._plan, method=self.weighting)
-            self._weighted = list(self._plan.sizes)  # the sizes the gradients are weighted by
+    def _weighted_model(self) -> nn.Module | None:
+        return self.model if isinstance(self.model, DistributedDataParallel) else None
 
-    # ------------------------------------------------------------------ data
-    def process_dataloader(self, dataloader: object) -> object:
-        """Rebuild a training or evaluation loader on hetsplit's shares (predict loaders are left alone)."""
-        trainer = self.lightning_module.trainer
-        if trainer.state.fn == TrainerFn.PREDICTING:
-            return dataloader
-        if trainer.state.stage == RunningStage.TRAINING:
-            return self._train_loader(dataloader)
-        return eval_loader(self, dataloader, trainer)
+    def _micro_model(self) -> nn.Module:
+        return self.model
 
-    def _train_loader(self, loader: Any) -> Any:
-        shuffle, seed, kwargs = loader_settings(loader, "training", strict=True)
-        if self._plan is None:
-            batch = self.global_batch_size or self.world_size * loader.batch_size
-            self._plan = profiled_plan(self, loader, batch)
-        plan = self.plan
-        check_micro_plan(plan, self.lightning_module, self.rebalance)  # every rank, before any step
-        # A last global batch short of B is served as it is, cut in the plan's proportions
-        # (DistributedSampler adds no more than world - 1 samples either), and each rank's
-        # gradient weighted by its rows in it (_weigh_step). Rebalancing, micro-batches and
-        # gradient accumulation weight by the plan's whole shares: those keep the padding.
-        whole = all(len(parts) <= 1 for parts in plan.micro_batches)
-        pad = bool(self.rebalance) or not whole or self.lightning_module.trainer.accumulate_grad_batches != 1
-        new = hd.data_loader(
-            loader.dataset,
-            plan,
-            shuffle=shuffle,
-            seed=seed,
-            drop_last=loader.drop_last,
-            pad=pad,
-            num_replicas=self.world_size,
-            rank=self.global_rank,
-            **kwargs,
-        )
-        self.train_sampler = new.batch_sampler
-        self._weight()
-        policy = self.rebalancer.rebalancer if self.rebalancer is not None else self.rebalance  # a reloaded loader
-        self.rebalancer = core.rebalancer(
-            plan, policy, sampler=self.train_sampler, gradients=self.gradients, model=self.model,
-            device=self._rank_device,
-        )  # fmt: skip
-        return new
-
-    def on_validation_start(self) -> None:
-        """Evaluation shares follow the plan in force (made after the sanity check, or rebalanced)."""
-        super().on_validation_start()
-        self._follow_plan()
-        self.count_samples()
-
-    def on_test_start(self) -> None:
-        """As :meth:`on_validation_start`."""
-        super().on_test_start()
-        self._follow_plan()
-        self.count_samples()
-
-    def _follow_plan(self) -> None:
-        for sampler, total in list(self._eval_samplers.items()):
-            new = self._eval_plan(total)
-            if sampler.plan_at(sampler.yielded).sizes != new.sizes:  # from this rank's next step, as on every rank
-                sampler.set_plan(new, sampler.yielded)
-
-    def _eval_plan(self, total: int) -> Plan:
-        """Shares of an evaluation batch of ``total`` in the plan's proportions (even without a plan)."""
-        weights = self.plan.sizes if self.plan is not None else [1] * self.world_size
-        return plan_from_sizes(None, self._labels, sizes_from_weights(total, weights))
-
-    # ------------------------------------------------------------------ steps
-    @contextlib.contextmanager
-    def _step(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterator[None]:
-        batch = args[0] if args else kwargs.get("batch")
-        rows = samples_in(batch)
-        index = args[1] if len(args) > 1 else kwargs.get("batch_idx")
-        sampler = step_sampler(self, args[2] if len(args) > 2 else kwargs.get("dataloader_idx", 0))
-        # A zero share's one sample counts for nothing, as in its gradient (evaluation adds no padding).
-        self._samples = (
-            0 if rows is not None and isinstance(index, int) and sampler and sampler.is_filler(index) else rows
-        )
-        if self._samples is not None:
-            trainer = self.lightning_module.trainer
-            self._seen[trainer.state.stage] = self._seen.get(trainer.state.stage, 0) + self._samples
-            if self._samples != rows and trainer._results is not None:
-                # Lightning weights an on_epoch mean by the batch size it reads off the
-                # batch (_ResultCollection.batch_size, reset at every batch start): the one
-                # sample a share of 0 runs must count as nothing.
-                trainer._results.batch_size = self._samples
-        try:
-            with throttle(self._rank_device):
-                yield
-        finally:
-            self._samples = None
-
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        """The LightningModule's ``training_step`` at the rank's emulated speed and memory (means weighted by samples).
-
-        A share the plan splits runs as its micro-batches (:func:`~.lightning_micro.run_training_step`).
-        """
-        weigh_step(self, args[1] if len(args) > 1 else kwargs.get("batch_idx"))
-        with self._step(args, kwargs):
-            return run_training_step(self, super().training_step, args, kwargs)
-
-    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        """The LightningModule's ``validation_step``, as :meth:`training_step`."""
-        with self._step(args, kwargs):
-            return super().validation_step(*args, **kwargs)
-
-    def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        """The LightningModule's ``test_step``, as :meth:`training_step`."""
-        with self._step(args, kwargs):
-            return super().test_step(*args, **kwargs)
-
-    def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
-        """Backward as ``DDPStrategy`` does, at the rank's emulated speed (waiting for other ranks is not slowed).
-
-        A micro-batched step's first micro-batches' gradients are put back first (:class:`GradientsAside`).
-        """
-        self.aside.restore()
-        with throttle(self._rank_device):
-            return super().backward(closure_loss, optimizer, *args, **kwargs)
-
-    def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
-        """Reduce across ranks; inside a ``*_step``, a mean is weighted by each rank's samples (see the class).
-
-        Args:
-            tensor: The value to reduce (anything else is returned unchanged).
-            group: The process group (default: the world).
-            reduce_op: ``"mean"`` (default), ``"sum"``, ``"max"``, ``"min"`` or a ``ReduceOp``.
-
-        Returns:
-            The reduced tensor, the same on every rank.
-        """
-        if not isinstance(tensor, Tensor) or not (dist.is_available() and dist.is_initialized()):
-            return super().reduce(tensor, group, reduce_op)
-        plain = super().reduce
-        if self._samples is not None:
-            return weighted_reduce(tensor, self._samples, reduce_op, lambda t, op: plain(t, group, op))
-        if op_name(reduce_op) in ("mean", "sum") and tensor.is_floating_point() and self._stage_seen() == 0:
-            tensor = torch.nan_to_num(tensor, nan=0.0)  # sum(value * 0) of a rank without samples: NaN * 0
-        return plain(tensor, group, reduce_op)
-
-    def count_samples(self) -> None:
-        """Start counting this rank's samples for the running stage (its epoch metrics start afresh)."""
-        self._seen[self.lightning_module.trainer.state.stage] = 0
-
-    def _stage_seen(self) -> int | None:
-        try:
-            return self._seen.get(self.lightning_module.trainer.state.stage)
-        except (AttributeError, RuntimeError):  # no module, or not attached to a trainer
-            return None
+    def _run_piece(self, call: Any, *args: Any, **kwargs: Any) -> Any:
+        # Through DDP, whose StepModule runs ``call`` as its forward: the weighting and DDP see each micro-batch.
+        with self.model.module.calling(call):
+            return self.model(*args, **kwargs)

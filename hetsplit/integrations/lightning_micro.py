@@ -12,6 +12,11 @@ once, inside the step; their gradients are set aside where ``zero_grad`` cannot 
 micro-batch's and all-reduces the sum. The rank holds one micro-batch's activations at a
 time; every forward runs once, so buffers (BatchNorm's running statistics), random draws
 and other side effects are those of one process running the micro-batches in turn.
+
+Under FSDP2 (``HeteroModelParallelStrategy``) the same runs with the ``fully_shard`` root in
+DDP's place: every rank runs the plan's largest number of micro-batches (FSDP2's gathers
+and reduce-scatters are collective; :mod:`hetsplit.distributed.sharded`), each
+reduce-scatters its weighted gradient, and FSDP2 adds them into the sharded gradients.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import torch
 from torch import Tensor, nn
 
 import hetsplit.distributed as hd
+from hetsplit.distributed.sharded import is_sharded, rank_micro
 from hetsplit.planning import Plan
 
 from .collectives import samples_in
@@ -54,7 +60,7 @@ def run_training_step(strategy: Any, plain: Callable[..., Any], args: tuple[Any,
         ValueError: As :func:`share_micro_batches` and :func:`micro_training_step`.
     """
     module, plan, rank, device = strategy.lightning_module, strategy.plan, strategy.global_rank, strategy.rank_device
-    if share_micro_batches(plan, rank, module) is None:
+    if share_micro_batches(plan, rank, module, sharded=is_sharded(strategy._micro_model())) is None:
         samples = samples_in(args[0] if args else kwargs.get("batch"))
         if device is not None and samples is not None:
             device.check_batch(samples)
@@ -63,8 +69,14 @@ def run_training_step(strategy: Any, plain: Callable[..., Any], args: tuple[Any,
         return micro_training_step(strategy, args, kwargs)
 
 
-def share_micro_batches(plan: Plan | None, rank: int, module: pl.LightningModule) -> list[int] | None:
+def share_micro_batches(
+    plan: Plan | None, rank: int, module: pl.LightningModule, *, sharded: bool = False
+) -> list[int] | None:
     """This rank's micro-batches when the plan splits its share, else ``None`` (the share runs as one batch).
+
+    For a model sharded with FSDP2 (``sharded``) every rank runs as many micro-batches as
+    the plan's largest count (:func:`hetsplit.distributed.sharded.rank_micro`; a ``0`` is
+    one real sample weighted 0), so a rank whose own share runs whole may still run several.
 
     Every rank checks the whole plan, so a refusal is raised on every rank at once,
     before any of them starts the step's collectives.
@@ -73,9 +85,10 @@ def share_micro_batches(plan: Plan | None, rank: int, module: pl.LightningModule
         plan: The plan in force, or ``None`` before there is one.
         rank: This rank.
         module: The LightningModule (its optimization mode is checked).
+        sharded: Whether the model is sharded with FSDP2.
 
     Returns:
-        ``plan.micro_batches[rank]`` when it holds several micro-batches, else ``None``.
+        This rank's micro-batches when there are several, else ``None``.
 
     Raises:
         ValueError: If the plan splits some rank's share and ``module`` uses manual optimization.
@@ -91,7 +104,7 @@ def share_micro_batches(plan: Plan | None, rank: int, module: pl.LightningModule
             "(automatic_optimization=False) training_step runs its own backward, so the micro-batches cannot be "
             "followed: use automatic optimization, or solve the plan without accumulate (shares within the memory caps)"
         )
-    parts = plan.micro_batches[rank]
+    parts = rank_micro(plan, rank, sharded)
     return list(parts) if len(parts) > 1 else None
 
 
@@ -109,7 +122,7 @@ def micro_training_step(strategy: Any, args: tuple[Any, ...], kwargs: dict[str, 
     for the share after the last micro-batch (:class:`LogRecorder`).
 
     Args:
-        strategy: The ``HeteroDDPStrategy`` (its DDP model, LightningModule, plan, rank,
+        strategy: The strategy (its DDP model or FSDP2 root, LightningModule, plan, rank,
             device, precision plugin and ``aside``).
         args: The arguments Lightning gave ``training_step`` (the share's batch first).
         kwargs: Its keyword arguments.
@@ -121,8 +134,8 @@ def micro_training_step(strategy: Any, args: tuple[Any, ...], kwargs: dict[str, 
         ValueError: If the batch is not this rank's share, or a micro-batch's step returns no loss.
         torch.OutOfMemoryError: If a micro-batch exceeds the device's emulated memory.
     """
-    ddp, module, plan, rank = strategy.model, strategy.lightning_module, strategy.plan, strategy.global_rank
-    sizes = plan.micro_batches[rank]
+    synced, module, plan, rank = strategy._micro_model(), strategy.lightning_module, strategy.plan, strategy.global_rank
+    sizes = rank_micro(plan, rank, is_sharded(synced))
     batch = args[0] if args else kwargs["batch"]
     # The index Lightning decides zero_grad by (its epoch loop's), also for a training_step without batch_idx.
     loop = getattr(getattr(module.trainer, "fit_loop", None), "epoch_loop", None)
@@ -134,11 +147,10 @@ def micro_training_step(strategy: Any, args: tuple[Any, ...], kwargs: dict[str, 
     # Lightning divides the loss it backpropagates by accumulate_grad_batches; so are these.
     normalize = getattr(module.trainer, "accumulate_grad_batches", 1)
     outs = []
-    pieces = hd.micro_batches(ddp, batch, plan, rank=rank, device=strategy.rank_device)
+    pieces = hd.micro_batches(synced, batch, plan, rank=rank, device=strategy.rank_device)
     for j, (piece, samples) in enumerate(zip(pieces, sizes)):
         piece_args, piece_kwargs = ((piece, *args[1:]), kwargs) if args else (args, {**kwargs, "batch": piece})
-        with ddp.module.calling(partial(_recorded, module, recorder, samples)):
-            outs.append(ddp(*piece_args, **piece_kwargs))
+        outs.append(strategy._run_piece(partial(_recorded, module, recorder, samples), *piece_args, **piece_kwargs))
         if j < len(sizes) - 1:  # inside no_sync: gradients accumulate locally
             loss = _loss(outs[-1], j, sizes) / normalize
             (scaler.scale(loss) if scaler is not None else loss).backward()
@@ -265,8 +277,9 @@ def share_output(outs: Sequence[Any], sizes: Sequence[int]) -> Any:
         ValueError: If a micro-batch returned no loss (``None``, or a dict without ``"loss"``).
     """
     losses = [_loss(out, j, sizes) for j, out in enumerate(outs)]
-    total = sum(sizes)
-    value = sum(loss.detach() * (n / total) for loss, n in zip(losses, sizes))
+    weights = _weights(sizes)
+    total = sum(weights)
+    value = sum(loss.detach() * (n / total) for loss, n in zip(losses, weights))
     combined = _ShareLoss.apply(value, losses[-1])
     if not isinstance(outs[-1], Mapping):
         return combined
@@ -276,6 +289,16 @@ def share_output(outs: Sequence[Any], sizes: Sequence[int]) -> Any:
             present = [(o[key], n) for o, n in zip(outs, sizes) if isinstance(o, Mapping) and key in o]
             extra[key] = combine([v for v, _ in present], [n for _, n in present], rows=True)
     return {"loss": combined, **extra}
+
+
+def _weights(sizes: Sequence[float]) -> list[float]:
+    """What a mean over micro-batches weights each by: its samples; a share of 0's stand-ins (all ``0``) equally.
+
+    A zero share under FSDP2 runs only stand-ins (``[0, 0, 0]``): its values are a
+    stand-in's, as the one sample a zero share runs whole gives (counted as nothing by
+    the strategy's weighted reductions).
+    """
+    return list(sizes) if sum(sizes) > 0 else [1.0] * len(sizes)
 
 
 def combine(values: Sequence[Any], weights: Sequence[float], how: str = "mean", *, rows: bool = False) -> Any:
@@ -294,6 +317,7 @@ def combine(values: Sequence[Any], weights: Sequence[float], how: str = "mean", 
         string, tensors of differing shapes): the last micro-batch's value.
     """
     last = values[-1]
+    weights = _weights(weights)
     if isinstance(last, Mapping):
         out = {}
         for key in last:

@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, Ra
 
 from hetsplit.devices import parse_device
 from hetsplit.distributed.rank_plan import rank_device
+from hetsplit.distributed.sharded import holds_sharded
 from hetsplit.planning import Plan, Rebalancer
 
 from . import core
@@ -167,13 +168,16 @@ def check_arguments(given: Mapping[str, Any], ddp_kwargs: Mapping[str, Any]) -> 
         )
 
 
-def check_micro_plan(plan: Plan | None, module: nn.Module, rebalance: int | Rebalancer) -> None:
+def check_micro_plan(
+    plan: Plan | None, module: nn.Module, rebalance: int | Rebalancer, *, who: str = "HeteroDDPStrategy"
+) -> None:
     """Refuse what a plan with micro-batches cannot run with; every rank checks the same plan before any step.
 
     Args:
         plan: The plan the training loader follows.
         module: The LightningModule (after Lightning's ``sync_batchnorm`` conversion).
         rebalance: The strategy's ``rebalance`` argument.
+        who: The strategy's class (named in the message).
 
     Raises:
         ValueError: If the plan splits some rank's share and ``rebalance`` is set
@@ -181,7 +185,7 @@ def check_micro_plan(plan: Plan | None, module: nn.Module, rebalance: int | Reba
             numbers of micro-batches and ``module`` holds a ``torch.nn.SyncBatchNorm`` (its
             collectives would not match across ranks).
     """
-    core.check_rebalance("HeteroDDPStrategy", plan, rebalance)
+    core.check_rebalance(who, plan, rebalance)
     if plan is None or all(len(parts) <= 1 for parts in plan.micro_batches):
         return
     r = next(r for r, parts in enumerate(plan.micro_batches) if len(parts) > 1)
@@ -198,7 +202,9 @@ def check_micro_plan(plan: Plan | None, module: nn.Module, rebalance: int | Reba
         )
 
 
-def rank_devices(spec: str, world: int, accelerator: str, here: Sequence[int]) -> list[str]:
+def rank_devices(
+    spec: str, world: int, accelerator: str, here: Sequence[int], *, who: str = "HeteroDDPStrategy"
+) -> list[str]:
     """The per-rank device list ``spec``, checked against the world, the accelerator and this node.
 
     Every rank runs the same checks on the same values, so each raises the same error.
@@ -208,6 +214,7 @@ def rank_devices(spec: str, world: int, accelerator: str, here: Sequence[int]) -
         world: The number of processes.
         accelerator: The device type Lightning's accelerator runs every rank on.
         here: The ranks of this node, whose devices must exist here.
+        who: The strategy's class (named in the messages).
 
     Returns:
         The canonical device names, one per rank.
@@ -219,14 +226,12 @@ def rank_devices(spec: str, world: int, accelerator: str, here: Sequence[int]) -
     try:
         names = [rank_device(spec, r, world=world) for r in range(world)]
     except ValueError as e:
-        raise ValueError(
-            f"HeteroDDPStrategy(devices={spec!r}) with {world} processes (Trainer devices × num_nodes): {e}"
-        ) from None
+        raise ValueError(f"{who}(devices={spec!r}) with {world} processes (Trainer devices × num_nodes): {e}") from None
     wrong = [f"rank {r}: {n}" for r, n in enumerate(names) if parse_device(n, check=False).type != accelerator]
     if wrong:
         kind = {"cuda": "'gpu'", "cpu": "'cpu'"}.get(accelerator, repr(accelerator))
         raise ValueError(
-            f"Trainer(accelerator={kind}) runs every rank on {accelerator}, but HeteroDDPStrategy(devices={spec!r}) "
+            f"Trainer(accelerator={kind}) runs every rank on {accelerator}, but {who}(devices={spec!r}) "
             f"lists {', '.join(wrong)}. Lightning runs all ranks on one accelerator: list only {accelerator} devices "
             "(emulated ranks such as 'cpu,cpu@0.25' with accelerator='cpu'), or start a CPU rank among GPUs "
             "with 'hetsplit launch' and hetsplit.distributed"
@@ -236,7 +241,7 @@ def rank_devices(spec: str, world: int, accelerator: str, here: Sequence[int]) -
             try:
                 parse_device(names[r])
             except ValueError as e:
-                raise ValueError(f"HeteroDDPStrategy: rank {r}'s device {names[r]!r}: {e}") from None
+                raise ValueError(f"{who}: rank {r}'s device {names[r]!r}: {e}") from None
     return names
 
 
@@ -295,7 +300,9 @@ def profiled_plan(strategy: Any, loader: Any, batch_size: int) -> Plan:
     """Profile a detached copy of the LightningModule on this rank's device; rank 0 solves for all.
 
     Args:
-        strategy: The ``HeteroDDPStrategy`` (its module, device, profile and ``plan_kwargs``).
+        strategy: The ``HeteroDDPStrategy`` or ``HeteroModelParallelStrategy`` (its module, device,
+            profile and ``plan_kwargs``). A module sharded with ``fully_shard`` is profiled
+            as a plain replica :func:`hetsplit.distributed.plan` gathers.
         loader: The user's training loader (one batch of it is the profiling sample).
         batch_size: The global batch to plan.
 
@@ -305,9 +312,24 @@ def profiled_plan(strategy: Any, loader: Any, batch_size: int) -> Plan:
     cuda = [strategy.root_device] if strategy.root_device.type == "cuda" else []
     with torch.random.fork_rng(devices=cuda):  # drawing the sample shuffles: the run must not see it
         sample = next(iter(loader))  # as the loader gives it (on the CPU): the profiler moves rows itself
-    model = LossModule.detached(strategy.lightning_module, strategy.precision_plugin.train_step_context)
+    module, context = strategy.lightning_module, strategy.precision_plugin.train_step_context
+    if not holds_sharded(module):
+        model = LossModule.detached(module, context)
+        return _profiled(strategy, model, sample, batch_size, cuda)
+    # torch refuses to copy an FSDP2 module: hetsplit.distributed.plan gathers a plain replica
+    # itself (every rank together). Detached from the trainer meanwhile, so the replica's
+    # self.log goes nowhere (and syncs nothing).
+    trainer = module.trainer
+    module.trainer = None
+    try:
+        return _profiled(strategy, LossModule(module, context), sample, batch_size, cuda)
+    finally:
+        module.trainer = trainer
+
+
+def _profiled(strategy: Any, model: nn.Module, sample: Any, batch_size: int, cuda: list[torch.device]) -> Plan:
     return core.profiled_plan(
-        "HeteroDDPStrategy", "training_step", model, (sample,), batch_size, device=strategy.rank_device,
+        strategy._who, "training_step", model, (sample,), batch_size, device=strategy.rank_device,
         profile=strategy.profile, plan_kwargs=strategy.plan_kwargs, cuda=cuda,
         hint="fix the step, or pass plan= (or profile=) to skip profiling",
     )  # fmt: skip

@@ -1,0 +1,177 @@
+"""HeteroModelParallelStrategy: Lightning's FSDP2 strategy with each rank's share of every batch from one plan."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.strategies import ModelParallelStrategy
+from torch import nn
+
+from hetsplit.distributed.sharded import kind
+from hetsplit.planning import Plan, Profile, Rebalancer
+
+from . import core
+from .lightning import _HeteroStrategy
+
+_WHO = "HeteroModelParallelStrategy"
+_HOW = (
+    "shard over the data-parallel mesh in configure_model: fully_shard(layer, mesh=self.device_mesh['data_parallel']) "
+    "per layer, then fully_shard(self.model, mesh=...) on the module holding them"
+)
+
+
+class HeteroModelParallelStrategy(_HeteroStrategy, ModelParallelStrategy):
+    """Lightning's ``ModelParallelStrategy`` (FSDP2) with uneven per-rank batches from one hetsplit plan.
+
+    For a model larger than the smallest device: the LightningModule shards itself with
+    ``fully_shard`` in ``configure_model`` as for ``ModelParallelStrategy``, and every rank
+    trains on its own share of each global batch. The one-line change from a Lightning
+    FSDP2 script: ``strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)``
+    becomes ``strategy=HeteroModelParallelStrategy(devices="cpu,cpu@0.25")`` (with
+    ``accelerator="cpu", devices=2``; ``HeteroModelParallelStrategy()`` with ``accelerator="gpu"``
+    on unequal GPUs). Everything :class:`~hetsplit.lightning.HeteroDDPStrategy` does for the
+    device list, the plan (``plan``, ``profile``, ``plan_kwargs``, ``global_batch_size``),
+    the re-cut training and evaluation loaders, the weighted metrics, ``rebalance`` and
+    emulated speed and memory it does here too, with these differences:
+
+    - **Mesh**: data parallelism only, over a 1-D mesh of every process:
+      ``self.device_mesh["data_parallel"]`` (``data_parallel_size`` is the world size,
+      ``tensor_parallel_size`` 1); tensor parallelism or a 2-D mesh is refused (a
+      ``ValueError`` before the process group starts; a model sharded on a 2-D mesh, HSDP,
+      at setup on every rank).
+    - **Gradients** are weighted at the outputs of the ``fully_shard`` root
+      (:func:`hetsplit.distributed.weight_gradients`: each rank's output gradient scaled by
+      ``world * b_r / B``, then FSDP2's mean), so every per-sample loss term must reach the
+      parameters through that root's outputs (``self.model(x)`` inside ``training_step``,
+      called once per step). ``configure_model`` must leave one ``fully_shard`` root
+      holding every trainable parameter (else a ``ValueError`` at setup, naming them).
+    - **Micro-batches** (a plan solved with ``accumulate=True``): every rank runs the same
+      number, the plan's largest ``K`` (FSDP2 gathers and reduce-scatters in every
+      micro-batch; :func:`hetsplit.distributed.micro_batches`), a rank with fewer samples
+      than ``K`` running one real sample weighted 0 for each missing one.
+    - **Profiling** (no ``plan``/``profile``): the LightningModule's parameters are
+      gathered once into a plain replica on every rank, which each rank times alone, as
+      :func:`hetsplit.distributed.plan` does for an FSDP2 model (not calibrated).
+    - **Checkpoints** save and load as ``ModelParallelStrategy`` does (sharded by default).
+
+    Args:
+        devices, plan, profile, global_batch_size, rebalance, plan_kwargs: As for
+            :class:`~hetsplit.lightning.HeteroDDPStrategy`.
+        weighting: ``"outputs"`` only (FSDP2 has no comm hook to weight).
+        data_parallel_size: ``"auto"`` (the world size) or the world size.
+        tensor_parallel_size: 1.
+        **kwargs: Passed to ``ModelParallelStrategy`` (``save_distributed_checkpoint``,
+            ``process_group_backend``, ``timeout``).
+
+    Raises:
+        TypeError, ValueError: As :func:`hetsplit.integrations.core.check_arguments`, and a
+            ``ValueError`` for a ``tensor_parallel_size`` other than 1 or a
+            ``data_parallel_size`` that is not a positive number of processes.
+    """
+
+    _who = _WHO
+
+    def __init__(
+        self,
+        devices: str | Sequence[Any] | None = None,
+        plan: Plan | None = None,
+        profile: Profile | None = None,
+        global_batch_size: int | None = None,
+        weighting: str = "outputs",
+        rebalance: int | Rebalancer = 0,
+        *,
+        plan_kwargs: dict[str, Any] | None = None,
+        data_parallel_size: int | str = "auto",
+        tensor_parallel_size: int = 1,
+        **kwargs: Any,
+    ) -> None:
+        if tensor_parallel_size != 1 or isinstance(tensor_parallel_size, bool):
+            raise ValueError(
+                f"{_WHO}(tensor_parallel_size={tensor_parallel_size!r}): tensor parallelism splits every sample's "
+                "work over ranks, so their shares could not differ; use tensor_parallel_size=1 (FSDP2 over the "
+                "1-D data-parallel mesh), or Lightning's ModelParallelStrategy for tensor parallelism"
+            )
+        if data_parallel_size != "auto" and (
+            isinstance(data_parallel_size, bool) or not isinstance(data_parallel_size, int) or data_parallel_size < 1
+        ):
+            raise ValueError(
+                f"{_WHO}(data_parallel_size={data_parallel_size!r}): leave it out ('auto': every process is one "
+                "data-parallel rank) or give the number of processes"
+            )
+        super().__init__(
+            devices, plan, profile, global_batch_size, weighting, rebalance, plan_kwargs=plan_kwargs,
+            data_parallel_size=data_parallel_size, tensor_parallel_size=1, **kwargs,
+        )  # fmt: skip
+        self._root: nn.Module | None = None
+
+    def _check_arguments(self, given: dict[str, Any], strategy_kwargs: dict[str, Any]) -> None:
+        core.check_arguments(_WHO, weightings=("outputs",), **given)
+
+    def _check_devices(self) -> None:
+        """The device list as for every hetsplit strategy, and a 1-D data-parallel mesh of every process."""
+        super()._check_devices()
+        if self._data_parallel_size not in ("auto", self.world_size):
+            raise ValueError(
+                f"{_WHO}(data_parallel_size={self._data_parallel_size}) with {self.world_size} processes: every "
+                f"process is one data-parallel rank with its own share; leave data_parallel_size out "
+                f"(or {self.world_size}) and shard on self.device_mesh['data_parallel']"
+            )
+        self._data_parallel_size, self._tensor_parallel_size = self.world_size, 1
+
+    def setup(self, trainer: pl.Trainer) -> None:
+        """Set up as ``ModelParallelStrategy`` does (``configure_model`` has sharded the model), then find its root."""
+        super().setup(trainer)
+        self.gradients = self.rebalancer = self.train_sampler = None
+        self._root = _fsdp_root(self.lightning_module)
+        self._weight()
+
+    def teardown(self) -> None:
+        """Remove the weighting's hooks from the root (a later fit with another strategy weights afresh)."""
+        if self.gradients is not None:
+            for handle in self.gradients.handles:
+                handle.remove()
+            self.gradients = None
+        super().teardown()
+
+    def _weighted_model(self) -> nn.Module | None:
+        return self._root
+
+    def _micro_model(self) -> nn.Module:
+        assert self._root is not None, "set up first"
+        return self._root
+
+    def _run_piece(self, call: Any, *args: Any, **kwargs: Any) -> Any:
+        # The LightningModule's step itself: its forward of the fully_shard root is what the weighting sees.
+        return call(*args, **kwargs)
+
+
+def _fsdp_root(module: nn.Module) -> nn.Module:
+    """The one outermost ``fully_shard`` module of ``module`` that holds every trainable parameter.
+
+    Raises:
+        ValueError: If nothing is sharded, several outermost modules are, or a trainable
+            parameter is outside the root (nothing would synchronise its gradient).
+    """
+    roots: list[tuple[str, nn.Module]] = []
+    for name, m in module.named_modules():
+        if kind(m) == "fsdp2" and not any(name.startswith(f"{r}.") or r == "" for r, _ in roots):
+            roots.append((name, m))
+    if not roots:
+        raise ValueError(f"{_WHO}: configure_model sharded nothing (no fully_shard module); {_HOW}")
+    if len(roots) > 1:
+        names = [name or "<the LightningModule>" for name, _ in roots]
+        raise ValueError(
+            f"{_WHO}: configure_model left {len(roots)} separate fully_shard roots {names}; hetsplit weights "
+            f"each rank's gradient at one root's outputs: {_HOW}"
+        )
+    name, root = roots[0]
+    inside = {id(p) for p in root.parameters()}
+    outside = [n for n, p in module.named_parameters() if p.requires_grad and id(p) not in inside]
+    if outside:
+        raise ValueError(
+            f"{_WHO}: parameters {outside[:3]} are outside the fully_shard root {name or '<the LightningModule>'!r}: "
+            f"nothing would average their gradients over the ranks; move them into it ({_HOW})"
+        )
+    return root

@@ -1,0 +1,192 @@
+"""The 2-process job behind tests/test_lightning_fsdp.py: HeteroModelParallelStrategy (FSDP2) per scenario.
+
+``torchrun --standalone --nproc_per_node=2 tests/lightning_fsdp_job.py`` runs every scenario
+on both ranks (gloo, one thread each, float64): a LightningModule that shards itself with
+``fully_shard`` in ``configure_model`` is trained on uneven shares, and its parameters are
+compared with one plain process running full-batch SGD on the same global batches (the
+indices each rank saw): "equal" means to rounding (1e-12). Prints ``OK``/``FAIL`` per
+scenario and rank (``tests/integration_launch.py``).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import lightning as L
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from integration_launch import run_scenario  # tests/ is the script's folder
+from torch.distributed.fsdp import fully_shard
+from torch.utils.data import DataLoader, TensorDataset
+
+import hetsplit
+from hetsplit.lightning import HeteroModelParallelStrategy
+from hetsplit.planning import plan_from_sizes
+
+N, BATCH = 20, 4  # a global batch of 8 on 2 ranks: 3 steps per epoch, the last one 4 samples
+torch.manual_seed(0)
+X, Y = torch.randn(N, 3, dtype=torch.float64), torch.randn(N, 1, dtype=torch.float64)
+DATA = TensorDataset(torch.arange(N), X, Y)
+RANK = int(os.environ["RANK"])
+SCENARIOS = sys.argv[1].split(",") if len(sys.argv) > 1 else None
+
+
+def net():
+    torch.manual_seed(1)
+    return torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1)).double()
+
+
+class Sharded(L.LightningModule):
+    """A model sharded as Lightning's FSDP2 guide does it: each layer, then the model holding them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = net()
+        self.shares: list[list[int]] = []  # per training step: the indices of this rank's share
+        self.stand_in: list[bool] = []  # per step: the share is a zero share's one stand-in sample
+
+    def configure_model(self):
+        mesh = self.device_mesh["data_parallel"]
+        for layer in self.model:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(self.model, mesh=mesh)
+
+    def training_step(self, batch, batch_idx):
+        idx, x, y = batch
+        loss = F.mse_loss(self.model(x), y)
+        self.log("train_loss", loss, sync_dist=True)
+        return loss
+
+    def on_train_batch_start(self, batch, batch_idx):
+        self.shares.append(batch[0].tolist())
+        self.stand_in.append(self.trainer.strategy.train_sampler.is_filler(batch_idx))
+
+    def validation_step(self, batch, batch_idx):  # a collective forward on every rank, as many on each
+        idx, x, y = batch
+        self.log("val_loss", F.mse_loss(self.model(x), y), sync_dist=True)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def gathered(obj):
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def fit(strategy, epochs=2):
+    L.seed_everything(0)
+    model = Sharded()
+    trainer = L.Trainer(
+        strategy=strategy, accelerator="cpu", devices=2, max_epochs=epochs, enable_progress_bar=False,
+        logger=False, enable_checkpointing=False, enable_model_summary=False,
+    )  # fmt: skip
+    loader = DataLoader(DATA, batch_size=BATCH, shuffle=True)
+    trainer.fit(model, loader, DataLoader(DATA, batch_size=BATCH))
+    return model, trainer
+
+
+def assert_full_batch_sgd(model, trainer, padded=False):
+    """Every step equals one plain process's full-batch SGD step on the global batch the ranks ran.
+
+    ``padded``: the last global batch is filled up by wrapping around (micro-batched plans), not short.
+    """
+    shares, stand_in = gathered(model.shares), gathered(model.stand_in)
+    ref = net()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    steps = len(shares[0])
+    assert steps == trainer.global_step == 2 * -(-N // (2 * BATCH)), (steps, trainer.global_step)
+    for k in range(steps):
+        idx = torch.tensor([i for r in range(2) if not stand_in[r][k] for i in shares[r][k]], dtype=torch.long)
+        if k < 3:  # each epoch covers the data once
+            assert len(idx) == (8 if padded else min(8, N - 8 * k)), (k, idx)
+        opt.zero_grad()
+        F.mse_loss(ref(X[idx]), Y[idx]).backward()
+        opt.step()
+    covered = {i for r in range(2) for k in range(3) if not stand_in[r][k] for i in shares[r][k]}
+    assert covered == set(range(N)), covered
+    for (name, p), q in zip(model.model.named_parameters(), ref.parameters()):
+        full = p.full_tensor().detach()  # collective: every rank, in the same order
+        err = (full - q.detach()).abs().max().item()
+        assert err < 1e-12, f"parameter {name} differs from the single-process full-batch SGD by {err}"
+    return shares, stand_in
+
+
+def scenario(name):
+    def register(fn):
+        if SCENARIOS is None or name in SCENARIOS:
+            run_scenario(name, fn, RANK)
+        return fn
+
+    return register
+
+
+@scenario("uneven")
+def _():
+    # Shares [6, 2]; the last global batch of 4 is cut in proportion, [3, 1], and weighted by it.
+    model, trainer = fit(HeteroModelParallelStrategy(devices="cpu,cpu@1", plan=plan_from_sizes(None, ["a", "b"], [6, 2])))
+    shares, _ = assert_full_batch_sgd(model, trainer)
+    assert [len(s) for s in shares[RANK][:3]] == [[6, 6, 3], [2, 2, 1]][RANK], shares[RANK]
+
+
+@scenario("zero")
+def _():
+    # Rank 1's share is 0: it runs one real sample of the global batch (FSDP2's forward is collective), weighted 0.
+    model, trainer = fit(HeteroModelParallelStrategy(devices="cpu,cpu@1", plan=plan_from_sizes(None, ["a", "b"], [8, 0])))
+    shares, stand_in = assert_full_batch_sgd(model, trainer)
+    assert all(stand_in[1]) and not any(stand_in[0]), stand_in
+    assert [len(s) for s in shares[1]] == [1] * 6, shares[1]
+
+
+@scenario("micro")
+def _():
+    # Rank 0's share runs as 3 micro-batches; FSDP2 needs as many on every rank, so rank 1 runs its 2 samples
+    # as [1, 1] plus one stand-in sample weighted 0.
+    plan = hetsplit.Plan(["a", "b"], [6, 2], [0.0, 0.0], 8, micro_batches=[[2, 2, 2], [2]])
+    strategy = HeteroModelParallelStrategy(devices="cpu,cpu@1", plan=plan)
+    calls = []
+    model, trainer = None, None
+    original = Sharded.training_step
+
+    def counted(self, batch, batch_idx):
+        calls.append(len(batch[0]))
+        return original(self, batch, batch_idx)
+
+    Sharded.training_step = counted
+    try:
+        model, trainer = fit(strategy)
+    finally:
+        Sharded.training_step = original
+    assert_full_batch_sgd(model, trainer, padded=True)
+    assert calls[:3] == [[2, 2, 2], [1, 1, 1]][RANK], calls  # the third of rank 1's is the stand-in
+
+
+@scenario("profiled")
+def _():
+    # No plan: each rank profiles a plain replica (the sharded module is gathered once), one plan for both;
+    # rank 1 holds at most 2 samples at once, so with accumulate=True every step runs as FSDP2 needs.
+    strategy = HeteroModelParallelStrategy(
+        devices="cpu,cpu@1:max2", plan_kwargs={"time_budget": 0.3, "accumulate": True}
+    )
+    model, trainer = fit(strategy, epochs=1)
+    plans = gathered((strategy.plan.sizes, strategy.plan.micro_batches))
+    assert plans[0] == plans[1] and sum(plans[0][0]) == 8, plans
+    assert max(plans[0][1][1]) <= 2, plans  # never more than rank 1's cap at once
+    shares, stand_in = gathered(model.shares), gathered(model.stand_in)
+    ref = net()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for k in range(len(shares[0])):
+        idx = torch.tensor([i for r in range(2) if not stand_in[r][k] for i in shares[r][k]], dtype=torch.long)
+        opt.zero_grad()
+        F.mse_loss(ref(X[idx]), Y[idx]).backward()
+        opt.step()
+    for (name, p), q in zip(model.model.named_parameters(), ref.parameters()):
+        err = (p.full_tensor().detach() - q.detach()).abs().max().item()
+        assert err < 1e-12, f"parameter {name} differs from the single-process full-batch SGD by {err}"
+
+
+dist.barrier() if dist.is_initialized() else None

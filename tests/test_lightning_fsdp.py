@@ -1,0 +1,34 @@
+"""HeteroModelParallelStrategy (Lightning's FSDP2 strategy with hetsplit's shares) in a 2-rank gloo job, float64.
+
+``tests/lightning_fsdp_job.py`` runs every scenario in one launch (Lightning's start-up is
+most of the time); each scenario is its own test: the parameters after two epochs equal one
+plain process's full-batch SGD on the same global batches. The constructor's refusals
+need no launch.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("lightning")
+pytest.importorskip("torch.distributed.fsdp")
+
+from integration_launch import check, job_fixture
+
+from hetsplit.lightning import HeteroModelParallelStrategy
+
+job = job_fixture("lightning_fsdp_job.py", timeout=240)
+
+
+@pytest.mark.parametrize("name", ["uneven", "zero", "micro", "profiled"])
+def test_steps_equal_full_batch_sgd(job, name):
+    check(job, name)
+
+
+def test_only_data_parallelism_on_a_1d_mesh():
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=2\).*use tensor_parallel_size=1"):
+        HeteroModelParallelStrategy(tensor_parallel_size=2)
+    with pytest.raises(ValueError, match=r"data_parallel_size=0\)"):
+        HeteroModelParallelStrategy(data_parallel_size=0)
+    with pytest.raises(ValueError, match=r"HeteroModelParallelStrategy\(weighting='hook'\)"):
+        HeteroModelParallelStrategy(weighting="hook")
