@@ -122,3 +122,23 @@ def test_a_sharded_model_is_refused_before_any_work(monkeypatch):
     monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")  # what accelerate launch --use_deepspeed sets
     with pytest.raises(ValueError, match="ACCELERATE_USE_DEEPSPEED shards the model instead"):
         HeteroAccelerator()
+
+
+def test_accelerate_fsdp1_is_refused_and_fsdp2_names_why_it_needs_gpus(monkeypatch):
+    from accelerate import FullyShardedDataParallelPlugin
+
+    with pytest.raises(
+        ValueError, match=r"fsdp_plugin \(FSDP1\) shards.*FullyShardedDataParallelPlugin\(fsdp_version=2\)"
+    ):
+        HeteroAccelerator(fsdp_plugin=FullyShardedDataParallelPlugin())
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")  # accelerate launch --use_fsdp (FSDP_VERSION unset: FSDP1)
+    with pytest.raises(ValueError, match=r"ACCELERATE_USE_FSDP \(FSDP1\) shards the model instead"):
+        HeteroAccelerator()
+    # FSDP2 gets past hetsplit's checks; on CPU processes accelerate itself would not shard
+    # (accelerate/state.py: FSDP only for GPU-like process types), so it stops there, before any work.
+    monkeypatch.setenv("FSDP_VERSION", "2")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    for kwargs in ({}, {"fsdp_plugin": FullyShardedDataParallelPlugin(fsdp_version=2)}):
+        with pytest.raises(ValueError, match=r"FSDP2 on CPU processes: accelerate runs FSDP only on GPUs"):
+            HeteroAccelerator(devices="cpu,cpu@0.25", **kwargs)

@@ -542,7 +542,7 @@ def test_micro_batch_refusals_and_memory_caps():
         context = SimpleNamespace(train_step_context=lambda: contextlib.nullcontext())
         return SimpleNamespace(
             lightning_module=module, plan=plan, global_rank=0, rank_device=parse_device(device),
-            model=None, precision_plugin=context, aside=GradientsAside(),
+            model=None, precision_plugin=context, aside=GradientsAside(), _micro_model=lambda: None,
         )  # fmt: skip
 
     whole = hetsplit.Plan(["r0", "r1"], [6, 2], [0.0, 0.0], 8)

@@ -18,6 +18,7 @@ import hetsplit.distributed as hd
 from hetsplit.devices import Device, parse_device
 from hetsplit.distributed.comm_hooks import WeightingState
 from hetsplit.distributed.setup import device_name
+from hetsplit.distributed.sharded import kind
 from hetsplit.planning import Plan, Profile, Rebalancer, resolve_plan
 from hetsplit.tree import tree_map
 
@@ -31,6 +32,7 @@ from .accelerate_parts import (
     profiling_inputs,
     save_epochs,
     shuffle_seed,
+    wants_fsdp2,
 )
 from .collectives import all_tensors, first_rows, uneven_gather, weighted_reduce
 from .core import carried_settings, is_cpu_job, launched_world, throttle, throttle_forward
@@ -131,6 +133,14 @@ class HeteroAccelerator(accelerate.Accelerator):
         self.rank_device: Device | None = None
         if names is not None:
             self.rank_device = parse_device(names[rank])  # this machine must have it
+        if wants_fsdp2(accelerator_kwargs) and is_cpu_job(self.rank_device, world):
+            # accelerate/state.py sets DistributedType.FSDP for GPU-like process types only:
+            # with MULTI_CPU the plugin would be ignored and every process hold a DDP copy.
+            raise ValueError(
+                "HeteroAccelerator with FSDP2 on CPU processes: accelerate runs FSDP only on GPUs (on the CPU it "
+                "would train with DDP, a whole copy per process); on CPUs shard with fully_shard and "
+                "hetsplit.distributed (docs/torchrun.md) or Lightning's HeteroModelParallelStrategy"
+            )
             if world > 1 and not dist.is_initialized():  # NCCL only when every process is a GPU
                 self.rank_device = hd.init(devices=",".join(names))
         if world > 1:  # prepare and gather alone, without training, join the group too
@@ -345,9 +355,17 @@ class HeteroAccelerator(accelerate.Accelerator):
             load_epochs(self._dataloaders, input_dir)
 
     def prepare_model(self, model: torch.nn.Module, device_placement: Any = None, evaluation_mode: bool = False):
-        """Wrap as accelerate does (DDP), then weight the gradients by shard; emulated devices run at their speed."""
+        """Wrap as accelerate does (DDP or FSDP2), then weight the gradients by shard; emulated devices at their speed.
+
+        An FSDP2 model (``fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2)``, GPUs only)
+        is weighted at the root's outputs (:func:`hetsplit.distributed.weight_gradients`), and
+        :meth:`micro_batches` runs as many micro-batches on every process.
+        """
         model = super().prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
-        if isinstance(model, torch.nn.parallel.DistributedDataParallel) and self.weighting != "none":
+        if kind(model) == "fsdp2" and self.weighting != "none":
+            # FSDP2 has no comm hook: weighted at the root's outputs whatever ``weighting`` says.
+            self._weightings.append(hd.weight_gradients(model, self._plan))
+        elif isinstance(model, torch.nn.parallel.DistributedDataParallel) and self.weighting != "none":
             if self.weighting == "outputs" and self._plan is None:
                 raise ValueError(
                     'weighting="outputs" needs the plan when the model is prepared: prepare the model together '

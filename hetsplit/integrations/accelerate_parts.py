@@ -120,6 +120,15 @@ def load_epochs(loaders: list[Any], location: str) -> None:
         loader.iteration = int(state["iteration"])
 
 
+def wants_fsdp2(accelerator_kwargs: Mapping[str, Any]) -> bool:
+    """Whether accelerate will shard with FSDP2: an ``fsdp_plugin`` with ``fsdp_version=2``, or
+    ``accelerate launch --use_fsdp --fsdp_version 2`` (``ACCELERATE_USE_FSDP``, ``FSDP_VERSION``)."""
+    plugin = accelerator_kwargs.get("fsdp_plugin")
+    if plugin is not None:
+        return getattr(plugin, "fsdp_version", 1) == 2
+    return _flag(os.environ.get("ACCELERATE_USE_FSDP")) and os.environ.get("FSDP_VERSION", "1").strip() == "2"
+
+
 def check_arguments(
     given: Mapping[str, Any],
     accelerator_kwargs: Mapping[str, Any],
@@ -145,12 +154,18 @@ def check_arguments(
             f"the plan has {len(plan.sizes)} shares {list(plan.sizes)} but {world} processes run: "
             "give a plan with one share per process"
         )
-    sharded = [k for k in ("deepspeed_plugin", "fsdp_plugin", "megatron_lm_plugin") if accelerator_kwargs.get(k)]
-    sharded += [k for k in ("ACCELERATE_USE_DEEPSPEED", "ACCELERATE_USE_FSDP") if _flag(os.environ.get(k))]
+    # FSDP2 is weighted at the root's outputs (hetsplit.distributed.sharded); DeepSpeed, Megatron-LM
+    # and FSDP1 shard in ways whose per-rank gradients hetsplit cannot weight.
+    fsdp2 = wants_fsdp2(accelerator_kwargs)
+    sharded = [k for k in ("deepspeed_plugin", "megatron_lm_plugin") if accelerator_kwargs.get(k)]
+    sharded += ["fsdp_plugin (FSDP1)"] if accelerator_kwargs.get("fsdp_plugin") and not fsdp2 else []
+    sharded += [k for k in ("ACCELERATE_USE_DEEPSPEED",) if _flag(os.environ.get(k))]
+    sharded += ["ACCELERATE_USE_FSDP (FSDP1)"] if _flag(os.environ.get("ACCELERATE_USE_FSDP")) and not fsdp2 else []
     if sharded:
         raise ValueError(
-            f"HeteroAccelerator splits batches for DDP; {sharded[0]} shards the model instead and is not supported: "
-            "launch without DeepSpeed/FSDP (accelerate launch --multi_gpu), or use the plain Accelerator"
+            f"HeteroAccelerator splits batches for DDP or FSDP2; {sharded[0]} shards the model instead and is not "
+            "supported: use FullyShardedDataParallelPlugin(fsdp_version=2) (accelerate launch --use_fsdp "
+            "--fsdp_version 2) on GPUs, DDP (accelerate launch --multi_gpu), or the plain Accelerator"
         )
     config = accelerator_kwargs.get("dataloader_config")
     if config is not None and getattr(config, "use_stateful_dataloader", False):
