@@ -1,4 +1,4 @@
-"""Shared fixtures: a quiet, single-threaded torch and an isolated profile directory."""
+"""Shared fixtures: a quiet, single-threaded torch and an isolated profile directory; the slowest modules first."""
 
 import pytest
 import torch
@@ -11,3 +11,27 @@ def _isolate(monkeypatch, tmp_path):
     threads = torch.get_num_threads()
     yield
     torch.set_num_threads(threads)
+
+
+# Modules whose jobs take tens of seconds (multi-process launches, framework imports). The
+# two xdist workers take whole modules in collection order, so the slowest go first and
+# the short ones fill in at the end, instead of one long module starting last while the
+# other worker sits idle.
+_SLOW_FIRST = (
+    "test_integration_scenarios.py",
+    "test_exit.py",
+    "test_lightning_fsdp.py",
+    "test_hf_trainer.py",
+    "test_docs.py",
+    "test_examples.py",
+    "test_accelerate.py",
+    "test_lightning.py",
+    "test_launch.py",
+    "test_fsdp.py",
+    "test_distributed.py",
+)
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(_SLOW_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each module keeps its order

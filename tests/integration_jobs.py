@@ -1,7 +1,7 @@
 """Two-process jobs behind tests/test_integration_scenarios.py: one scenario per launch.
 
-``torchrun --standalone --nproc_per_node=2 tests/integration_jobs.py SCENARIO`` runs one
-scenario on both ranks (gloo, one thread each) and prints ``OK SCENARIO rank R`` once its
+``torchrun --standalone --nproc_per_node=2 tests/integration_jobs.py SCENARIO...`` runs the
+scenarios, in turn, on both ranks (gloo, one thread each) and prints ``OK SCENARIO rank R`` once its
 asserts pass on that rank. Each scenario is an upstream-script pattern (a tokenizer batch
 moved with ``.to()``, ``x.view(x.size(0), -1)``, ``cpu=False`` on a CPU-only machine, a
 metric synced over 500 samples, a resumed run), checked against a single-process float64
@@ -328,8 +328,10 @@ def lightning_sync_dist_metrics_cover_500_samples_once():
 
 
 if __name__ == "__main__":
-    name = sys.argv[1]
+    # Several scenarios of one framework may share a launch (its start-up is most of its
+    # time); each prints its own OK line, and the first failure ends the launch.
     torch.set_num_threads(1)
-    SCENARIOS[name]()
-    rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))
-    print(f"OK {name} rank {rank}", flush=True)
+    for name in sys.argv[1:]:
+        SCENARIOS[name]()
+        rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))
+        print(f"OK {name} rank {rank}", flush=True)
