@@ -75,12 +75,9 @@ def lightning_validate():
 
 
 @job
-def lightning_test():
+def lightning_test_then_predict():
+    # Two stages of one script (one launch: the suite's time is mostly launches' start-up).
     lightning("test")
-
-
-@job
-def lightning_predict():
     lightning("predict")
 
 

@@ -1,7 +1,7 @@
 """Jobs that join the group through an integration but never train exit cleanly (status 0).
 
-Each case runs one kind of job from tests/exit_jobs.py (Lightning validate / test /
-predict alone, HeteroTrainer.evaluate alone, HeteroAccelerator prepare and gather
+Each case runs one kind of job from tests/exit_jobs.py (Lightning validate alone,
+test then predict, HeteroTrainer.evaluate alone, HeteroAccelerator prepare and gather
 alone) several at once, as a loaded machine runs them (``EXIT_RUNS`` adds a busy process):
 every run with hetsplit's exit wait must register it on both ranks and exit 0. With
 ``EXIT_RUNS=N`` each kind runs N times, and as often without the wait (taken off at its
@@ -25,8 +25,7 @@ pytest.importorskip("transformers")
 ROOT = Path(__file__).resolve().parents[1]
 KINDS = [
     "lightning_validate",
-    "lightning_test",
-    "lightning_predict",
+    "lightning_test_then_predict",
     "trainer_evaluate",
     "accelerate_prepare_gather",
 ]
