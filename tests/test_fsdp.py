@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.fsdp as fsdp
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 from helpers import mlp, run_ranks
@@ -19,7 +20,6 @@ import hetsplit
 import hetsplit.distributed as hd
 from hetsplit.planning import plan_from_sizes
 
-fsdp = pytest.importorskip("torch.distributed.fsdp")
 fully_shard = fsdp.fully_shard
 
 WORLD = 2
@@ -162,7 +162,8 @@ SCENARIOS = {
 
 def _llama(rank):
     """A tiny Llama (transformers), fully_shard per decoder layer and root, its loss computed inside the model."""
-    transformers = pytest.importorskip("transformers")
+    import transformers
+
     config = transformers.LlamaConfig(
         vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
         num_key_value_heads=1, max_position_embeddings=8,

@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
+import accelerate  # noqa: F401  (a test extra: missing, fail; never skip)
+import lightning  # noqa: F401  (a test extra: missing, fail; never skip)
 import pytest
 import torch
+import transformers  # noqa: F401  (a test extra: missing, fail; never skip)
 from torch.utils.data import DataLoader, TensorDataset
-
-from hetsplit.distributed.setup import device_name
-
-pytest.importorskip("accelerate")
-pytest.importorskip("lightning")
-pytest.importorskip("transformers")
 
 import hetsplit
 from hetsplit.accelerate import HeteroAccelerator
+from hetsplit.distributed.setup import device_name
 from hetsplit.integrations import core
 from hetsplit.lightning import HeteroDDPStrategy
 from hetsplit.planning import Plan, plan_from_sizes

@@ -4,12 +4,12 @@ import copy
 
 import pytest
 import torch
+import transformers
 from compat_helpers import round_trips, train_lowers_loss, wrap
 from helpers import assert_same_grads, max_rel_grad_error
 
 import hetsplit
 
-transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
 
 

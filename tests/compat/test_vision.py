@@ -5,11 +5,10 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+import torchvision
 from compat_helpers import WEIGHTS, round_trips, train_lowers_loss, wrap
 from helpers import assert_same_grads
 from torch import nn
-
-torchvision = pytest.importorskip("torchvision")
 
 BATCH = 8
 SIZES = [6, 2]  # what WEIGHTS = [3, 1] gives a batch of 8
@@ -20,7 +19,8 @@ def _torchvision_resnet18():
 
 
 def _timm_cnn():
-    timm = pytest.importorskip("timm")
+    import timm
+
     return timm.create_model("resnet10t", pretrained=False, num_classes=5).double()
 
 
