@@ -22,9 +22,11 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def launch(script: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    """``torchrun --standalone --nproc_per_node=2 tests/SCRIPT ARGS`` (one thread per rank, no device list)."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), HETSPLIT_DEVICES="", PYTHONWARNINGS="ignore")
+def launch(script: str, *args: str, timeout: float = 300, **env: str) -> subprocess.CompletedProcess:
+    """``torchrun --standalone --nproc_per_node=2 tests/SCRIPT ARGS``: a thread a rank, no device list, plus ``env``."""
+    env = dict(
+        os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), HETSPLIT_DEVICES="", PYTHONWARNINGS="ignore", **env
+    )
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            str(ROOT / "tests" / script), *args]  # fmt: skip
     try:

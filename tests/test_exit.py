@@ -20,6 +20,7 @@ import accelerate  # noqa: F401  (a test extra: missing, fail; never skip)
 import lightning  # noqa: F401  (a test extra: missing, fail; never skip)
 import pytest
 import transformers  # noqa: F401  (a test extra: missing, fail; never skip)
+from integration_launch import launch
 
 ROOT = Path(__file__).resolve().parents[1]
 KINDS = [
@@ -46,11 +47,7 @@ def busy():
 
 
 def _launch(kind: str, wait: bool) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), HETSPLIT_DEVICES="", PYTHONWARNINGS="ignore")
-    env["NO_EXIT_WAIT"] = "0" if wait else "1"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(ROOT / "tests" / "exit_jobs.py"), kind]  # fmt: skip
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, cwd=ROOT)
+    return launch("exit_jobs.py", kind, timeout=240, NO_EXIT_WAIT="0" if wait else "1")
 
 
 def _aborted(res: subprocess.CompletedProcess) -> bool:

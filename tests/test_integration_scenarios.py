@@ -7,19 +7,14 @@ the test's, so a failure says which pattern broke.
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import accelerate  # noqa: F401  (a test extra: missing, fail; never skip)
 import lightning  # noqa: F401  (a test extra: missing, fail; never skip)
 import pytest
 import transformers  # noqa: F401  (a test extra: missing, fail; never skip)
-
-ROOT = Path(__file__).resolve().parents[1]
-
+from integration_launch import launch
 
 SCENARIOS = [
     "accelerate_zero_share_batch_keeps_its_type",
@@ -49,10 +44,7 @@ assert sorted(s for group in LAUNCHES for s in group) == sorted(SCENARIOS)
 
 
 def _launch(names: list[str]) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), HETSPLIT_DEVICES="", PYTHONWARNINGS="ignore")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(ROOT / "tests" / "integration_jobs.py"), *names]  # fmt: skip
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    return launch("integration_jobs.py", *names)
 
 
 @pytest.fixture(scope="module")
