@@ -180,6 +180,20 @@ def test_batchnorm_running_stats_are_shard_weighted():
     assert torch.allclose(dp(x), dp.module(x))
 
 
+@pytest.mark.parametrize("batch_size", [16, 9, 5, 2])
+def test_a_batchnorm_model_never_gets_a_share_of_one_sample(batch_size):
+    # BatchNorm cannot train on one sample ("Expected more than 1 value per channel"): the plain
+    # module trains on the whole batch, so a split must not hand a replica a single sample.
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 2)).double()
+    dp = HeteroDataParallel(copy.deepcopy(net), DEVICES, weights=[15, 1])
+    x, y = torch.randn(batch_size, 3, dtype=torch.float64), torch.randint(0, 2, (batch_size,))
+    F.cross_entropy(dp(x), y).backward()
+    assert 1 not in dp.plan.sizes and sum(dp.plan.sizes) == batch_size
+    plain = HeteroDataParallel(nn.Sequential(nn.Linear(3, 2)), DEVICES, weights=[15, 1])
+    assert plain.sizes_for(16) == [15, 1]  # without BatchNorm the weights' split stands
+
+
 @pytest.mark.parametrize(
     "kwargs, fragment",
     [

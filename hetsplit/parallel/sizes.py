@@ -14,6 +14,7 @@ from ..planning.plan import Plan
 from ..planning.profile import Profile
 from ..planning.rebalance import Rebalancer
 from ..planning.sizes import check_weights, resolve_plan
+from ..planning.solver import plan_from_sizes
 from ..quick import default_profile
 from ..tree import batch_length
 from .scatter_gather import scatter_to
@@ -191,6 +192,8 @@ class BatchPlans:
             )
             if self.caps:
                 plan = self.by_batch[batch] = self.capped(plan)
+        if 1 in plan.sizes and plan is not self.given and _has_batchnorm(self.model):  # also a rebalancer's plan
+            plan = self.by_batch[batch] = _without_single_samples(plan, self.profile, self.accumulate)
         self.current = plan
         return plan
 
@@ -234,3 +237,25 @@ class BatchPlans:
             new = self._within_caps(new)
         if new is not None and (self.current is None or new.sizes != self.current.sizes):
             self.current, self.by_batch = new, {new.batch_size: new}
+
+
+def _has_batchnorm(model: nn.Module | None) -> bool:
+    return model is not None and any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+
+
+def _without_single_samples(plan: Plan, profile: Profile | None, accumulate: bool) -> Plan:
+    """``plan`` with every share of exactly one sample moved to the largest share.
+
+    BatchNorm cannot train on one sample ("Expected more than 1 value per channel")
+    while the plain module trains on the whole batch, so a model holding BatchNorm is
+    never handed a single-sample shard: the sample goes where the solver put the most
+    (the device it found fastest), which costs at most one sample's time there.
+    """
+    sizes = list(plan.sizes)
+    if 1 not in sizes or plan.batch_size < 2:
+        return plan
+    largest = max(range(len(sizes)), key=lambda i: sizes[i])
+    for i, size in enumerate(sizes):
+        if size == 1 and i != largest:
+            sizes[largest], sizes[i] = sizes[largest] + 1, 0
+    return plan_from_sizes(profile, plan.devices, sizes, accumulate=accumulate)
