@@ -1,5 +1,7 @@
 """Shared fixtures: a quiet, single-threaded torch and an isolated profile directory; the slowest modules first."""
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -35,3 +37,14 @@ _SLOW_FIRST = (
 def pytest_collection_modifyitems(items):
     rank = {name: i for i, name in enumerate(_SLOW_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each module keeps its order
+
+
+def pytest_ignore_collect(collection_path: Path, config) -> bool | None:
+    # The README's second command runs only the serial tests (-m serial). Collecting every
+    # module for it would import Lightning, transformers and accelerate (~10 s on two cores)
+    # to deselect them all, so a module that never mentions the marker is not collected.
+    if config.getoption("markexpr") != "serial" or collection_path.suffix != ".py":
+        return None
+    if not collection_path.name.startswith("test_"):
+        return None
+    return "serial" not in collection_path.read_text(encoding="utf-8")

@@ -3,11 +3,11 @@
 UNITS (JSON) lists units: a setup's code, the guide's blocks that follow it, the code that
 completes them, and for each unit after the first a free port. Each unit runs as a script
 of its own would: in a namespace of its own, the process group of the unit before
-destroyed, its own rendezvous in a new store that rank 0 hosts on the unit's port (in
-torchrun's store a new group's keys are the old one's, and a rank could read the other's
-old address). Each rank writes ``OUT/rank{r}.json``: for each block, ``null`` when it ran,
-else the traceback. A failure ends the job at once, so that the other rank is not left
-waiting in a collective until its timeout.
+destroyed and accelerate's singletons reset, its own rendezvous in a new store that rank 0
+hosts on the unit's port (in torchrun's store a new group's keys are the old one's, and a
+rank could read the other's old address). Each rank writes ``OUT/rank{r}.json``: for each
+block, ``null`` when it ran, else the traceback. A failure ends the job at once, so that
+the other rank is not left waiting in a collective until its timeout.
 """
 
 from __future__ import annotations
@@ -56,6 +56,11 @@ def _fresh_group(port: int) -> None:
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+    if "accelerate" in sys.modules:  # accelerate keeps the process's state in singletons: a new script has none
+        from accelerate.state import AcceleratorState, GradientState
+
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="False")
 
 

@@ -1,10 +1,11 @@
 """Two-rank jobs that use the group through an integration but never train, behind tests/test_exit.py.
 
-``torchrun --standalone --nproc_per_node=2 tests/exit_jobs.py KIND`` runs one job and ends
-right after its last collective, where a rank whose exit does not wait for gloo's worker
-threads can abort (SIGABRT). It prints ``WAIT <bool>``: whether hetsplit's exit wait is
-registered. With ``NO_EXIT_WAIT=1`` the wait is taken off again at the very end, to
-measure what the same job does without it.
+``torchrun --standalone --nproc_per_node=2 tests/exit_jobs.py KIND [KIND ...]`` runs the
+jobs in turn and ends right after the last one's last collective, where a rank whose exit
+does not wait for gloo's worker threads can abort (SIGABRT). After each job it prints
+``WAIT KIND <bool>``: whether that job registered hetsplit's exit wait (forgotten before the
+next job, which must register it again). With ``NO_EXIT_WAIT=1`` the wait is taken off
+again at the very end, to measure what the same job does without it.
 """
 
 from __future__ import annotations
@@ -76,7 +77,6 @@ def lightning_validate():
 
 @job
 def lightning_test_then_predict():
-    # Two stages of one script (one launch: the suite's time is mostly launches' start-up).
     lightning("test")
     lightning("predict")
 
@@ -114,7 +114,10 @@ def accelerate_prepare_gather():
 if __name__ == "__main__":
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
-    JOBS[sys.argv[1]]()
-    print(f"WAIT {teardown.drain_at_exit.cache_info().currsize > 0}", flush=True)
+    for kind in sys.argv[1:]:
+        if kind != sys.argv[1]:  # the next job must register the wait itself
+            teardown.drain_at_exit.cache_clear()
+        JOBS[kind]()
+        print(f"WAIT {kind} {teardown.drain_at_exit.cache_info().currsize > 0}", flush=True)
     if os.environ.get("NO_EXIT_WAIT") == "1":
         atexit.unregister(teardown.wait_for_workers)

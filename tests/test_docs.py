@@ -217,7 +217,7 @@ trainer.fit_loop.max_epochs = 1  # the guide's Trainer would train for Lightning
 trainer.fit(Tiny(), loader)
 assert trainer.global_step == 4, trainer.global_step  # 64 samples, a global batch of 2 x 8
 """,
-        job="lightning",
+        job="integrations",
         devices="cpu,cpu@0.25",
     ),
     "accelerate": Setup(
@@ -226,7 +226,8 @@ assert trainer.global_step == 4, trainer.global_step  # 64 samples, a global bat
 model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
 optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
 """,
-        job="accelerate",
+        job="integrations",  # the three frameworks' units share one launch (start-up is most of its time)
+        devices="cpu,cpu@0.25",
     ),
     "transformers": Setup(
         """
@@ -256,7 +257,8 @@ args = TrainingArguments(
 trainer.train()
 assert "eval_loss" in trainer.evaluate()
 """,
-        job="transformers",
+        job="integrations",
+        devices="cpu,cpu@0.25",
     ),
     "whatif-profiles": Setup(
         """

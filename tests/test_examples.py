@@ -78,7 +78,7 @@ def test_dataparallel_tutorial_shows_uneven_sizes():
 
 
 def test_split_a_batch():
-    out = _run("split_a_batch.py", "--devices", "cpu,cpu@0.5", "--batch-size", "64", "--budget", "3")
+    out = _run("split_a_batch.py", "--devices", "cpu,cpu@0.5", "--batch-size", "64", "--budget", "1")
     assert "scattered and gathered back exactly" in out and "synthetic" in out
 
 

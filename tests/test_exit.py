@@ -1,11 +1,13 @@
 """Jobs that join the group through an integration but never train exit cleanly (status 0).
 
-Each case runs one kind of job from tests/exit_jobs.py (Lightning validate alone,
-test then predict, HeteroTrainer.evaluate alone, HeteroAccelerator prepare and gather
-alone) several at once, as a loaded machine runs them (``EXIT_RUNS`` adds a busy process):
-every run with hetsplit's exit wait must register it on both ranks and exit 0. With
-``EXIT_RUNS=N`` each kind runs N times, and as often without the wait (taken off at its
-very end) to measure how often it aborts instead, for docs/benchmarks.md (printed).
+Each case is one kind of job from tests/exit_jobs.py (Lightning validate alone, test then
+predict, HeteroTrainer.evaluate alone, HeteroAccelerator prepare and gather alone). The
+kinds of one framework share a launch (its start-up is most of a launch's time) and the
+launches run at once, as a loaded machine runs them (``EXIT_RUNS`` adds a busy process):
+each kind must register hetsplit's exit wait on both ranks, and every launch with the wait
+must exit 0. With ``EXIT_RUNS=N`` each launch runs N times, and as often without the wait
+(taken off at its very end) to measure how often it aborts instead, for docs/benchmarks.md
+(printed).
 """
 
 from __future__ import annotations
@@ -23,12 +25,11 @@ import transformers  # noqa: F401  (a test extra: missing, fail; never skip)
 from integration_launch import launch
 
 ROOT = Path(__file__).resolve().parents[1]
-KINDS = [
-    "lightning_validate",
-    "lightning_test_then_predict",
-    "trainer_evaluate",
-    "accelerate_prepare_gather",
+LAUNCHES = [
+    ("lightning_validate", "lightning_test_then_predict"),
+    ("trainer_evaluate", "accelerate_prepare_gather"),  # the Trainer runs on accelerate: one import
 ]
+KINDS = [kind for kinds in LAUNCHES for kind in kinds]
 RUNS = int(os.environ.get("EXIT_RUNS", "1"))
 
 
@@ -46,8 +47,8 @@ def busy():
             spinner.wait()
 
 
-def _launch(kind: str, wait: bool) -> subprocess.CompletedProcess:
-    return launch("exit_jobs.py", kind, timeout=240, NO_EXIT_WAIT="0" if wait else "1")
+def _launch(kinds: tuple[str, ...], wait: bool) -> subprocess.CompletedProcess:
+    return launch("exit_jobs.py", *kinds, timeout=240, NO_EXIT_WAIT="0" if wait else "1")
 
 
 def _aborted(res: subprocess.CompletedProcess) -> bool:
@@ -56,19 +57,20 @@ def _aborted(res: subprocess.CompletedProcess) -> bool:
 
 @pytest.fixture(scope="module")
 def runs(busy) -> dict[str, tuple[list, list]]:
-    # Every kind's runs at once (independent launches; their start-up is most of the time): a
-    # loaded machine. Each run must register the wait on both ranks and exit 0. Runs without
+    # Every launch's runs at once (independent launches; their start-up is most of the time):
+    # a loaded machine. Each run must register the wait on both ranks and exit 0. Runs without
     # the wait only measure how often a job then aborts (EXIT_RUNS, for docs/benchmarks.md).
-    bare = KINDS if "EXIT_RUNS" in os.environ else []
+    bare = RUNS if "EXIT_RUNS" in os.environ else 0
     with ThreadPoolExecutor(max_workers=4) as pool:
         futures = {
-            k: (
-                [pool.submit(_launch, k, True) for _ in range(RUNS)],
-                [pool.submit(_launch, k, False) for _ in range(RUNS if k in bare else 0)],
+            kinds: (
+                [pool.submit(_launch, kinds, True) for _ in range(RUNS)],
+                [pool.submit(_launch, kinds, False) for _ in range(bare)],
             )
-            for k in KINDS
+            for kinds in LAUNCHES
         }
-        return {k: ([f.result() for f in w], [f.result() for f in b]) for k, (w, b) in futures.items()}
+        done = {kinds: ([f.result() for f in w], [f.result() for f in b]) for kinds, (w, b) in futures.items()}
+    return {kind: done[kinds] for kinds in LAUNCHES for kind in kinds}
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -80,4 +82,4 @@ def test_a_job_that_never_trains_exits_cleanly(kind, runs):
           f"without it {sum(map(_aborted, bare))} of {len(bare)}")  # fmt: skip
     for res in waited:
         assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
-        assert res.stdout.count("WAIT True") == 2, res.stdout[-2000:]  # registered on both ranks
+        assert res.stdout.count(f"WAIT {kind} True") == 2, res.stdout[-2000:]  # this kind registered it on both ranks

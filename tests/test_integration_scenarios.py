@@ -33,11 +33,19 @@ SCENARIOS = [
 # Scenarios that share a launch: one framework's, whose process-wide state (accelerate's
 # singleton, an initialised process group) the next scenario reuses as a script would.
 # The suite's time is mostly the launches' start-up (torch and a framework imported by
-# three processes).
+# three processes). A scenario about how a launch starts (one job, not two copies) runs
+# first in its launch, before any other has made the group or accelerate's state.
 LAUNCHES = [
-    [s for s in SCENARIOS if s.startswith("accelerate_") and "resume" not in s],
-    [s for s in SCENARIOS if "resume" in s],  # its two runs start from a fresh accelerate state
-    [s for s in SCENARIOS if s.startswith(("torchrun_", "trainer_"))],
+    [
+        "accelerate_cpu_false_on_a_cpu_only_machine_is_one_job",
+        "accelerate_zero_share_batch_keeps_its_type",
+        "accelerate_profiles_on_the_device_accelerate_names",
+        "accelerate_resume_draws_the_orders_of_an_uninterrupted_run",
+    ],
+    [
+        "trainer_without_use_cpu_on_a_cpu_only_machine_is_one_job",
+        *(s for s in SCENARIOS if s.startswith("torchrun_")),
+    ],
     [s for s in SCENARIOS if s.startswith("lightning_")],
 ]
 assert sorted(s for group in LAUNCHES for s in group) == sorted(SCENARIOS)
@@ -49,8 +57,8 @@ def _launch(names: list[str]) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def jobs() -> dict[str, subprocess.CompletedProcess]:
-    # Independent two-process launches, two at once; each scenario judged by its own test below.
-    with ThreadPoolExecutor(max_workers=2) as pool:
+    # Independent two-process launches, at once; each scenario judged by its own test below.
+    with ThreadPoolExecutor(max_workers=3) as pool:
         results = list(pool.map(_launch, LAUNCHES))
     return {name: res for group, res in zip(LAUNCHES, results) for name in group}
 
