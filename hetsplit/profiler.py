@@ -243,6 +243,25 @@ def profile(
     """
     devs = list(dict.fromkeys(parse_devices(devices)))  # each distinct device once
     ladder = check_ladder(batch_sizes, max_probe)
+    check_settings(sample, target, repeats, warmup, time_budget)
+    show = sys.stderr.isatty() if progress is None else progress
+    cuda_ids = [d.index for d in devs if d.type == "cuda"]
+    with (
+        timing.threads_for(devs, threads),
+        torch.random.fork_rng(devices=cuda_ids),
+        tqdm(total=len(devs) * len(ladder), disable=not show, unit="size", desc="profiling", leave=False) as bar,
+    ):
+        entries = _measure(model, devs, sample, target, loss_fn, ladder, repeats, warmup, time_budget / len(devs),
+                           find_memory_cap, max_probe, bar)  # fmt: skip
+    return Profile(entries, model=model_record(model, sample, model_name), source="measured")
+
+
+def check_settings(sample: Any, target: Any, repeats: Any, warmup: Any, time_budget: Any) -> None:
+    """Check a profile's settings and sample before any device work.
+
+    Raises:
+        ValueError: Naming the bad value.
+    """
     kinds = ((repeats, int), (warmup, int), (time_budget, int | float))
     if any(isinstance(v, bool) or not isinstance(v, kind) for v, kind in kinds):
         raise ValueError(f"repeats and warmup must be integers and time_budget a number, got {repeats!r}, "
@@ -254,27 +273,18 @@ def profile(
         raise ValueError("the sample holds no rows (length 0 along dim 0); pass at least one example input")
     if target is not None and batch_length(target) != n:
         raise ValueError(f"target has {batch_length(target)} rows but sample has {n}; they must match")
-    show = sys.stderr.isatty() if progress is None else progress
-    cuda_ids = [d.index for d in devs if d.type == "cuda"]
-    with (
-        timing.threads_for(devs, threads),
-        torch.random.fork_rng(devices=cuda_ids),
-        tqdm(total=len(devs) * len(ladder), disable=not show, unit="size", desc="profiling", leave=False) as bar,
-    ):
-        entries = _measure(model, devs, sample, target, loss_fn, ladder, repeats, warmup, time_budget / len(devs),
-                           find_memory_cap, max_probe, bar)  # fmt: skip
-    return Profile(
-        entries,
-        model={
-            "name": model_name or type(model).__name__,
-            "fingerprint": fingerprint(model),
-            "parameters": sum(p.numel() for p in model.parameters()),
-            "parameter_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
-            "input_shape": _input_shape(sample),
-            "dtype": _dtype(sample),
-        },
-        source="measured",
-    )
+
+
+def model_record(model: nn.Module, sample: Any, name: str | None = None) -> dict[str, Any]:
+    """What a profile records of the model it timed (a sharded parameter counts whole: its global shape)."""
+    return {
+        "name": name or type(model).__name__,
+        "fingerprint": fingerprint(model),
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "parameter_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+        "input_shape": _input_shape(sample),
+        "dtype": _dtype(sample),
+    }
 
 
 def _measure(

@@ -199,17 +199,25 @@ def _llama(rank):
 
 
 def _planned(rank):
-    """hd.plan on the sharded model: rank 1 emulates a memory of 4 samples, so its share runs as micro-batches."""
+    """hd.plan on the sharded model: rank 1 is half as fast with a memory of 4 samples (its share: micro-batches)."""
+    from torch.distributed.tensor import DTensor
+
     model = _sharded(width=512)  # wide enough that a step's arithmetic outweighs its overhead: both ranks get work
     before = _full(model)
     data = _data()
     x, y, _ = data[:8]
-    device = "cpu" if rank == 0 else "cpu:max4"
-    plan = hd.plan(
-        model, x, N, device=device, loss_fn=F.cross_entropy, target=y, accumulate=True,
-        batch_sizes=[2, 4, 8], repeats=1, time_budget=2,
-    )  # fmt: skip
+    device = "cpu" if rank == 0 else "cpu@0.5:max4"
+    rng, gathers, full_tensor = torch.get_rng_state(), [], DTensor.full_tensor
+    DTensor.full_tensor = lambda self, **kw: gathers.append(self.shape) or full_tensor(self, **kw)
+    try:
+        plan = hd.plan(
+            model, x, N, device=device, loss_fn=F.cross_entropy, target=y, accumulate=True,
+            batch_sizes=[2, 4, 8], repeats=1, time_budget=2,
+        )  # fmt: skip
+    finally:
+        DTensor.full_tensor = full_tensor
     untouched = _max_err(_full(model), before) == 0 and all(p.grad is None for p in model.parameters())
+    untouched = untouched and torch.equal(torch.get_rng_state(), rng)
     hd.weight_gradients(model, plan)
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
     loader = hd.data_loader(data, plan, shuffle=False)
@@ -221,7 +229,8 @@ def _planned(rank):
             F.cross_entropy(model(xm), ym).backward()
         opt.step()
     ref = _reference([list(range(N))], width=512)
-    return {"plan": plan.to_dict(), "untouched": untouched, "biggest": biggest, "err": _max_err(_full(model), ref)}
+    err = _max_err(_full(model), ref)
+    return {"plan": plan.to_dict(), "untouched": untouched, "biggest": biggest, "err": err, "gathers": len(gathers)}
 
 
 def _rebalanced(rank):
@@ -372,14 +381,16 @@ def test_a_transformers_llama_with_its_loss_inside_the_model(ranks):
     assert r0["err_full"] < 1e-7  # one full batch: within the model's own float32 rounding
 
 
-def test_plan_profiles_the_sharded_model_and_respects_the_emulated_cap(ranks):
+def test_plan_profiles_the_model_as_sharded_and_respects_the_emulated_cap(ranks):
     r0, r1 = ranks["planned"]
     assert r0["plan"] == r1["plan"]
     plan = r0["plan"]
-    assert sum(plan["sizes"]) == N and plan["devices"] == ["rank0:cpu", "rank1:cpu:max4"]
+    assert sum(plan["sizes"]) == N and plan["devices"] == ["rank0:cpu", "rank1:cpu@0.5:max4"]
+    assert r0["gathers"] == r1["gathers"] == 0  # timed sharded, in turns: no unsharded copy of the model
+    assert plan["sizes"][1] < plan["sizes"][0]  # the half-speed rank
     assert all(m <= 4 for m in plan["micro_batches"][1])  # the small device's cap
     assert r1["biggest"] <= 4
-    assert r0["untouched"] and r1["untouched"]  # profiling gathered, then left the model as it was
+    assert r0["untouched"] and r1["untouched"]  # parameters, gradients (none) and the RNG as they were
     assert r0["err"] < 1e-12 and r1["err"] < 1e-12
 
 
@@ -464,3 +475,17 @@ def test_on_cuda_the_plan_and_the_weighting_of_a_sharded_model(tmp_path):
     mp.spawn(_gpu_worker, args=(str(tmp_path / "rendezvous"), str(tmp_path)), nprocs=1, join=True)
     out = json.loads((tmp_path / "gpu.json").read_text())
     assert out["plan"]["sizes"] == [64] and out["err"] < 1e-12
+
+
+def test_the_sharded_profile_stops_its_ladder_before_the_memory_fit_passes_the_device():
+    # On CUDA a turn cannot probe for out-of-memory (the other ranks would wait in a collective):
+    # the peaks measured so far, fitted as base + per_sample * b, decide where the ladder stops.
+    from hetsplit.distributed.sharded_profile import _Turn, profile_sharded
+
+    turn = _Turn(_net(), hetsplit.parse_devices("cpu")[0], torch.zeros(2, 6), None, None, True, 0.9)
+    turn.limit, turn.peaks = 1000.0, {2: 300, 4: 500}  # 100 bytes of shards and workspace, 100 a sample
+    assert turn.wants(8, budget=60.0, steps=3)  # 900 bytes predicted
+    assert not turn.wants(16, budget=60.0, steps=3)  # 1,700 bytes
+    assert turn.cap == 9  # the largest batch the fit keeps under the limit
+    with pytest.raises(ValueError, match="memory_fraction must be in"):
+        profile_sharded(_net(), torch.zeros(2, 6), "cpu", memory_fraction=1.5)

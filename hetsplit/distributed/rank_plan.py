@@ -28,6 +28,7 @@ from ..version import __version__
 from . import sharded as _sharded
 from ._group import DistributedError, all_gather, collective, group_info, guard
 from .setup import rank_devices
+from .sharded_profile import profile_sharded
 
 
 def rank_device(devices: str | Sequence[DeviceLike], rank: int | None = None, *, world: int | None = None) -> str:
@@ -96,12 +97,13 @@ def plan(
     not touched.
 
     A sharded model (FSDP2's ``fully_shard``, checked across ranks as
-    :func:`weight_gradients` does) is profiled as an unsharded replica in host memory,
-    its parameters gathered once on every rank, so that each rank times its own device
-    alone (an FSDP2 forward is collective); the model is left as it was. Each device
-    then runs the whole model in the profile, so its memory cap (probed on CUDA,
-    ``cpu:max8`` when emulated) is that of the unsharded model: safe (a sharded step
-    holds less), if conservative. Such a plan is not calibrated (calibration runs DDP).
+    :func:`weight_gradients` does) is profiled as the user sharded it, the ranks in
+    turns (an FSDP2 forward is collective: in rank ``r``'s turn it runs its ladder while
+    the others run one sample; :func:`~hetsplit.distributed.sharded_profile.profile_sharded`),
+    so its times include the collectives and no device ever holds the whole model; the
+    model is left as it was. Its memory cap: an emulated one (``cpu:max8``) as given; on
+    CUDA where the fitted peak of the sharded step reaches 90 % of the device
+    (``memory_fraction``). Such a plan is not calibrated (calibration runs DDP).
     With ``accumulate=True`` its shares are solved for what FSDP2 runs: every rank as
     many micro-batches as the others (:func:`hetsplit.planning.solver.solve_lockstep`),
     so a fast rank's extra micro-batches are priced in, not only the capped rank's.
@@ -148,12 +150,10 @@ def plan(
     sharded = _sharded.holds_sharded(model)  # the FSDP2 root, or a module around it (a LightningModule's loss)
     if sharded:
         _sharded.check_sharded(model, group)
-    if profile is None:
-        # A sharded model's forward is collective, so the ranks could not time their own
-        # devices apart: each profiles an unsharded replica (gathered once, all ranks together).
-        subject = _sharded.plain_replica(model) if sharded else model
-        profile = run_profile(subject, sample, [dev], loss_fn, target=target, progress=False, **profile_kwargs)
-        del subject
+    if profile is None and sharded:  # collective forwards: the ranks take turns (sharded_profile.py)
+        profile = profile_sharded(model, sample, dev, loss_fn, target=target, group=group, **profile_kwargs)
+    elif profile is None:
+        profile = run_profile(model, sample, [dev], loss_fn, target=target, progress=False, **profile_kwargs)
     entry = profile.entry(dev.name) if len(profile.entries) > 1 else profile.entries[0]
     gathered = all_gather({"entry": entry.to_dict(), "model": profile.model}, "gathering profiles", group)
     combined = None

@@ -1,10 +1,9 @@
-"""Sharded: FSDP2 (``fully_shard``) in the torchrun pieces — what is refused, the micro-batches, a replica to profile.
+"""Sharded: FSDP2 (``fully_shard``) in the torchrun pieces — what is refused, the micro-batches every rank runs.
 
 The other modules dispatch here for a sharded model: ``comm_hooks`` (weighting: at the
 outputs, the step's sizes exchanged when there is no plan), ``accumulate`` (the
-micro-batches every rank runs), ``rank_plan`` (a plain replica to profile). Only
-torch's public FSDP2 API is used, except :func:`_plain_replica`, which rebuilds
-``fully_shard``'s classes (torch refuses ``copy.deepcopy`` of an FSDP2 module).
+micro-batches every rank runs), ``rank_plan`` (profiled in turns: ``sharded_profile``).
+Only torch's public FSDP2 API is used.
 
 Why every rank runs the same number of micro-batches. FSDP2 all-gathers each
 group's parameters in every forward (and again in backward) and reduce-scatters its
@@ -76,8 +75,8 @@ def is_sharded(model: nn.Module) -> bool:
 def holds_sharded(model: nn.Module) -> bool:
     """Whether ``model`` is sharded or holds a sharded module (a LightningModule whose layers ``fully_shard`` sharded).
 
-    Such a model's forward is collective, as a sharded root's is: it is profiled as a
-    plain replica (:func:`plain_replica` rebuilds the whole tree) and solved as FSDP2 runs.
+    Such a model's forward is collective, as a sharded root's is: it is profiled with the
+    ranks in turns (:mod:`hetsplit.distributed.sharded_profile`) and solved as FSDP2 runs.
     """
     return any(is_sharded(m) for m in model.modules())
 
@@ -182,48 +181,3 @@ def _device(model: nn.Module) -> torch.device:
         local = p.to_local() if hasattr(p, "to_local") else p
         return local.device
     return torch.device("cpu")
-
-
-def plain_replica(model: nn.Module) -> nn.Module:
-    """An unsharded copy of an FSDP2 model on the CPU, without FSDP2: for profiling each rank alone.
-
-    Collective (every rank, in the same order: one all-gather per parameter). Each
-    rank then times its own device on the whole model without meeting the others, as
-    for DDP; the sharded model is left untouched. Costs one full copy of the
-    parameters in host memory while it lives.
-    """
-    fulls: dict[int, nn.Parameter] = {}
-    for _name, p in model.named_parameters():
-        if id(p) not in fulls:
-            full = p.full_tensor() if hasattr(p, "full_tensor") else p.data
-            fulls[id(p)] = nn.Parameter(full.detach().to("cpu", copy=True), requires_grad=p.requires_grad)
-    return _rebuild(model, fulls)
-
-
-# What fully_shard adds to a module's __dict__ (its state, the composable-API registry).
-_FSDP_KEYS = ("__composable_api_state_key", "_is_fsdp_managed_module", "_fsdp_use_orig_params")
-_HOOKS = (
-    "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs",
-    "_forward_hooks_always_called", "_backward_pre_hooks", "_backward_hooks", "_state_dict_hooks",
-    "_state_dict_pre_hooks", "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks",
-)  # fmt: skip
-
-
-def _rebuild(module: nn.Module, fulls: dict[int, nn.Parameter]) -> nn.Module:
-    """``module`` as its original class, with the gathered parameters and copied buffers, without hooks."""
-    fsdp2 = _fsdp2_module()
-    cls = type(module)
-    if fsdp2 is not None and isinstance(module, fsdp2):
-        cls = cls.__mro__[cls._orig_cls_mro_index]  # fully_shard's FSDP<Name> → <Name>
-    new = cls.__new__(cls)
-    state = {k: v for k, v in module.__dict__.items() if not k.startswith(_FSDP_KEYS)}
-    for key in _HOOKS:  # FSDP2's hooks (and the weighting's, on the root) stay on the sharded model
-        if key in state:
-            state[key] = type(state[key])() if cls is not type(module) else type(state[key])(state[key])
-    state["_parameters"] = {n: (fulls[id(p)] if p is not None else None) for n, p in module._parameters.items()}
-    state["_buffers"] = {
-        n: (b.detach().to("cpu", copy=True) if b is not None else None) for n, b in module._buffers.items()
-    }
-    state["_modules"] = {n: (_rebuild(m, fulls) if m is not None else None) for n, m in module._modules.items()}
-    new.__dict__.update(state)
-    return new

@@ -302,7 +302,7 @@ def profiled_plan(strategy: Any, loader: Any, batch_size: int) -> Plan:
     Args:
         strategy: The ``HeteroDDPStrategy`` or ``HeteroModelParallelStrategy`` (its module, device,
             profile and ``plan_kwargs``). A module sharded with ``fully_shard`` is profiled
-            as a plain replica :func:`hetsplit.distributed.plan` gathers.
+            in place, the ranks in turns, as :func:`hetsplit.distributed.plan` does.
         loader: The user's training loader (one batch of it is the profiling sample).
         batch_size: The global batch to plan.
 
@@ -316,9 +316,9 @@ def profiled_plan(strategy: Any, loader: Any, batch_size: int) -> Plan:
     if not holds_sharded(module):
         model = LossModule.detached(module, context)
         return _profiled(strategy, model, sample, batch_size, cuda)
-    # torch refuses to copy an FSDP2 module: hetsplit.distributed.plan gathers a plain replica
-    # itself (every rank together). Detached from the trainer meanwhile, so the replica's
-    # self.log goes nowhere (and syncs nothing).
+    # torch refuses to copy an FSDP2 module: hetsplit.distributed.plan times the sharded module
+    # itself, the ranks in turns, and leaves it as it was. Detached from the trainer meanwhile,
+    # so the profile's self.log goes nowhere (and syncs nothing).
     trainer = module.trainer
     module.trainer = None
     try:

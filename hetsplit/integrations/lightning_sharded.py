@@ -51,8 +51,8 @@ class HeteroModelParallelStrategy(_HeteroStrategy, ModelParallelStrategy):
       number, the plan's largest ``K`` (FSDP2 gathers and reduce-scatters in every
       micro-batch; :func:`hetsplit.distributed.micro_batches`), a rank with fewer samples
       than ``K`` running one real sample weighted 0 for each missing one.
-    - **Profiling** (no ``plan``/``profile``): the LightningModule's parameters are
-      gathered once into a plain replica on every rank, which each rank times alone, as
+    - **Profiling** (no ``plan``/``profile``): the sharded LightningModule's step is
+      timed itself, the ranks in turns (no device holds the whole model), as
       :func:`hetsplit.distributed.plan` does for an FSDP2 model (not calibrated).
     - **Checkpoints** save and load as ``ModelParallelStrategy`` does (sharded by default).
 

@@ -1,0 +1,179 @@
+"""Sharded profile: each rank's step-time curve measured on the FSDP2 model as the user sharded it.
+
+Why in place. A model is sharded because it may not fit whole on the smallest device, so
+a profile of an unsharded copy would need the very memory the user does not have, and
+would time neither the all-gathers nor the reduce-scatters a sharded step pays. But an
+FSDP2 forward is collective: no rank can time its device alone. So the ranks take
+turns. In rank ``r``'s turn every rank runs the same steps together, rank ``r`` on each
+batch size of its ladder and every other rank on the least any rank runs in a sharded
+step (one sample: a zero share's stand-in, two for a model with BatchNorm). Rank ``r``'s
+time for ``b`` samples is then a sharded step with ``b`` samples on rank ``r`` and no
+other rank holding it up: its compute, the collectives, and the floor every sharded
+step pays (the plan's steps take at least as long, as every rank runs at least a sample).
+
+Memory is the sharded step's own: an emulated memory (``cpu@0.25:max8``) is a cap in
+samples, as everywhere; on CUDA each step's peak is recorded and fitted as
+``base + per_sample * b`` (the rank's shards of the parameters and gradients, the layers
+gathered at once, and each sample's activations), and the ladder stops before a step
+predicted to pass 90 % of the device, whose cap is where the fit reaches it. There is no
+out-of-memory probe: a rank that ran out inside a collective would leave the others
+waiting. The optimizer's state is not in the step (it is allocated at the first
+``optimizer.step()``): leave room for it, or give ``memory_fraction``.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..devices import Device, DeviceLike, describe, parse_device
+from ..planning.curve import Curve
+from ..planning.profile import DeviceProfile, Measurement, Profile
+from ..planning.records import MemoryModel
+from ..profiler import _MAX_PROBE, check_ladder, check_settings, model_record, train_step
+from ..timing import threads_for
+from ..tree import move, take_rows
+from ._group import all_gather, group_info, guard
+
+
+def profile_sharded(
+    model: nn.Module,
+    sample: Any,
+    device: DeviceLike,
+    loss_fn: Callable[..., torch.Tensor] | None = None,
+    batch_sizes: Sequence[int] | None = None,
+    *,
+    target: Any = None,
+    repeats: int = 5,
+    warmup: int = 2,
+    time_budget: float = 60.0,
+    find_memory_cap: bool = True,
+    max_probe: int = _MAX_PROBE,
+    memory_fraction: float = 0.9,
+    model_name: str | None = None,
+    threads: int | None = None,
+    progress: bool | None = None,
+    group: Any = None,
+) -> Profile:
+    """This rank's profile of a sharded model, every rank taking its turn (collective: call it on every rank).
+
+    The arguments are :func:`hetsplit.profile`'s for one device (``progress`` is
+    accepted and ignored); ``time_budget`` is the whole profile's, each rank's turn
+    taking an equal part. The model is left as it was: parameters, gradients (none),
+    buffers and the RNG state.
+
+    Args:
+        memory_fraction: On CUDA, the share of the device's memory a step may be
+            predicted to take (the rest: the optimizer's state, the allocator's slack).
+
+    Raises:
+        ValueError: On bad settings, before any device work (the same on every rank).
+        DistributedError: If a step fails on some rank, or a rank dies or hangs.
+    """
+    del progress  # the turns are short and collective: no bar
+    dev = parse_device(device)
+    ladder = check_ladder(batch_sizes, max_probe)
+    check_settings(sample, target, repeats, warmup, time_budget)
+    if not (isinstance(memory_fraction, int | float) and 0 < memory_fraction <= 1):
+        raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction!r}")
+    rank, world = group_info(group)
+    floor = 2 if any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()) else 1
+    turn = _Turn(model, dev, sample, target, loss_fn, find_memory_cap, memory_fraction)
+    buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
+    cuda = [dev.index] if dev.type == "cuda" else []
+    with threads_for([dev], threads), torch.random.fork_rng(devices=cuda), guard(what="profiling the sharded model"):
+        try:
+            for owner in range(world):
+                budget = time_budget / world
+                for b in ladder:
+                    go = all_gather(turn.wants(b, budget, repeats + warmup) if rank == owner else None,
+                                    "profiling the sharded model", group)[owner]  # fmt: skip
+                    if not go:
+                        break
+                    for i in range(warmup + repeats):
+                        seconds = turn.step(b if rank == owner else floor)
+                        if rank == owner and i >= warmup:
+                            turn.times.setdefault(b, []).append(seconds)
+        finally:
+            model.zero_grad(set_to_none=True)
+            with torch.no_grad():
+                for name, b in model.named_buffers():
+                    b.copy_(buffers[name])
+    if not turn.times:
+        raise RuntimeError(f"device {dev.name} cannot run even batch {ladder[0]}: out of memory")
+    return Profile([turn.entry()], model=model_record(model, sample, model_name), source="measured")
+
+
+class _Turn:
+    """This rank's steps in the turns, and what its own turn measured."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        dev: Device,
+        sample: Any,
+        target: Any,
+        loss_fn: Callable[..., torch.Tensor] | None,
+        find_memory_cap: bool,
+        memory_fraction: float,
+    ) -> None:
+        self.model, self.dev, self.sample, self.target, self.loss_fn = model, dev, sample, target, loss_fn
+        self.times: dict[int, list[float]] = {}
+        self.peaks: dict[int, int] = {}
+        self.cap: int | None = dev.max_batch if find_memory_cap else None
+        self.limit: float | None = None
+        if dev.type == "cuda" and find_memory_cap:
+            self.limit = memory_fraction * torch.cuda.get_device_properties(dev.torch_device).total_memory
+
+    def wants(self, b: int, budget: float, steps: int) -> bool:
+        """Whether this rank's turn goes on to ``b`` samples (its own decision; the others follow it)."""
+        if self.dev.max_batch is not None and b > self.dev.max_batch:
+            return False  # the emulated memory: known, no need to run out
+        if self.limit is not None and len(self.peaks) >= 2:
+            memory = MemoryModel.fit(sorted(self.peaks.items()))
+            if memory(b) > self.limit:
+                self.cap = max(1, math.floor((self.limit - memory.base) / memory.per_sample))
+                return False
+        if len(self.times) >= 2:  # the projected cost of the turn with b added, as the profiler climbs
+            last = max(self.times)
+            per_sample = statistics.median(self.times[last]) / last
+            projected = sum(statistics.median(t) for t in self.times.values()) + per_sample * b
+            return projected * steps <= budget
+        return True
+
+    def step(self, b: int) -> float:
+        """One sharded training step of ``b`` samples (forward, loss, backward), timed; its gradients dropped."""
+        index = torch.arange(b)
+        inputs = move(take_rows(self.sample, index), self.dev.torch_device)
+        target = move(take_rows(self.target, index), self.dev.torch_device) if self.target is not None else None
+        cuda = self.dev.type == "cuda"
+        self.dev.synchronize()
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(self.dev.torch_device)
+        start = time.perf_counter()
+        train_step(self.model, inputs, target, self.loss_fn, self.dev, cpu_time=True)  # waiting is not slowed
+        self.dev.synchronize()
+        seconds = time.perf_counter() - start
+        if cuda:
+            peak = int(torch.cuda.max_memory_allocated(self.dev.torch_device))
+            self.peaks[b] = max(self.peaks.get(b, 0), peak)
+        self.model.zero_grad(set_to_none=True)
+        return seconds
+
+    def entry(self) -> DeviceProfile:
+        measured = [Measurement(b, ts) for b, ts in sorted(self.times.items())]
+        memory = MemoryModel.fit(sorted(self.peaks.items())) if self.peaks else None
+        return DeviceProfile(
+            describe(self.dev),
+            measured,
+            Curve.fit([(m.batch, m.median) for m in measured], self.cap),
+            memory_cap=self.cap,
+            memory_probed_to=measured[-1].batch,
+            memory=memory,
+        )
