@@ -57,7 +57,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--cap", type=int, default=4, help="rank 1's emulated memory, in samples, for configuration 3")
-    p.add_argument("--budget", type=float, default=5.0, help="profiling seconds per rank")
+    p.add_argument("--budget", type=float, default=5.0, help="profiling seconds (the ranks take equal turns)")
     p.add_argument("--json", help="write the results here")
     return p.parse_args()
 
@@ -80,13 +80,18 @@ def tokens(args: argparse.Namespace, n: int) -> torch.Tensor:
     return torch.randint(0, 256, (n, args.seq_len), generator=torch.Generator().manual_seed(1))  # SYNTHETIC
 
 
+def share(plan, batch) -> dict[str, torch.Tensor]:  # type: ignore[no-untyped-def]
+    """This rank's rows of the global batch; a share of 0 runs one real sample (weighted 0), as hd.data_loader does."""
+    rank = dist.get_rank()
+    start, size = sum(plan.sizes[:rank]), plan.sizes[rank]
+    rows = batch[start : start + size] if size else batch[:1]
+    return {"input_ids": rows, "labels": rows}
+
+
 def run_steps(model, plan, dev, batch, steps: int) -> float:  # type: ignore[no-untyped-def]
     """Median seconds of a step (the slowest rank's), ``steps`` back to back after one untimed step."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    rank = dist.get_rank()
-    start = sum(plan.sizes[:rank])
-    mine = {"input_ids": batch[start : start + max(plan.sizes[rank], 1)]}
-    mine["labels"] = mine["input_ids"]
+    mine = share(plan, batch)
     times = []
     for i in range(steps + 1):
         dist.barrier()
@@ -123,10 +128,7 @@ def heap_bytes() -> int:
 
 def memory(args, dev, plan, batch) -> dict[str, float]:  # type: ignore[no-untyped-def]
     """Heap bytes in use after the first of a rank's micro-batches (above the model's sharded state), both ways."""
-    rank = dist.get_rank()
-    start = sum(plan.sizes[:rank])
-    mine = {"input_ids": batch[start : start + max(plan.sizes[rank], 1)]}
-    mine["labels"] = mine["input_ids"]
+    mine = share(plan, batch)
     micro = max(1, max(len(m) for m in plan.micro_batches))
     out = {}
     gc.collect()

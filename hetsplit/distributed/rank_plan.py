@@ -151,7 +151,9 @@ def plan(
     if sharded:
         _sharded.check_sharded(model, group)
     if profile is None and sharded:  # collective forwards: the ranks take turns (sharded_profile.py)
-        profile = profile_sharded(model, sample, dev, loss_fn, target=target, group=group, **profile_kwargs)
+        profile = profile_sharded(
+            model, sample, dev, loss_fn, target=target, batch_size=batch_size, group=group, **profile_kwargs
+        )
     elif profile is None:
         profile = run_profile(model, sample, [dev], loss_fn, target=target, progress=False, **profile_kwargs)
     entry = profile.entry(dev.name) if len(profile.entries) > 1 else profile.entries[0]

@@ -36,7 +36,7 @@ from ..devices import Device, DeviceLike, describe, parse_device
 from ..planning.curve import Curve
 from ..planning.profile import DeviceProfile, Measurement, Profile
 from ..planning.records import MemoryModel
-from ..profiler import _MAX_PROBE, check_ladder, check_settings, model_record, train_step
+from ..profiler import _MAX_PROBE, check_ladder, check_settings, default_ladder, model_record, train_step
 from ..timing import threads_for
 from ..tree import move, take_rows
 from ._group import all_gather, group_info, guard
@@ -56,6 +56,7 @@ def profile_sharded(
     find_memory_cap: bool = True,
     max_probe: int = _MAX_PROBE,
     memory_fraction: float = 0.9,
+    batch_size: int | None = None,
     model_name: str | None = None,
     threads: int | None = None,
     progress: bool | None = None,
@@ -68,9 +69,17 @@ def profile_sharded(
     taking an equal part. The model is left as it was: parameters, gradients (none),
     buffers and the RNG state.
 
+    Every step of a sharded model pays its collectives, so the smallest sizes of a ladder
+    time mostly those: a curve fitted to them alone would extrapolate noise to the shares
+    the plan needs. So a turn measures every size of its ladder up to an even share of
+    ``batch_size`` whatever the budget (the budget only stops it climbing beyond).
+
     Args:
         memory_fraction: On CUDA, the share of the device's memory a step may be
             predicted to take (the rest: the optimizer's state, the allocator's slack).
+        batch_size: The global batch the plan will split (``hd.plan`` passes it): the
+            default ladder runs from 2 up to it, and every size up to ``batch_size / world``
+            is measured.
 
     Raises:
         ValueError: On bad settings, before any device work (the same on every rank).
@@ -78,6 +87,8 @@ def profile_sharded(
     """
     del progress  # the turns are short and collective: no bar
     dev = parse_device(device)
+    if batch_sizes is None and batch_size is not None:
+        batch_sizes = default_ladder(max(batch_size, 2))
     ladder = check_ladder(batch_sizes, max_probe)
     check_settings(sample, target, repeats, warmup, time_budget)
     if not (isinstance(memory_fraction, int | float) and 0 < memory_fraction <= 1):
@@ -85,6 +96,7 @@ def profile_sharded(
     rank, world = group_info(group)
     floor = 2 if any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()) else 1
     turn = _Turn(model, dev, sample, target, loss_fn, find_memory_cap, memory_fraction)
+    turn.even = math.ceil(batch_size / world) if batch_size else 0
     buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
     cuda = [dev.index] if dev.type == "cuda" else []
     with threads_for([dev], threads), torch.random.fork_rng(devices=cuda), guard(what="profiling the sharded model"):
@@ -128,6 +140,7 @@ class _Turn:
         self.peaks: dict[int, int] = {}
         self.cap: int | None = dev.max_batch if find_memory_cap else None
         self.limit: float | None = None
+        self.even = 0  # sizes up to this one are measured whatever the budget
         if dev.type == "cuda" and find_memory_cap:
             self.limit = memory_fraction * torch.cuda.get_device_properties(dev.torch_device).total_memory
 
@@ -140,7 +153,7 @@ class _Turn:
             if memory(b) > self.limit:
                 self.cap = max(1, math.floor((self.limit - memory.base) / memory.per_sample))
                 return False
-        if len(self.times) >= 2:  # the projected cost of the turn with b added, as the profiler climbs
+        if len(self.times) >= 2 and b > self.even:  # the turn's projected cost with b added, as the profiler climbs
             last = max(self.times)
             per_sample = statistics.median(self.times[last]) / last
             projected = sum(statistics.median(t) for t in self.times.values()) + per_sample * b
