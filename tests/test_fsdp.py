@@ -487,5 +487,9 @@ def test_the_sharded_profile_stops_its_ladder_before_the_memory_fit_passes_the_d
     assert turn.wants(8, budget=60.0, steps=3)  # 900 bytes predicted
     assert not turn.wants(16, budget=60.0, steps=3)  # 1,700 bytes
     assert turn.cap == 9  # the largest batch the fit keeps under the limit
+    # Every sharded step pays its collectives: the budget never stops a turn below an even share,
+    # where a curve of the small sizes alone would extrapolate that overhead's noise.
+    turn.limit, turn.times, turn.even = None, {2: [0.1], 4: [0.1]}, 32
+    assert turn.wants(32, budget=0.5, steps=3) and not turn.wants(64, budget=0.5, steps=3)
     with pytest.raises(ValueError, match="memory_fraction must be in"):
         profile_sharded(_net(), torch.zeros(2, 6), "cpu", memory_fraction=1.5)
