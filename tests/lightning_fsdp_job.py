@@ -4,14 +4,18 @@
 on both ranks (gloo, one thread each, float64): a LightningModule that shards itself with
 ``fully_shard`` in ``configure_model`` is trained on uneven shares, and its parameters are
 compared with one plain process running full-batch SGD on the same global batches (the
-indices each rank saw): "equal" means to rounding (1e-12). Prints ``OK``/``FAIL`` per
-scenario and rank (``tests/integration_launch.py``).
+indices each rank saw): "equal" means to rounding (1e-12). Then a fit resumed from a
+sharded checkpoint, and the models ``configure_model`` shards wrongly, refused at setup
+(last: each refused fit is followed by a collective). Prints ``OK``/``FAIL`` per scenario
+and rank (``tests/integration_launch.py``).
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import sys
+import tempfile
 
 import lightning as L
 import torch
@@ -82,15 +86,16 @@ def gathered(obj):
     return out
 
 
-def fit(strategy, epochs=2):
+def fit(strategy, epochs=2, module=Sharded, ckpt_path=None, **options):
     L.seed_everything(0)
-    model = Sharded()
+    model = module()
+    options = {"enable_checkpointing": False, **options}
     trainer = L.Trainer(
         strategy=strategy, accelerator="cpu", devices=2, max_epochs=epochs, enable_progress_bar=False,
-        logger=False, enable_checkpointing=False, enable_model_summary=False,
+        logger=False, enable_model_summary=False, **options,
     )  # fmt: skip
     loader = DataLoader(DATA, batch_size=BATCH, shuffle=True)
-    trainer.fit(model, loader, DataLoader(DATA, batch_size=BATCH))
+    trainer.fit(model, loader, DataLoader(DATA, batch_size=BATCH), ckpt_path=ckpt_path)
     return model, trainer
 
 
@@ -182,6 +187,92 @@ def _():
     assert plans[0] == plans[1] and sum(plans[0][0]) == 8, plans
     assert max(plans[0][1][1]) <= 2, plans  # never more than rank 1's cap at once
     assert_full_batch_sgd(model, trainer, padded=None, epochs=1)
+
+
+class WithMomentum(Sharded):
+    """Sharded with an optimizer state to checkpoint (momentum buffers, sharded as the parameters)."""
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+
+@scenario("resumed")
+def _():
+    # Shares [6, 2], a sharded checkpoint (a directory) per epoch; a new Trainer and a fresh model resume the
+    # first epoch's for the second: the parameters end as the uninterrupted fit's, with the same shares.
+    if not dist.is_initialized():  # the first scenario run: Lightning joins this group
+        dist.init_process_group("gloo")
+    folder = gathered(tempfile.mkdtemp() if RANK == 0 else None)[0]  # one folder both ranks write to
+    try:
+        strategy = lambda: HeteroModelParallelStrategy(devices="cpu,cpu@1", plan=plan_of(6, 2))
+        saving = L.pytorch.callbacks.ModelCheckpoint(dirpath=folder, save_top_k=-1)
+        whole, _ = fit(strategy(), module=WithMomentum, enable_checkpointing=True, callbacks=[saving])
+        first = os.path.join(folder, "epoch=0-step=3.ckpt")
+        assert os.path.isdir(first), sorted(os.listdir(folder))  # sharded: a folder of shards
+        model, trainer = fit(strategy(), module=WithMomentum, ckpt_path=first)
+        assert trainer.global_step == 6 and len(model.shares) == 3, (trainer.global_step, model.shares)
+        assert model.shares == whole.shares[3:], (model.shares, whole.shares)
+        for (name, p), q in zip(model.model.named_parameters(), whole.model.parameters()):
+            err = (p.full_tensor() - q.full_tensor()).abs().max().item()  # collective: every rank, in order
+            assert err < 1e-12, f"parameter {name} differs from the uninterrupted fit's by {err}"
+    finally:
+        dist.barrier()
+        if RANK == 0:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+# configure_model leaving no single fully_shard root holding every trainable parameter: refused at setup,
+# the same message on both ranks (the process group still serves the next fit).
+
+
+class NothingSharded(Sharded):
+    def configure_model(self):
+        pass
+
+
+class SeveralRoots(Sharded):
+    def configure_model(self):  # each layer, not the model holding them
+        for layer in self.model:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer, mesh=self.device_mesh["data_parallel"])
+
+
+class OutsideRoot(Sharded):
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = torch.nn.Linear(1, 1).double()  # trainable, never sharded
+
+
+def refused(module, *expected):
+    try:
+        fit(HeteroModelParallelStrategy(devices="cpu,cpu@1", plan=plan_of(6, 2)), module=module)
+    except ValueError as e:
+        message = str(e)
+    else:
+        raise AssertionError(f"{module.__name__}: the fit was not refused")
+    messages = gathered(message)
+    assert messages[0] == messages[1], messages
+    for part in expected:
+        assert part in message, f"{part!r} not in {message!r}"
+
+
+HOW = "fully_shard(layer, mesh=self.device_mesh['data_parallel']) per layer, then fully_shard(self.model, mesh=...)"
+
+
+@scenario("sharded_nothing")
+def _():
+    refused(NothingSharded, "configure_model sharded nothing (no fully_shard module)", HOW)
+
+
+@scenario("several_roots")
+def _():
+    refused(SeveralRoots, "2 separate fully_shard roots ['model.0', 'model.2']", "one root's outputs", HOW)
+
+
+@scenario("outside_root")
+def _():
+    refused(OutsideRoot, "parameters ['head.weight', 'head.bias'] are outside the fully_shard root 'model'",
+            "move them into it", HOW)  # fmt: skip
 
 
 dist.barrier() if dist.is_initialized() else None

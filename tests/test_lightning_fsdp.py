@@ -2,8 +2,9 @@
 
 ``tests/lightning_fsdp_job.py`` runs every scenario in one launch (Lightning's start-up is
 most of the time); each scenario is its own test: the parameters after two epochs equal one
-plain process's full-batch SGD on the same global batches. The constructor's refusals
-need no launch.
+plain process's full-batch SGD on the same global batches; a resumed fit ends as the
+uninterrupted one; setup refuses a model without one ``fully_shard`` root holding every
+trainable parameter. The constructor's refusals need no launch.
 """
 
 from __future__ import annotations
@@ -20,6 +21,15 @@ job = job_fixture("lightning_fsdp_job.py", timeout=240)
 
 @pytest.mark.parametrize("name", ["uneven", "zero", "micro", "profiled"])
 def test_steps_equal_full_batch_sgd(job, name):
+    check(job, name)
+
+
+def test_resumed_checkpoint_ends_as_the_uninterrupted_fit(job):
+    check(job, "resumed")
+
+
+@pytest.mark.parametrize("name", ["sharded_nothing", "several_roots", "outside_root"])
+def test_setup_refuses_a_model_without_one_root_holding_every_parameter(job, name):
     check(job, name)
 
 

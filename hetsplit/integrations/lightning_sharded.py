@@ -54,7 +54,9 @@ class HeteroModelParallelStrategy(_HeteroStrategy, ModelParallelStrategy):
     - **Profiling** (no ``plan``/``profile``): the sharded LightningModule's step is
       timed itself, the ranks in turns (no device holds the whole model), as
       :func:`hetsplit.distributed.plan` does for an FSDP2 model (not calibrated).
-    - **Checkpoints** save and load as ``ModelParallelStrategy`` does (sharded by default).
+    - **Checkpoints** save and load as ``ModelParallelStrategy`` does (sharded by default);
+      a fit resumed (``ckpt_path=``) from one saved at an epoch's end continues as the
+      uninterrupted fit: the same shares, epoch order, parameters and optimizer state.
 
     Args:
         devices, plan, profile, global_batch_size, rebalance, plan_kwargs: As for
