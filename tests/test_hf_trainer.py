@@ -39,3 +39,21 @@ def test_the_example_runs_under_hetsplit_launch(tmp_path):
     plan = next(line for line in res.stdout.splitlines() if line.startswith("plan:"))
     assert plan.endswith("of 32"), plan  # the Trainer's global batch: 2 processes x 16
     assert "eval loss" in res.stdout and "SYNTHETIC" in res.stdout
+
+
+def test_the_trainer_s_fsdp_is_refused_in_one_line_naming_what_works(tmp_path):
+    # A one-process run reaches the same check every process of a launch does, before any
+    # accelerator is built (transformers would otherwise stop at "fsdp only works in
+    # distributed training" here, or train with DDP and ignore the plugin on CPUs).
+    import torch
+    from transformers import TrainingArguments
+
+    from hetsplit.transformers import HeteroTrainer
+
+    # (DeepSpeed is refused by the same check; TrainingArguments needs the deepspeed package to take it.)
+    fsdp = {"fsdp": True, "fsdp_config": {"fsdp_version": 2}}
+    args = TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True, **fsdp)
+    with pytest.raises(ValueError) as info:
+        HeteroTrainer(model=torch.nn.Linear(3, 1), args=args, devices="cpu")
+    message = str(info.value)
+    assert "fsdp=True" in message and "HeteroModelParallelStrategy" in message and "docs/torchrun.md" in message

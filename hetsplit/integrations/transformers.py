@@ -83,7 +83,8 @@ class HeteroTrainer(transformers.Trainer):
     Raises:
         TypeError, ValueError: As :func:`hetsplit.integrations.core.check_arguments` (the
             same for every integration), before the Trainer starts.
-        ValueError: With DeepSpeed or FSDP (not supported), if a process would run
+        ValueError: With the Trainer's FSDP or DeepSpeed (not supported; the message names
+            what shards with hetsplit), if a process would run
             several GPUs (``nn.DataParallel``), or this process's device is not where the
             Trainer puts the model.
 
@@ -151,12 +152,15 @@ class HeteroTrainer(transformers.Trainer):
 
     def create_accelerator_and_postprocess(self) -> None:
         """The Trainer's accelerator set-up, with a :class:`HeteroAccelerator` in place of ``Accelerator``."""
-        super().create_accelerator_and_postprocess()
-        if self.is_deepspeed_enabled or self.is_fsdp_enabled:
+        sharding = [f"{k}={v!r}" for k, v in (("fsdp", self.args.fsdp), ("deepspeed", self.args.deepspeed)) if v]
+        if sharding:  # before the Trainer builds its accelerator: one line, on every process
             raise ValueError(
-                "HeteroTrainer splits batches for DDP; DeepSpeed and FSDP shard the model instead and are not "
-                "supported: remove the deepspeed/fsdp arguments, or use the plain Trainer"
+                f"HeteroTrainer runs DDP only, not the Trainer's sharding ({', '.join(sharding)}); remove it, "
+                "or shard with FSDP2 through HeteroAccelerator(fsdp_plugin=FullyShardedDataParallelPlugin("
+                "fsdp_version=2)) on GPUs, Lightning's HeteroModelParallelStrategy, or fully_shard with "
+                "hetsplit.distributed (docs/torchrun.md)"
             )
+        super().create_accelerator_and_postprocess()
         # "none": each process's loss is made its part of the global loss (compute_loss), exact
         # for token losses too, where weighting gradients by samples is not.
         self.accelerator = _TrainerAccelerator(weighting="none", **self._hetero_kwargs, **self._accelerator_args)
