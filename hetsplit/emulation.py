@@ -146,8 +146,8 @@ def throttle(device: _Emulated, *, cpu_time: bool = False) -> Iterator[None]:
     """Run the enclosed work at ``device``'s emulated speed (nothing for a real device).
 
     Waits for the device, measures the enclosed work by :func:`work_clock` and sleeps
-    until the piece has taken ``work / speed`` (with a CPU-time clock) or ``(1/speed - 1)``
-    times the work longer (wall time, a torchrun rank's process time).
+    until the piece has taken ``work / speed`` (with a CPU-time clock: a thread's, or a
+    torchrun rank's process time) or ``(1/speed - 1)`` times the work longer (wall time).
 
     Args:
         device: The (possibly emulated) device.
@@ -166,9 +166,12 @@ def throttle(device: _Emulated, *, cpu_time: bool = False) -> Iterator[None]:
     device.synchronize()
     work = clock() - start
     now = time.perf_counter()
-    # With a CPU-time clock the piece takes work / speed in all: its own wall time (longer
-    # than its CPU time on a busy machine) counts towards that, so load is not slowed again.
-    cpu_clock = clock is time.thread_time
+    # With a CPU-time clock the piece takes work / speed in all: its own wall time counts
+    # towards that, so neither load (a busy machine) nor waiting (a torchrun rank waiting on
+    # others inside the piece) is slowed again. A slow GPU computes while its peers wait or
+    # work; FSDP2's per-layer collectives interleave the two, and adding the whole slow-down
+    # after the piece's waits made a sharded step the sum of the ranks' times, not the max.
+    cpu_clock = clock in (time.thread_time, time.process_time)
     need = max(0.0, work / speed - (now - began)) if cpu_clock else work * (1.0 / speed - 1.0)
     # time.sleep overshoots by tens of microseconds, which would dominate small steps;
     # carry each device's error into its next sleep so the long-run speed is exact.
