@@ -463,18 +463,33 @@ def _gpu_worker(rank, init_file, out_dir):
     F.cross_entropy(ref(x), y).backward()
     got = [p.grad.full_tensor().cpu() for p in model.parameters()]
     out = {"plan": plan.to_dict(), "err": _max_err(got, [p.grad for p in ref.parameters()])}
+    # The memory path: peaks of the sharded step fitted, the ladder stopped where the fit passes
+    # the limit (a fraction of the device set to fall between 6 and 7 samples' predicted peak).
+    from hetsplit.distributed.sharded_profile import profile_sharded
+
+    model.zero_grad(set_to_none=True)
+    kwargs = {"target": y, "batch_sizes": [2, 4, 8, 16, 32], "repeats": 1, "warmup": 1}
+    memory = profile_sharded(model, x, "cuda:0", F.cross_entropy, **kwargs).entries[0].memory
+    total = torch.cuda.get_device_properties(0).total_memory
+    fraction = memory(6.5) / total
+    capped = profile_sharded(model, x, "cuda:0", F.cross_entropy, memory_fraction=fraction, **kwargs).entries[0]
+    out["memory"] = {"per_sample": memory.per_sample, "cap": capped.memory_cap,
+                     "measured": [m.batch for m in capped.measured]}  # fmt: skip
     Path(out_dir, "gpu.json").write_text(json.dumps(out))
     dist.destroy_process_group()
 
 
 @pytest.mark.gpu
 def test_on_cuda_the_plan_and_the_weighting_of_a_sharded_model(tmp_path):
-    """hd.plan on an FSDP2 model on CUDA (its replica profiled on the GPU, peak memory probed), one exact step."""
+    """hd.plan on an FSDP2 model on CUDA (profiled as sharded, its peaks fitted), one exact step; the memory cap."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     mp.spawn(_gpu_worker, args=(str(tmp_path / "rendezvous"), str(tmp_path)), nprocs=1, join=True)
     out = json.loads((tmp_path / "gpu.json").read_text())
     assert out["plan"]["sizes"] == [64] and out["err"] < 1e-12
+    memory = out["memory"]
+    assert memory["per_sample"] > 0 and memory["measured"] == [2, 4], memory  # stopped before 8 samples
+    assert 5 <= memory["cap"] <= 7, memory  # where the fit meets the limit (6.5 samples, give or take a peak's noise)
 
 
 def test_the_sharded_profile_stops_its_ladder_before_the_memory_fit_passes_the_device():
@@ -493,3 +508,20 @@ def test_the_sharded_profile_stops_its_ladder_before_the_memory_fit_passes_the_d
     assert turn.wants(32, budget=0.5, steps=3) and not turn.wants(64, budget=0.5, steps=3)
     with pytest.raises(ValueError, match="memory_fraction must be in"):
         profile_sharded(_net(), torch.zeros(2, 6), "cpu", memory_fraction=1.5)
+
+
+def test_the_optimizer_s_state_is_counted_before_and_after_its_first_step():
+    # On CUDA a sharded profile keeps this much free: the optimizer's state comes at its first step.
+    from hetsplit.distributed.sharded_profile import optimizer_state_bytes
+
+    net = _net()  # float64
+    size = sum(p.numel() * 8 for p in net.parameters())
+    assert optimizer_state_bytes(torch.optim.AdamW(net.parameters())) == 2 * size
+    assert optimizer_state_bytes(torch.optim.SGD(net.parameters(), lr=0.1)) == 0
+    assert optimizer_state_bytes(torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)) == size
+    assert optimizer_state_bytes(torch.optim.RMSprop(net.parameters(), momentum=0.9, centered=True)) == 3 * size
+    opt = torch.optim.Adam(net.parameters())
+    F.cross_entropy(net(torch.randn(4, 6, dtype=torch.float64)), torch.tensor([0, 1, 2, 0])).backward()
+    opt.step()
+    held = sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values())
+    assert optimizer_state_bytes(opt) == held >= 2 * size  # what it holds (its step counters too)

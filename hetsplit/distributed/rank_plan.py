@@ -103,7 +103,9 @@ def plan(
     so its times include the collectives and no device ever holds the whole model; the
     model is left as it was. Its memory cap: an emulated one (``cpu:max8``) as given; on
     CUDA where the fitted peak of the sharded step reaches 90 % of the device
-    (``memory_fraction``). Such a plan is not calibrated (calibration runs DDP).
+    (``memory_fraction``) less the room of ``optimizer``'s state when it is passed
+    (``profile_kwargs`` of a sharded model: ``memory_fraction``, ``optimizer``). Such a
+    plan is not calibrated (calibration runs DDP).
     With ``accumulate=True`` its shares are solved for what FSDP2 runs: every rank as
     many micro-batches as the others (:func:`hetsplit.planning.solver.solve_lockstep`),
     so a fast rank's extra micro-batches are priced in, not only the capped rank's.

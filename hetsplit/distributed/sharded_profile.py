@@ -18,7 +18,9 @@ gathered at once, and each sample's activations), and the ladder stops before a 
 predicted to pass 90 % of the device, whose cap is where the fit reaches it. There is no
 out-of-memory probe: a rank that ran out inside a collective would leave the others
 waiting. The optimizer's state is not in the step (it is allocated at the first
-``optimizer.step()``): leave room for it, or give ``memory_fraction``.
+``optimizer.step()``): given the ``optimizer``, the room its state takes on this rank is
+kept free — the state it holds, or before its first step the usual count of
+parameter-sized tensors per parameter shard (Adam 2, SGD with momentum 1, ...).
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ def profile_sharded(
     find_memory_cap: bool = True,
     max_probe: int = _MAX_PROBE,
     memory_fraction: float = 0.9,
+    optimizer: torch.optim.Optimizer | None = None,
     batch_size: int | None = None,
     model_name: str | None = None,
     threads: int | None = None,
@@ -76,7 +79,9 @@ def profile_sharded(
 
     Args:
         memory_fraction: On CUDA, the share of the device's memory a step may be
-            predicted to take (the rest: the optimizer's state, the allocator's slack).
+            predicted to take (the rest: the allocator's slack).
+        optimizer: The optimizer that will step the model: on CUDA its state's room
+            (:func:`optimizer_state_bytes`) is kept free of the steps' memory.
         batch_size: The global batch the plan will split (``hd.plan`` passes it): the
             default ladder runs from 2 up to it, and every size up to ``batch_size / world``
             is measured.
@@ -96,6 +101,8 @@ def profile_sharded(
     rank, world = group_info(group)
     floor = 2 if any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()) else 1
     turn = _Turn(model, dev, sample, target, loss_fn, find_memory_cap, memory_fraction)
+    if turn.limit is not None and optimizer is not None:
+        turn.limit -= optimizer_state_bytes(optimizer)
     turn.even = math.ceil(batch_size / world) if batch_size else 0
     buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
     cuda = [dev.index] if dev.type == "cuda" else []
@@ -190,3 +197,36 @@ class _Turn:
             memory_probed_to=measured[-1].batch,
             memory=memory,
         )
+
+
+# Parameter-sized tensors of state per parameter, before an optimizer's first step has made them.
+_STATE_PER_PARAMETER = {"Adam": 2, "AdamW": 2, "Adamax": 2, "NAdam": 2, "RAdam": 2, "Adagrad": 1, "Adadelta": 2}
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """The bytes ``optimizer``'s state takes on this rank: what it holds, else what its first step will make.
+
+    Before the first step, torch's optimizers hold nothing; their state is then a known
+    number of tensors the size of each (local) parameter shard: Adam's two moments, SGD's
+    momentum buffer (none without momentum), RMSprop's square average (and momentum
+    buffer, and centred mean). An optimizer of another class is counted as Adam (2), which
+    errs towards a smaller cap, never a larger one.
+    """
+    held = sum(
+        t.numel() * t.element_size() for state in optimizer.state.values() for t in state.values() if torch.is_tensor(t)
+    )
+    if held:
+        return held
+    total = 0
+    for group in optimizer.param_groups:
+        name = type(optimizer).__name__
+        if name == "SGD":
+            per = 1 if group.get("momentum", 0) else 0
+        elif name == "RMSprop":
+            per = 1 + bool(group.get("momentum", 0)) + bool(group.get("centered", False))
+        else:
+            per = _STATE_PER_PARAMETER.get(name, 2)
+        for p in group["params"]:
+            local = p.to_local() if hasattr(p, "to_local") else p
+            total += per * local.numel() * local.element_size()
+    return total
