@@ -119,8 +119,8 @@ def train(args: argparse.Namespace) -> None:
     params = sum(p.numel() for p in model.parameters())
     say(f"model: Llama, {args.layers} layers, hidden {args.hidden}, {params:,} parameters, sharded over {world} ranks")
 
-    # Each rank profiles its own device (on an unsharded replica, gathered once), the
-    # plan gives each a share, and a share beyond a device's memory cap runs as micro-batches.
+    # The ranks profile the sharded model in turns (no rank holds it whole), the plan gives
+    # each a share, and a share beyond a device's memory cap runs as micro-batches.
     sample = data[:8]
     plan = hd.plan(
         model, sample, args.batch_size, device=dev, loss_fn=lambda out: out.loss, accumulate=True,

@@ -177,7 +177,7 @@ def _():
 
 @scenario("profiled")
 def _():
-    # No plan: each rank profiles a plain replica (the sharded module is gathered once), one plan for both;
+    # No plan: the ranks profile the sharded module in turns, one plan for both;
     # rank 1 holds at most 2 samples at once, so with accumulate=True every step runs as FSDP2 needs.
     strategy = HeteroModelParallelStrategy(
         devices="cpu,cpu@1:max2", plan_kwargs={"time_budget": 0.3, "accumulate": True}

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from helpers import assert_same_grads, batch, cnn, max_rel_grad_error
 from torch import nn
 
+import hetsplit
 from hetsplit import HeteroDataParallel, Plan, Profile
 from hetsplit.planning import plan_from_sizes
 
@@ -192,6 +193,17 @@ def test_a_batchnorm_model_never_gets_a_share_of_one_sample(batch_size):
     assert 1 not in dp.plan.sizes and sum(dp.plan.sizes) == batch_size
     plain = HeteroDataParallel(nn.Sequential(nn.Linear(3, 2)), DEVICES, weights=[15, 1])
     assert plain.sizes_for(16) == [15, 1]  # without BatchNorm the weights' split stands
+
+
+def test_a_single_sample_moves_only_where_a_memory_cap_leaves_room():
+    from hetsplit.parallel.sizes import BatchPlans
+
+    bn = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4))
+    plans = BatchPlans(hetsplit.parse_devices("cpu,cpu@0.5,cpu@0.25"), weights=[14, 1, 1], model=bn)
+    assert plans.for_batch(16).sizes == [16, 0, 0]
+    plans = BatchPlans(hetsplit.parse_devices("cpu,cpu@0.5,cpu@0.25"), weights=[14, 1, 1], model=bn)
+    plans.caps = {"cpu": 14}  # learned from running out: no room on the fastest device
+    assert plans.for_batch(16).sizes == [14, 0, 2]  # the two single samples pair up instead
 
 
 @pytest.mark.parametrize(

@@ -230,7 +230,12 @@ def _planned(rank):
         opt.step()
     ref = _reference([list(range(N))], width=512)
     err = _max_err(_full(model), ref)
-    return {"plan": plan.to_dict(), "untouched": untouched, "biggest": biggest, "err": err, "gathers": len(gathers)}
+    # Planning again with the weighting on the model: the profile's steps are no training steps (its
+    # hooks neither check their sizes against the plan nor count them).
+    again = hd.plan(model, x, N, device=device, loss_fn=F.cross_entropy, target=y, batch_sizes=[2, 4], repeats=1,
+                    warmup=0, time_budget=0.5)  # fmt: skip
+    out = {"plan": plan.to_dict(), "untouched": untouched, "biggest": biggest, "err": err, "gathers": len(gathers)}
+    return {**out, "again": again.sizes}
 
 
 def _rebalanced(rank):
@@ -311,6 +316,11 @@ def _refusals(rank):
     attempt("fsdp1", lambda: hd.weight_gradients(fsdp1, plan))
     attempt("fsdp1_micro", lambda: next(iter(hd.micro_batches(fsdp1, torch.zeros(7 if rank == 0 else 3, 6), plan))))
     attempt("off_plan", lambda: _off_plan(plan))
+    # Rank 1 holds no batch of the ladder: every rank stops with one line (not rank 1 alone, the other waiting).
+    device = "cpu" if rank == 0 else "cpu:max1"
+    kwargs = {"device": device, "loss_fn": F.cross_entropy, "target": torch.zeros(4, dtype=torch.long)}
+    attempt("no_batch_fits", lambda: hd.plan(_sharded(), torch.zeros(4, 6, dtype=torch.float64), 8, **kwargs,
+                                             batch_sizes=[2, 4], repeats=1, warmup=0))  # fmt: skip
     return out
 
 
@@ -391,6 +401,7 @@ def test_plan_profiles_the_model_as_sharded_and_respects_the_emulated_cap(ranks)
     assert all(m <= 4 for m in plan["micro_batches"][1])  # the small device's cap
     assert r1["biggest"] <= 4
     assert r0["untouched"] and r1["untouched"]  # parameters, gradients (none) and the RNG as they were
+    assert r0["again"] == r1["again"] and sum(r0["again"]) == N  # planned again with the weighting hooks on
     assert r0["err"] < 1e-12 and r1["err"] < 1e-12
 
 
@@ -414,6 +425,7 @@ REFUSED = {  # each refused model: what its one line says on each rank
     "fsdp1_micro": lambda r, text: "FSDP1" in text,
     "hook": lambda r, text: 'method="hook"' in text,
     "off_plan": lambda r, text: f"rank {r}: this step has 5 samples but the plan gives this rank {[7, 3][r]}" in text,
+    "no_batch_fits": lambda r, text: "{1: 'device cpu:max1 cannot run even batch 2 (out of memory)'}" in text,
 }
 
 
@@ -506,6 +518,14 @@ def test_the_sharded_profile_stops_its_ladder_before_the_memory_fit_passes_the_d
     # where a curve of the small sizes alone would extrapolate that overhead's noise.
     turn.limit, turn.times, turn.even = None, {2: [0.1], 4: [0.1]}, 32
     assert turn.wants(32, budget=0.5, steps=3) and not turn.wants(64, budget=0.5, steps=3)
+    # A turn the budget stopped (not the memory) still has the cap where the fit meets the limit.
+    turn = _Turn(_net(), hetsplit.parse_devices("cpu")[0], torch.zeros(2, 6), None, None, True, 0.9)
+    turn.limit, turn.peaks, turn.times = 1000.0, {2: 300, 4: 500}, {2: [0.1], 4: [0.2]}
+    assert turn.entry().memory_cap == 9
+    # Peaks that do not grow with the batch: no cap, no division by zero.
+    turn = _Turn(_net(), hetsplit.parse_devices("cpu")[0], torch.zeros(2, 6), None, None, True, 0.9)
+    turn.limit, turn.peaks = 50.0, {1: 100, 2: 100}
+    assert turn.wants(4, budget=60.0, steps=3) and turn.memory_cap() is None
     with pytest.raises(ValueError, match="memory_fraction must be in"):
         profile_sharded(_net(), torch.zeros(2, 6), "cpu", memory_fraction=1.5)
 

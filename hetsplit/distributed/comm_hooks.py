@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import weakref
+from collections.abc import Iterator
 from functools import partial
 from typing import Any
 
@@ -277,12 +279,12 @@ def weight_gradients(
     if method == "hook":
 
         def before(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-            if torch.is_grad_enabled() and module is owner():
+            if torch.is_grad_enabled() and module is owner() and id(module) not in _PAUSED:
                 record(args, kwargs)
 
         def part(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
             # Micro-batches: each one's gradient counts by its share of the rank's samples.
-            if state.micro is None or not torch.is_grad_enabled() or module is not owner():
+            if state.micro is None or not torch.is_grad_enabled() or module is not owner() or id(module) in _PAUSED:
                 return None
             return _scaled(output, state.part)
 
@@ -292,7 +294,7 @@ def weight_gradients(
         return state
 
     def after(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
-        if not torch.is_grad_enabled() or module is not owner():
+        if not torch.is_grad_enabled() or module is not owner() or id(module) in _PAUSED:
             return None
         record(args, kwargs)  # after the forward: one Python call per step; an off-plan step still raises
         if state.weight is None:  # FSDP2 without a plan: B from this step's counts
@@ -304,6 +306,24 @@ def weight_gradients(
 
     state.handles.append(inner.register_forward_hook(after, with_kwargs=True))
     return state
+
+
+# Modules whose weighting hooks do nothing for now (by id: a module may be unhashable).
+_PAUSED: set[int] = set()
+
+
+@contextlib.contextmanager
+def paused(model: nn.Module) -> Iterator[None]:
+    """The weighting hooks on ``model`` and inside it do nothing meanwhile: a profile's steps are not training steps.
+
+    They neither check a step's size against the plan nor count it, and weight nothing.
+    """
+    ids = {id(m) for m in model.modules()} - _PAUSED
+    _PAUSED.update(ids)
+    try:
+        yield
+    finally:
+        _PAUSED.difference_update(ids)
 
 
 def _scaled(output: Any, factor: float) -> Any:

@@ -41,7 +41,8 @@ from ..planning.records import MemoryModel
 from ..profiler import _MAX_PROBE, check_ladder, check_settings, default_ladder, model_record, train_step
 from ..timing import threads_for
 from ..tree import move, take_rows
-from ._group import all_gather, group_info, guard
+from ._group import DistributedError, all_gather, group_info, guard
+from .comm_hooks import paused
 
 
 def profile_sharded(
@@ -100,33 +101,63 @@ def profile_sharded(
         raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction!r}")
     rank, world = group_info(group)
     floor = 2 if any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()) else 1
+    ladder = [b for b in ladder if b >= floor] or [floor]  # BatchNorm cannot train on one sample
     turn = _Turn(model, dev, sample, target, loss_fn, find_memory_cap, memory_fraction)
-    if turn.limit is not None and optimizer is not None:
-        turn.limit -= optimizer_state_bytes(optimizer)
+    if turn.limit is not None and optimizer is not None and not optimizer.state:
+        turn.limit -= optimizer_state_bytes(optimizer)  # state it holds already is in the steps' peaks
     turn.even = math.ceil(batch_size / world) if batch_size else 0
     buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
+    modes = [(m, m.training) for m in model.modules()]
     cuda = [dev.index] if dev.type == "cuda" else []
-    with threads_for([dev], threads), torch.random.fork_rng(devices=cuda), guard(what="profiling the sharded model"):
+    what = "profiling the sharded model"
+    with (
+        threads_for([dev], threads),
+        torch.random.fork_rng(devices=cuda),
+        guard(what=what, group=group),
+        paused(model),  # hetsplit's weighting hooks, if already on the model: these are no training steps
+    ):
+        model.train()
         try:
             for owner in range(world):
-                budget = time_budget / world
                 for b in ladder:
-                    go = all_gather(turn.wants(b, budget, repeats + warmup) if rank == owner else None,
-                                    "profiling the sharded model", group)[owner]  # fmt: skip
+                    # The owner decides; a decision that fails is every rank's error, not one rank's hang.
+                    go = _agreed(lambda b=b: turn.wants(b, time_budget / world, repeats + warmup), rank == owner,
+                                 owner, what, group)  # fmt: skip
                     if not go:
                         break
                     for i in range(warmup + repeats):
+                        # A step that fails on one rank leaves the others in FSDP2's collectives: they stop
+                        # at the group's timeout, each with one line (guard).
                         seconds = turn.step(b if rank == owner else floor)
                         if rank == owner and i >= warmup:
                             turn.times.setdefault(b, []).append(seconds)
         finally:
             model.zero_grad(set_to_none=True)
+            for m, training in modes:
+                m.training = training
             with torch.no_grad():
                 for name, b in model.named_buffers():
-                    b.copy_(buffers[name])
-    if not turn.times:
-        raise RuntimeError(f"device {dev.name} cannot run even batch {ladder[0]}: out of memory")
+                    if name in buffers and buffers[name].shape == b.shape:  # a buffer made in forward stays
+                        b.copy_(buffers[name])
+    empty = f"device {dev.name} cannot run even batch {ladder[0]} (out of memory)" if not turn.times else None
+    failed = {r: e for r, e in enumerate(all_gather(empty, what, group)) if e}
+    if failed:
+        raise DistributedError(f"{what}: {failed}; give every rank a device that holds a batch of {ladder[0]}")
     return Profile([turn.entry()], model=model_record(model, sample, model_name), source="measured")
+
+
+def _agreed(decide: Callable[[], bool], mine: bool, owner: int, what: str, group: Any) -> bool:
+    """The owner's decision, on every rank; an exception in it is raised on every rank."""
+    answer: Any = None
+    if mine:
+        try:
+            answer = bool(decide())
+        except Exception as e:  # sent to every rank, then raised there
+            answer = f"{type(e).__name__}: {e}"
+    answer = all_gather(answer, what, group)[owner]
+    if isinstance(answer, str):
+        raise DistributedError(f"rank {owner}, {what}: {answer}")
+    return answer
 
 
 class _Turn:
@@ -155,17 +186,25 @@ class _Turn:
         """Whether this rank's turn goes on to ``b`` samples (its own decision; the others follow it)."""
         if self.dev.max_batch is not None and b > self.dev.max_batch:
             return False  # the emulated memory: known, no need to run out
-        if self.limit is not None and len(self.peaks) >= 2:
-            memory = MemoryModel.fit(sorted(self.peaks.items()))
-            if memory(b) > self.limit:
-                self.cap = max(1, math.floor((self.limit - memory.base) / memory.per_sample))
-                return False
+        fits = self.memory_cap()
+        if fits is not None and b > fits:
+            self.cap = fits
+            return False
         if len(self.times) >= 2 and b > self.even:  # the turn's projected cost with b added, as the profiler climbs
             last = max(self.times)
             per_sample = statistics.median(self.times[last]) / last
             projected = sum(statistics.median(t) for t in self.times.values()) + per_sample * b
             return projected * steps <= budget
         return True
+
+    def memory_cap(self) -> int | None:
+        """On CUDA, the largest batch whose fitted peak stays under the limit (``None``: the peaks do not grow)."""
+        if self.limit is None or len(self.peaks) < 2:
+            return None
+        memory = MemoryModel.fit(sorted(self.peaks.items()))
+        if memory.per_sample <= 0:
+            return None
+        return max(1, math.floor((self.limit - memory.base) / memory.per_sample))
 
     def step(self, b: int) -> float:
         """One sharded training step of ``b`` samples (forward, loss, backward), timed; its gradients dropped."""
@@ -189,6 +228,8 @@ class _Turn:
     def entry(self) -> DeviceProfile:
         measured = [Measurement(b, ts) for b, ts in sorted(self.times.items())]
         memory = MemoryModel.fit(sorted(self.peaks.items())) if self.peaks else None
+        if self.cap is None:  # a turn the budget stopped still knows where the memory fit meets the limit
+            self.cap = self.memory_cap()
         return DeviceProfile(
             describe(self.dev),
             measured,
@@ -212,11 +253,9 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     buffer, and centred mean). An optimizer of another class is counted as Adam (2), which
     errs towards a smaller cap, never a larger one.
     """
-    held = sum(
-        t.numel() * t.element_size() for state in optimizer.state.values() for t in state.values() if torch.is_tensor(t)
-    )
-    if held:
-        return held
+    held = [t for state in optimizer.state.values() for t in state.values() if torch.is_tensor(t)]
+    if held:  # FSDP2's state is sharded as its parameters are: count this rank's part
+        return sum(_local(t).numel() * t.element_size() for t in held)
     total = 0
     for group in optimizer.param_groups:
         name = type(optimizer).__name__
@@ -227,6 +266,10 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
         else:
             per = _STATE_PER_PARAMETER.get(name, 2)
         for p in group["params"]:
-            local = p.to_local() if hasattr(p, "to_local") else p
-            total += per * local.numel() * local.element_size()
+            total += per * _local(p).numel() * p.element_size()
     return total
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a (possibly sharded) tensor."""
+    return t.to_local() if hasattr(t, "to_local") else t

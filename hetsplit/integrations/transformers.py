@@ -154,13 +154,10 @@ class HeteroTrainer(transformers.Trainer):
         """The Trainer's accelerator set-up, with a :class:`HeteroAccelerator` in place of ``Accelerator``."""
         sharding = [f"{k}={v!r}" for k, v in (("fsdp", self.args.fsdp), ("deepspeed", self.args.deepspeed)) if v]
         if sharding:  # before the Trainer builds its accelerator: one line, on every process
-            raise ValueError(
-                f"HeteroTrainer runs DDP only, not the Trainer's sharding ({', '.join(sharding)}); remove it, "
-                "or shard with FSDP2 through HeteroAccelerator(fsdp_plugin=FullyShardedDataParallelPlugin("
-                "fsdp_version=2)) on GPUs, Lightning's HeteroModelParallelStrategy, or fully_shard with "
-                "hetsplit.distributed (docs/torchrun.md)"
-            )
+            raise ValueError(_refused_sharding(", ".join(sharding)))
         super().create_accelerator_and_postprocess()
+        if self.is_deepspeed_enabled or self.is_fsdp_enabled:  # from the environment: accelerate launch --use_fsdp
+            raise ValueError(_refused_sharding("accelerate launch's --use_fsdp/--use_deepspeed"))
         # "none": each process's loss is made its part of the global loss (compute_loss), exact
         # for token losses too, where weighting gradients by samples is not.
         self.accelerator = _TrainerAccelerator(weighting="none", **self._hetero_kwargs, **self._accelerator_args)
@@ -366,6 +363,14 @@ class HeteroTrainer(transformers.Trainer):
             return torch.zeros(())
         with torch.no_grad():
             return super().compute_loss(model, _rows(inputs, real))
+
+
+def _refused_sharding(what: str) -> str:
+    return (
+        f"HeteroTrainer runs DDP only, not the Trainer's sharding ({what}); remove it, or shard with FSDP2 "
+        "through HeteroAccelerator(fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2)) on GPUs, "
+        "Lightning's HeteroModelParallelStrategy, or fully_shard with hetsplit.distributed (docs/torchrun.md)"
+    )
 
 
 def _rows(tree: Any, n: int) -> Any:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 from pathlib import PurePath
 
@@ -193,9 +194,37 @@ class BatchPlans:
             if self.caps:
                 plan = self.by_batch[batch] = self.capped(plan)
         if 1 in plan.sizes and plan is not self.given and _has_batchnorm(self.model):  # also a rebalancer's plan
-            plan = self.by_batch[batch] = _without_single_samples(plan, self.profile, self.accumulate)
+            plan = self.by_batch[batch] = self._without_single_samples(plan)
         self.current = plan
         return plan
+
+    def _without_single_samples(self, plan: Plan) -> Plan:
+        """``plan`` with every share of exactly one sample moved to the largest share that can hold one more.
+
+        BatchNorm cannot train on one sample ("Expected more than 1 value per channel")
+        while the plain module trains on the whole batch, so a model holding BatchNorm is
+        not handed a single-sample shard: the sample goes where the solver put the most
+        (the device it found fastest) unless a memory cap (the profile's or one learned
+        from running out) forbids, then to the next share that is not empty (another single
+        one pairs with it). With nowhere to go it stays.
+        """
+        if plan.batch_size < 2:
+            return plan
+        caps = {n: c for n, c in (self.profile.memory_caps() if self.profile else {}).items() if c is not None}
+        for name, cap in self.caps.items():
+            caps[name] = min(cap, caps.get(name, cap))
+        sizes = list(plan.sizes)
+        for i in [i for i, size in enumerate(sizes) if size == 1]:
+            # Never into an empty share (that would make another single one), never over a cap.
+            room = [j for j, s in enumerate(sizes) if j != i and s >= 1 and s + 1 <= caps.get(self.names[j], math.inf)]
+            if room and sizes[i] == 1:
+                j = max(room, key=lambda j: sizes[j])
+                sizes[j], sizes[i] = sizes[j] + 1, 0
+        if sizes == list(plan.sizes):
+            return plan
+        learned = self.rebalancer is not None and bool(self.rebalancer.log_factors)
+        profile = self.rebalancer.corrected(self.names) if learned else self.profile
+        return plan_from_sizes(profile, self.names, sizes, accumulate=self.accumulate)
 
     def _within_caps(self, plan: Plan) -> Plan | None:
         caps = {n: c for n, c in (self.profile.memory_caps() if self.profile else {}).items() if c is not None}
@@ -241,21 +270,3 @@ class BatchPlans:
 
 def _has_batchnorm(model: nn.Module | None) -> bool:
     return model is not None and any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
-
-
-def _without_single_samples(plan: Plan, profile: Profile | None, accumulate: bool) -> Plan:
-    """``plan`` with every share of exactly one sample moved to the largest share.
-
-    BatchNorm cannot train on one sample ("Expected more than 1 value per channel")
-    while the plain module trains on the whole batch, so a model holding BatchNorm is
-    never handed a single-sample shard: the sample goes where the solver put the most
-    (the device it found fastest), which costs at most one sample's time there.
-    """
-    sizes = list(plan.sizes)
-    if 1 not in sizes or plan.batch_size < 2:
-        return plan
-    largest = max(range(len(sizes)), key=lambda i: sizes[i])
-    for i, size in enumerate(sizes):
-        if size == 1 and i != largest:
-            sizes[largest], sizes[i] = sizes[largest] + 1, 0
-    return plan_from_sizes(profile, plan.devices, sizes, accumulate=accumulate)
