@@ -89,7 +89,10 @@ def profile_sharded(
 
     Raises:
         ValueError: On bad settings, before any device work (the same on every rank).
-        DistributedError: If a step fails on some rank, or a rank dies or hangs.
+        DistributedError: On every rank, at once: if a rank cannot run even the ladder's
+            first size, or deciding its next size fails. At the process group's timeout:
+            if a step fails on one rank only (the others are inside FSDP2's collectives),
+            or a rank dies or hangs.
     """
     del progress  # the turns are short and collective: no bar
     dev = parse_device(device)
