@@ -196,6 +196,18 @@ class WithMomentum(Sharded):
         return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
 
 
+@scenario("rebalanced")
+def _():
+    # Re-solved after every step from the ranks' busy times (rank 1 a quarter as fast), at most 1 sample
+    # moved at once: the shares change on both ranks at the same steps, every step still full-batch SGD.
+    eager = hetsplit.Rebalancer(every=1, threshold=0.0, window=1, max_move=0.125)
+    strategy = HeteroModelParallelStrategy(devices="cpu,cpu@0.25", plan=plan_of(4, 4), rebalance=eager)
+    model, trainer = fit(strategy)
+    shares, _ = assert_full_batch_sgd(model, trainer, padded=None)
+    changes = gathered(len(strategy.rebalancer.history))
+    assert changes[0] == changes[1] >= 1, (changes, shares)
+
+
 @scenario("resumed")
 def _():
     # Shares [6, 2], a sharded checkpoint (a directory) per epoch; a new Trainer and a fresh model resume the

@@ -24,6 +24,10 @@ def test_steps_equal_full_batch_sgd(job, name):
     check(job, name)
 
 
+def test_rebalancing_changes_the_shares_and_keeps_every_step_exact(job):
+    check(job, "rebalanced")
+
+
 def test_resumed_checkpoint_ends_as_the_uninterrupted_fit(job):
     check(job, "resumed")
 
