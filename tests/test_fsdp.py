@@ -516,8 +516,12 @@ def test_the_sharded_profile_stops_its_ladder_before_the_memory_fit_passes_the_d
     assert turn.cap == 9  # the largest batch the fit keeps under the limit
     # Every sharded step pays its collectives: the budget never stops a turn below an even share,
     # where a curve of the small sizes alone would extrapolate that overhead's noise.
-    turn.limit, turn.times, turn.even = None, {2: [0.1], 4: [0.1]}, 32
+    turn.limit, turn.times, turn.even = None, {2: [0.1], 4: [0.2]}, 32
     assert turn.wants(32, budget=0.5, steps=3) and not turn.wants(64, budget=0.5, steps=3)
+    # Nor while doubling the batch adds less than half as much time: the floor (the other ranks'
+    # one-sample steps, the collectives) still hides this rank's own work.
+    turn.times = {2: [0.1], 4: [0.14]}
+    assert turn.wants(64, budget=0.5, steps=3)
     # A turn the budget stopped (not the memory) still has the cap where the fit meets the limit.
     turn = _Turn(_net(), hetsplit.parse_devices("cpu")[0], torch.zeros(2, 6), None, None, True, 0.9)
     turn.limit, turn.peaks, turn.times = 1000.0, {2: 300, 4: 500}, {2: [0.1], 4: [0.2]}

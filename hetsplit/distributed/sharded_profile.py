@@ -73,10 +73,12 @@ def profile_sharded(
     taking an equal part. The model is left as it was: parameters, gradients (none),
     buffers and the RNG state.
 
-    Every step of a sharded model pays its collectives, so the smallest sizes of a ladder
-    time mostly those: a curve fitted to them alone would extrapolate noise to the shares
-    the plan needs. So a turn measures every size of its ladder up to an even share of
-    ``batch_size`` whatever the budget (the budget only stops it climbing beyond).
+    Every step of a sharded model pays its collectives (and waits for the other ranks'
+    one-sample steps), so the smallest sizes of a ladder time mostly those: a curve fitted
+    to them alone would extrapolate that floor to the shares the plan needs. So a turn
+    measures every size of its ladder up to an even share of ``batch_size`` whatever the
+    budget, and beyond it while the time still grows less than half as fast as the batch
+    (the budget stops it climbing only once its own work shows).
 
     Args:
         memory_fraction: On CUDA, the share of the device's memory a step may be
@@ -193,12 +195,23 @@ class _Turn:
         if fits is not None and b > fits:
             self.cap = fits
             return False
-        if len(self.times) >= 2 and b > self.even:  # the turn's projected cost with b added, as the profiler climbs
-            last = max(self.times)
+        if len(self.times) >= 2 and b > self.even and not self.flat():
+            last = max(self.times)  # the turn's projected cost with b added, as the profiler climbs
             per_sample = statistics.median(self.times[last]) / last
             projected = sum(statistics.median(t) for t in self.times.values()) + per_sample * b
             return projected * steps <= budget
         return True
+
+    def flat(self) -> bool:
+        """Whether the last doubling of the batch added less than half as much time: the floor still dominates.
+
+        In a fast rank's turn the others' one-sample steps (on slow devices) and the
+        collectives set the time of small batches: a curve through them would extrapolate
+        that floor to the large shares the plan will give this rank, so the turn climbs on
+        (up to the global batch) until its own work shows.
+        """
+        (small, t_small), (large, t_large) = [(b, statistics.median(t)) for b, t in sorted(self.times.items())[-2:]]
+        return t_large - t_small < 0.5 * t_small * (large / small - 1)
 
     def memory_cap(self) -> int | None:
         """On CUDA, the largest batch whose fitted peak stays under the limit (``None``: the peaks do not grow)."""
