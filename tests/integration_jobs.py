@@ -82,7 +82,7 @@ def tokenizer_collate(items):
 @scenario
 def accelerate_zero_share_batch_keeps_its_type():
     # nlp_example.py: `batch.to(accelerator.device)` on what the collate function made; the
-    # process the plan gives 0 gets one real sample of that type, weighted 0.
+    # process the plan gives 0 gets two real samples of that type, weighted 0.
     from hetsplit.accelerate import HeteroAccelerator
 
     acc = HeteroAccelerator(plan=plan(8, 0))
@@ -93,7 +93,7 @@ def accelerate_zero_share_batch_keeps_its_type():
     batches, seen = [], []
     for batch in loader:
         batch = batch.to(acc.device)
-        assert isinstance(batch, Tokenized) and len(batch["idx"]) == [8, 1][acc.process_index], batch
+        assert isinstance(batch, Tokenized) and len(batch["idx"]) == [8, 2][acc.process_index], batch
         acc.backward(F.mse_loss(model(batch["x"]), batch["y"]))
         opt.step()
         opt.zero_grad()
@@ -191,8 +191,8 @@ def ddp_job(sizes):
 
 @scenario
 def torchrun_weighting_without_a_plan_leaves_a_zero_shares_stand_in_out():
-    # weight_gradients(ddp) without a plan weights each step by its real samples: the one sample
-    # data_loader serves a share of 0 is not one (it counted as one before, a 9th sample in the mean).
+    # weight_gradients(ddp) without a plan weights each step by its real samples: the two samples
+    # data_loader serves a share of 0 are not (they counted before, extra samples in the mean).
     import hetsplit.distributed as hd
 
     ddp, model, ref, _, loader = ddp_job((8, 0))
@@ -200,7 +200,7 @@ def torchrun_weighting_without_a_plan_leaves_a_zero_shares_stand_in_out():
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     batches = []
     for idx, x, y in loader:
-        assert len(idx) == [8, 1][dist.get_rank()], idx  # the stand-in: one real sample
+        assert len(idx) == [8, 2][dist.get_rank()], idx  # the stand-in: two real samples
         opt.zero_grad()
         F.mse_loss(ddp(x), y).backward()
         opt.step()
@@ -300,7 +300,7 @@ def lightning_zero_share_never_reaches_the_step_empty():
     trainer = lightning_trainer(strategy)
     trainer.fit(module, DataLoader(DATA, batch_size=4, shuffle=True), DataLoader(DATA, batch_size=4))
     seen = gathered(module.seen)
-    assert all(len(i) == 1 for i in seen[1]), seen[1]  # the filler: one real sample a step
+    assert all(len(i) == 2 for i in seen[1]), seen[1]  # the filler: two real samples a step
     ref = sgd_reference(net(), [torch.tensor(i) for i in seen[0]])
     assert_same(module.layer, ref, "zero share")
     expected = F.mse_loss(ref(X), Y).item()

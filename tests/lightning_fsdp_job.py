@@ -145,17 +145,17 @@ def _():
 
 @scenario("zero")
 def _():
-    # Rank 1's share is 0: it runs one real sample of the global batch (FSDP2's forward is collective), weighted 0.
+    # Rank 1's share is 0: it runs two real samples of the global batch (FSDP2's forward is collective), weighted 0.
     model, trainer = fit(HeteroModelParallelStrategy(devices="cpu,cpu@1", plan=plan_of(8, 0)))
     shares, stand_in = assert_full_batch_sgd(model, trainer)
     assert all(stand_in[1]) and not any(stand_in[0]), stand_in
-    assert [len(s) for s in shares[1]] == [1] * 6, shares[1]
+    assert [len(s) for s in shares[1]] == [2] * 6, shares[1]
 
 
 @scenario("micro")
 def _():
     # Rank 0's share runs as 3 micro-batches; FSDP2 needs as many on every rank, so rank 1 runs its 2 samples
-    # as [1, 1] plus one stand-in sample weighted 0.
+    # as [1, 1] plus a stand-in of two samples weighted 0.
     plan = hetsplit.Plan(["a", "b"], [6, 2], [0.0, 0.0], 8, micro_batches=[[2, 2, 2], [2]])
     strategy = HeteroModelParallelStrategy(devices="cpu,cpu@1", plan=plan)
     calls = []
@@ -172,7 +172,7 @@ def _():
     finally:
         Sharded.training_step = original
     assert_full_batch_sgd(model, trainer, padded=True)
-    assert calls[:3] == [[2, 2, 2], [1, 1, 1]][RANK], calls  # the third of rank 1's is the stand-in
+    assert calls[:3] == [[2, 2, 2], [1, 1, 2]][RANK], calls  # the third of rank 1's is the stand-in (two samples)
 
 
 @scenario("profiled")

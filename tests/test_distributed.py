@@ -55,8 +55,8 @@ def _micro_step(ctx, sizes, micro, method):
     x, y = _batch(sum(sizes))
     start = sum(sizes[: ctx.rank])
     xs, ys = x[start : start + sizes[ctx.rank]], y[start : start + sizes[ctx.rank]]
-    if not sizes[ctx.rank]:  # a zero share: one real sample, as hd.data_loader serves it, weighted 0
-        xs, ys = x[:1], y[:1]
+    if not sizes[ctx.rank]:  # a zero share: two real samples, as hd.data_loader serves it, weighted 0
+        xs, ys = x[:2], y[:2]
     plan = hetsplit.Plan(["a", "b"], sizes, [0.0, 0.0], sum(sizes), micro_batches=micro)
     ddp = DDP(_net())
     hd.weight_gradients(ddp, plan, method=method)
@@ -162,18 +162,21 @@ def outputs_new_plan(ctx):
 
 def zero_share_loader(ctx):
     # The README's recipe with a rank the plan gives nothing: it still takes part in every step.
+    # With BatchNorm, which cannot train on one sample (as a ResNet's last stage on small images).
     zero_plan = plan_from_sizes(None, ["rank0", "rank1"], [6, 0])
     full_x, full_y = _batch(12)
     loader = hd.data_loader(torch.utils.data.TensorDataset(full_x, full_y), zero_plan, shuffle=False)
-    zddp = DDP(_net())
+    zddp = DDP(mlp(6, 5, 3, batch_norm=True))
     hd.weight_gradients(zddp, zero_plan)
     shapes = []
     for bx, by in loader:
         shapes.append(len(bx))
         zddp.zero_grad()
-        F.cross_entropy(zddp(bx), by).backward()  # the zero share's one real sample: weighted by 0
-    zref = _net()
-    F.cross_entropy(zref(full_x[6:]), full_y[6:]).backward()  # the last global batch
+        F.cross_entropy(zddp(bx), by).backward()  # the zero share's real samples: weighted by 0
+    zref = mlp(6, 5, 3, batch_norm=True)
+    for rows in (slice(0, 6), slice(6, 12)):  # rank 0 ran each global batch whole: BatchNorm saw its statistics
+        zref.zero_grad()
+        F.cross_entropy(zref(full_x[rows]), full_y[rows]).backward()
     # A deep copy of the weighted model (an EMA or evaluation copy) runs unweighted, any batch size.
     twin = copy.deepcopy(zddp.module)
     return {"shapes": shapes, "err": max_rel_grad_error(zddp.module, zref), "copy_runs": tuple(twin(full_x[:5]).shape)}
@@ -320,8 +323,9 @@ def test_a_step_off_the_plan_is_refused_with_the_outputs_method_but_evaluation_i
 
 def test_data_loader_serves_a_zero_share_and_copies_run_unweighted(ranks):
     results = ranks["zero_share_loader"]
-    # The rank the plan gives 0 is served one real sample a step, never an empty batch.
-    assert results[0]["shapes"] == [6, 6] and results[1]["shapes"] == [1, 1]
+    # The rank the plan gives 0 is served two real samples a step (BatchNorm cannot train on one),
+    # never an empty batch.
+    assert results[0]["shapes"] == [6, 6] and results[1]["shapes"] == [2, 2]
     for r in results:
         assert r["err"] < 1e-12  # float64: only rounding
         assert r["copy_runs"] == [5, 3]

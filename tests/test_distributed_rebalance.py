@@ -76,8 +76,8 @@ def rebalance(ctx):
                 before = copy.deepcopy(model.module.state_dict()) if check else None
                 with rb.step() as current:
                     shares = list(current.sizes)
-                    # A zero share is served one real sample of the global batch, weighted 0.
-                    assert len(x) == (shares[rank] or 1), (step, len(x), shares)
+                    # A zero share is served two real samples of the global batch, weighted 0.
+                    assert len(x) == (shares[rank] or 2), (step, len(x), shares)
                     with device.throttle(cpu_time=True):
                         loss = F.cross_entropy(model(x), y)
                     opt.zero_grad(set_to_none=True)

@@ -108,12 +108,14 @@ def test_batch_sampler_collates_an_empty_share_to_empty_tensors():
     assert x.shape == (0, 3) and y.shape == (0,) and y.dtype == torch.int64
 
 
-def test_a_zero_share_is_served_one_real_sample_that_counts_as_none():
+def test_a_zero_share_is_served_two_real_samples_that_count_as_none():
     from hetsplit.distributed.sampler import HeteroBatchSampler
 
     plan = plan_from_sizes(None, ["rank0", "rank1"], [8, 0])
     sampler = HeteroBatchSampler(list(range(20)), plan, num_replicas=2, rank=1, shuffle=False)
-    assert list(sampler) == [[0], [8], [16]]  # the first sample of each global batch
+    # The first two samples of each global batch (BatchNorm cannot train on one); the last
+    # global batch, wrapped around to 8 (pad=True), has them too.
+    assert list(sampler) == [[0, 1], [8, 9], [16, 17]]
     assert [sampler.real_rows(k) for k in range(3)] == [0, 0, 0] and sampler.is_filler(0)
     with pytest.raises(ValueError, match="zero_share='none'"):
         HeteroBatchSampler(list(range(20)), plan, num_replicas=2, rank=1, zero_share="none")

@@ -128,7 +128,7 @@ def _job(out: Path) -> None:
         ref = init.layer
         opt = torch.optim.SGD(ref.parameters(), lr=0.1)
         losses, counts, plain, first = [], [], [], None
-        # A share of 0 runs one sample weighted 0: a plan's zero share, or a small share's cut of a short last
+        # A share of 0 runs two samples weighted 0: a plan's zero share, or a small share's cut of a short last
         # global batch (a profiled plan of [7, 1] cuts the last 4 samples [4, 0]).
         stand_in = gathered(model.stand_in)
         for k in range(len(steps[0])):
@@ -147,7 +147,7 @@ def _job(out: Path) -> None:
         diff = lambda a, b: max((x - y).abs().max().item() for x, y in zip(a, b))
         val_seen = gathered(model.val_seen)
         # Evaluation batches are cut in the plan's proportions; a rank whose cut of a batch is 0
-        # is served one sample that counts for nothing (the last, partial batch can do that).
+        # is served two samples that count for nothing (the last, partial batch can do that).
         from hetsplit.planning import sizes_from_weights
 
         def counted(r, k):
@@ -397,11 +397,11 @@ def test_batch_sizes_follow_the_plan(job, name, sizes):
     from hetsplit.planning import sizes_from_weights
 
     # The last global batch is what is left (4 of 8), cut in proportion: nothing added in
-    # training or evaluation; a share of 0 is one sample, weighted 0.
+    # training or evaluation; a share of 0 is two samples, weighted 0.
     last = sizes_from_weights(N % (2 * BATCH), sizes)
     for rank, r in enumerate(job):
-        assert r[name]["sizes"] == [sizes[rank] or 1] * 2 + [last[rank] or 1]
-        assert r[name]["val_sizes"] == [sizes[rank] or 1] * 2 + [last[rank] or 1]
+        assert r[name]["sizes"] == [sizes[rank] or 2] * 2 + [last[rank] or 2]
+        assert r[name]["val_sizes"] == [sizes[rank] or 2] * 2 + [last[rank] or 2]
     assert sum(sizes) * 2 + sum(last) == N
 
 
@@ -411,7 +411,7 @@ def test_profiled_plan_is_one_plan(job):
     from hetsplit.planning import sizes_from_weights
 
     last = sizes_from_weights(N % 8, plans[0])  # the short last global batch, in proportion
-    assert [r["profiled"]["sizes"] for r in job] == [[plans[0][r] or 1] * 2 + [last[r] or 1] for r in (0, 1)]
+    assert [r["profiled"]["sizes"] for r in job] == [[plans[0][r] or 2] * 2 + [last[r] or 2] for r in (0, 1)]
 
 
 def test_rebalancing_keeps_steps_exact(job):
@@ -422,8 +422,8 @@ def test_rebalancing_keeps_steps_exact(job):
 
     final = job[0]["rebalanced"]["plan"]
     last = sizes_from_weights(N % (2 * BATCH), final)  # what is left of the evaluation set, in proportion
-    # A share of 0 of the last batch is served one sample that counts for nothing.
-    assert [r["rebalanced"]["val_sizes"] for r in job] == [[final[r] or 1] * 2 + [last[r] or 1] for r in (0, 1)]
+    # A share of 0 of the last batch is served two samples that count for nothing.
+    assert [r["rebalanced"]["val_sizes"] for r in job] == [[final[r] or 2] * 2 + [last[r] or 2] for r in (0, 1)]
 
 
 @pytest.mark.parametrize("name", SCENARIOS)

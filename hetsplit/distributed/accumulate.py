@@ -21,6 +21,7 @@ from ..planning.plan import Plan
 from ..tree import batch_length, tree_map
 from . import sharded as _sharded
 from ._group import group_info
+from .sampler import STAND_IN
 
 
 def micro_batches(
@@ -40,14 +41,14 @@ def micro_batches(
     :func:`~hetsplit.distributed.weight_gradients` and the same ``plan``, each
     micro-batch's gradient is weighted by its share of the rank's samples, so a mean
     loss per micro-batch still gives the full-batch gradient. A share that runs whole
-    (one micro-batch, or the one stand-in sample a share of 0 is served, or an empty
+    (one micro-batch, or the two stand-in samples a share of 0 is served, or an empty
     batch) is yielded once, as it is, so the rank still takes part in the all-reduce.
 
     An FSDP2 model (``fully_shard``) gathers parameters in every forward and
     reduce-scatters in every backward, so every rank runs the same number of
     micro-batches, the plan's largest ``K``, each synchronising its (weighted)
     gradient: a rank with fewer runs its share as ``K`` smaller ones, a rank with fewer
-    than ``K`` samples adds one real sample weighted 0 for each missing one. Nothing
+    than ``K`` samples adds two real samples weighted 0 for each missing one. Nothing
     is kept gathered, so a rank holds its shards plus one micro-batch's activations and
     a layer or two gathered, as in a plain FSDP2 step; the price is ``K`` gathers and
     reduce-scatters per step instead of one (measurements: docs/torchrun.md). Leaving
@@ -79,7 +80,7 @@ def micro_batches(
         rank, _ = group_info(group)
     sizes = _sharded.rank_micro(plan, rank, kind == "fsdp2")
     n = batch_length(batch, dim)
-    if n != plan.sizes[rank] and not (plan.sizes[rank] == 0 and n <= 1):  # a zero share's one sample (or none)
+    if n != plan.sizes[rank] and not (plan.sizes[rank] == 0 and n <= STAND_IN):  # a zero share's stand-in (or none)
         raise ValueError(
             f"rank {rank}: the batch has {n} samples but the plan gives this rank {plan.sizes[rank]}; "
             "pass this rank's share (hd.data_loader gives it)"

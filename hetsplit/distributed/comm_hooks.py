@@ -17,7 +17,7 @@ from ..planning.plan import Plan
 from ..tree import batch_length, tree_map
 from . import sharded as _sharded
 from ._group import DistributedError, as_error, group_info, group_timeout, note_step, verify_plan
-from .sampler import _IN_HAND
+from .sampler import _IN_HAND, STAND_IN
 
 
 class WeightingState:
@@ -198,7 +198,7 @@ def weight_gradients(
 
     With a ``plan``, every step must follow it (as :class:`HeteroDistributedSampler`
     gives; a step of another size raises on that rank rather than being weighted
-    wrongly). A rank the plan gives 0 runs the one real sample :func:`data_loader`
+    wrongly). A rank the plan gives 0 runs the two real samples :func:`data_loader`
     serves it, weighted 0; without a plan too, as that loader marks the batch it hands
     out as the stand-in (a stand-in from a loader of another kind would count as one
     sample: use :func:`data_loader`, or pass the plan).
@@ -260,15 +260,15 @@ def weight_gradients(
             state.local = first.shape[dim]  # the common case, without walking the inputs
         else:
             state.local = batch_length((args, kwargs), dim)
-        if state.planned is None and state.local == 1 and _IN_HAND.stand_in:
-            state.local = 0  # data_loader's stand-in for a share of 0: one real sample that counts for nothing
+        if state.planned is None and _IN_HAND.stand_in:
+            state.local = 0  # data_loader's stand-in for a share of 0: real samples that count for nothing
         if state.micro is not None:
             _micro_step(state, rank)
             return
         state.started()
-        # A share of 0 is served one real sample (HeteroBatchSampler's zero_share="sample"),
+        # A share of 0 is served two real samples (HeteroBatchSampler's zero_share="sample"),
         # which the plan's weight, 0, leaves out of the gradient.
-        filler = state.planned == 0 and state.local == 1
+        filler = state.planned == 0 and 0 < state.local <= STAND_IN
         if state.planned is not None and state.local != state.planned and not filler:
             raise DistributedError(
                 f"rank {rank}: this step has {state.local} samples but the plan gives this rank {state.planned}; "
@@ -341,8 +341,8 @@ def _micro_step(state: WeightingState, rank: int) -> None:
     """A forward of one of this rank's micro-batches: checked against the plan, its share noted."""
     micro = state.micro
     assert micro is not None
-    # A 0 is a sharded model's filler: one real sample weighted 0 (see sharded._even_micro).
-    filler = micro[state.pos] == 0 and state.local <= 1
+    # A 0 is a sharded model's filler: two real samples weighted 0 (see sharded._even_micro).
+    filler = micro[state.pos] == 0 and state.local <= STAND_IN
     if state.local != micro[state.pos] and not filler:
         raise DistributedError(
             f"rank {rank}: this forward has {state.local} samples but the micro-batches for this rank are "

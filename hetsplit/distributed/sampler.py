@@ -14,8 +14,13 @@ from ..planning.plan import Plan, sizes_from_weights
 from ..tree import tree_map
 from ._group import group_info
 
-# What a rank whose share is 0 is served: one real sample weighted 0, or an empty batch.
+# What a rank whose share is 0 is served: real samples weighted 0, or an empty batch.
 ZERO_SHARES = ("sample", "empty")
+# How many real samples that is: two, not one, because BatchNorm cannot train on one sample
+# ("Expected more than 1 value per channel": a ResNet's last stage on 28-pixel images, any
+# BatchNorm1d), and the plain model never meets one where hetsplit served it (one, when the
+# whole global batch is one sample).
+STAND_IN = 2
 
 
 class HeteroDistributedSampler(Sampler[int]):
@@ -140,10 +145,11 @@ class HeteroBatchSampler(Sampler[list[int]]):
             ``DistributedSampler`` and accelerate pad), or cut what is left in the plan's
             proportions (``False``: every sample once, none added; evaluation).
         zero_share: What a rank the plan gives 0 samples gets each step: ``"sample"``
-            (default), one real sample of the global batch, which the plan's gradient
-            weighting counts as 0 and :meth:`real_rows` reports as 0 (models that cannot
-            run a batch of 0 rows, ``x.view(x.size(0), -1)``, still run); or ``"empty"``,
-            an empty batch.
+            (default), two real samples of the global batch (:data:`STAND_IN`; one if the
+            global batch is one), which the plan's gradient weighting counts as 0 and
+            :meth:`real_rows` reports as 0 (models that cannot run a batch of 0 rows,
+            ``x.view(x.size(0), -1)``, still run, and BatchNorm, which cannot train on one
+            sample); or ``"empty"``, an empty batch.
 
     Raises:
         ValueError: If the plan's device count differs from ``num_replicas`` or ``rank``
@@ -215,9 +221,10 @@ class HeteroBatchSampler(Sampler[list[int]]):
             start, count, _ = self._cut(step, self.plan_at(self.yielded).sizes)
             self.yielded += 1
             if count == 0 and self.zero_share == "sample":
-                # One real sample of this global batch, which the weighting counts as 0
-                # (the plan gives this rank 0): models that cannot run 0 rows still run.
-                yield order[step * self.batch_size : step * self.batch_size + 1]
+                # Real samples of this global batch, which the weighting counts as 0 (the
+                # plan gives this rank 0): models that cannot run 0 rows still run.
+                first = step * self.batch_size
+                yield order[first : first + min(STAND_IN, self.batch_size)]
             else:
                 yield order[start : start + count]
 
@@ -253,13 +260,13 @@ class HeteroBatchSampler(Sampler[list[int]]):
         return self._sizes(step, self.plan_at(self.epoch_start + step).sizes)
 
     def is_filler(self, step: int) -> bool:
-        """Whether batch ``step`` (from the epoch's first) is the one sample a share of 0 is served."""
+        """Whether batch ``step`` (from the epoch's first) is the stand-in a share of 0 is served."""
         return self.zero_share == "sample" and self._cut(step, self.plan_at(self.epoch_start + step).sizes)[1] == 0
 
     def real_rows(self, step: int) -> int:
         """This rank's rows of batch ``step`` (counted from the epoch's first) that are data counted once.
 
-        0 for the one sample a zero share is served (:attr:`zero_share`), fewer than the
+        0 for the stand-in a zero share is served (:attr:`zero_share`), fewer than the
         batch's rows where a last global batch is completed by wrapping around: what
         metrics should weight this rank's batch by.
         """
@@ -339,7 +346,7 @@ def data_loader(
     """This rank's ``DataLoader`` over its shares of every global batch, a share of 0 included.
 
     ``DataLoader(batch_size=0)`` is refused by torch, so a rank the plan gives nothing
-    would fail; this loader serves that rank one real sample each step instead (or an
+    would fail; this loader serves that rank two real samples each step instead (or an
     empty batch with ``zero_share="empty"``), so it still takes part in every
     collective. The gradient weighting (:func:`weight_gradients`, with the plan or
     without: the loader marks the batch in hand as that stand-in) counts that sample as

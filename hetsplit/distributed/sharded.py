@@ -16,7 +16,7 @@ parameters *and* unsharded gradients on every rank for the whole step — what a
 larger than the smallest device cannot afford (measured: docs/benchmarks.md). The
 second keeps everything sharded: a rank whose plan has fewer micro-batches runs its
 share as that many smaller ones (less activation memory, no more samples), and a rank
-with fewer samples than micro-batches runs one real sample weighted 0 for each
+with fewer samples than micro-batches runs two real samples weighted 0 for each
 missing one. Each micro-batch reduce-scatters (its gradient weighted by its share),
 and FSDP2 accumulates the sharded gradients: the sum is the full-batch gradient.
 """
@@ -34,6 +34,7 @@ from ..planning.micro import micro_sizes
 from ..planning.plan import Plan
 from ..tree import batch_length, tree_map
 from ._group import DistributedError, all_gather, collective
+from .sampler import STAND_IN
 
 _WORKS = (
     "FSDP2's fully_shard on a 1-D device mesh (the default: every rank in one shard group), the same on every rank, "
@@ -130,7 +131,7 @@ def _even_micro(plan: Plan) -> list[list[int]]:
     The count is the plan's largest, ``K``; a rank whose plan has ``K`` keeps them, one
     with fewer runs its share as ``K`` near-equal ones (each no larger than before, so
     under any cap), and one with fewer than ``K`` samples runs them one at a time, then
-    a ``0`` for each missing micro-batch: one real sample weighted 0 (:func:`micro_pieces`).
+    a ``0`` for each missing micro-batch: two real samples weighted 0 (:func:`micro_pieces`).
     """
     count = max([1, *map(len, plan.micro_batches)])
     out = []
@@ -154,7 +155,7 @@ def micro_pieces(batch: Any, sizes: Sequence[int], dim: int) -> Iterator[tuple[A
     """
     start = 0
     for size in sizes:
-        at, n = (start, size) if size > 0 else (0, min(1, batch_length(batch, dim)))
+        at, n = (start, size) if size > 0 else (0, min(STAND_IN, batch_length(batch, dim)))
         yield tree_map(lambda t, at=at, n=n: t.narrow(dim, at, n) if _batched(t, dim) else t, batch), size
         start += size
 

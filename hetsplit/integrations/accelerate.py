@@ -421,7 +421,7 @@ class HeteroAccelerator(accelerate.Accelerator):
         """Every process's rows of the current batch that are data, each sample once, in process order.
 
         Inside a prepared loader's loop each process sends only its real rows (not the
-        padding of a last global batch, nor the one sample a share of 0 is served), so
+        padding of a last global batch, nor the stand-in a share of 0 is served), so
         the result covers every sample of the data set once, whatever the shares.
         """
         loader = getattr(self.gradient_state, "active_dataloader", None)

@@ -30,7 +30,7 @@ class SharesLoader(DataLoaderShard):
 
     Attributes:
         current_samples: The samples of the current batch the gradient weighting counts
-            (0 for the one sample a share of 0 is served), ``None`` outside a loop.
+            (0 for the stand-in a share of 0 is served), ``None`` outside a loop.
         origin: The loader this one was cut from by ``skip_first_batches``: its epoch
             counter moves on with this one's, so the next epoch draws the next order.
         step_context: Makes the context each batch is handed out in, from its yield to the

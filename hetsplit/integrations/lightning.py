@@ -363,7 +363,7 @@ class HeteroDDPStrategy(_HeteroStrategy, DDPStrategy):
       counts (:func:`~.lightning_parts.check_micro_plan`), manual optimization (at the first training step).
     - **Gradients** are weighted by shard (:func:`hetsplit.distributed.weight_gradients`,
       ``weighting="hook"`` or ``"outputs"``), so a step equals the full-batch step; a
-      share of 0 runs one real sample of the global batch, weighted 0 in the gradients and
+      share of 0 runs two real samples of the global batch, weighted 0 in the gradients and
       in synced metrics (never an empty batch). ``rebalance=K`` (or a
       :class:`hetsplit.Rebalancer` policy) re-solves the shares
       from measured step times every K steps (:class:`hetsplit.distributed.DistributedRebalancer`).

@@ -76,7 +76,7 @@ def share_micro_batches(
 
     For a model sharded with FSDP2 (``sharded``) every rank runs as many micro-batches as
     the plan's largest count (:func:`hetsplit.distributed.sharded.rank_micro`; a ``0`` is
-    one real sample weighted 0), so a rank whose own share runs whole may still run several.
+    two real samples weighted 0), so a rank whose own share runs whole may still run several.
 
     Every rank checks the whole plan, so a refusal is raised on every rank at once,
     before any of them starts the step's collectives.
@@ -295,7 +295,7 @@ def _weights(sizes: Sequence[float]) -> list[float]:
     """What a mean over micro-batches weights each by: its samples; a share of 0's stand-ins (all ``0``) equally.
 
     A zero share under FSDP2 runs only stand-ins (``[0, 0, 0]``): its values are a
-    stand-in's, as the one sample a zero share runs whole gives (counted as nothing by
+    stand-in's, as the stand-in a zero share runs whole gives (counted as nothing by
     the strategy's weighted reductions).
     """
     return list(sizes) if sum(sizes) > 0 else [1.0] * len(sizes)

@@ -50,7 +50,7 @@ class HeteroModelParallelStrategy(_HeteroStrategy, ModelParallelStrategy):
     - **Micro-batches** (a plan solved with ``accumulate=True``): every rank runs the same
       number, the plan's largest ``K`` (FSDP2 gathers and reduce-scatters in every
       micro-batch; :func:`hetsplit.distributed.micro_batches`), a rank with fewer samples
-      than ``K`` running one real sample weighted 0 for each missing one.
+      than ``K`` running two real samples weighted 0 for each missing one.
     - **Profiling** (no ``plan``/``profile``): the sharded LightningModule's step is
       timed itself, the ranks in turns (no device holds the whole model), as
       :func:`hetsplit.distributed.plan` does for an FSDP2 model (not calibrated).

@@ -16,6 +16,7 @@ from transformers.loss.loss_utils import ForCausalLMLoss
 
 from hetsplit.devices import Device, parse_device
 from hetsplit.distributed.accumulate import _all_reduce_once, _micro_sizes, _pieces
+from hetsplit.distributed.sampler import STAND_IN
 from hetsplit.distributed.setup import ENV_DEVICES, rank_devices
 from hetsplit.planning import Plan, Profile, Rebalancer
 
@@ -45,7 +46,7 @@ class HeteroTrainer(transformers.Trainer):
     - Evaluation: ``eval_loss`` is the mean over every item of the evaluation set (the
       padding of a last incomplete batch left out); predictions and labels reach
       ``compute_metrics`` with uneven shards, every sample once.
-    - A process whose share is 0 runs one real sample weighted 0 (many models cannot
+    - A process whose share is 0 runs two real samples weighted 0 (many models cannot
       run a batch of 0 rows; DDP needs every process in every backward); one whose share
       has no items runs its last micro-batch so. Their gradients are held at exact zeros:
       a mean over no items, ``(l * mask).sum() / mask.sum()``, backpropagates NaN.
@@ -114,7 +115,7 @@ class HeteroTrainer(transformers.Trainer):
         self._window_items: float | None = None  # items of the global batch over this accumulation window
         self._piece_items: dict[int, tuple[Any, list[int], list[float]]] = {}  # id: batch, sizes, their items
         self._eval_sums: list[float] | None = None  # (summed loss, items) of this process's evaluation
-        self._filler: Any = None  # the loader an empty share borrows one real sample from
+        self._filler: Any = None  # the loader an empty share borrows two real samples from
         super().__init__(*args, **trainer_kwargs)
         if self.args.n_gpu > 1:
             raise ValueError(
@@ -231,7 +232,7 @@ class HeteroTrainer(transformers.Trainer):
         A batch of another size than the share (a loader cut in the plan's proportions)
         is cut into near-equal pieces no larger than this process's largest micro-batch.
         A piece without items adds nothing and is not run, so the last piece run has
-        items; a batch without any runs its last piece (or, empty, one real sample) with
+        items; a batch without any runs its last piece (or, empty, two real samples) with
         every gradient held at an exact 0, as DDP needs a backward on every process.
 
         Args:
@@ -344,12 +345,13 @@ class HeteroTrainer(transformers.Trainer):
         return loader
 
     def _filler_inputs(self, inputs: dict[str, Any]) -> dict[str, Any]:
-        """One real sample, shaped as the loader's batches, for a process whose share is 0."""
+        """Real samples (two: BatchNorm cannot train on one), shaped as the loader's batches, for a share of 0."""
         loader = self._filler
         if loader is None:
             raise RuntimeError("HeteroTrainer: a share of 0 samples before any loader was made; pass a data set")
-        one = self._prepare_inputs(loader.collate_fn([loader.dataset[0]]))
-        return {k: v for k, v in one.items() if k in inputs}
+        items = [loader.dataset[i] for i in range(min(STAND_IN, len(loader.dataset)))]
+        some = self._prepare_inputs(loader.collate_fn(items))
+        return {k: v for k, v in some.items() if k in inputs}
 
     def _real_rows(self, inputs: dict[str, Any]) -> int:
         """This process's rows of the current evaluation batch that are not padding of a last incomplete batch."""
@@ -409,7 +411,7 @@ class _TrainerAccelerator(HeteroAccelerator):
     """The HeteroAccelerator of a HeteroTrainer, whose loss weights each micro-batch itself (``training_step``)."""
 
     loss_weights_micro_batches = True
-    zero_share = "empty"  # compute_loss runs a share of 0 on one real sample of its own, weighted 0
+    zero_share = "empty"  # compute_loss runs a share of 0 on two real samples of its own, weighted 0
     rebalance_in_loader = False  # the Trainer fetches a whole accumulation window first: training_step is timed
 
 
