@@ -80,6 +80,14 @@ def plan(ctx):
     ).to_dict()  # fmt: skip
 
 
+def batchnorm_plan(ctx):
+    # BatchNorm cannot train on one sample: no rank is handed one (the plain model never meets one).
+    x, _ = _batch(8)
+    bn = hd.plan(mlp(6, 5, 3, batch_norm=True), x, 8, weights=[7, 1]).sizes
+    plain = hd.plan(_net(), x, 8, weights=[7, 1]).sizes
+    return {"batchnorm": bn, "plain": plain}
+
+
 def calibration(ctx):
     # Both ranks plan from rank 0's profile of the real CPU, as if equally fast; the DDP steps
     # show rank 1 is emulated at a quarter speed and the plan moves off it.
@@ -247,6 +255,7 @@ def hung_rank(ctx):
 
 SCENARIOS = {
     "plan": plan,
+    "batchnorm_plan": batchnorm_plan,
     "calibration": calibration,
     "calibration_failure": calibration_failure,
     **{name: step for name, (step, _) in EXACT.items()},
@@ -276,6 +285,11 @@ def test_all_ranks_agree_on_the_plan(ranks):
     assert plans[0]["devices"] == ["rank0:cpu", "rank1:cpu@0.25"] and sum(plans[0]["sizes"]) == 40
     assert plans[0]["sizes"][0] > plans[0]["sizes"][1]  # the quarter-speed rank gets less
     assert plans[0]["emulated"] == ["rank1:cpu@0.25"]
+
+
+def test_a_batchnorm_model_s_plan_hands_no_rank_a_single_sample(ranks):
+    for r in ranks["batchnorm_plan"]:
+        assert r == {"batchnorm": [8, 0], "plain": [7, 1]}, r
 
 
 def test_calibration_moves_the_plan_off_a_rank_slower_than_its_profile(ranks):

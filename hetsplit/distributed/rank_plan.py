@@ -18,8 +18,8 @@ from ..devices import Device, DeviceLike, parse_device
 from ..planning.curve import Curve
 from ..planning.plan import Plan
 from ..planning.profile import DeviceProfile, Profile
-from ..planning.sizes import resolve_plan
-from ..planning.solver import solve_lockstep
+from ..planning.sizes import has_batchnorm, resolve_plan, without_single_samples
+from ..planning.solver import plan_from_sizes, solve_lockstep
 from ..profiler import profile as run_profile
 from ..profiler import train_step
 from ..timing import WorkTimer
@@ -145,8 +145,9 @@ def plan(
     if isinstance(calibrate, bool) or not isinstance(calibrate, int) or calibrate < 0:
         raise ValueError(f"calibrate must be a number of steps >= 0, got {calibrate!r}")
     rank, world = group_info(group)
+    batchnorm = has_batchnorm(model)  # no rank is handed a single sample (BatchNorm cannot train on one)
     if weights is not None:
-        return _weighted_plan(batch_size, weights, profile, rank, world, group)
+        return _no_single(_weighted_plan(batch_size, weights, profile, rank, world, group), None, False, batchnorm)
     dev = parse_device(device if device is not None else _default_device())
     _check_versions(group)
     sharded = _sharded.holds_sharded(model)  # the FSDP2 root, or a module around it (a LightningModule's loss)
@@ -173,11 +174,14 @@ def plan(
         result = _broadcast_plan(lambda: solve_lockstep(combined, batch_size), group, rank, world)
     else:
         result = _broadcast_plan(
-            lambda: resolve_plan(batch_size, combined.devices, profile=combined, accumulate=accumulate),
+            lambda: _no_single(
+                resolve_plan(batch_size, combined.devices, profile=combined, accumulate=accumulate),
+                combined, accumulate, batchnorm,
+            ),
             group,
             rank,
             world,
-        )
+        )  # fmt: skip
     if calibrate and not sharded and min(result.sizes) > 0 and max(map(len, result.micro_batches)) == 1:
         work = _calibration_work(model, sample, target, loss_fn, dev, result.sizes[rank], calibrate, group, rank)
         if rank == 0:
@@ -189,12 +193,24 @@ def plan(
                 ],
             )
         result = _broadcast_plan(
-            lambda: resolve_plan(batch_size, combined.devices, profile=combined, accumulate=accumulate),
+            lambda: _no_single(
+                resolve_plan(batch_size, combined.devices, profile=combined, accumulate=accumulate),
+                combined, accumulate, batchnorm,
+            ),
             group,
             rank,
             world,
-        )
+        )  # fmt: skip
     return result
+
+
+def _no_single(plan: Plan, profile: Profile | None, accumulate: bool, batchnorm: bool) -> Plan:
+    """``plan`` without a share of exactly one sample, for a model holding BatchNorm (else as it is)."""
+    if not batchnorm or 1 not in plan.sizes:
+        return plan
+    caps = profile.memory_caps() if profile is not None else {}
+    sizes = without_single_samples(plan.sizes, [caps.get(d) or math.inf for d in plan.devices])
+    return plan if sizes == list(plan.sizes) else plan_from_sizes(profile, plan.devices, sizes, accumulate=accumulate)
 
 
 def _check_versions(group: Any) -> None:

@@ -14,7 +14,7 @@ from ..planning.memory import capped_plan
 from ..planning.plan import Plan
 from ..planning.profile import Profile
 from ..planning.rebalance import Rebalancer
-from ..planning.sizes import check_weights, resolve_plan
+from ..planning.sizes import check_weights, has_batchnorm, resolve_plan, without_single_samples
 from ..planning.solver import plan_from_sizes
 from ..quick import default_profile
 from ..tree import batch_length
@@ -193,33 +193,21 @@ class BatchPlans:
             )
             if self.caps:
                 plan = self.by_batch[batch] = self.capped(plan)
-        if 1 in plan.sizes and plan is not self.given and _has_batchnorm(self.model):  # also a rebalancer's plan
+        if 1 in plan.sizes and plan is not self.given and has_batchnorm(self.model):  # also a rebalancer's plan
             plan = self.by_batch[batch] = self._without_single_samples(plan)
         self.current = plan
         return plan
 
     def _without_single_samples(self, plan: Plan) -> Plan:
-        """``plan`` with every share of exactly one sample moved to the largest share that can hold one more.
+        """``plan`` without single-sample shards (:func:`~hetsplit.planning.sizes.without_single_samples`).
 
-        BatchNorm cannot train on one sample ("Expected more than 1 value per channel")
-        while the plain module trains on the whole batch, so a model holding BatchNorm is
-        not handed a single-sample shard: the sample goes where the solver put the most
-        (the device it found fastest) unless a memory cap (the profile's or one learned
-        from running out) forbids, then to the next share that is not empty (another single
-        one pairs with it). With nowhere to go it stays.
+        The caps are the profile's and those learned from running out; the plan is re-wrapped
+        with the profile in use (the rebalancer's corrected one once it has learned).
         """
-        if plan.batch_size < 2:
-            return plan
         caps = {n: c for n, c in (self.profile.memory_caps() if self.profile else {}).items() if c is not None}
         for name, cap in self.caps.items():
             caps[name] = min(cap, caps.get(name, cap))
-        sizes = list(plan.sizes)
-        for i in [i for i, size in enumerate(sizes) if size == 1]:
-            # Never into an empty share (that would make another single one), never over a cap.
-            room = [j for j, s in enumerate(sizes) if j != i and s >= 1 and s + 1 <= caps.get(self.names[j], math.inf)]
-            if room and sizes[i] == 1:
-                j = max(room, key=lambda j: sizes[j])
-                sizes[j], sizes[i] = sizes[j] + 1, 0
+        sizes = without_single_samples(plan.sizes, [caps.get(n, math.inf) for n in self.names])
         if sizes == list(plan.sizes):
             return plan
         learned = self.rebalancer is not None and bool(self.rebalancer.log_factors)
@@ -266,7 +254,3 @@ class BatchPlans:
             new = self._within_caps(new)
         if new is not None and (self.current is None or new.sizes != self.current.sizes):
             self.current, self.by_batch = new, {new.batch_size: new}
-
-
-def _has_batchnorm(model: nn.Module | None) -> bool:
-    return model is not None and any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -102,3 +103,31 @@ def resolve_plan(
     if fallback is None:
         raise ValueError(f"nothing says how to split {batch} samples over {names}; give weights, a plan or a profile")
     return solve(fallback(), int(batch), devices=names, accumulate=accumulate)
+
+
+def without_single_samples(sizes: Sequence[int], caps: Sequence[float]) -> list[int]:
+    """``sizes`` with every share of exactly one sample moved to the largest share that can hold one more.
+
+    For a model holding BatchNorm, which cannot train on one sample ("Expected more than 1
+    value per channel") while the plain model trains on the whole batch: the sample goes
+    where the solver put the most (the device it found fastest) unless that share's memory
+    cap (``caps``, ``inf`` for none) forbids, then to the next share that is not empty
+    (another single one pairs with it). With nowhere to go it stays.
+    """
+    out = [int(s) for s in sizes]
+    if sum(out) < 2:
+        return out
+    for i in [i for i, size in enumerate(out) if size == 1]:
+        # Never into an empty share (that would make another single one), never over a cap.
+        room = [j for j, s in enumerate(out) if j != i and s >= 1 and s + 1 <= caps[j]]
+        if room and out[i] == 1:
+            j = max(room, key=lambda j: out[j])
+            out[j], out[i] = out[j] + 1, 0
+    return out
+
+
+def has_batchnorm(model: Any) -> bool:
+    """Whether ``model`` holds a BatchNorm layer (``torch.nn.modules.batchnorm._BatchNorm``)."""
+    import torch.nn as nn
+
+    return model is not None and any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
