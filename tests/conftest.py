@@ -22,7 +22,6 @@ def _isolate(monkeypatch, tmp_path):
 _SLOW_FIRST = (
     "test_integration_scenarios.py",
     "test_exit.py",
-    "test_lightning_fsdp.py",
     "test_hf_trainer.py",
     "test_docs.py",
     "test_examples.py",

@@ -1,6 +1,7 @@
-"""The 2-process job behind tests/test_lightning_fsdp.py: HeteroModelParallelStrategy (FSDP2) per scenario.
+"""The FSDP2 half of tests/test_lightning.py's launch: HeteroModelParallelStrategy per scenario.
 
-``torchrun --standalone --nproc_per_node=2 tests/lightning_fsdp_job.py`` runs every scenario
+Run after that module's DDP job in the same two processes (or alone: ``torchrun --standalone
+--nproc_per_node=2 tests/lightning_fsdp_job.py [NAME,...]``), it runs every scenario
 on both ranks (gloo, one thread each, float64): a LightningModule that shards itself with
 ``fully_shard`` in ``configure_model`` is trained on uneven shares, and its parameters are
 compared with one plain process running full-batch SGD on the same global batches (the

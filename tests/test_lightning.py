@@ -21,6 +21,7 @@ from pathlib import Path
 import lightning  # noqa: F401  (a test extra: missing, fail; never skip)
 import pytest
 import torch
+from integration_launch import check
 
 from hetsplit.devices import parse_device
 
@@ -364,15 +365,23 @@ def _job(out: Path) -> None:
 
 # --------------------------------------------------------------------------- the tests
 @pytest.fixture(scope="module")
-def job(tmp_path_factory) -> list[dict]:
+def launch(tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
+    # One launch for the DDP strategy's job and then the FSDP2 strategy's scenarios
+    # (tests/lightning_fsdp_job.py, in the same two processes): Lightning's start-up is
+    # most of a launch's time. PYTHONPATH: the ranks import this checkout's hetsplit.
     out = tmp_path_factory.mktemp("lightning")
-    # PYTHONPATH: the ranks import this checkout's hetsplit, not an installed one.
     root = str(Path(__file__).resolve().parents[1])
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", PYTHONPATH=root)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", __file__, str(out)]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=150, env=env)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env), out
+
+
+@pytest.fixture(scope="module")
+def job(launch) -> list[dict]:
+    res, out = launch
+    files = [out / f"rank{r}.json" for r in range(2)]
+    assert all(f.exists() for f in files), res.stdout[-3000:] + res.stderr[-5000:]
+    return [json.loads(f.read_text()) for f in files]
 
 
 SCENARIOS = ["ddp_sampler", "own_sampler", "zero_share", "small_share", "profiled", "rebalanced"]
@@ -574,5 +583,46 @@ def test_constructor_rejects_bad_arguments():
     HeteroDDPStrategy(plan=Plan(["a", "b"], [6, 2], [0.0, 0.0], 8, micro_batches=[[2, 2, 2], [2]]))  # followed
 
 
+# --------------------------------------------------------------------------- FSDP2: HeteroModelParallelStrategy
+# Its scenarios run in the same launch, after the DDP job (tests/lightning_fsdp_job.py): the parameters
+# after two epochs equal one plain process's full-batch SGD on the same global batches; a resumed fit
+# ends as the uninterrupted one; setup refuses a model without one fully_shard root holding every
+# trainable parameter. The constructor's refusals need no launch.
+
+
+@pytest.mark.parametrize("name", ["uneven", "zero", "micro", "profiled"])
+def test_fsdp2_steps_equal_full_batch_sgd(launch, name):
+    check(launch[0], name)
+
+
+def test_fsdp2_rebalancing_changes_the_shares_and_keeps_every_step_exact(launch):
+    check(launch[0], "rebalanced")
+
+
+def test_fsdp2_resumed_checkpoint_ends_as_the_uninterrupted_fit(launch):
+    check(launch[0], "resumed")
+
+
+@pytest.mark.parametrize("name", ["sharded_nothing", "several_roots", "outside_root"])
+def test_fsdp2_setup_refuses_a_model_without_one_root_holding_every_parameter(launch, name):
+    check(launch[0], name)
+
+
+def test_fsdp2_only_data_parallelism_on_a_1d_mesh():
+    from hetsplit.lightning import HeteroModelParallelStrategy
+
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=2\).*use tensor_parallel_size=1"):
+        HeteroModelParallelStrategy(tensor_parallel_size=2)
+    with pytest.raises(ValueError, match=r"data_parallel_size=0\)"):
+        HeteroModelParallelStrategy(data_parallel_size=0)
+    with pytest.raises(ValueError, match=r"HeteroModelParallelStrategy\(weighting='hook'\)"):
+        HeteroModelParallelStrategy(weighting="hook")
+
+
 if __name__ == "__main__":
     _job(Path(sys.argv[1]))
+    # The FSDP2 strategy's scenarios, in these processes and their process group.
+    import runpy
+
+    sys.argv = sys.argv[:1]  # every scenario of the job
+    runpy.run_path(str(Path(__file__).with_name("lightning_fsdp_job.py")), run_name="__main__")
