@@ -497,10 +497,9 @@ def _gpu_worker(rank, init_file, out_dir):
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_on_cuda_the_plan_and_the_weighting_of_a_sharded_model(tmp_path):
     """hd.plan on an FSDP2 model on CUDA (profiled as sharded, its peaks fitted), one exact step; the memory cap."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA device")
     mp.spawn(_gpu_worker, args=(str(tmp_path / "rendezvous"), str(tmp_path)), nprocs=1, join=True)
     out = json.loads((tmp_path / "gpu.json").read_text())
     assert out["plan"]["sizes"] == [64] and out["err"] < 1e-12
