@@ -99,7 +99,8 @@ def plan(
     A sharded model (FSDP2's ``fully_shard``, checked across ranks as
     :func:`weight_gradients` does) is profiled as the user sharded it, the ranks in
     turns (an FSDP2 forward is collective: in rank ``r``'s turn it runs its ladder while
-    the others run one sample; :func:`~hetsplit.distributed.sharded_profile.profile_sharded`),
+    the others run a zero share's stand-in;
+    :func:`~hetsplit.distributed.sharded_profile.profile_sharded`),
     so its times include the collectives and no device ever holds the whole model; the
     model is left as it was. Its memory cap: an emulated one (``cpu:max8``) as given; on
     CUDA where the fitted peak of the sharded step reaches 90 % of the device

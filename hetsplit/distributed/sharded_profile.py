@@ -6,7 +6,7 @@ would time neither the all-gathers nor the reduce-scatters a sharded step pays. 
 FSDP2 forward is collective: no rank can time its device alone. So the ranks take
 turns. In rank ``r``'s turn every rank runs the same steps together, rank ``r`` on each
 batch size of its ladder and every other rank on the least any rank runs in a sharded
-step (one sample: a zero share's stand-in, two for a model with BatchNorm). Rank ``r``'s
+step (a zero share's stand-in, :data:`~hetsplit.distributed.sampler.STAND_IN` samples). Rank ``r``'s
 time for ``b`` samples is then a sharded step with ``b`` samples on rank ``r`` and no
 other rank holding it up: its compute, the collectives, and the floor every sharded
 step pays (the plan's steps take at least as long, as every rank runs at least a sample).
@@ -38,11 +38,13 @@ from ..devices import Device, DeviceLike, describe, parse_device
 from ..planning.curve import Curve
 from ..planning.profile import DeviceProfile, Measurement, Profile
 from ..planning.records import MemoryModel
+from ..planning.sizes import has_batchnorm
 from ..profiler import _MAX_PROBE, check_ladder, check_settings, default_ladder, model_record, train_step
 from ..timing import threads_for
 from ..tree import move, take_rows
 from ._group import DistributedError, all_gather, group_info, guard
 from .comm_hooks import paused
+from .sampler import STAND_IN
 
 
 def profile_sharded(
@@ -74,7 +76,7 @@ def profile_sharded(
     buffers and the RNG state.
 
     Every step of a sharded model pays its collectives (and waits for the other ranks'
-    one-sample steps), so the smallest sizes of a ladder time mostly those: a curve fitted
+    stand-in steps), so the smallest sizes of a ladder time mostly those: a curve fitted
     to them alone would extrapolate that floor to the shares the plan needs. So a turn
     measures every size of its ladder up to an even share of ``batch_size`` whatever the
     budget, and beyond it while the time still grows less than half as fast as the batch
@@ -105,8 +107,9 @@ def profile_sharded(
     if not (isinstance(memory_fraction, int | float) and 0 < memory_fraction <= 1):
         raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction!r}")
     rank, world = group_info(group)
-    floor = 2 if any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()) else 1
-    ladder = [b for b in ladder if b >= floor] or [floor]  # BatchNorm cannot train on one sample
+    floor = STAND_IN  # what the other ranks run in a turn: the least any rank runs in a sharded step
+    if has_batchnorm(model):  # BatchNorm cannot train on one sample
+        ladder = [b for b in ladder if b >= 2] or [2]
     turn = _Turn(model, dev, sample, target, loss_fn, find_memory_cap, memory_fraction)
     if turn.limit is not None and optimizer is not None and not optimizer.state:
         turn.limit -= optimizer_state_bytes(optimizer)  # state it holds already is in the steps' peaks
@@ -205,7 +208,7 @@ class _Turn:
     def flat(self) -> bool:
         """Whether the last doubling of the batch added less than half as much time: the floor still dominates.
 
-        In a fast rank's turn the others' one-sample steps (on slow devices) and the
+        In a fast rank's turn the others' stand-in steps (on slow devices) and the
         collectives set the time of small batches: a curve through them would extrapolate
         that floor to the large shares the plan will give this rank, so the turn climbs on
         (up to the global batch) until its own work shows.
