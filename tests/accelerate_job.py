@@ -325,5 +325,125 @@ def _():
             raise AssertionError(f"no error for {kwargs}")
 
 
+# -- FSDP2 (fsdp_plugin with fsdp_version=2): last, as they turn accelerate's shared state to FSDP --------
+
+
+def fsdp2_accelerator(**kwargs):
+    """A HeteroAccelerator sharding with accelerate's FSDP2 plugin, every Linear its own ``fully_shard``."""
+    from accelerate.state import AcceleratorState
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    AcceleratorState._reset_state()  # the earlier scenarios' accelerators set the state without a plugin
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="size_based_wrap", min_num_params=1)
+    acc = HeteroAccelerator(fsdp_plugin=plugin, **kwargs)
+    assert acc.distributed_type == DistributedType.FSDP and acc.is_fsdp2, acc.distributed_type
+    return acc
+
+
+def assert_same_sharded(model, ref, what):
+    """``assert_same`` for a sharded model: each parameter gathered whole (every process calls it)."""
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        err = (p.full_tensor().detach() - q.detach()).abs().max().item()
+        assert err < 1e-12, f"{what}: parameter {name} differs from the single-process reference by {err}"
+
+
+@scenario("fsdp2_steps")
+def _():
+    # accelerate's own FSDP2 path on CPU processes (accelerate runs it on GPUs only; HeteroAccelerator
+    # sets its state as on GPUs): shares follow the plan, every step of an epoch over a DataLoader with
+    # a short last batch equals the full-batch step, for an uneven plan and for a share of 0.
+    from hetsplit.distributed.sharded import kind
+
+    for sizes in ((6, 2), (8, 0)):
+        acc = fsdp2_accelerator(plan=plan(*sizes))
+        model, ref = model_pair()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        model, opt, loader = acc.prepare(model, opt, DataLoader(TensorDataset(*DATA[:14]), batch_size=4, shuffle=True))
+        assert kind(model) == "fsdp2" and kind(model[0]) == "fsdp2", type(model)
+        seen = []
+        for idx, xb, yb in loader:
+            own = len(idx)
+            acc.backward(F.mse_loss(model(xb), yb))
+            opt.step()
+            opt.zero_grad()
+            seen.append(acc.gather_for_metrics(idx))  # every sample once
+            ref.zero_grad()
+            rows = acc.gather(idx if sizes[acc.process_index] else idx[:0])  # padding in, a share of 0's stand-in out
+            reference_step(ref, [rows])
+            assert_same_sharded(model, ref, f"FSDP2 plan {sizes}, step {len(seen)}")
+        assert own == (sizes[acc.process_index] or 2), (sizes, own)
+        assert sorted(torch.cat(seen).tolist()) == list(range(14)), seen
+
+
+@scenario("fsdp2_micro")
+def _():
+    # Different micro-batch counts in the plan (3 and 1): every process runs as many forwards (FSDP2's
+    # all-gathers are collective), process 1 its 3 samples one at a time; the step stays exact.
+    micro = Plan(["rank0", "rank1"], [5, 3], [0.0, 0.0], 8, micro_batches=[[2, 2, 1], [3]])
+    acc = fsdp2_accelerator(plan=micro)
+    model, ref = model_pair()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt, loader = acc.prepare(model, opt, DataLoader(DATA, batch_size=4, shuffle=True))
+    idx, xb, yb = next(iter(loader))
+    seen = []
+    for xm, ym in acc.micro_batches(model, (xb, yb)):
+        seen.append(len(xm))
+        acc.backward(F.mse_loss(model(xm), ym))
+    assert seen == [[2, 2, 1], [1, 1, 1]][acc.process_index], seen
+    opt.step()
+    reference_step(ref, [acc.gather(idx)])
+    assert_same_sharded(model, ref, "FSDP2 micro-batches")
+    # accelerate's FSDP2 checkpoint (save_state / load_state) round trip under the uneven plan.
+    import tempfile
+
+    folder = tempfile.mkdtemp() if acc.is_main_process else None
+    shared = [folder]
+    torch.distributed.broadcast_object_list(shared)
+    saved = acc.save_state(shared[0])
+    before = [p.full_tensor().clone() for p in model.parameters()]
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    acc.load_state(saved)
+    for p, q in zip(model.parameters(), before):
+        assert torch.equal(p.full_tensor(), q), "FSDP2 checkpoint round trip"
+
+
+@scenario("fsdp2_profiled")
+def _():
+    # No plan, the loader prepared before the model (as the Trainer does): even shares until the
+    # model is sharded, then the plan is profiled on the sharded model (no process holds it whole)
+    # and the loader follows it from its first batch; the model and loader prepared together too.
+    from hetsplit.distributed import rank_plan
+
+    calls = []
+    original = rank_plan.profile_sharded
+    rank_plan.profile_sharded = lambda model, *a, **k: calls.append(type(model).__name__) or original(model, *a, **k)
+    try:
+        for together in (False, True):
+            acc = fsdp2_accelerator(
+                devices="cpu,cpu@0.25", loss_fn=F.mse_loss, plan_kwargs={"time_budget": 1.0, "calibrate": 0}
+            )
+            model, _ = model_pair()
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            big = TensorDataset(torch.randn(64, 3, dtype=torch.float64), torch.randn(64, 1, dtype=torch.float64))
+            if together:
+                model, opt, loader = acc.prepare(model, opt, DataLoader(big, batch_size=16))
+            else:
+                loader = acc.prepare(DataLoader(big, batch_size=16))
+                assert acc.plan.sizes == [16, 16], acc.plan  # provisional: nothing profiled yet
+                model, opt = acc.prepare(model, opt)
+            assert calls and calls[-1].startswith("FSDP"), calls  # profiled as sharded
+            assert_solved(acc.plan, 32)
+            both = acc.gather(torch.tensor(acc.plan.sizes))
+            assert both.tolist() == acc.plan.sizes * 2, both
+            xb, yb = next(iter(loader))
+            assert len(xb) == (acc.plan.sizes[acc.process_index] or 2), (len(xb), acc.plan)
+            acc.backward(F.mse_loss(model(xb), yb))
+            opt.step()
+    finally:
+        rank_plan.profile_sharded = original
+
+
 torch.distributed.barrier()
 torch.distributed.destroy_process_group()

@@ -15,7 +15,7 @@ from integration_launch import ROOT, check, job_fixture
 
 SCENARIOS = (
     "step", "accumulate", "micro", "micro_hf", "zero", "metrics", "epochs", "profiled", "micro_zero", "rebalance",
-    "refused",
+    "refused", "fsdp2_steps", "fsdp2_micro", "fsdp2_profiled",
 )  # fmt: skip
 
 

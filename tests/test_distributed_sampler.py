@@ -133,6 +133,20 @@ def test_unpadded_last_global_batch_is_cut_in_proportion_every_sample_once():
     assert list(padded)[-1] == [1, 2] and padded.real_rows(2) == 0  # wrap-around padding counts as none
 
 
+def test_every_rank_knows_which_global_batch_is_padded_even_where_its_own_rows_are_not():
+    # Under FSDP2 a forward is collective: a rank with no padding of its own must still know that
+    # another rank's rows pad the batch (and runs the same number of forwards as it).
+    from hetsplit.distributed.sampler import HeteroBatchSampler
+
+    plan = plan_from_sizes(None, ["rank0", "rank1"], [6, 2])
+    for rank in (0, 1):
+        s = HeteroBatchSampler(list(range(19)), plan, num_replicas=2, rank=rank, shuffle=False)
+        assert [s.padded(k) for k in range(3)] == [False, False, True], rank  # 16..18 real, then 5 wrapped
+    assert HeteroBatchSampler(list(range(19)), plan, num_replicas=2, rank=0, shuffle=False).real_rows(2) == 3
+    assert not any(HeteroBatchSampler(list(range(19)), plan, num_replicas=2, rank=0, pad=False).padded(k) for k in (2,))
+    assert not HeteroBatchSampler(list(range(16)), plan, num_replicas=2, rank=0).padded(1)
+
+
 @pytest.mark.parametrize(
     "kw, fragment",
     [

@@ -18,6 +18,7 @@ from integration_launch import ROOT, check, job_fixture
 SCENARIOS = (
     "tokens", "accumulate", "zero", "classify", "evaluate", "profiled", "rebalance",
     "micro", "micro-accumulate", "micro-classify", "micro-masked", "micro-memory", "micro-solved",
+    "fsdp2", "fsdp2-profiled", "fsdp2-micro-refused",
 )  # fmt: skip
 
 
@@ -41,19 +42,18 @@ def test_the_example_runs_under_hetsplit_launch(tmp_path):
     assert "eval loss" in res.stdout and "SYNTHETIC" in res.stdout
 
 
-def test_the_trainer_s_fsdp_is_refused_in_one_line_naming_what_works(tmp_path):
+def test_the_trainer_s_fsdp1_is_refused_in_one_line_naming_fsdp2(tmp_path):
     # A one-process run reaches the same check every process of a launch does, before any
-    # accelerator is built (transformers would otherwise stop at "fsdp only works in
-    # distributed training" here, or train with DDP and ignore the plugin on CPUs).
+    # accelerator is built (FSDP1 shards in a way hetsplit cannot weight; FSDP2 runs).
     import torch
     from transformers import TrainingArguments
 
     from hetsplit.transformers import HeteroTrainer
 
     # (DeepSpeed is refused by the same check; TrainingArguments needs the deepspeed package to take it.)
-    fsdp = {"fsdp": True, "fsdp_config": {"fsdp_version": 2}}
+    fsdp = {"fsdp": True, "fsdp_config": {"version": 1}}
     args = TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True, **fsdp)
     with pytest.raises(ValueError) as info:
         HeteroTrainer(model=torch.nn.Linear(3, 1), args=args, devices="cpu")
     message = str(info.value)
-    assert "fsdp=True" in message and "HeteroModelParallelStrategy" in message and "docs/torchrun.md" in message
+    assert "fsdp=True (FSDP1)" in message and "fsdp_config={'version': 2" in message, message

@@ -10,6 +10,7 @@ import transformers  # noqa: F401  (a test extra: missing, fail; never skip)
 from torch.utils.data import DataLoader, TensorDataset
 
 import hetsplit
+import hetsplit.distributed as hd
 from hetsplit.accelerate import HeteroAccelerator
 from hetsplit.distributed.setup import device_name
 from hetsplit.integrations import core
@@ -122,7 +123,7 @@ def test_a_sharded_model_is_refused_before_any_work(monkeypatch):
         HeteroAccelerator()
 
 
-def test_accelerate_fsdp1_is_refused_and_fsdp2_names_why_it_needs_gpus(monkeypatch):
+def test_accelerate_fsdp1_is_refused_and_fsdp2_over_mixed_kinds_of_device_too(monkeypatch):
     from accelerate import FullyShardedDataParallelPlugin
 
     with pytest.raises(
@@ -132,11 +133,28 @@ def test_accelerate_fsdp1_is_refused_and_fsdp2_names_why_it_needs_gpus(monkeypat
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")  # accelerate launch --use_fsdp (FSDP_VERSION unset: FSDP1)
     with pytest.raises(ValueError, match=r"ACCELERATE_USE_FSDP \(FSDP1\) shards the model instead"):
         HeteroAccelerator()
-    # FSDP2 gets past hetsplit's checks; on CPU processes accelerate itself would not shard
-    # (accelerate/state.py: FSDP only for GPU-like process types), so it stops there, before any work.
+    # FSDP2 (the plugin, or accelerate launch --fsdp_version 2) shards over one mesh of one kind of
+    # device: a GPU process and a CPU process cannot share it. Refused before any work.
     monkeypatch.setenv("FSDP_VERSION", "2")
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "0")
     for kwargs in ({}, {"fsdp_plugin": FullyShardedDataParallelPlugin(fsdp_version=2)}):
-        with pytest.raises(ValueError, match=r"FSDP2 on CPU processes: accelerate runs FSDP only on GPUs"):
-            HeteroAccelerator(devices="cpu,cpu@0.25", **kwargs)
+        with pytest.raises(ValueError, match=r"devices 'cuda:0,cpu' mix cpu and cuda: list devices of one kind"):
+            HeteroAccelerator(devices="cuda:0,cpu", **kwargs)
+
+
+def test_a_device_list_joins_the_job_through_hetsplit_init(monkeypatch):
+    # hetsplit.distributed.init chooses the backend for the mix (gloo when a CPU takes part, where
+    # accelerate would choose NCCL for its GPU processes) and selects each process's GPU.
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    joined = []
+
+    def init(devices=None, **kwargs):
+        joined.append(devices)
+        raise RuntimeError("joined")  # stop here: no process group in a unit test
+
+    monkeypatch.setattr(hd, "init", init)
+    with pytest.raises(RuntimeError, match="joined"):
+        HeteroAccelerator(devices="cpu,cpu@0.25")
+    assert joined == ["cpu,cpu@0.25"]

@@ -272,6 +272,11 @@ class HeteroBatchSampler(Sampler[list[int]]):
         """
         return self._cut(step, self.plan_at(self.epoch_start + step).sizes)[2]
 
+    def padded(self, step: int) -> bool:
+        """Whether global batch ``step`` (from the epoch's first) is completed by wrapping around on some rank."""
+        n = len(self.dataset)  # type: ignore[arg-type]
+        return (step + 1) * self.batch_size > n and self._served(n) > n
+
     def __len__(self) -> int:
         return self.steps
 

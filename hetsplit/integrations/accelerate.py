@@ -31,6 +31,7 @@ from .accelerate_parts import (
     load_epochs,
     profiling_inputs,
     save_epochs,
+    shard_on_cpu,
     shuffle_seed,
     wants_fsdp2,
 )
@@ -96,7 +97,8 @@ class HeteroAccelerator(accelerate.Accelerator):
     Raises:
         TypeError, ValueError: As :func:`hetsplit.integrations.core.check_arguments` (the
             same for every integration), and a ``ValueError`` for a device list without one
-            device per process; before any process group is created.
+            device per process, FSDP1, DeepSpeed or Megatron-LM, or FSDP2 over devices of
+            two kinds (``cuda:0,cpu``); before any process group is created.
 
     Example:
         >>> accelerator = HeteroAccelerator()  # was: Accelerator()
@@ -133,16 +135,11 @@ class HeteroAccelerator(accelerate.Accelerator):
         self.rank_device: Device | None = None
         if names is not None:
             self.rank_device = parse_device(names[rank])  # this machine must have it
-        if wants_fsdp2(accelerator_kwargs) and is_cpu_job(self.rank_device, world):
-            # accelerate/state.py sets DistributedType.FSDP for GPU-like process types only:
-            # with MULTI_CPU the plugin would be ignored and every process hold a DDP copy.
-            raise ValueError(
-                "HeteroAccelerator with FSDP2 on CPU processes: accelerate runs FSDP only on GPUs (on the CPU it "
-                "would train with DDP, a whole copy per process); on CPUs shard with fully_shard and "
-                "hetsplit.distributed (docs/torchrun.md) or Lightning's HeteroModelParallelStrategy"
-            )
             if world > 1 and not dist.is_initialized():  # NCCL only when every process is a GPU
                 self.rank_device = hd.init(devices=",".join(names))
+        fsdp2_on_cpu = wants_fsdp2(accelerator_kwargs) and is_cpu_job(self.rank_device, world)
+        if fsdp2_on_cpu and accelerator_kwargs.get("fsdp_plugin") is None:  # from accelerate launch's environment
+            accelerator_kwargs["fsdp_plugin"] = accelerate.utils.FullyShardedDataParallelPlugin()
         if world > 1:  # prepare and gather alone, without training, join the group too
             hd.drain_at_exit()  # at exit, let gloo's workers finish with the last collective first
         if is_cpu_job(self.rank_device, world):
@@ -151,6 +148,8 @@ class HeteroAccelerator(accelerate.Accelerator):
             # alone, each training its own copy.
             accelerator_kwargs["cpu"] = True
         super().__init__(**accelerator_kwargs)
+        if fsdp2_on_cpu:
+            shard_on_cpu(self.state, accelerator_kwargs["fsdp_plugin"])
         if self.num_processes != world:
             raise ValueError(
                 f"{world} processes were launched but accelerate runs {self.num_processes} "
@@ -169,7 +168,8 @@ class HeteroAccelerator(accelerate.Accelerator):
         self._planned_loader: DataLoader | None = None  # the loader whose global batch the plan was made for
         self._planned_shares: SharesLoader | None = None  # that loader, prepared (its sampler is rebalanced)
         self._weightings: list[WeightingState] = []
-        self._throttled: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
+        self._adopted: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()  # weighted and throttled
+        self._provisional = False  # an FSDP2 plan made before the model was sharded: profiled once it is
 
     @property
     def plan(self) -> Plan | None:
@@ -197,6 +197,13 @@ class HeteroAccelerator(accelerate.Accelerator):
         Without a plan, the first loader's global batch is planned here: every process
         profiles the model passed alongside (or :attr:`model_to_profile`) on its device.
 
+        With FSDP2 (``fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2)``, on GPU
+        or CPU processes) accelerate shards the model here; it is weighted at the root's
+        outputs (:func:`hetsplit.distributed.weight_gradients`), the plan is profiled on
+        the sharded model (loaders passed alongside are prepared after it; a loader
+        prepared earlier follows even shares until then), and :meth:`micro_batches` runs
+        as many micro-batches on every process.
+
         Raises:
             ValueError: For a loader over an iterable dataset, without ``batch_size`` (a
                 custom batch sampler) or with a sampler other than random or sequential;
@@ -206,11 +213,26 @@ class HeteroAccelerator(accelerate.Accelerator):
         loaders = [a for a in args if isinstance(a, DataLoader) and not getattr(a, "_is_accelerate_prepared", False)]
         for loader in loaders:
             check_loader(loader)
+        models = [a for a in args if isinstance(a, torch.nn.Module)]
+        if self.is_fsdp2 and models and loaders:
+            # accelerate shards the model in this call: model and optimizer first, then the
+            # loaders, planned on the model as sharded (no process ever holds it whole).
+            rest = [a for a in args if not isinstance(a, DataLoader)]
+            done = dict(zip(map(id, rest), _results(self.prepare(*rest, device_placement=device_placement), rest)))
+            if self._plan is None:
+                self.set_plan(self._make_plan(done[id(models[0])], loaders[0]))
+            cut = [a for a in args if isinstance(a, DataLoader)]
+            done.update(zip(map(id, cut), _results(self.prepare(*cut, device_placement=device_placement), cut)))
+            result = tuple(done[id(a)] for a in args)
+            return result if len(result) > 1 else result[0]
         if loaders and self._plan is None:
-            models = [a for a in args if isinstance(a, torch.nn.Module)]
             model = models[0] if models else self.model_to_profile
             self.set_plan(self._make_plan(model, loaders[0]))
-        return super().prepare(*args, device_placement=device_placement)
+        result = super().prepare(*args, device_placement=device_placement)
+        for obj in _results(result, args):
+            if kind(obj) == "fsdp2":  # accelerate's FSDP2 path shards in prepare(), without prepare_model()
+                self._adopt(obj)
+        return result
 
     def set_plan(self, plan: Plan) -> None:
         """Use ``plan`` (one share per process) for loaders prepared from now on, and weight gradients by it.
@@ -245,6 +267,12 @@ class HeteroAccelerator(accelerate.Accelerator):
         batch = self._global_batch(loader)
         if self.num_processes == 1:
             return resolve_plan(batch, ["rank0"], weights=[1.0])
+        given = self._profile is not None or self.plan_kwargs.get("weights") is not None  # nothing to time
+        if self.is_fsdp2 and (model is None or kind(model) != "fsdp2") and not given:
+            # The loader comes before the model (the Trainer prepares it first): profiling the
+            # model whole would need each device to hold it. Even shares until it is sharded.
+            self._provisional = True
+            return resolve_plan(batch, _ranks(self.num_processes), weights=[1.0] * self.num_processes)
         if model is None:
             raise ValueError(
                 "HeteroAccelerator.prepare needs the model with the training loader to profile each process's "
@@ -355,16 +383,29 @@ class HeteroAccelerator(accelerate.Accelerator):
             load_epochs(self._dataloaders, input_dir)
 
     def prepare_model(self, model: torch.nn.Module, device_placement: Any = None, evaluation_mode: bool = False):
-        """Wrap as accelerate does (DDP or FSDP2), then weight the gradients by shard; emulated devices at their speed.
+        """Wrap as accelerate does (DDP), then weight the gradients by shard; emulated devices at their speed.
 
-        An FSDP2 model (``fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2)``, GPUs only)
-        is weighted at the root's outputs (:func:`hetsplit.distributed.weight_gradients`), and
-        :meth:`micro_batches` runs as many micro-batches on every process.
+        accelerate shards an FSDP2 model in :meth:`prepare` instead (with its optimizer),
+        where it is weighted the same way (see :meth:`prepare`).
         """
         model = super().prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
-        if kind(model) == "fsdp2" and self.weighting != "none":
-            # FSDP2 has no comm hook: weighted at the root's outputs whatever ``weighting`` says.
-            self._weightings.append(hd.weight_gradients(model, self._plan))
+        self._adopt(model)
+        return model
+
+    def _adopt(self, model: torch.nn.Module) -> None:
+        """Weight a prepared model's gradients by shard and run it at this process's speed (once a model).
+
+        An FSDP2 model, sharded now, is also what a plan left provisional waits for
+        (:meth:`_make_plan`): the shares are profiled on it and every loader follows them.
+        """
+        if model in self._adopted:
+            return
+        if kind(model) == "fsdp2":
+            if self.weighting != "none":  # FSDP2 has no comm hook: weighted at the root's outputs
+                self._weightings.append(hd.weight_gradients(model, self._plan))
+            if self._provisional:
+                self._provisional = False
+                self._replan(self._make_plan(model, self._planned_loader))
         elif isinstance(model, torch.nn.parallel.DistributedDataParallel) and self.weighting != "none":
             if self.weighting == "outputs" and self._plan is None:
                 raise ValueError(
@@ -372,10 +413,18 @@ class HeteroAccelerator(accelerate.Accelerator):
                     "with the training loader, or pass plan="
                 )
             self._weightings.append(hd.weight_gradients(model, self._plan, method=self.weighting))
-        if model not in self._throttled:
-            throttle_forward(model, self.rank_device)
-            self._throttled.add(model)
-        return model
+        throttle_forward(model, self.rank_device)
+        self._adopted.add(model)
+
+    def _replan(self, plan: Plan) -> None:
+        """Follow ``plan`` from every prepared loader's next batch on (the same on every process)."""
+        self.set_plan(plan)
+        for loader in self._dataloaders:
+            if isinstance(loader, SharesLoader):
+                sampler = loader.batch_sampler
+                n = sampler.batch_size
+                new = plan if n == plan.batch_size else resolve_plan(n, _ranks(self.num_processes), weights=plan.sizes)
+                sampler.set_plan(new, sampler.yielded)
 
     # -- steps and collectives ------------------------------------------------------------
 
@@ -451,6 +500,11 @@ class HeteroAccelerator(accelerate.Accelerator):
             return super().reduce(tensor, reduction, scale)
         plain = lambda t, op: accelerate_reduce(t, op, scale)
         return tree_map(lambda t: weighted_reduce(t, samples, "mean", plain) if torch.is_tensor(t) else t, tensor)
+
+
+def _results(result: Any, args: Sequence[Any]) -> tuple[Any, ...]:
+    """``prepare``'s return as a tuple, one per argument (accelerate returns a lone object unwrapped)."""
+    return tuple(result) if len(args) > 1 else (result,)
 
 
 def _ranks(n: int) -> list[str]:

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from accelerate.data_loader import DataLoaderShard
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler, SequentialSampler
 
+from hetsplit.devices import parse_device
 from hetsplit.distributed.setup import ENV_DEVICES, rank_devices
 from hetsplit.planning import Plan
 
@@ -62,6 +63,10 @@ class SharesLoader(DataLoaderShard):
         0 is served (:meth:`HeteroBatchSampler.real_rows`).
         """
         return min(self._rows, self.batch_sampler.real_rows(self._index))
+
+    def padded(self) -> bool:
+        """Whether the current global batch holds padding on some process (the same answer on every one)."""
+        return self.batch_sampler.padded(self._index)
 
     def resumed(self, skip: int, **settings: Any) -> SharesLoader:
         """This loader from its ``skip``-th batch on (resuming mid-epoch): the same shares, order and epoch."""
@@ -191,7 +196,38 @@ def check_arguments(
             f"'accelerate launch --multi_gpu --num_processes {len(items)} ...' (also on a CPU-only machine), "
             f"'hetsplit launch --devices {spec} ...' or torchrun"
         )
-    return rank_devices(spec, world)
+    names = rank_devices(spec, world)
+    kinds = sorted({parse_device(name, check=False).type for name in names})
+    if fsdp2 and len(kinds) > 1:
+        raise ValueError(
+            f"FSDP2 shards the model over one kind of device, but devices {spec!r} mix {' and '.join(kinds)}: "
+            "list devices of one kind (cuda:0,cuda:1 or cpu,cpu@0.25), or train with DDP (no fsdp_plugin)"
+        )
+    return names
+
+
+def shard_on_cpu(state: Any, plugin: Any) -> None:
+    """Make accelerate's state shard with ``plugin`` (FSDP2) in a multi-process CPU job, as it does on GPUs.
+
+    accelerate sets ``DistributedType.FSDP`` for GPU-like process types only; with
+    ``MULTI_CPU`` the plugin is dropped and every process would hold a DDP copy. FSDP2
+    itself runs on CPU processes over gloo, and emulated devices (``cpu,cpu@0.25:max8``)
+    must run the same path as GPUs: the state is set as accelerate sets it on a GPU
+    (the plugin and its mixed precision, the shared distributed type) and from there on
+    accelerate's own FSDP2 code prepares, saves and loads.
+    """
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType
+
+    # FSDP already: the state outlived an earlier accelerator (accelerate keeps it per process).
+    if state.distributed_type not in (DistributedType.MULTI_CPU, DistributedType.FSDP) or state.device.type != "cpu":
+        return
+    if getattr(state, "fsdp_plugin", None) is None:
+        if state.mixed_precision != "no":
+            plugin.set_mixed_precision(state.mixed_precision)
+        state.fsdp_plugin = plugin
+    state.distributed_type = DistributedType.FSDP
+    PartialState._shared_state["distributed_type"] = DistributedType.FSDP
 
 
 def _flag(value: str | None) -> bool:

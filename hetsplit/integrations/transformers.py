@@ -18,7 +18,9 @@ from hetsplit.devices import Device, parse_device
 from hetsplit.distributed.accumulate import _all_reduce_once, _micro_sizes, _pieces
 from hetsplit.distributed.sampler import STAND_IN
 from hetsplit.distributed.setup import ENV_DEVICES, rank_devices
+from hetsplit.distributed.sharded import kind
 from hetsplit.planning import Plan, Profile, Rebalancer
+from hetsplit.tree import flatten
 
 from . import core
 from .accelerate import HeteroAccelerator
@@ -58,6 +60,12 @@ class HeteroTrainer(transformers.Trainer):
       items adds nothing and is not run. An emulated memory (``cpu:max4``) raises
       ``torch.OutOfMemoryError`` for a training forward above it.
 
+    - The Trainer's FSDP2 settings (``TrainingArguments(fsdp=True, fsdp_config={"version": 2,
+      ...})``) shard as accelerate does, on CPU processes too (:class:`HeteroAccelerator`);
+      the loss weighting stays exact, the plan is profiled on the sharded model, and a
+      process without items adds exact zeros through its outputs. A plan with
+      micro-batches is refused there (FSDP2 needs as many forwards on every process).
+
     Launch one process per device: ``hetsplit launch --devices cpu,cpu@0.25 train.py``,
     torchrun, or ``accelerate launch --multi_gpu --num_processes N``.
 
@@ -84,8 +92,8 @@ class HeteroTrainer(transformers.Trainer):
     Raises:
         TypeError, ValueError: As :func:`hetsplit.integrations.core.check_arguments` (the
             same for every integration), before the Trainer starts.
-        ValueError: With the Trainer's FSDP or DeepSpeed (not supported; the message names
-            what shards with hetsplit), if a process would run
+        ValueError: With the Trainer's FSDP1 or DeepSpeed (not supported; the message names
+            FSDP2, which runs: see below), if a process would run
             several GPUs (``nn.DataParallel``), or this process's device is not where the
             Trainer puts the model.
 
@@ -116,6 +124,7 @@ class HeteroTrainer(transformers.Trainer):
         self._piece_items: dict[int, tuple[Any, list[int], list[float]]] = {}  # id: batch, sizes, their items
         self._eval_sums: list[float] | None = None  # (summed loss, items) of this process's evaluation
         self._filler: Any = None  # the loader an empty share borrows two real samples from
+        self._null_step = False  # this step's loss is exact zeros through the outputs (FSDP2, no items)
         super().__init__(*args, **trainer_kwargs)
         if self.args.n_gpu > 1:
             raise ValueError(
@@ -153,15 +162,21 @@ class HeteroTrainer(transformers.Trainer):
 
     def create_accelerator_and_postprocess(self) -> None:
         """The Trainer's accelerator set-up, with a :class:`HeteroAccelerator` in place of ``Accelerator``."""
-        sharding = [f"{k}={v!r}" for k, v in (("fsdp", self.args.fsdp), ("deepspeed", self.args.deepspeed)) if v]
+        version = (self.args.fsdp_plugin_args or {}).get("fsdp_version", 1)
+        sharding = [f"fsdp={self.args.fsdp!r} (FSDP{version})"] if self.args.fsdp and version != 2 else []
+        sharding += [f"deepspeed={self.args.deepspeed!r}"] if self.args.deepspeed else []
         if sharding:  # before the Trainer builds its accelerator: one line, on every process
             raise ValueError(_refused_sharding(", ".join(sharding)))
         super().create_accelerator_and_postprocess()
-        if self.is_deepspeed_enabled or self.is_fsdp_enabled:  # from the environment: accelerate launch --use_fsdp
-            raise ValueError(_refused_sharding("accelerate launch's --use_fsdp/--use_deepspeed"))
+        if self.is_deepspeed_enabled:  # from the environment: accelerate launch --use_deepspeed
+            raise ValueError(_refused_sharding("accelerate launch's --use_deepspeed"))
         # "none": each process's loss is made its part of the global loss (compute_loss), exact
-        # for token losses too, where weighting gradients by samples is not.
+        # for token losses too, where weighting gradients by samples is not; under FSDP2 too,
+        # whose reduce-scatter averages the processes' gradients as DDP's all-reduce does.
         self.accelerator = _TrainerAccelerator(weighting="none", **self._hetero_kwargs, **self._accelerator_args)
+        # Read again: on CPU processes the Trainer's own accelerator dropped the FSDP2 plugin
+        # (accelerate shards on GPUs only), which HeteroAccelerator keeps (its emulated twin).
+        self.is_fsdp_enabled = getattr(self.accelerator.state, "fsdp_plugin", None) is not None
         self.accelerator.model_to_profile = getattr(self, "model", None)
         self.gather_function = functools.partial(
             self.accelerator.gather_for_metrics, use_gather_object=self.args.eval_use_gather_object
@@ -256,11 +271,24 @@ class HeteroTrainer(transformers.Trainer):
             self._window_items = self._count_items([inputs], self.args.device)
         try:
             sizes, counts = self._pieces(inputs)
+            sharded = kind(model) == "fsdp2"
+            if sharded and any(len(m) > 1 for m in self.plan.micro_batches):  # the same on every process
+                raise ValueError(
+                    f"HeteroTrainer with FSDP2 runs each process's share whole, but the plan has micro-batches "
+                    f"{self.plan.micro_batches}: FSDP2's collectives need as many forwards on every process. Drop "
+                    "plan_kwargs accumulate=True, or run micro-batches with HeteroAccelerator.micro_batches"
+                )
             device = self.rank_device
             if device is not None and sum(sizes):
                 device.check_batch(max(sizes))  # before any forward
             pieces = _pieces(inputs, sizes)
             run = [piece for piece, n in zip(pieces, counts) if n > 0]
+            if not run and sharded:  # FSDP2 still needs this backward; its gradients bypass parameter hooks
+                self._null_step = True
+                try:
+                    return super().training_step(model, pieces[-1], num_items_in_batch)
+                finally:
+                    self._null_step = False
             if not run:  # no items: DDP still needs this process's backward, which must add exact zeros
                 with zero_gradients(model):
                     return super().training_step(model, pieces[-1], num_items_in_batch)
@@ -286,11 +314,15 @@ class HeteroTrainer(transformers.Trainer):
         # The model's own mean over this process's items; num_items_in_batch is left out on
         # purpose, as models that honour it and models that ignore it then mean the same.
         # A copy: the Trainer pops "labels" from what it is given (label smoothing).
+        null = self._null_step and model.training
         result = super().compute_loss(
-            model, self._filler_inputs(inputs) if empty else dict(inputs), return_outputs=return_outputs
+            model, self._filler_inputs(inputs) if empty else dict(inputs), return_outputs=return_outputs or null
         )
-        loss, outputs = result if return_outputs else (result, None)
-        if model.training and not empty:
+        loss, outputs = result if return_outputs or null else (result, None)
+        if null:  # exact zeros through the outputs: the loss over no items may be NaN, and so its backward
+            loss = _zero_through(outputs, loss)
+            outputs = outputs if return_outputs else None
+        elif model.training and not empty:
             items = items_in(inputs, shifted)  # a tensor on the labels' device: the factor needs no synchronisation
             total = self._window_items
             if total is None:  # a step outside the Trainer's loop: count this step's items on every process
@@ -310,13 +342,19 @@ class HeteroTrainer(transformers.Trainer):
             # A batch without items adds an exact 0 (the model's mean over none is NaN); its
             # gradients, NaN too (0 * 1/0), training_step makes exact zeros.
             loss = torch.where(scale > 0, loss * scale, 0.0) if factor else _part(loss, 0.0)
-        elif not model.training and self._eval_sums is not None and not empty:
-            real = self._real_rows(inputs)
-            whole = real == samples_in(inputs)
-            mean = loss if whole else self._real_mean(model, inputs, real)
-            real_items = float(items_in(inputs if whole else _rows(inputs, real), shifted))
-            self._eval_sums[0] += float(mean.detach()) * real_items if real_items else 0.0
-            self._eval_sums[1] += real_items
+        elif not model.training and self._eval_sums is not None:
+            # Under FSDP2 a forward is collective: where some process's rows pad a last global
+            # batch and it runs a second forward over its real rows, every process runs one.
+            together = kind(model) == "fsdp2" and self._padded_batch()
+            if not empty:
+                real = self._real_rows(inputs)
+                whole = real == samples_in(inputs)
+                mean = loss if whole and not together else self._real_mean(model, inputs, real, together)
+                real_items = float(items_in(inputs if whole else _rows(inputs, real), shifted))
+                self._eval_sums[0] += float(mean.detach()) * real_items if real_items else 0.0
+                self._eval_sums[1] += real_items
+            elif together:
+                self._real_mean(model, self._filler_inputs(inputs), 0, together)
         if empty:
             loss = _part(loss, 0.0)
             outputs = _rows(outputs, 0) if outputs is not None else None
@@ -359,19 +397,30 @@ class HeteroTrainer(transformers.Trainer):
         real = getattr(loader, "real_rows", None)
         return real() if callable(real) else samples_in(inputs) or 0
 
-    def _real_mean(self, model: nn.Module, inputs: dict[str, Any], real: int) -> torch.Tensor:
-        """The model's mean loss over the first ``real`` rows (the rest pad the last batch)."""
-        if real == 0:
+    def _padded_batch(self) -> bool:
+        """Whether some process's rows of the current evaluation batch pad a last global batch."""
+        loader = getattr(self.accelerator.gradient_state, "active_dataloader", None)
+        padded = getattr(loader, "padded", None)
+        return bool(padded()) if callable(padded) else False
+
+    def _real_mean(self, model: nn.Module, inputs: dict[str, Any], real: int, together: bool = False) -> torch.Tensor:
+        """The model's mean loss over the first ``real`` rows (the rest pad the last batch).
+
+        With ``together`` (FSDP2: every process runs this forward) a forward runs whatever
+        ``real``: over every row when there is none to keep.
+        """
+        if real == 0 and not together:
             return torch.zeros(())
         with torch.no_grad():
-            return super().compute_loss(model, _rows(inputs, real))
+            mean = super().compute_loss(model, _rows(inputs, real) if real else inputs)
+        return mean if real else torch.zeros(())
 
 
 def _refused_sharding(what: str) -> str:
     return (
-        f"HeteroTrainer runs DDP only, not the Trainer's sharding ({what}); remove it, or shard with FSDP2 "
-        "through HeteroAccelerator(fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2)) on GPUs, "
-        "Lightning's HeteroModelParallelStrategy, or fully_shard with hetsplit.distributed (docs/torchrun.md)"
+        f"HeteroTrainer runs DDP or FSDP2, not {what}; remove it, or shard with FSDP2: "
+        "TrainingArguments(fsdp=True, fsdp_config={'version': 2, ...}) (the default version), or accelerate "
+        "launch --use_fsdp --fsdp_version 2"
     )
 
 
@@ -413,6 +462,20 @@ class _TrainerAccelerator(HeteroAccelerator):
     loss_weights_micro_batches = True
     zero_share = "empty"  # compute_loss runs a share of 0 on two real samples of its own, weighted 0
     rebalance_in_loader = False  # the Trainer fetches a whole accumulation window first: training_step is timed
+
+
+def _zero_through(outputs: Any, loss: torch.Tensor) -> torch.Tensor:
+    """A loss of exact 0 whose backward reaches every module the outputs came from, with exact-zero gradients.
+
+    For a process without items under FSDP2: its reduce-scatters run in the backward (every
+    process must take part), and a gradient hook on the parameters, as :func:`zero_gradients`
+    holds DDP's at 0, never sees them. The model's own loss over no items can be NaN, and so
+    its backward; its logits are finite, and ``0 * logits.sum()`` backpropagates zeros.
+    """
+    leaves = [t for t in flatten(outputs)[0] if torch.is_tensor(t) and t.requires_grad and t is not loss]
+    if not leaves:
+        return _part(loss, 0.0)
+    return sum(t.sum() for t in leaves) * 0.0
 
 
 def _part(loss: torch.Tensor, factor: float) -> torch.Tensor:
