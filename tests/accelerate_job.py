@@ -445,5 +445,51 @@ def _():
         rank_plan.profile_sharded = original
 
 
+@scenario("fsdp2_model_first")
+def _():
+    # The model and optimizer prepared first, the loader alone afterwards (accelerate's other usual
+    # order): the plan is profiled on the model already sharded, not left at even shares.
+    from hetsplit.distributed import rank_plan
+
+    calls = []
+    original = rank_plan.profile_sharded
+    rank_plan.profile_sharded = lambda model, *a, **k: calls.append(type(model).__name__) or original(model, *a, **k)
+    try:
+        budget = {"time_budget": 1.0, "calibrate": 0}
+        acc = fsdp2_accelerator(devices="cpu,cpu@0.25", loss_fn=F.mse_loss, plan_kwargs=budget)
+        model, _ = model_pair()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        model, opt = acc.prepare(model, opt)
+        big = TensorDataset(torch.randn(64, 3, dtype=torch.float64), torch.randn(64, 1, dtype=torch.float64))
+        loader = acc.prepare(DataLoader(big, batch_size=16))
+        assert calls and calls[-1].startswith("FSDP"), calls  # profiled as sharded, at the loader
+        assert_solved(acc.plan, 32)
+        xb, yb = next(iter(loader))
+        assert len(xb) == (acc.plan.sizes[acc.process_index] or 2), (len(xb), acc.plan)
+        acc.backward(F.mse_loss(model(xb), yb))
+        opt.step()
+    finally:
+        rank_plan.profile_sharded = original
+
+
+@scenario("fsdp2_placement")
+def _():
+    # device_placement, one entry per argument as accelerate takes it (FSDP2 ignores it), with the
+    # model, optimizer, loader and scheduler in any order: each comes back in its own place.
+    acc = fsdp2_accelerator(plan=plan(6, 2))
+    model, ref = model_pair()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1)
+    args = (DataLoader(DATA, batch_size=4), model, sched, opt)
+    loader, model, sched, opt = acc.prepare(*args, device_placement=[True, True, False, True])
+    assert isinstance(loader.batch_sampler.plan_at(0), Plan) and type(sched).__name__ == "AcceleratedScheduler", sched
+    idx, xb, yb = next(iter(loader))
+    assert len(idx) == [6, 2][acc.process_index], len(idx)
+    acc.backward(F.mse_loss(model(xb), yb))
+    opt.step()
+    reference_step(ref, [acc.gather(idx)])
+    assert_same_sharded(model, ref, "FSDP2 with device_placement")
+
+
 torch.distributed.barrier()
 torch.distributed.destroy_process_group()

@@ -217,14 +217,24 @@ class HeteroAccelerator(accelerate.Accelerator):
         if self.is_fsdp2 and models and loaders:
             # accelerate shards the model in this call: model and optimizer first, then the
             # loaders, planned on the model as sharded (no process ever holds it whole).
-            rest = [a for a in args if not isinstance(a, DataLoader)]
-            done = dict(zip(map(id, rest), _results(self.prepare(*rest, device_placement=device_placement), rest)))
+            if device_placement is not None and len(device_placement) != len(args):
+                raise ValueError(
+                    f"`device_placement` should be a list with {len(args)} elements (the number of objects passed)."
+                )
+            out = list(args)
+
+            def prepare_part(indices: list[int]) -> None:
+                part = [args[i] for i in indices]
+                place = None if device_placement is None else [device_placement[i] for i in indices]
+                for i, obj in zip(indices, _results(self.prepare(*part, device_placement=place), part)):
+                    out[i] = obj
+
+            prepare_part([i for i, a in enumerate(args) if not isinstance(a, DataLoader)])
             if self._plan is None:
-                self.set_plan(self._make_plan(done[id(models[0])], loaders[0]))
-            cut = [a for a in args if isinstance(a, DataLoader)]
-            done.update(zip(map(id, cut), _results(self.prepare(*cut, device_placement=device_placement), cut)))
-            result = tuple(done[id(a)] for a in args)
-            return result if len(result) > 1 else result[0]
+                model = next(out[i] for i, a in enumerate(args) if a is models[0])
+                self.set_plan(self._make_plan(model, loaders[0]))
+            prepare_part([i for i, a in enumerate(args) if isinstance(a, DataLoader)])
+            return tuple(out)
         if loaders and self._plan is None:
             model = models[0] if models else self.model_to_profile
             self.set_plan(self._make_plan(model, loaders[0]))
@@ -268,6 +278,9 @@ class HeteroAccelerator(accelerate.Accelerator):
         if self.num_processes == 1:
             return resolve_plan(batch, ["rank0"], weights=[1.0])
         given = self._profile is not None or self.plan_kwargs.get("weights") is not None  # nothing to time
+        if self.is_fsdp2 and (model is None or kind(model) != "fsdp2"):
+            # A model prepared earlier (prepare(model, optimizer), then the loader): profiled as sharded.
+            model = next((m for m in self._models if kind(m) == "fsdp2"), model)
         if self.is_fsdp2 and (model is None or kind(model) != "fsdp2") and not given:
             # The loader comes before the model (the Trainer prepares it first): profiling the
             # model whole would need each device to hold it. Even shares until it is sharded.
