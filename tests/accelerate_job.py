@@ -7,6 +7,7 @@ float64 throughout, so "equal" means to rounding.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import sys
@@ -17,6 +18,7 @@ from integration_launch import run_scenario  # tests/ is the script's folder
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
 from hetsplit.accelerate import HeteroAccelerator
+from hetsplit.devices import Device
 from hetsplit.planning import Plan, plan_from_sizes
 
 torch.manual_seed(0)
@@ -461,8 +463,28 @@ def _():
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         model, opt = acc.prepare(model, opt)
         big = TensorDataset(torch.randn(64, 3, dtype=torch.float64), torch.randn(64, 1, dtype=torch.float64))
-        loader = acc.prepare(DataLoader(big, batch_size=16))
+        # The model's forwards are throttled since prepare(); the profile throttles whole steps
+        # itself, and a second throttle around each forward would slow an emulated GPU's twice.
+        depth, deepest = [0], [0]
+
+        @contextlib.contextmanager
+        def counted(self, **kwargs):
+            depth[0] += 1
+            deepest[0] = max(deepest[0], depth[0])
+            try:
+                with real(self, **kwargs):
+                    yield
+            finally:
+                depth[0] -= 1
+
+        real, Device.throttle = Device.throttle, counted
+        try:
+            loader = acc.prepare(DataLoader(big, batch_size=16))
+        finally:
+            Device.throttle = real
         assert calls and calls[-1].startswith("FSDP"), calls  # profiled as sharded, at the loader
+        worst = int(acc.gather(torch.tensor([deepest[0]])).max())  # the same verdict on both ranks
+        assert worst == 1, f"throttles nested {worst} deep while profiling"
         assert_solved(acc.plan, 32)
         xb, yb = next(iter(loader))
         assert len(xb) == (acc.plan.sizes[acc.process_index] or 2), (len(xb), acc.plan)

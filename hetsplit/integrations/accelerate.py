@@ -295,12 +295,13 @@ class HeteroAccelerator(accelerate.Accelerator):
         cuda = [self.device] if self.device.type == "cuda" else []
         with torch.random.fork_rng(devices=cuda):  # drawing the sample shuffles: the run must not see it
             sample, target, loss_fn = profiling_inputs(next(iter(loader)), self.loss_fn)
-        return core.profiled_plan(
-            "HeteroAccelerator", "the model", model, sample, batch, device=device, profile=self._profile,
-            plan_kwargs=self.plan_kwargs, cuda=cuda, loss_fn=loss_fn, target=target,
-            hint="it calls model(**batch).loss for a dict batch and loss_fn(model(batch[0]), batch[1]) for a tuple: "
-            "pass loss_fn=, or plan= (or profile=) to skip profiling",
-        )  # fmt: skip
+        with core.forwards_unthrottled():  # a model prepared already (FSDP2): the profile throttles its steps
+            return core.profiled_plan(
+                "HeteroAccelerator", "the model", model, sample, batch, device=device, profile=self._profile,
+                plan_kwargs=self.plan_kwargs, cuda=cuda, loss_fn=loss_fn, target=target,
+                hint="it calls model(**batch).loss for a dict batch and loss_fn(model(batch[0]), batch[1]) for a "
+                "tuple: pass loss_fn=, or plan= (or profile=) to skip profiling",
+            )  # fmt: skip
 
     def _loader_plan(self, loader: DataLoader) -> Plan:
         """The shares for this loader's global batch: the plan, or its proportions for another batch size."""

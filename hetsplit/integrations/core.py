@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Mapping, Sequence
+import threading
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -101,18 +102,38 @@ def throttle(device: Device | None) -> contextlib.AbstractContextManager[Any]:
     return device.throttle(cpu_time=True)
 
 
+_FORWARDS_PAUSED = threading.local()
+
+
+@contextlib.contextmanager
+def forwards_unthrottled() -> Iterator[None]:
+    """Leave the forwards :func:`throttle_forward` slows to an enclosing throttle (this thread).
+
+    Profiling a model already prepared (FSDP2, sharded before its plan is made) throttles
+    each whole step itself; a second throttle around the forward inside it would count the
+    forward twice on a wall clock (an emulated GPU: ``1/speed**2`` instead of ``1/speed``).
+    """
+    before = getattr(_FORWARDS_PAUSED, "on", False)
+    _FORWARDS_PAUSED.on = True
+    try:
+        yield
+    finally:
+        _FORWARDS_PAUSED.on = before
+
+
 def throttle_forward(model: nn.Module, device: Device | None) -> None:
     """Run every forward of ``model`` at ``device``'s emulated speed, by :func:`throttle`'s rule.
 
     For a framework that calls the model itself (accelerate): its backward is throttled
-    where the framework runs it.
+    where the framework runs it. Not inside :func:`forwards_unthrottled`.
     """
     if device is None or not device.emulated:
         return
     open_: list[contextlib.AbstractContextManager[Any]] = []
 
     def before(module: nn.Module, args: Any) -> None:
-        ctx = throttle(device)
+        paused = getattr(_FORWARDS_PAUSED, "on", False)
+        ctx = contextlib.nullcontext() if paused else throttle(device)
         ctx.__enter__()
         open_.append(ctx)
 
