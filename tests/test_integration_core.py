@@ -130,8 +130,15 @@ def test_accelerate_fsdp1_is_refused_and_fsdp2_over_mixed_kinds_of_device_too(mo
         ValueError, match=r"fsdp_plugin \(FSDP1\) shards.*FullyShardedDataParallelPlugin\(fsdp_version=2\)"
     ):
         HeteroAccelerator(fsdp_plugin=FullyShardedDataParallelPlugin())
-    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")  # accelerate launch --use_fsdp (FSDP_VERSION unset: FSDP1)
-    with pytest.raises(ValueError, match=r"ACCELERATE_USE_FSDP \(FSDP1\) shards the model instead"):
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")  # accelerate launch --use_fsdp --fsdp_version 1
+    monkeypatch.setenv("FSDP_VERSION", "1")
+    with pytest.raises(ValueError, match=r"ACCELERATE_USE_FSDP \(FSDP1\) shards the model instead") as info:
+        HeteroAccelerator()
+    assert "earlier Accelerator" not in str(info.value)
+    # ACCELERATE_USE_FSDP without FSDP_VERSION is what accelerate leaves in os.environ once an
+    # Accelerator got an fsdp_plugin (an FSDP2 run earlier in this process): the refusal says so.
+    monkeypatch.delenv("FSDP_VERSION")
+    with pytest.raises(ValueError, match=r"ACCELERATE_USE_FSDP \(FSDP1\) shards.*earlier Accelerator of this"):
         HeteroAccelerator()
     # FSDP2 (the plugin, or accelerate launch --fsdp_version 2) shards over one mesh of one kind of
     # device: a GPU process and a CPU process cannot share it. Refused before any work.

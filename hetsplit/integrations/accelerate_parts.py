@@ -167,10 +167,20 @@ def check_arguments(
     sharded += [k for k in ("ACCELERATE_USE_DEEPSPEED",) if _flag(os.environ.get(k))]
     sharded += ["ACCELERATE_USE_FSDP (FSDP1)"] if _flag(os.environ.get("ACCELERATE_USE_FSDP")) and not fsdp2 else []
     if sharded:
+        # accelerate launch --use_fsdp always sets FSDP_VERSION; ACCELERATE_USE_FSDP alone is what an
+        # earlier Accelerator(fsdp_plugin=...) of this process left in its environment.
+        left = sharded[0].startswith("ACCELERATE_USE_FSDP") and "FSDP_VERSION" not in os.environ
+        why = (
+            " (an earlier Accelerator of this process given an fsdp_plugin set ACCELERATE_USE_FSDP=true, and "
+            "accelerate would read it as FSDP1: pass fsdp_plugin= again, or remove ACCELERATE_USE_FSDP from "
+            "os.environ for DDP)"
+            if left
+            else ""
+        )
         raise ValueError(
             f"HeteroAccelerator splits batches for DDP or FSDP2; {sharded[0]} shards the model instead and is not "
-            "supported: use FullyShardedDataParallelPlugin(fsdp_version=2) (accelerate launch --use_fsdp "
-            "--fsdp_version 2) on GPUs, DDP (accelerate launch --multi_gpu), or the plain Accelerator"
+            f"supported{why}: use FullyShardedDataParallelPlugin(fsdp_version=2) (accelerate launch --use_fsdp "
+            "--fsdp_version 2), DDP (accelerate launch --multi_gpu), or the plain Accelerator"
         )
     config = accelerator_kwargs.get("dataloader_config")
     if config is not None and getattr(config, "use_stateful_dataloader", False):
