@@ -197,6 +197,17 @@ def _():
     idx, _, _ = next(iter(evaluation))
     assert len(idx) == [4, 2][acc.process_index], len(idx)
     assert acc.prepare(evaluation) is evaluation  # preparing twice is harmless, as in accelerate
+    # even_batches=False (weighting="none": the user weights the loss): no padding, the last global
+    # batch of 14 cut short in the plan's proportions, every sample once, as accelerate keeps it short.
+    from accelerate import DataLoaderConfiguration
+
+    acc = HeteroAccelerator(
+        plan=plan(5, 3), weighting="none", dataloader_config=DataLoaderConfiguration(even_batches=False)
+    )
+    short = acc.prepare(DataLoader(TensorDataset(*DATA[:14]), batch_size=4))
+    rows = [acc.gather(idx) for idx, _, _ in short]
+    assert [len(r) for r in rows] == [8, 6] and torch.cat(rows).tolist() == list(range(14)), rows
+    acc.even_batches = True  # the shared state: as the other scenarios expect it
 
 
 @scenario("epochs")
@@ -332,10 +343,12 @@ def _():
 
 def fsdp2_accelerator(**kwargs):
     """A HeteroAccelerator sharding with accelerate's FSDP2 plugin, every Linear its own ``fully_shard``."""
-    from accelerate.state import AcceleratorState
+    from accelerate.state import AcceleratorState, PartialState
     from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 
-    AcceleratorState._reset_state()  # the earlier scenarios' accelerators set the state without a plugin
+    # As a new script finds it (the process group kept): no accelerator state, a multi-CPU job.
+    AcceleratorState._reset_state()
+    PartialState._shared_state["distributed_type"] = DistributedType.MULTI_CPU
     plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="size_based_wrap", min_num_params=1)
     acc = HeteroAccelerator(fsdp_plugin=plugin, **kwargs)
     assert acc.distributed_type == DistributedType.FSDP and acc.is_fsdp2, acc.distributed_type
@@ -409,6 +422,23 @@ def _():
     acc.load_state(saved)
     for p, q in zip(model.parameters(), before):
         assert torch.equal(p.full_tensor(), q), "FSDP2 checkpoint round trip"
+
+
+@scenario("fsdp2_cpu_flag")
+def _():
+    # cpu=True on a machine with CUDA, no device list: accelerate makes a multi-CPU job and would
+    # drop the plugin (each process a DDP copy); HeteroAccelerator shards as it does on GPUs.
+    from hetsplit.distributed.sharded import kind
+
+    real = torch.cuda.is_available
+    torch.cuda.is_available = lambda: True
+    try:
+        acc = fsdp2_accelerator(cpu=True, plan=plan(6, 2))
+    finally:
+        torch.cuda.is_available = real
+    model, _ = model_pair()
+    model, _ = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    assert kind(model) == "fsdp2", type(model)
 
 
 @scenario("fsdp2_profiled")

@@ -165,3 +165,25 @@ def test_a_device_list_joins_the_job_through_hetsplit_init(monkeypatch):
     with pytest.raises(RuntimeError, match="joined"):
         HeteroAccelerator(devices="cpu,cpu@0.25")
     assert joined == ["cpu,cpu@0.25"]
+
+
+def test_even_batches_false_is_refused_where_the_plan_weights_the_gradients():
+    from accelerate import DataLoaderConfiguration
+
+    config = DataLoaderConfiguration(even_batches=False)
+    with pytest.raises(ValueError, match=r"even_batches=False keeps a last global batch short.*weighting='none'"):
+        HeteroAccelerator(dataloader_config=config)
+
+
+def test_one_process_keeps_the_last_batch_short_as_plain_accelerate():
+    # accelerate pads a last short batch only across processes (even_batches): run alone, a
+    # script sees the plain DataLoader's batches, every sample once.
+    from accelerate.state import AcceleratorState, GradientState
+
+    try:
+        acc = HeteroAccelerator(cpu=True)
+        loader = acc.prepare(DataLoader(TensorDataset(torch.arange(14)), batch_size=4))
+        assert [b[0].tolist() for b in loader] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13]]
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()

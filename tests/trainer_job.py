@@ -139,9 +139,14 @@ def _(folder):
     # A share of 0: one real sample weighted 0, with either normalisation of the Trainer.
     data = sequences(4, seed=3)
     for flag in (True, False):
-        _, model, ref = train_once(folder, [4, 0], data, average_tokens_across_devices=flag)
+        trainer, model, ref = train_once(folder, [4, 0], data, average_tokens_across_devices=flag)
+        with torch.no_grad():  # the step's loss: the token mean over the global batch, before the step
+            loss = ref(**collate(data)).loss.item()
         reference_step(ref, [data])
         assert_same(model, ref, f"zero share, average_tokens_across_devices={flag}")
+        # train_loss (nothing logged before the end): the global batch's, on every process (was: 2x, and 0)
+        reported = trainer.state.log_history[-1]["train_loss"]
+        assert abs(reported - loss) < 1e-5, (reported, loss)
 
 
 def classify(folder, plan, devices=None):
@@ -459,14 +464,19 @@ def _(folder):
 @scenario("fsdp2-micro-refused")
 def _(folder):
     # Micro-batches would run unequal numbers of forwards, and FSDP2's collectives would hang:
-    # refused on every process before the first forward, naming what to do.
+    # a plan with them, or plan_kwargs that solve them, refused on every process when the
+    # Trainer is made (before any profiling), naming what to do.
     micro = Plan(["rank0", "rank1"], [3, 1], [0.0, 0.0], 4, micro_batches=[[2, 1], [1]])
-    try:
-        train_once(folder, micro, sequences(4, seed=13), **FSDP2)
-    except ValueError as e:
-        assert "micro-batches [[2, 1], [1]]" in str(e) and "HeteroAccelerator.micro_batches" in str(e), e
-    else:
-        raise AssertionError("a plan with micro-batches ran under FSDP2")
+    for given, fragment in (
+        ({"plan": micro}, "micro-batches [[2, 1], [1]]"),
+        ({"plan_kwargs": {"accumulate": True}}, "plan_kwargs={'accumulate': True}"),
+    ):
+        try:
+            HeteroTrainer(model=llama(), args=arguments(folder, **FSDP2), train_dataset=sequences(4, seed=13), **given)
+        except ValueError as e:
+            assert fragment in str(e) and "HeteroAccelerator.micro_batches" in str(e), e
+        else:
+            raise AssertionError(f"{given} was taken under FSDP2")
 
 
 dist.barrier()

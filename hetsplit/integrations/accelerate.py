@@ -50,9 +50,11 @@ class HeteroAccelerator(accelerate.Accelerator):
     first batch; rank 0 solves; :func:`hetsplit.distributed.plan`), or given.
 
     Semantics kept from accelerate: the global batch is processes × the loader's
-    ``batch_size`` (``split_batches=True``: the loader's ``batch_size``); a last
-    incomplete global batch is completed by wrapping around (``drop_last=False``) and
-    :meth:`gather_for_metrics` drops those duplicates, so metrics see every sample once;
+    ``batch_size`` (``split_batches=True``: the loader's ``batch_size``); across
+    processes a last incomplete global batch is completed by wrapping around
+    (``drop_last=False``, ``even_batches``) and :meth:`gather_for_metrics` drops those
+    duplicates, so metrics see every sample once (one process, or ``even_batches=False``
+    with ``weighting="none"``, keeps it short);
     ``accumulate()`` and ``backward()`` work unchanged and stay exact. :meth:`gather`
     concatenates uneven shards; :meth:`reduce` with ``"mean"`` weights each process by
     its samples in the current batch (the mean over the global batch). A plan with
@@ -137,9 +139,9 @@ class HeteroAccelerator(accelerate.Accelerator):
             self.rank_device = parse_device(names[rank])  # this machine must have it
             if world > 1 and not dist.is_initialized():  # NCCL only when every process is a GPU
                 self.rank_device = hd.init(devices=",".join(names))
-        fsdp2_on_cpu = wants_fsdp2(accelerator_kwargs) and is_cpu_job(self.rank_device, world)
-        if fsdp2_on_cpu and accelerator_kwargs.get("fsdp_plugin") is None:  # from accelerate launch's environment
-            accelerator_kwargs["fsdp_plugin"] = accelerate.utils.FullyShardedDataParallelPlugin()
+        fsdp2 = wants_fsdp2(accelerator_kwargs) and world > 1
+        if fsdp2 and accelerator_kwargs.get("fsdp_plugin") is None:  # from accelerate launch's environment,
+            accelerator_kwargs["fsdp_plugin"] = accelerate.utils.FullyShardedDataParallelPlugin()  # as accelerate
         if world > 1:  # prepare and gather alone, without training, join the group too
             hd.drain_at_exit()  # at exit, let gloo's workers finish with the last collective first
         if is_cpu_job(self.rank_device, world):
@@ -148,7 +150,7 @@ class HeteroAccelerator(accelerate.Accelerator):
             # alone, each training its own copy.
             accelerator_kwargs["cpu"] = True
         super().__init__(**accelerator_kwargs)
-        if fsdp2_on_cpu:
+        if fsdp2:  # CPU processes (a device list, no CUDA, or cpu=True): accelerate would drop the plugin
             shard_on_cpu(self.state, accelerator_kwargs["fsdp_plugin"])
         if self.num_processes != world:
             raise ValueError(
@@ -332,6 +334,9 @@ class HeteroAccelerator(accelerate.Accelerator):
             shuffle=isinstance(data_loader.sampler, RandomSampler),
             seed=seed,
             drop_last=data_loader.drop_last,
+            # accelerate completes a last short global batch by wrapping around (even_batches) only
+            # across processes: one process, or even_batches=False, keeps it short, every sample once.
+            pad=self.num_processes > 1 and self.even_batches,
             num_replicas=self.num_processes,
             rank=self.process_index,
             zero_share=self.zero_share,

@@ -188,6 +188,12 @@ def check_arguments(
             "use_stateful_dataloader=True saves a loader's position in checkpoints, which hetsplit's shares "
             "do not support yet: leave it unset (resume with skip_first_batches, as the Trainer does)"
         )
+    if config is not None and not getattr(config, "even_batches", True) and weighting != "none":
+        raise ValueError(
+            f"even_batches=False keeps a last global batch short, which HeteroAccelerator(weighting="
+            f"{weighting!r}) cannot weight by the plan: leave even_batches at its default (the last batch "
+            "completed by wrapping around, as accelerate does), or weight your own loss with weighting='none'"
+        )
     if config is not None and getattr(config, "dispatch_batches", None):
         raise ValueError(
             "dispatch_batches=True sends every batch from process 0; HeteroAccelerator gives each process its "

@@ -177,6 +177,16 @@ class HeteroTrainer(transformers.Trainer):
         # Read again: on CPU processes the Trainer's own accelerator dropped the FSDP2 plugin
         # (accelerate shards on GPUs only), which HeteroAccelerator keeps (its emulated twin).
         self.is_fsdp_enabled = getattr(self.accelerator.state, "fsdp_plugin", None) is not None
+        if self.is_fsdp_enabled:  # before any device work, on every process
+            plan = self._hetero_kwargs.get("plan")
+            if plan is not None:
+                _check_whole_under_fsdp2(plan)
+            if (self._hetero_kwargs.get("plan_kwargs") or {}).get("accumulate"):
+                raise ValueError(
+                    "HeteroTrainer with FSDP2 runs each process's share whole, but plan_kwargs={'accumulate': True} "
+                    "solves micro-batches (FSDP2's collectives need as many forwards on every process): drop "
+                    "accumulate, or run micro-batches with HeteroAccelerator.micro_batches"
+                )
         self.accelerator.model_to_profile = getattr(self, "model", None)
         self.gather_function = functools.partial(
             self.accelerator.gather_for_metrics, use_gather_object=self.args.eval_use_gather_object
@@ -199,6 +209,21 @@ class HeteroTrainer(transformers.Trainer):
             return super().train(*args, **kwargs)
         finally:
             self._window_items, self._piece_items = None, {}  # the last window's count is not a later step's
+
+    def _finalize_training(self, *args: Any, **kwargs: Any) -> Any:
+        """The Trainer's end of training, with the loss it has not logged yet averaged over the processes.
+
+        Each process's loss is its part of the global loss (``world * S_r / N``): only their
+        mean is the global batch's. The Trainer averages the losses it logs so, but adds
+        what is left since the last log (all of it without logging steps) as this
+        process's own to ``train_loss``: 0 on a process whose share is 0.
+        """
+        rest = getattr(self, "_tr_loss", None)
+        if torch.is_tensor(rest) and self.accelerator.num_processes > 1:
+            total = rest.detach().clone()
+            dist.all_reduce(total)
+            self._tr_loss = total / self.accelerator.num_processes
+        return super()._finalize_training(*args, **kwargs)
 
     def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: torch.device) -> Any:
         """The Trainer's next accumulation window, and the items of the global batch over it (one all-reduce)."""
@@ -272,12 +297,8 @@ class HeteroTrainer(transformers.Trainer):
         try:
             sizes, counts = self._pieces(inputs)
             sharded = kind(model) == "fsdp2"
-            if sharded and any(len(m) > 1 for m in self.plan.micro_batches):  # the same on every process
-                raise ValueError(
-                    f"HeteroTrainer with FSDP2 runs each process's share whole, but the plan has micro-batches "
-                    f"{self.plan.micro_batches}: FSDP2's collectives need as many forwards on every process. Drop "
-                    "plan_kwargs accumulate=True, or run micro-batches with HeteroAccelerator.micro_batches"
-                )
+            if sharded:  # a plan set later (set_plan): the same on every process
+                _check_whole_under_fsdp2(self.plan)
             device = self.rank_device
             if device is not None and sum(sizes):
                 device.check_batch(max(sizes))  # before any forward
@@ -414,6 +435,16 @@ class HeteroTrainer(transformers.Trainer):
         with torch.no_grad():
             mean = super().compute_loss(model, _rows(inputs, real) if real else inputs)
         return mean if real else torch.zeros(())
+
+
+def _check_whole_under_fsdp2(plan: Plan) -> None:
+    """Refuse a plan with micro-batches under FSDP2 (every process must run as many forwards)."""
+    if any(len(m) > 1 for m in plan.micro_batches):
+        raise ValueError(
+            f"HeteroTrainer with FSDP2 runs each process's share whole, but the plan has micro-batches "
+            f"{plan.micro_batches}: FSDP2's collectives need as many forwards on every process. Give a plan "
+            "without micro-batches, or run micro-batches with HeteroAccelerator.micro_batches"
+        )
 
 
 def _refused_sharding(what: str) -> str:
