@@ -103,6 +103,17 @@ def _():
     acc.gradient_accumulation_steps = 1
 
 
+def micro_step(acc, model, opt):
+    """Prepare, then run the first batch as ``acc.micro_batches``: the prepared pair, its indices, the sizes run."""
+    model, opt, loader = acc.prepare(model, opt, DataLoader(DATA, batch_size=4, shuffle=True))
+    idx, xb, yb = next(iter(loader))
+    seen = []
+    for xm, ym in acc.micro_batches(model, (xb, yb)):
+        seen.append(len(xm))
+        acc.backward(F.mse_loss(model(xm), ym))
+    return model, opt, idx, seen
+
+
 @scenario("micro")
 def _():
     # A plan that runs process 0's share as micro-batches (solve(..., accumulate=True)): followed
@@ -112,12 +123,7 @@ def _():
         acc = HeteroAccelerator(plan=micro, weighting=weighting)
         model, ref = model_pair()
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        model, opt, loader = acc.prepare(model, opt, DataLoader(DATA, batch_size=4, shuffle=True))
-        idx, xb, yb = next(iter(loader))
-        seen = []
-        for xm, ym in acc.micro_batches(model, (xb, yb)):
-            seen.append(len(xm))
-            acc.backward(F.mse_loss(model(xm), ym))
+        model, opt, idx, seen = micro_step(acc, model, opt)
         assert seen == micro.micro_batches[acc.process_index], seen
         opt.step()
         reference_step(ref, [acc.gather(idx)])
@@ -362,6 +368,23 @@ def assert_same_sharded(model, ref, what):
         assert err < 1e-12, f"{what}: parameter {name} differs from the single-process reference by {err}"
 
 
+@contextlib.contextmanager
+def sharded_profiles():
+    """The class names of the models the sharded profile times, recorded while inside."""
+    from hetsplit.distributed import rank_plan
+
+    calls, original = [], rank_plan.profile_sharded
+    rank_plan.profile_sharded = lambda model, *a, **k: calls.append(type(model).__name__) or original(model, *a, **k)
+    try:
+        yield calls
+    finally:
+        rank_plan.profile_sharded = original
+
+
+def big_data():
+    return TensorDataset(torch.randn(64, 3, dtype=torch.float64), torch.randn(64, 1, dtype=torch.float64))
+
+
 @scenario("fsdp2_steps")
 def _():
     # accelerate's own FSDP2 path on CPU processes (accelerate runs it on GPUs only; HeteroAccelerator
@@ -398,12 +421,7 @@ def _():
     acc = fsdp2_accelerator(plan=micro)
     model, ref = model_pair()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    model, opt, loader = acc.prepare(model, opt, DataLoader(DATA, batch_size=4, shuffle=True))
-    idx, xb, yb = next(iter(loader))
-    seen = []
-    for xm, ym in acc.micro_batches(model, (xb, yb)):
-        seen.append(len(xm))
-        acc.backward(F.mse_loss(model(xm), ym))
+    model, opt, idx, seen = micro_step(acc, model, opt)
     assert seen == [[2, 2, 1], [1, 1, 1]][acc.process_index], seen
     opt.step()
     reference_step(ref, [acc.gather(idx)])
@@ -446,19 +464,14 @@ def _():
     # No plan, the loader prepared before the model (as the Trainer does): even shares until the
     # model is sharded, then the plan is profiled on the sharded model (no process holds it whole)
     # and the loader follows it from its first batch; the model and loader prepared together too.
-    from hetsplit.distributed import rank_plan
-
-    calls = []
-    original = rank_plan.profile_sharded
-    rank_plan.profile_sharded = lambda model, *a, **k: calls.append(type(model).__name__) or original(model, *a, **k)
-    try:
+    with sharded_profiles() as calls:
         for together in (False, True):
             acc = fsdp2_accelerator(
                 devices="cpu,cpu@0.25", loss_fn=F.mse_loss, plan_kwargs={"time_budget": 1.0, "calibrate": 0}
             )
             model, _ = model_pair()
             opt = torch.optim.SGD(model.parameters(), lr=0.1)
-            big = TensorDataset(torch.randn(64, 3, dtype=torch.float64), torch.randn(64, 1, dtype=torch.float64))
+            big = big_data()
             if together:
                 model, opt, loader = acc.prepare(model, opt, DataLoader(big, batch_size=16))
             else:
@@ -473,26 +486,19 @@ def _():
             assert len(xb) == (acc.plan.sizes[acc.process_index] or 2), (len(xb), acc.plan)
             acc.backward(F.mse_loss(model(xb), yb))
             opt.step()
-    finally:
-        rank_plan.profile_sharded = original
 
 
 @scenario("fsdp2_model_first")
 def _():
     # The model and optimizer prepared first, the loader alone afterwards (accelerate's other usual
     # order): the plan is profiled on the model already sharded, not left at even shares.
-    from hetsplit.distributed import rank_plan
-
-    calls = []
-    original = rank_plan.profile_sharded
-    rank_plan.profile_sharded = lambda model, *a, **k: calls.append(type(model).__name__) or original(model, *a, **k)
-    try:
+    with sharded_profiles() as calls:
         budget = {"time_budget": 1.0, "calibrate": 0}
         acc = fsdp2_accelerator(devices="cpu,cpu@0.25", loss_fn=F.mse_loss, plan_kwargs=budget)
         model, _ = model_pair()
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         model, opt = acc.prepare(model, opt)
-        big = TensorDataset(torch.randn(64, 3, dtype=torch.float64), torch.randn(64, 1, dtype=torch.float64))
+        big = big_data()
         # The model's forwards are throttled since prepare(); the profile throttles whole steps
         # itself, and a second throttle around each forward would slow an emulated GPU's twice.
         depth, deepest = [0], [0]
@@ -520,8 +526,6 @@ def _():
         assert len(xb) == (acc.plan.sizes[acc.process_index] or 2), (len(xb), acc.plan)
         acc.backward(F.mse_loss(model(xb), yb))
         opt.step()
-    finally:
-        rank_plan.profile_sharded = original
 
 
 @scenario("fsdp2_placement")

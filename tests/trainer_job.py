@@ -308,6 +308,14 @@ def masked_mean(outputs, labels, num_items_in_batch=None):
     return (losses * mask).sum() / mask.sum()  # float64 throughout (the model's own loss casts to float32)
 
 
+def masked_reference_step(ref, data, lr=0.1):
+    """One SGD step of the plain model on the global batch ``data`` under :func:`masked_mean`."""
+    opt = torch.optim.SGD(ref.parameters(), lr=lr)
+    inputs = collate(data)
+    masked_mean(ref(**{k: v for k, v in inputs.items() if k != "labels"}), inputs["labels"]).backward()
+    opt.step()
+
+
 def assert_exact(got, want, what):
     for (name, p), q in zip(got, want):
         assert torch.isfinite(p).all(), f"{what}: {name} is not finite"
@@ -328,10 +336,7 @@ def _(folder):
         train_dataset=data, data_collator=collate, plan=MICRO, devices=CAPPED, compute_loss_func=masked_mean,
     )  # fmt: skip
     trainer.train()
-    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-    inputs = collate(data)
-    masked_mean(ref(**{k: v for k, v in inputs.items() if k != "labels"}), inputs["labels"]).backward()
-    opt.step()
+    masked_reference_step(ref, data)
     assert_exact(model.named_parameters(), ref.parameters(), "a masked-mean loss with label-less micro-batches")
     # A step of its own: now rank 0's last micro-batch has no labels (the one run last has), and rank 1's
     # share is empty, so it runs one real sample weighted 0: the data set's first, which has no labels.
@@ -422,10 +427,7 @@ def _(folder):
             data_collator=collate, plan=plan_from_sizes(None, ["rank0", "rank1"], sizes), compute_loss_func=masked_mean,
         )  # fmt: skip
         trainer.train()
-        opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-        inputs = collate(data)
-        masked_mean(ref(**{k: v for k, v in inputs.items() if k != "labels"}), inputs["labels"]).backward()
-        opt.step()
+        masked_reference_step(ref, data)
         whole = [(name, p.full_tensor().detach()) for name, p in trainer.model.named_parameters()]
         assert_exact(whole, ref.parameters(), f"FSDP2, plan {sizes}, samples {silenced} without labels")
 
