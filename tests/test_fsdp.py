@@ -553,3 +553,17 @@ def test_the_optimizer_s_state_is_counted_before_and_after_its_first_step():
     opt.step()
     held = sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values())
     assert optimizer_state_bytes(opt) == held >= 2 * size  # what it holds (its step counters too)
+
+
+def test_every_rank_of_a_sharded_model_runs_as_many_micro_batches_whatever_its_rows():
+    # FSDP2's forwards are collective: the plan's largest count on every rank, for its share and
+    # for a last global batch kept short (another number of rows), fillers (0) where rows run out.
+    from hetsplit.distributed.sharded import micro_for_rows
+    from hetsplit.planning import Plan
+
+    plan = Plan(["a", "b"], [6, 2], [0.0, 0.0], 8, micro_batches=[[2, 2, 2], [2]])
+    assert micro_for_rows(plan, 0, 6) == [2, 2, 2] and micro_for_rows(plan, 1, 2) == [1, 1, 0]
+    assert micro_for_rows(plan, 0, 4) == [2, 1, 1] and micro_for_rows(plan, 1, 1) == [1, 0, 0]
+    assert micro_for_rows(plan, 1, 0) == [0, 0, 0]
+    whole = Plan(["a", "b"], [6, 2], [0.0, 0.0], 8, micro_batches=[[6], [2]])
+    assert micro_for_rows(whole, 0, 5) == [5] and micro_for_rows(whole, 1, 2) == [2]

@@ -18,7 +18,7 @@ from integration_launch import ROOT, check, job_fixture
 SCENARIOS = (
     "tokens", "accumulate", "zero", "classify", "evaluate", "profiled", "rebalance",
     "micro", "micro-accumulate", "micro-classify", "micro-masked", "micro-memory", "micro-solved",
-    "fsdp2", "fsdp2-profiled", "fsdp2-micro-refused",
+    "fsdp2", "fsdp2-profiled", "fsdp2-micro",
 )  # fmt: skip
 
 

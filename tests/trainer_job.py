@@ -463,22 +463,31 @@ def _(folder):
     assert abs(loss - expected) < TOLERANCE, (loss, expected)
 
 
-@scenario("fsdp2-micro-refused")
+@scenario("fsdp2-micro")
 def _(folder):
-    # Micro-batches would run unequal numbers of forwards, and FSDP2's collectives would hang:
-    # a plan with them, or plan_kwargs that solve them, refused on every process when the
-    # Trainer is made (before any profiling), naming what to do.
-    micro = Plan(["rank0", "rank1"], [3, 1], [0.0, 0.0], 4, micro_batches=[[2, 1], [1]])
-    for given, fragment in (
-        ({"plan": micro}, "micro-batches [[2, 1], [1]]"),
-        ({"plan_kwargs": {"accumulate": True}}, "plan_kwargs={'accumulate': True}"),
-    ):
-        try:
-            HeteroTrainer(model=llama(), args=arguments(folder, **FSDP2), train_dataset=sequences(4, seed=13), **given)
-        except ValueError as e:
-            assert fragment in str(e) and "HeteroAccelerator.micro_batches" in str(e), e
-        else:
-            raise AssertionError(f"{given} was taken under FSDP2")
+    # Micro-batches under FSDP2: every process runs as many forwards (the plan's largest count;
+    # its collectives would hang otherwise), a smaller share in more, smaller pieces, a piece
+    # without label tokens adding exact zeros under a masked mean; a given plan with 3 and 1,
+    # and one solved (plan_kwargs accumulate) for memories of 2 and 3 samples: both exact.
+    rank = int(os.environ["RANK"])
+    given = Plan(["rank0", "rank1"], [6, 2], [0.0, 0.0], 8, micro_batches=[[2, 2, 2], [2]])
+    device = ["cpu:max2", "cpu:max3"][rank]
+    profile = Profile.from_measurements({device: [(1, 0.010), (2 + rank, 0.018 + 0.008 * rank)]}, {device: 2 + rank})
+    solved = {"devices": "cpu:max2,cpu:max3", "profile": profile, "plan_kwargs": {"accumulate": True, "calibrate": 0}}
+    for what, kwargs in (("given", {"plan": given, "devices": CAPPED}), ("solved", solved)):
+        data = [silent(d) if i in (0, 1) else d for i, d in enumerate(sequences(8, seed=16))]  # a piece without labels
+        model = llama()
+        ref = copy.deepcopy(model)
+        args = arguments(folder, per_device_train_batch_size=4, train_sampling_strategy="sequential", **FSDP2)
+        trainer = HeteroTrainer(
+            model=model, args=args, train_dataset=data, data_collator=collate, compute_loss_func=masked_mean, **kwargs
+        )
+        trainer.train()
+        micro = trainer.plan.micro_batches
+        assert any(len(m) > 1 for m in micro), micro
+        masked_reference_step(ref, data)
+        whole = [(name, p.full_tensor().detach()) for name, p in trainer.model.named_parameters()]
+        assert_exact(whole, ref.parameters(), f"FSDP2 micro-batches ({what}) {micro}")
 
 
 dist.barrier()

@@ -125,6 +125,21 @@ def rank_micro(plan: Plan, rank: int, sharded: bool) -> list[int]:
     return _even_micro(plan)[rank] if sharded else list(plan.micro_batches[rank])
 
 
+def micro_for_rows(plan: Plan, rank: int, rows: int) -> list[int]:
+    """Rank ``rank``'s micro-batches for a batch of ``rows`` rows of a sharded model: as many as every rank runs.
+
+    Its share: :func:`_even_micro`'s. Another number of rows (a last global batch kept
+    short, cut in the plan's proportions): the same count ``K`` of near-equal pieces, or
+    a row each then a ``0`` (a filler) for each missing one.
+    """
+    if rows == plan.sizes[rank]:
+        return _even_micro(plan)[rank]
+    count = max([1, *map(len, plan.micro_batches)])
+    if count == 1:
+        return [rows]
+    return micro_sizes(rows, count) if rows >= count else [1] * rows + [0] * (count - rows)
+
+
 def _even_micro(plan: Plan) -> list[list[int]]:
     """Every rank's micro-batches for a sharded model: the same count on every rank (see the module's doc).
 

@@ -18,7 +18,7 @@ from hetsplit.devices import Device, parse_device
 from hetsplit.distributed.accumulate import _all_reduce_once, _micro_sizes, _pieces
 from hetsplit.distributed.sampler import STAND_IN
 from hetsplit.distributed.setup import ENV_DEVICES, rank_devices
-from hetsplit.distributed.sharded import kind
+from hetsplit.distributed.sharded import kind, micro_for_rows
 from hetsplit.planning import Plan, Profile, Rebalancer
 from hetsplit.tree import flatten
 
@@ -63,8 +63,10 @@ class HeteroTrainer(transformers.Trainer):
     - The Trainer's FSDP2 settings (``TrainingArguments(fsdp=True, fsdp_config={"version": 2,
       ...})``) shard as accelerate does, on CPU processes too (:class:`HeteroAccelerator`);
       the loss weighting stays exact, the plan is profiled on the sharded model, and a
-      process without items adds exact zeros through its outputs. A plan with
-      micro-batches is refused there (FSDP2 needs as many forwards on every process).
+      process (or micro-batch) without items adds exact zeros through its outputs. A
+      plan with micro-batches runs as many on every process (FSDP2's forwards are
+      collective): the plan's largest count, a smaller share in smaller pieces, fillers
+      where a share has fewer samples than pieces.
 
     Launch one process per device: ``hetsplit launch --devices cpu,cpu@0.25 train.py``,
     torchrun, or ``accelerate launch --multi_gpu --num_processes N``.
@@ -177,16 +179,6 @@ class HeteroTrainer(transformers.Trainer):
         # Read again: on CPU processes the Trainer's own accelerator dropped the FSDP2 plugin
         # (accelerate shards on GPUs only), which HeteroAccelerator keeps (its emulated twin).
         self.is_fsdp_enabled = getattr(self.accelerator.state, "fsdp_plugin", None) is not None
-        if self.is_fsdp_enabled:  # before any device work, on every process
-            plan = self._hetero_kwargs.get("plan")
-            if plan is not None:
-                _check_whole_under_fsdp2(plan)
-            if (self._hetero_kwargs.get("plan_kwargs") or {}).get("accumulate"):
-                raise ValueError(
-                    "HeteroTrainer with FSDP2 runs each process's share whole, but plan_kwargs={'accumulate': True} "
-                    "solves micro-batches (FSDP2's collectives need as many forwards on every process): drop "
-                    "accumulate, or run micro-batches with HeteroAccelerator.micro_batches"
-                )
         self.accelerator.model_to_profile = getattr(self, "model", None)
         self.gather_function = functools.partial(
             self.accelerator.gather_for_metrics, use_gather_object=self.args.eval_use_gather_object
@@ -237,8 +229,8 @@ class HeteroTrainer(transformers.Trainer):
         The items of each batch's micro-batches are kept for :meth:`training_step`, read
         with the same one synchronisation.
         """
-        shifted, rank = self._shifts(self.model), self.accelerator.process_index
-        layout = [(batch, _micro_sizes(self.plan, rank, samples_in(batch) or 0)) for batch in batches]
+        shifted = self._shifts(self.model)
+        layout = [(batch, self._micro(samples_in(batch) or 0)) for batch in batches]
         counts = [piece_items(batch, sizes, shifted, device) for batch, sizes in layout]  # on the device
         local = torch.cat(counts) if counts else torch.zeros(0, dtype=torch.float64, device=device)
         total = local.sum().reshape(1)
@@ -253,7 +245,7 @@ class HeteroTrainer(transformers.Trainer):
 
     def _pieces(self, inputs: Any) -> tuple[list[int], list[float]]:
         """This batch's micro-batch sizes and the items of each (counted with its window's, else here)."""
-        sizes = _micro_sizes(self.plan, self.accelerator.process_index, samples_in(inputs) or 0)
+        sizes = self._micro(samples_in(inputs) or 0)
         batch, known, counts = self._piece_items.get(id(inputs), (None, None, None))
         if batch is inputs and known == sizes:
             return sizes, counts
@@ -297,19 +289,13 @@ class HeteroTrainer(transformers.Trainer):
         try:
             sizes, counts = self._pieces(inputs)
             sharded = kind(model) == "fsdp2"
-            if sharded:  # a plan set later (set_plan): the same on every process
-                _check_whole_under_fsdp2(self.plan)
             device = self.rank_device
             if device is not None and sum(sizes):
                 device.check_batch(max(sizes))  # before any forward
             pieces = _pieces(inputs, sizes)
+            if sharded:  # FSDP2's forwards are collective: every piece runs, as many on every process
+                return self._run_sharded(model, pieces, counts, num_items_in_batch)
             run = [piece for piece, n in zip(pieces, counts) if n > 0]
-            if not run and sharded:  # FSDP2 still needs this backward; its gradients bypass parameter hooks
-                self._null_step = True
-                try:
-                    return super().training_step(model, pieces[-1], num_items_in_batch)
-                finally:
-                    self._null_step = False
             if not run:  # no items: DDP still needs this process's backward, which must add exact zeros
                 with zero_gradients(model):
                     return super().training_step(model, pieces[-1], num_items_in_batch)
@@ -321,6 +307,31 @@ class HeteroTrainer(transformers.Trainer):
         finally:
             if outside:
                 self._window_items, self._piece_items = None, {}
+
+    def _run_sharded(self, model: nn.Module, pieces: list[Any], counts: list[float], num_items_in_batch: Any) -> Any:
+        """Each piece's forward and backward, each reduce-scattering its gradient (FSDP2).
+
+        A piece without items, or a filler (0 rows: two real samples), adds exact zeros
+        through its outputs (:func:`_zero_through`): FSDP2's gradients bypass the
+        parameter hooks that hold DDP's at zero, and the model's loss over no items may
+        backpropagate NaN.
+        """
+        total = None
+        for piece, n in zip(pieces, counts):
+            self._null_step = n == 0
+            try:
+                loss = super().training_step(model, piece, num_items_in_batch)
+            finally:
+                self._null_step = False
+            total = loss if total is None else total + loss
+        return total
+
+    def _micro(self, rows: int) -> list[int]:
+        """This process's micro-batch sizes for a batch of ``rows`` rows; under FSDP2 as many as every process runs."""
+        rank = self.accelerator.process_index
+        if self.plan is not None and kind(self.model) == "fsdp2":
+            return micro_for_rows(self.plan, rank, rows)
+        return _micro_sizes(self.plan, rank, rows)
 
     def compute_loss(
         self,
@@ -435,16 +446,6 @@ class HeteroTrainer(transformers.Trainer):
         with torch.no_grad():
             mean = super().compute_loss(model, _rows(inputs, real) if real else inputs)
         return mean if real else torch.zeros(())
-
-
-def _check_whole_under_fsdp2(plan: Plan) -> None:
-    """Refuse a plan with micro-batches under FSDP2 (every process must run as many forwards)."""
-    if any(len(m) > 1 for m in plan.micro_batches):
-        raise ValueError(
-            f"HeteroTrainer with FSDP2 runs each process's share whole, but the plan has micro-batches "
-            f"{plan.micro_batches}: FSDP2's collectives need as many forwards on every process. Give a plan "
-            "without micro-batches, or run micro-batches with HeteroAccelerator.micro_batches"
-        )
 
 
 def _refused_sharding(what: str) -> str:
