@@ -88,6 +88,19 @@ def batchnorm_plan(ctx):
     return {"batchnorm": bn, "plain": plain}
 
 
+def weighted_caps(ctx):
+    # Hand-set weights and an emulated memory (rank 1 holds 2 samples a forward): the share runs as
+    # micro-batches with accumulate, and is refused without it, on every rank, before any step.
+    x, _ = _batch(8)
+    device = ["cpu", "cpu@0.25:max2"][ctx.rank]
+    micro = hd.plan(_net(), x, 16, device=device, weights=[1, 1], accumulate=True).micro_batches
+    try:
+        hd.plan(_net(), x, 16, device=device, weights=[1, 1])
+    except ValueError as e:
+        return {"micro": micro, "error": str(e)}
+    return {"micro": micro, "error": None}
+
+
 def calibration(ctx):
     # Both ranks plan from rank 0's profile of the real CPU, as if equally fast; the DDP steps
     # show rank 1 is emulated at a quarter speed and the plan moves off it.
@@ -256,6 +269,7 @@ def hung_rank(ctx):
 SCENARIOS = {
     "plan": plan,
     "batchnorm_plan": batchnorm_plan,
+    "weighted_caps": weighted_caps,
     "calibration": calibration,
     "calibration_failure": calibration_failure,
     **{name: step for name, (step, _) in EXACT.items()},
@@ -290,6 +304,13 @@ def test_all_ranks_agree_on_the_plan(ranks):
 def test_a_batchnorm_model_s_plan_hands_no_rank_a_single_sample(ranks):
     for r in ranks["batchnorm_plan"]:
         assert r == {"batchnorm": [8, 0], "plain": [7, 1]}, r
+
+
+def test_hand_set_weights_respect_an_emulated_memory(ranks):
+    for r in ranks["weighted_caps"]:
+        assert r["micro"] == [[8], [2, 2, 2, 2]], r
+        assert "give rank 1 8 samples of 16 but its memory holds 2" in (r["error"] or ""), r
+        assert "accumulate=True" in r["error"], r
 
 
 def test_calibration_moves_the_plan_off_a_rank_slower_than_its_profile(ranks):

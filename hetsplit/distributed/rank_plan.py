@@ -16,6 +16,7 @@ from torch import nn
 
 from ..devices import Device, DeviceLike, parse_device
 from ..planning.curve import Curve
+from ..planning.micro import micro_sizes
 from ..planning.plan import Plan
 from ..planning.profile import DeviceProfile, Profile
 from ..planning.sizes import has_batchnorm, resolve_plan, without_single_samples
@@ -124,7 +125,9 @@ def plan(
         weights: Hand-set shares instead of profiling: one relative throughput per
             rank (``[4, 1]``: 80 % of every global batch to rank 0, 20 % to rank 1), as
             ``HeteroDataParallel(weights=)``. Every rank must pass the same weights (they
-            are checked); nothing is profiled or calibrated.
+            are checked); nothing is profiled or calibrated. A share above its rank's
+            emulated memory (``cpu:max2``) runs as micro-batches with ``accumulate``, and is
+            refused (``ValueError``, every rank) without it.
         accumulate: Let a rank with a memory cap run its share as micro-batches
             (``plan.micro_batches``; run them with :func:`micro_batches`). A plan with
             micro-batches is not calibrated (calibration runs whole shares).
@@ -148,7 +151,9 @@ def plan(
     rank, world = group_info(group)
     batchnorm = has_batchnorm(model)  # no rank is handed a single sample (BatchNorm cannot train on one)
     if weights is not None:
-        return _no_single(_weighted_plan(batch_size, weights, profile, rank, world, group), None, False, batchnorm)
+        cap = parse_device(device if device is not None else _default_device(), check=False).max_batch
+        plan = _weighted_plan(batch_size, weights, profile, rank, world, group, cap, accumulate)
+        return _no_single(plan, None, False, batchnorm)
     dev = parse_device(device if device is not None else _default_device())
     _check_versions(group)
     sharded = _sharded.holds_sharded(model)  # the FSDP2 root, or a module around it (a LightningModule's loss)
@@ -224,9 +229,20 @@ def _check_versions(group: Any) -> None:
 
 
 def _weighted_plan(
-    batch_size: int, weights: Sequence[float], profile: Profile | None, rank: int, world: int, group: Any
+    batch_size: int,
+    weights: Sequence[float],
+    profile: Profile | None,
+    rank: int,
+    world: int,
+    group: Any,
+    cap: int | None = None,
+    accumulate: bool = False,
 ) -> Plan:
-    """The plan of hand-set ``weights`` (one per rank), the same on every rank; nothing is profiled."""
+    """The plan of hand-set ``weights`` (one per rank), the same on every rank; nothing is profiled.
+
+    A share above its rank's emulated memory (``cap``, ``cpu:max2``) runs as micro-batches
+    with ``accumulate``, and is refused without it (on every rank: the caps are gathered).
+    """
     if profile is not None:
         raise ValueError("pass weights= or profile=, not both: weights set the shares without a profile")
     values = list(weights)
@@ -236,11 +252,22 @@ def _weighted_plan(
     labels = [f"rank{r}" for r in range(world)]
     result = resolve_plan(batch_size, labels, weights=values)
     _check_versions(group)
-    theirs = all_gather(values, "comparing weights", group)
-    if any(w != values for w in theirs):
-        raise DistributedError(
-            f"the ranks pass different weights: {dict(enumerate(theirs))}; pass the same weights= on every rank"
+    theirs = all_gather({"weights": values, "cap": cap}, "comparing weights", group)
+    if any(t["weights"] != values for t in theirs):
+        given = {r: t["weights"] for r, t in enumerate(theirs)}
+        raise DistributedError(f"the ranks pass different weights: {given}; pass the same weights= on every rank")
+    caps = [t["cap"] for t in theirs]
+    over = [(r, s, c) for r, (s, c) in enumerate(zip(result.sizes, caps)) if c is not None and s > c]
+    if over and not accumulate:
+        r, s, c = over[0]
+        raise ValueError(
+            f"weights={values} give rank {r} {s} samples of {batch_size} but its memory holds {c} a forward: "
+            "pass accumulate=True to run its share as micro-batches, or weight it less"
         )
+    if over:
+        micro = [micro_sizes(s, math.ceil(s / c)) if c is not None and s > c else m for s, c, m in
+                 zip(result.sizes, caps, result.micro_batches)]  # fmt: skip
+        result = dataclasses.replace(result, micro_batches=micro)
     return result
 
 
