@@ -16,7 +16,7 @@ import transformers  # noqa: F401  (a test extra: missing, fail; never skip)
 from integration_launch import ROOT, check, job_fixture
 
 SCENARIOS = (
-    "tokens", "accumulate", "zero", "classify", "evaluate", "profiled", "rebalance",
+    "tokens", "short-last", "accumulate", "zero", "classify", "evaluate", "profiled", "rebalance",
     "micro", "micro-accumulate", "micro-classify", "micro-masked", "micro-memory", "micro-solved",
     "fsdp2", "fsdp2-profiled", "fsdp2-micro",
 )  # fmt: skip

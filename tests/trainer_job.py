@@ -125,6 +125,21 @@ def _(folder):
         assert_same(model, ref, f"average_tokens_across_devices={flag}")
 
 
+@scenario("short-last")
+def _(folder):
+    # even_batches=False: the last global batch (2 of 6 samples) is kept short, cut in the plan's
+    # proportions, and both steps equal a single process's steps on [0..3] then [4, 5].
+    data = sequences(6, seed=17)
+    _, model, ref = train_once(
+        folder, [3, 1], data, max_steps=2, train_sampling_strategy="sequential",
+        accelerator_config={"even_batches": False},
+    )  # fmt: skip
+    reference_step(ref, [data[:4]])
+    ref.zero_grad()
+    reference_step(ref, [data[4:]])
+    assert_same(model, ref, "a short last global batch, even_batches=False")
+
+
 @scenario("accumulate")
 def _(folder):
     # Two global batches accumulated into one step (the Trainer counts the window's tokens).
