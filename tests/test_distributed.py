@@ -94,11 +94,17 @@ def weighted_caps(ctx):
     x, _ = _batch(8)
     device = ["cpu", "cpu@0.25:max2"][ctx.rank]
     micro = hd.plan(_net(), x, 16, device=device, weights=[1, 1], accumulate=True).micro_batches
+    # A BatchNorm model whose weights hand rank 1 a single sample: it moves to rank 0 only within
+    # rank 0's memory (15 a forward), or with accumulate as micro-batches that fit it (4 a forward).
+    bn = mlp(6, 5, 3, batch_norm=True)
+    capped = hd.plan(bn, x, 16, device=["cpu:max15", "cpu"][ctx.rank], weights=[15, 1])
+    moved = hd.plan(bn, x, 16, device=["cpu:max4", "cpu"][ctx.rank], weights=[15, 1], accumulate=True)
+    out = {"micro": micro, "capped": capped.sizes, "moved": [moved.sizes, moved.micro_batches]}
     try:
         hd.plan(_net(), x, 16, device=device, weights=[1, 1])
     except ValueError as e:
-        return {"micro": micro, "error": str(e)}
-    return {"micro": micro, "error": None}
+        return {**out, "error": str(e)}
+    return {**out, "error": None}
 
 
 def calibration(ctx):
@@ -309,6 +315,8 @@ def test_a_batchnorm_model_s_plan_hands_no_rank_a_single_sample(ranks):
 def test_hand_set_weights_respect_an_emulated_memory(ranks):
     for r in ranks["weighted_caps"]:
         assert r["micro"] == [[8], [2, 2, 2, 2]], r
+        assert r["capped"] == [15, 1], r  # no room under rank 0's cap: the single sample stays
+        assert r["moved"] == [[16, 0], [[4, 4, 4, 4], []]], r
         assert "give rank 1 8 samples of 16 but its memory holds 2" in (r["error"] or ""), r
         assert "accumulate=True" in r["error"], r
 

@@ -152,8 +152,7 @@ def plan(
     batchnorm = has_batchnorm(model)  # no rank is handed a single sample (BatchNorm cannot train on one)
     if weights is not None:
         cap = parse_device(device if device is not None else _default_device(), check=False).max_batch
-        plan = _weighted_plan(batch_size, weights, profile, rank, world, group, cap, accumulate)
-        return _no_single(plan, None, False, batchnorm)
+        return _weighted_plan(batch_size, weights, profile, rank, world, group, cap, accumulate, batchnorm)
     dev = parse_device(device if device is not None else _default_device())
     _check_versions(group)
     sharded = _sharded.holds_sharded(model)  # the FSDP2 root, or a module around it (a LightningModule's loss)
@@ -237,11 +236,14 @@ def _weighted_plan(
     group: Any,
     cap: int | None = None,
     accumulate: bool = False,
+    batchnorm: bool = False,
 ) -> Plan:
     """The plan of hand-set ``weights`` (one per rank), the same on every rank; nothing is profiled.
 
     A share above its rank's emulated memory (``cap``, ``cpu:max2``) runs as micro-batches
     with ``accumulate``, and is refused without it (on every rank: the caps are gathered).
+    For a BatchNorm model a share of one sample moves to another rank first, only where
+    that rank's memory holds it (anywhere with ``accumulate``: micro-batches are cut after).
     """
     if profile is not None:
         raise ValueError("pass weights= or profile=, not both: weights set the shares without a profile")
@@ -257,6 +259,11 @@ def _weighted_plan(
         given = {r: t["weights"] for r, t in enumerate(theirs)}
         raise DistributedError(f"the ranks pass different weights: {given}; pass the same weights= on every rank")
     caps = [t["cap"] for t in theirs]
+    if batchnorm and 1 in result.sizes:  # before the caps are checked and micro-batches cut
+        room = [math.inf if accumulate or c is None else c for c in caps]
+        sizes = without_single_samples(result.sizes, room)
+        if sizes != list(result.sizes):
+            result = plan_from_sizes(None, result.devices, sizes)
     over = [(r, s, c) for r, (s, c) in enumerate(zip(result.sizes, caps)) if c is not None and s > c]
     if over and not accumulate:
         r, s, c = over[0]
