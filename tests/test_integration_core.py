@@ -167,12 +167,32 @@ def test_a_device_list_joins_the_job_through_hetsplit_init(monkeypatch):
     assert joined == ["cpu,cpu@0.25"]
 
 
-def test_even_batches_false_is_refused_where_the_plan_weights_the_gradients():
+def test_even_batches_false_is_refused_where_the_plan_weights_the_gradients(monkeypatch):
     from accelerate import DataLoaderConfiguration
 
     config = DataLoaderConfiguration(even_batches=False)
+    monkeypatch.setenv("WORLD_SIZE", "2")  # refused before any process group starts
     with pytest.raises(ValueError, match=r"even_batches=False keeps a last global batch short.*weighting='none'"):
         HeteroAccelerator(dataloader_config=config)
+
+
+def test_even_batches_false_runs_alone_and_is_checked_when_set_later(monkeypatch):
+    # One process: nothing is weighted across processes, so even_batches=False runs as with plain
+    # accelerate. Set on the accelerator after it is made (accelerate's setter), the check still
+    # applies where it matters: the loaders of several processes, prepared later.
+    from accelerate import DataLoaderConfiguration
+    from accelerate.state import AcceleratorState, GradientState
+
+    try:
+        acc = HeteroAccelerator(cpu=True, dataloader_config=DataLoaderConfiguration(even_batches=False))
+        loader = acc.prepare(DataLoader(TensorDataset(torch.arange(6)), batch_size=4))
+        assert [b[0].tolist() for b in loader] == [[0, 1, 2, 3], [4, 5]]
+        monkeypatch.setattr(HeteroAccelerator, "num_processes", property(lambda self: 2))  # as if launched so
+        with pytest.raises(ValueError, match=r"even_batches=False keeps a last global batch short"):
+            acc.prepare(DataLoader(TensorDataset(torch.arange(6)), batch_size=4))
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
 
 
 def test_one_process_keeps_the_last_batch_short_as_plain_accelerate():

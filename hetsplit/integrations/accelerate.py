@@ -26,6 +26,7 @@ from . import core
 from .accelerate_parts import (
     SharesLoader,
     check_arguments,
+    check_even_batches,
     check_loader,
     check_whole_shares,
     load_epochs,
@@ -323,6 +324,8 @@ class HeteroAccelerator(accelerate.Accelerator):
         if getattr(data_loader, "_is_accelerate_prepared", False):
             return data_loader
         check_loader(data_loader)
+        if self.num_processes > 1 and not self.even_batches:  # set after the accelerator was made
+            check_even_batches(self.weighting)
         if self._plan is None:  # called directly rather than through prepare()
             self.set_plan(self._make_plan(self.model_to_profile, data_loader))
         plan = self._loader_plan(data_loader)

@@ -188,12 +188,8 @@ def check_arguments(
             "use_stateful_dataloader=True saves a loader's position in checkpoints, which hetsplit's shares "
             "do not support yet: leave it unset (resume with skip_first_batches, as the Trainer does)"
         )
-    if config is not None and not getattr(config, "even_batches", True) and weighting != "none":
-        raise ValueError(
-            f"even_batches=False keeps a last global batch short, which HeteroAccelerator(weighting="
-            f"{weighting!r}) cannot weight by the plan: leave even_batches at its default (the last batch "
-            "completed by wrapping around, as accelerate does), or weight your own loss with weighting='none'"
-        )
+    if config is not None and not getattr(config, "even_batches", True) and world > 1:
+        check_even_batches(weighting)
     if config is not None and getattr(config, "dispatch_batches", None):
         raise ValueError(
             "dispatch_batches=True sends every batch from process 0; HeteroAccelerator gives each process its "
@@ -278,6 +274,20 @@ def profiling_inputs(batch: Any, loss_fn: Any) -> tuple[Any, Any, Any]:
     if isinstance(batch, (list, tuple)) and batch:
         return batch[0], None, None
     return batch, None, None
+
+
+def check_even_batches(weighting: str) -> None:
+    """Refuse ``even_batches=False`` across processes where the plan weights the gradients (one process: nothing is).
+
+    Raises:
+        ValueError: Naming the weighting and what to do instead.
+    """
+    if weighting != "none":
+        raise ValueError(
+            f"even_batches=False keeps a last global batch short, which HeteroAccelerator(weighting="
+            f"{weighting!r}) cannot weight by the plan: leave even_batches at its default (the last batch "
+            "completed by wrapping around, as accelerate does), or weight your own loss with weighting='none'"
+        )
 
 
 def check_whole_shares(plan: Plan, who: str) -> None:
