@@ -204,6 +204,14 @@ def test_one_process_keeps_the_last_batch_short_as_plain_accelerate():
         acc = HeteroAccelerator(cpu=True)
         loader = acc.prepare(DataLoader(TensorDataset(torch.arange(14)), batch_size=4))
         assert [b[0].tolist() for b in loader] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13]]
+        # micro_batches runs the short batch whole (a one-process plan has none to cut) ...
+        model = torch.nn.Linear(1, 1)
+        short = torch.arange(2.0).reshape(2, 1)
+        assert [len(piece) for piece in acc.micro_batches(model, short)] == [2]
+        # ... and refuses a given plan's micro-batches, which nothing would weight in one process.
+        acc.set_plan(Plan(["rank0"], [4], [0.0], 4, micro_batches=[[2, 2]]))
+        with pytest.raises(ValueError, match=r"one process: the plan runs micro-batches \[\[2, 2\]\]"):
+            acc.micro_batches(model, torch.zeros(4, 1))
     finally:
         AcceleratorState._reset_state(reset_partial_state=True)
         GradientState._reset_state()

@@ -475,6 +475,15 @@ class HeteroAccelerator(accelerate.Accelerator):
             raise ValueError(
                 'micro_batches needs hetsplit to weight each micro-batch: use weighting="hook" or "outputs", not "none"'
             )
+        if self.num_processes == 1:
+            # No DDP wrapper, so no weighting: micro-batches of one process would add their means.
+            if any(len(m) > 1 for m in plan.micro_batches):
+                raise ValueError(
+                    f"micro_batches with one process: the plan runs micro-batches {plan.micro_batches}, which "
+                    "nothing weights without several processes; give a plan without micro-batches here, or use "
+                    "gradient_accumulation_steps"
+                )
+            return iter([batch])  # the whole batch, a last short one included (kept short alone)
         return hd.micro_batches(model, batch, plan, rank=self.process_index, dim=dim, device=self.rank_device)
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:

@@ -305,7 +305,7 @@ class _HeteroStrategy:
             # Lightning means an integer tensor in place, truncating: an epoch metric's count of
             # samples (11 + 10 over two ranks) became 10, not 10.5, and the metric 21/20 too large.
             # DistributedSampler's equal padded shares never give an odd total; uneven shares do.
-            tensor = tensor.to(torch.float64)
+            tensor = tensor.to(torch.float32 if tensor.device.type == "mps" else torch.float64)  # MPS: no float64
         if self._samples is not None:
             return weighted_reduce(tensor, self._samples, reduce_op, lambda t, op: plain(t, group, op))
         if op_name(reduce_op) in ("mean", "sum") and tensor.is_floating_point() and self._stage_seen() == 0:
