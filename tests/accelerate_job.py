@@ -263,6 +263,34 @@ def _():
     assert len(xb) == (sizes[acc.process_index] or 2)  # a share of 0 (profiling may give one): two samples
 
 
+@scenario("prepare_order")
+def _():
+    # Separate prepare calls, in either order, as accelerate allows: the model prepared first
+    # (the loader is planned on it), or the loader first (even shares until the model is
+    # prepared, then the profiled plan from the loader's first batch); every step exact.
+    data = TensorDataset(X, Y, torch.arange(N))  # (input, target, ...): what the profile reads
+    for loader_first in (False, True):
+        acc = HeteroAccelerator(
+            devices="cpu,cpu@0.25", loss_fn=F.mse_loss, plan_kwargs={"time_budget": 1.0, "calibrate": 0}
+        )
+        model, ref = model_pair()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        if loader_first:
+            loader = acc.prepare(DataLoader(data, batch_size=4))
+            assert acc.plan.sizes == [4, 4], acc.plan  # provisional: nothing to profile yet
+            model, opt = acc.prepare(model, opt)
+        else:
+            model, opt = acc.prepare(model, opt)
+            loader = acc.prepare(DataLoader(data, batch_size=4))
+        assert_solved(acc.plan, 8)
+        xb, yb, idx = next(iter(loader))
+        assert len(idx) == (acc.plan.sizes[acc.process_index] or 2), (len(idx), acc.plan)
+        acc.backward(F.mse_loss(model(xb), yb))
+        opt.step()
+        reference_step(ref, [acc.gather_for_metrics(idx)])
+        assert_same(model, ref, f"prepare order, loader first={loader_first}, plan {acc.plan.sizes}")
+
+
 @scenario("micro_zero")
 def _():
     # micro_batches on the process the plan gives 0: its stand-in (two samples) runs once, weighted 0.

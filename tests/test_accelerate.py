@@ -14,8 +14,8 @@ import pytest
 from integration_launch import ROOT, check, job_fixture
 
 SCENARIOS = (
-    "step", "accumulate", "micro", "micro_hf", "zero", "metrics", "epochs", "profiled", "micro_zero", "rebalance",
-    "refused", "fsdp2_steps", "fsdp2_micro", "fsdp2_cpu_flag", "fsdp2_profiled",
+    "step", "accumulate", "micro", "micro_hf", "zero", "metrics", "epochs", "profiled", "prepare_order", "micro_zero",
+    "rebalance", "refused", "fsdp2_steps", "fsdp2_micro", "fsdp2_cpu_flag", "fsdp2_profiled",
     "fsdp2_model_first", "fsdp2_placement",
 )  # fmt: skip
 

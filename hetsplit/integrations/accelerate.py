@@ -198,7 +198,9 @@ class HeteroAccelerator(accelerate.Accelerator):
         """Prepare as accelerate does; loaders get plan shares, models shard-weighted gradients.
 
         Without a plan, the first loader's global batch is planned here: every process
-        profiles the model passed alongside (or :attr:`model_to_profile`) on its device.
+        profiles the model passed alongside (or :attr:`model_to_profile`, or the model
+        prepared last) on its device. A loader prepared before any model follows even
+        shares until a model is prepared, and the profiled plan from its next batch on.
 
         With FSDP2 (``fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2)``, on GPU
         or CPU processes) accelerate shards the model here; it is weighted at the root's
@@ -281,19 +283,23 @@ class HeteroAccelerator(accelerate.Accelerator):
         if self.num_processes == 1:
             return resolve_plan(batch, ["rank0"], weights=[1.0])
         given = self._profile is not None or self.plan_kwargs.get("weights") is not None  # nothing to time
-        if self.is_fsdp2 and (model is None or kind(model) != "fsdp2"):
-            # A model prepared earlier (prepare(model, optimizer), then the loader): profiled as sharded.
+        if model is None and self._models:  # prepare(model, optimizer), then the loader: that model
+            model = self._models[-1]
+        if self.is_fsdp2 and (model is None or kind(model) != "fsdp2"):  # profiled as sharded
             model = next((m for m in self._models if kind(m) == "fsdp2"), model)
-        if self.is_fsdp2 and (model is None or kind(model) != "fsdp2") and not given:
-            # The loader comes before the model (the Trainer prepares it first): profiling the
-            # model whole would need each device to hold it. Even shares until it is sharded.
+        if not given and (model is None or (self.is_fsdp2 and kind(model) != "fsdp2")):
+            # The loader comes before the model (prepare(loader), then prepare(model, ...); the
+            # Trainer's order under FSDP2, where profiling the model whole would need each device
+            # to hold it): even shares until the model is prepared, profiled then (_adopt).
             self._provisional = True
             return resolve_plan(batch, _ranks(self.num_processes), weights=[1.0] * self.num_processes)
         if model is None:
             raise ValueError(
-                "HeteroAccelerator.prepare needs the model with the training loader to profile each process's "
-                "device (prepare(model, optimizer, loader)), or plan=/profile= to skip profiling"
+                "HeteroAccelerator.prepare needs the model to plan the training loader (it is checked for "
+                "BatchNorm even with profile= or weights): prepare it first or with the loader, or pass plan="
             )
+        if kind(model) != "fsdp2":
+            model = self.unwrap_model(model)  # the module inside DDP: profiled (and copied) bare
         device = device_name(self.rank_device if self.rank_device is not None else self.device)
         cuda = [self.device] if self.device.type == "cuda" else []
         with torch.random.fork_rng(devices=cuda):  # drawing the sample shuffles: the run must not see it
@@ -417,17 +423,15 @@ class HeteroAccelerator(accelerate.Accelerator):
     def _adopt(self, model: torch.nn.Module) -> None:
         """Weight a prepared model's gradients by shard and run it at this process's speed (once a model).
 
-        An FSDP2 model, sharded now, is also what a plan left provisional waits for
-        (:meth:`_make_plan`): the shares are profiled on it and every loader follows them.
+        It is also what a plan left provisional waits for (a loader prepared before any
+        model, :meth:`_make_plan`): the shares are profiled on it (an FSDP2 model as sharded)
+        and every loader follows them from its next batch.
         """
         if model in self._adopted:
             return
         if kind(model) == "fsdp2":
             if self.weighting != "none":  # FSDP2 has no comm hook: weighted at the root's outputs
                 self._weightings.append(hd.weight_gradients(model, self._plan))
-            if self._provisional:
-                self._provisional = False
-                self._replan(self._make_plan(model, self._planned_loader))
         elif isinstance(model, torch.nn.parallel.DistributedDataParallel) and self.weighting != "none":
             if self.weighting == "outputs" and self._plan is None:
                 raise ValueError(
@@ -437,6 +441,9 @@ class HeteroAccelerator(accelerate.Accelerator):
             self._weightings.append(hd.weight_gradients(model, self._plan, method=self.weighting))
         throttle_forward(model, self.rank_device)
         self._adopted.add(model)
+        if self._provisional and self._planned_loader is not None:  # the model a loader's plan waited for
+            self._provisional = False
+            self._replan(self._make_plan(model, self._planned_loader))
 
     def _replan(self, plan: Plan) -> None:
         """Follow ``plan`` from every prepared loader's next batch on (the same on every process)."""
