@@ -209,12 +209,19 @@ def plan(
     return result
 
 
-def _no_single(plan: Plan, profile: Profile | None, accumulate: bool, batchnorm: bool) -> Plan:
-    """``plan`` without a share of exactly one sample, for a model holding BatchNorm (else as it is)."""
+def _no_single(
+    plan: Plan, profile: Profile | None, accumulate: bool, batchnorm: bool, room: Sequence[float] | None = None
+) -> Plan:
+    """``plan`` without a share of exactly one sample, for a model holding BatchNorm (else as it is).
+
+    A sample moves only where a rank's memory holds it: ``room`` per rank, else the profile's caps.
+    """
     if not batchnorm or 1 not in plan.sizes:
         return plan
-    caps = profile.memory_caps() if profile is not None else {}
-    sizes = without_single_samples(plan.sizes, [caps.get(d) or math.inf for d in plan.devices])
+    if room is None:
+        caps = profile.memory_caps() if profile is not None else {}
+        room = [caps.get(d) or math.inf for d in plan.devices]
+    sizes = without_single_samples(plan.sizes, list(room))
     return plan if sizes == list(plan.sizes) else plan_from_sizes(profile, plan.devices, sizes, accumulate=accumulate)
 
 
@@ -259,11 +266,9 @@ def _weighted_plan(
         given = {r: t["weights"] for r, t in enumerate(theirs)}
         raise DistributedError(f"the ranks pass different weights: {given}; pass the same weights= on every rank")
     caps = [t["cap"] for t in theirs]
-    if batchnorm and 1 in result.sizes:  # before the caps are checked and micro-batches cut
-        room = [math.inf if accumulate or c is None else c for c in caps]
-        sizes = without_single_samples(result.sizes, room)
-        if sizes != list(result.sizes):
-            result = plan_from_sizes(None, result.devices, sizes)
+    # Before the caps are checked and micro-batches cut (with accumulate any rank has room).
+    room = [math.inf if accumulate or c is None else c for c in caps]
+    result = _no_single(result, None, False, batchnorm, room)
     over = [(r, s, c) for r, (s, c) in enumerate(zip(result.sizes, caps)) if c is not None and s > c]
     if over and not accumulate:
         r, s, c = over[0]
