@@ -107,7 +107,7 @@ def main() -> None:
 
     def step(model, opt, x, y) -> None:  # type: ignore[no-untyped-def]
         opt.zero_grad(set_to_none=True)
-        train_step(model, x, y, F.cross_entropy, dev, cpu_time=True)  # waiting for other ranks is not slowed
+        train_step(model, x, y, F.cross_entropy, dev)  # waiting for other ranks is not slowed
         opt.step()
 
     # Phase 1: whole epochs, equal vs balanced shares.

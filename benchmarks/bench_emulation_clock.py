@@ -42,7 +42,7 @@ def main() -> None:
     dp = hetsplit.HeteroDataParallel(
         net, devs, plan=plan_from_sizes(None, devs, [int(s) for s in args.sizes.split(",")])
     )
-    clocks = {"thread CPU time": emulation.work_clock, "wall time": lambda d, cpu_time=False: time.perf_counter}
+    clocks = {"thread CPU time": emulation.work_clock, "wall time": lambda d: time.perf_counter}
     times: dict[str, list[float]] = {**{k: [] for k in clocks}, "cpu alone": []}
     busy: dict[str, list[dict[str, float]]] = {k: [] for k in clocks}
     load = os.getloadavg()[0]

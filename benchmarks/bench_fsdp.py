@@ -98,7 +98,7 @@ def run_steps(model, plan, dev, batch, steps: int) -> float:  # type: ignore[no-
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         for micro in hd.micro_batches(model, mine, plan, device=dev):
-            with dev.throttle(cpu_time=True):
+            with dev.throttle():
                 model(**micro).loss.backward()
         opt.step()
         if i:

@@ -147,7 +147,7 @@ def train(args: argparse.Namespace) -> None:
                 # Every rank runs as many micro-batches as the plan's largest count (FSDP2
                 # gathers and reduce-scatters in each), so ranks never wait on each other forever.
                 for micro in hd.micro_batches(model, batch, plan, device=dev):
-                    with dev.throttle(cpu_time=True):
+                    with dev.throttle():
                         loss = model(**micro).loss  # a mean per micro-batch; the weighting does the rest
                         loss.backward()
                 opt.step()

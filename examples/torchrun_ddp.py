@@ -153,11 +153,11 @@ def train(args: argparse.Namespace) -> None:
             with hd.guard(step=done):
                 opt.zero_grad(set_to_none=True)
                 with rebalancer.step() if rebalancer else contextlib.nullcontext():
-                    # Forward, loss, backward, each at the device's (emulated) speed; cpu_time:
-                    # DDP's backward also waits for the other ranks, and only work is slowed.
-                    with dev.throttle(cpu_time=True):
+                    # Forward, loss, backward, each at the device's (emulated) speed; DDP's
+                    # backward also waits for the other ranks, and only work is slowed.
+                    with dev.throttle():
                         loss = F.cross_entropy(ddp(x), y)
-                    with dev.throttle(cpu_time=True):
+                    with dev.throttle():
                         loss.backward()
                 opt.step()
             if args.log_every and done % args.log_every == 0:

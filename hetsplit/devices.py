@@ -104,9 +104,9 @@ class Device:
         """Wait for all queued work on the real device to finish."""
         synchronize(self.torch_device)
 
-    def throttle(self, *, cpu_time: bool = False) -> contextlib.AbstractContextManager[None]:
+    def throttle(self) -> contextlib.AbstractContextManager[None]:
         """Run the enclosed work at this device's emulated speed (see :func:`hetsplit.emulation.throttle`)."""
-        return emulation.throttle(self, cpu_time=cpu_time)
+        return emulation.throttle(self)
 
     def copy(self, data: Any, *, requires_grad: bool = False) -> Any:
         """``data`` copied onto this device, never sharing its storage (see :func:`hetsplit.emulation.copy_to`)."""

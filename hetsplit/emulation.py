@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, Protocol
@@ -121,68 +122,117 @@ def delayed(device: _Emulated) -> float:
     return _DELAYED.get(device.name, 0.0)
 
 
-def work_clock(device: _Emulated, *, cpu_time: bool = False) -> Callable[[], float]:
-    """The clock an emulated device's work is measured by.
+_SCHEDSTAT = "/proc/thread-self/schedstat"  # Linux: ns on a CPU, ns runnable but waiting for one, slices
+_HAS_SCHEDSTAT: bool | None = None
+_EXTRA = threading.local()  # per thread: emulated compute added by throttles (seconds beyond the real work)
 
-    On the CPU with one intra-op thread, the work runs in the calling thread, so its
-    thread CPU time is the work itself: time spent waiting for a core (another
-    process, the other replica, the interpreter lock) is not work, and the emulated
-    device stays a fixed fraction of the CPU's own speed instead of absorbing the
-    machine's load times ``1/speed - 1``. ``cpu_time``: the process's CPU time (a
-    torchrun rank whose work also waits on other ranks). Otherwise wall time.
+
+def _runnable_time() -> float:
+    """This thread's seconds on a core plus its seconds waiting in the run queue for one.
+
+    That is the time the thread's work took at the machine's present load, without the
+    time it was blocked (a lock, a collective, a sleep): on a machine where other
+    processes take the cores, the real device's work is slowed by exactly the run-queue
+    wait, so an emulated device that counts it stays ``1/speed`` times slower in the same
+    conditions. The time on a core is the thread's CPU clock (exact; schedstat's own
+    figure moves only at scheduler ticks); the run-queue wait is schedstat's second field,
+    brought up to date each time the thread gets a core. Without Linux's schedstat: the
+    thread's CPU time alone.
+    """
+    global _HAS_SCHEDSTAT
+    if _HAS_SCHEDSTAT is not False:
+        try:
+            with open(_SCHEDSTAT, "rb") as f:
+                waiting = int(f.read().split()[1])
+            _HAS_SCHEDSTAT = True
+            return time.thread_time() + waiting * 1e-9
+        except (OSError, ValueError, IndexError):
+            _HAS_SCHEDSTAT = False
+    return time.thread_time()
+
+
+def measures_load() -> bool:
+    """Whether the work clock counts the time a thread waits for a core (Linux schedstat).
+
+    Without it an emulated CPU, timed by CPU time alone, is less than ``1/speed`` times
+    slower than the real one on a loaded machine; outputs that rest on emulation say so.
+    """
+    _runnable_time()
+    return bool(_HAS_SCHEDSTAT)
+
+
+def work_clock(device: _Emulated) -> Callable[[], float]:
+    """The clock a device's work is measured by: its compute time, apart from waiting.
+
+    On the CPU with one intra-op thread the work runs in the calling thread, so the
+    thread's runnable time (:func:`_runnable_time`: on a core or waiting for one) is the
+    work itself at the machine's present load; time blocked on the interpreter lock, on
+    another rank's collective or asleep is not work. Otherwise (several intra-op threads,
+    a GPU after synchronising) wall time.
     """
     if device.type == "cpu":
-        if cpu_time:
-            return time.process_time
         import torch  # emulation is imported before torch is needed; this is called per piece of work
 
         if torch.get_num_threads() == 1:
-            return time.thread_time
+            return _runnable_time
     return time.perf_counter
 
 
+def compute_counter(device: _Emulated) -> Callable[[], float]:
+    """A counter of this thread's compute seconds on ``device``, emulated slow-down included.
+
+    The difference of two readings is the work done in between as the (emulated) device
+    would have done it: :func:`work_clock`'s reading plus the compute that throttles in this
+    thread stood in for by sleeping. Waits (a collective, the interpreter lock) do not
+    count. With a wall clock (:func:`work_clock`), the sleeps are in its reading already.
+    """
+    clock = work_clock(device)
+    if clock is time.perf_counter:
+        return clock
+    return lambda: clock() + getattr(_EXTRA, "seconds", 0.0)
+
+
 @contextlib.contextmanager
-def throttle(device: _Emulated, *, cpu_time: bool = False) -> Iterator[None]:
+def throttle(device: _Emulated) -> Iterator[None]:
     """Run the enclosed work at ``device``'s emulated speed (nothing for a real device).
 
-    Waits for the device, measures the enclosed work by :func:`work_clock` and sleeps
-    until the piece has taken ``work / speed`` (with a CPU-time clock: a thread's, or a
-    torchrun rank's process time) or ``(1/speed - 1)`` times the work longer (wall time).
-
-    Args:
-        device: The (possibly emulated) device.
-        cpu_time: Measure the work as this process's CPU time instead of wall time,
-            for an emulated CPU in its own process (one torchrun rank) whose enclosed
-            work also waits on other ranks (DDP's backward): waiting is not work and
-            must not be slowed down.
+    Measures the enclosed work by :func:`work_clock` and sleeps until the piece has taken
+    ``work / speed`` in all. With a compute clock (one CPU thread) the work counts the
+    machine's load (the run-queue wait), so a loaded machine slows the emulated device as
+    much as the real one, and the piece's own waits (a collective with other ranks, the
+    interpreter lock) overlap the emulated slow-down as a slow GPU computes while its peers
+    wait; they are never slowed. With a wall clock the piece sleeps ``(1/speed - 1)``
+    times its duration.
     """
     speed = current_speed(device)
     if speed >= 1.0:
         yield
         return
-    clock = work_clock(device, cpu_time=cpu_time)
+    clock = work_clock(device)
     began, start = time.perf_counter(), clock()
     yield
     device.synchronize()
     work = clock() - start
     now = time.perf_counter()
-    # With a CPU-time clock the piece takes work / speed in all: its own wall time counts
-    # towards that, so neither load (a busy machine) nor waiting (a torchrun rank waiting on
-    # others inside the piece) is slowed again. A slow GPU computes while its peers wait or
-    # work; FSDP2's per-layer collectives interleave the two, and adding the whole slow-down
-    # after the piece's waits made a sharded step the sum of the ranks' times, not the max.
-    cpu_clock = clock in (time.thread_time, time.process_time)
-    need = max(0.0, work / speed - (now - began)) if cpu_clock else work * (1.0 / speed - 1.0)
+    if clock is time.perf_counter:
+        need = work * (1.0 / speed - 1.0)
+    else:
+        need = max(0.0, work / speed - (now - began))
+        _EXTRA.seconds = getattr(_EXTRA, "seconds", 0.0) + work * (1.0 / speed - 1.0)
     # time.sleep overshoots by tens of microseconds, which would dominate small steps;
     # carry each device's error into its next sleep so the long-run speed is exact.
     wanted = need - _SLEEP_DEBT.get(device.name, 0.0)
     if wanted > 0:
-        time.sleep(wanted)
+        _sleep(wanted)
         slept = time.perf_counter() - now
         _SLEEP_DEBT[device.name] = slept - wanted
         _DELAYED[device.name] = _DELAYED.get(device.name, 0.0) + slept
     else:
         _SLEEP_DEBT[device.name] = -wanted
+
+
+def _sleep(seconds: float) -> None:
+    time.sleep(seconds)
 
 
 def copy_to(data: Any, device: torch.device, *, requires_grad: bool = False) -> Any:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import functools
 import gc
 import hashlib
 import math
@@ -102,8 +101,6 @@ def train_step(
     target: Any = None,
     loss_fn: LossFn | None = None,
     device: Device | None = None,
-    *,
-    cpu_time: bool = False,
 ) -> torch.Tensor:
     """One training step without the optimizer: forward, loss, backward. Returns the loss.
 
@@ -111,10 +108,10 @@ def train_step(
     ``model(**inputs)`` for a dict. The loss is ``loss_fn(output, target)`` when a
     target is given, ``loss_fn(output)`` otherwise, and by default the sum of the
     output's floating-point tensors. With an emulated ``device``, forward and backward
-    are each throttled, as :class:`hetsplit.HeteroDataParallel` runs them (``cpu_time``:
-    as :meth:`Device.throttle`, for a DDP rank whose backward also waits for others).
+    are each throttled, as :class:`hetsplit.HeteroDataParallel` runs them (a DDP rank's
+    wait for the others inside its backward is not slowed: :meth:`Device.throttle`).
     """
-    throttle = functools.partial(device.throttle, cpu_time=cpu_time) if device is not None else contextlib.nullcontext
+    throttle = device.throttle if device is not None else contextlib.nullcontext
     with throttle():
         output = _call_model(model, inputs)
         if loss_fn is None:
@@ -156,13 +153,14 @@ class _Runner:
         cuda = self.device.type == "cuda"
         if cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
-        start = time.perf_counter()
-        train_step(self.replica, inputs, target, self.loss_fn, self.dev if throttled else None)
-        self.dev.synchronize()
-        elapsed = time.perf_counter() - start
+        # The device's compute time (timing.lap): on a loaded machine the wait for a core
+        # counts, as it slows the real work, but nothing blocked (a lock, a sleep) does.
+        with timing.lap(self.dev) as work:
+            train_step(self.replica, inputs, target, self.loss_fn, self.dev if throttled else None)
+            self.dev.synchronize()
         if cuda:
             self.peaks[batch] = max(self.peaks.get(batch, 0), int(torch.cuda.max_memory_allocated(self.device)))
-        return elapsed
+        return work.seconds()
 
     def try_step(self, batch: int) -> bool:
         """Run one untimed step; False if it ran out of memory."""

@@ -1,15 +1,21 @@
-"""Timing: how every engine measures a device's busy time without adding a synchronisation."""
+"""Timing: how every engine measures a device's compute time, apart from waiting, without a synchronisation.
+
+The one rule: on the CPU (one intra-op thread) a lap reads the thread's compute counter
+(:func:`hetsplit.emulation.compute_counter`: time on a core or waiting for one, plus the
+emulated slow-down), so time blocked in a collective, on the interpreter lock or asleep is
+not counted; on CUDA two events on the current stream; elsewhere wall time.
+"""
 
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
+from . import emulation
 from .devices import Device
 
 
@@ -19,8 +25,9 @@ class Lap:
     On a CUDA device the interval is a pair of CUDA events recorded on the current
     stream, so measuring adds no synchronisation to the step; reading it waits only for
     the end event, which is normally long done by then (see :meth:`ready`). Elsewhere
-    the interval is read from a monotonic clock when it ends. Build one with
-    :func:`lap`.
+    the interval is the device's compute counter (:func:`hetsplit.emulation.compute_counter`)
+    read at both ends: the thread's compute, emulated slow-down included, without its
+    waits. It must end in the thread it began in. Build one with :func:`lap`.
     """
 
     def __init__(self, device: Device) -> None:
@@ -28,11 +35,12 @@ class Lap:
         self._events: tuple[Any, Any] | None = None
         self._seconds: float | None = None
         self.extra = 0.0  # seconds added to the measured interval (e.g. emulated delay after it)
+        self._counter = emulation.compute_counter(device)
         if device.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             self._events = (start, end)
-        self._start = time.perf_counter()
+        self._start = self._counter()
 
     def stop(self) -> None:
         """Mark the end of the interval (on CUDA: record the end event; no wait).
@@ -42,7 +50,7 @@ class Lap:
         if self._events is not None:
             self._events[1].record()
         else:
-            self._seconds = time.perf_counter() - self._start
+            self._seconds = self._counter() - self._start
 
     def ready(self) -> bool:
         """Whether :meth:`seconds` can be read without waiting for the device."""
@@ -74,18 +82,19 @@ def lap(device: Device) -> Iterator[Lap]:
 
 
 class WorkTimer:
-    """A step's work on one device, ending at the model's last gradient.
+    """A step's work on one device, without its waits for other ranks.
 
     In a DDP step a rank's backward also waits for the other ranks' gradients; that
-    wait is not this rank's work. With ``model`` given, the lap of :meth:`step` ends
-    when the last parameter gradient of the step is accumulated (a post-accumulate
-    hook on every trainable parameter), and the emulated delay spent after that
-    gradient is added back, since it stands for work. Without ``model`` (or if no
-    gradient arrives) the lap covers the whole enclosed block.
+    wait is not this rank's work. On the CPU a lap counts compute only (:class:`Lap`),
+    so the whole step is timed. On CUDA, with ``model`` given, the lap of :meth:`step`
+    ends when the last parameter gradient of the step is accumulated (a post-accumulate
+    hook on every trainable parameter), and the emulated delay spent after that gradient
+    is added back, since it stands for work. Without ``model`` (or if no gradient
+    arrives) the lap covers the whole enclosed block.
 
     Args:
         device: The device doing the work.
-        model: The model whose last gradient ends the work.
+        model: The model whose last gradient ends the work (CUDA).
     """
 
     def __init__(self, device: Device, model: nn.Module | None = None) -> None:
@@ -94,7 +103,7 @@ class WorkTimer:
         self._marked = False
         self._delay_at_mark = 0.0
         self._handles: list[Any] = []
-        if model is not None:
+        if model is not None and device.type == "cuda":
             self._handles = [
                 p.register_post_accumulate_grad_hook(self._mark) for p in model.parameters() if p.requires_grad
             ]

@@ -78,10 +78,10 @@ def rebalance(ctx):
                     shares = list(current.sizes)
                     # A zero share is served two real samples of the global batch, weighted 0.
                     assert len(x) == (shares[rank] or 2), (step, len(x), shares)
-                    with device.throttle(cpu_time=True):
+                    with device.throttle():
                         loss = F.cross_entropy(model(x), y)
                     opt.zero_grad(set_to_none=True)
-                    with device.throttle(cpu_time=True):
+                    with device.throttle():
                         loss.backward()
                 res["sizes"].append(len(x) if shares[rank] else 0)
                 rows = _all_rows(x, y, shares)

@@ -255,7 +255,7 @@ def _rebalanced(rank):
     sizes = []
     for _ in range(2):
         for x, y, _ in loader:
-            with rb.step(), rb.device.throttle(cpu_time=True):
+            with rb.step(), rb.device.throttle():
                 loss = F.cross_entropy(model(x), y)
                 opt.zero_grad()
                 loss.backward()

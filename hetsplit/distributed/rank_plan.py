@@ -345,7 +345,7 @@ def _calibration_work(
         for i in range(2 + steps):
             replica.zero_grad(set_to_none=True)
             with guard(what=f"calibrating the plan (DDP step {i})", group=group), timer.step() as lap:
-                train_step(ddp, inputs, labels, loss_fn, dev, cpu_time=True)  # waiting for other ranks is not slowed
+                train_step(ddp, inputs, labels, loss_fn, dev)  # waiting for other ranks is not slowed
             if i >= 2:
                 laps.append(lap)
     finally:

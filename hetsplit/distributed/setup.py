@@ -82,7 +82,7 @@ def init(timeout: float | None = None, *, devices: str | None = None, backend: s
     checks that the device exists here, selects it (``torch.cuda.set_device`` on a GPU),
     and initialises the default process group with NCCL when every rank is a GPU, else
     gloo. Emulated devices (``cpu@0.25``) come back as such: run each step's work under
-    ``device.throttle(cpu_time=True)`` to give the rank that speed.
+    ``device.throttle()`` to give the rank that speed.
 
     Args:
         timeout: Seconds before a collective waiting for a dead or hung rank fails

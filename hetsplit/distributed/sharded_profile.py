@@ -235,7 +235,7 @@ class _Turn:
         if cuda:
             torch.cuda.reset_peak_memory_stats(self.dev.torch_device)
         start = time.perf_counter()
-        train_step(self.model, inputs, target, self.loss_fn, self.dev, cpu_time=True)  # waiting is not slowed
+        train_step(self.model, inputs, target, self.loss_fn, self.dev)  # waiting is not slowed
         self.dev.synchronize()
         seconds = time.perf_counter() - start
         if cuda:

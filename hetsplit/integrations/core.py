@@ -94,12 +94,12 @@ def plan_kwargs(given: Any) -> dict[str, Any]:
 def throttle(device: Device | None) -> contextlib.AbstractContextManager[Any]:
     """Run the block at ``device``'s emulated speed (a real device: no change).
 
-    By process CPU time: waiting for the other ranks in a collective is not work, so it
-    is not slowed down as if it were.
+    Waiting for the other ranks in a collective is not work, so it is not slowed down as
+    if it were (:func:`hetsplit.emulation.throttle`).
     """
     if device is None or not device.emulated:
         return contextlib.nullcontext()
-    return device.throttle(cpu_time=True)
+    return device.throttle()
 
 
 _FORWARDS_PAUSED = threading.local()
