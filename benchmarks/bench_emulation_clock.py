@@ -1,12 +1,14 @@
-"""An emulated CPU timed by thread CPU time (now) against wall time (before), side by side in balanced steps.
+"""An emulated CPU timed by its runnable time (now) against thread CPU time and wall time (before), side by side.
 
 Run: python benchmarks/bench_emulation_clock.py [--model cnn] [--batch 128] [--sizes 110,18] [--steps 30]
 
 One HeteroDataParallel on cpu + cpu@0.25 with a fixed split; each round takes one step
-with the emulated device's work measured by thread CPU time (`emulation.work_clock`,
-the default with one intra-op thread), one with it measured by wall time (the old
-rule: sleep 1/speed - 1 times the work's wall time), and one plain step of the whole
-batch on the CPU alone. Prints the median step of each and each device's busy time.
+with the emulated device's work measured by its runnable time (`emulation.work_clock`,
+the default with one intra-op thread: on a core or queued for one), one by thread CPU
+time alone (the rule before: on a loaded machine the emulated device stops being slower),
+one by wall time (the rule before that: waits slowed too), and one plain step of the
+whole batch on the CPU alone. Prints the median step of each and each device's busy time;
+run it on a quiet machine and beside busy processes.
 """
 
 from __future__ import annotations
@@ -42,14 +44,18 @@ def main() -> None:
     dp = hetsplit.HeteroDataParallel(
         net, devs, plan=plan_from_sizes(None, devs, [int(s) for s in args.sizes.split(",")])
     )
-    clocks = {"thread CPU time": emulation.work_clock, "wall time": lambda d: time.perf_counter}
+    clocks = {
+        "runnable time": emulation.work_clock,
+        "thread CPU time": lambda d: time.thread_time,
+        "wall time": lambda d: emulation._wall_time,
+    }
     times: dict[str, list[float]] = {**{k: [] for k in clocks}, "cpu alone": []}
     busy: dict[str, list[dict[str, float]]] = {k: [] for k in clocks}
     load = os.getloadavg()[0]
     try:
         for i in range(args.steps + 3):
             for name in times:
-                emulation.work_clock = clocks.get(name, clocks["thread CPU time"])
+                emulation.work_clock = clocks.get(name, clocks["runnable time"])
                 start = time.perf_counter()
                 net.zero_grad(set_to_none=True)
                 F.cross_entropy((net if name == "cpu alone" else dp)(x), y).backward()
@@ -58,7 +64,7 @@ def main() -> None:
                     if name in busy:
                         busy[name].append(dp.step_times)
     finally:
-        emulation.work_clock = clocks["thread CPU time"]
+        emulation.work_clock = clocks["runnable time"]
     med = statistics.median
     print(
         f"{args.model}, batch {args.batch}, split {args.sizes}, 1 thread, load {load:.2f} -> {os.getloadavg()[0]:.2f}"

@@ -151,6 +151,10 @@ def _runnable_time() -> float:
     return time.thread_time()
 
 
+def _wall_time() -> float:
+    return time.perf_counter()
+
+
 def measures_load() -> bool:
     """Whether the work clock counts the time a thread waits for a core (Linux schedstat).
 
@@ -175,7 +179,7 @@ def work_clock(device: _Emulated) -> Callable[[], float]:
 
         if torch.get_num_threads() == 1:
             return _runnable_time
-    return time.perf_counter
+    return _wall_time
 
 
 def compute_counter(device: _Emulated) -> Callable[[], float]:
@@ -187,7 +191,7 @@ def compute_counter(device: _Emulated) -> Callable[[], float]:
     count. With a wall clock (:func:`work_clock`), the sleeps are in its reading already.
     """
     clock = work_clock(device)
-    if clock is time.perf_counter:
+    if clock is _wall_time:
         return clock
     return lambda: clock() + getattr(_EXTRA, "seconds", 0.0)
 
@@ -209,12 +213,12 @@ def throttle(device: _Emulated) -> Iterator[None]:
         yield
         return
     clock = work_clock(device)
-    began, start = time.perf_counter(), clock()
+    began, start = _wall_time(), clock()
     yield
     device.synchronize()
     work = clock() - start
-    now = time.perf_counter()
-    if clock is time.perf_counter:
+    now = _wall_time()
+    if clock is _wall_time:
         need = work * (1.0 / speed - 1.0)
     else:
         need = max(0.0, work / speed - (now - began))
@@ -224,7 +228,7 @@ def throttle(device: _Emulated) -> Iterator[None]:
     wanted = need - _SLEEP_DEBT.get(device.name, 0.0)
     if wanted > 0:
         _sleep(wanted)
-        slept = time.perf_counter() - now
+        slept = _wall_time() - now
         _SLEEP_DEBT[device.name] = slept - wanted
         _DELAYED[device.name] = _DELAYED.get(device.name, 0.0) + slept
     else:

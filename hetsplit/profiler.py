@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from . import timing
+from . import emulation, timing
 from .devices import Device, DeviceLike, describe, parse_devices
 from .emulation import is_out_of_memory
 from .planning import checks
@@ -252,6 +252,44 @@ def profile(
         entries = _measure(model, devs, sample, target, loss_fn, ladder, repeats, warmup, time_budget / len(devs),
                            find_memory_cap, max_probe, bar)  # fmt: skip
     return Profile(entries, model=model_record(model, sample, model_name), source="measured")
+
+
+# An emulated device measured further than this from 1/speed times its real device is not
+# what it claims to be (a loaded machine without the run-queue clock, a device the profile
+# shared with other work): the plans drawn from it would flip or mislead.
+_EMULATION_TOLERANCE = 1.3
+
+
+def emulation_warning(prof: Profile) -> str | None:
+    """One line if an emulated device in ``prof`` was not ``1/speed`` times slower than its real device.
+
+    Compares each slowed device (``cpu@0.25``) with its real device profiled beside it, at
+    the batch sizes both measured (median of the ratios). ``None`` when every emulated
+    device measured within a factor 1.3 of its speed, or has no real device to compare with.
+    """
+    faults = []
+    for e in prof.entries:
+        info = e.info
+        if not info.emulated or info.speed >= 1.0:
+            continue
+        base = parse_devices([info.name])[0].base
+        real = next((r for r in prof.entries if r.name == base), None)
+        if real is None:
+            continue
+        theirs = {m.batch: m.median for m in real.measurements}
+        ratios = [m.median / theirs[m.batch] for m in e.measurements if theirs.get(m.batch, 0) > 0]
+        if not ratios:
+            continue
+        ratio, want = statistics.median(ratios), 1.0 / info.speed
+        if not (want / _EMULATION_TOLERANCE <= ratio <= want * _EMULATION_TOLERANCE):
+            faults.append(f"{e.name} measured {ratio:.1f}x slower than {base}, not {want:g}x")
+    if not faults:
+        return None
+    why = "" if emulation.measures_load() else " (this system does not report the time a thread waits for a core)"
+    return (
+        f"emulation unreliable here{why}: {'; '.join(faults)}; the plan rests on it — re-profile on a quieter "
+        "machine or set the shares by hand (weights=)"
+    )
 
 
 def check_settings(sample: Any, target: Any, repeats: Any, warmup: Any, time_budget: Any) -> None:

@@ -18,6 +18,7 @@ from ..devices import Device, DeviceLike, parse_devices
 from ..parallel.data_parallel import HeteroDataParallel
 from ..planning.curve import holdout_error
 from ..planning.solver import solve
+from ..profiler import emulation_warning
 from ..profiler import profile as run_profile
 from .bench_result import BenchResult
 from .bench_timing import calibrate_plan, time_steps
@@ -226,6 +227,7 @@ def bench(
             "warmup": warmup,
             "data": "synthetic",
             "emulated": [d.name for d in devs if d.emulated],
+            "emulation_warning": emulation_warning(prof),
             "allocator_kept_memory": tuned,
         },
     )

@@ -231,6 +231,8 @@ def verdict(result: BenchResult) -> str:
             f"on this machine {fastest} alone is faster than all devices together{shared}: "
             "the other devices cost more than they add"
         )
+    if result.meta.get("emulation_warning"):
+        lines.append(result.meta["emulation_warning"])
     if result.meta.get("emulated"):
         lines.append(f"(emulated: {', '.join(result.meta['emulated'])}; timings from this machine, synthetic data)")
     return "\n".join(lines)
