@@ -72,7 +72,9 @@ def fingerprint(model: nn.Module) -> str:
     """A short hash of the model's class and parameter/buffer names, shapes and dtypes (not values)."""
     h = hashlib.sha256(type(model).__qualname__.encode())
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-        h.update(f"{name}:{tuple(t.shape)}:{t.dtype};".encode())
+        # A lazy module's parameter has no shape before its first forward.
+        shape = "lazy" if isinstance(t, nn.parameter.UninitializedTensorMixin) else tuple(t.shape)
+        h.update(f"{name}:{shape}:{t.dtype};".encode())
     return h.hexdigest()[:16]
 
 

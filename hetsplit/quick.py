@@ -12,11 +12,12 @@ from . import store
 from .devices import Device, DeviceLike, parse_devices
 from .planning.curve import Curve
 from .planning.profile import DeviceProfile, Measurement, Profile, latest_profile
-from .profiler import fingerprint, profile
+from .profiler import emulation_warning, fingerprint, profile
 from .store import warn_at_caller
 
 _QUICK: dict[str, DeviceProfile] = {}
 _NOISY: dict[str, str] = {}  # device -> what was noisy in its calibration, when it stayed noisy
+_EMULATION: dict[str, str] = {}  # emulated device -> '' (it ran 1/speed slower) or the line saying it did not
 _NOTICE_SHOWN = False
 _REASONS_SHOWN: set[str] = set()
 # The calibration is trusted once, at every batch size, its two fastest repeats agree within
@@ -70,13 +71,17 @@ def quick_profile(devices: str | Sequence[DeviceLike], *, reason: str | None = N
     :func:`hetsplit.profile`'s rule: one intra-op thread when every device is the CPU,
     real or emulated (such devices share the cores, and several threads on a busy machine
     time a step's fixed cost erratically, which would leave an emulated device nothing);
-    torch's setting is restored afterwards. Each curve is fitted to the
-    fastest of five repeats at each batch size, not their median (the measurements keep
-    every repeat): a model-agnostic calibration wants capacity, and timing noise only
-    adds time. A busy machine can still leave every repeat of a point slow: the
+    torch's setting is restored afterwards. Each curve is proportional to the batch, at
+    the device's best seconds per sample (the fastest repeat, not the median; the
+    measurements keep every repeat): a model-agnostic calibration knows throughput, not
+    the user's model's fixed cost per step, so every device gets a share by its speed and
+    the faster one the larger. A busy machine can still leave every repeat of a point slow: the
     calibration is repeated (at most three times, repeats pooled) until each point's two
     fastest repeats agree within 25%; if they never do, a warning says the split is
-    uncertain and the profile's ``source`` is ``"calibration (noisy)"``. The first call
+    uncertain and the profile's ``source`` is ``"calibration (noisy)"``. An emulated device
+    is timed once beside its real one (one batch size, three repeats); if it did not run
+    ``1/speed`` times slower (a machine too loaded to emulate), one warning line says so
+    and ``source`` adds ``"(emulation unreliable)"``. The first call
     warns once, at the caller's line, that a profile of the real model is more accurate
     (and, with ``reason``, why no stored profile applied; once per reason).
     """
@@ -85,13 +90,7 @@ def quick_profile(devices: str | Sequence[DeviceLike], *, reason: str | None = N
     bases = [parse_devices([d.base])[0] for d in dict.fromkeys(devs)]
     missing = [d for d in dict.fromkeys(bases) if d.name not in _QUICK]
     if missing:
-        gen = torch.Generator().manual_seed(0)
-        sample = torch.randn(64, 512, generator=gen)
-        # Per-sample work (~3 MFLOP) large enough that a step's fixed cost (~0.5 ms of Python
-        # and dispatch) is a few percent at batch 256, as in the models people train; with a
-        # toy workload the fixed cost dominates and an emulated device's 4x-slowed share of it
-        # would leave it nothing. The calibration still stays near a second.
-        workload = nn.Sequential(nn.Linear(512, 1024), nn.ReLU(), nn.Linear(1024, 10))
+        workload, sample = _workload()
         pooled: dict[str, DeviceProfile] = {}
         for _ in range(_ROUNDS):
             prof = profile(
@@ -110,7 +109,7 @@ def quick_profile(devices: str | Sequence[DeviceLike], *, reason: str | None = N
             noisy = {name: why for name, e in pooled.items() if (why := _noise(e))}
             if not noisy:
                 break
-        _QUICK.update({name: _fastest_fit(e) for name, e in pooled.items()})
+        _QUICK.update({name: _throughput_fit(e) for name, e in pooled.items()})
         _NOISY.update(noisy)
         if noisy:
             shown = "; ".join(f"{name}: {why}" for name, why in noisy.items())
@@ -119,6 +118,9 @@ def quick_profile(devices: str | Sequence[DeviceLike], *, reason: str | None = N
                 "machine is busy, so this split is uncertain and may swing between runs; profile your model "
                 "on a quieter machine ('hetsplit profile --threads 1') or pass weights="
             )
+    unchecked = [d for d in dict.fromkeys(devs) if d.emulated and d.speed < 1 and d.name not in _EMULATION]
+    if unchecked:
+        _check_emulation(unchecked)
     if not _NOTICE_SHOWN or (reason is not None and reason not in _REASONS_SHOWN):
         _NOTICE_SHOWN = True
         why = ""
@@ -131,7 +133,49 @@ def quick_profile(devices: str | Sequence[DeviceLike], *, reason: str | None = N
         )
     entries = [_emulated_entry(_QUICK[b.name], d) for d, b in zip(dict.fromkeys(devs), bases)]
     source = "calibration (noisy)" if any(b.name in _NOISY for b in bases) else "calibration"
+    if any(_EMULATION.get(d.name) for d in devs):
+        source += " (emulation unreliable)"
     return Profile(entries, model={"name": "calibration-mlp"}, source=source)
+
+
+def _workload() -> tuple[nn.Module, torch.Tensor]:
+    """The calibration's model and sample, the same every time."""
+    gen = torch.Generator().manual_seed(0)
+    sample = torch.randn(64, 512, generator=gen)
+    # Per-sample work (~3 MFLOP) large enough that a step's fixed cost (~0.5 ms of Python
+    # and dispatch) is a few percent at batch 256, as in the models people train.
+    return nn.Sequential(nn.Linear(512, 1024), nn.ReLU(), nn.Linear(1024, 10)), sample
+
+
+def _check_emulation(devices: Sequence[Device]) -> None:
+    """Time each emulated device beside its real one for a moment; warn once if it is not 1/speed slower.
+
+    The calibration gives an emulated device its real device's curve slowed by its speed;
+    training then runs it throttled. On a machine too loaded for that throttle to hold
+    (:func:`hetsplit.profiler.emulation_warning`), the split still follows the speeds but
+    the steps will not balance: one line says so rather than a silent mismatch.
+    """
+    workload, sample = _workload()
+    real = list(dict.fromkeys(parse_devices([d.base])[0] for d in devices))
+    # One size (within every emulated memory), a few interleaved repeats: short even for a
+    # device at a hundredth of the speed.
+    batch = min([64, *(d.max_batch for d in devices if d.max_batch is not None)])
+    prof = profile(
+        workload,
+        sample,
+        [*real, *devices],
+        batch_sizes=[batch],
+        repeats=3,
+        warmup=1,
+        time_budget=60.0,
+        find_memory_cap=False,
+        progress=False,
+        model_name="calibration-mlp",
+    )
+    line = emulation_warning(prof) or ""
+    _EMULATION.update({d.name: line for d in devices})
+    if line:
+        warn_at_caller(f"hetsplit: quick calibration: {line}")
 
 
 def _pooled(before: DeviceProfile | None, entry: DeviceProfile) -> DeviceProfile:
@@ -154,14 +198,22 @@ def _noise(entry: DeviceProfile) -> str:
     return ""
 
 
-def _fastest_fit(entry: DeviceProfile) -> DeviceProfile:
-    """``entry`` with its curve fitted to each batch size's fastest repeat instead of the median.
+def _throughput_fit(entry: DeviceProfile) -> DeviceProfile:
+    """``entry`` with a curve proportional to the batch, at the device's best measured seconds per sample.
 
-    A model-agnostic calibration wants the device's capacity, and timing noise only ever
-    adds time: one hiccup in the median at the smallest batch flattened the curve's low
-    end, and an emulated 4x-slower device then got nothing (CI saw [256, 0]).
+    A model-agnostic calibration knows each device's throughput, not the user's model's
+    fixed cost per step: that cost is the model's (a small CNN's per-sample work is
+    several times the calibration MLP's, so its fixed cost weighs far less) and, timed at
+    small batches, the noisiest number of all. Fitted with it, the curve's low end decided
+    small batches alone: [50, 0] for a newcomer's CNN on cpu,cpu@0.25 whose own profile
+    says [45, 5], [256, 0] in CI, and a GPU's launch overhead could leave the fastest
+    device nothing. In proportion, every device gets a share by its throughput and the
+    faster one the larger. The best seconds per sample over sizes and repeats: timing
+    noise only ever adds time.
     """
-    curve = Curve.fit([(m.batch, min(m.times)) for m in entry.measurements], entry.curve.memory_cap)
+    rate = min(min(m.times) / m.batch for m in entry.measurements)
+    sizes = [float(m.batch) for m in entry.measurements]
+    curve = Curve(sizes, [b * rate for b in sizes], 0.0, rate, entry.curve.memory_cap)
     return dataclasses.replace(entry, curve=curve)
 
 

@@ -244,3 +244,11 @@ def test_an_emulated_device_not_slower_by_its_speed_is_named_in_one_line():
     assert line is not None and "\n" not in line
     assert "cpu@0.25 measured 1.4x slower than cpu, not 4x" in line and "weights=" in line
     assert "cpu@0.25 measured 9.0x" in emulation_warning(emulated_at(9.0))
+
+
+def test_a_lazy_model_has_a_fingerprint_before_its_first_forward():
+    """It crashed ("Can't access the shape of an uninitialized parameter"); once run, the shapes count."""
+    lazy = nn.Sequential(nn.LazyLinear(3))
+    before = fingerprint(lazy)
+    lazy(torch.randn(2, 5))
+    assert len(before) == 16 and fingerprint(lazy) != before

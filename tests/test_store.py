@@ -222,3 +222,46 @@ def test_a_full_disk_names_the_file_and_leaves_no_temporary(tmp_path, monkeypatc
     with pytest.raises(ProfileFileError, match=f"cannot write {tmp_path}/"):
         _profile().save(directory=tmp_path)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_stored_profile_from_another_torch_or_other_hardware_is_used_with_one_warning(tmp_path):
+    import dataclasses
+    import platform
+    import warnings
+
+    import torch
+
+    from hetsplit.devices import describe
+
+    prof = _profile(host=platform.node())
+    prof.versions = {"hetsplit": "0.1", "torch": "1.0.0"}
+    path = prof.save(tmp_path / "p.json")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert latest_profile(["cpu", "cpu@0.25"], tmp_path) is not None  # still used
+        latest_profile(["cpu", "cpu@0.25"], tmp_path)  # said once
+    assert [str(w.message) for w in caught] == [
+        f"hetsplit: using the stored profile {path}, measured under torch 1.0.0 (now {torch.__version__}); "
+        "its split may be off — re-profile ('hetsplit profile') to refresh it"
+    ]
+    assert caught[0].filename == __file__  # at the caller's line
+    # The same torch, but the CPU was another one when measured.
+    cpu = prof.entry("cpu")
+    prof.entries[0] = dataclasses.replace(cpu, info=dataclasses.replace(describe("cpu"), description="Imaginary CPU"))
+    prof.versions = {"hetsplit": "0.1", "torch": torch.__version__}
+    prof.save(path)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        latest_profile(["cpu"], tmp_path)
+    now = describe("cpu").description
+    assert [str(w.message) for w in caught] == [
+        f"hetsplit: using the stored profile {path}, measured on other hardware (cpu was 'Imaginary CPU', now "
+        f"{now!r}); its split may be off — re-profile ('hetsplit profile') to refresh it"
+    ]
+    # Nothing changed: nothing said.
+    prof.entries[0] = dataclasses.replace(cpu, info=describe("cpu"))
+    prof.save(path)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        latest_profile(["cpu"], tmp_path)
+    assert caught == []

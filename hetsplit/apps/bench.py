@@ -169,7 +169,7 @@ def bench(
         model_name=spec.name,
         threads=torch.get_num_threads(),  # the threads the configurations train with, whatever they are
     )
-    plan = solve(prof, batch_size)
+    plan = solve(prof, batch_size, devices=[d.name for d in devs])  # a repeated device: its curve per copy
     configs: dict[str, Callable[[], None]] = {}
     for dev in devs:
         configs[f"single:{dev.name}"] = plain_step(copy.deepcopy(base).to(dev.torch_device), dev, x, y)
@@ -203,6 +203,8 @@ def bench(
     # balanced one is predicted from the calibration steps themselves (see calibrate_plan).
     rest = calibration.get("rest", 0.0)
     predicted.update(even=plan.even_time + rest, balanced=calibration.get("step", plan.step_time))
+    alone = predicted.get(f"single:{plan.single_device}") if plan.single_device else None
+    noise = plan.noise_notes(step=predicted["balanced"], even=predicted["even"], single=alone)
     return BenchResult(
         devices=[d.name for d in devs],
         model=spec.name,
@@ -228,6 +230,7 @@ def bench(
             "data": "synthetic",
             "emulated": [d.name for d in devs if d.emulated],
             "emulation_warning": emulation_warning(prof),
+            "noise": noise,
             "allocator_kept_memory": tuned,
         },
     )

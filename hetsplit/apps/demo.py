@@ -231,6 +231,7 @@ def verdict(result: BenchResult) -> str:
             f"on this machine {fastest} alone is faster than all devices together{shared}: "
             "the other devices cost more than they add"
         )
+    lines += result.meta.get("noise", [])
     if result.meta.get("emulation_warning"):
         lines.append(result.meta["emulation_warning"])
     if result.meta.get("emulated"):

@@ -14,7 +14,7 @@ from ..planning.memory import capped_plan
 from ..planning.plan import Plan
 from ..planning.profile import Profile
 from ..planning.rebalance import Rebalancer
-from ..planning.sizes import check_weights, has_batchnorm, resolve_plan, without_single_samples
+from ..planning.sizes import check_profile, check_weights, has_batchnorm, resolve_plan, without_single_samples
 from ..planning.solver import plan_from_sizes
 from ..quick import default_profile
 from ..tree import batch_length
@@ -56,7 +56,8 @@ def split_sizes(
         TypeError: If ``profile`` is neither a :class:`Profile` nor a :class:`Plan` (a
             file name, say), or ``weights`` is not a list of numbers (``"41"``).
         ValueError: If ``weights`` has the wrong length or invalid values, both weights
-            and a profile are given, or a plan does not match the devices or batch.
+            and a profile are given, a plan does not match the devices or batch, or a
+            profile lacks some of the devices.
     """
     devs = parse_devices(devices)
     _check_source(profile)
@@ -146,6 +147,8 @@ class BatchPlans:
         if isinstance(profile, Plan):
             raise TypeError("profile must be a Profile; pass a Plan as plan=")
         self.devices, self.names = list(devices), [d.name for d in devices]
+        if profile is not None:  # another model's or another device set's profile: refused now, not at a step
+            check_profile(profile, self.names, model)
         self.weights = check_weights(weights, len(self.devices)) if weights is not None else None
         self.profile, self.rebalancer, self.model = profile, rebalancer, model
         self.given: Plan | None = None  # a plan the user gave (plan= or set_plan): followed for its size

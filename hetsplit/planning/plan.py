@@ -28,6 +28,9 @@ class Plan:
         micro_batches: Per device, the sizes of the micro-batches its share runs as, one
             after another with gradients accumulated (``[[64, 64, 63], [40]]``; ``[]`` for
             no samples). Default: the share as one batch.
+        noise: The relative ± of the predicted times: the noisiest device's measurements
+            (:attr:`DeviceProfile.noise <hetsplit.planning.DeviceProfile.noise>`); NaN where
+            unknown (sizes given by hand, timings taken once).
     """
 
     devices: list[str]
@@ -40,6 +43,7 @@ class Plan:
     extrapolated: list[bool] = dataclasses.field(default_factory=list)
     emulated: list[str] = dataclasses.field(default_factory=list)
     micro_batches: list[list[int]] = dataclasses.field(default_factory=list)
+    noise: float = math.nan
 
     def __post_init__(self) -> None:
         check_sizes(self.sizes, self.batch_size, len(self.devices))
@@ -68,9 +72,42 @@ class Plan:
         """Predicted speedup of this plan over the best single device alone."""
         return _ratio(self.single_time, self.step_time)
 
+    def noise_notes(
+        self, *, step: float | None = None, even: float | None = None, single: float | None = None
+    ) -> list[str]:
+        """One line for each predicted gain that is inside the measurement noise, else nothing.
+
+        A gain over the even split, or over :attr:`single_device` alone, no larger than
+        :attr:`noise` may not be there at all: ``"the gain over the even split (3%) is
+        inside the measurement noise (±8%)"``. ``step``, ``even`` and ``single`` replace
+        the predicted step times compared (e.g. with a modelled gradient exchange added).
+        A comparison with itself (the plan is the even split, or one device alone) says
+        nothing.
+        """
+        if not (math.isfinite(self.noise) and self.noise >= 0):
+            return []
+        step = self.step_time if step is None else step
+        used = [i for i, s in enumerate(self.sizes) if s > 0]
+        alone = len(used) == 1 and self.devices[used[0]] == self.single_device
+        cases = [
+            (
+                "the even split",
+                self.even_time if even is None else even,
+                self.sizes != even_sizes(self.batch_size, len(self.sizes)),
+            ),
+            (f"{self.single_device} alone", self.single_time if single is None else single, not alone),
+        ]
+        notes = []
+        for label, other, differs in cases:
+            gain = _ratio(other, step) - 1
+            if differs and math.isfinite(gain) and gain <= self.noise:
+                notes.append(f"the gain over {label} ({gain:.0%}) is inside the measurement noise (±{self.noise:.0%})")
+        return notes
+
     def to_dict(self) -> dict[str, Any]:
         """Return the plan as a JSON-ready dict (infinite times as ``null``)."""
         data = dataclasses.asdict(self)
+        data["noise"] = _finite_or_none(self.noise)
         for key in ("even_time", "single_time"):
             data[key] = _finite_or_none(data[key])
         data["times"] = [_finite_or_none(t) for t in self.times]
@@ -95,6 +132,7 @@ class Plan:
             extrapolated=list(data.get("extrapolated", [])),
             emulated=list(data.get("emulated", [])),
             micro_batches=[list(m) for m in data.get("micro_batches") or []],
+            noise=math.nan if data.get("noise") is None else float(data["noise"]),  # older files: unknown
         )
 
 

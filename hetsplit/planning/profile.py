@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from .. import store
-from ..devices import DeviceInfo, DeviceLike, canonical_name, local_gpus
+from ..devices import DeviceInfo, DeviceLike, canonical_name, describe, local_gpus
 from ..version import __version__
 from . import checks
 from .curve import Curve, CurveTable
@@ -267,8 +267,13 @@ class Profile:
                 raise ValueError(f"device {label!r}: no measurements; give at least one (batch, seconds) pair")
             cap = checks.memory_cap(caps.get(label), f"device {label!r}: memory cap")
             info = DeviceInfo(name=str(label), kind="external", description=str(label))
-            ms = [Measurement(b, [t]) for b, t in pts]
-            entries.append(DeviceProfile(info, ms, Curve.fit(pts, cap), memory_cap=cap))
+            times: dict[int, list[float]] = {}
+            for b, t in pts:  # a batch timed several times is one measurement with repeats: its spread is known
+                times.setdefault(b, []).append(t)
+            ms = [Measurement(b, ts) for b, ts in sorted(times.items())]
+            entry = DeviceProfile(info, ms, Curve.fit(pts, cap), memory_cap=cap)
+            entry.noise  # noqa: B018 -- worked out once here, not in the first solve of 10,000 devices
+            entries.append(entry)
         return cls(entries, model=dict(model or {}), host=host, source="external")
 
     def to_dict(self) -> dict[str, Any]:
@@ -340,7 +345,9 @@ def latest_profile(
 
     GPUs are matched by UUID, so a profile still serves after ``CUDA_VISIBLE_DEVICES``
     or the device order changes (see :meth:`Profile.matched_to_local`). Files are read
-    again only when they change; odd or damaged ones are skipped with a warning.
+    again only when they change; odd or damaged ones are skipped with a warning. A
+    profile measured under another torch version, or when a device's hardware had another
+    description, is still used, with one warning line (once per file and change).
 
     Args:
         devices: The devices the profile must cover.
@@ -370,11 +377,39 @@ def latest_profile(
             if len(_LOADED) >= 64:
                 _LOADED.clear()
             _LOADED[key] = prof
-        return prof.matched_to_local()
+        local = prof.matched_to_local()
+        changed = _changed_since(local, devices)
+        if changed and (key, changed) not in _STALE_SHOWN:
+            _STALE_SHOWN.add((key, changed))
+            store.warn_at_caller(
+                f"hetsplit: using the stored profile {item.path}, measured {changed}; its split may be off — "
+                "re-profile ('hetsplit profile') to refresh it"
+            )
+        return local
     return None
 
 
 _LOADED: dict[tuple[str, tuple[int, ...]], Profile] = {}
+_STALE_SHOWN: set[tuple[tuple[str, tuple[int, ...]], str]] = set()  # each file's each change, warned about once
+
+
+def _changed_since(prof: Profile, devices: Sequence[DeviceLike]) -> str:
+    """What differs between when ``prof`` was measured and now ('' if nothing): torch, the devices' hardware."""
+    notes = []
+    then = prof.versions.get("torch")
+    if then and then != torch.__version__:
+        notes.append(f"under torch {then} (now {torch.__version__})")
+    for name in dict.fromkeys(canonical_name(d) for d in devices):
+        recorded = prof.entry(name).info
+        if recorded.kind not in ("cpu", "cuda", "mps"):
+            continue
+        try:
+            now = describe(name).description
+        except (RuntimeError, ValueError):  # a device that cannot be described now: nothing to compare
+            continue
+        if recorded.description != now:
+            notes.append(f"on other hardware ({name} was {recorded.description!r}, now {now!r})")
+    return " and ".join(notes)
 
 
 def _versions() -> dict[str, str]:

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import math
 import statistics
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
+from scipy.optimize import isotonic_regression
 
 from ..devices import DeviceInfo
 from ..emulation import check_speed
@@ -32,9 +35,22 @@ class Measurement:
         """The median of the repeats, the figure the curve is fitted to."""
         return float(statistics.median(self.times))
 
+    @property
+    def spread(self) -> float | None:
+        """Half the interquartile range of the repeats over their median: their relative ± (``None``: one repeat).
+
+        The middle half of the repeats, not their extremes: one hiccup of a shared machine
+        does not make a whole profile look noisy, a machine that is slow every other step does.
+        """
+        median = self.median
+        if len(self.times) < 2 or not (math.isfinite(median) and median > 0):
+            return None
+        q1, _, q3 = statistics.quantiles(self.times, n=4, method="inclusive")
+        return (q3 - q1) / 2 / median
+
     def to_dict(self) -> dict[str, Any]:
-        """Return the measurement as a JSON-ready dict."""
-        return {"batch": self.batch, "times": list(self.times), "median": self.median}
+        """Return the measurement as a JSON-ready dict (``median`` and ``spread`` are derived, for readers)."""
+        return {"batch": self.batch, "times": list(self.times), "median": self.median, "spread": self.spread}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Measurement:
@@ -51,6 +67,36 @@ class Measurement:
         if not isinstance(times, list) or not times:
             raise ValueError(f"the measurement at batch {batch} has no list of times, got {times!r}")
         return cls(batch, [checks.seconds(t, f"times[{i}] at batch {batch}") for i, t in enumerate(times)])
+
+
+@dataclasses.dataclass(frozen=True)
+class Noise:
+    """How far one device's measured step times can be trusted, as relative ± figures.
+
+    Derived from the measurements alone (old profile files have it too), never stored as
+    a decision of its own.
+
+    Attributes:
+        spread: The median over batch sizes of :attr:`Measurement.spread` (``None``: every
+            size was timed once, as in a profile built from external timings).
+        residual: The largest relative gap between a size's median and the non-decreasing
+            curve through the medians: a larger batch measured faster than a smaller one
+            is noise, whatever the repeats say.
+    """
+
+    spread: float | None
+    residual: float
+
+    @property
+    def relative(self) -> float | None:
+        """The device's relative ± (the larger of the two), ``None`` when nothing says (one repeat, monotone)."""
+        if self.spread is None:
+            return self.residual if self.residual > 0 else None
+        return max(self.spread, self.residual)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Return the noise as a JSON-ready dict."""
+        return {"spread": self.spread, "residual": self.residual, "relative": self.relative}
 
 
 @dataclasses.dataclass
@@ -129,11 +175,25 @@ class DeviceProfile:
         """The device's name in the profile (``"cuda:0"``, ``"cpu@0.25"``, ``"v100"``)."""
         return self.info.name
 
+    @property
+    def noise(self) -> Noise:
+        """How noisy this device's timings are (:class:`Noise`), computed once per entry.
+
+        Raises:
+            ValueError: Naming the device, if a measured time is not finite and > 0 or the
+                curve predicts no time for a batch: no plan may rest on such a device.
+        """
+        found = self.__dict__.get("_noise")
+        if found is None or found[0] is not self.measurements or found[1] is not self.curve:
+            found = self.__dict__["_noise"] = (self.measurements, self.curve, _noise(self))
+        return found[2]
+
     def to_dict(self) -> dict[str, Any]:
-        """Return the device profile as a JSON-ready dict."""
+        """Return the device profile as a JSON-ready dict (``noise`` is derived, for readers)."""
         return {
             "info": self.info.to_dict(),
             "measurements": [m.to_dict() for m in self.measurements],
+            "noise": self.noise.to_dict(),
             "curve": self.curve.to_dict(),
             "memory_cap": self.memory_cap,
             "memory_probed_to": self.memory_probed_to,
@@ -161,7 +221,7 @@ class DeviceProfile:
                     raise ValueError(f"measurements[{i}]: missing or malformed entry ({type(e).__name__}: {e})") from e
                 except ValueError as e:
                     raise ValueError(f"measurements[{i}]: {e}") from e
-            return cls(
+            entry = cls(
                 info=info,
                 measurements=measurements,
                 curve=Curve.from_dict(data["curve"]),
@@ -173,6 +233,38 @@ class DeviceProfile:
             raise ValueError(f"device {info.name!r}: no {e.args[0]!r} entry") from e
         except (TypeError, ValueError) as e:
             raise ValueError(f"device {info.name!r}: {e}") from e
+        entry.noise  # noqa: B018 -- a curve that predicts no time is refused on reading, naming the device
+        return entry
+
+
+def _noise(entry: DeviceProfile) -> Noise:
+    """The :class:`Noise` of ``entry``'s measurements, refusing times no plan can rest on."""
+    name = entry.info.name
+    medians, spreads = [], []
+    for m in entry.measurements:
+        times = m.times
+        bad = [t for t in times if not (isinstance(t, int | float) and 0 < t < math.inf)]  # NaN fails too
+        if bad or not times:
+            raise ValueError(
+                f"device {name!r}: measured {bad[0] if bad else None!r} s for a step of batch {m.batch}; a step "
+                "takes a finite time > 0 — re-profile this device (or drop it from the devices)"
+            )
+        if len(times) == 1:  # external timings: one each (10,000 devices of them in a what-if set)
+            medians.append((m.batch, float(times[0])))
+            continue
+        medians.append((m.batch, m.median))
+        spreads.append(m.spread)
+    if entry.curve.seconds[0] <= 0:
+        raise ValueError(
+            f"device {name!r}: its curve predicts {entry.curve.seconds[0]!r} s for a step of batch "
+            f"{entry.curve.batch[0]:g}; a step takes a finite time > 0 — re-profile this device"
+        )
+    ys = [t for _, t in sorted(medians)]
+    residual = 0.0
+    if any(b < a for a, b in itertools.pairwise(ys)):  # only a measured dip needs the smoothing
+        fitted = isotonic_regression(ys, increasing=True).x  # as Curve.fit smooths the medians
+        residual = float(max(abs(y - f) / f for y, f in zip(ys, fitted)))
+    return Noise(float(statistics.median(spreads)) if spreads else None, residual)
 
 
 def _info(data: Any) -> DeviceInfo:

@@ -38,6 +38,51 @@ def check_weights(weights: Sequence[float], n_devices: int) -> list[float]:
     return [float(w) for w in values]
 
 
+def check_profile(profile: Profile, devices: Sequence[DeviceLike], model: Any = None) -> None:
+    """Refuse a profile that was not recorded for these ``devices`` (and this ``model``), before any work.
+
+    A profile of another model, or one missing a device, must never split a batch
+    silently: its curves would decide shares they know nothing about.
+
+    Args:
+        profile: The profile to use.
+        devices: The devices it must cover (a device listed twice is covered by its one entry).
+        model: The model it will split (an ``nn.Module``), or ``None`` to skip that check.
+            A profile without a recorded fingerprint (timings taken elsewhere, a quick
+            calibration) serves any model.
+
+    Raises:
+        ValueError: Naming the devices the profile lacks, or both models (name and
+            fingerprint), and what to do instead.
+    """
+    names = list(dict.fromkeys(canonical_name(d) for d in devices))
+    missing = []
+    for name in names:
+        try:
+            profile.entry(name)
+        except KeyError:
+            missing.append(name)
+    if missing:
+        raise ValueError(
+            f"the profile has no timings of {', '.join(missing)} (it was recorded for {', '.join(profile.devices)}"
+            f"{f' on {profile.host}' if profile.host else ''}); profile these devices "
+            "(hetsplit.profile(model, sample, devices)), or pass plan= or weights="
+        )
+    recorded = profile.model.get("fingerprint")
+    if model is None or not recorded:
+        return
+    from ..profiler import fingerprint  # the profiler builds on planning: imported when a model is checked
+
+    mine = fingerprint(model)
+    if mine != recorded:
+        theirs = profile.model.get("name") or "a model"
+        raise ValueError(
+            f"the profile was recorded for another model: {theirs} (fingerprint {recorded}), but this model is "
+            f"{type(model).__name__} (fingerprint {mine}); profile this model (hetsplit.profile(model, sample, "
+            "devices)), or pass plan= or weights="
+        )
+
+
 def resolve_plan(
     batch: int,
     devices: Sequence[DeviceLike],
@@ -72,7 +117,8 @@ def resolve_plan(
         TypeError: If ``plan`` or ``profile`` is of another type (a file name, say).
         ValueError: On an empty batch or one above :data:`~hetsplit.planning.checks.MAX_BATCH`,
             weights together with a plan or profile, bad weights, a plan over other devices,
-            or a plan for another batch size with no profile or weights to re-solve it.
+            a profile missing some of the devices (:func:`check_profile`), or a plan for
+            another batch size with no profile or weights to re-solve it.
     """
     names = [canonical_name(d) for d in devices]
     if isinstance(batch, bool) or not isinstance(batch, int | np.integer):
@@ -91,6 +137,7 @@ def resolve_plan(
     if plan is not None and plan.batch_size == batch:
         return plan
     if profile is not None:
+        check_profile(profile, names)
         return solve(profile, int(batch), devices=names, accumulate=accumulate)
     if weights is not None:
         return plan_from_sizes(None, names, sizes_from_weights(int(batch), check_weights(weights, len(names))))

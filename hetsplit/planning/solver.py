@@ -232,7 +232,23 @@ def _make_plan(
         extrapolated=(largest > table.x[:, -1]).tolist(),
         emulated=list(dict.fromkeys(n for n, e in zip(names, entries) if e.info.emulated)),
         micro_batches=micro,
+        noise=_noise(entries),
     )
+
+
+def _noise(entries: Sequence[DeviceProfile]) -> float:
+    """The relative ± of a plan's predictions: its noisiest device's (NaN when none says).
+
+    Copies of one device (a what-if set of 10,000) share their measurements: each list
+    is looked at once. A device whose timings no plan can rest on is refused here.
+    """
+    seen: dict[int, float | None] = {}
+    for e in entries:
+        key = id(e.measurements)
+        if key not in seen:
+            seen[key] = e.noise.relative
+    known = [v for v in seen.values() if v is not None]
+    return max(known) if known else math.nan
 
 
 def _solve_sizes(table: CurveTable | MicroTable, batch: int) -> np.ndarray:
