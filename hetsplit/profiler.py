@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import gc
-import hashlib
 import math
 import statistics
 import sys
@@ -22,7 +21,7 @@ from .devices import Device, DeviceLike, describe, parse_devices
 from .emulation import is_out_of_memory
 from .planning import checks
 from .planning.curve import Curve
-from .planning.profile import DeviceProfile, Measurement, Profile
+from .planning.profile import DeviceProfile, Measurement, Profile, fingerprint
 from .planning.records import MemoryModel
 from .tree import batch_length, flatten, move, take_rows
 
@@ -66,16 +65,6 @@ def check_ladder(batch_sizes: Sequence[int] | None, max_probe: int = _MAX_PROBE)
             "profile at the shard sizes you will use (raise max_probe for larger ones)"
         )
     return ladder
-
-
-def fingerprint(model: nn.Module) -> str:
-    """A short hash of the model's class and parameter/buffer names, shapes and dtypes (not values)."""
-    h = hashlib.sha256(type(model).__qualname__.encode())
-    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-        # A lazy module's parameter has no shape before its first forward.
-        shape = "lazy" if isinstance(t, nn.parameter.UninitializedTensorMixin) else tuple(t.shape)
-        h.update(f"{name}:{shape}:{t.dtype};".encode())
-    return h.hexdigest()[:16]
 
 
 def _call_model(model: nn.Module, inputs: Any) -> Any:

@@ -1,13 +1,14 @@
-"""Tree: nested batches (tuples, lists, dicts, namedtuples, dataclasses) walked in one place.
+"""Tree: nested batches (tuples, lists, dicts, any Mapping, namedtuples, dataclasses) walked in one place.
 
 This module is hetsplit's only user of ``torch.utils._pytree``: every other module
-flattens, maps and rebuilds batches and outputs through the functions here.
+flattens, maps, cuts rows of and rebuilds batches and outputs through the functions here.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -20,23 +21,120 @@ def _is_unregistered_dataclass(x: Any) -> bool:
     return dataclasses.is_dataclass(x) and not isinstance(x, type) and type(x) not in pytree.SUPPORTED_NODES
 
 
-def flatten(tree: Any) -> tuple[list[Any], _TreeSpec]:
-    """Flatten a nested batch into leaves and a spec, like ``torch.utils._pytree.tree_flatten``.
+def _is_unwalked_mapping(x: Any) -> bool:
+    """A Mapping pytree keeps whole: a tokenizer's ``BatchEncoding``, a ``UserDict``, a dict subclass."""
+    return isinstance(x, Mapping) and type(x) not in pytree.SUPPORTED_NODES
 
-    Tuples, lists, dicts, namedtuples and anything torch registers are containers; so are
-    dataclass instances, whose types are registered with pytree on first sight (torch's
-    own scatter would hand a dataclass batch whole to every device).
+
+class _Keys:
+    """The context of a walked Mapping: its keys, and one instance of its type to rebuild from.
+
+    Two are equal when type and keys are (replicas' outputs are separate instances of one
+    structure); the instance itself is never compared (a mapping of tensors has no truth value).
+    """
+
+    def __init__(self, like: Mapping[Any, Any], keys: list[Any]) -> None:
+        self.like, self.keys = like, keys
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Keys) and type(self.like) is type(other.like) and self.keys == other.keys
+
+    def __hash__(self) -> int:
+        return hash((type(self.like), len(self.keys)))
+
+    def __repr__(self) -> str:
+        return f"{type(self.like).__name__}{self.keys}"
+
+
+class _Walked:
+    """A Mapping pytree does not walk, stood in for while a batch is flattened (see :func:`flatten`).
+
+    It holds the mapping (to rebuild its type) and its values, themselves stood in for.
+    """
+
+    __slots__ = ("like", "values")
+
+    def __init__(self, like: Mapping[Any, Any], values: dict[Any, Any]) -> None:
+        self.like, self.values = like, values
+
+
+def _walked_flatten(node: _Walked) -> tuple[list[Any], _Keys]:
+    keys = list(node.values)
+    return [node.values[k] for k in keys], _Keys(node.like, keys)
+
+
+def _walked_flatten_with_keys(node: _Walked) -> tuple[list[tuple[Any, Any]], _Keys]:
+    values, context = _walked_flatten(node)
+    return [(pytree.MappingKey(k), v) for k, v in zip(context.keys, values)], context
+
+
+def _walked_unflatten(values: Any, context: _Keys) -> Any:
+    return rebuilt(context.like, dict(zip(context.keys, values)))
+
+
+# Registered once, for hetsplit's own stand-in type: Mapping types themselves are never
+# registered with pytree (that would change how torch.compile and FSDP see them).
+pytree.register_pytree_node(_Walked, _walked_flatten, _walked_unflatten, flatten_with_keys_fn=_walked_flatten_with_keys)
+
+
+def rebuilt(like: Mapping[Any, Any], values: dict[Any, Any]) -> Mapping[Any, Any]:
+    """A mapping of ``like``'s type holding ``values``: the one way hetsplit rebuilds a Mapping.
+
+    ``type(like)(values)`` (a dict subclass, a ``UserDict``, a ``BatchEncoding``, whose
+    per-row extras such as a tokenizer's encodings would no longer match cut rows); a type
+    whose constructor takes no dict is copied and its items replaced; else a plain dict.
+    """
+    if type(like) is dict:
+        return values
+    try:
+        return type(like)(values)
+    except TypeError:
+        pass
+    try:
+        new = copy.copy(like)
+        for key, value in values.items():
+            new[key] = value  # type: ignore[index]
+        return new
+    except (TypeError, AttributeError, copy.Error):
+        return values
+
+
+def _walk(tree: Any, is_leaf: Callable[[Any], bool] | None = None) -> tuple[Any, list[Any], _TreeSpec]:
+    """``tree`` with every Mapping pytree would keep whole stood in for, and its leaves and spec.
+
+    Dataclass types are registered with pytree on first sight (torch's own scatter would
+    hand a dataclass batch whole to every device). A batch with neither is flattened once.
     """
     while True:
-        leaves, spec = pytree.tree_flatten(tree)
-        new = {type(x) for x in leaves if _is_unregistered_dataclass(x)}
+        leaves, spec = pytree.tree_flatten(tree, is_leaf=is_leaf)
+        free = [is_leaf is None or not is_leaf(x) for x in leaves]
+        new = {type(x) for x, f in zip(leaves, free) if f and _is_unregistered_dataclass(x)}
         if not new:
-            return leaves, spec
+            break
         for cls in new:
             try:
                 pytree.register_dataclass(cls)
             except ValueError:  # registered meanwhile by another thread
                 pass
+    mappings = [f and _is_unwalked_mapping(x) for x, f in zip(leaves, free)]
+    if not any(mappings):
+        return tree, leaves, spec
+    stood = [_Walked(x, {k: _walk(v, is_leaf)[0] for k, v in x.items()}) if m else x for x, m in zip(leaves, mappings)]
+    tree = pytree.tree_unflatten(stood, spec)
+    leaves, spec = pytree.tree_flatten(tree, is_leaf=is_leaf)
+    return tree, leaves, spec
+
+
+def flatten(tree: Any, is_leaf: Callable[[Any], bool] | None = None) -> tuple[list[Any], _TreeSpec]:
+    """Flatten a nested batch into leaves and a spec, like ``torch.utils._pytree.tree_flatten``.
+
+    Tuples, lists, dicts, namedtuples and anything torch registers are containers; so are
+    dataclass instances and any other ``Mapping`` (a tokenizer's ``BatchEncoding``, a
+    ``UserDict``, a dict subclass), which :func:`unflatten` rebuilds with its type
+    (:func:`rebuilt`). ``is_leaf`` keeps what it accepts whole.
+    """
+    _, leaves, spec = _walk(tree, is_leaf)
+    return leaves, spec
 
 
 def unflatten(leaves: list[Any], spec: _TreeSpec) -> Any:
@@ -44,16 +142,16 @@ def unflatten(leaves: list[Any], spec: _TreeSpec) -> Any:
     return pytree.tree_unflatten(leaves, spec)
 
 
-def tree_map(fn: Callable[[Any], Any], tree: Any) -> Any:
-    """Apply ``fn`` to every leaf of a nest and rebuild it (dataclasses included)."""
-    leaves, spec = flatten(tree)
+def tree_map(fn: Callable[[Any], Any], tree: Any, is_leaf: Callable[[Any], bool] | None = None) -> Any:
+    """Apply ``fn`` to every leaf of a nest and rebuild it (dataclasses and Mappings with their types)."""
+    leaves, spec = flatten(tree, is_leaf)
     return pytree.tree_unflatten([fn(x) for x in leaves], spec)
 
 
 def leaf_paths(tree: Any) -> list[str]:
     """A readable path for every leaf of a nest, in :func:`flatten`'s order (``"[0]['loss']"``)."""
-    flatten(tree)  # registers dataclasses first
-    return [pytree.keystr(path) or "<output>" for path, _ in pytree.tree_flatten_with_path(tree)[0]]
+    walkable, _, _ = _walk(tree)
+    return [pytree.keystr(path) or "<output>" for path, _ in pytree.tree_flatten_with_path(walkable)[0]]
 
 
 def batch_length(tree: Any, dim: int = 0) -> int:
@@ -86,6 +184,22 @@ def take_rows(tree: Any, index: torch.Tensor) -> Any:
     """Rows ``index`` of every batched tensor in a nest, cycling through a shorter batch."""
     n = batch_length(tree)
     return tree_map(lambda x: x.index_select(0, index % n) if isinstance(x, torch.Tensor) and x.dim() > 0 else x, tree)
+
+
+def narrow(tree: Any, start: int, length: int, *, dim: int = 0, rows: int | None = None) -> Any:
+    """Rows ``start`` to ``start + length`` along ``dim`` of a nested batch (views, no copy).
+
+    Every tensor that has ``dim`` is cut, or with ``rows`` only those whose length there
+    is ``rows`` (the batch's): other values (a 0-dim tensor, ``position_ids`` of one row
+    shared by the batch, a string) go whole. Containers keep their types (:func:`flatten`).
+    """
+
+    def cut(x: Any) -> Any:
+        if isinstance(x, torch.Tensor) and -x.dim() <= dim < x.dim() and (rows is None or x.shape[dim] == rows):
+            return x.narrow(dim, start, length)
+        return x
+
+    return cut(tree) if isinstance(tree, torch.Tensor) else tree_map(cut, tree)
 
 
 def to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:

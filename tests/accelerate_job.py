@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import io
 import os
 import sys
 
@@ -128,6 +129,13 @@ def _():
         opt.step()
         reference_step(ref, [acc.gather(idx)])
         assert_same(model, ref, f"micro-batches, weighting={weighting}")
+    if acc.process_index == 0:  # the whole share in one forward: the error names accelerate's own call
+        try:
+            model.module(X[:5])  # the weighted module itself (DDP's own forward would wait for rank 1)
+        except Exception as e:
+            assert "accelerator.micro_batches(model, batch)" in str(e) and "hd." not in str(e), e
+        else:
+            raise AssertionError("a forward off the plan's micro-batches was taken")
     try:
         HeteroAccelerator(plan=micro, weighting="none")
     except ValueError as e:
@@ -151,10 +159,19 @@ def _():
     acc = HeteroAccelerator(plan=micro)
     model = copy.deepcopy(ref)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
-    model, opt, loader = acc.prepare(model, opt, DataLoader(TensorDataset(torch.arange(N), ids, labels), batch_size=4))
-    idx, xb, yb = next(iter(loader))
-    for xm, ym in acc.micro_batches(model, (xb, yb)):
-        acc.backward(model(input_ids=xm, labels=ym).loss)
+
+    # As accelerate's nlp_example.py batches: tokenizer.pad(..., return_tensors="pt"), a BatchEncoding.
+    def collate(items):
+        idx, x, y = (torch.stack(column) for column in zip(*items))
+        return transformers.BatchEncoding({"idx": idx, "input_ids": x, "labels": y})
+
+    data = DataLoader(TensorDataset(torch.arange(N), ids, labels), batch_size=4, collate_fn=collate)
+    model, opt, loader = acc.prepare(model, opt, data)
+    batch = next(iter(loader))
+    idx = batch.pop("idx")
+    for micro in acc.micro_batches(model, batch):
+        assert type(micro) is transformers.BatchEncoding, type(micro)
+        acc.backward(model(**micro).loss)
     opt.step()
     every = acc.gather(idx)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
@@ -259,8 +276,16 @@ def _():
     sizes = acc.plan.sizes
     both = acc.gather(torch.tensor(sizes))
     assert both.tolist() == sizes * 2, both
-    xb, _ = next(iter(loader))
-    assert len(xb) == (sizes[acc.process_index] or 2)  # a share of 0 (profiling may give one): two samples
+    with contextlib.redirect_stdout(io.StringIO()) as said:
+        for xb, _ in loader:  # a pass over the training loader: the split said at its start, its step at its end
+            assert len(xb) == (sizes[acc.process_index] or 2)  # a share of 0 (profiling may give one): two samples
+    lines = [line for line in said.getvalue().splitlines() if line.startswith("hetsplit: HeteroAccelerator:")]
+    if acc.process_index == 0:
+        assert len(lines) == 2 and f"global batch 32 split rank0:cpu {sizes[0]} " in lines[0], lines
+        assert "; predicted step " in lines[0] and "not real hardware): cpu@0.25" in lines[0], lines
+        assert "measured step" in lines[1] and "(median of 1," in lines[1], lines
+    else:
+        assert not lines, lines
 
 
 @scenario("prepare_order")

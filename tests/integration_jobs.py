@@ -10,7 +10,9 @@ reference: "equal" means to rounding (1e-12).
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import io
 import os
 import sys
 import tempfile
@@ -243,6 +245,8 @@ def trainer_without_use_cpu_on_a_cpu_only_machine_is_one_job():
     from hetsplit.transformers import HeteroTrainer
 
     args = TrainingArguments(output_dir=tempfile.mkdtemp(), report_to=[], per_device_train_batch_size=4)
+    # run_clm.py logs "distributed training: ..." from its arguments before the Trainer exists.
+    assert args.parallel_mode.value == "distributed" and args.world_size == 2, (args.parallel_mode, args.world_size)
     trainer = HeteroTrainer(model=net(), args=args, devices="cpu,cpu@1", plan=plan(6, 2))
     assert trainer.accelerator.num_processes == 2 and trainer.args.world_size == 2, trainer.accelerator.distributed_type
 
@@ -256,7 +260,7 @@ def lightning_trainer(strategy, **kwargs):
     return L.Trainer(strategy=strategy, accelerator="cpu", devices=2, **options)
 
 
-def lightning_module():
+def lightning_module(sync_dist=True, batch_idx=True):
     import lightning as L
 
     class Flat(L.LightningModule):
@@ -274,21 +278,33 @@ def lightning_module():
             idx, x, y = batch
             self.seen.append(idx.tolist())
             loss = F.mse_loss(self(x.unsqueeze(1)), y)
-            self.log("train_loss", loss, sync_dist=True)
+            self.log("train_loss", loss, sync_dist=sync_dist, on_epoch=True)
             return loss
 
         def validation_step(self, batch, batch_idx):
             _, x, y = batch
-            self.log("val_loss", F.mse_loss(self(x.unsqueeze(1)), y), sync_dist=True)
+            self.log("val_loss", F.mse_loss(self(x.unsqueeze(1)), y), sync_dist=sync_dist)
 
         def test_step(self, batch, batch_idx):
             _, x, y = batch
-            self.log("test_loss", F.mse_loss(self(x.unsqueeze(1)), y), sync_dist=True)
+            self.log("test_loss", F.mse_loss(self(x.unsqueeze(1)), y), sync_dist=sync_dist)
 
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=0.1)
 
-    return Flat()
+    class NoIndex(Flat):
+        """Lightning's FSDP2 example's pattern: step hooks without batch_idx (Lightning passes what they name)."""
+
+        def training_step(self, batch):
+            return super().training_step(batch, None)
+
+        def validation_step(self, batch):
+            return super().validation_step(batch, None)
+
+        def test_step(self, batch):
+            return super().test_step(batch, None)
+
+    return Flat() if batch_idx else NoIndex()
 
 
 @scenario
@@ -325,6 +341,69 @@ def lightning_sync_dist_metrics_cover_500_samples_once():
     assert abs(got - expected) < 1e-12, ("val_loss", got, expected)
     got = trainer.test(module, DataLoader(data, batch_size=32), verbose=False)[0]["test_loss"]
     assert abs(got - expected) < 1e-12, ("test_loss", got, expected)
+
+
+@scenario
+def lightning_steps_without_batch_idx_are_profiled_and_weighted():
+    # training_step(self, batch): the profiler calls it as Lightning does, and a short last global
+    # batch (20 samples, 8 a step: [3, 1] in the last) is weighted by its own rows.
+    from hetsplit.lightning import HeteroDDPStrategy
+
+    torch.manual_seed(3)
+    n = 20
+    x, y = torch.randn(n, 3, dtype=torch.float64), torch.randn(n, 1, dtype=torch.float64)
+    data = TensorDataset(torch.arange(n), x, y)
+    quick = {"time_budget": 0.3, "batch_sizes": [1, 2, 4], "calibrate": 0}
+    profiled = HeteroDDPStrategy(devices="cpu,cpu@1", plan_kwargs=quick)
+    with contextlib.redirect_stdout(io.StringIO()) as said:
+        lightning_trainer(profiled).fit(lightning_module(batch_idx=False), DataLoader(data, batch_size=4))
+    assert profiled.plan.batch_size == 8 and gathered(profiled.plan.sizes)[0] == profiled.plan.sizes, profiled.plan
+    # Rank 0 says the split it chose and its predicted step, then the measured one (3 steps).
+    lines = [line for line in said.getvalue().splitlines() if line.startswith("hetsplit: HeteroDDPStrategy:")]
+    assert len(lines) == (2 if dist.get_rank() == 0 else 0), lines
+    if lines:
+        assert "global batch 8 split rank0:cpu " in lines[0] and "; predicted step " in lines[0], lines
+        assert "not real hardware): cpu@1" in lines[0] and "(median of 2, rank 0, start to start)" in lines[1], lines
+    module = lightning_module(batch_idx=False)
+    trainer = lightning_trainer(HeteroDDPStrategy(devices="cpu,cpu@1", plan=plan(6, 2), quiet=True))
+    with contextlib.redirect_stdout(io.StringIO()) as said:
+        trainer.fit(module, DataLoader(data, batch_size=4, shuffle=True), DataLoader(data, batch_size=4))
+    assert "hetsplit:" not in said.getvalue(), said.getvalue()  # quiet=True
+    seen = gathered(module.seen)
+    assert [len(i) for i in seen[0]] == [6, 6, 3] and [len(i) for i in seen[1]] == [2, 2, 1], seen
+    ref = net()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for a, b in zip(*seen):
+        opt.zero_grad()
+        F.mse_loss(ref(x[a + b]), y[a + b]).backward()
+        opt.step()
+    for (name, p), q in zip(module.layer.named_parameters(), ref.parameters()):
+        err = (p.detach() - q.detach()).abs().max().item()
+        assert err < 1e-12, f"{name} differs from the full-batch reference by {err}"
+    expected = F.mse_loss(ref(x), y).item()
+    got = trainer.callback_metrics["val_loss"].item()
+    assert abs(got - expected) < 1e-12, (got, expected)
+
+
+@scenario
+def lightning_zero_share_logs_no_nan_without_sync_dist():
+    # Lightning's own examples log without sync_dist; the rank the plan gives 0 logs its stand-in
+    # samples' mean (a plain DDP rank logs its own), never NaN: EarlyStopping runs all epochs.
+    import math
+
+    from lightning.pytorch.callbacks import EarlyStopping
+
+    from hetsplit.lightning import HeteroDDPStrategy
+
+    module = lightning_module(sync_dist=False)
+    stop = EarlyStopping(monitor="val_loss", patience=3)
+    trainer = lightning_trainer(HeteroDDPStrategy(devices="cpu,cpu@1", plan=plan(8, 0)), max_epochs=3, callbacks=[stop])
+    trainer.fit(module, DataLoader(DATA, batch_size=4, shuffle=True), DataLoader(DATA, batch_size=4))
+    metrics = {k: v.item() for k, v in trainer.callback_metrics.items()}
+    assert trainer.current_epoch == 3 and not stop.stopped_epoch, (trainer.current_epoch, metrics)
+    got = trainer.test(module, DataLoader(DATA, batch_size=4), verbose=False)[0]
+    assert all(math.isfinite(v) for v in [*metrics.values(), *got.values()]), (metrics, got)
+    assert {"val_loss", "train_loss_epoch", "test_loss"} <= {*metrics, *got}, (metrics, got)
 
 
 if __name__ == "__main__":

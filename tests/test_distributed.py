@@ -236,6 +236,79 @@ def sampler(ctx):
     return {"indices": list(sampler), "steps": sampler.steps}
 
 
+def summed_loss(ctx):
+    # pytorch/examples' FSDP2 script trains on model(x).sum(): a sum over the batch, which the
+    # default reduction="mean" weights wrongly; it is detected once, naming reduction="sum".
+    import warnings
+
+    x, _ = _batch(8)
+    xs = x[:6] if ctx.rank == 0 else x[6:]
+    plan = plan_from_sizes(None, ["rank0", "rank1"], [6, 2])
+    ref = _net()
+    ref(x).sum().backward()
+    res = {}
+    for method in ("hook", "outputs"):
+        for reduction in ("mean", "sum"):
+            ddp = DDP(_net())
+            hd.weight_gradients(ddp, plan, method=method, reduction=reduction)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                for _ in range(2):  # once, not every step
+                    ddp.zero_grad()
+                    ddp(xs).sum().backward()
+            said = [str(w.message) for w in caught if "reduction='sum'" in str(w.message)]
+            res[f"{method}-{reduction}"] = {"err": max_rel_grad_error(ddp.module, ref), "said": said}
+    ddp = DDP(_net())  # a mean loss is not taken for a sum
+    hd.weight_gradients(ddp, plan)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ddp(xs).mean().backward()
+        ddp.zero_grad()
+        F.cross_entropy(ddp(xs), _batch(8)[1][:6] if ctx.rank == 0 else _batch(8)[1][6:]).backward()
+    res["mean_said"] = [str(w.message) for w in caught if "reduction='sum'" in str(w.message)]
+    return res
+
+
+def local_batch(ctx):
+    # A script that cuts its global batches itself (pytorch/examples cuts by the plan's sizes):
+    # hd.local_batch cuts as hd.data_loader does, a zero share's two stand-in rows weighted 0.
+    x, y = _batch(8)
+    zero = plan_from_sizes(None, ["rank0", "rank1"], [8, 0])
+    res = {}
+    for with_plan in (True, False):
+        ddp = DDP(_net())
+        hd.weight_gradients(ddp, zero if with_plan else None)
+        xb, yb = hd.local_batch((x, y), zero)
+        F.cross_entropy(ddp(xb), yb).backward()
+        ref = _net()
+        F.cross_entropy(ref(x), y).backward()
+        res[f"zero-plan={with_plan}"] = {"rows": len(xb), "err": max_rel_grad_error(ddp.module, ref)}
+    # An epoch's short last global batch (5 of 8): cut in the plan's proportions, every row once.
+    uneven = plan_from_sizes(None, ["rank0", "rank1"], [6, 2])
+    ddp = DDP(_net())
+    hd.weight_gradients(ddp)
+    xb, yb = hd.local_batch((x[:5], y[:5]), uneven)
+    F.cross_entropy(ddp(xb), yb).backward()
+    ref = _net()
+    F.cross_entropy(ref(x[:5]), y[:5]).backward()
+    res["short"] = {"rows": len(xb), "err": max_rel_grad_error(ddp.module, ref)}
+    try:
+        hd.local_batch(torch.zeros(9, 2), uneven)
+    except ValueError as e:
+        res["too_long"] = str(e)
+    return res
+
+
+def dtype_mismatch(ctx):
+    # float64 on one rank, float32 on the other: DDP's first broadcast would abort a rank (signal 6).
+    net, x = (_net(), _batch(8)[0]) if ctx.rank == 0 else (_net().float(), _batch(8)[0].float())
+    try:
+        hd.plan(net, x, 16, weights=[1, 1])
+    except hd.DistributedError as e:
+        return str(e)
+    return None
+
+
 def version_mismatch(ctx):
     import hetsplit.distributed.rank_plan as plan_module  # where the version is read
 
@@ -285,6 +358,9 @@ SCENARIOS = {
     "off_plan_outputs": off_plan_outputs,
     "off_plan_hook": off_plan_hook,
     "sampler": sampler,
+    "summed_loss": summed_loss,
+    "local_batch": local_batch,
+    "dtype_mismatch": dtype_mismatch,
     "version_mismatch": version_mismatch,
     "plan_mismatch": plan_mismatch,
     "hung_rank": hung_rank,
@@ -379,6 +455,31 @@ def test_sampler_with_process_group_defaults(ranks):
     assert a["steps"] == b["steps"] == 3
     assert len(a["indices"]) == 21 and len(b["indices"]) == 9
     assert set(a["indices"]) | set(b["indices"]) == set(range(23))
+
+
+def test_a_summed_loss_under_the_mean_weighting_is_named_once_and_sum_is_exact(ranks):
+    for rank, res in enumerate(ranks["summed_loss"]):
+        for method in ("hook", "outputs"):
+            mean, summed = res[f"{method}-mean"], res[f"{method}-sum"]
+            assert mean["err"] > 1e-2 and len(mean["said"]) == 1, (rank, method, mean)  # off, and said once
+            assert "model(x).sum()" in mean["said"][0] and "\n" not in mean["said"][0]
+            assert summed["err"] < 1e-6 and not summed["said"], (rank, method, summed)
+        assert not res["mean_said"], res["mean_said"]
+
+
+def test_local_batch_cuts_a_global_batch_as_the_loader_does(ranks):
+    for rank, res in enumerate(ranks["local_batch"]):
+        for with_plan in (True, False):  # the zero share: two real rows, weighted 0 with or without the plan
+            got = res[f"zero-plan={with_plan}"]
+            assert got["rows"] == [8, 2][rank] and got["err"] < 1e-6, (rank, with_plan, got)
+        assert res["short"]["rows"] == [4, 1][rank] and res["short"]["err"] < 1e-6, res["short"]
+        assert "the global batch has 9 samples but the plan splits 8" in res["too_long"]
+
+
+def test_ranks_with_different_dtypes_are_one_line_on_every_rank(ranks):
+    for error in ranks["dtype_mismatch"]:
+        assert "rank 0: parameters float64, batch float64; rank 1: parameters float32, batch float32" in error
+        assert "use one dtype on every rank" in error and "\n" not in error
 
 
 def test_different_versions_are_reported_on_every_rank(ranks):

@@ -180,3 +180,35 @@ def test_calibration_correction_passes_the_curve_through_the_measurement():
     assert slower(64) - c(64) == pytest.approx(0.01)  # more work: a fixed overhead, same slope
     assert faster(64) / c(64) == pytest.approx(0.8)  # less work: scaled down
     assert _through(c, 16, float("nan")) is c
+
+
+def test_an_iterable_dataset_is_one_line_naming_what_works():
+    import torch
+
+    import hetsplit.distributed as hd
+
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            yield from range(4)
+
+    with pytest.raises(ValueError) as info:
+        hd.data_loader(Stream(), PLAN, num_replicas=3, rank=0)
+    message = str(info.value)
+    assert "Stream is an iterable dataset" in message and "map-style dataset" in message, message
+    assert "hd.local_batch(batch, plan)" in message and "\n" not in message
+
+
+def test_local_batch_cuts_nests_and_serves_a_zero_share_the_loader_s_stand_in():
+    import torch
+    from transformers import BatchEncoding
+
+    import hetsplit.distributed as hd
+
+    zero = plan_from_sizes(None, ["rank0", "rank1", "rank2"], [7, 3, 0])
+    batch = BatchEncoding({"ids": torch.arange(10), "mask": torch.ones(10, 2), "tag": "x"})
+    parts = [hd.local_batch(batch, zero, rank=r) for r in range(3)]
+    assert all(type(p) is BatchEncoding and p["tag"] == "x" and len(p["mask"]) == len(p["ids"]) for p in parts)
+    assert [p["ids"].tolist() for p in parts] == [list(range(7)), [7, 8, 9], [0, 1]]  # rank 2: the stand-in
+    dataset = torch.utils.data.TensorDataset(torch.arange(10))
+    (served,) = next(iter(hd.data_loader(dataset, zero, shuffle=False, num_replicas=3, rank=2)))
+    assert served.tolist() == [0, 1]  # what hd.data_loader serves it

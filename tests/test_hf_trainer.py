@@ -57,3 +57,19 @@ def test_the_trainer_s_fsdp1_is_refused_in_one_line_naming_fsdp2(tmp_path):
         HeteroTrainer(model=torch.nn.Linear(3, 1), args=args, devices="cpu")
     message = str(info.value)
     assert "fsdp=True (FSDP1)" in message and "fsdp_config={'version': 2" in message, message
+
+
+@pytest.mark.parametrize("strategy", ["group_by_length", "batch_rebalance"])
+def test_a_length_grouped_order_is_refused_naming_the_trainer_s_own_setting(tmp_path, strategy):
+    # The Trainer's setting, not the shuffle= a DataLoader takes (a Trainer user never builds the loader).
+    import torch
+    from transformers import TrainingArguments
+
+    from hetsplit.transformers import HeteroTrainer
+
+    args = TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True, train_sampling_strategy=strategy)
+    with pytest.raises(ValueError) as info:
+        HeteroTrainer(model=torch.nn.Linear(3, 1), args=args, devices="cpu")
+    message = str(info.value)
+    assert f"TrainingArguments(train_sampling_strategy={strategy!r})" in message, message
+    assert "train_sampling_strategy='sequential'" in message and "shuffle=" not in message, message

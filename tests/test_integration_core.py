@@ -99,6 +99,43 @@ def test_one_cut_for_micro_batches_keeps_shared_values_whole_and_the_mapping_typ
     assert _micro_sizes(MICRO, 1, 2) == [2] and _micro_sizes(None, 0, 7) == [7]
 
 
+def test_every_row_cutter_cuts_any_mapping_namedtuple_and_dataclass_keeping_their_types():
+    # accelerate's examples pad with a tokenizer (a BatchEncoding, a UserDict); each cutter of a
+    # batch's rows walks it as the one tree walker does, and gives back the same types.
+    import collections
+    import dataclasses
+
+    from transformers import BatchEncoding
+
+    from hetsplit.integrations.collectives import first_rows
+    from hetsplit.integrations.transformers import _rows
+
+    Pair = collections.namedtuple("Pair", "ids mask")
+
+    @dataclasses.dataclass
+    class Features:
+        ids: torch.Tensor
+        note: str
+
+    ids = torch.arange(6).reshape(6, 1)
+    batch = BatchEncoding(
+        {"enc": BatchEncoding({"input_ids": ids}), "user": collections.UserDict(x=ids + 10),
+         "pair": Pair(ids + 20, ids > 2), "feat": Features(ids + 30, "n"), "texts": list("abcdef")}
+    )  # fmt: skip
+    pieces = list(hd.micro_batches(torch.nn.Linear(1, 1), batch, MICRO, rank=0))
+    assert [type(p) for p in pieces] == [BatchEncoding] * 3
+    assert [p["enc"]["input_ids"].flatten().tolist() for p in pieces] == [[0, 1], [2, 3], [4, 5]]
+    assert type(pieces[1]["enc"]) is BatchEncoding and type(pieces[1]["user"]) is collections.UserDict
+    assert pieces[1]["user"]["x"].flatten().tolist() == [12, 13]
+    assert type(pieces[2]["pair"]) is Pair and pieces[2]["pair"].ids.flatten().tolist() == [24, 25]
+    assert type(pieces[0]["feat"]) is Features and pieces[0]["feat"].ids.flatten().tolist() == [30, 31]
+    head = first_rows(batch, 6, 4)  # gather_for_metrics without the padded rows: per-row texts too
+    assert type(head) is BatchEncoding and head["texts"] == list("abcd") and type(head["pair"]) is Pair
+    assert head["user"]["x"].flatten().tolist() == [10, 11, 12, 13] and head["feat"].note == "n"
+    none = _rows(batch, 0)
+    assert type(none["user"]) is collections.UserDict and none["feat"].ids.shape == (0, 1)
+
+
 def test_framework_device_names_are_hetsplit_names():
     assert device_name(torch.device("cpu", 0)) == "cpu"
     assert [device_name(s) for s in ("cpu:0", "cpu:1@0.25", "cpu:max4", "cuda:1")] == [
@@ -215,3 +252,45 @@ def test_one_process_keeps_the_last_batch_short_as_plain_accelerate():
     finally:
         AcceleratorState._reset_state(reset_partial_state=True)
         GradientState._reset_state()
+
+
+def test_the_split_report_says_the_split_and_prediction_once_then_the_measured_step(monkeypatch, capsys):
+    # One implementation for the three integrations; the clock is the test's.
+    import itertools
+
+    clock = itertools.count(0.0, 0.012)  # a step every 12 ms
+    monkeypatch.setattr(core.time, "perf_counter", lambda: next(clock))
+    monkeypatch.delenv(core.QUIET_ENV, raising=False)
+    predicted = Plan(["rank0:cpu", "rank1:cpu@0.25"], [6, 2], [0.010, 0.009], 8)
+    report = core.SplitReport("HeteroDDPStrategy", rank=0)
+    for _ in range(4):
+        report.step(predicted)
+    report.end(predicted)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines == [
+        "hetsplit: HeteroDDPStrategy: global batch 8 split rank0:cpu 6 (75%), rank1:cpu@0.25 2 (25%); predicted "
+        "step 10.0 ms; emulated (a real device slowed down or capped, not real hardware): cpu@0.25",
+        "hetsplit: HeteroDDPStrategy: measured step 12.0 ms (median of 3, rank 0, start to start), predicted "
+        "10.0 ms (+20%)",
+    ]
+    by_hand = plan_from_sizes(None, ["rank0", "rank1"], [6, 2])
+    core.SplitReport("HeteroTrainer", rank=0).step(by_hand, ["rank0:cpu", "rank1:cpu@0.25"])
+    assert "no predicted step (shares set by hand" in capsys.readouterr().out
+    for report in (core.SplitReport("X", rank=1), core.SplitReport("X", rank=0, quiet=True)):
+        report.step(predicted)
+        report.step(predicted)
+        report.end(predicted)
+    monkeypatch.setenv(core.QUIET_ENV, "1")
+    core.SplitReport("X", rank=0).step(predicted)
+    assert capsys.readouterr().out == ""  # rank 1, quiet=True and HETSPLIT_QUIET=1 say nothing
+
+
+@pytest.mark.parametrize("integration", ["lightning", "accelerate", "transformers"])
+def test_quiet_is_one_shared_option_checked_alike(integration):
+    make = {
+        "lightning": lambda **kw: HeteroDDPStrategy(**kw),
+        "accelerate": lambda **kw: HeteroAccelerator(**kw),
+        "transformers": lambda **kw: HeteroTrainer(model=torch.nn.Linear(1, 1), **kw),
+    }[integration]
+    with pytest.raises(TypeError, match=r"\(quiet=\.\.\.\) must be True or False, got str: 'yes'"):
+        make(quiet="yes")

@@ -27,6 +27,8 @@ SCENARIOS = [
     "trainer_without_use_cpu_on_a_cpu_only_machine_is_one_job",
     "lightning_zero_share_never_reaches_the_step_empty",
     "lightning_sync_dist_metrics_cover_500_samples_once",
+    "lightning_steps_without_batch_idx_are_profiled_and_weighted",
+    "lightning_zero_share_logs_no_nan_without_sync_dist",
 ]
 
 
@@ -108,3 +110,11 @@ def test_lightning_zero_share_never_reaches_the_step_empty(jobs):
 
 def test_lightning_sync_dist_metrics_cover_500_samples_once(jobs):
     _run(jobs, "lightning_sync_dist_metrics_cover_500_samples_once")
+
+
+def test_lightning_steps_without_batch_idx_are_profiled_and_weighted(jobs):
+    _run(jobs, "lightning_steps_without_batch_idx_are_profiled_and_weighted")
+
+
+def test_lightning_zero_share_logs_no_nan_without_sync_dist(jobs):
+    _run(jobs, "lightning_zero_share_logs_no_nan_without_sync_dist")

@@ -9,7 +9,9 @@ per scenario it passes, or its traceback (``tests/integration_launch.py``).
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import io
 import os
 import sys
 import tempfile
@@ -229,7 +231,16 @@ def _(folder):
         model=model, args=arguments(folder, per_device_train_batch_size=8), train_dataset=data,
         data_collator=collate, devices="cpu,cpu@0.25", plan_kwargs={"time_budget": 1, "calibrate": 0},
     )  # fmt: skip
-    trainer.train()
+    with contextlib.redirect_stdout(io.StringIO()) as said:
+        trainer.train()
+    # Process 0 says the split it chose and its predicted step, then the measured step; process 1 nothing.
+    lines = [line for line in said.getvalue().splitlines() if line.startswith("hetsplit: HeteroTrainer:")]
+    if dist.get_rank() == 0:
+        assert len(lines) == 2 and "global batch 16 split rank0:cpu" in lines[0], lines
+        assert "; predicted step " in lines[0] and "not real hardware): cpu@0.25" in lines[0], lines
+        assert "measured step" in lines[1], lines
+    else:
+        assert not lines, lines
     # The plan its own profiles call best (which rank gets more is what they measured: a loaded
     # machine can make the emulated quarter-speed CPU measure as fast as the other), the same on both.
     plan = trainer.plan

@@ -10,15 +10,15 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
-from torch import Tensor, nn
+from torch import nn
 
 from ..devices import DeviceLike, parse_device
 from ..planning.micro import micro_sizes
 from ..planning.plan import Plan
-from ..tree import batch_length, tree_map
+from ..tree import batch_length, narrow
 from . import sharded as _sharded
 from ._group import group_info
 from .sampler import STAND_IN
@@ -120,33 +120,13 @@ def _pieces(batch: Any, sizes: Sequence[int], dim: int = 0) -> list[Any]:
 
     Every tensor whose length along ``dim`` is the batch's (``sum(sizes)``) is cut; other
     values (a 0-dim tensor, ``position_ids`` of one row shared by the batch, a string) go
-    whole to every piece. A mapping keeps its type where its constructor takes a dict (a
-    tokenizer's ``BatchEncoding`` walked key by key, which the tree walk would keep whole).
+    whole to every piece. Containers keep their types, any ``Mapping`` (a tokenizer's
+    ``BatchEncoding``) included (:func:`hetsplit.tree.narrow`).
     """
     if len(sizes) <= 1:
         return [batch]
-    rows = sum(sizes)
-    out, start = [], 0
-    for size in sizes:
-
-        def cut(x: Any, start: int = start, size: int = size) -> Any:
-            if isinstance(x, Tensor) and -x.dim() <= dim < x.dim() and x.shape[dim] == rows:
-                return x.narrow(dim, start, size)
-            return x
-
-        out.append(_mapped(cut, batch))
-        start += size
-    return out
-
-
-def _mapped(fn: Any, batch: Any) -> Any:
-    if isinstance(batch, Mapping) and type(batch) is not dict:  # the tree walk keeps these whole
-        cut = {k: tree_map(fn, v) for k, v in batch.items()}
-        try:
-            return type(batch)(cut)
-        except TypeError:
-            return cut
-    return tree_map(fn, batch)
+    rows, starts = sum(sizes), [sum(sizes[:j]) for j in range(len(sizes))]
+    return [narrow(batch, start, size, dim=dim, rows=rows) for start, size in zip(starts, sizes)]
 
 
 def _all_reduce_once(ddp_model: nn.Module, pieces: Sequence[Any]) -> Iterator[Any]:

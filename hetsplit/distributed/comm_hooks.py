@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import math
+import warnings
 import weakref
 from collections.abc import Iterator
 from functools import partial
@@ -14,7 +16,7 @@ from torch import nn
 
 from ..parallel.reduce import shard_weights
 from ..planning.plan import Plan
-from ..tree import batch_length, tree_map
+from ..tree import batch_length, flatten, tree_map
 from . import sharded as _sharded
 from ._group import DistributedError, as_error, group_info, group_timeout, note_step, verify_plan
 from .sampler import _IN_HAND, STAND_IN
@@ -42,6 +44,10 @@ class WeightingState:
         self.pos = 0  # the next micro-batch
         self.part = 1.0  # the running micro-batch's share of the rank's gradient
         self.handles: list[Any] = []  # the forward hooks on the model (an integration removes them at teardown)
+        self.sum_checks = _SUM_CHECKS if reduction == "mean" else 0  # steps whose outputs' gradient is looked at
+        # How the user runs a plan's micro-batches, named when a forward does not follow them
+        # (an integration names its own call).
+        self.micro_call = "hd.micro_batches(model, batch, plan)"
 
     def set_plan(self, plan: Plan | None) -> None:
         """Weight the following steps by ``plan`` (``None``: by each step's real sizes)."""
@@ -210,7 +216,10 @@ def weight_gradients(
             for steps of any size (``method="hook"`` for DDP; FSDP2 too).
         method: ``"hook"`` or ``"outputs"``, as above (default: ``"hook"`` for DDP,
             ``"outputs"`` for FSDP2).
-        reduction: ``"mean"`` or ``"sum"``: how each rank's loss reduces its samples.
+        reduction: ``"mean"`` or ``"sum"``: how each rank's loss reduces its samples. A
+            loss summed over the batch (``model(x).sum()``) needs ``"sum"``; under
+            ``"mean"`` the first steps warn once where the outputs' gradient shows a sum
+            (the same 1, or ``1/k`` for ``k`` elements a sample, in every element).
         dim: The batch dimension of the inputs.
         group: The process group DDP uses (default: the world).
 
@@ -284,9 +293,10 @@ def weight_gradients(
 
         def part(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
             # Micro-batches: each one's gradient counts by its share of the rank's samples.
-            if state.micro is None or not torch.is_grad_enabled() or module is not owner() or id(module) in _PAUSED:
+            if not torch.is_grad_enabled() or module is not owner() or id(module) in _PAUSED:
                 return None
-            return _scaled(output, state.part)
+            _watch_for_a_sum(state, output)
+            return None if state.micro is None else _scaled(output, state.part)
 
         state.handles.append(inner.register_forward_pre_hook(before, with_kwargs=True))
         state.handles.append(inner.register_forward_hook(part, with_kwargs=True))
@@ -301,11 +311,52 @@ def weight_gradients(
             total = _sharded.exchanged_total(state.local, module, group, rank)
             b = state.local
             weight = (b / total if total else 0.0) if reduction == "mean" else float(b > 0)
-            return _scaled(output, world * weight)
-        return _scaled(output, world * state.weight * state.part)
+            return _watch_for_a_sum(state, _scaled(output, world * weight))
+        return _watch_for_a_sum(state, _scaled(output, world * state.weight * state.part))
 
     state.handles.append(inner.register_forward_hook(after, with_kwargs=True))
     return state
+
+
+# The first training steps whose outputs' gradient is looked at for a summed loss (a
+# constant gradient is one comparison of the outputs' gradient; after that, nothing).
+_SUM_CHECKS = 3
+
+
+def _watch_for_a_sum(state: WeightingState, output: Any) -> Any:
+    """In the first steps under ``reduction="mean"``, warn once if the loss is a sum over the batch.
+
+    ``model(x).sum()`` (pytorch/examples' FSDP2 script trains on it) puts a gradient of
+    exactly 1 in every element of the outputs, and ``out.mean(1).sum()`` ``1/k`` for ``k``
+    elements a sample: a loss summed over the rank's samples, which the mean weighting
+    ``b_r / B`` would weight wrongly (silently off the one-process gradient). A mean over
+    the samples puts ``1/b`` (or less) there. Other losses are not judged.
+    """
+    if state.sum_checks <= 0 or state.planned == 0 or state.local < 2:
+        return output
+    state.sum_checks -= 1
+    rows = state.local
+    for leaf in flatten(output)[0]:
+        if isinstance(leaf, torch.Tensor) and leaf.requires_grad and leaf.is_floating_point() and leaf.dim():
+            leaf.register_hook(partial(_judge_gradient, state, rows))
+    return output
+
+
+def _judge_gradient(state: WeightingState, rows: int, grad: torch.Tensor) -> None:
+    flat = grad.detach().reshape(-1)
+    if state.sum_checks < 0 or flat.numel() < rows or not bool((flat == flat[0]).all()):
+        return
+    value, per_sample = float(flat[0]), flat.numel() / rows
+    if value == 1.0 or (per_sample != rows and math.isclose(value, 1 / per_sample, rel_tol=1e-6)):
+        state.sum_checks = -1  # once
+        warnings.warn(
+            f"hd.weight_gradients(..., reduction='mean'): the loss's gradient into the model's outputs is "
+            f"{value:g} in every element ({rows} samples), as of a loss summed over the batch "
+            "(model(x).sum()); the mean weighting b_r / B then differs from the one-process gradient. "
+            "Pass reduction='sum' for a summed loss, or average it over the rank's samples",
+            UserWarning,
+            stacklevel=2,
+        )
 
 
 # Modules whose weighting hooks do nothing for now (by id: a module may be unhashable).
@@ -346,7 +397,7 @@ def _micro_step(state: WeightingState, rank: int) -> None:
     if state.local != micro[state.pos] and not filler:
         raise DistributedError(
             f"rank {rank}: this forward has {state.local} samples but the micro-batches for this rank are "
-            f"{micro} (next: {micro[state.pos]}); run them with hd.micro_batches(model, batch, plan)"
+            f"{micro} (next: {micro[state.pos]}); run them with {state.micro_call}"
         )
     if state.pos == 0:
         state.started()  # a step is all of the rank's micro-batches

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
+from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler, default_collate
 
 from ..planning.plan import Plan, sizes_from_weights
-from ..tree import tree_map
+from ..tree import batch_length, narrow, tree_map
 from ._group import group_info
 
 # What a rank whose share is 0 is served: real samples weighted 0, or an empty batch.
@@ -93,6 +93,16 @@ def _epoch_order(n: int, need: int, shuffle: bool, seed: int) -> list[int]:
     return order[:need]
 
 
+def _check_dataset(dataset: Any) -> None:
+    """Shares are cut by index: a dataset without ``__len__`` and ``__getitem__`` is one clear error."""
+    if isinstance(dataset, IterableDataset) or not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
+        raise ValueError(
+            f"{type(dataset).__name__} is an iterable dataset; hetsplit cuts every global batch by index, so it "
+            "needs a map-style dataset (with __len__ and __getitem__): wrap the data in one, or cut each global "
+            "batch of your own loader with hd.local_batch(batch, plan)"
+        )
+
+
 def _world(num_replicas: int | None, rank: int | None, plan: Plan) -> tuple[int, int]:
     if num_replicas is None or rank is None:
         r, w = group_info(None)
@@ -169,6 +179,7 @@ class HeteroBatchSampler(Sampler[list[int]]):
         pad: bool = True,
         zero_share: str = "sample",
     ) -> None:
+        _check_dataset(dataset)
         self.num_replicas, self.rank = _world(num_replicas, rank, plan)
         self.dataset, self.shuffle, self.seed, self.drop_last = dataset, shuffle, seed, drop_last
         if zero_share not in ZERO_SHARES:
@@ -330,9 +341,56 @@ class _Collate:
         # An empty share has the keys and shapes the user's collate gives (labels a collator
         # adds, say): a framework that looks for them then does the same on every rank.
         one = self.user([self.sampler.dataset[0]])  # type: ignore[index]
-        if isinstance(one, Mapping) and not isinstance(one, dict):  # BatchEncoding and other mappings
-            one = dict(one)
         return tree_map(lambda t: t[:0] if isinstance(t, torch.Tensor) else t, one)
+
+
+def local_batch(batch: Any, plan: Plan, *, rank: int | None = None, dim: int = 0, group: Any = None) -> Any:
+    """This rank's rows of a global batch, cut as :func:`data_loader` cuts it: for scripts that make their own batches.
+
+    Rank ``r`` takes the ``plan.sizes[r]`` rows at its offset (the shares of the ranks
+    before it). A rank the plan gives 0 takes the batch's first two rows (:data:`STAND_IN`),
+    real samples that :func:`weight_gradients` counts as 0, with the plan or without it
+    (the stand-in is marked as :func:`data_loader` marks it), so the model never meets an
+    empty batch. A shorter global batch (an epoch's last) is cut in the plan's
+    proportions, every row once (``data_loader(pad=False)``); with
+    ``weight_gradients(model, plan)`` every step must have the plan's sizes, so weight
+    such steps with ``weight_gradients(model)`` (no plan), or drop the short batch.
+    Every tensor whose length along ``dim`` is the batch's is cut, in any nest (a
+    ``BatchEncoding`` keeps its type); other values go whole.
+
+    Args:
+        batch: The global batch, the same on every rank (a tensor or a nest).
+        plan: The plan every rank holds.
+        rank: This rank (default: the process group's).
+        dim: The batch dimension.
+        group: The process group (for the rank).
+
+    Returns:
+        This rank's rows (views of ``batch``).
+
+    Raises:
+        ValueError: If the batch holds more samples than the plan's global batch, or the
+            plan has another number of shares than the world.
+
+    Example:
+        >>> x, y = next(batches)  # the same global batch of plan.batch_size on every rank
+        >>> xb, yb = hd.local_batch((x, y), plan)
+    """
+    world = len(plan.sizes) if rank is not None else None
+    _, rank = _world(world, rank, plan)
+    n = batch_length(batch, dim)
+    if n > plan.batch_size:
+        raise ValueError(
+            f"the global batch has {n} samples but the plan splits {plan.batch_size}; pass global batches of "
+            f"{plan.batch_size} (or fewer: an epoch's last), or solve the plan for {n}"
+        )
+    sizes = list(plan.sizes) if n == plan.batch_size else sizes_from_weights(n, plan.sizes)
+    start, count = sum(sizes[:rank]), sizes[rank]
+    stand_in = count == 0 and n > 0
+    if stand_in:  # as the sampler serves a zero share: the global batch's first rows, weighted 0
+        start, count = 0, min(STAND_IN, n)
+    _IN_HAND.stand_in = stand_in
+    return narrow(batch, start, count, dim=dim, rows=n)
 
 
 def data_loader(

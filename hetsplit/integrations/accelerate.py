@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader, RandomSampler
 
 import hetsplit.distributed as hd
 from hetsplit.devices import Device, parse_device
+from hetsplit.distributed._group import verify_dtypes
 from hetsplit.distributed.comm_hooks import WeightingState
 from hetsplit.distributed.setup import device_name
 from hetsplit.distributed.sharded import kind
@@ -95,6 +96,8 @@ class HeteroAccelerator(accelerate.Accelerator):
         plan_kwargs: Passed to :func:`hetsplit.distributed.plan` (``time_budget``,
             ``calibrate``, ``batch_sizes``, ``weights``, ``accumulate``), over the defaults
             ``{"time_budget": 10.0, "calibrate": 4}`` (the same in every integration).
+        quiet: Say nothing about the split (else rank 0 prints the split and its predicted
+            step when training starts, the measured step when it ends; ``HETSPLIT_QUIET=1`` too).
         **accelerator_kwargs: Passed to ``accelerate.Accelerator``.
 
     Raises:
@@ -112,6 +115,8 @@ class HeteroAccelerator(accelerate.Accelerator):
     # (HeteroTrainer's): with weighting="none" a plan with micro-batches is then followed
     # there instead of refused.
     loss_weights_micro_batches: ClassVar[bool] = False
+    # The class the user made, named in what it says (HeteroTrainer's accelerator says "HeteroTrainer").
+    who: ClassVar[str] = "HeteroAccelerator"
     # What a process whose share is 0 is served (hetsplit.distributed.ZERO_SHARES): one real
     # sample weighted 0, so user code never sees an empty batch; HeteroTrainer, which runs
     # such a share on a sample of its own, takes the empty batch.
@@ -128,11 +133,12 @@ class HeteroAccelerator(accelerate.Accelerator):
         rebalance: int | Rebalancer = 0,
         loss_fn: Any = None,
         plan_kwargs: Mapping[str, Any] | None = None,
+        quiet: bool = False,
         **accelerator_kwargs: Any,
     ) -> None:
         rank, world = launched_world()
         given = {"devices": devices, "plan": plan, "profile": profile, "global_batch_size": global_batch_size}
-        given.update(weighting=weighting, rebalance=rebalance, plan_kwargs=plan_kwargs)
+        given.update(weighting=weighting, rebalance=rebalance, plan_kwargs=plan_kwargs, quiet=quiet)
         own_loss = self.loss_weights_micro_batches
         names = check_arguments(given, accelerator_kwargs, world, loss_weights_micro_batches=own_loss)
         self.rank_device: Device | None = None
@@ -173,6 +179,8 @@ class HeteroAccelerator(accelerate.Accelerator):
         self._weightings: list[WeightingState] = []
         self._adopted: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()  # weighted and throttled
         self._provisional = False  # an FSDP2 plan made before the model was sharded: profiled once it is
+        self.device_names = [f"rank{r}:{n}" for r, n in enumerate(names)] if names is not None else None
+        self.report = core.SplitReport(self.who, self.process_index, quiet)
 
     @property
     def plan(self) -> Plan | None:
@@ -365,15 +373,23 @@ class HeteroAccelerator(accelerate.Accelerator):
         loader._is_accelerate_prepared = True
         if data_loader is self._planned_loader:
             self._planned_shares = loader
-            if self.rebalance_in_loader:
-                loader.step_context = self.rebalance_step  # each batch is a step the rebalancer times
+            if self.steps_in_loader:  # each batch is a step: reported, and timed by the rebalancer
+                loader.step_context, loader.pass_ended = self._loader_step, self._loader_pass_ended
         self._dataloaders.append(loader)
         return loader
 
-    # With rebalance, each batch of the training loader is one step of the rebalancer, from
-    # its yield to the next; a subclass whose framework fetches several batches before
-    # running them (HeteroTrainer, over an accumulation window) times its own steps.
-    rebalance_in_loader: ClassVar[bool] = True
+    # Each batch of the training loader is one step, from its yield to the next (the
+    # rebalancer times it, the split report counts it); a subclass whose framework fetches
+    # several batches before running them (HeteroTrainer, over an accumulation window)
+    # marks its own steps.
+    steps_in_loader: ClassVar[bool] = True
+
+    def _loader_step(self) -> contextlib.AbstractContextManager[Any]:
+        self.report.step(self.plan, self.device_names)
+        return self.rebalance_step()
+
+    def _loader_pass_ended(self) -> None:
+        self.report.end(self.plan)  # each pass over the training loader: its measured step
 
     def rebalance_step(self) -> contextlib.AbstractContextManager[Any]:
         """One training step, timed by the rebalancer (nothing without ``rebalance``).
@@ -416,6 +432,8 @@ class HeteroAccelerator(accelerate.Accelerator):
         accelerate shards an FSDP2 model in :meth:`prepare` instead (with its optimizer),
         where it is weighted the same way (see :meth:`prepare`).
         """
+        if not evaluation_mode and kind(model) == "ddp":  # DDP's first broadcast aborts a rank on a dtype mismatch
+            verify_dtypes(model)
         model = super().prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
         self._adopt(model)
         return model
@@ -439,6 +457,8 @@ class HeteroAccelerator(accelerate.Accelerator):
                     "with the training loader, or pass plan="
                 )
             self._weightings.append(hd.weight_gradients(model, self._plan, method=self.weighting))
+        for state in self._weightings:  # a forward off the plan's micro-batches names the call accelerate users make
+            state.micro_call = "accelerator.micro_batches(model, batch)"
         throttle_forward(model, self.rank_device)
         self._adopted.add(model)
         if self._provisional and self._planned_loader is not None:  # the model a loader's plan waited for

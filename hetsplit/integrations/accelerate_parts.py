@@ -36,11 +36,13 @@ class SharesLoader(DataLoaderShard):
             counter moves on with this one's, so the next epoch draws the next order.
         step_context: Makes the context each batch is handed out in, from its yield to the
             next (the accelerator's rebalancer times it as one step); ``None``: none.
+        pass_ended: Called when a pass over the loader ends (the accelerator's split report).
     """
 
     current_samples: int | None = None
     origin: SharesLoader | None = None
     step_context: Callable[[], contextlib.AbstractContextManager[Any]] | None = None
+    pass_ended: Callable[[], None] | None = None
     _index: int = 0  # the current batch's index from the epoch's first (skipped ones included)
     _rows: int = 0  # its rows
 
@@ -55,6 +57,8 @@ class SharesLoader(DataLoaderShard):
         self.current_samples = None
         if self.origin is not None:
             self.origin.iteration = max(self.origin.iteration, self.iteration)
+        if self.pass_ended is not None:
+            self.pass_ended()
 
     def real_rows(self) -> int:
         """This process's rows of the current batch that are data counted once.
@@ -81,7 +85,7 @@ class SharesLoader(DataLoaderShard):
             _non_blocking=self._non_blocking,
             **settings,
         )
-        loader.origin, loader.step_context = self, self.step_context
+        loader.origin, loader.step_context, loader.pass_ended = self, self.step_context, self.pass_ended
         loader._is_accelerate_prepared = True
         return loader
 

@@ -9,6 +9,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from hetsplit.tree import rebuilt, tree_map
+
 _MAX_DIMS = 8  # the shape a gather exchanges first has room for this many dimensions
 
 
@@ -84,7 +86,7 @@ def uneven_gather(data: Any, group: Any = None) -> Any:
         ValueError: If ranks give tensors whose trailing shapes differ (naming them).
     """
     if isinstance(data, Mapping):
-        return type(data)({k: uneven_gather(v, group) for k, v in data.items()})
+        return rebuilt(data, {k: uneven_gather(v, group) for k, v in data.items()})
     if isinstance(data, (list, tuple)) and not hasattr(data, "_fields"):
         return type(data)(uneven_gather(v, group) for v in data)
     world = dist.get_world_size(group)
@@ -117,19 +119,26 @@ def uneven_gather(data: Any, group: Any = None) -> Any:
 
 
 def first_rows(data: Any, rows: int, real: int) -> Any:
-    """The first ``real`` rows of everything in ``data`` that has ``rows`` (a tensor, a list); the rest whole."""
+    """The first ``real`` rows of everything in ``data`` that has ``rows`` (a tensor, a list); the rest whole.
+
+    A list of ``rows`` plain objects (decoded texts, say) is one object per row and is
+    cut too; containers keep their types (:func:`hetsplit.tree.tree_map`).
+    """
     if real == rows:
         return data
-    if isinstance(data, Mapping):
-        return type(data)({k: first_rows(v, rows, real) for k, v in data.items()})
-    nested = (torch.Tensor, list, tuple, Mapping)
-    if isinstance(data, list) and len(data) == rows and not any(isinstance(v, nested) for v in data):
-        return data[:real]  # one object per row (decoded texts, say)
-    if isinstance(data, (list, tuple)):
-        return type(data)(first_rows(v, rows, real) for v in data)
-    if torch.is_tensor(data) and data.dim() and data.shape[0] == rows:
-        return data[:real]
-    return data
+
+    def per_row(x: Any) -> bool:
+        return isinstance(x, list) and len(x) == rows and not any(isinstance(v, _NESTED) for v in x)
+
+    def cut(x: Any) -> Any:
+        if per_row(x) or (torch.is_tensor(x) and x.dim() and x.shape[0] == rows):
+            return x[:real]
+        return x
+
+    return tree_map(cut, data, is_leaf=per_row)
+
+
+_NESTED = (torch.Tensor, list, tuple, Mapping)
 
 
 def all_tensors(data: Any) -> bool:

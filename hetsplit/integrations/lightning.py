@@ -25,6 +25,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import hetsplit.distributed as hd
 from hetsplit.devices import Device, parse_device
+from hetsplit.distributed._group import verify_dtypes
 from hetsplit.distributed.comm_hooks import WeightingState
 from hetsplit.distributed.sampler import HeteroBatchSampler
 from hetsplit.distributed.setup import ENV_DEVICES
@@ -43,7 +44,7 @@ from .lightning_parts import (
     profiled_plan,
     rank_devices,
 )
-from .lightning_steps import eval_loader, step_sampler, weigh_step
+from .lightning_steps import eval_loader, stand_in_logging, step_sampler, weigh_step
 
 
 class _HeteroStrategy:
@@ -68,10 +69,11 @@ class _HeteroStrategy:
         rebalance: int | Rebalancer = 0,
         *,
         plan_kwargs: dict[str, Any] | None = None,
+        quiet: bool = False,
         **strategy_kwargs: Any,
     ) -> None:
         given = {"devices": devices, "plan": plan, "profile": profile, "global_batch_size": global_batch_size}
-        given.update(weighting=weighting, rebalance=rebalance, plan_kwargs=plan_kwargs)
+        given.update(weighting=weighting, rebalance=rebalance, plan_kwargs=plan_kwargs, quiet=quiet)
         self._check_arguments(given, strategy_kwargs)
         self._rank_device: Device | None = None  # before super(): root_device reads it
         super().__init__(**strategy_kwargs)
@@ -85,9 +87,15 @@ class _HeteroStrategy:
         self.train_sampler: HeteroBatchSampler | None = None
         self._eval_samplers: weakref.WeakKeyDictionary[HeteroBatchSampler, int] = weakref.WeakKeyDictionary()
         self._samples: int | None = None  # this rank's samples in the step running now
+        # The running batch's index and loader, as Lightning's loops number them (the step
+        # hooks may take no batch_idx: Lightning passes only what their signature names).
+        self._batch_index: int | None = None
+        self._dataloader_idx = 0
         self._weighted: list[int] | None = None  # every rank's rows the gradients are weighted by now
         self._seen: dict[Any, int] = {}  # per stage: this rank's samples since its metrics were last reset
         self._callback = HeteroCallback(self)
+        self.quiet = quiet
+        self._report: core.SplitReport | None = None  # made with the ranks known (setup)
         self.aside = GradientsAside()  # a micro-batched step's gradients, until Lightning's backward
 
     def _check_arguments(self, given: dict[str, Any], strategy_kwargs: dict[str, Any]) -> None:
@@ -147,6 +155,7 @@ class _HeteroStrategy:
         """Install the strategy's callback (epochs, rebalancing), then set up as the Lightning strategy does."""
         if self._callback not in trainer.callbacks:
             trainer.callbacks.append(self._callback)
+        self._report = core.SplitReport(self._who, self.global_rank, self.quiet)
         super().setup(trainer)
 
     def _weight(self) -> None:
@@ -235,26 +244,37 @@ class _HeteroStrategy:
         return plan_from_sizes(None, self._labels, sizes_from_weights(total, weights))
 
     # ------------------------------------------------------------------ steps
+    def batch_started(self, index: int, dataloader_idx: int = 0) -> None:
+        """Lightning starts batch ``index`` of loader ``dataloader_idx`` (the strategy's callback says so)."""
+        self._batch_index, self._dataloader_idx = index, dataloader_idx
+        if self._report is not None and self.lightning_module.trainer.state.stage == RunningStage.TRAINING:
+            self._report.step(self.plan, self._labels)
+
+    def training_ended(self) -> None:
+        """Training ended: the measured step beside the predicted one (rank 0, one line)."""
+        if self._report is not None:
+            self._report.end(self.plan)
+
     @contextlib.contextmanager
     def _step(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterator[None]:
         batch = args[0] if args else kwargs.get("batch")
         rows = samples_in(batch)
-        index = args[1] if len(args) > 1 else kwargs.get("batch_idx")
-        sampler = step_sampler(self, args[2] if len(args) > 2 else kwargs.get("dataloader_idx", 0))
-        # A zero share's one sample counts for nothing, as in its gradient (evaluation adds no padding).
-        self._samples = (
-            0 if rows is not None and isinstance(index, int) and sampler and sampler.is_filler(index) else rows
-        )
+        index = self._batch_index
+        sampler = step_sampler(self, self._dataloader_idx)
+        # A zero share's stand-in samples count for nothing, as in its gradient (evaluation adds no padding).
+        stand_in = bool(rows) and isinstance(index, int) and sampler is not None and sampler.is_filler(index)
+        self._samples = 0 if stand_in else rows
+        module = self.lightning_module
         if self._samples is not None:
-            trainer = self.lightning_module.trainer
+            trainer = module.trainer
             self._seen[trainer.state.stage] = self._seen.get(trainer.state.stage, 0) + self._samples
-            if self._samples != rows and trainer._results is not None:
+            if stand_in and trainer._results is not None:
                 # Lightning weights an on_epoch mean by the batch size it reads off the
-                # batch (_ResultCollection.batch_size, reset at every batch start): the one
-                # sample a share of 0 runs must count as nothing.
-                trainer._results.batch_size = self._samples
+                # batch (_ResultCollection.batch_size, reset at every batch start): the
+                # stand-in samples must count as nothing in what is synced across ranks.
+                trainer._results.batch_size = 0
         try:
-            with throttle(self._rank_device):
+            with throttle(self._rank_device), stand_in_logging(module, rows) if stand_in else contextlib.nullcontext():
                 yield
         finally:
             self._samples = None
@@ -264,7 +284,7 @@ class _HeteroStrategy:
 
         A share the plan splits runs as its micro-batches (:func:`~.lightning_micro.run_training_step`).
         """
-        weigh_step(self, args[1] if len(args) > 1 else kwargs.get("batch_idx"))
+        weigh_step(self, self._batch_index)
         with self._step(args, kwargs):
             return run_training_step(self, super().training_step, args, kwargs)
 
@@ -407,6 +427,8 @@ class HeteroDDPStrategy(_HeteroStrategy, DDPStrategy):
             ``calibrate``, ``batch_sizes``, ``weights``, ``accumulate``, ...), over the
             defaults ``{"time_budget": 10.0, "calibrate": 4}`` (the same in every
             integration). ``profile_kwargs`` is its former name, deprecated.
+        quiet: Say nothing about the split (else rank 0 prints the split and its predicted
+            step when training starts, the measured step when it ends; ``HETSPLIT_QUIET=1`` too).
         **ddp_kwargs: Passed to ``DDPStrategy`` (``timeout``, ``find_unused_parameters``, ...).
 
     Raises:
@@ -425,6 +447,7 @@ class HeteroDDPStrategy(_HeteroStrategy, DDPStrategy):
         rebalance: int | Rebalancer = 0,
         *,
         plan_kwargs: dict[str, Any] | None = None,
+        quiet: bool = False,
         profile_kwargs: dict[str, Any] | None = None,
         **ddp_kwargs: Any,
     ) -> None:
@@ -436,11 +459,16 @@ class HeteroDDPStrategy(_HeteroStrategy, DDPStrategy):
             )
             plan_kwargs = profile_kwargs
         super().__init__(
-            devices, plan, profile, global_batch_size, weighting, rebalance, plan_kwargs=plan_kwargs, **ddp_kwargs
-        )
+            devices, plan, profile, global_batch_size, weighting, rebalance, plan_kwargs=plan_kwargs, quiet=quiet,
+            **ddp_kwargs,
+        )  # fmt: skip
 
     def _setup_model(self, model: nn.Module) -> DistributedDataParallel:
-        """DDP over a :class:`StepModule` holding the LightningModule (so weighting sees one call per step)."""
+        """DDP over a :class:`StepModule` holding the LightningModule (so weighting sees one call per step).
+
+        The ranks' dtypes are compared first: DDP's first broadcast would abort a rank on a mismatch.
+        """
+        verify_dtypes(model)
         return super()._setup_model(StepModule(model))
 
     def configure_ddp(self) -> None:

@@ -38,7 +38,7 @@ from hetsplit.planning import Plan
 
 from .collectives import samples_in
 
-_LOG_SIGNATURE = inspect.signature(pl.LightningModule.log)
+LOG_SIGNATURE = inspect.signature(pl.LightningModule.log)
 _NOT_SET = object()
 
 
@@ -375,11 +375,11 @@ class LogRecorder:
     @contextlib.contextmanager
     def recording(self, samples: int) -> Iterator[None]:
         """Inside: ``self.log`` records its calls, for a micro-batch of ``samples`` samples."""
-        with _log_replaced(self.module, partial(self._record, samples)):
+        with log_replaced(self.module, partial(self._record, samples)):
             yield
 
     def _record(self, samples: int, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
-        options = dict(_LOG_SIGNATURE.bind(self.module, name, value, *args, **kwargs).arguments)
+        options = dict(LOG_SIGNATURE.bind(self.module, name, value, *args, **kwargs).arguments)
         for key in ("self", "name", "value"):
             options.pop(key, None)
         if not options.get("enable_graph", False):
@@ -408,7 +408,7 @@ def _detached(value: Any) -> Any:
 
 
 @contextlib.contextmanager
-def _log_replaced(module: nn.Module, log: Callable[..., None]) -> Iterator[None]:
+def log_replaced(module: nn.Module, log: Callable[..., None]) -> Iterator[None]:
     """``module.log`` is ``log`` inside (an instance attribute over the class's method; removed after)."""
     own = vars(module).get("log", _NOT_SET)
     module.log = log

@@ -11,6 +11,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler, SequentialSampler
 
@@ -69,7 +70,7 @@ class _Shared:
 
 
 class LossModule(nn.Module):
-    """A copy of a LightningModule whose forward is ``training_step(batch, 0)``: the loss the profiler times.
+    """A copy of a LightningModule whose forward is its ``training_step``: the loss the profiler times.
 
     The copy has no trainer, so ``self.log`` in ``training_step`` would warn on every
     call; those warnings are silenced. The step runs in ``context`` (the precision
@@ -101,11 +102,17 @@ class LossModule(nn.Module):
         return cls(replica, context)
 
     def forward(self, batch: Any) -> torch.Tensor:
-        """The loss of ``training_step(batch, 0)`` (its ``"loss"`` entry when it returns a dict)."""
+        """The loss of ``training_step(batch, 0)`` (its ``"loss"`` entry when it returns a dict).
+
+        Called as Lightning calls it: ``batch_idx`` only where the hook's signature takes
+        one (``training_step(self, batch)`` is allowed; Lightning's own FSDP2 example has it).
+        """
+        step = self.module.training_step
+        args = (batch, 0) if is_param_in_hook_signature(step, "batch_idx", min_args=2) else (batch,)
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=r".*`self\.log\(\)`.*")
             with self.context.factory():
-                out = self.module.training_step(batch, 0)
+                out = step(*args)
         loss = out.get("loss") if isinstance(out, Mapping) else out
         if not isinstance(loss, torch.Tensor):
             raise ValueError(
@@ -131,6 +138,10 @@ class HeteroCallback(pl.Callback):
         self.strategy = strategy
         self._steps = contextlib.ExitStack()
 
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Say the measured step beside the predicted one (rank 0)."""
+        self.strategy.training_ended()
+
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Shuffle the shares of this epoch (the same order on every rank); count its samples afresh."""
         self.strategy.count_samples()
@@ -138,9 +149,22 @@ class HeteroCallback(pl.Callback):
             self.strategy.train_sampler.set_epoch(trainer.current_epoch)
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int) -> None:
-        """Open the rebalancer's step."""
+        """Tell the strategy which batch runs; open the rebalancer's step."""
+        self.strategy.batch_started(idx)
         if self.strategy.rebalancer is not None:
             self._steps.enter_context(self.strategy.rebalancer.step())
+
+    def on_validation_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
+        """Tell the strategy which batch of which loader runs (a step may take no ``batch_idx``)."""
+        self.strategy.batch_started(batch_idx, dataloader_idx)
+
+    def on_test_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
+        """As :meth:`on_validation_batch_start`."""
+        self.strategy.batch_started(batch_idx, dataloader_idx)
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, idx: int

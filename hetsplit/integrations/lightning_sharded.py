@@ -59,7 +59,7 @@ class HeteroModelParallelStrategy(_HeteroStrategy, ModelParallelStrategy):
       uninterrupted fit: the same shares, epoch order, parameters and optimizer state.
 
     Args:
-        devices, plan, profile, global_batch_size, rebalance, plan_kwargs: As for
+        devices, plan, profile, global_batch_size, rebalance, plan_kwargs, quiet: As for
             :class:`~hetsplit.lightning.HeteroDDPStrategy`.
         weighting: ``"outputs"`` only (FSDP2 has no comm hook to weight).
         data_parallel_size: ``"auto"`` (the world size) or the world size.
@@ -85,6 +85,7 @@ class HeteroModelParallelStrategy(_HeteroStrategy, ModelParallelStrategy):
         rebalance: int | Rebalancer = 0,
         *,
         plan_kwargs: dict[str, Any] | None = None,
+        quiet: bool = False,
         data_parallel_size: int | str = "auto",
         tensor_parallel_size: int = 1,
         **kwargs: Any,
@@ -103,7 +104,7 @@ class HeteroModelParallelStrategy(_HeteroStrategy, ModelParallelStrategy):
                 "data-parallel rank) or give the number of processes"
             )
         super().__init__(
-            devices, plan, profile, global_batch_size, weighting, rebalance, plan_kwargs=plan_kwargs,
+            devices, plan, profile, global_batch_size, weighting, rebalance, plan_kwargs=plan_kwargs, quiet=quiet,
             data_parallel_size=data_parallel_size, tensor_parallel_size=1, **kwargs,
         )  # fmt: skip
         self._root: nn.Module | None = None

@@ -1,7 +1,9 @@
-"""Lightning steps: which sampler a step's batch came from, evaluation loaders, each step's gradient weights."""
+"""Lightning steps: which sampler a batch came from, evaluation loaders, each step's weights (gradients, logs)."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import lightning.pytorch as pl
@@ -11,6 +13,7 @@ import hetsplit.distributed as hd
 from hetsplit.distributed.sampler import HeteroBatchSampler
 from hetsplit.planning import plan_from_sizes
 
+from .lightning_micro import LOG_SIGNATURE, log_replaced
 from .lightning_parts import loader_settings
 
 
@@ -73,3 +76,28 @@ def weigh_step(strategy: Any, index: Any) -> None:
     if sizes != strategy._weighted:
         gradients.set_plan(plan if sizes == list(plan.sizes) else plan_from_sizes(None, strategy._labels, sizes))
         strategy._weighted = sizes
+
+
+@contextlib.contextmanager
+def stand_in_logging(module: pl.LightningModule, rows: int) -> Iterator[None]:
+    """``self.log`` in a zero share's stand-in step: nothing in what is synced, the rank's own mean elsewhere.
+
+    A value logged with ``sync_dist=True`` counts for nothing (batch size 0: each real
+    sample once across ranks). One logged without it is this rank's own, as under plain
+    DDP, where each rank means over what it ran: here the ``rows`` stand-in samples, so a
+    rank that holds no real sample never logs NaN (0 of 0) into what the user monitors
+    (``EarlyStopping(monitor=...)`` on every rank).
+    """
+    plain = module.log
+
+    def log(*args: Any, **kwargs: Any) -> None:
+        options = dict(LOG_SIGNATURE.bind(module, *args, **kwargs).arguments)
+        options.pop("self", None)
+        if options.get("sync_dist", False):
+            options["batch_size"] = 0
+        elif options.get("batch_size") is None:
+            options["batch_size"] = rows
+        plain(**options)
+
+    with log_replaced(module, log):
+        yield

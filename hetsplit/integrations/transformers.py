@@ -20,7 +20,7 @@ from hetsplit.distributed.sampler import STAND_IN
 from hetsplit.distributed.setup import ENV_DEVICES, rank_devices
 from hetsplit.distributed.sharded import kind, micro_for_rows
 from hetsplit.planning import Plan, Profile, Rebalancer
-from hetsplit.tree import flatten
+from hetsplit.tree import flatten, narrow
 
 from . import core
 from .accelerate import HeteroAccelerator
@@ -85,6 +85,8 @@ class HeteroTrainer(transformers.Trainer):
             with micro-batches.
         plan_kwargs: Passed to :func:`hetsplit.distributed.plan` (see :class:`HeteroAccelerator`);
             ``{"accumulate": True}`` lets a device with a memory cap run its share as micro-batches.
+        quiet: Say nothing about the split (else rank 0 prints the split and its predicted
+            step when training starts, the measured step when it ends; ``HETSPLIT_QUIET=1`` too).
         **trainer_kwargs: As for ``transformers.Trainer``.
 
     The gradients are not weighted by samples (there is no ``weighting`` argument): the
@@ -113,14 +115,17 @@ class HeteroTrainer(transformers.Trainer):
         global_batch_size: int | None = None,
         rebalance: int | Rebalancer = 0,
         plan_kwargs: Mapping[str, Any] | None = None,
+        quiet: bool = False,
         **trainer_kwargs: Any,
     ) -> None:
         given = {"devices": devices, "plan": plan, "profile": profile, "global_batch_size": global_batch_size}
-        given.update(rebalance=rebalance, plan_kwargs=plan_kwargs)
+        given.update(rebalance=rebalance, plan_kwargs=plan_kwargs, quiet=quiet)
         core.check_arguments("HeteroTrainer", weighting="none", **given)
         if devices is not None and not isinstance(devices, str):
             given["devices"] = devices = ",".join(map(str, devices))
-        _run_on_cpu(trainer_kwargs.get("args", args[1] if len(args) > 1 else None), devices)
+        training_args = trainer_kwargs.get("args", args[1] if len(args) > 1 else None)
+        _check_sampling(training_args)
+        _run_on_cpu(training_args, devices)
         self._hetero_kwargs = given
         self._window_items: float | None = None  # items of the global batch over this accumulation window
         self._piece_items: dict[int, tuple[Any, list[int], list[float]]] = {}  # id: batch, sizes, their items
@@ -198,9 +203,11 @@ class HeteroTrainer(transformers.Trainer):
     def train(self, *args: Any, **kwargs: Any) -> Any:
         """The Trainer's training; afterwards a step of its own counts its items again (see :meth:`training_step`)."""
         try:
-            return super().train(*args, **kwargs)
+            result = super().train(*args, **kwargs)
         finally:
             self._window_items, self._piece_items = None, {}  # the last window's count is not a later step's
+        self.accelerator.report.end(self.plan)  # the measured step beside the predicted one (process 0)
+        return result
 
     def _finalize_training(self, *args: Any, **kwargs: Any) -> Any:
         """The Trainer's end of training, with the loss it has not logged yet averaged over the processes.
@@ -279,6 +286,7 @@ class HeteroTrainer(transformers.Trainer):
             torch.OutOfMemoryError: If a micro-batch (or an unsplit share) exceeds this
                 process's emulated memory (``cpu:max4``), as a GPU would run out.
         """
+        self.accelerator.report.step(self.plan, self.accelerator.device_names)  # the split, said once (process 0)
         with self.accelerator.rebalance_step():  # one step of the rebalancer (nothing without rebalance)
             return self._step(model, inputs, num_items_in_batch)
 
@@ -458,13 +466,35 @@ def _refused_sharding(what: str) -> str:
 
 def _rows(tree: Any, n: int) -> Any:
     """The first ``n`` rows of every tensor with a batch dimension in ``tree`` (a dict, a model output)."""
-    if isinstance(tree, Mapping):
-        cut = {k: _rows(v, n) for k, v in tree.items()}
-        try:
-            return type(tree)(**cut)  # model outputs (dataclass-like) and dicts
-        except TypeError:
-            return type(tree)(cut)
-    return tree[:n] if torch.is_tensor(tree) and tree.dim() else tree
+    return narrow(tree, 0, n)
+
+
+def _check_sampling(args: Any) -> None:
+    """Refuse a length-grouped training order before any work (hetsplit cuts each global batch by the plan)."""
+    strategy = getattr(args, "train_sampling_strategy", None)
+    grouped = [f"train_sampling_strategy={strategy!r}"] if strategy in ("group_by_length", "batch_rebalance") else []
+    grouped += ["group_by_length=True"] if getattr(args, "group_by_length", False) is True else []
+    if grouped:
+        raise ValueError(
+            f"HeteroTrainer cannot keep TrainingArguments({grouped[0]}): that sampler orders the samples by length "
+            "for per-process batches of one size, while hetsplit cuts every global batch into the plan's uneven "
+            "shares in a random or sequential order; leave it out (the default, 'random') or pass "
+            "train_sampling_strategy='sequential'"
+        )
+
+
+def _launched_cpu_job(devices: str | None) -> bool:
+    """Whether this process belongs to a launched multi-process job on the CPU (:func:`core.is_cpu_job`)."""
+    try:
+        rank, world = launched_world()
+    except ValueError:
+        return False  # reported, naming the variable, where the accelerator is made
+    spec = devices if devices is not None else os.environ.get(ENV_DEVICES)
+    try:
+        device = parse_device(rank_devices(spec, world)[rank], check=False) if spec else None
+    except ValueError:
+        device = None  # a bad list is reported, naming it, where the accelerator is made
+    return is_cpu_job(device, world)
 
 
 def _run_on_cpu(args: Any, devices: str | None) -> None:
@@ -475,13 +505,7 @@ def _run_on_cpu(args: Any, devices: str | None) -> None:
     The arguments set up their devices (and accelerate's shared state) when made, in a
     cached property: that cache is dropped and the devices set up again, with the flag.
     """
-    rank, world = launched_world()
-    spec = devices if devices is not None else os.environ.get(ENV_DEVICES)
-    try:
-        device = parse_device(rank_devices(spec, world)[rank], check=False) if spec else None
-    except ValueError:
-        device = None  # a bad list is reported, naming it, where the accelerator is made
-    if args is None or getattr(args, "use_cpu", True) or not is_cpu_job(device, world):
+    if args is None or getattr(args, "use_cpu", True) or not _launched_cpu_job(devices):
         return
     args.use_cpu = True
     vars(args).pop("_setup_devices", None)
@@ -492,8 +516,9 @@ class _TrainerAccelerator(HeteroAccelerator):
     """The HeteroAccelerator of a HeteroTrainer, whose loss weights each micro-batch itself (``training_step``)."""
 
     loss_weights_micro_batches = True
+    who = "HeteroTrainer"
     zero_share = "empty"  # compute_loss runs a share of 0 on two real samples of its own, weighted 0
-    rebalance_in_loader = False  # the Trainer fetches a whole accumulation window first: training_step is timed
+    steps_in_loader = False  # the Trainer fetches a whole accumulation window first: training_step is a step
 
 
 def _zero_through(outputs: Any, loss: torch.Tensor) -> torch.Tensor:
@@ -515,3 +540,13 @@ def _part(loss: torch.Tensor, factor: float) -> torch.Tensor:
     if factor:
         return loss * factor
     return torch.nan_to_num(loss, nan=0.0, posinf=0.0, neginf=0.0) * 0.0
+
+
+# Upstream scripts (run_clm.py) make their TrainingArguments and log "distributed training:
+# ..." from them before the Trainer exists; on a launched multi-process CPU job the
+# arguments would set each process up alone until HeteroTrainer fixes them (_run_on_cpu),
+# so the log said False on every rank. accelerate's own switch, read when the arguments set
+# up their devices, makes them right from the start: set here, on the import that is the
+# script's one-line change (a value of the user's is kept).
+if _launched_cpu_job(None):
+    os.environ.setdefault("ACCELERATE_USE_CPU", "true")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as _dt
+import hashlib
 import math
 import platform
 from collections.abc import Iterable, Mapping, Sequence
@@ -22,6 +23,20 @@ from .records import DeviceProfile, Measurement
 
 def _now() -> str:
     return _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat()
+
+
+def fingerprint(model: torch.nn.Module) -> str:
+    """A short hash of the model's class and parameter/buffer names, shapes and dtypes (not values).
+
+    What a profile records of the model it timed, so that a profile of another model is
+    never used for this one (:func:`hetsplit.planning.sizes.check_profile`).
+    """
+    h = hashlib.sha256(type(model).__qualname__.encode())
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        # A lazy module's parameter has no shape before its first forward.
+        shape = "lazy" if isinstance(t, torch.nn.parameter.UninitializedTensorMixin) else tuple(t.shape)
+        h.update(f"{name}:{shape}:{t.dtype};".encode())
+    return h.hexdigest()[:16]
 
 
 @dataclasses.dataclass

@@ -11,7 +11,7 @@ import numpy as np
 from ..devices import DeviceLike, canonical_name
 from . import checks
 from .plan import Plan, sizes_from_weights
-from .profile import Profile
+from .profile import Profile, fingerprint
 from .solver import plan_from_sizes, solve
 
 
@@ -71,7 +71,6 @@ def check_profile(profile: Profile, devices: Sequence[DeviceLike], model: Any = 
     recorded = profile.model.get("fingerprint")
     if model is None or not recorded:
         return
-    from ..profiler import fingerprint  # the profiler builds on planning: imported when a model is checked
 
     mine = fingerprint(model)
     if mine != recorded:
