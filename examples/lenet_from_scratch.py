@@ -1,10 +1,11 @@
 """The course's hand-written multi-device LeNet loop, with a balanced split and shard-weighted gradients.
 
-Each device gets its own copy of the parameters; every batch is cut with
-hetsplit.balanced_split (sizes solved from a profile of the devices) instead of an
-even split; each device computes the loss of its own shard; hetsplit.reduce_gradients
-sums the gradients, weighted by shard size, onto every device; each device takes the
-same SGD step.
+Each device gets its own copy of the parameters, made with Device.copy (never the
+course's p.to(device): on cpu + cpu@0.25, one torch device, it hands both "devices" the
+same tensor and every SGD update is applied twice); every batch is cut by the sizes
+solved from a profile of the devices (hetsplit.scatter) instead of an even split; each
+device computes the loss of its own shard; hetsplit.reduce_gradients sums the gradients,
+weighted by shard size, onto every device; each device takes the same SGD step.
 
 Run: python examples/lenet_from_scratch.py --devices cpu,cpu@0.25 [--data synthetic] [--epochs 2]
 """

@@ -12,6 +12,7 @@ while any real defect (a lost or doubled shard, a missing hook, a stale gradient
 
 import copy
 import threading
+import time
 
 import pytest
 import torch
@@ -477,3 +478,160 @@ def test_an_idle_worker_keeps_nothing_of_the_last_step_alive():
     del out
     gc.collect()
     assert len(seen) == 2 and all(ref() is None for ref in seen)  # nothing of the step outlives its output
+
+
+# -- the caller's autograd state and hooks, as with the plain module (issue 36) --------------------
+
+
+def test_saved_tensors_hooks_reach_every_replica():
+    """Packing activations to fp16 (a saved_tensors_hooks context) applies in every replica's thread."""
+    net = _mlp()
+    dp = _wrap(net, weights=[3, 1])
+    ref = copy.deepcopy(net)
+    x, y = _data(24)
+    threads, inside = set(), []
+
+    def pack(t):  # written for the plain module: one call at a time
+        inside.append(t)
+        threads.add(threading.current_thread())
+        time.sleep(0.0005)  # long enough for another thread's call to overlap, if one could
+        assert len(inside) == 1, "two pack calls at once"
+        inside.pop()
+        return t.dtype, t.to(torch.float16)
+
+    def unpack(packed):
+        return packed[1].to(packed[0])
+
+    for model in (dp, ref):
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            F.cross_entropy(model(x), y).backward()
+    assert len(threads) == 2  # the caller's and the worker's (was: the caller's only, 9e-6 off)
+    assert_same_grads(dp.module, ref, rtol=1e-12)
+
+
+class _Checkpointed(nn.Module):
+    """Reentrant activation checkpointing around its first layer (input without grad) or its middle one."""
+
+    def __init__(self, where):
+        super().__init__()
+        torch.manual_seed(0)
+        self.where = where
+        self.a, self.m, self.b = nn.Linear(3, 5).double(), nn.Linear(5, 5).double(), nn.Linear(5, 4).double()
+
+    def forward(self, x):
+        run = lambda layer, t: torch.utils.checkpoint.checkpoint(lambda u: torch.tanh(layer(u)), t, use_reentrant=True)
+        if self.where == "first":  # the plain module: no gradient reaches self.a (no input requires grad)
+            return self.b(self.m(run(self.a, x)))
+        return self.b(run(self.m, torch.tanh(self.a(x))))
+
+
+@pytest.mark.filterwarnings("ignore:None of the inputs have requires_grad")
+@pytest.mark.parametrize("where", ["first", "middle"])
+@pytest.mark.parametrize("hook", ["tensor", "post-accumulate"])
+def test_reentrant_checkpointing_with_hooks_that_change_gradients_equals_plain(hook, where):
+    """Each hook fires as often as on the plain module, with the full-batch gradient (was: a TypeError, None * 0.5).
+
+    The replicas' parameters are leaves of their own, where the checkpoint's inner backward
+    accumulates: read there, the sums reach the module through autograd, as in every step.
+    """
+    net = _Checkpointed(where)
+    ref = copy.deepcopy(net)
+    calls = {id(net): 0, id(ref): 0}
+    for m in (net, ref):
+
+        def halve(g, m=m):
+            calls[id(m)] += 1
+            return g * 0.5
+
+        def halve_grad(p, m=m):
+            calls[id(m)] += 1
+            p.grad.mul_(0.5)
+
+        for p in m.parameters():
+            if hook == "tensor":
+                p.register_hook(halve)
+            else:
+                p.register_post_accumulate_grad_hook(halve_grad)
+    dp = HeteroDataParallel(net, DEVICES, weights=[3, 1])
+    for _ in range(2):
+        x, y = _data(12)
+        F.cross_entropy(dp(x), y).backward()
+        F.cross_entropy(ref(x), y).backward()
+    assert_same_grads(net, ref)
+    assert calls[id(net)] == calls[id(ref)] > 0
+
+
+def test_a_parameter_no_output_reaches_gets_no_hook_call():
+    """Hooks of a parameter the forward leaves unused never fire (was: fired with None)."""
+
+    class Unused(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.used, self.unused = nn.Linear(3, 4).double(), nn.Linear(3, 4).double()
+
+        def forward(self, x):
+            return self.used(x)
+
+    seen = []
+    net = Unused()
+    net.unused.weight.register_hook(lambda g: seen.append(g) or g * 0.5)
+    dp = HeteroDataParallel(net, DEVICES, weights=[4, 1])
+    x, y = _data()
+    F.cross_entropy(dp(x), y).backward()
+    assert seen == [] and dp.module.unused.weight.grad is None and dp.module.used.weight.grad is not None
+
+
+@pytest.mark.parametrize("kind", ["full", "pre"])
+def test_a_module_backward_hook_is_refused_before_any_replica_runs(kind):
+    """It would fire once per replica with a shard's gradients, where the plain module fires once with the batch's."""
+    net = _mlp()
+    ran = []
+    net[0].register_forward_hook(lambda *_: ran.append(1))
+    if kind == "full":
+        net[2].register_full_backward_hook(lambda module, grad_in, grad_out: None)
+    else:
+        net[2].register_full_backward_pre_hook(lambda module, grad_out: None)
+    dp = HeteroDataParallel(net, DEVICES, weights=[4, 1])
+    x, y = _data()
+    with pytest.raises(ValueError, match="module '2' has a backward hook.*once per replica.*p.register_hook"):
+        _step(dp, x, y, "gather")
+    assert ran == [] and all(p.grad is None for p in net.parameters())
+    with torch.no_grad():  # no backward: nothing to refuse
+        assert_close(dp(x), net(x), "output under no_grad")
+
+
+def test_torch_func_transforms_are_refused_and_functional_call_takes_the_wrappers_names():
+    net = _mlp()
+    dp = _wrap(net)
+    ref = copy.deepcopy(net)
+    x, y = _data()
+    params = {k: v.detach().clone() for k, v in dp.named_parameters()}
+    loss = lambda p: F.cross_entropy(torch.func.functional_call(dp, p, (x,)), y)
+    with pytest.raises(RuntimeError, match="inside a torch.func transform.*dp.module"):
+        torch.func.grad(loss)(params)  # was: "Cannot access data pointer of Tensor that doesn't have storage"
+    # Outside a transform: exact, with the wrapper's own names.
+    leaves = {k: v.requires_grad_() for k, v in params.items()}
+    grads = torch.autograd.grad(loss(leaves), list(leaves.values()))
+    F.cross_entropy(ref(x), y).backward()
+    for g, q in zip(grads, ref.parameters()):
+        assert_close(g, q.grad, "functional_call gradient")
+    assert all(p.grad is None for p in dp.module.parameters())
+    with pytest.raises(AttributeError, match=r"dp.module.0 .*dict\(dp.named_parameters\(\)\)"):
+        getattr(dp, "0")  # what functional_call with the plain model's state_dict keys looks up
+
+
+def test_a_loss_on_an_activation_a_hook_kept_is_refused_not_lost():
+    """Such a gradient would stop at a replica's own parameters: refused, in the same backward or the next step."""
+    net = _mlp()
+    kept = []
+    net[1].register_forward_hook(lambda module, args, out: kept.append(out))
+    dp = _wrap(net)
+    x, y = _data()
+    out = dp(x)
+    with pytest.raises(RuntimeError, match="other than through the wrapper's output.*return from forward"):
+        (F.cross_entropy(out, y) + sum(k.pow(2).sum() for k in kept)).backward(retain_graph=True)
+    kept.clear()
+    F.cross_entropy(dp(x), y).backward(retain_graph=True)
+    sum(k.pow(2).sum() for k in kept).backward()  # a backward of its own: refused at the next step
+    with pytest.raises(RuntimeError, match="other than through the wrapper's output"):
+        dp(x)

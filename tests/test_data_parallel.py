@@ -4,7 +4,8 @@ import threading
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import assert_same_grads, batch, cnn, max_rel_grad_error
+from helpers import assert_close, assert_same_grads, batch, cnn, max_rel_grad_error
+from helpers import step as _step
 from torch import nn
 
 import hetsplit
@@ -461,5 +462,250 @@ def test_a_step_that_fails_in_backward_keeps_its_forward_s_buffer_updates(mode):
         if mode == "gather":
             dp(x).sum().backward()
         else:
-            dp.train_step(x, None, lambda out: out.sum())
+            dp.train_step(x, None, lambda out: out.sum(), reduction="sum")
     assert bool(net.seen) and all(p.grad is None for p in net.parameters())
+
+
+# -- what the plain module does that replicas could not (issue 36) -------------------------------
+
+
+class _WritesInput(nn.Module):
+    """Writes into its input in place: ``x.div_(255)`` or ``nn.ReLU(inplace=True)`` on the input."""
+
+    def __init__(self, how):
+        super().__init__()
+        self.how, self.act = how, nn.ReLU(inplace=True)
+        self.lin, self.out = nn.Linear(6, 8).double(), nn.Linear(8, 3).double()
+
+    def forward(self, x):
+        x = x.div_(255) if self.how == "div" else self.act(x)
+        return self.out(torch.tanh(self.lin(x)))
+
+
+@pytest.mark.parametrize("how", ["div", "relu"])
+@pytest.mark.parametrize("mode", ["gather", "local"])
+def test_a_forward_that_writes_into_its_input_equals_the_plain_module(mode, how):
+    """Each replica's shard has its own version counter: no 'modified by an inplace operation' (6 of 10 steps)."""
+    torch.manual_seed(0)
+    net = _WritesInput(how)
+    ref = copy.deepcopy(net)
+    dp = HeteroDataParallel(net, ["cpu", "cpu@1"], weights=[3, 1])
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (net, ref)]
+    for step in range(4):
+        x, y = batch(24, (6,), classes=3, seed=step)
+        x = x * 100
+        xs, xr = x.clone(), x.clone()
+        for o in opts:
+            o.zero_grad()
+        if mode == "gather":
+            F.cross_entropy(dp(xs), y).backward()
+        else:
+            dp.train_step(xs, y, F.cross_entropy)
+        F.cross_entropy(ref(xr), y).backward()
+        assert_same_grads(net, ref, f"step {step}: ")
+        assert torch.equal(xs, xr)  # the caller's batch written in place, as by the plain module
+        for o in opts:
+            o.step()
+
+
+def test_an_input_write_with_micro_batches_recomputed_in_backward_is_refused():
+    """Gather mode recomputes a capped device's micro-batches from their inputs: a write there is refused."""
+    net = _WritesInput("div")
+    ref = copy.deepcopy(net)
+    dp = HeteroDataParallel(net, ["cpu", "cpu:max4"], plan=plan_from_sizes(None, ["cpu", "cpu:max4"], [4, 8]))
+    x, y = batch(12, (6,), classes=3)
+    with pytest.raises(RuntimeError, match="writes into its input in place.*train_step"):
+        dp(x.clone())
+    dp.train_step(x.clone(), y, F.cross_entropy)  # local-loss mode recomputes nothing: exact
+    F.cross_entropy(ref(x.clone()), y).backward()
+    assert_same_grads(net, ref)
+
+
+def _counting_backend(runs):
+    def backend(gm, example_inputs):
+        def run(*args):
+            runs.append(1)
+            return gm.forward(*args)
+
+        return run
+
+    return backend
+
+
+@pytest.mark.parametrize("how", ["torch.compile", "module.compile"])
+def test_a_compiled_model_trains_compiled_and_exactly(how):
+    """Each replica runs the module's compilation on its own parameters (was: refused in backward)."""
+    torch._dynamo.reset()
+    net, (x, y) = _net(), _data(24)
+    ref = copy.deepcopy(net)
+    runs = []
+    if how == "torch.compile":
+        model = torch.compile(net, backend=_counting_backend(runs))
+    else:
+        net.compile(backend=_counting_backend(runs))
+        model = net
+    dp = HeteroDataParallel(model, DEVICES, weights=[3, 1])
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (net, ref)]
+    for step in range(3):
+        xs, ys = x[step * 8 : step * 8 + 8], y[step * 8 : step * 8 + 8]
+        for o in opts:
+            o.zero_grad()
+        before = len(runs)
+        F.cross_entropy(dp(xs), ys).backward()
+        assert len(runs) - before == 2  # both replicas ran compiled code
+        F.cross_entropy(ref(xs), ys).backward()
+        assert_same_grads(net, ref, f"step {step}: ")
+        for o in opts:
+            o.step()
+
+
+class _ZeroesBias(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(6, 3).double()
+
+    def forward(self, x):
+        nn.init.zeros_(self.lin.bias)  # a reset in forward
+        return self.lin(x)
+
+
+class _ActNorm(nn.Module):
+    """ActNorm-style data-dependent initialisation: the first forward sets ``loc`` from its batch."""
+
+    def __init__(self):
+        super().__init__()
+        self.loc = nn.Parameter(torch.zeros(6, dtype=torch.float64))
+        self.register_buffer("ready", torch.tensor(False))
+        self.lin = nn.Linear(6, 3).double()
+
+    def forward(self, x):
+        if not self.ready:
+            with torch.no_grad():
+                self.loc.copy_(-x.mean(0))
+                self.ready.fill_(True)
+        return self.lin(x + self.loc)
+
+
+@pytest.mark.parametrize("mode", ["gather", "local"])
+def test_a_forward_that_writes_into_a_parameter_is_refused_naming_it(mode):
+    dp = HeteroDataParallel(_ZeroesBias(), DEVICES, weights=[3, 1])
+    x, y = batch(12, (6,), classes=3)
+    with pytest.raises(RuntimeError, match="wrote into its parameter 'lin.bias'.*dp.module"):
+        _step(dp, x, y, mode)
+    assert all(p.grad is None for p in dp.parameters())
+
+
+def test_data_dependent_initialisation_runs_on_the_module_then_training_is_exact():
+    """ActNorm: refused through the wrapper; initialised on dp.module as the message says, the steps are exact."""
+    torch.manual_seed(0)
+    net = _ActNorm()
+    ref = copy.deepcopy(net)
+    dp = HeteroDataParallel(net, DEVICES, weights=[3, 1])
+    x, y = batch(24, (6,), classes=3)
+    with pytest.raises(RuntimeError, match="wrote into its parameter 'loc'"):
+        dp(x)
+    assert not net.ready  # the refused step merged nothing
+    with torch.no_grad():
+        dp.module(x)  # the first forward, on the module itself
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (net, ref)]
+    for _ in range(3):
+        for o in opts:
+            o.zero_grad()
+        F.cross_entropy(dp(x), y).backward()
+        F.cross_entropy(ref(x), y).backward()  # its first forward initialises from the same batch
+        assert_same_grads(net, ref)
+        for o in opts:
+            o.step()
+
+
+def test_a_lazy_model_is_refused_at_wrapping_until_called_once():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.LazyLinear(8), nn.Tanh(), nn.LazyLinear(3)).double()
+    x, y = batch(12, (6,), classes=3)
+    with pytest.raises(ValueError, match=r"uninitialized \(lazy\) parameters.*call the model once on one sample"):
+        HeteroDataParallel(net, DEVICES, weights=[3, 1])
+    net(x[:1])
+    ref = copy.deepcopy(net)
+    dp = HeteroDataParallel(net, DEVICES, weights=[3, 1])
+    F.cross_entropy(dp(x), y).backward()
+    F.cross_entropy(ref(x), y).backward()
+    assert_same_grads(net, ref)
+
+
+class _SumLoss(nn.Module):
+    """A model that computes its loss itself, summed over the batch."""
+
+    def __init__(self, how):
+        super().__init__()
+        self.how, self.lin = how, nn.Linear(6, 3).double()
+
+    def forward(self, x, y):
+        out = self.lin(x)
+        return F.cross_entropy(out, y, reduction="sum") if self.how == "loss" else out.pow(2).sum()
+
+
+@pytest.mark.parametrize("how", ["loss", "sum"])
+def test_a_scalar_summed_over_the_batch_is_refused_by_default_and_exact_with_sum(how):
+    torch.manual_seed(0)
+    net = _SumLoss(how)
+    ref = copy.deepcopy(net)
+    x, y = batch(24, (6,), classes=3)
+    dp = HeteroDataParallel(net, DEVICES, weights=[3, 1])
+    with pytest.raises(ValueError, match="sum over each replica's shard.*scalar_outputs='sum'"):
+        dp(x, y)
+    dp.scalar_outputs = "sum"
+    loss, loss_ref = dp(x, y), ref(x, y)
+    assert_close(loss, loss_ref, "loss")  # 30.1, not the shard-weighted 19.7
+    loss.backward()
+    loss_ref.backward()
+    assert_same_grads(net, ref)
+
+
+def test_a_summed_loss_in_local_mode_is_refused_by_default_and_exact_with_sum():
+    net, (x, y) = _net(), _data(24)
+    ref = copy.deepcopy(net)
+    dp = HeteroDataParallel(net, DEVICES, weights=[3, 1])
+    summed = lambda out, t: F.cross_entropy(out, t, reduction="sum")
+    with pytest.raises(ValueError, match="sum over each replica's shard.*reduction='sum'"):
+        dp.train_step(x, y, summed)
+    assert all(p.grad is None for p in net.parameters())
+    loss = dp.train_step(x, y, summed, reduction="sum")
+    loss_ref = summed(ref(x), y)
+    loss_ref.backward()
+    assert_close(loss, loss_ref.detach(), "loss")
+    assert_same_grads(net, ref)
+
+
+class _TokenLoss(nn.Module):
+    """A token model computing its own mean loss over labelled (non -100) tokens, as Hugging Face's do."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.head = nn.Embedding(7, 5).double(), nn.Linear(5, 7).double()
+
+    def forward(self, input_ids, labels):
+        logits = self.head(self.emb(input_ids))
+        return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
+
+
+@pytest.mark.parametrize("mode", ["gather", "local"])
+def test_count_tokens_with_a_shard_without_labelled_tokens_reports_the_plain_loss(mode):
+    """The shard weighted 0 adds nothing to the loss (was: nan), and nothing to the gradients."""
+    net = _TokenLoss()
+    ref = copy.deepcopy(net)
+    ids = torch.randint(0, 7, (8, 5), generator=torch.Generator().manual_seed(2))
+    labels = ids.clone()
+    labels[6:] = -100  # the last shard (2 rows) holds no labelled token
+    dp = HeteroDataParallel(net, DEVICES, weights=[3, 1], scalar_outputs=hetsplit.count_tokens("labels", shift=False))
+    if mode == "gather":
+        loss = dp(input_ids=ids, labels=labels)
+        loss.backward()
+    else:
+        weigh = hetsplit.count_tokens("labels", shift=False)
+        loss = dp.train_step({"input_ids": ids, "labels": labels}, None, lambda out: out, reduction=weigh)
+    loss_ref = ref(ids, labels)
+    loss_ref.backward()
+    assert torch.isfinite(loss) and dp.plan.sizes == [6, 2]
+    assert_close(loss.detach(), loss_ref.detach(), "loss")
+    assert_same_grads(net, ref)

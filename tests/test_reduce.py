@@ -42,3 +42,26 @@ def test_sizes_that_are_not_sample_counts_are_refused(sizes):
     a[0].grad, b[0].grad = torch.ones(2), torch.ones(2)
     with pytest.raises(ValueError, match="must be an integer >= 0"):
         reduce_gradients([a, b], sizes)
+
+
+def test_the_course_get_params_on_one_cpu_is_refused_naming_device_copy():
+    """d2l's get_params (p.to(device)) on cpu + cpu@0.25 hands both "devices" one tensor: refused, naming the fix."""
+    import hetsplit
+
+    devices = hetsplit.parse_devices("cpu,cpu@0.25")
+    params = [torch.randn(3, dtype=torch.float64), torch.randn(2, dtype=torch.float64)]
+    course = [[p.to(d.torch_device).requires_grad_() for p in params] for d in devices]  # the same tensors twice
+    for p in course[0]:
+        p.grad = torch.ones_like(p)
+    with pytest.raises(ValueError, match=r"applied to it twice: give each device its own copy with Device.copy"):
+        reduce_gradients(course, [3, 1])
+    own = [d.copy(params, requires_grad=True) for d in devices]  # what the guide says
+    for ps in own:
+        for p in ps:
+            p.grad = torch.ones_like(p)
+    reduce_gradients(own, [3, 1])
+    with torch.no_grad():
+        for ps in own:
+            for p in ps:
+                p -= 0.5 * p.grad
+    assert all(torch.equal(a, p - 0.5) and torch.equal(b, p - 0.5) for a, b, p in zip(own[0], own[1], params))

@@ -4,8 +4,10 @@
 module per device, its parameters through autograd) → ``apply`` (running them
 concurrently) → ``outputs`` (combining what they return, with backward fanned out) →
 ``grads`` (each replica's gradients, handed to the module through autograd) →
-``data_parallel`` (``HeteroDataParallel``, chaining those steps). ``reduce`` is the
-weighted all-reduce for hand-written loops.
+``data_parallel`` (``HeteroDataParallel``, chaining those steps); ``writes`` gives each
+shard a version counter of its own and passes writes into the inputs back, ``compiled``
+carries a module's ``torch.compile`` over to its replicas. ``reduce`` is the weighted
+all-reduce for hand-written loops.
 """
 
 from .apply import parallel_apply, run_parallel

@@ -107,21 +107,82 @@ os.register_at_fork(after_in_child=_reset_workers)
 
 
 class _Context:
-    """The caller's grad mode and autocast state, re-entered in a worker thread."""
+    """The caller's thread-local autograd state, re-entered in a worker thread.
+
+    Grad mode, autocast, and the saved-tensor hooks in force (``saved_tensors_hooks``:
+    packing activations to fp16, offloading them) or their being disabled: torch keeps
+    each per thread, so a replica run in a worker would otherwise save its activations
+    unpacked, unlike the plain module. The hooks were written for the plain module, which
+    calls them from one thread: every replica (the calling thread's too, unless a
+    checkpoint's hooks are on top there) gets them behind one lock, so that a hook keeping
+    a counter or a dict never sees two calls at once.
+    """
 
     def __init__(self) -> None:
         self.grad = torch.is_grad_enabled()
         self.autocast = {
             kind: (torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind)) for kind in ("cpu", "cuda")
         }
+        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        user = _user_saved_tensors_hooks(top)
+        self.hooks = _one_at_a_time(user) if user is not None else None
+        self.own_hooks = user is not None and user is top  # the calling thread's own are the user's
+        self.hooks_off = (
+            None
+            if torch._C._autograd._saved_tensors_hooks_is_enabled()
+            else torch._C._autograd._saved_tensors_hooks_get_disabled_error_message()
+        )
 
     def enter(self, stack: contextlib.ExitStack, device: torch.device) -> None:
         stack.enter_context(torch.set_grad_enabled(self.grad))
         for kind, (enabled, dtype) in self.autocast.items():
             if enabled:
                 stack.enter_context(torch.autocast(kind, dtype=dtype))
+        if self.hooks_off is not None:
+            stack.enter_context(torch.autograd.graph.disable_saved_tensors_hooks(self.hooks_off))
+        elif self.hooks is not None:
+            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(*self.hooks))
         if device.type == "cuda":
             stack.enter_context(torch.cuda.device(device))
+
+    def enter_own(self, stack: contextlib.ExitStack, device: torch.device) -> None:
+        """In the calling thread: its state is the caller's already; only the hooks go behind the lock."""
+        if self.own_hooks and self.hooks is not None:
+            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(*self.hooks))
+        if device.type == "cuda":
+            stack.enter_context(torch.cuda.device(device))
+
+
+_Hooks = tuple[Callable[..., Any], Callable[..., Any]]
+
+
+def _user_saved_tensors_hooks(hooks: _Hooks | None) -> _Hooks | None:
+    """The (pack, unpack) pair of the user's among ``hooks`` (the calling thread's top pair), or ``None``.
+
+    A non-reentrant checkpoint around the wrapper has its own hooks on top, recording the
+    saves of the calling thread in order to match them on recompute; a worker's saves
+    must not join that record (their order across threads is not repeatable), so they
+    get the user's hooks beneath it instead, as torch's nested checkpoints do.
+    """
+    while hooks is not None and getattr(hooks[0], "_checkpoint_internal", False):
+        hooks = getattr(hooks[0], "_user_hooks", None)
+    return hooks
+
+
+def _one_at_a_time(hooks: _Hooks) -> _Hooks:
+    """``hooks`` called under one lock (each pack and unpack whole, never two at once)."""
+    pack, unpack = hooks
+    lock = threading.RLock()  # a hook whose own work saves a tensor calls pack again, in its thread
+
+    def locked_pack(tensor: torch.Tensor) -> Any:
+        with lock:
+            return pack(tensor)
+
+    def locked_unpack(packed: Any) -> Any:
+        with lock:
+            return unpack(packed)
+
+    return locked_pack, locked_unpack
 
 
 def _current_core_reader() -> Callable[[], int] | None:
@@ -243,10 +304,10 @@ def run_parallel(
     def run(i: int, own_thread: bool) -> None:
         try:
             with contextlib.ExitStack() as stack:
-                if not own_thread:  # the calling thread already has the caller's state
+                if own_thread:
+                    ctx.enter_own(stack, devices[i].torch_device)
+                else:
                     ctx.enter(stack, devices[i].torch_device)
-                elif devices[i].type == "cuda":
-                    stack.enter_context(torch.cuda.device(devices[i].torch_device))
                 with lap(devices[i]) as timed, devices[i].throttle():
                     out = fns[i]()
                 spent[i] = timed

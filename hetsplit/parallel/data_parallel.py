@@ -33,13 +33,14 @@ from .micro import (
     with_recovery,
 )
 from .outputs import ScalarPolicy, check_policy, combine, policy_weights
-from .replicas import _Replicator, module_device
+from .replicas import _Replicator, check_wrappable, module_device
 from .scatter_gather import gather, scatter_to
 from .sizes import BatchPlans
 from .step import batch_of, call_on, cut_upstream, direct_device, engine_job, scatter_inputs
 from .upstream import Upstream
+from .writes import InputWrites
 
-_RUNTIME = ("_replicator", "_step", "_log", "_lock", "_mem")
+_RUNTIME = ("_replicator", "_step", "_log", "_lock", "_mem", "_stray")
 
 
 class HeteroDataParallel(nn.Module):
@@ -72,7 +73,9 @@ class HeteroDataParallel(nn.Module):
         rebalance: ``True`` or a :class:`~hetsplit.Rebalancer`: re-solve while training.
         scalar_outputs: ``"mean"`` (shard-size weights: a mean loss stays the full-batch
             mean), ``"sum"``, ``"stack"`` (a vector), or ``(args, kwargs) -> weight`` of a
-            shard, e.g. :func:`hetsplit.count_tokens`.
+            shard, e.g. :func:`hetsplit.count_tokens`. ``None`` (the default): ``"mean"``,
+            and a value that is a sum over each shard (``.sum()``, a torch loss with
+            ``reduction="sum"``) is refused, naming ``"sum"``.
         accumulate: Let a device with a memory cap run its share as micro-batches
             (``plan.micro_batches``); after an out-of-memory error the device's cap is
             lowered, the step re-planned and run again (docs/memory.md).
@@ -97,11 +100,12 @@ class HeteroDataParallel(nn.Module):
         output_device: DeviceLike | None = None,
         dim: int = 0,
         rebalance: bool | Rebalancer = False,
-        scalar_outputs: ScalarPolicy = "mean",
+        scalar_outputs: ScalarPolicy = None,
         accumulate: bool = True,
     ) -> None:
         super().__init__()
         self.devices: list[Device] = parse_devices(devices)
+        check_wrappable(module)
         _check_one_device(module)
         self.module = module
         self.dim = dim
@@ -128,6 +132,7 @@ class HeteroDataParallel(nn.Module):
         self._log = BusyLog()
         self._lock = threading.RLock()
         self._mem = MemoryLog()
+        self._stray: Callable[[], None] | None = None  # the last gathered step's check, run at the next
 
     def __getstate__(self) -> dict[str, Any]:
         return {k: v for k, v in self.__dict__.items() if k not in _RUNTIME}
@@ -135,6 +140,21 @@ class HeteroDataParallel(nn.Module):
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         self._reset_runtime()
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            # state_dict() keys have no "module." prefix (a checkpoint loads into the plain model);
+            # attributes keep it. Said here, where torch.func.functional_call(dp, sd) looks a key up.
+            inner = self.__dict__.get("_modules", {}).get("module")
+            if inner is None or not any(name in d for d in (inner._modules, inner._parameters, inner._buffers)):
+                raise
+            raise AttributeError(
+                f"HeteroDataParallel has no attribute {name!r}; the wrapped module's is dp.module.{name} "
+                "(state_dict() keys leave out 'module.', attributes do not): torch.func.functional_call takes the "
+                "wrapper's own names, dict(dp.named_parameters()) and dict(dp.named_buffers())"
+            ) from None
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> HeteroDataParallel:
         # .to()/.double() (also a parent's) come here: the buffer copies are taken afresh.
@@ -205,7 +225,9 @@ class HeteroDataParallel(nn.Module):
         if self._replicator is None or self._replicator.module is not module:
             self._replicator = _Replicator(module)
         step = self._step
-        built = self._replicator.build([d.torch_device for d in devices])
+        # A step's replicas have parameters of their own, whose gradients the engine hands to the module's;
+        # called on its own, as torch's replicate, they reach the module's parameters through autograd.
+        built = self._replicator.build([d.torch_device for d in devices], "leaf" if step is not None else "graph")
         if step is not None:
             step.built = built
         return [r.module for r in built]
@@ -225,6 +247,9 @@ class HeteroDataParallel(nn.Module):
         fns, step.pieces = forward_fns(replicas, shards, step.micro, step.active, self.devices, self._mem, self.dim)
         before = _generators(step.devices)
         outs = self._run(fns, "", step.active)
+        if len(step.built) == len(replicas):
+            for built in step.built:  # refused before anything is merged or combined
+                self._replicator.check_unwritten(built)  # type: ignore[union-attr]
         step.random = before != _generators(step.devices)
         step.leaves = [[flatten(o)[0] for o in per_device] for per_device in outs]
         return outs if step.split else [o[0] for o in outs]  # micro-batched: a list per replica
@@ -242,13 +267,17 @@ class HeteroDataParallel(nn.Module):
         weights = lambda: policy_weights(self.scalar_outputs, sizes, shards)
         # Replicas built elsewhere (an overridden replicate) carry their own graph: their
         # outputs are combined as they are, and backward walks through them as torch's would.
-        grads = self._step_grads(step) if len(step.built) == len(step.active) else None
+        grads = self._step_grads(step, gathered=True) if len(step.built) == len(step.active) else None
         targets = grads.targets if grads is not None else []
         backward = self._backward(step, grads) if grads is not None else None
-        return combine(outputs, output_device, self.dim, weights, backward, labels, targets)
+        if grads is not None and torch.is_grad_enabled():  # a backward of its activations outside the output
+            self.__dict__["_stray"] = grads.watch_stray()
+        sums = sizes if self.scalar_outputs is None else None  # the default: a sum is refused, not averaged
+        return combine(outputs, output_device, self.dim, weights, backward, labels, targets, sums)
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         """Scatter, run the replicas concurrently, gather on the output device."""
+        _check_no_transform()
         with self._lock:
             try:
                 return with_recovery(lambda: self._forward(inputs, kwargs), self._mem, self._plans, self.devices)
@@ -267,6 +296,8 @@ class HeteroDataParallel(nn.Module):
         replicas = self.replicate(self.module, step.devices)
         # A forward that fails leaves the buffers as they were (see _merge_after).
         outputs = self.parallel_apply(replicas, args, kws)
+        if step.writes is not None:
+            step.writes.pass_back()
         self._merge_buffers(step)
         return self.gather(outputs, self.output_device)
 
@@ -276,7 +307,7 @@ class HeteroDataParallel(nn.Module):
         target: Any = None,
         loss_fn: Callable[..., torch.Tensor] | None = None,
         *,
-        reduction: ScalarPolicy = "mean",
+        reduction: ScalarPolicy = None,
         **kwargs: Any,
     ) -> torch.Tensor:
         """Local-loss mode: each replica computes its shard's loss and backward; nothing is gathered.
@@ -291,6 +322,8 @@ class HeteroDataParallel(nn.Module):
             loss_fn: ``loss_fn(output[, target]) -> 0-dim tensor``, e.g. ``F.cross_entropy``.
             reduction: Each loss's weight: ``"mean"`` (``b_i / B``), ``"sum"`` (1) or a
                 callable as ``scalar_outputs``; the gradients are the full-batch ones.
+                ``None`` (the default): ``"mean"``, refusing a loss that is a sum over its
+                shard (``reduction="sum"``), as ``scalar_outputs`` does.
             **kwargs: More keyword inputs of the model, split like the batch.
 
         Returns:
@@ -301,6 +334,7 @@ class HeteroDataParallel(nn.Module):
                 loss that is not a scalar (naming its shape).
         """
         args, kws = local_inputs(inputs, kwargs, loss_fn, reduction)
+        _check_no_transform()
         with self._lock:
             run = lambda: self._train_step((args, kws), target, loss_fn, reduction)
             try:
@@ -316,7 +350,8 @@ class HeteroDataParallel(nn.Module):
             return self._direct_local_step(home, (inputs, target), loss_fn, reduction)
         batch = (inputs, target)
         step.upstream = Upstream(batch, scatter_to(batch, step.devices, step.sizes, self.dim), self.dim)
-        shards = step.upstream.shards
+        step.writes = InputWrites(batch, step.upstream.shards, step.sizes, self.dim)
+        shards = step.writes.shards
         replicas = self.replicate(self.module, step.devices)
         step.pieces, make = local_fns(replicas, shards, step.micro, step.active, self.devices, self._mem, self.dim)
         flat = [(tuple(a), dict(k)) for parts in step.pieces for (a, k), _ in parts]
@@ -328,6 +363,7 @@ class HeteroDataParallel(nn.Module):
 
         def capture(j: int, outputs: list[torch.Tensor], given: Any) -> Grads:
             begun[j] += 1
+            self._replicator.check_unwritten(step.built[j])  # type: ignore[union-attr]
             found = grads.capture(j, outputs, given, False, False)
             finished[j] += 1
             return found
@@ -337,12 +373,14 @@ class HeteroDataParallel(nn.Module):
 
         captures = [lambda o, g, j=j: capture(j, o, g) for j in range(len(step.active))]
         with self._merge_after(step, no_forward_failed):
-            done = self._run(make(weights, loss_fn, target is not None, captures), "", step.active)
+            done = self._run(make(weights, loss_fn, target is not None, captures, reduction is None), "", step.active)
+        step.writes.pass_back()
         # Every replica has finished: only now does anything reach the module (one engine call).
         grads.deliver(grads.reduce([found or [None] * len(grads.inputs[j]) for j, (_, found) in enumerate(done)]))
         self._finish(step)
         losses = [x for xs, _ in done for x in xs]
-        return sum(to_device(x, self.output_device) * w for x, w in zip(losses, weights))  # type: ignore[return-value]
+        # A piece weighted 0 (no labelled token) adds nothing, not its nan.
+        return sum(to_device(x, self.output_device) * w for x, w in zip(losses, weights) if w)  # type: ignore[return-value]
 
     def _direct_local_step(self, home: torch.device, batch: Any, loss_fn: Any, reduction: ScalarPolicy) -> torch.Tensor:
         """Local-loss mode when the module's own device has the whole batch: the module's own step."""
@@ -366,14 +404,18 @@ class HeteroDataParallel(nn.Module):
         self._mem.done(step.active[0], step.sizes[0])
         return to_device(loss.detach(), self.output_device) * weight
 
-    def _step_grads(self, step: Step) -> StepGrads:
+    def _step_grads(self, step: Step, gathered: bool = False) -> StepGrads:
         assert self._replicator is not None  # built this step's replicas
-        return StepGrads(self._replicator.params, step.built, step.upstream)
+        # Gathered outputs: a parameter no replica's outputs reach is no target of the gather.
+        reach = gathered and len(step.leaves) == len(step.built)
+        outputs = [[t for leaves in per_device for t in leaves] for per_device in step.leaves] if reach else None
+        return StepGrads(self._replicator.params, step.built, step.upstream, self._replicator.names, outputs)
 
     def _backward(self, step: Step, grads: StepGrads) -> Callable[[list[Any], bool, bool], Grads]:
         """The gather's backward: every device's gradients computed concurrently, summed per target."""
 
         def run(work: list[tuple[list[torch.Tensor], list[torch.Tensor]]], keep: bool, build: bool) -> Grads:
+            torch.autograd.Variable._execution_engine.queue_callback(grads.check_stray)  # once this backward is done
             # After a backward that built a graph of the gradients (create_graph), that graph
             # reaches into the replicas' graphs: a later backward through it walks them too,
             # so this node's own walk must leave them for it.
@@ -425,7 +467,7 @@ class HeteroDataParallel(nn.Module):
                 "compute the gradient penalty with the model in eval() mode or without dropout"
             )
         assert self._replicator is not None
-        return self._replicator.build([d.torch_device for d in step.devices])
+        return self._replicator.build([d.torch_device for d in step.devices], "graph")
 
     @contextlib.contextmanager
     def _merge_after(self, step: Step, no_forward_failed: Callable[[], bool]) -> Iterator[None]:
@@ -452,6 +494,9 @@ class HeteroDataParallel(nn.Module):
 
     def _begin(self, batch_tree: Any) -> Step:
         """Start a step: feed the rebalancer the steps it can read, choose this step's plan."""
+        stray, self.__dict__["_stray"] = self._stray, None
+        if stray is not None:  # a backward of the last step's activations outside the wrapper's output
+            stray()
         self._plans.observe(self._log.readable() if self.rebalancer is not None else ())
         plan = self._plans.for_batch(batch_length(batch_tree, self.dim))
         active = [i for i, s in enumerate(plan.sizes) if s > 0]
@@ -502,6 +547,16 @@ def _again(step: Step, j: int, replica: Any, grads: StepGrads, pieces: list[Any]
         return grads.capture(j, [leaves[at[id(t)]] for t in outs], given, True, True, inputs)
 
     return capture
+
+
+def _check_no_transform() -> None:
+    """Refuse a step under ``torch.func`` transforms, before any device work: they do not reach worker threads."""
+    if torch._C._are_functorch_transforms_active():
+        raise RuntimeError(
+            "HeteroDataParallel cannot run inside a torch.func transform (grad, vjp, vmap, jacrev, ...): its replicas "
+            "run in worker threads, which the transform does not reach; apply the transform to the plain module "
+            "(dp.module), or take gradients through the wrapper with loss.backward() or torch.autograd.grad"
+        )
 
 
 def _check_one_device(module: nn.Module) -> None:

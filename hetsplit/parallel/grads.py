@@ -8,12 +8,15 @@ replicas work, so a step that fails in any replica leaves nothing behind. The ca
 gradients are summed per target (concatenated, for a split input) and handed to the
 targets by torch's engine: returned from the gather's backward in gather mode, or given
 to ``torch.autograd.backward`` in local-loss mode. Either way parameter hooks fire once
-with the full-batch gradient, and ``autograd.grad`` sees exactly the plain module's.
+with the full-batch gradient, and ``autograd.grad`` sees exactly the plain module's. A
+reentrant checkpoint's own backward cannot stop at stand-ins: it accumulates into the
+replica's parameters, leaves of the replica's own, and is read from there.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import weakref
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -31,17 +34,48 @@ class StepGrads:
         params: The module's parameters (those that require grad become targets).
         replicas: The step's replicas, in the order of the active devices.
         upstream: The step's inputs that require grad, if any.
+        names: The parameters' names, for error messages.
+        outputs: Each replica's output tensors (gather mode): each replica's graph is
+            walked once, here, and parameters no replica's outputs reach are left out of
+            the targets (torch would call their hooks with ``None``, where the plain
+            module never calls them).
     """
 
-    def __init__(self, params: Sequence[torch.Tensor], replicas: Sequence[_Replica], upstream: Upstream | None) -> None:
+    def __init__(
+        self,
+        params: Sequence[torch.Tensor],
+        replicas: Sequence[_Replica],
+        upstream: Upstream | None,
+        names: Sequence[str] = (),
+        outputs: Sequence[Sequence[torch.Tensor]] | None = None,
+    ) -> None:
+        self._names = {id(p): n for p, n in zip(params, names)}  # for error messages
+        self._replicas, self._all_names = replicas, list(names)
         graph = torch.is_grad_enabled()
         chosen = [k for k, p in enumerate(params) if graph and p.requires_grad]
         self.upstream = upstream if upstream is not None and upstream.sources else None
+        self._walked: list[tuple[bool, list[torch.Tensor]]] | None = None  # per replica, see _walk
+        if outputs is not None and chosen:
+            chosen = self._reached(chosen, outputs)
         sources = self.upstream.sources if self.upstream is not None else []
         self.targets: list[torch.Tensor] = [params[k] for k in chosen] + list(sources)
         self.n_params = len(chosen)
         self._chosen = chosen
         self.inputs: list[list[torch.Tensor]] = [self.stand_ins(r, j) for j, r in enumerate(replicas)]
+
+    def _reached(self, chosen: list[int], outputs: Sequence[Sequence[torch.Tensor]]) -> list[int]:
+        """The parameters among ``chosen`` some replica's ``outputs`` reach (all, behind a reentrant checkpoint)."""
+        found: set[int] = set()
+        self._walked = []
+        for j, (replica, outs) in enumerate(zip(self._replicas, outputs)):
+            pieces = self.upstream.pieces[j] if self.upstream is not None else []
+            tensors = [t for t in outs if isinstance(t, torch.Tensor)]
+            reentrant, foreign, reached = _walk(tensors, replica.params + pieces)
+            self._walked.append((reentrant, foreign))
+            found |= reached
+        if any(reentrant for reentrant, _ in self._walked):
+            return chosen
+        return [k for k in chosen if k in found]
 
     def stand_ins(self, replica: _Replica, j: int) -> list[torch.Tensor]:
         """What replica ``replica`` (at position ``j``) differentiates in place of the targets."""
@@ -65,36 +99,95 @@ class StepGrads:
             build: Build a graph of the gradients (``create_graph``).
             inputs: Other stand-ins (a replica rebuilt for this backward), else replica ``j``'s.
         """
+        walked = self._walked[j] if inputs is None and self._walked is not None else None
         inputs = self.inputs[j] if inputs is None else inputs
         if not inputs or not outputs:
             return [None] * len(inputs)
-        reentrant, foreign = _walk(outputs, inputs)
+        reentrant, foreign = walked if walked is not None else _walk(outputs, inputs)[:2]
         if foreign:
-            shapes = ", ".join(str(tuple(t.shape)) for t in foreign[:3])
-            raise RuntimeError(
-                f"the model computes with tensors that require grad but are neither parameters of the module nor "
-                f"inputs of the wrapper (shape {shapes}): their gradients cannot reach them through the replicas; "
-                "register each as an nn.Parameter of the module (or detach it, if it is not trained)"
-            )
+            raise RuntimeError(self._foreign(foreign))
         if reentrant:
-            # Reentrant checkpointing runs a backward of its own inside, which cannot stop at
-            # stand-ins (torch refuses it under autograd.grad): the replica's gradients flow on
-            # into the module's parameters, as with the plain module (docs/compatibility.md).
-            # An input that requires grad is reached through each replica's piece of it: a
-            # leaf accumulates them (under its own lock), but the graph in front of a
-            # non-leaf would be walked by several replicas at once.
-            if self.upstream is not None and not all(s.is_leaf for s in self.upstream.sources):
-                raise RuntimeError(
-                    "the model uses reentrant activation checkpointing (use_reentrant=True) and its input comes from "
-                    "layers in front of the wrapper: that input's gradient cannot be gathered from the replicas; use "
-                    "use_reentrant=False (torch's recommended setting)"
-                )
-            torch.autograd.backward(list(outputs), grads, retain_graph=keep, create_graph=build)
-            return [None] * len(inputs)
+            return self._reentrant(outputs, grads, keep, build, inputs)
         found = torch.autograd.grad(
             list(outputs), inputs, grads, retain_graph=keep, create_graph=build, allow_unused=True
         )
         return list(found)
+
+    def _reentrant(
+        self,
+        outputs: Sequence[torch.Tensor],
+        grads: Sequence[torch.Tensor] | None,
+        keep: bool,
+        build: bool,
+        inputs: list[torch.Tensor],
+    ) -> Grads:
+        """A replica's gradients when its graph holds a reentrant checkpoint.
+
+        Its own backward, run inside, cannot stop at stand-ins (torch refuses it under
+        ``autograd.grad``): it accumulates into every leaf it reaches. The replica's
+        parameters are leaves of its own (``_param_for``'s ``"leaf"``), so their gradients
+        are read from there and reach the module's through autograd, as in every other step.
+        An input that requires grad is reached through each replica's piece of it: a leaf
+        accumulates them (under its own lock), but the graph in front of a non-leaf would be
+        walked by several replicas at once.
+        """
+        if self.upstream is not None and not all(s.is_leaf for s in self.upstream.sources):
+            raise RuntimeError(
+                "the model uses reentrant activation checkpointing (use_reentrant=True) and its input comes from "
+                "layers in front of the wrapper: that input's gradient cannot be gathered from the replicas; use "
+                "use_reentrant=False (torch's recommended setting)"
+            )
+        torch.autograd.backward(list(outputs), grads, retain_graph=keep, create_graph=build)
+        found: Grads = []
+        for p in inputs[: self.n_params]:
+            # A stand-in through autograd (a backward that builds a graph, on replicas of its own)
+            # passed its gradient on into the module's parameter, as the plain module's would.
+            found.append(p.grad if p.is_leaf else None)
+            if p.is_leaf:
+                p.grad = None  # taken: a second backward (retain_graph) starts from none again
+        return found + [None] * (len(inputs) - self.n_params)
+
+    def _foreign(self, leaves: Sequence[torch.Tensor]) -> str:
+        """The refusal of a replica's graph that reaches tensors requiring grad other than its stand-ins."""
+        own = [self._names[id(t)] for t in leaves if id(t) in self._names]
+        if own:
+            return (
+                f"the model reaches the module's own parameter {own[0]!r}, not its replica's: its forward calls a "
+                "callable bound to the original module (a method or closure stored on the module, or a compiled "
+                "callable hetsplit did not carry over); call submodules through self, as the plain module's forward "
+                "does"
+            )
+        shapes = ", ".join(str(tuple(t.shape)) for t in leaves[:3])
+        return (
+            f"the model computes with tensors that require grad but are neither parameters of the module nor "
+            f"inputs of the wrapper (shape {shapes}): their gradients cannot reach them through the replicas; "
+            "register each as an nn.Parameter of the module (or detach it, if it is not trained)"
+        )
+
+    def check_stray(self) -> None:
+        """Refuse a gradient that reached a replica's own parameter other than through the engine.
+
+        The replicas' parameters are leaves of their own: a loss computed from something a
+        replica made that the wrapper did not return (an activation a forward hook kept) would
+        leave its gradient there, where it can never reach the module. Run once a backward
+        through the gather is done (the engine's callback).
+
+        Raises:
+            RuntimeError: Naming the parameter and what to do.
+        """
+        own = [(k, t) for r in self._replicas for k, t in enumerate(r.params) if id(t) not in self._names]
+        _check_stray(own, self._all_names)
+
+    def watch_stray(self) -> Callable[[], None]:
+        """:meth:`check_stray` for a later backward, holding the replicas' parameters weakly.
+
+        A backward through what a replica made can only happen while something holds it,
+        and that keeps the replica's parameters alive: the others are let go with the step.
+        """
+        own = [(k, weakref.ref(t)) for r in self._replicas for k, t in enumerate(r.params) if t.is_leaf]
+        own = [(k, ref) for k, ref in own if id(ref()) not in self._names]
+        names = self._all_names
+        return lambda: _check_stray([(k, t) for k, ref in own if (t := ref()) is not None], names)
 
     def reduce(self, per_replica: Sequence[Grads]) -> Grads:
         """One gradient per target: a parameter's summed over replicas on its device, an input's put back together."""
@@ -116,6 +209,21 @@ class StepGrads:
             torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
 
 
+def _check_stray(params: Sequence[tuple[int, torch.Tensor]], names: Sequence[str]) -> None:
+    """Raise for the first replica parameter ``(position, tensor)`` holding a ``.grad`` (see ``check_stray``)."""
+    stray = [(k, t) for k, t in params if t.is_leaf and t.grad is not None]
+    for _, t in stray:
+        t.grad = None  # said once
+    if stray:
+        k = stray[0][0]
+        name = names[k] if k < len(names) else str(k)
+        raise RuntimeError(
+            f"a gradient reached a replica's parameter {name!r} other than through the wrapper's output (a loss "
+            "on an activation a forward hook kept, or on a tensor the model stored?): it cannot reach the module; "
+            "return from forward what the loss needs, so that it is gathered"
+        )
+
+
 def _add_all(values: Sequence[torch.Tensor | None]) -> torch.Tensor | None:
     """The sum of the tensors among ``values`` (``None`` if none).
 
@@ -135,27 +243,39 @@ def add_into(totals: Grads, more: Grads) -> Grads:
     return [_add_all([a, b]) for a, b in zip(totals, more)]
 
 
-def _walk(outputs: Sequence[torch.Tensor], stand_ins: Sequence[torch.Tensor]) -> tuple[bool, list[torch.Tensor]]:
+def _walk(
+    outputs: Sequence[torch.Tensor], stand_ins: Sequence[torch.Tensor]
+) -> tuple[bool, list[torch.Tensor], set[int]]:
     """What the replica's graph behind ``outputs`` holds short of its stand-ins (~40 us for ResNet-18).
 
-    Returns whether it holds a reentrant checkpoint, and the leaves that require grad it
+    Returns whether it holds a reentrant checkpoint; the leaves that require grad it
     reaches without passing a stand-in: tensors the model computes with that are neither
     the module's parameters nor the wrapper's inputs (a closure's learnable tensor, a plain
-    attribute), whose gradients no replica could hand back.
+    attribute), whose gradients no replica could hand back; and the positions in
+    ``stand_ins`` it reaches (behind a reentrant checkpoint nothing is seen).
     """
-    stops = {t.grad_fn for t in stand_ins if t.grad_fn is not None}
+    stops = {t.grad_fn: k for k, t in enumerate(stand_ins) if t.grad_fn is not None}
+    leaves = {id(t): k for k, t in enumerate(stand_ins) if t.grad_fn is None}  # its AccumulateGrad is its own
     seen, stack, reentrant, foreign = set(), [t.grad_fn for t in outputs if t.grad_fn is not None], False, []
+    reached: set[int] = set()
     while stack:
         node = stack.pop()
-        if node in seen or node in stops:
+        if node in seen:
             continue
         seen.add(node)
+        if node in stops:
+            reached.add(stops[node])
+            continue
         kind = type(node).__name__
         if kind == "CheckpointFunctionBackward":
             reentrant = True  # its own backward reaches the leaves: what lies behind is not walked here
             continue
         if kind == "AccumulateGrad":
-            foreign.append(node.variable)
+            k = leaves.get(id(node.variable))
+            if k is None:
+                foreign.append(node.variable)
+            else:
+                reached.add(k)
             continue
         stack.extend(n for n, _ in node.next_functions if n is not None)
-    return reentrant, foreign
+    return reentrant, foreign, reached

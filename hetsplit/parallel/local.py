@@ -11,11 +11,12 @@ from torch import nn
 from ..devices import Device
 from .grads import add_into
 from .micro import MemoryLog, cut
-from .outputs import ScalarPolicy, check_policy
+from .outputs import ScalarPolicy, check_policy, check_sums
 
 LossFn = Callable[..., torch.Tensor]
 # One replica's gradients at its stand-ins for the step's targets, from (outputs, their gradients).
 _Capture = Callable[[list[torch.Tensor], Any], list[Any]]
+_Make = Callable[[Sequence[float], LossFn, bool, Sequence[_Capture], bool], list[Callable[[], Any]]]
 
 
 def local_inputs(
@@ -25,7 +26,7 @@ def local_inputs(
     check_policy(reduction, "reduction")
     if reduction == "stack" or loss_fn is None:
         raise ValueError(
-            f"train_step needs loss_fn and a reduction of 'mean', 'sum' or a callable, "
+            f"train_step needs loss_fn and a reduction of None, 'mean', 'sum' or a callable, "
             f"got loss_fn={loss_fn!r}, reduction={reduction!r}"
         )
     if isinstance(inputs, dict):
@@ -59,20 +60,27 @@ def _run_pieces(
     log: MemoryLog,
     loss_of: Callable[[Any, Any], torch.Tensor],
     capture: _Capture,
+    sums: int | None,
 ) -> tuple[list[torch.Tensor], list[Any]]:
     """Forward, weighted loss and backward of each micro-batch in turn: the losses (detached) and the gradients.
 
     The gradients are captured at the replica's stand-ins for the step's targets
     (``capture``) and summed over the micro-batches; nothing is written into a ``.grad``.
     Each micro-batch's graph is freed by its backward before the next is built, so the
-    device holds one micro-batch's activations at a time.
+    device holds one micro-batch's activations at a time. ``sums``: the batch dimension,
+    when a loss that is a sum over its micro-batch is refused (the default weighting).
     """
     losses, total = [], None
     for ((args, kwargs), target), size, w in zip(pieces, sizes, weights):
 
-        def step(a: tuple[Any, ...] = args, k: dict[str, Any] = kwargs, t: Any = target, w: float = w) -> Any:
+        def step(
+            a: tuple[Any, ...] = args, k: dict[str, Any] = kwargs, t: Any = target, w: float = w, n: int = size
+        ) -> Any:
             loss = loss_of(replica(*a, **k), t)
-            found = capture([loss * w] if loss.requires_grad else [], None)
+            if sums is not None:
+                check_sums([loss], [n], sums, "loss_fn's loss", "reduction")
+            # Weighted 0 (a shard without a labelled token): no backward, so its nan cannot spread.
+            found = capture([loss * w] if loss.requires_grad and w else [], None)
             return loss.detach(), found
 
         loss, found = log.watch(i, size, step, device)
@@ -90,28 +98,31 @@ def local_fns(
     devices: Sequence[Device],
     log: MemoryLog,
     dim: int,
-) -> tuple[list[list[Any]], Callable[[Sequence[float], LossFn, bool, Sequence[_Capture]], list[Callable[[], Any]]]]:
+) -> tuple[list[list[Any]], _Make]:
     """The micro-shards of each active device, and a maker of its work given each micro-batch's weight.
 
     Returns:
         ``(pieces, make)``: ``pieces[j]`` are device ``j``'s micro-batches
-        ``((args, kwargs), target)``; ``make(weights, loss_fn, has_target, captures)`` gives
-        one callable per device (``weights`` flat, one per micro-batch in order;
-        ``captures`` one per device, see :func:`_run_pieces`), returning its losses and
-        gradients.
+        ``((args, kwargs), target)``; ``make(weights, loss_fn, has_target, captures, refuse_sums)``
+        gives one callable per device (``weights`` flat, one per micro-batch in order;
+        ``captures`` one per device, see :func:`_run_pieces`; ``refuse_sums``: the default
+        weighting), returning its losses and gradients.
     """
     pieces = [cut(shard, sizes, devices[i], dim) for shard, sizes, i in zip(shards, micro, active)]
 
     def make(
-        weights: Sequence[float], loss_fn: LossFn, has_target: bool, captures: Sequence[_Capture]
+        weights: Sequence[float], loss_fn: LossFn, has_target: bool, captures: Sequence[_Capture], refuse_sums: bool
     ) -> list[Callable[[], Any]]:
         loss_of = lambda out, t: shard_loss(loss_fn, out, t, has_target)
+        sums = dim if refuse_sums and len(weights) > 1 else None  # one piece: its weight is 1 either way
         fns, pos = [], 0
         for r, parts, sizes, i, c in zip(replicas, pieces, micro, active, captures):
             ws = list(weights[pos : pos + len(parts)])
             pos += len(parts)
             fns.append(
-                lambda r=r, p=parts, s=sizes, w=ws, i=i, c=c: _run_pieces(r, p, s, w, i, devices[i], log, loss_of, c)
+                lambda r=r, p=parts, s=sizes, w=ws, i=i, c=c: _run_pieces(
+                    r, p, s, w, i, devices[i], log, loss_of, c, sums
+                )
             )
         return fns
 

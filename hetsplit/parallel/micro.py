@@ -30,6 +30,7 @@ from ..planning.memory import cap_after_oom
 from ..planning.plan import Plan
 from .grads import add_into
 from .scatter_gather import scatter_to
+from .writes import versions
 
 _LOG = logging.getLogger("hetsplit")
 T = TypeVar("T")
@@ -46,6 +47,7 @@ class Step:
     shards: list[tuple[tuple[Any, ...], dict[str, Any]]] = dataclasses.field(default_factory=list)
     pieces: list[list[Any]] = dataclasses.field(default_factory=list)  # per active device, its micro-shards
     upstream: Any = None  # the inputs that require grad, and each shard's piece of them (parallel/upstream.py)
+    writes: Any = None  # the other tensors of the batch, each shard's alias of them (parallel/writes.py)
     built: list[Any] = dataclasses.field(default_factory=list)  # this step's replicas (parallel/replicas.py)
     finished: bool = False  # its backward ran: busy times logged
     # For a backward with create_graph=True, which runs the forwards again (data_parallel._rebuilt):
@@ -132,7 +134,9 @@ def _forward_pieces(
     A checkpointed micro-batch is recomputed in backward from the random state saved at
     its forward; when another replica draws from the same generator at the same time
     (``shared``), that state is not what the forward used, and dropout masks would differ
-    between forward and recompute. Such a step is refused rather than silently wrong.
+    between forward and recompute. Such a step is refused rather than silently wrong, as
+    is a forward that writes into its input in place: the recompute would start from the
+    written values.
     """
     outs = []
     for (args, kwargs), size in zip(pieces, sizes):
@@ -141,7 +145,15 @@ def _forward_pieces(
         else:  # keep inputs and outputs only; backward recomputes this micro-batch alone
             fn = lambda a=args, k=kwargs: checkpoint(replica, *a, use_reentrant=False, **k)
         before = _generator_state(device.torch_device) if shared and len(pieces) > 1 else None
+        seen = versions((args, kwargs)) if len(pieces) > 1 else None
         outs.append(log.watch(i, size, fn, device))
+        if seen is not None and seen != versions((args, kwargs)):
+            raise RuntimeError(
+                f"the model writes into its input in place (x.div_(...), nn.ReLU(inplace=True) on the input?) while "
+                f"{device.name} runs its share as micro-batches that backward recomputes from their inputs: use "
+                "train_step() (local-loss mode recomputes nothing), a plan without micro-batches (accumulate=False), "
+                "or an operation that is not in place"
+            )
         if before is not None and not torch.equal(before, _generator_state(device.torch_device)):
             raise RuntimeError(
                 f"the model draws random numbers (dropout?) while {device.name}'s micro-batches are recomputed in "

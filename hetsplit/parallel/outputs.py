@@ -12,9 +12,21 @@ from ..tree import flatten, leaf_paths, to_device, unflatten
 from .scatter_gather import concat_column
 
 # How 0-dim floating outputs of the replicas (per-shard losses) become one: a named rule,
-# or a callable giving each replica's weight from its input shard (args, kwargs).
-ScalarPolicy: TypeAlias = str | Callable[[tuple[Any, ...], dict[str, Any]], Any]
+# or a callable giving each replica's weight from its input shard (args, kwargs). None (the
+# default): "mean", refusing values that are sums over their shards (see check_sums).
+ScalarPolicy: TypeAlias = str | Callable[[tuple[Any, ...], dict[str, Any]], Any] | None
 _SCALAR_POLICIES = ("mean", "sum", "stack")
+
+# torch's loss functions save their reduction: at::Reduction::Sum.
+_REDUCTION_SUM = 2
+
+# torch's message for a backward through a graph already freed, as its own nodes raise it.
+_FREED = (
+    "Trying to backward through the graph a second time (or directly access saved tensors after they have already "
+    "been freed). Saved intermediate values of the graph are freed when you call .backward() or autograd.grad(). "
+    "Specify retain_graph=True if you need to backward through the graph a second time or if you need to access "
+    "saved tensors after calling backward."
+)
 
 # Per replica its outputs and their gradients, whether to keep the graph and whether to
 # build one (create_graph) -> one gradient per target (None: none reached it).
@@ -22,15 +34,15 @@ Backward = Callable[[list[tuple[list[torch.Tensor], list[torch.Tensor]]], bool, 
 
 
 def check_policy(policy: ScalarPolicy, what: str = "scalar_outputs") -> ScalarPolicy:
-    """Return ``policy`` if it is one of :data:`_SCALAR_POLICIES` or a callable.
+    """Return ``policy`` if it is ``None``, one of :data:`_SCALAR_POLICIES` or a callable.
 
     Raises:
         ValueError: Naming the value and the choices.
     """
-    if callable(policy) or policy in _SCALAR_POLICIES:
+    if policy is None or callable(policy) or policy in _SCALAR_POLICIES:
         return policy
     raise ValueError(
-        f"{what} must be one of {', '.join(map(repr, _SCALAR_POLICIES))} or a callable "
+        f"{what} must be None (the default), one of {', '.join(map(repr, _SCALAR_POLICIES))} or a callable "
         f"(args, kwargs) -> weight, got {policy!r}"
     )
 
@@ -40,8 +52,8 @@ def policy_weights(
 ) -> list[float] | None:
     """Each active replica's weight under ``policy`` (``None`` for ``"stack"``).
 
-    ``"mean"`` weighs replica ``i`` by ``b_i / B`` (a per-shard mean becomes the
-    full-batch mean); ``"sum"`` by 1; a callable's weights are normalised to sum to 1.
+    ``"mean"`` (and ``None``) weighs replica ``i`` by ``b_i / B`` (a per-shard mean becomes
+    the full-batch mean); ``"sum"`` by 1; a callable's weights are normalised to sum to 1.
 
     Raises:
         ValueError: If a callable returns a negative or non-finite weight, or all zero.
@@ -50,9 +62,10 @@ def policy_weights(
         return None
     if policy == "sum":
         return [1.0] * len(sizes)
-    if policy == "mean":
+    if policy is None or policy == "mean":
         total = sum(sizes)
         return [s / total for s in sizes]
+    assert callable(policy)
     raw = [float(policy(args, kwargs)) for args, kwargs in shards]
     if any(not math.isfinite(w) or w < 0 for w in raw) or sum(raw) <= 0:
         raise ValueError(
@@ -90,6 +103,40 @@ def count_tokens(
     return weight
 
 
+def sums_over_batch(value: torch.Tensor, size: int, dim: int) -> bool:
+    """Whether a replica's 0-dim ``value`` is a sum over its shard of ``size`` samples along ``dim``.
+
+    Read from the operation that made it (a torch loss with ``reduction="sum"``, or a
+    ``.sum()`` of a tensor whose ``dim`` has the shard's length), so a value computed
+    under ``no_grad`` or by anything else is not recognised: only what is certain is.
+    """
+    node = value.grad_fn
+    if node is None:
+        return False
+    reduction = getattr(node, "_saved_reduction", None)
+    if isinstance(reduction, int):
+        return reduction == _REDUCTION_SUM
+    if type(node).__name__ not in ("SumBackward0", "SumBackward1"):
+        return False
+    sizes = tuple(node._saved_self_sym_sizes)
+    return -len(sizes) <= dim < len(sizes) and sizes[dim] == size
+
+
+def check_sums(values: Sequence[torch.Tensor], sizes: Sequence[int], dim: int, what: str, setting: str) -> None:
+    """Refuse per-shard ``values`` that are all sums over their shards, about to be weighed as means.
+
+    Raises:
+        ValueError: Naming ``what`` and the ``setting`` to use.
+    """
+    if values and all(sums_over_batch(v, n, dim) for v, n in zip(values, sizes)):
+        kind = type(values[0].grad_fn).__name__
+        raise ValueError(
+            f"{what} is a sum over each replica's shard ({kind}), which the default weighs as a mean (b_i / B): "
+            f"pass {setting}='sum' for the full-batch sum, as the plain module computes it ({setting}='mean' if "
+            "it is a mean after all)"
+        )
+
+
 class _Gather(torch.autograd.Function):
     """Combine replica outputs; on backward, compute every replica's gradients concurrently.
 
@@ -107,8 +154,9 @@ class _Gather(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, backward: Backward, layout: _Layout, *tensors: torch.Tensor) -> Any:
+        # Nothing is saved (a saved-tensor hook of the caller's sees only the model's tensors):
+        # a backward that does not keep the graph drops backward_, and a later one refuses.
         ctx.backward_, ctx.layout = backward, layout
-        ctx.save_for_backward(torch.empty(0))  # freed with the graph: see backward
         # An output the loss does not use gets no gradient (not zeros): the replicas' backward then
         # leaves the parameters only it reaches without one, as the plain module's would.
         ctx.set_materialize_grads(False)
@@ -122,7 +170,8 @@ class _Gather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> Any:
-        _ = ctx.saved_tensors  # a second backward through a freed graph fails here, with torch's own message
+        if ctx.backward_ is None:  # a second backward through a freed graph, with torch's own message
+            raise RuntimeError(_FREED)
         keep = _keeps_graph()
         n_inputs = ctx.layout.n_inputs
         found = ctx.backward_(ctx.layout.split(grads), keep, torch.is_grad_enabled())
@@ -153,6 +202,7 @@ class _Layout:
         target: torch.device,
         dim: int,
         weights: Callable[[], list[float] | None],
+        sums: Sequence[int] | None = None,
     ) -> None:
         self.columns, self.paths, self.target, self.dim = (
             columns,
@@ -161,6 +211,10 @@ class _Layout:
             dim,
         )  # columns[k][j]: leaf k of replica j
         floating = [c[0].dim() == 0 and (c[0].is_floating_point() or c[0].is_complex()) for c in columns]
+        if sums is not None and len(sums) > 1:  # the default weighting: a sum over shards is refused, not averaged
+            for k, column in enumerate(columns):
+                if floating[k]:
+                    check_sums(column, sums, dim, f"output {paths(k)}", "scalar_outputs")
         # The weights are asked for only when a floating scalar is there to combine (a
         # callable policy may cost a device sync per replica).
         self.weights = weights() if any(floating) else None
@@ -177,8 +231,9 @@ class _Layout:
             pos += len(column)
             if self._weighted(k):
                 assert self.weights is not None
-                moved = [to_device(t, self.target) for t in parts]
-                out.append(sum((t * w for t, w in zip(moved[1:], self.weights[1:])), moved[0] * self.weights[0]))
+                # A replica weighted 0 (a shard without a labelled token) adds nothing, not its nan.
+                terms = [to_device(t, self.target) * w for t, w in zip(parts, self.weights) if w]
+                out.append(sum(terms[1:], terms[0]))
             elif column[0].dim() == 0:
                 out.append(torch.stack([to_device(t, self.target) for t in parts]))
             else:
@@ -197,13 +252,13 @@ class _Layout:
                 continue
             if self._weighted(k):
                 assert self.weights is not None
-                pieces = [grad * w for w in self.weights]
+                pieces = [grad * w if w else None for w in self.weights]  # weight 0: no backward at all
             elif column[0].dim() == 0:
                 pieces = list(grad.unbind(0))
             else:
                 pieces = list(torch.split(grad, [t.shape[self.dim] for t in column], dim=self.dim))
             for j, (t, g) in enumerate(zip(column, pieces)):
-                if t.requires_grad:
+                if t.requires_grad and g is not None:
                     work[j][0].append(t)
                     work[j][1].append(to_device(g, t.device))
         return work
@@ -217,6 +272,7 @@ def combine(
     backward: Backward | None,
     labels: Sequence[str],
     targets: Sequence[torch.Tensor] = (),
+    sums: Sequence[int] | None = None,
 ) -> Any:
     """The replicas' outputs as one output on ``target``; its backward runs ``backward`` (see :class:`_Gather`).
 
@@ -225,6 +281,8 @@ def combine(
     object comes back as a list with one entry per replica. ``targets``: the tensors the
     step differentiates (the module's parameters, the inputs that require grad), whose
     gradients ``backward`` computes from the replicas' graphs (see :class:`_Gather`).
+    ``sums``: each replica's samples, when 0-dim floating outputs that are sums over them
+    must be refused (the default weighting, see :func:`check_sums`).
 
     Raises:
         ValueError: If the replicas' outputs differ in structure or cannot be
@@ -254,7 +312,7 @@ def combine(
     if not positions:
         return unflatten(leaves, spec)
     columns = [leaves[k] for k in positions]
-    layout = _Layout(columns, lambda j: path(positions[j]), target, dim, weights)
+    layout = _Layout(columns, lambda j: path(positions[j]), target, dim, weights, sums)
     if (
         backward is not None
         and targets

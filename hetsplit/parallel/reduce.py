@@ -42,8 +42,10 @@ def _check_not_aliased(lists: Sequence[Sequence[torch.Tensor]]) -> None:
             seen = owner.setdefault(key, (i, k))
             if seen[0] != i:
                 raise ValueError(
-                    f"parameter {k} of device {i} shares its storage with parameter {seen[1]} of device {seen[0]}: "
-                    "each device needs its own copy (p.detach().clone().to(device)), or every update is applied twice"
+                    f"parameter {k} of device {i} shares its storage with parameter {seen[1]} of device {seen[0]}, "
+                    "so every update would be applied to it twice: give each device its own copy with Device.copy "
+                    "(hetsplit.parse_devices(devices)[i].copy(params, requires_grad=True)); p.to(device) returns p "
+                    "itself when it is already there, as for 'cpu' and 'cpu@0.25'"
                 )
 
 

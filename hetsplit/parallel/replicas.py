@@ -3,11 +3,18 @@
 Each step builds the replicas afresh, as ``torch.nn.parallel.replicate`` does: shallow
 copies of every submodule (``_replicate_for_data_parallel``, so a class's own rule, an
 RNN's weight list say, is kept) that share the module's hook dictionaries and
-attributes, so a hook or attribute set at any time is seen by the next step. A replica's
-parameters are derived from the module's *through autograd*: an alias on the module's
-device, a differentiable copy on another. Every gradient a replica computes therefore
-belongs to the module's graph, and the engine hands it back through autograd (hooks,
-``autograd.grad``, double backward), never by writing ``.grad`` behind autograd's back.
+attributes, so a hook or attribute set at any time is seen by the next step. In a
+``HeteroDataParallel`` step a replica's parameters are leaves of its own (sharing the
+module's storage on its device, copies on another): the engine captures each replica's
+gradient there and hands the sum to the module's parameters through autograd (hooks,
+``autograd.grad``), never by writing ``.grad`` behind autograd's back. Replicas built on
+their own (:func:`replicate`, and a backward that builds a graph of the gradients) take
+their parameters from the module's *through autograd* instead: an alias or a
+differentiable copy, so a loss on them back-propagates into the module.
+
+A compiled module (``torch.compile(module)``, ``module.compile()``) is compiled again on
+each replica (see :mod:`hetsplit.parallel.compiled`), and a step whose forward wrote
+into a parameter is refused (:meth:`_Replicator.check_unwritten`).
 
 Buffers are each replica's own copies, taken afresh every step, so replicas running at
 once never write into one another's (BatchNorm updates its statistics in place) and a
@@ -20,9 +27,11 @@ from collections.abc import Sequence
 
 import torch
 from torch import nn
+from torch.nn.parameter import is_lazy
 
 from ..devices import DeviceLike, parse_devices
 from ..tree import to_device
+from .compiled import Compiled
 
 # torch's norm layers count their training steps in this integer buffer; a full-batch
 # step advances it as one forward of the module would, however many replicas ran.
@@ -59,7 +68,7 @@ def replicate(network: nn.Module, devices: Sequence[DeviceLike], detach: bool = 
         >>> (a(x0).sum() + b(x1).sum()).backward()  # net's .grad: both replicas' gradients
     """
     targets = [d.torch_device for d in parse_devices(devices)]
-    return [r.module for r in _Replicator(network).build(targets, detach=detach)]
+    return [r.module for r in _Replicator(network).build(targets, "detach" if detach else "graph")]
 
 
 class _Replica:
@@ -69,6 +78,8 @@ class _Replica:
         self.module = module
         self.params = params  # aligned with the module's parameters (an alias or copy of each)
         self.buffers = buffers  # the buffer tensors the replica started the step with
+        # An in-place write into a parameter (or an alias sharing its storage) moves its version.
+        self.versions = [t._version for t in params]
 
 
 class _Replicator:
@@ -80,22 +91,33 @@ class _Replicator:
 
     def __init__(self, module: nn.Module) -> None:
         self.module = module
+        self.names: list[str] = []
         self.params: list[torch.Tensor] = []
         self.named_buffers: list[tuple[str, torch.Tensor]] = []
+        self._compiled = Compiled()
 
-    def build(self, devices: Sequence[torch.device], detach: bool = False) -> list[_Replica]:
-        """One step's replicas, one per device in ``devices`` (a device may repeat); ``detach``: cut from the graph."""
+    def build(self, devices: Sequence[torch.device], link: str = "graph") -> list[_Replica]:
+        """One step's replicas, one per device in ``devices`` (a device may repeat).
+
+        ``link`` says what stands for each parameter that requires grad (see :func:`_param_for`):
+        ``"graph"`` an alias or copy through autograd, ``"leaf"`` a leaf of the replica's
+        own (the engine's steps), ``"detach"`` a detached alias or copy.
+        """
         modules = list(self.module.modules())
+        if link == "leaf" and torch.is_grad_enabled():
+            check_backward_hooks(self.module, modules)
         # The module's tensors as of this step, for the engine (targets, merging): walked once.
-        self.params = params = list(self.module.parameters())
+        named = list(self.module.named_parameters())
+        self.names = [n for n, _ in named]
+        self.params = params = [p for _, p in named]
         self.named_buffers = list(self.module.named_buffers())
         buffers = [b for _, b in self.named_buffers]
         param_at = {id(p): k for k, p in enumerate(params)}
         buffer_at = {id(b): k for k, b in enumerate(buffers)}
-        graph = torch.is_grad_enabled() and not detach
+        mode = link if torch.is_grad_enabled() or link == "detach" else "none"
         out = []
         for device in devices:
-            own_params = [_param_for(p, device, graph, detach) for p in params]
+            own_params = [_param_for(p, device, mode) for p in params]
             own_buffers = self._buffers_for(buffers, device)
             copies = [_shallow(m) for m in modules]
             index = {id(m): i for i, m in enumerate(modules)}
@@ -117,8 +139,26 @@ class _Replicator:
                     own[key] = t
                 for key, b in m._buffers.items():
                     r._buffers[key] = None if b is None else own_buffers[buffer_at[id(b)]]
+                if m.__dict__.get("_compiled_call_impl") is not None or "dynamo_ctx" in m.__dict__:
+                    self._compiled.attach(m, r)  # after its children: a compiled call runs the replica's
             out.append(_Replica(copies[0], own_params, own_buffers))
         return out
+
+    def check_unwritten(self, replica: _Replica) -> None:
+        """Refuse a forward that wrote into a parameter (in place): no replica can reproduce the plain module's.
+
+        Raises:
+            RuntimeError: Naming the parameter and what to do.
+        """
+        for name, t, seen in zip(self.names, replica.params, replica.versions):
+            if t._version != seen:
+                raise RuntimeError(
+                    f"the model's forward wrote into its parameter {name!r} in place (a data-dependent "
+                    "initialisation such as ActNorm's, or a reset in forward): each replica holds a view or copy of "
+                    "the parameters and sees only its shard, so the plain module's result cannot be reproduced; run "
+                    "that first forward on the module itself (dp.module(x) under torch.no_grad(), on the batch it "
+                    "should see), or write the parameter outside forward"
+                )
 
     @staticmethod
     def _buffers_for(buffers: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
@@ -195,16 +235,63 @@ def _shallow(m: nn.Module) -> nn.Module:
     return replica
 
 
-def _param_for(p: torch.Tensor, device: torch.device, graph: bool, detach: bool = False) -> torch.Tensor:
+def _param_for(p: torch.Tensor, device: torch.device, mode: str) -> torch.Tensor:
     """The tensor that stands for parameter ``p`` in a replica on ``device``.
 
-    On ``p``'s device an alias (a view): the replica's gradient is then captured at the
-    alias, where no hook of ``p``'s fires, and reaches ``p`` once, through the engine.
-    Elsewhere a differentiable copy. Without a graph to build (no grad mode, or a frozen
-    parameter) ``p`` itself, or a plain copy; ``detach``: a detached alias or copy.
+    ``"graph"``: on ``p``'s device an alias through autograd (a view), elsewhere a
+    differentiable copy, so a loss on the replica back-propagates into ``p``.
+    ``"leaf"`` (the engine's steps): a leaf of the replica's own, sharing ``p``'s storage
+    on its device; the engine captures the replica's gradient there and hands the sum to
+    ``p`` through autograd. A reentrant checkpoint's own backward, which accumulates into
+    whatever leaves it reaches, then fills the replica's leaf, never ``p.grad``.
+    ``"detach"``: a detached alias or copy. ``"none"`` (no graph to build), and any
+    frozen parameter: ``p`` itself, or a plain copy.
     """
-    if detach:
+    if mode == "detach":
         return p.detach().to(device, copy=p.device != device)
-    if not (graph and p.requires_grad):
+    if mode == "none" or not p.requires_grad:
         return p if p.device == device else p.detach().to(device)
+    if mode == "leaf":
+        return p.detach().to(device).requires_grad_()
     return p.view_as(p) if p.device == device else p.to(device)
+
+
+def check_wrappable(module: nn.Module) -> None:
+    """Refuse, before any device work, a module whose parameters are not there yet (lazy modules).
+
+    Raises:
+        ValueError: Naming the uninitialised parameters and what to do.
+    """
+    lazy = [n for n, t in (*module.named_parameters(), *module.named_buffers()) if is_lazy(t)]
+    if lazy:
+        raise ValueError(
+            f"the module has uninitialized (lazy) parameters {lazy[:3]}{' ...' if len(lazy) > 3 else ''}: "
+            "HeteroDataParallel hands every parameter to its replicas before the forward that would create them; "
+            "call the model once on one sample first (model(x[:1])), then wrap it and build the optimizer"
+        )
+
+
+def check_backward_hooks(module: nn.Module, modules: Sequence[nn.Module]) -> None:
+    """Refuse a module backward hook before any replica runs: it would fire per replica, with a shard's gradients.
+
+    Args:
+        module: The wrapped module.
+        modules: ``module.modules()``, as the caller already listed them.
+
+    Raises:
+        ValueError: Naming the module and what to use instead.
+    """
+    hooks = torch.nn.modules.module
+    if hooks._global_backward_hooks or hooks._global_backward_pre_hooks:
+        where = "a global module backward hook (register_module_full_backward_hook)"
+    elif any(m._backward_hooks or m._backward_pre_hooks for m in modules):
+        found = next(n for n, m in module.named_modules() if m._backward_hooks or m._backward_pre_hooks)
+        where = f"module {found or '<root>'!r} has a backward hook (register_full_backward_hook or a pre-hook)"
+    else:
+        return
+    raise ValueError(
+        f"{where}: through HeteroDataParallel it would fire once per replica with that replica's shard of the "
+        "gradients, where the plain module fires once with the whole batch's; use a parameter hook "
+        "(p.register_hook fires once with the full-batch gradient) or a hook on the gathered output "
+        "(out.register_hook), or remove the hook while training through the wrapper"
+    )

@@ -14,18 +14,25 @@ from .micro import Step
 from .replicas import module_device
 from .scatter_gather import scatter_to
 from .upstream import Upstream
+from .writes import InputWrites
 
 
 def cut_upstream(
     step: Step, batch: tuple[tuple[Any, ...], dict[str, Any]], args: list[Any], kws: list[Any], dim: int
 ) -> tuple[list[tuple[Any, ...]], list[dict[str, Any]]]:
-    """The shards the replicas run on: leaves where they require grad (gather hands their gradients upstream)."""
+    """The shards the replicas run on, each with version counters of its own.
+
+    An input that requires grad is cut into pieces connected to it (gather hands their
+    gradients upstream); any other tensor of the batch into aliases (see :class:`InputWrites`).
+    """
+    whole = (tuple(batch[0]), dict(batch[1]))
     lone = batch[0][0] if len(batch[0]) == 1 and not batch[1] else None
-    if isinstance(lone, torch.Tensor) and not lone.requires_grad:  # the common case: nothing to cut
-        step.shards = list(zip(args, kws))
-        return args, kws
-    step.upstream = Upstream((tuple(batch[0]), dict(batch[1])), list(zip(args, kws)), dim)
-    step.shards = [(tuple(a), dict(k)) for a, k in step.upstream.shards]
+    shards = list(zip(args, kws))
+    if not (isinstance(lone, torch.Tensor) and not lone.requires_grad):  # a lone tensor without grad: none
+        step.upstream = Upstream(whole, shards, dim)
+        shards = step.upstream.shards
+    step.writes = InputWrites(whole, shards, step.sizes, dim)
+    step.shards = [(tuple(a), dict(k)) for a, k in step.writes.shards]
     return [a for a, _ in step.shards], [k for _, k in step.shards]
 
 
