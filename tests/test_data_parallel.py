@@ -280,6 +280,13 @@ def test_step_times_report_each_active_device():
     assert set(dp.step_times) == {"cpu", "cpu@0.25"} and all(t > 0 for t in dp.step_times.values())
     dp.train_step(x, y, F.cross_entropy)
     assert set(dp.step_times) == {"cpu", "cpu@0.25"}
+    # A step the module runs itself (the whole batch on its device) has no busy times: it
+    # repeated the last split step's, and bench's timeline showed them.
+    dp.set_plan(plan_from_sizes(None, dp.devices, [20, 0, 0]))
+    F.cross_entropy(dp(x), y).backward()
+    assert dp.step_times == {}
+    dp.train_step(x, y, F.cross_entropy)
+    assert dp.step_times == {}
 
 
 def test_profile_calibrated_scales_observed_devices():

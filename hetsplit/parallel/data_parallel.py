@@ -288,6 +288,7 @@ class HeteroDataParallel(nn.Module):
         step = self._begin(batch_of(inputs, kwargs))
         home = direct_device(step, self.module, self.rebalancer is not None)
         if home is not None:  # the module's own device has the whole batch: run the module itself
+            self._log.end(step.plan, keep=False)  # no busy times: step_times must not repeat the last split step's
             run = lambda: call_on(self.module, home, inputs, kwargs)
             out = self._mem.watch(step.active[0], step.sizes[0], run, step.devices[0])  # an OOM re-plans
             return move(out, self._output_device or home)
@@ -347,6 +348,7 @@ class HeteroDataParallel(nn.Module):
         step = self._begin((inputs, target))
         home = direct_device(step, self.module, self.rebalancer is not None)
         if home is not None:  # the module's own device has the whole batch: the module's own step
+            self._log.end(step.plan, keep=False)  # no busy times: step_times must not repeat the last split step's
             return self._direct_local_step(home, (inputs, target), loss_fn, reduction)
         batch = (inputs, target)
         step.upstream = Upstream(batch, scatter_to(batch, step.devices, step.sizes, self.dim), self.dim)
