@@ -36,7 +36,9 @@ class Model(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.fc(x)
-        print(f"\tIn Model: input size {tuple(x.shape)} on {x.device}, output size {tuple(out.shape)}")
+        # x.device is where the work runs: "cpu" for cpu@0.25 too (the CPU, slowed down), so
+        # which device took which shard is printed outside, from the split.
+        print(f"\tIn Model: input size {tuple(x.shape)}, output size {tuple(out.shape)}")
         return out
 
 
@@ -55,12 +57,11 @@ def main() -> None:
         print("emulated devices:", ", ".join(d.name for d in devices if d.emulated))
     model = hetsplit.HeteroDataParallel(Model(5, 2), devices, weights=weights)
     loader = DataLoader(RandomDataset(5, args.data_size), batch_size=args.batch_size, shuffle=True)
+    labels = [d.name + (" (emulated)" if d.emulated else "") for d in devices]
     for batch in loader:
         output = model(batch)
-        print(
-            f"Outside: input size {tuple(batch.shape)}, output size {tuple(output.shape)}, "
-            f"split {dict(zip(model.device_names, model.plan.sizes))}"
-        )
+        shards = ", ".join(f"{label} {size}" for label, size in zip(labels, model.plan.sizes))
+        print(f"Outside: input size {tuple(batch.shape)}, output size {tuple(output.shape)}; rows per device: {shards}")
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ from .version import __version__
 # start are instant: torch loads when a name that needs it is touched, after the CLI has
 # set up its one-line handling of errors and Ctrl-C.
 _WHERE = {
+    "Device": ".devices",
     "emulate": ".devices",
     "parse_devices": ".devices",
     "HeteroDataParallel": ".parallel.data_parallel",
@@ -49,12 +50,24 @@ _SUBPACKAGES = ("apps", "devices", "distributed", "emulation", "parallel", "plan
                 "store", "timing", "tree")  # fmt: skip
 
 
+# Names removed before the first release, and what replaces each: their AttributeError says so.
+_REMOVED = {
+    "parse_device": "hetsplit.parse_devices('cpu@0.25')[0]",
+    "split_sizes": "hetsplit.solve(profile, batch_size).sizes, or hetsplit.balanced_split(batch, devices) to cut "
+    "the batch itself",
+    "discover": "the command 'hetsplit devices', which lists this machine's devices",
+    "quick_profile": "hetsplit.profile(model, sample, devices)",
+    "solver": "hetsplit.solve(profile, batch_size)",
+}
+
+
 def __getattr__(name: str) -> Any:
     if name in _SUBPACKAGES or name in _MODULES:
         return importlib.import_module(_MODULES.get(name, f".{name}"), __name__)
     where = _WHERE.get(name)
     if where is None:
-        raise AttributeError(f"module 'hetsplit' has no attribute {name!r}")
+        instead = f"; it was removed: use {_REMOVED[name]}" if name in _REMOVED else ""
+        raise AttributeError(f"module 'hetsplit' has no attribute {name!r}{instead}")
     module = importlib.import_module(where, __name__)
     value = getattr(module, name)
     globals()[name] = value
@@ -67,7 +80,7 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:  # what static tools see: the same names, imported eagerly
     from .apps import models as models
-    from .devices import emulate, parse_devices
+    from .devices import Device, emulate, parse_devices
     from .parallel.apply import parallel_apply, run_parallel
     from .parallel.data_parallel import HeteroDataParallel
     from .parallel.outputs import count_tokens
@@ -101,4 +114,5 @@ __all__ = [
     "Rebalancer",
     "parse_devices",
     "emulate",
+    "Device",
 ]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import difflib
 import re
 from collections.abc import Iterable, Sequence
 from typing import Any, Union
@@ -201,8 +202,9 @@ def parse_device(spec: DeviceLike, *, check: bool = True) -> Device:
         text = spec.strip().lower()
         match = _SPEC.match(text)
         if match is None:
+            guess = _did_you_mean(text)
             raise ValueError(
-                f"cannot parse device {spec!r}; expected cpu, cuda, cuda:N or mps, optionally with @SPEED "
+                f"cannot parse device {spec!r}{guess}; expected cpu, cuda, cuda:N or mps, optionally with @SPEED "
                 "for an emulated slower device (e.g. 'cpu@0.25') and :maxN for an emulated memory of N samples"
             )
         kind = match["type"]
@@ -226,6 +228,29 @@ def parse_device(spec: DeviceLike, *, check: bool = True) -> Device:
     if check:
         _check_available(dev, spec)
     return dev
+
+
+# The names people write for a device type that torch spells otherwise.
+_ALIASES = {"gpu": "cuda", "nvidia": "cuda", "metal": "mps"}
+
+
+def _did_you_mean(text: str) -> str:
+    """``" (did you mean 'cuda:0'?)"`` for a near miss such as ``cuda0``, ``gpu:1`` or ``cdua``; else ``""``.
+
+    The type word is matched to cpu, cuda or mps (a known alias, else the closest
+    spelling), the index joined with ``:``; a guess is offered only if it parses.
+    """
+    found = re.fullmatch(r"([a-z]+)[:_\-#.]*(\d*)(.*)", text.replace(" ", ""))
+    if found is None:
+        return ""
+    word, index, rest = found.groups()
+    kind = _ALIASES.get(word) or next(
+        iter(difflib.get_close_matches(word, ["cpu", "cuda", "mps"], n=1, cutoff=0.7)), None
+    )
+    if kind is None:
+        return ""
+    guess = kind + (f":{index}" if index else "") + rest
+    return f" (did you mean {guess!r}?)" if guess != text and _SPEC.match(guess) else ""
 
 
 def emulate(base: DeviceLike, *, speed: float = 1.0, max_batch: int | None = None) -> Device:

@@ -159,6 +159,11 @@ def read_json(path: str | Path, kind: str | tuple[str, ...]) -> dict[str, Any]:
         wanted = " or ".join(repr(k) for k in kinds)
         raise ProfileFileError(f"{path}: holds a {doc.get('kind')!r}, expected a {wanted}")
     version = doc.get("schema_version")
+    if isinstance(version, bool) or not isinstance(version, int):  # '1' is no version 1: an edited file
+        raise ProfileFileError(
+            f"{path}: damaged file: schema_version {version!r} is not a whole number (this hetsplit writes "
+            f"{SCHEMA_VERSION}); re-create it with 'hetsplit profile'"
+        )
     if version != SCHEMA_VERSION:
         raise ProfileFileError(
             f"{path}: schema version {version!r}, but this hetsplit reads version {SCHEMA_VERSION}; "

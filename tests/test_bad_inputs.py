@@ -166,6 +166,17 @@ API_ROWS = [
     ("16 bench calibration steps negative", lambda: _bench(calibrate=-1), ValueError, "got -1"),
     ("16 bench calibration steps not whole", lambda: _bench(calibrate=2.5), ValueError, ">= 0 (0: off), got 2.5"),
     ("16 bench calibration seconds", lambda: _bench(calibrate_seconds=-1.0), ValueError, "seconds >= 0, got -1.0"),
+    # 36: a newcomer's first hour: a near-miss device name gets a guess, a removed name its replacement
+    ("36 a device without its colon", lambda: parse_device("cuda0"), ValueError, "(did you mean 'cuda:0'?)"),
+    ("36 gpu for cuda", lambda: hetsplit.parse_devices("cpu,gpu1"), ValueError, "(did you mean 'cuda:1'?)"),
+    ("36 a misspelt type, emulated", lambda: parse_device("cdua-1@0.5"), ValueError,
+     "(did you mean 'cuda:1@0.5'?)"),
+    ("36 removed hetsplit.parse_device", lambda: hetsplit.parse_device, AttributeError,
+     "it was removed: use hetsplit.parse_devices('cpu@0.25')[0]"),
+    ("36 removed hetsplit.split_sizes", lambda: hetsplit.split_sizes, AttributeError,
+     "it was removed: use hetsplit.solve(profile, batch_size).sizes"),
+    ("36 removed hd.rank_device", lambda: hetsplit.distributed.rank_device, AttributeError,
+     "it was removed: use dev = hd.init()"),
 ]  # fmt: skip
 
 
@@ -375,6 +386,15 @@ CLI_ROWS = [
      "--batch-size 50, but the plan"),
     ("27", ["launch", "--devices", "cpu,cpu@0.5"], 2, "give the training script to run"),
     ("27", ["show", "FIFO"], 1, "a named pipe (FIFO), not a hetsplit file"),
+    ("36", ["profile", "--devices", "cpu,cuda0"], 1, "cannot parse device 'cuda0' (did you mean 'cuda:0'?)"),
+    ("36", ["bench", "--batch-size", "1", "--model", "mlp"], 1,
+     "--batch-size 1 cannot be split across 2 devices"),
+    ("36", ["demo", "--batch-size", "2", "--devices", "cpu,cpu@0.5,cpu@0.25"], 1,
+     "--batch-size 2 cannot be split across 3 devices"),
+    ("36", ["plan", "PROFILE", "--use", "PROFILE:cpu*8", "--batch-size", "8"], 1,
+     "p.json is given whole (all its devices) and again in --use"),
+    ("36", ["show", "VERSION_AS_TEXT"], 1, "damaged file: schema_version '1' is not a whole number"),
+    ("36", ["launch", "--devices", "cpu,cpu@0.5", "nosuch.py"], 1, "no such script: nosuch.py"),
 ]  # fmt: skip
 
 
@@ -387,8 +407,10 @@ def test_cli_bad_inputs_are_one_line_before_any_work(capsys, tmp_path, item, arg
     os.mkfifo(tmp_path / "stuck.json")  # read, it would wait for a writer forever
     plan = tmp_path / "plan.json"
     plan.write_text(json.dumps(solve(Profile.load(stored), 100).to_dict()))
+    text_version = tmp_path / "text_version.json"  # "1" where the number 1 belongs: an edited file
+    text_version.write_text(stored.read_text().replace('"schema_version": 1', '"schema_version": "1"'))
     names = {"PROFILE": str(stored), "DIRECTORY": str(tmp_path), "BINARY": str(tmp_path / "bin.json"),
-             "FIFO": str(tmp_path / "stuck.json"), "PLAN": str(plan)}  # fmt: skip
+             "FIFO": str(tmp_path / "stuck.json"), "PLAN": str(plan), "VERSION_AS_TEXT": str(text_version)}  # fmt: skip
     argv = [names.get(a, a.replace("PROFILE", str(stored))) for a in argv]
     if status == 2:  # argparse's own refusal: usage, then one error line
         with pytest.raises(SystemExit) as exc:

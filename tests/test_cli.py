@@ -382,3 +382,36 @@ def test_every_subcommand_says_what_it_does_and_its_defaults():
             if action.help in (None, argparse.SUPPRESS) or action.default in (None, False, [], argparse.SUPPRESS):
                 continue
             assert "default" in action.help, f"hetsplit {name} {action.option_strings}: help does not say the default"
+
+
+def test_bench_runs_on_a_repeated_device(capsys):
+    # cpu,cpu: two replicas on one device, each planned with that device's curve (was: "the plan is
+    # for devices ['cpu'], but this wrapper runs on ['cpu', 'cpu']" after profiling).
+    code, out, err = _run(capsys, "bench", "--devices", "cpu,cpu", "--model", "mlp", "--batch-size", "8",
+                          "--steps", "1", "--budget", "1", "--calibrate", "0", "--quiet")  # fmt: skip
+    assert code == 0, err
+    assert [line.split("  ")[0] for line in out.splitlines() if line.startswith("cpu alone")] == ["cpu alone"]
+    assert "balanced split [" in out
+    assert "listed cpu 2 times: copies of a device share it, so it counts once in the ideal" in out
+
+
+def test_plan_notes_a_profile_measured_here_under_another_torch(capsys, tmp_path):
+    import platform
+
+    import torch
+
+    prof = Profile.from_measurements({"cpu": [(16, 0.01), (64, 0.03)]}, host=platform.node())
+    prof.source, prof.versions = "measured", {"hetsplit": "0.1", "torch": "1.0.0"}
+    path = prof.save(tmp_path / "old.json")
+    code, out, _ = _run(capsys, "plan", str(path), "--batch-size", "8")
+    assert (
+        code == 0
+        and (
+            f"note: {path} was measured on this machine under torch 1.0.0, which is now torch {torch.__version__}; "
+            "its times may be off — re-profile ('hetsplit profile') to refresh it"
+        )
+        in out
+    )
+    prof.host = "otherbox"  # another machine's profile records that machine's torch: nothing to say
+    code, out, _ = _run(capsys, "plan", str(prof.save(tmp_path / "other.json")), "--batch-size", "8")
+    assert code == 0 and "note:" not in out

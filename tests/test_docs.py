@@ -1,16 +1,17 @@
-"""The guides are true to the code: every fenced block of docs/*.md and the README's one-process section is checked.
+"""The guides are true to the code: every fenced block of docs/*.md and of the README after its quick start is checked.
 
 - ``python`` blocks run, one test each. A guide's blocks run in order in one namespace, in a
   fresh working directory, as a reader would paste them. A block after an HTML comment
   ``<!-- test: ... setup "NAME" ... -->`` starts anew from ``SETUPS[NAME]`` (below: what a
-  fragment leaves to the reader — a model, data — and what completes it, e.g. a ``fit``),
-  and the blocks after it continue its namespace. A setup with a ``job`` runs its blocks
-  on two CPU ranks under ``hetsplit launch`` (tests/docs_job.py): one launch per job and
-  guide, each test reading its own block's result.
+  fragment leaves to the reader — a model, data — and what completes it, e.g. a ``fit``;
+  nothing for a whole script), and the blocks after it continue its namespace. A setup
+  with a ``job`` runs its blocks on two CPU ranks under ``hetsplit launch``
+  (tests/docs_job.py): one launch per job for every guide's units of it, each test reading
+  its own block's result.
 - ``bash`` blocks: each ``hetsplit ...`` and ``torchrun ...`` command is parsed by the parser
   that would run it (the CLI's, torchrun's, the example script's), and a CPU-only ``hetsplit
   launch`` device list is checked as the launcher checks it; after a ``setup`` comment the
-  commands run.
+  commands run (in a fresh directory, or in the repository's root for a ``root`` setup).
 - Blocks without a language, and ``text`` blocks (output, listings), name their check in
   the comment, ``check "NAME"``: a function of ``CHECKS`` compares the block with what the
   code prints or holds.
@@ -51,13 +52,13 @@ class Block:
         return f"{self.guide} block {self.number}"
 
 
-def _readme_one_process() -> str:
+def _readme() -> str:
+    """The README from its one-process section on: the quick start's set-up commands and sample output are not code."""
     text = (ROOT / "README.md").read_text(encoding="utf-8")
-    start = text.index("## One process")
-    return text[start : text.index("\n## ", start + 1)]
+    return text[text.index("## One process") :]
 
 
-GUIDES = {"README.md, One process": _readme_one_process} | {
+GUIDES = {"README.md": _readme} | {
     f"docs/{p.name}": (lambda p=p: p.read_text(encoding="utf-8")) for p in sorted((ROOT / "docs").glob("*.md"))
 }
 
@@ -86,8 +87,9 @@ ALL = [b for guide in GUIDES for b in _blocks(guide)]
 class Setup:
     before: str  # runs before the block, in its namespace
     after: str = ""  # completes the block (the guide's next step, a fit)
-    job: str | None = None  # run on two CPU ranks, in one launch per job and guide
-    devices: str = "cpu,cpu@0.5"
+    job: str | None = None  # run on two CPU ranks, in one launch per job (every guide's units of it)
+    devices: str = "cpu,cpu@0.5"  # the job's: every setup of one job names the same
+    root: bool = False  # shell commands run in the repository's root (else in a fresh directory)
 
 
 _TORCHRUN = """
@@ -156,7 +158,47 @@ torch.manual_seed(0)
 loader = DataLoader(TensorDataset(torch.randn(64, 8), torch.randint(0, 3, (64,))), batch_size=8, shuffle=True)
 """
 
+# A whole script (the README's): nothing to add. On an emulated rank every DDP forward must
+# run inside dev.throttle(), else "one emulated rank" is not emulated: the forwards are watched.
+_WHOLE_SCRIPT = """
+import contextlib as _contextlib
+import threading as _threading
+
+import torch as _torch
+
+import hetsplit.emulation as _emulation
+
+_in_throttle = _threading.local()
+_real_throttle, _real_forward = _emulation.throttle, _torch.nn.parallel.DistributedDataParallel.forward
+_forwards = []  # per DDP forward: did it run inside a throttle?
+
+
+@_contextlib.contextmanager
+def _watched_throttle(device):
+    _in_throttle.depth = getattr(_in_throttle, "depth", 0) + 1
+    try:
+        with _real_throttle(device):
+            yield
+    finally:
+        _in_throttle.depth -= 1
+
+
+def _watched_forward(self, *args, **kwargs):
+    _forwards.append(getattr(_in_throttle, "depth", 0) > 0)
+    return _real_forward(self, *args, **kwargs)
+
+
+_emulation.throttle, _torch.nn.parallel.DistributedDataParallel.forward = _watched_throttle, _watched_forward
+"""
+_WHOLE_SCRIPT_AFTER = """
+_emulation.throttle, _torch.nn.parallel.DistributedDataParallel.forward = _real_throttle, _real_forward
+assert _forwards, "the script ran no DDP forward"
+assert all(_forwards) or not dev.emulated, f"{_forwards.count(False)} DDP forwards of the emulated rank not throttled"
+"""
+
 SETUPS = {
+    "script": Setup(_WHOLE_SCRIPT, after=_WHOLE_SCRIPT_AFTER, job="torchrun"),
+    "framework-script": Setup("", job="integrations", devices="cpu,cpu@0.25"),
     "torchrun": Setup(_TORCHRUN, job="torchrun"),
     "torchrun-micro": Setup(
         _TORCHRUN_INIT
@@ -260,17 +302,7 @@ assert "eval_loss" in trainer.evaluate()
         job="integrations",
         devices="cpu,cpu@0.25",
     ),
-    "whatif-profiles": Setup(
-        """
-import hetsplit
-
-model = {"name": "resnet18", "parameter_bytes": 44_700_000, "fingerprint": "f"}  # what a profile records of it
-curve = [(64, 0.02), (256, 0.07), (1024, 0.27)]
-hetsplit.Profile.from_measurements({"cuda:0": curve}, host="gpubox", model=model).save("profiles/gpubox.json")
-slow = [(b, 12 * t) for b, t in curve]
-hetsplit.Profile.from_measurements({"cpu": slow}, host="oldbox", model=model).save("profiles/oldbox.json")
-"""
-    ),
+    "repo-root": Setup("", root=True),  # profiles/ ships the example profiles the what-if guide uses
 }
 
 
@@ -328,11 +360,16 @@ class Outcomes:
 
     def _job(self, guide: str, setup: Setup, tmp_path: Path) -> None:
         units = [
-            {"setup": name, "before": SETUPS[name].before, "after": SETUPS[name].after,
-             "blocks": [{"id": b.id, "code": b.code} for b in blocks]}
-            for name, blocks in _units(_blocks(guide))
+            {
+                "setup": name,
+                "before": SETUPS[name].before,
+                "after": SETUPS[name].after,
+                "blocks": [{"id": b.id, "code": b.code} for b in blocks],
+            }
+            for every in GUIDES
+            for name, blocks in _units(_blocks(every))
             if name is not None and SETUPS[name].job == setup.job
-        ]  # fmt: skip
+        ]  # every guide's units of the job share its launch: start-up is most of its time
         for unit in units[1:]:  # each later unit meets in a store of its own (tests/docs_job.py)
             with socket.socket() as s:
                 s.bind(("127.0.0.1", 0))
@@ -421,7 +458,7 @@ def test_shell_block_commands_parse_or_run(block, tmp_path, monkeypatch, capsys)
     if block.setup is not None:  # run them, where the setup prepared what they read
         from hetsplit.apps.cli import main
 
-        monkeypatch.chdir(tmp_path)
+        monkeypatch.chdir(ROOT if SETUPS[block.setup].root else tmp_path)
         exec(compile(SETUPS[block.setup].before, f"setup {block.setup!r}", "exec"), {})
         for argv in commands:
             assert argv[0] == "hetsplit", argv
@@ -552,5 +589,10 @@ def test_every_setup_and_check_named_in_a_guide_exists():
         assert b.check is None or b.check in CHECKS, f"{b.id}: no check {b.check!r}"
         job = b.setup and SETUPS[b.setup].job
         assert not (job and b.lang != "python"), f"{b.id}: a job runs python blocks"
+    jobs: dict[str, set[str]] = {}
+    for setup in SETUPS.values():
+        if setup.job is not None:
+            jobs.setdefault(setup.job, set()).add(setup.devices)
+    assert all(len(d) == 1 for d in jobs.values()), f"a job runs in one launch, on one device list: {jobs}"
     counts = {g: len(_blocks(g)) for g in GUIDES}
     assert counts["docs/one-process.md"] and counts["docs/torchrun.md"] and counts["docs/integrations.md"], counts

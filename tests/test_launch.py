@@ -1,11 +1,14 @@
 """`hetsplit launch` and `hetsplit.distributed.init`: one process per device on top of torchrun."""
 
+import signal
+import socket
 import time
 from pathlib import Path
 
 import pytest
 from helpers import ROOT, launch, subprocess_env
 
+from hetsplit.apps.cli import main
 from hetsplit.apps.launch import torchrun_args
 from hetsplit.distributed.setup import choose_backend, init, rank_devices
 
@@ -73,6 +76,68 @@ def test_torchrun_arguments_for_one_and_several_nodes():
 def test_bad_launches_fail_before_anything_starts(devices, options, fragment):
     with pytest.raises(ValueError, match=fragment):
         torchrun_args(devices, "t.py", **options)
+
+
+@pytest.fixture
+def no_ranks(monkeypatch):
+    """torchrun's ``run`` replaced: a launch that gets as far as starting ranks fails the test."""
+
+    def started(_args):
+        raise AssertionError("torchrun started the ranks")
+
+    monkeypatch.setattr("torch.distributed.run.run", started)
+
+
+def _one_line(capsys, *argv):
+    code = main(list(argv))
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    return code, err.strip()
+
+
+def test_a_rendezvous_port_held_by_another_program_is_refused_at_once(tmp_path, capsys, no_ranks):
+    script = tmp_path / "train.py"
+    script.write_text("")
+    with socket.socket() as other:  # another program listening on the port
+        other.bind(("127.0.0.1", 0))
+        other.listen(1)
+        port = other.getsockname()[1]
+        for host in ("127.0.0.1", "localhost"):
+            code, err = _one_line(capsys, "launch", "--devices", "cpu,cpu@0.25", "--rdzv-endpoint", f"{host}:{port}",
+                                  str(script))  # fmt: skip
+            assert code == 1 and f"port {port} is already in use on this machine" in err  # was: silent for 120 s
+        # node 1 joins the store node 0 hosts on that port: not checked
+        torchrun_args("cpu,cpu", "t.py", nnodes=2, node_rank=1, rdzv_endpoint=f"127.0.0.1:{port}")
+    torchrun_args("cpu,cpu", "t.py", rdzv_endpoint=f"127.0.0.1:{port}")  # free again
+
+
+def test_a_missing_script_is_refused_before_any_rank_starts(tmp_path, capsys, monkeypatch, no_ranks):
+    monkeypatch.chdir(tmp_path)
+    code, err = _one_line(capsys, "launch", "--devices", "cpu,cpu@0.25", "nosuch.py", "--lr", "0.1")
+    assert code == 1 and err == (
+        f"hetsplit launch: error: no such script: nosuch.py (looked in {tmp_path}); give the path of the training "
+        "script"
+    )
+
+
+def test_ctrl_c_ends_the_launch_with_one_line_and_status_130(tmp_path, capsys, monkeypatch):
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    script = tmp_path / "train.py"
+    script.write_text("")
+
+    def signalled(sig):  # what torchrun's agent raises after stopping the ranks on a signal
+        def run(_args):
+            raise SignalException(f"Process 1 got signal: {sig}", sigval=sig)
+
+        return run
+
+    monkeypatch.setattr("torch.distributed.run.run", signalled(signal.SIGINT))
+    code, err = _one_line(capsys, "launch", "--devices", "cpu,cpu@0.25", str(script))
+    assert (code, err) == (130, "hetsplit: interrupted")  # was torch's traceback and status 1
+    monkeypatch.setattr("torch.distributed.run.run", signalled(signal.SIGTERM))
+    code, err = _one_line(capsys, "launch", "--devices", "cpu,cpu@0.25", str(script))
+    assert (code, err) == (1, "hetsplit launch: error: stopped by SIGTERM; the ranks were stopped")
 
 
 def test_init_checks_the_device_list_before_the_process_group(monkeypatch):

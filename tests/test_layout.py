@@ -81,7 +81,7 @@ def test_pytree_is_used_in_one_module():
 # The modules users import from; every other module is the package's own and declares no
 # ``__all__``, so the public surface is these lists and nothing else.
 PUBLIC = {
-    "hetsplit": 16,
+    "hetsplit": 17,
     "hetsplit.distributed": 11,
     "hetsplit.lightning": 2,
     "hetsplit.accelerate": 1,

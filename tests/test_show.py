@@ -118,3 +118,38 @@ def test_the_timeline_title_says_when_one_device_alone_is_faster():
     )
     r.balanced = 25200.0
     assert timeline_title(r).endswith("balanced is 4.20x the even split, 1.20x cuda:0 alone")
+
+
+def test_show_draws_a_plan_file_alone(tmp_path, capsys):
+    import json
+
+    import matplotlib  # noqa: F401  (a test extra: missing, fail; never skip)
+
+    from hetsplit.apps.cli import main
+
+    prof = _profile().save(tmp_path / "p.json")
+    assert main(["plan", str(prof), "--batch-size", "100", "--json"]) == 0
+    (tmp_path / "plan.json").write_text(capsys.readouterr().out)  # as 'hetsplit plan ... --json > plan.json'
+    assert json.loads((tmp_path / "plan.json").read_text())["sizes"]
+    assert main(["show", str(tmp_path / "plan.json")]) == 0  # was: "not a hetsplit file"
+    assert "picture written to" in capsys.readouterr().out and _is_png(tmp_path / "plan.png")
+    (tmp_path / "other.json").write_text('{"a": 1}')  # neither a hetsplit file nor a plan: as before
+    assert main(["show", str(tmp_path / "other.json")]) == 1
+    assert capsys.readouterr().err.strip() == f"hetsplit show: error: {tmp_path / 'other.json'}: not a hetsplit file"
+
+
+def test_a_balanced_split_that_is_one_device_alone_says_so():
+    # batch 8 on cpu + a slow device: the plan gives cpu all 8, so "balanced vs cpu alone" would
+    # compare cpu with itself, reading noise as a speedup.
+    from hetsplit.planning import plan_from_sizes
+
+    r = _bench()
+    r.plan = plan_from_sizes(None, ["cuda:0", "cpu"], [256, 0])
+    text = r.table()
+    assert "the balanced split [256, 0] is cuda:0 alone: at a batch of 256 the other devices would only slow" in text
+    assert "balanced vs cuda:0 alone" not in text
+    assert "balanced vs cuda:0 alone: 0.90x" in _bench().table()  # a real split keeps its verdict
+    from hetsplit.apps.show import timeline_title
+
+    assert timeline_title(r).endswith("balanced is 3.17x the even split, the balanced split is cuda:0 alone (nothing "
+                                      "split at this batch)")  # fmt: skip

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 from typing import Any
 
 from ..planning.plan import Plan
@@ -130,14 +131,14 @@ class BenchResult:
                 self.single[name],
                 self.step_times[f"single:{name}"],
             )
-            for name in self.devices
+            for name in dict.fromkeys(self.devices)  # a device listed twice is one device alone
         ]
         rows += [
             ("even split", self.even, self.step_times["even"]),
             (f"balanced split {self.plan.sizes}", self.balanced, self.step_times["balanced"]),
             ("ideal (sum of single devices)", self.ideal, self.batch_size / self.ideal),
         ]
-        keys = [f"single:{name}" for name in self.devices] + ["even", "balanced", ""]
+        keys = [f"single:{name}" for name in dict.fromkeys(self.devices)] + ["even", "balanced", ""]
         width = max(len(r[0]) for r in rows)
         lines = [
             f"{'configuration'.ljust(width)}  samples/s  step (ms)  predicted (ms)",
@@ -167,11 +168,25 @@ class BenchResult:
                     f"ideal at those in-split speeds: {self.ideal_in_split:.0f} samples/s; balanced reaches "
                     f"{self.balanced / self.ideal_in_split:.0%} of it"
                 )
+        copies = {name: n for name, n in Counter(self.devices).items() if n > 1}
+        if copies:
+            listed = ", ".join(f"{name} {n} times" for name, n in copies.items())
+            lines.append(f"listed {listed}: copies of a device share it, so it counts once in the ideal")
         lines.append("")
-        lines.append(
-            f"balanced vs {self.fastest} alone: {self.speedup_vs_single:.2f}x; vs even: "
-            f"{self.speedup_vs_even:.2f}x; efficiency vs ideal: {self.efficiency:.0%}"
-        )
+        used = [name for name, size in zip(self.plan.devices, self.plan.sizes) if size > 0]
+        if len(used) == 1:
+            # "balanced [8, 0]" is that device alone through the wrapper: a speedup over it
+            # would be the wrapper's overhead and noise, not a split.
+            lines.append(
+                f"the balanced split {self.plan.sizes} is {used[0]} alone: at a batch of {self.batch_size} the other "
+                "devices would only slow the step, so nothing is split (a larger --batch-size shows a split); "
+                f"vs even: {self.speedup_vs_even:.2f}x; efficiency vs ideal: {self.efficiency:.0%}"
+            )
+        else:
+            lines.append(
+                f"balanced vs {self.fastest} alone: {self.speedup_vs_single:.2f}x; vs even: "
+                f"{self.speedup_vs_even:.2f}x; efficiency vs ideal: {self.efficiency:.0%}"
+            )
         if self.overhead is not None:
             lines.append(f"HeteroDataParallel overhead on one device at the same batch: {self.overhead:+.1%}")
         return "\n".join(lines)

@@ -186,28 +186,69 @@ def cmd_profile(args: argparse.Namespace) -> int:
     return 0
 
 
+def _read_plan(path: Any) -> Any:
+    """The plan in ``path``, written by ``hetsplit plan --json`` (a bare plan, or one under ``"plan"``).
+
+    Raises:
+        CLIError: Naming the file, when it is missing or holds no plan.
+    """
+    from ..files import MAX_FILE_BYTES
+    from ..planning import Plan
+
+    try:
+        if path.stat().st_size > MAX_FILE_BYTES or not path.is_file():  # never a FIFO or /dev/zero
+            raise ValueError(f"not a regular file of at most {MAX_FILE_BYTES // 2**20} MiB")
+        raw = json.loads(path.read_text(encoding="utf-8"))
+        return Plan.from_dict(raw.get("plan", raw) if isinstance(raw, dict) else raw)
+    except FileNotFoundError:
+        raise CLIError(f"{path}: no such file") from None
+    except (ValueError, KeyError, TypeError, AttributeError, OSError, RecursionError) as e:
+        raise CLIError(
+            f"{path}: not a plan ({type(e).__name__}: {e}); write one with "
+            "'hetsplit plan PROFILE --batch-size N --json > FILE'"
+        ) from None
+
+
+def _shown_file(path: Any) -> dict[str, Any]:
+    """What ``hetsplit show`` draws: a hetsplit file of a profile or bench results, or a plan file.
+
+    A plan file (``hetsplit plan --json``) has no hetsplit header: it is tried when the
+    file is no hetsplit file, and the original error stands when it is no plan either.
+    """
+    from .. import store
+    from ..files import ProfileFileError
+
+    try:
+        return store.read_json(path, ("profile", "bench", "bench-rebalance"))
+    except ProfileFileError as error:
+        try:
+            return {"kind": "plan", "plan": _read_plan(path)}
+        except CLIError:
+            raise error from None  # no plan either: what the file is not, as read_json says
+
+
 def cmd_show(args: argparse.Namespace) -> int:
-    from .. import files, store
-    from ..planning import Plan, Profile
+    from .. import files
+    from ..planning import Profile
     from .bench import BenchResult
     from .bench_rebalance import RebalanceResult
-    from .show import plot_profile, plot_rebalance, plot_timeline
+    from .show import plot_plan, plot_profile, plot_rebalance, plot_timeline
 
-    doc = store.read_json(args.file, ("profile", "bench", "bench-rebalance"))
+    doc = _shown_file(args.file)
     out = args.out or args.file.with_suffix(".png")
     files.check_writable(out)  # before drawing, naming the picture's path
-    if doc["kind"] == "bench-rebalance":
+    if doc["kind"] != "profile" and (args.plan or args.batch_size):
+        raise CLIError(f"{args.file} holds a {doc['kind']}; --plan and --batch-size are for profiles")
+    if doc["kind"] == "plan":
+        path = plot_plan(doc["plan"], out)
+    elif doc["kind"] == "bench-rebalance":
         try:
             path = plot_rebalance(RebalanceResult.from_dict(doc["result"]), out)
         except (KeyError, TypeError, ValueError) as e:
             raise CLIError(
                 f"{args.file}: damaged rebalance results ({type(e).__name__}: {e}); re-run the bench"
             ) from None
-        print(f"picture written to {path}")
-        return 0
-    if doc["kind"] == "bench":
-        if args.plan or args.batch_size:
-            raise CLIError(f"{args.file} holds bench results; --plan and --batch-size are for profiles")
+    elif doc["kind"] == "bench":
         try:
             result = BenchResult.from_dict(doc["result"])
         except (KeyError, TypeError, ValueError) as e:
@@ -219,16 +260,7 @@ def cmd_show(args: argparse.Namespace) -> int:
         prof = Profile.load(args.file)
         plan = None
         if args.plan:
-            try:
-                raw = json.loads(args.plan.read_text(encoding="utf-8"))
-                plan = Plan.from_dict(raw.get("plan", raw) if isinstance(raw, dict) else raw)
-            except FileNotFoundError:
-                raise CLIError(f"{args.plan}: no such file") from None
-            except (ValueError, KeyError, TypeError, AttributeError) as e:
-                raise CLIError(
-                    f"{args.plan}: not a plan ({type(e).__name__}: {e}); write one with "
-                    "'hetsplit plan PROFILE --batch-size N --json > FILE'"
-                ) from None
+            plan = _read_plan(args.plan)
             missing = [d for d in plan.devices if d not in prof.devices]
             if missing:
                 raise CLIError(f"{args.plan}: devices {missing} are not in the profile {args.file} ({prof.devices})")
@@ -246,6 +278,19 @@ def cmd_show(args: argparse.Namespace) -> int:
         path = plot_profile(prof, out, plan=plan, batch_size=args.batch_size)
     print(f"picture written to {path}")
     return 0
+
+
+def _check_splittable(batch_size: int, n: int, command: str) -> None:
+    """Refuse a batch too small to give every device a sample: its even split leaves a device out.
+
+    With fewer samples than devices every configuration is one device alone (or a few)
+    under another name, and the comparison reads noise as a speedup.
+    """
+    if batch_size < n:
+        raise CLIError(
+            f"--batch-size {batch_size} cannot be split across {n} devices (the even split leaves a device "
+            f"without a sample, so {command} would compare one device with itself); give --batch-size {n} or more"
+        )
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -267,6 +312,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if len(devs) < 2:
         what = "rebalancing moves samples between devices" if args.rebalance else "bench compares splits"
         raise CLIError(f"{what}, so it needs two or more devices; got {[d.name for d in devs]}")
+    if not args.rebalance:
+        _check_splittable(args.batch_size, len(devs), "bench")
     if change is not None and change[0] not in [d.name for d in devs]:
         raise CLIError(
             f"--change names {change[0]}, which is not among the devices ({spec_devices}); list it in --devices"
@@ -321,6 +368,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     devices = parse_devices(args.devices) if args.devices is not None else None
     if devices is not None and len(devices) < 2:
         raise CLIError(f"the demo compares splits, so it needs two or more devices; got {[d.name for d in devices]}")
+    _check_splittable(args.batch_size, len(devices) if devices is not None else 2, "demo")
     if args.json is not None:
         files.check_writable(args.json)
     result = run_demo(

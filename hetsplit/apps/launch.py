@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
+import signal
 import socket
 from collections.abc import MutableMapping, Sequence
 from pathlib import Path
@@ -30,8 +32,9 @@ def torchrun_args(
 
     Raises:
         ValueError: If the devices do not divide evenly over the nodes, a node rank is
-            out of range, a multi-node job has no rendezvous endpoint, or a device of
-            this node is not present here; before anything starts.
+            out of range, a multi-node job has no rendezvous endpoint, the endpoint this
+            node would host is taken, or a device of this node is not present here;
+            before anything starts.
     """
     from ..devices import parse_devices
     from ..distributed.setup import rank_devices
@@ -56,8 +59,44 @@ def torchrun_args(
     else:
         if rdzv_endpoint is None:
             raise ValueError("a job of several nodes needs --rdzv-endpoint HOST:PORT, the same on every node")
+        if node_rank == 0:
+            _check_endpoint_free(rdzv_endpoint)
         argv += ["--node-rank", str(node_rank), "--rdzv-backend", rdzv_backend, "--rdzv-endpoint", rdzv_endpoint]
     return [*argv, "-m", "hetsplit.distributed._rank_main", script, *script_args], local  # waits for gloo at exit
+
+
+def _check_endpoint_free(endpoint: str) -> None:
+    """Refuse a rendezvous endpoint on this machine whose port another program holds.
+
+    Node 0 hosts the rendezvous store when the endpoint names this machine (torchrun's
+    own rule, reused). If the port is taken, torchrun connects to whatever holds it
+    as if it were a store and waits, silent, until its rendezvous times out.
+
+    Raises:
+        ValueError: Naming the endpoint and the port, when node 0 would host it here and
+            the port cannot be bound.
+    """
+    from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname, parse_rendezvous_endpoint
+
+    host, port = parse_rendezvous_endpoint(endpoint, default_port=29400)  # torchrun's default port
+    if port == 0 or not _matches_machine_hostname(host):
+        return  # another machine hosts it (or any free port will do): nothing to check here
+    for family, address in ((socket.AF_INET, "0.0.0.0"), (socket.AF_INET6, "::")):  # the store listens on both
+        try:
+            sock = socket.socket(family, socket.SOCK_STREAM)
+        except OSError:  # no IPv6 on this machine
+            continue
+        with sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the store binds: TIME_WAIT is free
+            try:
+                sock.bind((address, port))
+            except OSError as e:
+                if e.errno != errno.EADDRINUSE:
+                    continue
+                raise ValueError(
+                    f"--rdzv-endpoint {endpoint}: port {port} is already in use on this machine, which hosts the "
+                    "rendezvous (node 0); pick a free port, or stop the program that holds it"
+                ) from None
 
 
 def local_env(environ: MutableMapping[str, str]) -> MutableMapping[str, str]:
@@ -116,14 +155,19 @@ def launch(devices: str, script: str, script_args: Sequence[str] = (), **options
     ``rdzv_backend``, ``max_restarts``).
 
     Raises:
-        ValueError: On bad devices or options, before any process starts.
-        RuntimeError: One line naming the rank that failed first, when the job fails.
+        ValueError: On a missing script, bad devices or options, before any process starts.
+        RuntimeError: One line naming the rank that failed first, when the job fails, or
+            the signal that stopped the launcher.
+        KeyboardInterrupt: On Ctrl-C, after torchrun has stopped the ranks.
     """
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
     from ..distributed.setup import ENV_DEVICES, rank_devices
 
+    if not os.path.exists(script):  # else every rank starts, each ending in the same traceback
+        raise ValueError(f"no such script: {script} (looked in {os.getcwd()}); give the path of the training script")
     argv, _ = torchrun_args(devices, script, script_args, **options)  # type: ignore[arg-type]
     if "--standalone" in argv:
         local_env(os.environ)
@@ -132,6 +176,10 @@ def launch(devices: str, script: str, script_args: Sequence[str] = (), **options
         run(parse_args(argv))
     except ChildFailedError as e:
         raise RuntimeError(_failure_line(e)) from e
+    except SignalException as e:  # torchrun's agent turns SIGINT/SIGTERM into this, after stopping the ranks
+        if e.sigval == signal.SIGINT:
+            raise KeyboardInterrupt from None  # the CLI's Ctrl-C: "hetsplit: interrupted", status 130
+        raise RuntimeError(f"stopped by {e.sigval.name}; the ranks were stopped") from None
 
 
 def cmd_launch(args: argparse.Namespace) -> int:

@@ -128,6 +128,18 @@ def plot_profile(profile: Profile, out: str | Path, *, plan: Plan | None = None,
     ax_t.legend(fontsize=8, loc="upper left")
     ax_thr.legend(fontsize=8, loc="lower right")
 
+    _draw_split(ax_split, ax_pred, plan)
+    model = profile.model.get("name", "model")
+    fig.suptitle(f"{model} on {profile.host} ({profile.created[:10]}); predictions from the fitted curves", fontsize=11)
+    fig.tight_layout()
+    try:
+        return _save(fig, out)
+    finally:
+        plt.close(fig)
+
+
+def _draw_split(ax_split: Any, ax_pred: Any, plan: Plan) -> None:
+    """The split of ``plan`` as a stacked bar, and each device's predicted time at its share."""
     left = 0
     emulated = set(plan.emulated)
     for k, (name, size) in enumerate(zip(plan.devices, plan.sizes)):
@@ -167,8 +179,29 @@ def plot_profile(profile: Profile, out: str | Path, *, plan: Plan | None = None,
     ax_pred.set_ylabel("predicted time (ms)")
     ax_pred.set_title("Predicted time per device at its share")
     ax_pred.legend(fontsize=8)
-    model = profile.model.get("name", "model")
-    fig.suptitle(f"{model} on {profile.host} ({profile.created[:10]}); predictions from the fitted curves", fontsize=11)
+
+
+def plot_plan(plan: Plan, out: str | Path) -> Path:
+    """Draw a plan file alone (``hetsplit plan --json``): its split and each device's predicted time.
+
+    Args:
+        plan: The plan.
+        out: The PNG to write.
+
+    Returns:
+        The path written.
+
+    Raises:
+        MissingPlotExtra: Without matplotlib, with the command that installs it.
+    """
+    plt = _pyplot()
+    fig, (ax_split, ax_pred) = plt.subplots(1, 2, figsize=(12, 3.8))
+    _draw_split(ax_split, ax_pred, plan)
+    fig.suptitle(
+        f"Split of a batch of {plan.batch_size}: predicted step {plan.step_time * 1e3:.2f} ms "
+        "(predictions from the profile's fitted curves)",
+        fontsize=11,
+    )
     fig.tight_layout()
     try:
         return _save(fig, out)
@@ -243,11 +276,13 @@ def timeline_title(result: BenchResult) -> str:
     "1.26x the even split" alone read as a win while the CPU alone was faster.
     """
     alone = result.speedup_vs_single
-    verdict = (
-        f"{alone:.2f}x {result.fastest} alone"
-        if alone >= 1
-        else f"but {result.fastest} alone is faster ({1 / alone:.2f}x the balanced split)"
-    )
+    used = [name for name, size in zip(result.plan.devices, result.plan.sizes) if size > 0]
+    if len(used) == 1:  # that device alone: a ratio to it would be the wrapper's overhead and noise
+        verdict = f"the balanced split is {used[0]} alone (nothing split at this batch)"
+    elif alone >= 1:
+        verdict = f"{alone:.2f}x {result.fastest} alone"
+    else:
+        verdict = f"but {result.fastest} alone is faster ({1 / alone:.2f}x the balanced split)"
     return (
         f"{result.model}, batch {result.batch_size}, {result.meta.get('date', '')} on {result.meta.get('host', '')}: "
         f"balanced is {result.speedup_vs_even:.2f}x the even split, {verdict}"

@@ -68,6 +68,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
         if sum(picks.values()) > checks.MAX_DEVICES:
             raise CLIError(f"the what-if set has over {checks.MAX_DEVICES:,} devices; plan for at most that many")
 
+    uses = [_parse_use(text, checks.MAX_DEVICES) for text in args.use]
+    whole = {path.resolve(): path for path in args.profile}
+    both = [(whole[path.resolve()], device) for path, device, _ in uses if path.resolve() in whole]
+    if both:  # a profile named alone means all its devices: with its --use picks, they came twice
+        path, device = both[0]
+        raise CLIError(
+            f"{path} is given whole (all its devices) and again in --use {path}:{device}, so its devices would "
+            f"count twice; give it one way: only --use picks (--use {path}:{device}*N ...), or the whole file"
+        )
     picks: dict[tuple[Path, str], int] = {}
     for path in args.profile:
         if path not in loaded:
@@ -79,8 +88,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
                 raise CLIError(f"--devices {args.devices!r} names no device; pick some of {loaded[path].devices}")
         for device in wanted:
             pick(path, device, 1)
-    for text in args.use:
-        pick(*_parse_use(text, checks.MAX_DEVICES))
+    for use in uses:
+        pick(*use)
     parts = [(loaded[path], name, n) for (path, name), n in picks.items()]
     combined = Profile.merge(parts)
     whatif = len(loaded) > 1 or bool(args.use)
@@ -115,6 +124,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print(f"{'what-if ' if whatif else ''}split of a batch of {plan.batch_size} ({model}; profiles: {sources})")
     if len(fingerprints) > 1:
         print("warning: the profiles are of different models; their times do not add up to one job")
+    for path, prof in loaded.items():
+        for note in _notes(path, prof):
+            print(note)
     if len(rows) > _MAX_ROWS:
         hidden = rows[_MAX_ROWS:]
         rows = [*rows[:_MAX_ROWS], [f"... {len(hidden):,} more", str(sum(int(r[1]) for r in hidden)), "", "", ""]]
@@ -149,12 +161,37 @@ def cmd_plan(args: argparse.Namespace) -> int:
         )
     else:
         print(f"one device alone: none holds the whole batch ({alone_note(plan, caps)})")
+    for note in plan.noise_notes(step=total, even=even_total, single=plan.single_time):
+        print(note)
     if whatif and len(parts) > 1:
         _print_worth(
             combined, parts, args.batch_size, total, exchange, with_comm=comm is not None, accumulate=args.accumulate
         )
     print("\nThese are predictions from the profiles' fitted curves, not measurements.")
     return 0
+
+
+def _notes(path: Path, prof: Profile) -> list[str]:
+    """Lines on what a profile's times rest on: example timings, or this machine under another torch.
+
+    torch's kernels change between versions, so a profile measured here under another
+    torch may no longer hold; a profile of another machine records that machine's torch,
+    which is fine. The example profiles shipped in ``profiles/`` are made up for the guide.
+    """
+    import platform
+
+    import torch
+
+    notes = []
+    if prof.source.startswith("example"):
+        notes.append(f"note: {path} holds example timings, not measurements; 'hetsplit profile' measures yours")
+    then = prof.versions.get("torch")
+    if then and then != torch.__version__ and prof.host == platform.node():
+        notes.append(
+            f"note: {path} was measured on this machine under torch {then}, which is now torch "
+            f"{torch.__version__}; its times may be off — re-profile ('hetsplit profile') to refresh it"
+        )
+    return notes
 
 
 def _print_worth(

@@ -1,9 +1,10 @@
 """Distributed: heterogeneous torchrun ranks — one plan for all, per-rank shares, shard-weighted DDP gradients.
 
 ``_group`` (ranks, collectives that fail with one clear error) → ``rank_plan`` (each rank
-profiles its device, rank 0 solves, DDP steps calibrate) → ``sampler`` (each rank's
-share of every global batch; ``accumulate`` its micro-batches) → ``comm_hooks`` (gradients weighted by shard) →
-``rebalance`` (online rebalancing across ranks); ``teardown`` waits at exit for gloo's workers.
+profiles its device, rank 0 solves, DDP steps calibrate) → ``sampler`` (each rank's share
+of every global batch, from a dataset or from a global batch in hand; ``accumulate`` its
+micro-batches) → ``comm_hooks`` (gradients weighted by shard) → ``rebalance`` (online
+rebalancing across ranks); ``teardown`` waits at exit for gloo's workers.
 """
 
 from ._group import DistributedError, guard
@@ -11,7 +12,7 @@ from .accumulate import micro_batches
 from .comm_hooks import weight_gradients
 from .rank_plan import plan
 from .rebalance import DistributedRebalancer
-from .sampler import HeteroDistributedSampler, data_loader
+from .sampler import HeteroDistributedSampler, data_loader, local_batch
 from .setup import init
 from .teardown import drain_at_exit
 
@@ -20,6 +21,7 @@ __all__ = [
     "init",
     "plan",
     "data_loader",
+    "local_batch",
     "HeteroDistributedSampler",
     "weight_gradients",
     "micro_batches",
@@ -28,3 +30,15 @@ __all__ = [
     "DistributedError",
     "drain_at_exit",
 ]
+
+# Names removed before the first release, and what replaces each: their AttributeError says so.
+_REMOVED = {
+    "rank_device": "dev = hd.init(), which returns this rank's device",
+    "scale_loss": "hd.weight_gradients(ddp, plan), which weights each rank's gradients by its share",
+    "HeteroBatchSampler": "hd.data_loader(dataset, plan) or hd.HeteroDistributedSampler",
+}
+
+
+def __getattr__(name: str) -> object:
+    instead = f"; it was removed: use {_REMOVED[name]}" if name in _REMOVED else ""
+    raise AttributeError(f"module 'hetsplit.distributed' has no attribute {name!r}{instead}")
