@@ -13,8 +13,17 @@ machine slows them alike):
 3. The same with rank 1's memory capped at ``--cap`` samples (``:max{cap}``), solved with
    ``accumulate=True``: micro-batches, every rank running as many (``hd.micro_batches``).
 
-Each configuration's predicted step time (the plan's, from the profiles) is printed
-next to the measured median (slowest rank, a barrier before each step). Then the heap
+Each configuration's predicted step time (the plan's: the slowest rank's compute from the
+profiles, plus the step's collectives timed once) is printed next to the measured median
+(slowest rank, a barrier before each step).
+
+``--plans N`` first profiles and plans N times and prints each plan's shares: the ranks
+are timed by their own compute, apart from their waits in FSDP2's collectives, so on
+``cpu,cpu@0.25`` rank 1 should get about a fifth of the batch (its fixed work per step is
+slowed 4x too, so a little less), on a quiet machine and a busy one alike. With
+``--plans-only`` nothing else runs:
+
+  hetsplit launch --devices cpu,cpu@0.25 benchmarks/bench_fsdp.py --hidden 256 --plans 5 --plans-only Then the heap
 memory a rank holds after its first micro-batch, above the sharded model, with
 hetsplit's equal micro-batch counts, against keeping the parameters gathered across
 the micro-batches with gradient sync only in the last (``unshard()``,
@@ -58,6 +67,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--cap", type=int, default=4, help="rank 1's emulated memory, in samples, for configuration 3")
     p.add_argument("--budget", type=float, default=5.0, help="profiling seconds (the ranks take equal turns)")
+    p.add_argument("--plans", type=int, default=0, help="plan this many times first and print each plan's shares")
+    p.add_argument("--plans-only", action="store_true", help="stop after --plans")
     p.add_argument("--json", help="write the results here")
     return p.parse_args()
 
@@ -164,6 +175,23 @@ def memory(args, dev, plan, batch) -> dict[str, float]:  # type: ignore[no-untyp
     return out
 
 
+def repeated_plans(args, model, sample, dev, say) -> list[dict[str, object]]:  # type: ignore[no-untyped-def]
+    """``--plans`` plans of the model, each profiled afresh: the shares, the last rank's part, the load."""
+    out = []
+    for i in range(args.plans):
+        load = os.getloadavg()[0]
+        plan = hd.plan(model, sample, args.batch_size, device=dev, loss_fn=lambda o: o.loss, time_budget=args.budget)
+        last = plan.sizes[-1] / args.batch_size
+        out.append({"sizes": plan.sizes, "last_share": last, "step_ms": plan.step_time * 1e3, "load": load})
+        say(f"plan {i + 1}/{args.plans}: {plan.sizes}, rank {len(plan.sizes) - 1} {last:.1%} of the batch, "
+            f"predicted step {plan.step_time * 1e3:.1f} ms (load {load:.1f} before profiling)")  # fmt: skip
+    if out:
+        parts = sorted(p["last_share"] for p in out)
+        say(f"rank {len(out[0]['sizes']) - 1}'s share over {len(out)} plans: {parts[0]:.1%} to {parts[-1]:.1%}, "
+            f"median {statistics.median(parts):.1%}")  # fmt: skip
+    return out
+
+
 def main() -> None:
     args = parse_args()
     dev = hd.init(120, devices=args.devices)
@@ -175,6 +203,15 @@ def main() -> None:
     loss = lambda out: out.loss
 
     model = build(args, dev.torch_device)
+    plans = repeated_plans(args, model, sample, dev, say)
+    if args.plans_only:
+        if args.json and rank == 0:
+            with open(args.json, "w") as fh:
+                json.dump({"devices": args.devices, "batch": args.batch_size, "plans": plans}, fh, indent=1)
+        dist.barrier()
+        dev.set_speed(None)
+        dist.destroy_process_group()
+        return
     shares = hd.plan(model, sample, args.batch_size, device=dev, loss_fn=loss, time_budget=args.budget)
     capped_dev = hetsplit.emulate(dev.base, speed=dev.speed, max_batch=args.cap) if rank == 1 else dev
     capped = hd.plan(
@@ -204,6 +241,7 @@ def main() -> None:
         "batch": args.batch_size,
         "model": f"Llama {args.layers} layers, hidden {args.hidden}, seq {args.seq_len}",
         "plans": {k: {"sizes": c[0].sizes, "micro": c[0].micro_batches} for k, c in configs.items()},
+        "repeated_plans": plans,
         "steps": {
             k: {
                 "predicted_ms": predicted[k] * 1e3,

@@ -1,6 +1,14 @@
 """Inside balanced steps: each device's busy time against the same work alone, the serial rest, sleep overshoot.
 
 Run: python benchmarks/bench_swing.py [--model cnn] [--batch 128] [--sizes 110,18] [--steps 40] [--runs 5]
+     python benchmarks/bench_swing.py --rebalance [--steps 300] [--runs 1]   # plan changes while rebalancing
+
+With ``--rebalance`` each run instead profiles the model, trains ``--steps`` steps with
+``HeteroDataParallel(rebalance=Rebalancer(profile))`` from the profiled plan, and prints
+every plan change with the rebalancer's predicted step before and after it, and the
+range of shares the quarter-speed device was given: on a steady machine the plan should
+hardly change, and beside busy processes (``python -c "while True: pass" &``) it should
+not swing (the devices are timed by their compute, which a busy machine slows alike).
 
 Each run builds a fresh HeteroDataParallel on cpu + cpu@0.25 with the given split and
 takes --steps training steps, interleaved step by step with plain steps of each shard's
@@ -94,6 +102,24 @@ def one_run(spec, x, y, sizes: list[int], steps: int) -> dict[str, float]:
     return out
 
 
+def rebalance_run(spec, x, y, steps: int, budget: float) -> dict[str, object]:  # type: ignore[no-untyped-def]
+    """``steps`` training steps rebalancing from a fresh profile: the plan changes and the shares given."""
+    torch.manual_seed(0)
+    net = build_model(spec)
+    prof = hetsplit.profile(net, x[:8], DEVICES, F.cross_entropy, target=y[:8], time_budget=budget, progress=False)
+    changes: list[hetsplit.planning.PlanChange] = []
+    reb = hetsplit.Rebalancer(prof, on_change=changes.append)
+    dp = hetsplit.HeteroDataParallel(net, DEVICES, profile=prof, rebalance=reb)
+    opt = torch.optim.SGD(net.parameters(), lr=1e-3)
+    start, shares = dp.sizes_for(len(x)), []
+    for _ in range(steps):
+        opt.zero_grad(set_to_none=True)
+        F.cross_entropy(dp(x), y).backward()
+        opt.step()
+        shares.append(dp.plan.sizes[1])  # the plan the step ran
+    return {"start": start, "changes": changes, "slow share": (min(shares), max(shares))}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="cnn")
@@ -101,12 +127,26 @@ def main() -> None:
     parser.add_argument("--sizes", default="110,18")
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--rebalance", action="store_true", help="count plan changes while rebalancing instead")
+    parser.add_argument("--budget", type=float, default=3.0, help="profiling seconds (--rebalance)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     kept = keep_freed_memory()
     spec = load_model(args.model)
     sizes = [int(s) for s in args.sizes.split(",")]
     x, y = synthetic_batch(spec, args.batch)
+    if args.rebalance:
+        head = f"{args.model}, batch {args.batch} on {DEVICES}, {args.steps} steps rebalancing, 1 thread"
+        print(f"{head}, SYNTHETIC data")
+        for r in range(args.runs):
+            load = os.getloadavg()[0]
+            res = rebalance_run(spec, x, y, args.steps, args.budget)
+            low, high = res["slow share"]
+            print(f"run {r + 1} (load {load:.2f}): profiled plan {res['start']}, {len(res['changes'])} plan changes, "
+                  f"{DEVICES[1]} given {low} to {high} of {args.batch}")  # fmt: skip
+            for c in res["changes"]:
+                print(f"  {c} (predicted {c.old_time * 1e3:.2f} -> {c.new_time * 1e3:.2f} ms)")
+        return
     print(f"{args.model}, batch {args.batch}, split {sizes} on {DEVICES}, 1 thread, freed memory kept: {kept}")
     results = []
     for r in range(args.runs):

@@ -67,6 +67,45 @@ class Lap:
         return self._seconds + self.extra
 
 
+class PausableLap:
+    """A lap that can be paused: the work of one step without the waits inside it.
+
+    A CUDA stream that waits for another stream (FSDP2's compute stream for each layer's
+    all-gather, which waits for the other ranks) stalls between two events on it, so a
+    :class:`Lap` counts the wait; pausing around it leaves it out. The intervals between
+    :meth:`resume` and :meth:`pause` are :class:`Lap`\\ s (CUDA events, or the CPU's compute
+    counter, whose waits are out already), summed when read. Both calls are idempotent.
+    """
+
+    def __init__(self, device: Device) -> None:
+        self.device = device
+        self._laps: list[Lap] = []
+        self._open = False
+        self.resume()
+
+    def pause(self) -> None:
+        """End the current interval (nothing if paused)."""
+        if self._open:
+            self._laps[-1].stop()
+            self._open = False
+
+    def resume(self) -> None:
+        """Start a new interval (nothing if running)."""
+        if not self._open:
+            self._laps.append(Lap(self.device))
+            self._open = True
+
+    stop = pause
+
+    def ready(self) -> bool:
+        """Whether :meth:`seconds` can be read without waiting for the device."""
+        return not self._open and all(part.ready() for part in self._laps)
+
+    def seconds(self) -> float:
+        """The intervals' total in seconds (waits for their end events if still queued)."""
+        return sum(part.seconds() for part in self._laps)
+
+
 @contextlib.contextmanager
 def lap(device: Device) -> Iterator[Lap]:
     """Measure the enclosed work on ``device`` without synchronising it.

@@ -153,10 +153,14 @@ def refusals(ctx):
     return _refusals(ctx.rank)
 
 
+def waits(ctx):
+    return _waits(ctx.rank)
+
+
 SCENARIOS = {
     fn.__name__: fn
     for fn in (uneven, zero_share, no_plan, micro, micro_fillers, micro_zero_share, llama, planned, rebalancer,
-               checkpoint, refusals)
+               checkpoint, refusals, waits)
 }  # fmt: skip
 
 
@@ -241,8 +245,9 @@ def _planned(rank):
 def _rebalanced(rank):
     """DistributedRebalancer, unchanged, on an FSDP2 model: every plan change still gives full-batch steps.
 
-    Rank 1 at a twentieth of the speed: an emulated device's slow-down overlaps its waits, so on a
-    loaded machine (the suite's) a milder one can vanish into the waiting and nothing would change.
+    Rank 1 at a quarter of the speed, timed on the library's own clock: each rank's compute, without
+    its waits in FSDP2's all-gathers and reduce-scatters (by the wall both ranks would be as slow as
+    the slower, and a slow-down milder than 20x vanished into the waiting on a loaded machine).
     """
     model = _sharded()
     plan = _plan([5, 5])
@@ -250,7 +255,7 @@ def _rebalanced(rank):
     loader = hd.data_loader(_data(), plan, shuffle=False)
     sampler = loader.batch_sampler
     rb = hd.DistributedRebalancer(plan, hetsplit.Rebalancer(every=1, threshold=0.0), sampler=sampler,
-                                  gradients=state, model=model, device="cpu" if rank == 0 else "cpu@0.05")  # fmt: skip
+                                  gradients=state, model=model, device="cpu" if rank == 0 else "cpu@0.25")  # fmt: skip
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
     sizes = []
     for _ in range(2):
@@ -262,7 +267,8 @@ def _rebalanced(rank):
             opt.step()
             sizes.append(len(x))
     ref = _reference([list(range(0, 10)), list(range(10, 20)), list(range(20, 30))] * 2)
-    return {"err": _max_err(_full(model), ref), "sizes": sizes, "changes": len(rb.history)}
+    changes = [{"old": c.old_sizes, "new": c.new_sizes, "faster": c.new_time < c.old_time} for c in rb.history]
+    return {"err": _max_err(_full(model), ref), "sizes": sizes, "changes": changes}
 
 
 def _checkpoint(rank, tmp):
@@ -328,10 +334,71 @@ def _refusals(rank):
     return out
 
 
+SLEEP = 0.5  # seconds rank 1 sleeps where rank 0 waits for it: the test's clock
+
+
+def _waits(rank):
+    """Rank 0's compute while rank 1 sleeps before its forward (and, on the wall clock, in its backward).
+
+    Rank 0 waits for rank 1 in FSDP2's all-gathers: that wait is rank 1's time, not rank 0's work.
+    """
+    import time
+
+    from hetsplit import emulation
+    from hetsplit.distributed.sharded_profile import profile_sharded
+    from hetsplit.distributed.step_time import StepTimer
+
+    model = _sharded()
+    x, y, _ = _data()[:4]
+    sleeping = model.register_forward_pre_hook(lambda *_: time.sleep(SLEEP)) if rank == 1 else None
+    # The sharded profile: rank 1 is asleep in every one of its steps, rank 0 waiting for it.
+    prof = profile_sharded(model, x, "cpu", F.cross_entropy, target=y, batch_sizes=[2, 4], repeats=1, warmup=0)
+    out = {"profiled": [t for m in prof.entries[0].measurements for t in m.times]}
+    # The CUDA path's pauses around FSDP2's waits, on the CPU with a wall clock (which counts every wait):
+    # rank 1 sleeps before its forward and at the start of its backward.
+    dev = hetsplit.parse_devices("cpu")[0]
+    counter = emulation.compute_counter
+    emulation.compute_counter = lambda device: time.perf_counter
+    try:
+        for pause in (True, False):
+            timer, began = StepTimer(dev, model, pause_at_waits=pause), time.perf_counter()
+            with timer.step() as lap:
+                loss = F.cross_entropy(model(x), y)
+                if sleeping is not None:
+                    loss.register_hook(lambda g: time.sleep(SLEEP))
+                loss.backward()
+            out["paused" if pause else "whole"] = (lap.seconds(), time.perf_counter() - began)
+            timer.remove()
+            model.zero_grad(set_to_none=True)
+    finally:
+        emulation.compute_counter = counter
+        if sleeping is not None:
+            sleeping.remove()
+    return out
+
+
 def _off_plan(plan):
     model = _sharded()
     hd.weight_gradients(model, plan)
     model(torch.zeros(5, 6, dtype=torch.float64))  # 5 samples where the plan says 7 or 3
+
+
+def test_a_rank_s_compute_leaves_out_its_wait_for_a_sleeping_peer(ranks):
+    r0, _ = ranks["waits"]
+    # Each profiled step of rank 0 had rank 1 asleep for SLEEP in it; rank 0's own work on 4 samples
+    # of a tiny MLP is milliseconds, and on a loaded machine (its wait for a core counts) well under
+    # half a second. By the wall, every step would be >= SLEEP.
+    assert len(r0["profiled"]) == 2 and max(r0["profiled"]) < SLEEP / 2, r0["profiled"]
+
+
+def test_on_a_wall_clock_the_step_timer_pauses_at_fsdp2_s_waits(ranks):
+    # The CUDA path (events on the compute stream, which stalls while FSDP2 waits for an all-gather),
+    # run on the CPU with a wall clock: the pauses leave out both of rank 1's sleeps.
+    r0, _ = ranks["waits"]
+    paused, wall = r0["paused"]
+    assert wall >= 2 * SLEEP and paused < SLEEP, r0["paused"]
+    whole, wall = r0["whole"]
+    assert whole >= 2 * SLEEP and whole <= wall, r0["whole"]  # unpaused, the lap is the wall
 
 
 @pytest.fixture(scope="module")
@@ -415,7 +482,10 @@ def test_the_rebalancer_works_unchanged(ranks):
     assert r0["err"] < 1e-12 and r1["err"] < 1e-12
     for a, b in zip(r0["sizes"], r1["sizes"]):  # the global batch, or all of it on rank 0 and rank 1's filler
         assert a + b == 10 or (a, b) == (10, 2)
-    assert r0["changes"] == r1["changes"] >= 1  # rank 1 is slower than its plan said: the shares move
+    assert r0["changes"] == r1["changes"] and r0["changes"], r0["changes"]  # the same plan changes on both ranks
+    first = r0["changes"][0]
+    assert first["new"][1] < first["old"][1] == 5, r0["changes"]  # the quarter-speed rank loses samples
+    assert all(c["faster"] for c in r0["changes"]), r0["changes"]  # each predicted faster than the plan it replaced
 
 
 def test_a_sharded_checkpoint_resumes_on_another_plan(ranks):

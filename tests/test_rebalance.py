@@ -149,3 +149,78 @@ def test_without_a_profile_a_fixed_cost_per_step_is_learned_not_mistaken_for_slo
     assert last.predicted_gain == pytest.approx(step(last.old_sizes) / step(last.new_sizes) - 1, rel=1e-6)
     best = min(range(65), key=lambda b: step([64 - b, b]))
     assert plan.sizes == [64 - best, best]
+
+
+def _phases(rebalancer, plan, phases, noise=0.10, seed=0, load=None):
+    """Feed step times of devices costing 0.5 ms + seconds_per_sample * b, speeds changing by phase.
+
+    ``phases``: ``[(first step, {device: seconds per sample}), ...]``. ``load(step)``: a factor
+    every device's time is multiplied by at that step (a busy machine slows every device alike
+    on the compute clock). Returns the plan in force at each step.
+    """
+    rng = random.Random(seed)
+    plans, speeds = [], phases[0][1]
+    for step in range(phases[-1][0] + 60):
+        speeds = [s for start, s in phases if start <= step][-1]
+        common = load(step) if load else 1.0
+        times = {
+            d: common * (5e-4 + speeds[d] * b) * math.exp(rng.gauss(0, noise))
+            for d, b in zip(plan.devices, plan.sizes)
+            if b > 0
+        }
+        plans.append(plan)
+        plan = rebalancer.observe(plan, times) or plan
+    return plans
+
+
+def test_a_twofold_slowdown_is_followed_within_twenty_steps_and_back_without_swinging():
+    equal, halved = {"fast": 1e-4, "slow": 1e-4}, {"fast": 1e-4, "slow": 2e-4}
+    reb = Rebalancer()  # the defaults: every 10 steps, a window of 6
+    _phases(reb, plan_from_sizes(None, DEVICES, [128, 128]), [(0, equal), (40, halved), (100, equal)], seed=3)
+    slowed = [c for c in reb.history if 40 < c.step <= 100]
+    recovered = [c for c in reb.history if c.step > 100]
+    assert not [c for c in reb.history if c.step <= 40]  # steady: no change before the slow-down
+    assert slowed and slowed[0].step <= 60, reb.history  # within 20 steps
+    assert recovered and recovered[0].step <= 120, reb.history
+    # No swinging: every change of a phase moves the same way, towards that phase's optimum.
+    assert all(c.new_sizes[1] < c.old_sizes[1] for c in slowed), slowed
+    assert all(c.new_sizes[1] > c.old_sizes[1] for c in recovered), recovered
+    assert abs(recovered[-1].new_sizes[1] - 128) <= 6  # back to about even
+    assert all(c.new_time < c.old_time for c in reb.history)  # each change predicted faster than the plan in force
+
+
+def test_a_plan_change_is_never_worse_than_the_plan_in_force_by_its_own_prediction():
+    # Beside a CPU hog the compute clock slows both devices alike (their run-queue waits), in bursts:
+    # the shares stay put, and each change the rebalancer does make is predicted faster.
+    speeds = {"fast": 1e-4, "slow": 4e-4}
+    bursts = random.Random(5)
+    hog = {step: 1.0 + 2.0 * (bursts.random() < 0.3) for step in range(400)}
+    events = []
+    reb = Rebalancer(every=5, window=6, on_change=events.append)
+    reb.communication = 2e-3
+    start = plan_from_sizes(None, DEVICES, [160, 96])  # the slow device overloaded: it must move once
+    plans = _phases(reb, start, [(0, speeds), (240, speeds)], noise=0.15, seed=4, load=hog.get)
+    assert events and all(e.new_time < e.old_time for e in events), events
+    for e in events:
+        assert e.predicted_gain == pytest.approx(e.old_time / e.new_time - 1, rel=1e-12)
+        after = next(p for p in plans[e.step :] if p.sizes == e.new_sizes)
+        assert after.step_time == pytest.approx(e.new_time, rel=1e-12)  # the plan's own prediction, comm included
+    assert len(events) <= 3 and max(p.sizes[1] for p in plans) <= 96  # never towards the slow device
+
+
+def test_communication_is_added_to_both_predictions():
+    # A 4 % compute gain (52 ms to 50) passes a 3 % threshold alone, not once 50 ms of communication
+    # are in both steps (102 ms to 100: 2 %).
+    prof = Profile.from_measurements({"fast": [(1, 1e-3), (100, 0.1)], "slow": [(1, 1e-3), (100, 0.1)]})
+    plan = plan_from_sizes(prof, DEVICES, [52, 48])
+    times = {"fast": prof.step_time("fast", 52), "slow": prof.step_time("slow", 48)}
+    quiet = Rebalancer(prof, every=1, threshold=0.03)
+    assert quiet.observe(plan, times) is not None
+    busy = Rebalancer(prof, every=1, threshold=0.03)
+    busy.communication = 0.05
+    assert busy.observe(plan, times) is None
+    busy.threshold = 0.0
+    new = busy.observe(plan, times)
+    change = busy.history[-1]
+    assert change.predicted_gain == pytest.approx((0.052 + 0.05) / (0.05 + 0.05) - 1, rel=1e-3)
+    assert new.step_time == pytest.approx(0.1, rel=1e-3)  # the new plan's predicted step: compute + communication

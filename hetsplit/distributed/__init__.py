@@ -4,7 +4,8 @@
 profiles its device, rank 0 solves, DDP steps calibrate) → ``sampler`` (each rank's share
 of every global batch, from a dataset or from a global batch in hand; ``accumulate`` its
 micro-batches) → ``comm_hooks`` (gradients weighted by shard) → ``rebalance`` (online
-rebalancing across ranks); ``teardown`` waits at exit for gloo's workers.
+rebalancing across ranks; ``step_time`` times a rank's compute apart from its waits and the
+step's collectives); ``teardown`` waits at exit for gloo's workers.
 """
 
 from ._group import DistributedError, guard

@@ -19,6 +19,7 @@ from ..planning.curve import Curve
 from ..planning.micro import micro_sizes
 from ..planning.plan import Plan
 from ..planning.profile import DeviceProfile, Profile
+from ..planning.rebalance import with_communication
 from ..planning.sizes import has_batchnorm, resolve_plan, without_single_samples
 from ..planning.solver import plan_from_sizes, solve_lockstep
 from ..profiler import profile as run_profile
@@ -27,9 +28,10 @@ from ..timing import WorkTimer
 from ..tree import move, take_rows
 from ..version import __version__
 from . import sharded as _sharded
-from ._group import DistributedError, all_gather, collective, group_info, guard
+from ._group import DistributedError, all_gather, collective, group_info, guard, verify_dtypes
 from .setup import rank_devices
 from .sharded_profile import profile_sharded
+from .step_time import communication
 
 
 def rank_device(devices: str | Sequence[DeviceLike], rank: int | None = None, *, world: int | None = None) -> str:
@@ -97,17 +99,22 @@ def plan(
     work short of it scales the curve down) and the plan is solved again. ``model`` is
     not touched.
 
-    A sharded model (FSDP2's ``fully_shard``, checked across ranks as
-    :func:`weight_gradients` does) is profiled as the user sharded it, the ranks in
-    turns (an FSDP2 forward is collective: in rank ``r``'s turn it runs its ladder while
-    the others run a zero share's stand-in;
-    :func:`~hetsplit.distributed.sharded_profile.profile_sharded`),
-    so its times include the collectives and no device ever holds the whole model; the
-    model is left as it was. Its memory cap: an emulated one (``cpu:max8``) as given; on
-    CUDA where the fitted peak of the sharded step reaches 90 % of the device
-    (``memory_fraction``) less the room of ``optimizer``'s state when it is passed
-    (``profile_kwargs`` of a sharded model: ``memory_fraction``, ``optimizer``). Such a
-    plan is not calibrated (calibration runs DDP).
+    Every time here is a rank's compute, apart from its waits for the others
+    (:mod:`hetsplit.distributed.step_time`): the shares are solved on compute. The step's
+    collectives (DDP's all-reduce; FSDP2's all-gathers and reduce-scatters, once per
+    micro-batch) are timed once at their real sizes and added to the plan's predicted
+    step, which is then the slowest rank's compute plus the communication.
+
+    A sharded model (FSDP2's ``fully_shard``, checked across ranks as :func:`weight_gradients`
+    does) is profiled as the user sharded it, every rank climbing the same ladder of batch
+    sizes in the same steps (an FSDP2 forward is collective;
+    :func:`~hetsplit.distributed.sharded_profile.profile_sharded`), each rank timed by its
+    own compute (its waits in the collectives are the other ranks' time), and
+    no device ever holds the whole model; the model is left as it was. Its memory cap: an
+    emulated one (``cpu:max8``) as given; on CUDA where the fitted peak of the sharded step
+    reaches 90 % of the device (``memory_fraction``) less the room of ``optimizer``'s state
+    when it is passed (``profile_kwargs`` of a sharded model: ``memory_fraction``,
+    ``optimizer``). Such a plan is not calibrated (calibration runs DDP).
     With ``accumulate=True`` its shares are solved for what FSDP2 runs: every rank as
     many micro-batches as the others (:func:`hetsplit.planning.solver.solve_lockstep`),
     so a fast rank's extra micro-batches are priced in, not only the capped rank's.
@@ -149,6 +156,7 @@ def plan(
     if isinstance(calibrate, bool) or not isinstance(calibrate, int) or calibrate < 0:
         raise ValueError(f"calibrate must be a number of steps >= 0, got {calibrate!r}")
     rank, world = group_info(group)
+    verify_dtypes(model, sample, group)  # before DDP or FSDP2 meet them (a mismatch aborts a process)
     batchnorm = has_batchnorm(model)  # no rank is handed a single sample (BatchNorm cannot train on one)
     if weights is not None:
         cap = parse_device(device if device is not None else _default_device(), check=False).max_batch
@@ -158,7 +166,7 @@ def plan(
     sharded = _sharded.holds_sharded(model)  # the FSDP2 root, or a module around it (a LightningModule's loss)
     if sharded:
         _sharded.check_sharded(model, group)
-    if profile is None and sharded:  # collective forwards: the ranks take turns (sharded_profile.py)
+    if profile is None and sharded:  # collective forwards: every rank in the same steps (sharded_profile.py)
         profile = profile_sharded(
             model, sample, dev, loss_fn, target=target, batch_size=batch_size, group=group, **profile_kwargs
         )
@@ -206,7 +214,10 @@ def plan(
             rank,
             world,
         )  # fmt: skip
-    return result
+    # The shares are solved on compute; the step's collectives, the same whatever the split, are
+    # timed once at their real sizes and added to the predicted step (every rank gets the same number).
+    seconds = communication(model, dev.torch_device, group)
+    return with_communication(result, seconds * (max(map(len, result.micro_batches)) if sharded else 1))
 
 
 def _no_single(

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import time
+from collections import deque
 from collections.abc import Iterator
 from typing import Any
 
@@ -12,25 +14,31 @@ from ..devices import Device, DeviceLike, parse_device
 from ..planning.plan import Plan
 from ..planning.rebalance import PlanChange, Rebalancer
 from ..planning.solver import plan_from_sizes
-from ..timing import Lap, WorkTimer
+from ..timing import Lap, PausableLap
 from ._group import all_gather, group_info, guard, verify_plan
 from .comm_hooks import WeightingState
 from .sampler import HeteroBatchSampler, plan_at
+from .step_time import StepTimer, exposed
 
 
 class DistributedRebalancer:
     """Online rebalancing for a torchrun job: all ranks' step times pooled, one switch step for all.
 
-    Wrap each training step's work in :meth:`step`. The rank's busy time is measured
-    without a device synchronisation (CUDA events on a GPU, a monotonic clock
-    elsewhere); with ``model`` given, it ends when the step's last gradient is computed,
-    so waiting for other ranks in DDP's all-reduce is not counted as work (without
-    ``model``, wrap only the compute). Every ``rebalancer.every`` steps the timings are
-    all-gathered and every rank feeds the same :class:`~hetsplit.rebalance.Rebalancer`
-    the same data, so all reach the same decision. A new plan starts at the first step
-    no rank's sampler has handed out yet: ``sampler`` (a :class:`HeteroBatchSampler`)
-    and ``gradients`` (the state returned by :func:`weight_gradients`) follow it from
-    that step on, on every rank at once.
+    Wrap each training step's work in :meth:`step`. The rank's compute is measured apart from
+    its waits for the other ranks, without a device synchronisation
+    (:class:`~hetsplit.distributed.step_time.StepTimer`): on the CPU the thread's compute
+    counter, blind to time blocked in DDP's all-reduce or FSDP2's all-gathers and
+    reduce-scatters; on CUDA events on the compute stream, which end at the step's last gradient
+    under DDP and pause at FSDP2's waits (pass ``model``; without it, wrap only the
+    compute). By the wall every rank would be as slow as the slowest, and nothing would
+    move. The step's wall time beyond its slowest rank's compute is the communication
+    (:attr:`Rebalancer.communication`, the least of the last ``window`` steps': load only
+    adds to it), added to both plans' predicted steps. Every ``rebalancer.every`` steps the
+    timings are all-gathered and every rank feeds the same
+    :class:`~hetsplit.rebalance.Rebalancer` the same data, so all reach the same decision. A
+    new plan starts at the first step no rank's sampler has handed out yet: ``sampler`` (a
+    :class:`HeteroBatchSampler`) and ``gradients`` (the state returned by
+    :func:`weight_gradients`) follow it from that step on, on every rank at once.
 
     Args:
         plan: The starting plan, the same on every rank (e.g. from :func:`plan`).
@@ -39,7 +47,8 @@ class DistributedRebalancer:
         sampler: This rank's :class:`HeteroBatchSampler`, to follow plan changes.
         gradients: The state from :func:`weight_gradients` with a plan, to weight each
             step by the plan in force (without a plan the hook weights by real sizes).
-        model: The model (or DDP module) whose last gradient marks the end of the work.
+        model: The model (DDP or FSDP2) whose step is timed: on CUDA its hooks mark where
+            the compute ends (DDP) or pauses (FSDP2).
         device: This rank's device (default: parsed from the plan's ``rank{r}:DEVICE``
             label, else the CPU).
         group: The process group (default: the world).
@@ -96,8 +105,9 @@ class DistributedRebalancer:
         self.device = parse_device(device) if device is not None else _device_from_label(plan.devices[self.rank])
         self.schedule: list[tuple[int, Plan]] = [(0, plan)]
         self.steps = 0
-        self._mine: dict[int, tuple[int, Lap]] = {}  # step -> (size, lap), until every rank has sent it
-        self._timer = WorkTimer(self.device, model)
+        self._mine: dict[int, tuple[int, Lap | PausableLap, float]] = {}  # step -> (size, compute, wall)
+        self._timer = StepTimer(self.device, model)
+        self._exposed: deque[float] = deque(maxlen=self.rebalancer.window)  # each step's communication
         verify_plan(plan, group)
 
     @property
@@ -131,15 +141,16 @@ class DistributedRebalancer:
             self.gradients.set_plan(current)
         # A dead or hung peer in the step (DDP's all-reduce in backward, the comm hook)
         # becomes one DistributedError line naming this step.
+        began = time.perf_counter()
         with guard(self.steps, group=self.group), self._timer.step() as lap:
             yield current
-        self._mine[self.steps] = (current.sizes[self.rank], lap)
+        self._mine[self.steps] = (current.sizes[self.rank], lap, time.perf_counter() - began)
         self.steps += 1
         if self.steps % self.rebalancer.every == 0:
             self._exchange()
 
     def _exchange(self) -> None:
-        ready = {j: (size, lap.seconds()) for j, (size, lap) in self._mine.items() if lap.ready()}
+        ready = {j: (size, lap.seconds(), wall) for j, (size, lap, wall) in self._mine.items() if lap.ready()}
         handed_out = self.sampler.yielded if self.sampler is not None else self.steps
         gathered = all_gather(
             {"times": ready, "next": max(handed_out, self.steps)},
@@ -156,7 +167,10 @@ class DistributedRebalancer:
             # of 2 is timed against three micro-batches, not one batch of 6 beyond the cap.
             ran = self.plan_at(j)
             self.rebalancer.record(ran if ran.sizes == sizes else plan_from_sizes(None, names, sizes), times)
+            self._exposed.append(exposed([g["times"][j][2] for g in gathered], list(times.values())))
             self._mine.pop(j, None)
+        if self._exposed:  # a busy machine only ever adds to a step: its least disturbed one shows the most
+            self.rebalancer.communication = min(self._exposed)
         start = max(g["next"] for g in gathered)
         current = self.plan_at(start)
         new = self.rebalancer.propose(current, step=start)

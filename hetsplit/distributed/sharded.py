@@ -2,7 +2,7 @@
 
 The other modules dispatch here for a sharded model: ``comm_hooks`` (weighting: at the
 outputs, the step's sizes exchanged when there is no plan), ``accumulate`` (the
-micro-batches every rank runs), ``rank_plan`` (profiled in turns: ``sharded_profile``).
+micro-batches every rank runs), ``rank_plan`` (profiled in place: ``sharded_profile``).
 Only torch's public FSDP2 API is used.
 
 Why every rank runs the same number of micro-batches. FSDP2 all-gathers each
@@ -76,8 +76,8 @@ def is_sharded(model: nn.Module) -> bool:
 def holds_sharded(model: nn.Module) -> bool:
     """Whether ``model`` is sharded or holds a sharded module (a LightningModule whose layers ``fully_shard`` sharded).
 
-    Such a model's forward is collective, as a sharded root's is: it is profiled with the
-    ranks in turns (:mod:`hetsplit.distributed.sharded_profile`) and solved as FSDP2 runs.
+    Such a model's forward is collective, as a sharded root's is: it is profiled with every
+    rank in the same steps (:mod:`hetsplit.distributed.sharded_profile`) and solved as FSDP2 runs.
     """
     return any(is_sharded(m) for m in model.modules())
 

@@ -2,14 +2,19 @@
 
 Why in place. A model is sharded because it may not fit whole on the smallest device, so
 a profile of an unsharded copy would need the very memory the user does not have, and
-would time neither the all-gathers nor the reduce-scatters a sharded step pays. But an
-FSDP2 forward is collective: no rank can time its device alone. So the ranks take
-turns. In rank ``r``'s turn every rank runs the same steps together, rank ``r`` on each
-batch size of its ladder and every other rank on the least any rank runs in a sharded
-step (a zero share's stand-in, :data:`~hetsplit.distributed.sampler.STAND_IN` samples). Rank ``r``'s
-time for ``b`` samples is then a sharded step with ``b`` samples on rank ``r`` and no
-other rank holding it up: its compute, the collectives, and the floor every sharded
-step pays (the plan's steps take at least as long, as every rank runs at least a sample).
+would time none of the work a sharded step adds (copying each layer's shards in and out
+of its all-gather). But an FSDP2 forward is collective: no rank can run its device
+alone. So every rank climbs the same ladder of batch sizes at once, each on its own
+device, and each is timed by its own compute in those steps
+(:class:`~hetsplit.distributed.step_time.StepTimer`): without its waits in the
+all-gathers and reduce-scatters, which are the other ranks' time (by the wall every
+rank's step lasts as long as the slowest's, and the ranks look equally busy). Measured
+in the same steps, the ranks see the same load on a busy machine: timed in turns, a load
+that changed between one rank's turn and the next would tilt the plan. A rank past its
+memory cap or its budget runs the least any rank runs in a sharded step (a zero share's
+stand-in, :data:`~hetsplit.distributed.sampler.STAND_IN` samples) while the others climb
+on. The collectives themselves are timed apart and added to the plan's step
+(:func:`~hetsplit.distributed.step_time.communication`).
 
 Memory is the sharded step's own: an emulated memory (``cpu@0.25:max8``) is a cap in
 samples, as everywhere; on CUDA each step's peak is recorded and fitted as
@@ -27,7 +32,6 @@ from __future__ import annotations
 
 import math
 import statistics
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -45,6 +49,7 @@ from ..tree import move, take_rows
 from ._group import DistributedError, all_gather, group_info, guard
 from .comm_hooks import paused
 from .sampler import STAND_IN
+from .step_time import StepTimer
 
 
 def profile_sharded(
@@ -68,17 +73,16 @@ def profile_sharded(
     progress: bool | None = None,
     group: Any = None,
 ) -> Profile:
-    """This rank's profile of a sharded model, every rank taking its turn (collective: call it on every rank).
+    """This rank's profile of a sharded model, every rank timed in the same steps (collective: every rank calls it).
 
     The arguments are :func:`hetsplit.profile`'s for one device (``progress`` is
-    accepted and ignored); ``time_budget`` is the whole profile's, each rank's turn
-    taking an equal part. The model is left as it was: parameters, gradients (none),
-    buffers and the RNG state.
+    accepted and ignored); ``time_budget`` is the whole profile's. The model is left as
+    it was: parameters, gradients (none), buffers and the RNG state.
 
-    Every step of a sharded model pays its collectives (and waits for the other ranks'
-    stand-in steps), so the smallest sizes of a ladder time mostly those: a curve fitted
-    to them alone would extrapolate that floor to the shares the plan needs. So a turn
-    measures every size of its ladder up to an even share of ``batch_size`` whatever the
+    Every step of a sharded model pays FSDP2's own fixed work (copying shards in and out
+    of the collectives, its hooks), so the smallest sizes of a ladder time mostly that: a
+    curve fitted to them alone would extrapolate that floor to the shares the plan needs. So a
+    rank measures every size of its ladder up to an even share of ``batch_size`` whatever the
     budget, and beyond it while the time still grows less than half as fast as the batch
     (the budget stops it climbing only once its own work shows).
 
@@ -98,7 +102,7 @@ def profile_sharded(
             if a step fails on one rank only (the others are inside FSDP2's collectives),
             or a rank dies or hangs.
     """
-    del progress  # the turns are short and collective: no bar
+    del progress  # the steps are collective: no bar
     dev = parse_device(device)
     if batch_sizes is None and batch_size is not None:
         batch_sizes = default_ladder(max(batch_size, 2))
@@ -107,10 +111,11 @@ def profile_sharded(
     if not (isinstance(memory_fraction, int | float) and 0 < memory_fraction <= 1):
         raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction!r}")
     rank, world = group_info(group)
-    floor = STAND_IN  # what the other ranks run in a turn: the least any rank runs in a sharded step
+    floor = STAND_IN  # what a rank that stopped climbing runs: the least any rank runs in a sharded step
     if has_batchnorm(model):  # BatchNorm cannot train on one sample
         ladder = [b for b in ladder if b >= 2] or [2]
     turn = _Turn(model, dev, sample, target, loss_fn, find_memory_cap, memory_fraction)
+    timer = turn.timer = StepTimer(dev, model)
     if turn.limit is not None and optimizer is not None and not optimizer.state:
         turn.limit -= optimizer_state_bytes(optimizer)  # state it holds already is in the steps' peaks
     turn.even = math.ceil(batch_size / world) if batch_size else 0
@@ -126,20 +131,30 @@ def profile_sharded(
     ):
         model.train()
         try:
-            for owner in range(world):
-                for b in ladder:
-                    # The owner decides; a decision that fails is every rank's error, not one rank's hang.
-                    go = _agreed(lambda b=b: turn.wants(b, time_budget / world, repeats + warmup), rank == owner,
-                                 owner, what, group)  # fmt: skip
-                    if not go:
-                        break
-                    for i in range(warmup + repeats):
-                        # A step that fails on one rank leaves the others in FSDP2's collectives: they stop
-                        # at the group's timeout, each with one line (guard).
-                        seconds = turn.step(b if rank == owner else floor)
-                        if rank == owner and i >= warmup:
-                            turn.times.setdefault(b, []).append(seconds)
+            # The first pass climbs the ladder (warm-up steps, then one timed step of each size); the
+            # other repeats pass over the sizes it reached again, in rounds: a load that changes while
+            # profiling then weighs on every size alike, not on the sizes measured while it lasted
+            # (a plan compares one rank's large share with another's small one).
+            climbing, sizes, mine = True, [], set()
+            for b in ladder:
+                # Each rank decides for itself, once stopped for good; a decision that fails is every
+                # rank's error, not one rank's hang.
+                wants = lambda b=b, on=climbing: on and turn.wants(b, time_budget, repeats + warmup)
+                wanted = _decided(wants, what, group)
+                if not any(wanted):
+                    break
+                climbing = wanted[rank]
+                sizes.append(b)
+                mine |= {b} if climbing else set()
+                for i in range(warmup + 1):
+                    turn.step(b if climbing else floor, record=climbing and i == warmup)
+            for _ in range(repeats - 1):
+                for b in sizes:
+                    # A step that fails on one rank leaves the others in FSDP2's collectives: they stop
+                    # at the group's timeout, each with one line (guard).
+                    turn.step(b if b in mine else floor, record=b in mine)
         finally:
+            timer.remove()
             model.zero_grad(set_to_none=True)
             for m, training in modes:
                 m.training = training
@@ -154,22 +169,21 @@ def profile_sharded(
     return Profile([turn.entry()], model=model_record(model, sample, model_name), source="measured")
 
 
-def _agreed(decide: Callable[[], bool], mine: bool, owner: int, what: str, group: Any) -> bool:
-    """The owner's decision, on every rank; an exception in it is raised on every rank."""
-    answer: Any = None
-    if mine:
-        try:
-            answer = bool(decide())
-        except Exception as e:  # sent to every rank, then raised there
-            answer = f"{type(e).__name__}: {e}"
-    answer = all_gather(answer, what, group)[owner]
-    if isinstance(answer, str):
-        raise DistributedError(f"rank {owner}, {what}: {answer}")
-    return answer
+def _decided(decide: Callable[[], bool], what: str, group: Any) -> list[bool]:
+    """Every rank's own decision, on every rank; an exception in one is raised on every rank."""
+    try:
+        answer: Any = bool(decide())
+    except Exception as e:  # sent to every rank, then raised there
+        answer = f"{type(e).__name__}: {e}"
+    answers = all_gather(answer, what, group)
+    failed = {r: a for r, a in enumerate(answers) if isinstance(a, str)}
+    if failed:
+        raise DistributedError(f"{what}: {failed}")
+    return answers
 
 
 class _Turn:
-    """This rank's steps in the turns, and what its own turn measured."""
+    """This rank's steps of the profile, and what they measured."""
 
     def __init__(
         self,
@@ -187,11 +201,12 @@ class _Turn:
         self.cap: int | None = dev.max_batch if find_memory_cap else None
         self.limit: float | None = None
         self.even = 0  # sizes up to this one are measured whatever the budget
+        self.timer = StepTimer(dev)  # profile_sharded gives it the model's (its hooks, on CUDA)
         if dev.type == "cuda" and find_memory_cap:
             self.limit = memory_fraction * torch.cuda.get_device_properties(dev.torch_device).total_memory
 
     def wants(self, b: int, budget: float, steps: int) -> bool:
-        """Whether this rank's turn goes on to ``b`` samples (its own decision; the others follow it)."""
+        """Whether this rank goes on to ``b`` samples (its own decision; a rank that stops runs the stand-in)."""
         if self.dev.max_batch is not None and b > self.dev.max_batch:
             return False  # the emulated memory: known, no need to run out
         fits = self.memory_cap()
@@ -199,7 +214,7 @@ class _Turn:
             self.cap = fits
             return False
         if len(self.times) >= 2 and b > self.even and not self.flat():
-            last = max(self.times)  # the turn's projected cost with b added, as the profiler climbs
+            last = max(self.times)  # the projected cost with b added, as the profiler climbs
             per_sample = statistics.median(self.times[last]) / last
             projected = sum(statistics.median(t) for t in self.times.values()) + per_sample * b
             return projected * steps <= budget
@@ -208,10 +223,10 @@ class _Turn:
     def flat(self) -> bool:
         """Whether the last doubling of the batch added less than half as much time: the floor still dominates.
 
-        In a fast rank's turn the others' stand-in steps (on slow devices) and the
-        collectives set the time of small batches: a curve through them would extrapolate
-        that floor to the large shares the plan will give this rank, so the turn climbs on
-        (up to the global batch) until its own work shows.
+        FSDP2's fixed work per step (its hooks, copying every layer's shards in and out of
+        the collectives) sets the time of small batches: a curve through them would
+        extrapolate that floor to the large shares the plan will give this rank, so the
+        rank climbs on (up to the global batch) until its own work shows.
         """
         (small, t_small), (large, t_large) = [(b, statistics.median(t)) for b, t in sorted(self.times.items())[-2:]]
         return t_large - t_small < 0.5 * t_small * (large / small - 1)
@@ -225,8 +240,11 @@ class _Turn:
             return None
         return max(1, math.floor((self.limit - memory.base) / memory.per_sample))
 
-    def step(self, b: int) -> float:
-        """One sharded training step of ``b`` samples (forward, loss, backward), timed; its gradients dropped."""
+    def step(self, b: int, record: bool = False) -> float:
+        """One sharded training step of ``b`` samples (forward, loss, backward), timed; its gradients dropped.
+
+        With ``record`` its time is kept as a measurement of ``b``.
+        """
         index = torch.arange(b)
         inputs = move(take_rows(self.sample, index), self.dev.torch_device)
         target = move(take_rows(self.target, index), self.dev.torch_device) if self.target is not None else None
@@ -234,20 +252,22 @@ class _Turn:
         self.dev.synchronize()
         if cuda:
             torch.cuda.reset_peak_memory_stats(self.dev.torch_device)
-        start = time.perf_counter()
-        train_step(self.model, inputs, target, self.loss_fn, self.dev)  # waiting is not slowed
+        with self.timer.step() as work:  # this rank's compute: its waits for the others are theirs
+            train_step(self.model, inputs, target, self.loss_fn, self.dev)  # waiting is not slowed
         self.dev.synchronize()
-        seconds = time.perf_counter() - start
+        seconds = work.seconds()
         if cuda:
             peak = int(torch.cuda.max_memory_allocated(self.dev.torch_device))
             self.peaks[b] = max(self.peaks.get(b, 0), peak)
         self.model.zero_grad(set_to_none=True)
+        if record:
+            self.times.setdefault(b, []).append(seconds)
         return seconds
 
     def entry(self) -> DeviceProfile:
         measured = [Measurement(b, ts) for b, ts in sorted(self.times.items())]
         memory = MemoryModel.fit(sorted(self.peaks.items())) if self.peaks else None
-        if self.cap is None:  # a turn the budget stopped still knows where the memory fit meets the limit
+        if self.cap is None:  # a ladder the budget stopped still knows where the memory fit meets the limit
             self.cap = self.memory_cap()
         return DeviceProfile(
             describe(self.dev),

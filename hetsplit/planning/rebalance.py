@@ -15,7 +15,7 @@ from .curve import Curve
 from .plan import Plan
 from .profile import DeviceProfile, Profile
 from .sizes import resolve_plan
-from .solver import micro_table, plan_from_sizes
+from .solver import plan_from_sizes
 
 
 @dataclasses.dataclass
@@ -26,8 +26,12 @@ class PlanChange:
         step: The first step (counted from 0) that runs with the new plan.
         old_sizes: Shard sizes before.
         new_sizes: Shard sizes after.
-        predicted_gain: Predicted step-time reduction, e.g. 0.25 for 25 % faster.
+        predicted_gain: Predicted step-time reduction, e.g. 0.25 for 25 % faster:
+            ``old_time / new_time - 1``.
         factors: Each device's speed correction at the time (observed / profiled time).
+        old_time: Predicted seconds of a step of the old plan as it ran (its micro-batches,
+            the communication), by the corrected profile at the time.
+        new_time: The same for the new plan: always below ``old_time``.
     """
 
     step: int
@@ -35,6 +39,8 @@ class PlanChange:
     new_sizes: list[int]
     predicted_gain: float
     factors: dict[str, float]
+    old_time: float = math.nan
+    new_time: float = math.nan
 
     def to_dict(self) -> dict[str, Any]:
         """Return the change as a JSON-ready dict."""
@@ -54,7 +60,14 @@ class Rebalancer:
     switches plans only when the predicted gain exceeds ``threshold`` plus twice the
     estimate's own uncertainty (from the corrections' spread): a steady but noisy mix
     does not flip back and forth, a real change of speed is followed. A switch moves at
-    most ``max_move`` of the batch.
+    most ``max_move`` of the batch. Both plans are predicted the same way, as they run
+    (each device's micro-batches one after another, plus :attr:`communication`), so a new
+    plan is never worse than the one in force by the rebalancer's own prediction.
+
+    The times it is fed are each device's own compute, apart from waiting for the others
+    (:func:`hetsplit.timing.lap`; on torchrun :class:`~hetsplit.distributed.DistributedRebalancer`):
+    by the wall, every rank of a DDP or FSDP2 step is as slow as the slowest, and nothing
+    would move.
 
     Args:
         profile: The devices' profile; without one, each device starts from a model
@@ -69,6 +82,9 @@ class Rebalancer:
         accumulate: Re-solve with micro-batches on capped devices (``HeteroDataParallel``
             sets it from its own ``accumulate``, ``DistributedRebalancer`` when its plan
             has micro-batches).
+        communication: Seconds every step pays beyond its slowest device's compute, whatever
+            the split (collectives no computing hides; ``DistributedRebalancer`` measures it):
+            added to both predictions, so a gain is the step's, not the compute's alone.
 
     Example:
         >>> dp = HeteroDataParallel(net, ["cpu", "cpu@0.25"], profile=prof, rebalance=True)
@@ -102,6 +118,7 @@ class Rebalancer:
         self.log_factors: dict[str, float] = {}
         self.history: list[PlanChange] = []
         self.accumulate = False
+        self.communication = 0.0
         self.steps = 0
         self.seconds = 0.0  # time spent in the rebalancer itself, to report its overhead
         self._entries: dict[str, DeviceProfile] = {}
@@ -245,7 +262,8 @@ class Rebalancer:
         If every factor moved by ``d_i`` (in log) since a re-solve of the same sizes that
         found at best a ratio ``r0`` of current over optimal time, the ratio now is at
         most ``r0 * exp(max d - min d)``; below ``1 + threshold`` plus the uncertainty
-        margin nothing would switch.
+        margin nothing would switch. (The ratio is of compute alone: communication, the
+        same in both terms, only brings a ratio closer to 1.)
         """
         if self._last_check is None:
             return False
@@ -276,30 +294,34 @@ class Rebalancer:
             return None
         profile = self.corrected(plan.devices)
         curves = [profile.entry(name).curve for name in plan.devices]
-        micro = micro_table(profile.table(list(plan.devices))) if self.accumulate else None
 
-        def step_time(sizes: Sequence[int]) -> float:
-            if micro is not None:  # capped devices run micro-batches: their time is the micro-batched one
-                return float(micro.evaluate([float(b) for b in sizes]).max())
-            return max(c(b) for c, b in zip(curves, sizes))
+        def step_time(p: Plan) -> float:
+            """The plan's step as it runs (each device's micro-batches in turn), communication included."""
+            work = [sum(c(m) for m in micro) for c, micro in zip(curves, p.micro_batches) if micro]
+            return max(work, default=0.0) + self.communication
 
         target = resolve_plan(plan.batch_size, plan.devices, profile=profile, accumulate=self.accumulate)
         sizes = _bounded(plan.sizes, target.sizes, int(self.max_move * plan.batch_size))
-        now, then = step_time(plan.sizes), step_time(sizes)
-        best = now / target.step_time if target.step_time > 0 else math.inf
+        now = step_time(plan)
+        best = (now - self.communication) / target.step_time if target.step_time > 0 else math.inf
         self._last_check = (list(plan.sizes), {n: self.log_factors.get(n, 0.0) for n in plan.devices}, best)
-        if sizes == list(plan.sizes) or not (math.isfinite(then) and then > 0):
+        if sizes == list(plan.sizes):
+            return None
+        # Under accumulate, a share beyond a device's cap runs as micro-batches, cut as solve() would:
+        # the new plan is predicted as it will run, the old one as it ran.
+        new = plan_from_sizes(profile, plan.devices, sizes, accumulate=self.accumulate)
+        then = step_time(new)
+        if not (math.isfinite(then) and 0 < then < now):  # never worse than the plan in force
             return None
         gain = now / then - 1.0 if math.isfinite(now) else math.inf
         active = [n for n, s in zip(plan.devices, plan.sizes) if s > 0]
         if gain <= self.threshold + 2.0 * self.uncertainty(active):
             return None
-        change = PlanChange(step, list(plan.sizes), sizes, gain, self.factors())
+        change = PlanChange(step, list(plan.sizes), sizes, gain, self.factors(), now, then)
         self.history.append(change)
         if self.on_change is not None:
             self.on_change(change)
-        # Under accumulate, a share beyond a device's cap runs as micro-batches, cut as solve() would.
-        return plan_from_sizes(profile, plan.devices, sizes, accumulate=self.accumulate)
+        return with_communication(new, self.communication)
 
 
 def _observed(name: str, fixed: float, per_sample: float) -> DeviceProfile:
@@ -327,3 +349,17 @@ def _bounded(old: Sequence[int], new: Sequence[int], budget: int) -> list[int]:
             out[i] += step
             diff -= step
     return out
+
+
+def with_communication(plan: Plan, seconds: float) -> Plan:
+    """``plan`` with ``seconds`` of communication added to its predicted step (and to the even split's).
+
+    The shares stay as solved on compute: the communication is the same whatever the
+    split. Each working device's predicted time gains it (every rank is in every
+    collective), so ``plan.step_time`` is the slowest device's compute plus the
+    communication; the best single device alone has none.
+    """
+    if not (seconds > 0 and math.isfinite(seconds)):
+        return plan
+    times = [t + seconds if s > 0 else t for t, s in zip(plan.times, plan.sizes)]
+    return dataclasses.replace(plan, times=times, even_time=plan.even_time + seconds)
