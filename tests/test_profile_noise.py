@@ -67,6 +67,8 @@ def test_a_plan_says_when_its_gain_is_inside_the_noise():
         "the gain over the even split (4%) is inside the measurement noise (±10%)",
         "the gain over a alone (4%) is inside the measurement noise (±10%)",
     ]
+    # A calibrated step slower than the alternative is said as such, never "inside the noise".
+    assert plan.noise_notes(step=0.12) == ["predicted 17% slower than a alone, beyond the measurement noise (±10%)"]
     alone = plan_from_sizes(_repeated(0.2), ["a", "b"], [100, 0])
     assert alone.noise_notes() == []  # a alone compared with itself says nothing
     assert plan_from_sizes(None, ["a", "b"], [96, 4]).noise_notes() == []  # sizes by hand: no noise known

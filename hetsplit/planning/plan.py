@@ -100,8 +100,14 @@ class Plan:
         notes = []
         for label, other, differs in cases:
             gain = _ratio(other, step) - 1
-            if differs and math.isfinite(gain) and gain <= self.noise:
+            if not (differs and math.isfinite(gain)):
+                continue
+            if abs(gain) <= self.noise:
                 notes.append(f"the gain over {label} ({gain:.0%}) is inside the measurement noise (±{self.noise:.0%})")
+            elif gain < 0:  # a calibrated step can come out slower than the plain alternative: say so, plainly
+                notes.append(
+                    f"predicted {-gain:.0%} slower than {label}, beyond the measurement noise (±{self.noise:.0%})"
+                )
         return notes
 
     def to_dict(self) -> dict[str, Any]:
