@@ -497,3 +497,17 @@ def test_a_hung_rank_becomes_a_clear_error(ranks):
     )
     assert "\n" not in res["error"]
     assert res["after"] < 15
+
+
+def test_a_zero_share_is_predicted_as_the_stand_ins_its_rank_runs():
+    """A rank with no share runs two samples weighted 0 every step: at a quarter speed that can be the step."""
+    from hetsplit.distributed.rank_plan import _with_stand_ins
+    from hetsplit.planning import plan_from_sizes
+    from hetsplit.planning.profile import Profile
+
+    prof = Profile.from_measurements({"fast": [(2, 0.01), (64, 0.1)], "slow": [(2, 0.5), (64, 2.0)]})
+    plan = plan_from_sizes(prof, ["fast", "slow"], [64, 0])
+    assert plan.step_time == pytest.approx(0.1)  # what was predicted: the slow rank's stand-ins counted as nothing
+    timed = _with_stand_ins(plan, prof)
+    assert timed.sizes == [64, 0] and timed.step_time == pytest.approx(0.5)
+    assert _with_stand_ins(plan_from_sizes(prof, ["fast", "slow"], [60, 4]), prof).times[1] > 0.5
