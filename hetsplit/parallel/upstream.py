@@ -11,12 +11,32 @@ the wrapper is walked once, by torch's engine, as for the plain module.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from ..tree import flatten, to_device, unflatten
+
+
+def shard_leaves(
+    batch: Any, shards: Sequence[Any], keep: Callable[[torch.Tensor], bool]
+) -> tuple[list[Any], Any, list[int], list[list[Any]]] | None:
+    """The batch's leaves, its structure, the tensor leaves ``keep`` selects, and each shard's leaves.
+
+    ``None`` when no leaf is kept, or when a shard's structure is not the batch's (an
+    overridden scatter with its own structure: its shards run as they are). The one walk
+    both :class:`Upstream` and :class:`~hetsplit.parallel.writes.InputWrites` replace
+    shard leaves by.
+    """
+    leaves, spec = flatten(batch)
+    keys = [k for k, x in enumerate(leaves) if isinstance(x, torch.Tensor) and keep(x)]
+    if not keys:
+        return None
+    flat = [flatten(s) for s in shards]
+    if any(s != spec for _, s in flat):
+        return None
+    return leaves, spec, keys, [list(shard) for shard, _ in flat]
 
 
 class Upstream:
@@ -43,14 +63,10 @@ class Upstream:
         self.pieces: list[list[torch.Tensor]] = [[] for _ in self.shards]
         if not torch.is_grad_enabled():
             return
-        leaves, spec = flatten(batch)
-        keys = [k for k, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.requires_grad]
-        if not keys:
+        found = shard_leaves(batch, self.shards, lambda x: x.requires_grad)
+        if found is None:
             return
-        flat = [flatten(s) for s in self.shards]
-        if any(s != spec for _, s in flat):
-            return  # an overridden scatter with its own structure: its shards run as they are
-        new = [list(shard_leaves) for shard_leaves, _ in flat]
+        leaves, spec, keys, new = found
         for k in keys:
             if not all(isinstance(shard[k], torch.Tensor) and shard[k].requires_grad for shard in new):
                 continue

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from ..tree import flatten, unflatten
+from .upstream import shard_leaves
 
 
 class InputWrites:
@@ -48,18 +49,10 @@ class InputWrites:
             if lone.dim() > 0 and not (graph and lone.requires_grad):
                 self.shards = [((self._own(lone, a[0], s, n),), k) for (a, k), s, n in zip(shards, starts, sizes)]
             return
-        leaves, spec = flatten(batch)
-        keys = [
-            k
-            for k, x in enumerate(leaves)
-            if isinstance(x, torch.Tensor) and x.dim() > 0 and not (graph and x.requires_grad)
-        ]
-        if not keys:
+        found = shard_leaves(batch, self.shards, lambda x: x.dim() > 0 and not (graph and x.requires_grad))
+        if found is None:
             return
-        flat = [flatten(s) for s in self.shards]
-        if any(s != spec for _, s in flat):
-            return  # an overridden scatter with its own structure: its shards run as they are
-        new = [list(shard_leaves) for shard_leaves, _ in flat]
+        leaves, spec, keys, new = found
         for k in keys:
             for shard, start, n in zip(new, starts, sizes):
                 shard[k] = self._own(leaves[k], shard[k], start, n)
