@@ -511,3 +511,21 @@ def test_a_zero_share_is_predicted_as_the_stand_ins_its_rank_runs():
     timed = _with_stand_ins(plan, prof)
     assert timed.sizes == [64, 0] and timed.step_time == pytest.approx(0.5)
     assert _with_stand_ins(plan_from_sizes(prof, ["fast", "slow"], [60, 4]), prof).times[1] > 0.5
+
+
+def test_a_zero_share_takes_the_samples_its_stand_ins_would_cost():
+    """Equal ranks whose fixed cost swamps a sample: [8, 0] was solved (a zero counted as free); [6, 2] is no slower."""
+    from hetsplit.distributed.rank_plan import _stand_ins_used, _with_stand_ins
+    from hetsplit.planning import plan_from_sizes
+    from hetsplit.planning.profile import Profile
+
+    prof = Profile.from_measurements({"a": [(1, 0.100), (8, 0.101)], "b": [(1, 0.103), (8, 0.104)]})
+    zero = plan_from_sizes(prof, ["a", "b"], [8, 0])
+    used = _stand_ins_used(zero, prof)
+    assert used.sizes == [6, 2]
+    assert _with_stand_ins(used, prof).step_time <= _with_stand_ins(zero, prof).step_time
+    # A cap of 1 sample: the stand-in rank takes the one it holds.
+    capped = Profile.from_measurements({"a": [(1, 0.1), (8, 0.101)], "b": [(1, 0.103), (8, 0.104)]}, {"b": 1})
+    assert _stand_ins_used(plan_from_sizes(capped, ["a", "b"], [8, 0]), capped).sizes == [7, 1]
+    fast = Profile.from_measurements({"a": [(1, 0.01), (8, 0.08)], "b": [(1, 0.5), (8, 4.0)]})
+    assert _stand_ins_used(plan_from_sizes(fast, ["a", "b"], [8, 0]), fast).sizes == [6, 2]  # 1.0 s either way

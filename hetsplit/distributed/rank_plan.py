@@ -326,9 +326,47 @@ def _with_stand_ins(plan: Plan, prof: Profile | None) -> Plan:
     return dataclasses.replace(plan, times=times)
 
 
+def _stand_ins_used(plan: Plan, prof: Profile | None) -> Plan:
+    """``plan`` with each zero share given the samples its rank would run as stand-ins anyway.
+
+    The solver counts a zero share as free, but its rank runs ``STAND_IN`` samples every
+    step all the same; when a rank's fixed cost makes those its step, a share of 0 and a
+    share of ``STAND_IN`` real samples cost that rank the same, and the real samples take
+    work off the busiest ranks. Seen on a loaded machine: two equal CPUs, 8 samples, the
+    plan [8, 0] where [6, 2] is never slower. Samples move one at a time from the rank
+    predicted slowest, and the move is kept only if the step (stand-ins priced) is no
+    slower. Plans of several micro-batches per rank are left as solved.
+    """
+    if prof is None or 0 not in plan.sizes or max(map(len, plan.micro_batches)) > 1:
+        return plan
+    caps = prof.memory_caps()
+    before = _with_stand_ins(plan, prof).step_time
+    sizes = list(plan.sizes)
+    for i, s in enumerate(plan.sizes):
+        if s != 0:
+            continue
+        room = min(STAND_IN, caps.get(plan.devices[i]) or STAND_IN)
+        trial = list(sizes)
+        for _ in range(room):  # a donor keeps more than STAND_IN: no new zero share, no single sample
+            donors = [j for j, b in enumerate(trial) if j != i and b > STAND_IN]
+            if not donors:
+                break
+            times = plan_from_sizes(prof, plan.devices, trial).times
+            trial[max(donors, key=lambda j: times[j])] -= 1
+            trial[i] += 1
+        if trial[i] == room:  # all of them or none: a share of one sample would trip BatchNorm
+            sizes = trial
+    if sizes == list(plan.sizes):
+        return plan
+    moved = plan_from_sizes(prof, plan.devices, sizes)
+    if _with_stand_ins(moved, prof).step_time > before:
+        return plan
+    return dataclasses.replace(moved, noise=plan.noise)
+
+
 def _broadcast_plan(make: Callable[[], Plan], group: Any, rank: int, world: int, prof: Profile | None = None) -> Plan:
-    """Rank 0 makes the plan (a zero share's stand-ins timed, from ``prof``); every rank receives it."""
-    holder: list[Any] = [_with_stand_ins(make(), prof).to_dict() if rank == 0 else None]
+    """Rank 0 makes the plan (a zero share's stand-ins used and timed, from ``prof``); every rank receives it."""
+    holder: list[Any] = [_with_stand_ins(_stand_ins_used(make(), prof), prof).to_dict() if rank == 0 else None]
     src = dist.get_global_rank(group, 0) if group is not None else 0
     collective("broadcasting the plan", lambda: dist.broadcast_object_list(holder, src=src, group=group), rank)
     result = Plan.from_dict(holder[0])
