@@ -42,7 +42,8 @@ from torch.utils.data import DataLoader, TensorDataset
 import hetsplit
 import hetsplit.distributed as hd
 from hetsplit.apps.bench import keep_freed_memory
-from hetsplit.planning import even_sizes, plan_from_sizes
+from hetsplit.planning import plan_from_sizes
+from hetsplit.planning.plan import even_sizes
 from hetsplit.profiler import train_step
 
 EQUAL, BALANCED, BALANCED_OUT = (
@@ -118,7 +119,7 @@ def main() -> None:
         runs[name] = (
             *make(plan, hook),
             sampler,
-            DataLoader(data, batch_size=max(plan.sizes[rank], 1), sampler=sampler),
+            DataLoader(data, batch_sampler=sampler, collate_fn=sampler.collate),
             plan.sizes[rank],
         )
     for rnd in range(args.rounds + 1):  # the first round warms up

@@ -51,7 +51,8 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 
 import hetsplit
 import hetsplit.distributed as hd
-from hetsplit.planning import even_sizes, plan_from_sizes
+from hetsplit.planning import plan_from_sizes
+from hetsplit.planning.plan import even_sizes
 
 EVEN, SHARES, CAPPED = "FSDP2 even split", "hetsplit shares", "hetsplit shares, micro-batches under a cap"
 

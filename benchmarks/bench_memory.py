@@ -37,7 +37,7 @@ def _plans(prof: hetsplit.Profile, batch: int) -> dict[str, hetsplit.Plan | str]
         plans["cap-limited"] = hetsplit.solve(prof, batch)
     except ValueError as e:
         plans["cap-limited"] = f"no plan: {e}"
-    even = hetsplit.planning.even_sizes(batch, len(names))
+    even = hetsplit.planning.plan.even_sizes(batch, len(names))
     # The even split only runs with micro-batches where a share is above a cap.
     plans["even split"] = capped_plan(plan_from_sizes(prof, names, even), caps, accumulate=True)
     return plans

@@ -361,8 +361,8 @@ def _rank_case(engine: str, work: Workload, dev: Any, args: argparse.Namespace) 
 
     import hetsplit
     import hetsplit.distributed as hd
-    from hetsplit.distributed.sampler import STAND_IN
     from hetsplit.distributed.sharded_profile import profile_sharded
+    from hetsplit.distributed.zero_share import STAND_IN
 
     rank, world = dist.get_rank(), dist.get_world_size()
     model = work.build().to(dev.torch_device)

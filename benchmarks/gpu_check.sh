@@ -104,14 +104,14 @@ excerpt bench.log 20 $? >>"$REPORT"
 
 step "DDP example on $DEV + $SLOW (gloo)" 60 ddp.log \
     "$PY" -m hetsplit.apps.cli launch --devices "$DEV,$SLOW" examples/torchrun_ddp.py --backend gloo --data synthetic \
-    --steps 30 --train-size 8192 --test-size 256 --profile-budget 5 --timeout 60
+    --steps 30 --train-size 8192 --test-size 256 --budget 5 --timeout 60
 excerpt ddp.log 15 $? >>"$REPORT"
 
 # Two ranks on one GPU need a backend that allows it: NCCL refuses two ranks on one GPU, gloo has no CUDA
 # reduce-scatter; where neither works the log's last lines say so.
 step "FSDP2 example on $DEV + $SLOW" 55 fsdp.log \
     "$PY" -m hetsplit.apps.cli launch --devices "$DEV,$SLOW" examples/fsdp_hetero.py --steps 10 --layers 4 \
-    --hidden 256 --profile-budget 5 --timeout 60
+    --hidden 256 --budget 5 --timeout 60
 excerpt fsdp.log 15 $? >>"$REPORT"
 
 step "bench_predict on $DEV,$OTHER and $DEV,$SLOW" 190 predict.log \

@@ -53,7 +53,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--layers", type=int, default=2, help="decoder layers")
     parser.add_argument("--hidden", type=int, default=64, help="hidden size")
     parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--profile-budget", type=float, default=5.0, help="seconds each rank profiles")
+    parser.add_argument("--budget", type=float, default=5.0, help="seconds each rank profiles")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds before a dead or hung rank is an error")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads per rank (0: torch's choice)")
     parser.add_argument("--save", metavar="DIR", help="write a sharded checkpoint (DCP) here at the end")
@@ -124,7 +124,7 @@ def train(args: argparse.Namespace) -> None:
     sample = data[:8]
     plan = hd.plan(
         model, sample, args.batch_size, device=dev, loss_fn=lambda out: out.loss, accumulate=True,
-        time_budget=args.profile_budget,
+        time_budget=args.budget,
     )  # fmt: skip
     say("plan:", ", ".join(f"{d} {s} as {m}" for d, s, m in zip(plan.devices, plan.sizes, plan.micro_batches)))
     hd.weight_gradients(model, plan)  # each rank's gradient by its share: the full-batch gradient

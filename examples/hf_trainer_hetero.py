@@ -53,7 +53,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=16, help="per_device_train_batch_size, as for Trainer")
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--train-size", type=int, default=2048)
-    parser.add_argument("--profile-budget", type=float, default=5.0, help="seconds each process profiles")
+    parser.add_argument("--budget", type=float, default=5.0, help="seconds each process profiles")
     parser.add_argument("--output-dir", default="hf_trainer_hetero_out")
     args = parser.parse_args()
 
@@ -72,7 +72,7 @@ def main() -> None:
     trainer = HeteroTrainer(
         model=model, args=training, train_dataset=synthetic_text(args.train_size, 1),
         eval_dataset=synthetic_text(256, 2), data_collator=collate, devices=args.devices,
-        plan_kwargs={"time_budget": args.profile_budget},
+        plan_kwargs={"time_budget": args.budget},
     )  # fmt: skip
     if trainer.is_world_process_zero():
         print("data: SYNTHETIC token sequences (repeating motifs, unequal lengths; no download)", flush=True)

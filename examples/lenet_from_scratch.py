@@ -3,7 +3,7 @@
 Each device gets its own copy of the parameters, made with Device.copy (never the
 course's p.to(device): on cpu + cpu@0.25, one torch device, it hands both "devices" the
 same tensor and every SGD update is applied twice); every batch is cut by the sizes
-solved from a profile of the devices (hetsplit.scatter) instead of an even split; each
+solved from a profile of the devices (hetsplit.parallel.scatter) instead of an even split; each
 device computes the loss of its own shard; hetsplit.reduce_gradients sums the gradients,
 weighted by shard size, onto every device; each device takes the same SGD step.
 
@@ -63,8 +63,8 @@ def copy_params(params: list[torch.Tensor], device) -> list[torch.Tensor]:  # de
 
 
 def train_batch(x, y, device_params, devices, sizes, lr) -> float:
-    xs = hetsplit.scatter(x, devices, sizes)
-    ys = hetsplit.scatter(y, devices, sizes)
+    xs = hetsplit.parallel.scatter(x, devices, sizes)
+    ys = hetsplit.parallel.scatter(y, devices, sizes)
     active = [i for i, s in enumerate(sizes) if s > 0]
 
     def work(i: int):
@@ -93,7 +93,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=256)
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--lr", type=float, default=0.1)
-    parser.add_argument("--profile-budget", type=float, default=10.0, help="seconds to profile the devices")
+    parser.add_argument("--budget", type=float, default=10.0, help="seconds to profile the devices")
     parser.add_argument("--even", action="store_true", help="use the even split, as the course does, to compare")
     add_data_args(parser)
     args = parser.parse_args()
@@ -114,7 +114,7 @@ def main() -> None:
             F.cross_entropy,
             target=y0[:16],
             batch_sizes=[8, 16, 32, 64, 128, 256],
-            time_budget=args.profile_budget,
+            time_budget=args.budget,
             progress=False,
         )
         sizes = hetsplit.solve(prof, args.batch_size).sizes

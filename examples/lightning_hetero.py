@@ -89,7 +89,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=256, help="global batch per step, across all ranks")
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--lr", type=float, default=0.05)
-    parser.add_argument("--profile-budget", type=float, default=5.0, help="seconds each rank profiles")
+    parser.add_argument("--budget", type=float, default=5.0, help="seconds each rank profiles")
     parser.add_argument("--rebalance", type=int, default=0, metavar="K", help="re-solve the shares every K steps")
     add_data_args(parser)
     parser.set_defaults(train_size=4096, test_size=1024)
@@ -103,7 +103,7 @@ def main() -> None:
         devices=args.devices,
         global_batch_size=args.batch_size,
         rebalance=args.rebalance,
-        plan_kwargs={"time_budget": args.profile_budget},
+        plan_kwargs={"time_budget": args.budget},
     )
     trainer = L.Trainer(
         strategy=strategy,

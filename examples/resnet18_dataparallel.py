@@ -64,7 +64,7 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=1)
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--image-size", type=int, default=28, help="resize images to this size")
-    parser.add_argument("--profile-budget", type=float, default=20.0)
+    parser.add_argument("--budget", type=float, default=20.0)
     add_data_args(parser)
     parser.set_defaults(train_size=1024, test_size=512)
     args = parser.parse_args()
@@ -80,7 +80,7 @@ def main() -> None:
     for devices in device_sets:
         emulated = [d.name for d in hetsplit.parse_devices(devices) if d.emulated]
         print(f"devices {devices}" + (f" (emulated: {', '.join(emulated)})" if emulated else ""))
-        train(copy.deepcopy(base), devices, train_iter, test_iter, args.epochs, args.lr, args.profile_budget)
+        train(copy.deepcopy(base), devices, train_iter, test_iter, args.epochs, args.lr, args.budget)
 
 
 if __name__ == "__main__":

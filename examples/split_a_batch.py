@@ -31,8 +31,8 @@ def main() -> None:
         f"predicted speedup: {plan.speedup_vs_even:.2f}x over the even split, "
         f"{plan.speedup_vs_single:.2f}x over {plan.single_device} alone"
     )
-    shards = hetsplit.scatter((x, y), plan.devices, plan.sizes)
-    assert torch.equal(hetsplit.gather(shards, "cpu")[0], x)
+    shards = hetsplit.parallel.scatter((x, y), plan.devices, plan.sizes)
+    assert torch.equal(hetsplit.parallel.gather(shards, "cpu")[0], x)
     print("scattered and gathered back exactly:", [tuple(s[0].shape) for s in shards])
 
 

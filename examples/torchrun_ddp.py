@@ -58,7 +58,7 @@ def parse_args() -> argparse.Namespace:
         help="shard weighting: a DDP comm hook (general), scaling at the model's outputs "
         "(cheapest; leaves the comm hook free), or none (DDP's plain mean: biased)",
     )
-    parser.add_argument("--profile-budget", type=float, default=10.0, help="seconds each rank profiles")
+    parser.add_argument("--budget", type=float, default=10.0, help="seconds each rank profiles")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds before a dead or hung rank is an error")
     parser.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads per rank (0: torch's choice)")
@@ -116,7 +116,7 @@ def train(args: argparse.Namespace) -> None:
         loss_fn=F.cross_entropy,
         target=y0[:16],
         weights=[1] * world if args.equal else None,  # --equal: DistributedSampler's shares
-        time_budget=args.profile_budget,
+        time_budget=args.budget,
     )
     say("plan:", ", ".join(f"{d} {s}" for d, s in zip(plan.devices, plan.sizes)))
 

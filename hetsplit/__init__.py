@@ -8,9 +8,12 @@ The package reads top to bottom as the pipeline: :mod:`~hetsplit.devices` (what 
 :mod:`~hetsplit.distributed` (torchrun ranks) → :mod:`~hetsplit.apps` (the CLI, bench,
 demo, pictures, built-in models). :mod:`~hetsplit.tree` walks nested batches for all.
 
-The public API is ``__all__`` below, :mod:`hetsplit.distributed`'s, the integrations'
-classes (``hetsplit.lightning``, ``hetsplit.accelerate``, ``hetsplit.transformers``) and
-the built-in models (``hetsplit.models``); the other modules are the package's own layers.
+The public API is ``__all__`` below, that of :mod:`hetsplit.parallel` (torch's
+``nn.parallel`` verbs: ``scatter``, ``replicate``, ``parallel_apply``, ``gather``), of
+:mod:`hetsplit.planning` (plans and profiles as data) and of :mod:`hetsplit.distributed`,
+the integrations' classes (``hetsplit.lightning``, ``hetsplit.accelerate``,
+``hetsplit.transformers``) and the built-in models (``hetsplit.models``); the other modules
+are the package's own layers.
 """
 
 import importlib
@@ -27,13 +30,10 @@ _WHERE = {
     "parse_devices": ".devices",
     "HeteroDataParallel": ".parallel.data_parallel",
     "balanced_split": ".parallel.sizes",
+    "StepOutOfMemory": ".parallel.micro",
     "count_tokens": ".parallel.outputs",
-    "gather": ".parallel.scatter_gather",
-    "parallel_apply": ".parallel.apply",
     "reduce_gradients": ".parallel.reduce",
-    "replicate": ".parallel.replicas",
     "run_parallel": ".parallel.apply",
-    "scatter": ".parallel.scatter_gather",
     "Plan": ".planning.plan",
     "Profile": ".planning.profile",
     "Rebalancer": ".planning.rebalance",
@@ -43,8 +43,8 @@ _WHERE = {
 
 
 # Modules reachable as attributes after a plain `import hetsplit`: `hetsplit.distributed` (the
-# torchrun API) and `hetsplit.models` (the built-in models) for users; the rest are the
-# package's own layers, importable but not part of the public API.
+# torchrun API), `hetsplit.parallel`, `hetsplit.planning` and `hetsplit.models` (the built-in
+# models) for users; the rest are the package's own layers, importable but not public.
 _MODULES = {"models": ".apps.models"}
 _SUBPACKAGES = ("apps", "devices", "distributed", "emulation", "parallel", "planning", "profiler", "quick",
                 "store", "timing", "tree")  # fmt: skip
@@ -58,6 +58,11 @@ _REMOVED = {
     "discover": "the command 'hetsplit devices', which lists this machine's devices",
     "quick_profile": "hetsplit.profile(model, sample, devices)",
     "solver": "hetsplit.solve(profile, batch_size)",
+    # torch keeps its own in torch.nn.parallel, and so does hetsplit in hetsplit.parallel
+    "scatter": "hetsplit.parallel.scatter(inputs, devices, sizes)",
+    "gather": "hetsplit.parallel.gather(outputs, target)",
+    "replicate": "hetsplit.parallel.replicate(network, devices)",
+    "parallel_apply": "hetsplit.parallel.parallel_apply(modules, inputs, devices=devices)",
 }
 
 
@@ -81,12 +86,11 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:  # what static tools see: the same names, imported eagerly
     from .apps import models as models
     from .devices import Device, emulate, parse_devices
-    from .parallel.apply import parallel_apply, run_parallel
+    from .parallel.apply import run_parallel
     from .parallel.data_parallel import HeteroDataParallel
+    from .parallel.micro import StepOutOfMemory
     from .parallel.outputs import count_tokens
     from .parallel.reduce import reduce_gradients
-    from .parallel.replicas import replicate
-    from .parallel.scatter_gather import gather, scatter
     from .parallel.sizes import balanced_split
     from .planning.plan import Plan
     from .planning.profile import Profile
@@ -94,16 +98,13 @@ if TYPE_CHECKING:  # what static tools see: the same names, imported eagerly
     from .planning.solver import solve
     from .profiler import profile
 
-# The public API: one process (the module wrapper, torch's recipe for any devices, the
-# hand-written loop's pieces), profiling and planning, and naming devices.
+# The public API: one process (the module wrapper, the hand-written loop's pieces, the error a
+# step that runs out of memory raises), profiling and planning, and naming devices.
 __all__ = [
     "__version__",
     "HeteroDataParallel",
+    "StepOutOfMemory",
     "balanced_split",
-    "scatter",
-    "replicate",
-    "parallel_apply",
-    "gather",
     "run_parallel",
     "reduce_gradients",
     "count_tokens",

@@ -6,7 +6,7 @@ import contextlib
 import dataclasses
 import difflib
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Union
 
 import torch
@@ -164,7 +164,7 @@ class DeviceInfo:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> DeviceInfo:
+    def from_dict(cls, data: Mapping[str, Any]) -> DeviceInfo:
         """Build the info from :meth:`to_dict` output (unknown keys are ignored)."""
         known = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in known})
@@ -297,6 +297,16 @@ def _check_available(dev: Device, spec: Any) -> None:
         )
 
 
+def device_list(spec: str) -> list[str]:
+    """The entries of a comma-separated device list, stripped, empty ones dropped; not parsed.
+
+    The one place a device list is split (``--devices``, ``HETSPLIT_DEVICES``, ``devices=``):
+    ``"cuda:0, cpu@0.25,"`` is ``["cuda:0", "cpu@0.25"]``. Entries are not checked here,
+    so a profile's free-form labels (``"v100"``) pass too; :func:`parse_devices` parses them.
+    """
+    return [s.strip() for s in spec.split(",") if s.strip()]
+
+
 def parse_devices(specs: str | Iterable[DeviceLike], *, check: bool = True) -> list[Device]:
     """Parse a comma-separated string or a sequence of device specs.
 
@@ -311,7 +321,7 @@ def parse_devices(specs: str | Iterable[DeviceLike], *, check: bool = True) -> l
         ValueError: If the list is empty or any entry is invalid.
     """
     if isinstance(specs, str):
-        items: Sequence[DeviceLike] = [s for s in specs.split(",") if s.strip()]
+        items: Sequence[DeviceLike] = device_list(specs)
     elif isinstance(specs, (torch.device, Device)):
         items = [specs]
     elif isinstance(specs, Iterable) and not isinstance(specs, bytes):

@@ -28,11 +28,17 @@ _DELAYED: dict[str, float] = {}  # seconds each emulated device has slept in thi
 
 
 class _Emulated(Protocol):
-    name: str
-    type: str
-    speed: float
-    emulated: bool
-    max_batch: int | None
+    # Read-only members: hetsplit's Device is a frozen dataclass, and emulation never writes them.
+    @property
+    def name(self) -> str: ...
+    @property
+    def type(self) -> str: ...
+    @property
+    def speed(self) -> float: ...
+    @property
+    def emulated(self) -> bool: ...
+    @property
+    def max_batch(self) -> int | None: ...
 
     def synchronize(self) -> None: ...
 

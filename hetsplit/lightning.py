@@ -1,6 +1,6 @@
 """Lightning strategies with each rank's share of every batch from one hetsplit plan: DDP, and FSDP2."""
 
-from hetsplit.integrations.lightning import HeteroDDPStrategy
-from hetsplit.integrations.lightning_sharded import HeteroModelParallelStrategy
+from hetsplit.integrations.lightning.ddp import HeteroDDPStrategy
+from hetsplit.integrations.lightning.model_parallel import HeteroModelParallelStrategy
 
 __all__ = ["HeteroDDPStrategy", "HeteroModelParallelStrategy"]

@@ -21,8 +21,8 @@ from .devices import Device, DeviceLike, describe, parse_devices
 from .emulation import is_out_of_memory
 from .planning import checks
 from .planning.curve import Curve
-from .planning.profile import DeviceProfile, Measurement, Profile, fingerprint
-from .planning.records import MemoryModel
+from .planning.profile import Profile, fingerprint
+from .planning.records import DeviceProfile, Measurement, MemoryModel
 from .tree import batch_length, flatten, move, take_rows
 
 _MAX_PROBE = 1 << 16

@@ -11,8 +11,9 @@ from torch import nn
 from . import store
 from .devices import Device, DeviceLike, parse_devices
 from .planning.curve import Curve
-from .planning.profile import DeviceProfile, Measurement, Profile, latest_profile
-from .profiler import emulation_warning, fingerprint, profile
+from .planning.profile import Profile, fingerprint, latest_profile
+from .planning.records import DeviceProfile, Measurement
+from .profiler import emulation_warning, profile
 from .store import warn_at_caller
 
 _QUICK: dict[str, DeviceProfile] = {}
@@ -31,7 +32,7 @@ def default_profile(devices: str | Sequence[DeviceLike], model: nn.Module | str 
 
     The stored profile is the newest in the profile directory measured on this host that
     covers the devices and, when ``model`` is given, measured that model (its
-    :func:`~hetsplit.profiler.fingerprint`; see :func:`hetsplit.planning.latest_profile`):
+    :func:`~hetsplit.profiler.fingerprint`; see :func:`hetsplit.planning.profile.latest_profile`):
     a profile of LeNet does not decide an MLP's split. Otherwise the quick calibration
     (:func:`quick_profile`), whose notice says why no stored profile applied.
 

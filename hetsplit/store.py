@@ -8,6 +8,7 @@ import platform
 import re
 import sys
 import threading
+import types
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
@@ -244,11 +245,13 @@ def warn_at_caller(message: str, category: type[Warning] = UserWarning) -> None:
     (``skip_file_prefixes``); before that the ``stacklevel`` is counted by walking the stack.
     """
     torch = sys.modules.get("torch")
-    skip = (_PACKAGE + os.sep,) + ((os.path.dirname(torch.__file__) + os.sep,) if torch is not None else ())
+    torch_file = None if torch is None else torch.__file__
+    skip = (_PACKAGE + os.sep,) + ((os.path.dirname(torch_file) + os.sep,) if torch_file is not None else ())
     if sys.version_info >= (3, 12):
         warnings.warn(message, category, skip_file_prefixes=skip)
         return
-    level, frame = 1, sys._getframe(0)
+    level = 1
+    frame: types.FrameType | None = sys._getframe(0)  # None past the outermost frame
     while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(skip):
         frame, level = frame.f_back, level + 1
     warnings.warn(message, category, stacklevel=level if frame is not None else 2)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -86,8 +86,11 @@ def rebuilt(like: Mapping[Any, Any], values: dict[Any, Any]) -> Mapping[Any, Any
     """
     if type(like) is dict:
         return values
+    # Mapping does not promise a constructor; the common Mapping types take a dict, else TypeError.
+    mapping_type: Any = type(like)
     try:
-        return type(like)(values)
+        same_type: Mapping[Any, Any] = mapping_type(values)
+        return same_type
     except TypeError:
         pass
     try:
@@ -200,6 +203,47 @@ def narrow(tree: Any, start: int, length: int, *, dim: int = 0, rows: int | None
         return x
 
     return cut(tree) if isinstance(tree, torch.Tensor) else tree_map(cut, tree)
+
+
+def split_rows(
+    tree: Any,
+    sizes: Sequence[int],
+    *,
+    dim: int = 0,
+    rows: int | None = None,
+    devices: Sequence[torch.device] | None = None,
+) -> list[Any]:
+    """``tree`` cut into consecutive pieces of ``sizes`` rows along ``dim`` (views, no copy).
+
+    The one cutter of a batch into shards or micro-batches: every tensor that has ``dim``
+    is cut, or with ``rows`` only those whose length there is ``rows`` (the batch's);
+    other values (a 0-dim tensor, ``position_ids`` of one row, a string) go whole to
+    every piece. Containers keep their types (:func:`flatten`). With ``devices`` (one per
+    piece) each piece's tensors are moved to its device (:func:`to_device`) in the same walk.
+    """
+    leaves, spec = flatten(tree)
+    counts = list(sizes)
+    columns = [
+        torch.split(x, counts, dim=dim)
+        if isinstance(x, torch.Tensor) and -x.dim() <= dim < x.dim() and (rows is None or x.shape[dim] == rows)
+        else None
+        for x in leaves
+    ]
+    if devices is None:
+        return [
+            unflatten([x if c is None else c[j] for x, c in zip(leaves, columns)], spec) for j in range(len(counts))
+        ]
+    # The engines' hot path: cut and moved in one pass over the leaves.
+    return [
+        unflatten(
+            [
+                x if not isinstance(x, torch.Tensor) else to_device(x if c is None else c[j], target)
+                for x, c in zip(leaves, columns)
+            ],
+            spec,
+        )
+        for j, target in enumerate(devices)
+    ]
 
 
 def to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -600,7 +600,7 @@ def test_a_module_backward_hook_is_refused_before_any_replica_runs(kind):
         assert_close(dp(x), net(x), "output under no_grad")
 
 
-def test_torch_func_transforms_are_refused_and_functional_call_takes_the_wrappers_names():
+def test_torch_func_transforms_are_refused_and_functional_call_takes_either_names():
     net = _mlp()
     dp = _wrap(net)
     ref = copy.deepcopy(net)
@@ -616,8 +616,15 @@ def test_torch_func_transforms_are_refused_and_functional_call_takes_the_wrapper
     for g, q in zip(grads, ref.parameters()):
         assert_close(g, q.grad, "functional_call gradient")
     assert all(p.grad is None for p in dp.module.parameters())
-    with pytest.raises(AttributeError, match=r"dp.module.0 .*dict\(dp.named_parameters\(\)\)"):
-        getattr(dp, "0")  # what functional_call with the plain model's state_dict keys looks up
+    # The plain model's names, as dp.state_dict() gives them (was: "HeteroDataParallel has no attribute `0`").
+    plain = {k: v.detach().clone().requires_grad_() for k, v in ref.named_parameters()}
+    assert sorted(plain) == sorted(k for k in dp.state_dict() if k in plain)
+    grads = torch.autograd.grad(loss(plain), list(plain.values()))
+    for g, q in zip(grads, ref.parameters()):
+        assert_close(g, q.grad, "functional_call gradient, the plain model's names")
+    assert all(p.grad is None for p in dp.module.parameters())
+    with pytest.raises(AttributeError, match="has no attribute 'nothing'"):
+        dp.nothing  # noqa: B018  (a name neither the wrapper nor the module holds)
 
 
 def test_a_loss_on_an_activation_a_hook_kept_is_refused_not_lost():

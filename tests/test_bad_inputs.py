@@ -96,9 +96,9 @@ API_ROWS = [
     ("10 profile a fractional batch", lambda: hetsplit.profile(nn.Linear(3, 2), torch.zeros(4, 3), "cpu",
      batch_sizes=[2.5]), ValueError, "2.5"),
     # 15: the smaller ones
-    ("15 scatter sizes with a bool", lambda: hetsplit.scatter(torch.arange(10), ["cpu", "cpu"], [True, 9]),
+    ("15 scatter sizes with a bool", lambda: hetsplit.parallel.scatter(torch.arange(10), ["cpu", "cpu"], [True, 9]),
      TypeError, "got bool"),
-    ("15 scatter a bool dim", lambda: hetsplit.scatter(torch.zeros(2, 10), ["cpu", "cpu"], [1, 1], dim=True),
+    ("15 scatter a bool dim", lambda: hetsplit.parallel.scatter(torch.zeros(2, 10), ["cpu", "cpu"], [1, 1], dim=True),
      TypeError, "dim must be an integer"),
     ("15 weights as a string", lambda: hetsplit.balanced_split(torch.zeros(10), ["cpu", "cpu@0.5"], weights="41"),
      TypeError, "'41'"),
@@ -112,8 +112,9 @@ API_ROWS = [
      time_budget=math.nan), ValueError, "time_budget > 0"),
     ("15 no devices", lambda: hetsplit.parse_devices(""), ValueError, "no devices given in ''"),
     ("15 devices as None", lambda: hetsplit.parse_devices(None), TypeError, "got NoneType"),
-    ("15 gather mismatched outputs", lambda: hetsplit.gather([{"a": torch.zeros(2, 3)}, {"a": torch.zeros(2, 4)}],
-     "cpu"), ValueError, "output ['a']: the replicas' tensors of shapes [(2, 3), (2, 4)]"),
+    ("15 gather mismatched outputs", lambda: hetsplit.parallel.gather(
+     [{"a": torch.zeros(2, 3)}, {"a": torch.zeros(2, 4)}], "cpu"),
+     ValueError, "output ['a']: the replicas' tensors of shapes [(2, 3), (2, 4)]"),
     ("2 reduce with NaN sizes", lambda: hetsplit.reduce_gradients([[], []], [math.nan, 2]), ValueError,
      "must be an integer >= 0"),
     # 16: the demo's process engine checks its split and model before starting ranks

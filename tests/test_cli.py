@@ -109,7 +109,7 @@ def test_bench_command_and_json(capsys, tmp_path):
         "32",
         "--steps",
         "2",
-        "--profile-budget",
+        "--budget",
         "2",
         "--json",
         str(out_file),
@@ -330,14 +330,15 @@ def test_a_profile_of_a_built_in_model_is_named_after_it():
     assert prof.model["name"] == "LeNet"  # was Sequential
 
 
-def test_budget_is_one_option_everywhere_and_the_old_spelling_still_works(capsys):
+def test_budget_is_one_option_everywhere_and_the_removed_spelling_names_it(capsys):
     from hetsplit.apps.cli import build_parser
 
     parser = build_parser()
     for command in ("demo", "profile", "bench"):
         assert parser.parse_args([command, "--budget", "3"]).budget == 3.0
-    assert parser.parse_args(["bench", "--profile-budget", "4"]).budget == 4.0
-    assert "--profile-budget is deprecated; use --budget" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parser.parse_args(["bench", "--profile-budget", "4"])
+    assert "--profile-budget was removed: use --budget SECONDS" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         parser.parse_args(["bench", "--help"])
     help_text = capsys.readouterr().out

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from hetsplit.devices import Device, describe, discover, parse_device, parse_devices
+from hetsplit.devices import Device, describe, device_list, discover, parse_device, parse_devices
 
 
 @pytest.mark.parametrize(
@@ -99,3 +99,10 @@ def test_a_copy_on_an_emulated_cpu_never_shares_the_sources_storage():
     assert torch.equal(params[0], torch.ones(3)) and all(torch.equal(r[0], torch.full((3,), 0.5)) for r in replicas)
     assert replicas[0][0].requires_grad and replicas[0][0].is_leaf
     assert not replicas[0][1].requires_grad  # integers record no gradient
+
+
+def test_a_device_list_is_split_in_one_place():
+    assert device_list(" cuda:0, cpu@0.25,,") == ["cuda:0", "cpu@0.25"]
+    assert device_list("v100,rank1:cuda:0") == ["v100", "rank1:cuda:0"]  # labels pass unparsed
+    assert device_list(" , ") == []
+    assert [d.name for d in parse_devices(" cpu , cpu:0@0.5 ,")] == ["cpu", "cpu@0.5"]

@@ -33,8 +33,8 @@ import hetsplit
 import hetsplit.distributed as hd
 from hetsplit import emulation
 from hetsplit.devices import parse_device
+from hetsplit.distributed import HeteroDistributedSampler
 from hetsplit.distributed import rebalance as distributed_rebalance
-from hetsplit.distributed.sampler import HeteroBatchSampler
 from hetsplit.planning import plan_from_sizes
 
 WORLD, BATCH, STEPS, SLOW_AT, RECOVER_AT = 2, 128, 56, 8, 32
@@ -98,7 +98,7 @@ def _rebalance(ctx, clock):
     device = parse_device("cpu" if rank == 0 else "cpu@1")
     data = _data()
     plan = plan_from_sizes(None, ["rank0:cpu", "rank1:cpu@1"], [BATCH // 2, BATCH // 2])
-    sampler = HeteroBatchSampler(data, plan, shuffle=True, seed=3)
+    sampler = HeteroDistributedSampler(data, plan, shuffle=True, seed=3)
     loader = DataLoader(data, batch_sampler=sampler, collate_fn=sampler.collate)
     model = DDP(_net())
     grads = hd.weight_gradients(model, plan)

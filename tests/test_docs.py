@@ -53,7 +53,7 @@ class Block:
 
 
 def _readme() -> str:
-    """The README from its one-process section on: the quick start's set-up commands and sample output are not code."""
+    """The README from its one-process section on: the quick start's set-up commands are not code to run here."""
     text = (ROOT / "README.md").read_text(encoding="utf-8")
     return text[text.index("## One process") :]
 
@@ -158,7 +158,7 @@ torch.manual_seed(0)
 loader = DataLoader(TensorDataset(torch.randn(64, 8), torch.randint(0, 3, (64,))), batch_size=8, shuffle=True)
 """
 
-# A whole script (the README's): nothing to add. On an emulated rank every DDP forward must
+# A whole script (the README's torchrun script): nothing to add. On an emulated rank every DDP forward must
 # run inside dev.throttle(), else "one emulated rank" is not emulated: the forwards are watched.
 _WHOLE_SCRIPT = """
 import contextlib as _contextlib
@@ -525,7 +525,10 @@ def _package_map(block: Block) -> None:
         while re.search(r"\([^()]*\)", text):  # comments, nested ones too
             text = re.sub(r"\([^()]*\)", "", text)
         for name in (n.split()[0] for n in text.split("·") if n.split()):
-            assert (package / folder / f"{name}.py").is_file(), f"{folder}/{name}.py is named but does not exist"
+            if name.endswith("/"):  # a package inside the folder
+                assert (package / folder / name).is_dir(), f"{folder}/{name} is named but does not exist"
+            else:
+                assert (package / folder / f"{name}.py").is_file(), f"{folder}/{name}.py is named but does not exist"
 
 
 def _oom_line(block: Block) -> None:
@@ -596,3 +599,6 @@ def test_every_setup_and_check_named_in_a_guide_exists():
     assert all(len(d) == 1 for d in jobs.values()), f"a job runs in one launch, on one device list: {jobs}"
     counts = {g: len(_blocks(g)) for g in GUIDES}
     assert counts["docs/one-process.md"] and counts["docs/torchrun.md"] and counts["docs/integrations.md"], counts
+    # The frameworks' whole scripts live in their guide (Lightning, accelerate, the Trainer), the README links there.
+    scripts = [b.guide for b in ALL if b.setup == "framework-script"]
+    assert scripts == ["docs/integrations.md"] * 3, scripts

@@ -13,7 +13,7 @@ import hetsplit
 import hetsplit.distributed as hd
 from hetsplit.accelerate import HeteroAccelerator
 from hetsplit.distributed.setup import device_name
-from hetsplit.integrations import core
+from hetsplit.integrations import core, loaders, options
 from hetsplit.lightning import HeteroDDPStrategy
 from hetsplit.planning import Plan, plan_from_sizes
 from hetsplit.transformers import HeteroTrainer
@@ -66,22 +66,21 @@ def test_rebalance_devices_and_plans_are_checked_alike_in_all_three(integration,
         integration(**kwargs)
 
 
-def test_one_name_for_the_plan_and_the_device_old_names_deprecated():
+def test_one_name_for_the_plan_and_the_device_old_names_gone():
     plan = plan_from_sizes(None, ["rank0"], [4])
     acc = HeteroAccelerator(plan=plan, rebalance=hetsplit.Rebalancer(every=3))
     assert acc.plan is plan and acc.rank_device is None and acc.rebalancer is None  # made at the first step
-    with pytest.warns(DeprecationWarning, match="use .plan"):
-        assert acc.hetero_plan is plan
+    assert not hasattr(acc, "hetero_plan")
     strategy = HeteroDDPStrategy(plan=plan, rebalance=2)
     assert strategy.plan is plan and strategy.rank_device is None and strategy.rebalance == 2
     assert not hasattr(acc, "hetero_device")
 
 
 def test_plan_kwargs_have_one_name_and_one_default():
-    assert HeteroDDPStrategy().plan_kwargs == core.PLAN_KWARGS
-    with pytest.warns(DeprecationWarning, match="use plan_kwargs="):
-        assert HeteroDDPStrategy(profile_kwargs={"calibrate": 0}).plan_kwargs == {**core.PLAN_KWARGS, "calibrate": 0}
-    assert HeteroAccelerator(plan_kwargs={"weights": [1]}).plan_kwargs == {**core.PLAN_KWARGS, "weights": [1]}
+    assert HeteroDDPStrategy().plan_kwargs == options.PLAN_KWARGS
+    with pytest.raises(TypeError, match="profile_kwargs= was removed: use plan_kwargs="):
+        HeteroDDPStrategy(profile_kwargs={"calibrate": 0})
+    assert HeteroAccelerator(plan_kwargs={"weights": [1]}).plan_kwargs == {**options.PLAN_KWARGS, "weights": [1]}
 
 
 def test_one_cut_for_micro_batches_keeps_shared_values_whole_and_the_mapping_type():
@@ -149,7 +148,7 @@ def test_framework_device_names_are_hetsplit_names():
 def test_a_recut_loader_keeps_every_carried_setting():
     g = torch.Generator().manual_seed(3)
     loader = DataLoader(TensorDataset(torch.arange(4)), batch_size=2, generator=g, in_order=False, num_workers=0)
-    carried = core.carried_settings(loader)
+    carried = loaders.carried_settings(loader)
     assert carried["generator"] is g and carried["in_order"] is False and "pin_memory_device" in carried
     assert "persistent_workers" not in carried  # DataLoader refuses it without workers
 
@@ -259,7 +258,7 @@ def test_the_split_report_says_the_split_and_prediction_once_then_the_measured_s
     import itertools
 
     clock = itertools.count(0.0, 0.012)  # a step every 12 ms
-    monkeypatch.setattr(core.time, "perf_counter", lambda: next(clock))
+    monkeypatch.setattr("hetsplit.distributed.report.time.perf_counter", lambda: next(clock))
     monkeypatch.delenv(core.QUIET_ENV, raising=False)
     predicted = Plan(["rank0:cpu", "rank1:cpu@0.25"], [6, 2], [0.010, 0.009], 8)
     report = core.SplitReport("HeteroDDPStrategy", rank=0)
@@ -270,8 +269,8 @@ def test_the_split_report_says_the_split_and_prediction_once_then_the_measured_s
     assert lines == [
         "hetsplit: HeteroDDPStrategy: global batch 8 split rank0:cpu 6 (75%), rank1:cpu@0.25 2 (25%); predicted "
         "step 10.0 ms; emulated (a real device slowed down or capped, not real hardware): cpu@0.25",
-        "hetsplit: HeteroDDPStrategy: measured step 12.0 ms (median of 3, rank 0, start to start), predicted "
-        "10.0 ms (+20%)",
+        "hetsplit: HeteroDDPStrategy: measured step 12.0 ms (median of 2 after 1 warm-up, rank 0, start to start), "
+        "predicted 10.0 ms (+20%)",
     ]
     by_hand = plan_from_sizes(None, ["rank0", "rank1"], [6, 2])
     core.SplitReport("HeteroTrainer", rank=0).step(by_hand, ["rank0:cpu", "rank1:cpu@0.25"])
@@ -283,6 +282,40 @@ def test_the_split_report_says_the_split_and_prediction_once_then_the_measured_s
     monkeypatch.setenv(core.QUIET_ENV, "1")
     core.SplitReport("X", rank=0).step(predicted)
     assert capsys.readouterr().out == ""  # rank 1, quiet=True and HETSPLIT_QUIET=1 say nothing
+
+
+def test_the_split_report_says_each_line_once_per_run_and_times_the_steps_after_warm_up(monkeypatch, capsys):
+    # Three epochs of three steps, each followed by an evaluation (pause): the split is said at the
+    # first step only; the measured step is the median of the steps run, the first (warm-up: 100 ms)
+    # and the evaluations (1 s) left out, said once at the end.
+    now = [0.0]
+    monkeypatch.setattr("hetsplit.distributed.report.time.perf_counter", lambda: now[0])
+    monkeypatch.delenv(core.QUIET_ENV, raising=False)
+    plan = Plan(["rank0:cpu", "rank1:cpu@0.25"], [6, 2], [0.010, 0.009], 8)
+    report = core.SplitReport("HeteroAccelerator", rank=0)
+    steps = iter([0.100, 0.012, 0.016, 0.012, 0.011, 0.013, 0.012, 0.012, 0.030])
+    for _ in range(3):
+        for _ in range(3):
+            report.step(plan)
+            now[0] += next(steps)
+        report.pause()
+        now[0] += 1.0  # evaluation
+    report.end()  # the plan of the last step
+    report.end(plan)  # the run already ended: nothing more
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 2 and "global batch 8 split" in lines[0], lines
+    # Timed: 2 steps an epoch (the last one's end is the evaluation's start), less the first.
+    assert lines[1] == (
+        "hetsplit: HeteroAccelerator: measured step 12.0 ms (median of 5 after 1 warm-up, rank 0, start to start), "
+        "predicted 10.0 ms (+20%)"
+    ), lines
+    # One step timed: nothing to leave out, and the line says so.
+    report.step(plan)  # a new run says its split again
+    now[0] += 0.1
+    report.step(plan)
+    report.end()
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 2 and "(1 step, warm-up included, rank 0, start to start)" in lines[1], lines
 
 
 @pytest.mark.parametrize("integration", ["lightning", "accelerate", "transformers"])

@@ -164,7 +164,7 @@ def test_the_torchrun_example_runs_under_hetsplit_launch(tmp_path):
     # outputs weighting: one run covers the launcher and the example's distributed features.
     proc = launch(
         "cpu,cpu@0.25", ROOT / "examples" / "torchrun_ddp.py",
-        "--steps", "2", "--profile-budget", "2", "--data", "synthetic", "--train-size", "512", "--test-size", "128",
+        "--steps", "2", "--budget", "2", "--data", "synthetic", "--train-size", "512", "--test-size", "128",
         "--threads", "1", "--timeout", "60", "--rebalance", "1", "--weighting", "outputs", cwd=tmp_path,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -216,3 +216,46 @@ def test_a_single_machine_job_keeps_its_ranks_sockets_on_the_loopback(tmp_path):
     for line in lines:  # the ranks' listening sockets: the loopback only
         listening = eval(line.split("listens on ")[1])
         assert listening and set(listening) <= LOOPBACK_HEX, line
+
+
+def test_a_rank_stopped_by_ctrl_c_ends_quietly_with_status_130(tmp_path):
+    # Ctrl-C reaches every rank; the launcher says "hetsplit: interrupted" once, so a rank prints nothing.
+    import subprocess
+    import sys
+
+    script = tmp_path / "job.py"
+    script.write_text("print('started', flush=True)\nraise KeyboardInterrupt\n")
+    cmd = [sys.executable, "-m", "hetsplit.distributed._rank_main", str(script)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=subprocess_env())
+    assert proc.stdout == "started\n"
+    assert (proc.returncode, proc.stderr) == (130, ""), proc.stderr[-2000:]  # was a traceback and signal 2
+
+
+def test_ctrl_c_during_a_launch_prints_one_line_and_no_rank_traceback(tmp_path):
+    # A real Ctrl-C: SIGINT to the launcher's whole process group, as a terminal sends it.
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "job.py"
+    script.write_text(
+        "import time\nimport torch.distributed as dist\nimport hetsplit.distributed as hd\n"
+        "hd.init(timeout=60)\nprint(f'ready {dist.get_rank()}', flush=True)\ntime.sleep(120)\n"
+    )
+    out, err = tmp_path / "out.txt", tmp_path / "err.txt"
+    cmd = [sys.executable, "-m", "hetsplit.apps.cli", "launch", "--devices", "cpu,cpu@0.25", str(script)]
+    with open(out, "w") as o, open(err, "w") as e:
+        proc = subprocess.Popen(cmd, stdout=o, stderr=e, cwd=tmp_path, env=subprocess_env(), start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while out.read_text().count("ready") < 2 and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.2)
+        assert out.read_text().count("ready") == 2, err.read_text()[-2000:]
+        os.killpg(proc.pid, signal.SIGINT)
+        code = proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    text = err.read_text()
+    assert code == 130 and text.strip().splitlines()[-1] == "hetsplit: interrupted", text[-2000:]
+    assert "Traceback" not in text and "KeyboardInterrupt" not in text, text[-3000:]

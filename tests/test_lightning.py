@@ -32,6 +32,8 @@ N, BATCH = 20, 4  # 20 samples, loader batch 4 on 2 ranks: a global batch of 8, 
 
 # --------------------------------------------------------------------------- the job (run by torchrun)
 def _job(out: Path) -> None:
+    import io
+
     import lightning as L
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -149,7 +151,7 @@ def _job(out: Path) -> None:
         val_seen = gathered(model.val_seen)
         # Evaluation batches are cut in the plan's proportions; a rank whose cut of a batch is 0
         # is served two samples that count for nothing (the last, partial batch can do that).
-        from hetsplit.planning import sizes_from_weights
+        from hetsplit.planning.plan import sizes_from_weights
 
         def counted(r, k):
             total = min(2 * BATCH, N - 2 * BATCH * k)
@@ -310,6 +312,13 @@ def _job(out: Path) -> None:
     # Re-solve after every step, moving at most 1 sample at once: the shares may change, never to 0.
     eager = hetsplit.Rebalancer(every=1, threshold=0.0, window=1, max_move=0.125)
     res["rebalanced"] = scenario([5, 3], strategy={"rebalance": eager})
+    # The split report over two epochs, each ending in a validation: the split is said once; the measured
+    # step is the median of the steps run less the first (warm-up), no epoch's end or validation timed.
+    L.seed_everything(0)
+    two = plan_from_sizes(None, ["rank0", "rank1"], [6, 2])
+    with contextlib.redirect_stdout(io.StringIO()) as said:
+        trainer(HeteroDDPStrategy(devices="cpu,cpu@1", plan=two), max_epochs=2).fit(Net(), *loaders())
+    res["report"] = [line for line in said.getvalue().splitlines() if line.startswith("hetsplit:")]
     # Micro-batched shares within emulated memory caps (a forward on more samples runs out of memory).
     mlp = lambda: torch.nn.Sequential(
         torch.nn.Linear(3, 16), torch.nn.Dropout(0.5), torch.nn.Tanh(), torch.nn.Linear(16, 1)
@@ -411,7 +420,7 @@ def test_steps_per_epoch_are_the_global_count_every_sample_seen(job, name):
 
 @pytest.mark.parametrize(("name", "sizes"), [("ddp_sampler", [6, 2]), ("own_sampler", [6, 2]), ("zero_share", [8, 0])])
 def test_batch_sizes_follow_the_plan(job, name, sizes):
-    from hetsplit.planning import sizes_from_weights
+    from hetsplit.planning.plan import sizes_from_weights
 
     # The last global batch is what is left (4 of 8), cut in proportion: nothing added in
     # training or evaluation; a share of 0 is two samples, weighted 0.
@@ -425,7 +434,7 @@ def test_batch_sizes_follow_the_plan(job, name, sizes):
 def test_profiled_plan_is_one_plan(job):
     plans = [r["profiled"]["plan"] for r in job]
     assert plans[0] == plans[1] and sum(plans[0]) == 8
-    from hetsplit.planning import sizes_from_weights
+    from hetsplit.planning.plan import sizes_from_weights
 
     last = sizes_from_weights(N % 8, plans[0])  # the short last global batch, in proportion
     assert [r["profiled"]["sizes"] for r in job] == [[plans[0][r] or 2] * 2 + [last[r] or 2] for r in (0, 1)]
@@ -435,7 +444,7 @@ def test_rebalancing_keeps_steps_exact(job):
     per_step = [a + b for a, b in zip(job[0]["rebalanced"]["sizes"], job[1]["rebalanced"]["sizes"])]
     assert per_step == [8, 8, 8]  # every step is the whole global batch, whatever the shares became
     assert job[0]["rebalanced"]["changes"] == job[1]["rebalanced"]["changes"]
-    from hetsplit.planning import sizes_from_weights
+    from hetsplit.planning.plan import sizes_from_weights
 
     final = job[0]["rebalanced"]["plan"]
     last = sizes_from_weights(N % (2 * BATCH), final)  # what is left of the evaluation set, in proportion
@@ -452,6 +461,13 @@ def test_synced_metrics_are_global_batch_means(job, name):
         assert s["val_loss"] == pytest.approx(s["val_loss_ref"], rel=1e-9, abs=1e-12)
     s = job[0]["ddp_sampler"]
     assert abs(s["train_loss_plain"] - s["train_loss_ref"]) > 1e-6  # the plain mean of rank means would differ
+
+
+def test_the_split_is_said_once_and_the_measured_step_leaves_out_warm_up_and_epoch_ends(job):
+    lines = job[0]["report"]  # rank 0; 3 steps an epoch, 2 timed start to start in each
+    assert len(lines) == 2 and "HeteroDDPStrategy: global batch 8 split rank0:cpu 6 (75%)" in lines[0], lines
+    assert "measured step" in lines[1] and "(median of 3 after 1 warm-up, rank 0, start to start)" in lines[1], lines
+    assert job[1]["report"] == [], job[1]["report"]
 
 
 def test_checkpoint_resumes_for_a_second_epoch(job):
@@ -523,14 +539,14 @@ def test_micro_batch_refusals_and_memory_caps():
     from lightning.pytorch.plugins import TorchSyncBatchNorm
 
     import hetsplit
-    from hetsplit.integrations.lightning_micro import (
+    from hetsplit.integrations.lightning.checks import check_micro_plan
+    from hetsplit.integrations.lightning.micro_batches import (
         GradientsAside,
         combine,
         run_training_step,
         share_micro_batches,
         share_output,
     )
-    from hetsplit.integrations.lightning_parts import check_micro_plan
 
     micro = hetsplit.Plan(["r0", "r1"], [6, 2], [0.0, 0.0], 8, micro_batches=[[2, 2, 2], [2]])
     manual = SimpleNamespace(automatic_optimization=False, device=torch.device("cpu"))
@@ -558,8 +574,8 @@ def test_micro_batch_refusals_and_memory_caps():
         module.parameters = lambda: []
         context = SimpleNamespace(train_step_context=lambda: contextlib.nullcontext())
         return SimpleNamespace(
-            lightning_module=module, plan=plan, global_rank=0, rank_device=parse_device(device),
-            model=None, precision_plugin=context, aside=GradientsAside(), _micro_model=lambda: None,
+            module=module, plan=plan, global_rank=0, rank_device=parse_device(device),
+            model=None, precision_plugin=context, aside=GradientsAside(), micro_model=lambda: None,
         )  # fmt: skip
 
     whole = hetsplit.Plan(["r0", "r1"], [6, 2], [0.0, 0.0], 8)
@@ -593,6 +609,31 @@ def test_constructor_rejects_bad_arguments():
     HeteroDDPStrategy(plan=Plan(["a", "b"], [6, 2], [0.0, 0.0], 8, micro_batches=[[2, 2, 2], [2]]))  # followed
 
 
+def test_one_options_object_carries_the_arguments_every_integration_shares():
+    import dataclasses
+
+    from hetsplit.accelerate import HeteroAccelerator
+    from hetsplit.integrations.options import HeteroOptions
+    from hetsplit.lightning import HeteroDDPStrategy, HeteroModelParallelStrategy
+    from hetsplit.planning import plan_from_sizes
+
+    plan = plan_from_sizes(None, ["a", "b"], [6, 2])
+    options = HeteroOptions(devices=["cpu", "cpu@0.25"], plan=plan, rebalance=3, plan_kwargs={"calibrate": 0})
+    for strategy in (HeteroDDPStrategy(options=options), HeteroModelParallelStrategy(options=options)):
+        assert strategy.options is options and strategy.plan is plan and strategy.rebalance == 3
+        assert strategy.device_list == "cpu,cpu@0.25" and strategy.plan_kwargs == {"time_budget": 10.0, "calibrate": 0}
+    keywords = HeteroDDPStrategy(devices=["cpu", "cpu@0.25"], plan=plan, rebalance=3, plan_kwargs={"calibrate": 0})
+    assert keywords.options == options  # the keywords and the object are one thing inside
+    assert HeteroAccelerator(options=HeteroOptions(plan_kwargs={"weights": [1]})).plan_kwargs["weights"] == [1]
+    # Checked as the keywords are, naming the class the user made; never both ways at once.
+    with pytest.raises(ValueError, match=r"HeteroDDPStrategy\(rebalance=-1\)"):
+        HeteroDDPStrategy(options=dataclasses.replace(options, rebalance=-1))
+    with pytest.raises(TypeError, match=r"HeteroDDPStrategy: options= and quiet= both given"):
+        HeteroDDPStrategy(options=options, quiet=True)
+    with pytest.raises(TypeError, match=r"HeteroModelParallelStrategy\(options=...\) must be a HeteroOptions"):
+        HeteroModelParallelStrategy(options={"devices": "cpu,cpu"})
+
+
 # --------------------------------------------------------------------------- FSDP2: HeteroModelParallelStrategy
 # Its scenarios run in the same launch, after the DDP job (tests/lightning_fsdp_job.py): the parameters
 # after two epochs equal one plain process's full-batch SGD on the same global batches; a resumed fit
@@ -618,6 +659,17 @@ def test_fsdp2_setup_refuses_a_model_without_one_root_holding_every_parameter(la
     check(launch[0], name)
 
 
+# --------------------------------------------------------------------------- the global random stream
+# tests/lightning_rng_job.py, last in the same launch: a module drawing from torch's global generator in
+# its hooks (on_train_start, training_step, ...) draws what it draws under plain DDPStrategy /
+# ModelParallelStrategy, with a plan, hand-set weights or a profiled plan.
+
+
+@pytest.mark.parametrize("name", ["rng_ddp", "rng_model_parallel"])
+def test_hooks_see_the_random_stream_of_plain_lightning(launch, name):
+    check(launch[0], name)
+
+
 def test_fsdp2_only_data_parallelism_on_a_1d_mesh():
     from hetsplit.lightning import HeteroModelParallelStrategy
 
@@ -636,3 +688,4 @@ if __name__ == "__main__":
 
     sys.argv = sys.argv[:1]  # every scenario of the job
     runpy.run_path(str(Path(__file__).with_name("lightning_fsdp_job.py")), run_name="__main__")
+    runpy.run_path(str(Path(__file__).with_name("lightning_rng_job.py")), run_name="__main__")

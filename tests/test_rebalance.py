@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hetsplit import HeteroDataParallel, Profile, Rebalancer, solve
+from hetsplit import HeteroDataParallel, Plan, Profile, Rebalancer, solve
 from hetsplit.planning import plan_from_sizes
 from hetsplit.planning.rebalance import _bounded
 
@@ -224,3 +224,34 @@ def test_communication_is_added_to_both_predictions():
     change = busy.history[-1]
     assert change.predicted_gain == pytest.approx((0.052 + 0.05) / (0.05 + 0.05) - 1, rel=1e-3)
     assert new.step_time == pytest.approx(0.1, rel=1e-3)  # the new plan's predicted step: compute + communication
+
+
+def _fsdp_like(speeds, plan, rng, fixed=0.05, per_sample=0.01):
+    """Each rank's compute: a large fixed cost a step (FSDP2's per-layer work) plus a cost a sample, ±15 % noise."""
+    return {
+        d: (fixed + per_sample * b) / speeds[d] * math.exp(rng.gauss(0, 0.15))
+        for d, b in zip(plan.devices, plan.sizes)
+        if b > 0
+    }
+
+
+def test_without_a_profile_it_starts_from_the_plans_curves_and_follows_a_recovery():
+    """A torchrun job: no profile at hand, the plan's curves (a fixed cost a step) are; rank 1 slowed 2x, then back.
+
+    Fitted from noisy steps alone, the fixed cost was lost (time taken as proportional to the share), a
+    small share looked slow per sample, and the share never came back after the recovery.
+    """
+    truth = Profile.from_measurements({d: [(1, 0.06), (16, 0.21)] for d in DEVICES})
+    start = solve(truth, 16)
+    assert start.sizes == [8, 8] and all(c.intercept > 0 for c in start.curves)
+    reb, plan, rng = Rebalancer(every=4), start, random.Random(3)
+    sizes = []
+    for step in range(90):
+        speeds = {"fast": 1.0, "slow": 0.5 if 10 <= step < 45 else 1.0}
+        new = reb.observe(plan, _fsdp_like(speeds, plan, rng))
+        plan = new if new is not None else plan
+        sizes.append(plan.sizes[1])
+    assert sizes[9] == 8 and min(sizes[10:30]) <= 6  # moved within 20 steps of the slow-down
+    assert sizes[44] <= 6 and sizes[-1] >= 7  # and back within 45 steps of the recovery
+    assert len(reb.history) <= 4  # no swinging in between
+    assert Plan.from_dict(start.to_dict()).curves == start.curves  # the curves travel with the plan (torchrun)

@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 
 from hetsplit.devices import DeviceInfo
-from hetsplit.planning import Plan, check_sizes, even_sizes, plan_from_sizes, sizes_from_weights, solve
+from hetsplit.planning import Plan, plan_from_sizes, solve
 from hetsplit.planning.curve import Curve
+from hetsplit.planning.plan import check_sizes, even_sizes, sizes_from_weights
 from hetsplit.planning.profile import Profile
 from hetsplit.planning.records import DeviceProfile
 from hetsplit.planning.solver import solve_lockstep

@@ -7,7 +7,7 @@ import hetsplit.files as files
 import hetsplit.store as store
 from hetsplit import Profile
 from hetsplit.files import ProfileFileError
-from hetsplit.planning import latest_profile
+from hetsplit.planning.profile import latest_profile
 
 
 def _profile(**kw):

@@ -18,7 +18,8 @@ from ..emulation import check_speed
 from ..parallel.data_parallel import HeteroDataParallel
 from ..planning.plan import even_sizes
 from ..planning.rebalance import PlanChange, Rebalancer
-from .bench import dp_step, home_device, keep_freed_memory, time_steps
+from .bench import dp_step, home_device, keep_freed_memory
+from .bench_timing import time_steps
 from .models import ModelSpec, load_model, synthetic_batch
 
 
@@ -184,11 +185,11 @@ def bench_rebalance(
     if len(devs) < 2:
         raise ValueError(f"rebalancing needs two or more devices; got {[d.name for d in devs]}")
     names = [d.name for d in devs]
-    changed = None
+    changed = None  # (the device, its new speed, the step it changes at)
     if change is not None:
         if change[0] not in names:
             raise ValueError(f"the speed change names {change[0]!r}, which is not among the devices {names}")
-        changed = devs[names.index(change[0])]
+        changed = (devs[names.index(change[0])], change[1], change[2])
     tuned = keep_freed_memory()
     spec = load_model(model) if isinstance(model, str) else model
     say = log or (lambda line: None)
@@ -204,17 +205,21 @@ def bench_rebalance(
         step()  # warm up, unobserved
         dp.rebalancer = reb
         for k in range(steps):
-            if changed is not None and k == change[2]:  # type: ignore[index]
-                changed.set_speed(change[1])  # type: ignore[index]
-                say(f"step {k}: {changed.name} now runs at {change[1]:g}x")  # type: ignore[index]
+            if changed is not None and k == changed[2]:
+                device, speed, _ = changed
+                device.set_speed(speed)
+                say(f"step {k}: {device.name} now runs at {speed:g}x")
             sizes.append(list(dp.sizes_for(batch_size)))
             start = time.perf_counter()
             step()
             for d in devs:
                 d.synchronize()
             times.append(time.perf_counter() - start)
-        say(f"sweeping splits around {dp.plan.sizes} for the optimum ...")
-        candidates = _neighbours(dp.plan.sizes, batch_size)
+        settled = dp.plan
+        if settled is None:  # the wrapper has run steps, so it holds the plan they ran
+            raise RuntimeError("the rebalanced wrapper holds no plan after its steps")
+        say(f"sweeping splits around {settled.sizes} for the optimum ...")
+        candidates = _neighbours(settled.sizes, batch_size)
         sweep = {}
         for cand in candidates:
             fixed = HeteroDataParallel(spec.factory().to(home), devs, weights=cand)
@@ -222,7 +227,7 @@ def bench_rebalance(
         medians = time_steps(sweep, devs, sweep_steps, 1)
     finally:
         if changed is not None:
-            changed.set_speed(None)
+            changed[0].set_speed(None)
     best = min(medians, key=medians.__getitem__)
     return RebalanceResult(
         devices=names,

@@ -92,7 +92,7 @@ class BenchResult:
         factors = self.calibration.get("factors") if self.calibration else None
         if not factors:
             return None
-        return sum(thr / factors.get(name, 1.0) for name, thr in self.single.items())
+        return float(sum(thr / factors.get(name, 1.0) for name, thr in self.single.items()))
 
     @property
     def speedup_vs_single(self) -> float:

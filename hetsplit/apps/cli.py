@@ -48,8 +48,8 @@ _positive_int, _positive_float, _count = _positive(int), _positive(float), _posi
 _non_negative_float = _positive(float, zero=True)
 
 
-def _budget(parser: argparse.ArgumentParser, default: float, *, old: str | None = None) -> None:
-    """``--budget SECONDS``, one spelling for every command; ``old`` is kept as a hidden, deprecated alias."""
+def _budget(parser: argparse.ArgumentParser, default: float, *, removed: str | None = None) -> None:
+    """``--budget SECONDS``, one spelling for every command; ``removed``, a former spelling, is refused naming it."""
     parser.add_argument(
         "--budget",
         dest="budget",
@@ -57,16 +57,17 @@ def _budget(parser: argparse.ArgumentParser, default: float, *, old: str | None 
         default=default,
         help=f"seconds to spend profiling the devices (default {default:g})",
     )
-    if old is not None:
-        parser.add_argument(old, dest="budget", type=_positive_float, action=_Deprecated, help=argparse.SUPPRESS)
+    if removed is not None:
+        parser.add_argument(removed, action=_Removed, help=argparse.SUPPRESS)
 
 
-class _Deprecated(argparse.Action):
-    """Stores the value of an old option spelling, saying once which one replaces it."""
+class _Removed(argparse.Action):
+    """A former option spelling: refused in one line naming the one that replaced it (argparse's own would not)."""
 
-    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any, option: Any = None):
-        print(f"{parser.prog}: {option} is deprecated; use --budget", file=sys.stderr)
-        setattr(namespace, self.dest, values)
+    def __call__(
+        self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any, option: str | None = None
+    ) -> None:
+        parser.error(f"{option} was removed: use --budget SECONDS")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -168,7 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="gather",
         help="gather: loss on gathered outputs (DataParallel); local: loss per device (default gather)",
     )
-    _budget(p, 20.0, old="--profile-budget")
+    _budget(p, 20.0, removed="--profile-budget")
     p.add_argument(
         "--calibrate",
         type=_count,

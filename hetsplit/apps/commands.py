@@ -7,7 +7,10 @@ import json
 import math
 import sys
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the CLI imports torch and the library on first use, so its start stays instant
+    from ..planning.records import MemoryModel
 
 DTYPES = ("float32", "float64", "float16", "bfloat16")
 
@@ -20,10 +23,10 @@ def _fmt_bytes(n: int | None) -> str:
     return "-" if n is None else f"{n / 2**30:.1f} GiB"
 
 
-def _memory_text(model: object) -> str:
+def _memory_text(model: MemoryModel) -> str:
     """A fitted memory curve as ``1.2 GiB + 3.40 MiB per sample``."""
-    base, per = model.base, model.per_sample  # type: ignore[attr-defined]
-    return f"m(b) = {base / 2**30:.2f} GiB + {per / 2**20:.2f} MiB per sample (fitted to {len(model.peaks)} peaks)"  # type: ignore[attr-defined]
+    base, per = model.base, model.per_sample
+    return f"m(b) = {base / 2**30:.2f} GiB + {per / 2**20:.2f} MiB per sample (fitted to {len(model.peaks)} peaks)"
 
 
 def _micro_note(micro: list[int]) -> str:
@@ -42,12 +45,12 @@ def even_note(plan: Any, caps: Mapping[str, int | None]) -> str:
 
     The plan's ``even_time`` is then infinite, which printed as ``inf`` (``infx faster``).
     """
-    from ..planning import even_sizes
+    from ..planning.plan import even_sizes
 
     over = [
         f"{d} holds at most {caps[d]} samples, its even share is {s}"
         for d, s in zip(plan.devices, even_sizes(plan.batch_size, len(plan.devices)))
-        if caps.get(d) is not None and s > caps[d]  # type: ignore[operator]
+        if (cap := caps.get(d)) is not None and s > cap
     ]
     shown = "; ".join(over[:3]) + (f"; and {len(over) - 3} more" if len(over) > 3 else "")
     return f"does not fit in memory ({shown or 'a device cannot take its even share'}; --accumulate runs it)"
@@ -152,7 +155,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
         model_name=spec.name,
     )
     plan = solver.solve(prof, args.batch_size, accumulate=True)  # a capped device may take micro-batches
-    rows = []
+    rows: list[list[str]] = []
     for e, size in zip(prof.entries, plan.sizes):
         top = e.measurements[-1].batch
         rows.append(
@@ -215,11 +218,10 @@ def _shown_file(path: Any) -> dict[str, Any]:
     A plan file (``hetsplit plan --json``) has no hetsplit header: it is tried when the
     file is no hetsplit file, and the original error stands when it is no plan either.
     """
-    from .. import store
-    from ..files import ProfileFileError
+    from ..files import ProfileFileError, read_json
 
     try:
-        return store.read_json(path, ("profile", "bench", "bench-rebalance"))
+        return read_json(path, ("profile", "bench", "bench-rebalance"))
     except ProfileFileError as error:
         try:
             return {"kind": "plan", "plan": _read_plan(path)}
@@ -230,8 +232,8 @@ def _shown_file(path: Any) -> dict[str, Any]:
 def cmd_show(args: argparse.Namespace) -> int:
     from .. import files
     from ..planning import Profile
-    from .bench import BenchResult
     from .bench_rebalance import RebalanceResult
+    from .bench_result import BenchResult
     from .show import plot_plan, plot_profile, plot_rebalance, plot_timeline
 
     doc = _shown_file(args.file)
@@ -269,12 +271,12 @@ def cmd_show(args: argparse.Namespace) -> int:
                     f"--batch-size {args.batch_size}, but the plan {args.plan} splits a batch of {plan.batch_size}; "
                     "give --plan to draw that split, or --batch-size to solve one"
                 )
-        for e in prof.entries:  # the caps and, on CUDA, the memory curve, also as text
-            if e.memory_cap is not None or e.memory is not None:
-                cap = "not reached" if e.memory_cap is None else f"{e.memory_cap} samples"
-                kind = " (emulated)" if e.info.max_batch else ""
-                extra = f"; peak memory {_memory_text(e.memory)}" if e.memory is not None else ""
-                print(f"{e.name}: memory cap {cap}{kind}{extra}")
+        for entry in prof.entries:  # the caps and, on CUDA, the memory curve, also as text
+            if entry.memory_cap is not None or entry.memory is not None:
+                cap = "not reached" if entry.memory_cap is None else f"{entry.memory_cap} samples"
+                kind = " (emulated)" if entry.info.max_batch else ""
+                extra = f"; peak memory {_memory_text(entry.memory)}" if entry.memory is not None else ""
+                print(f"{entry.name}: memory cap {cap}{kind}{extra}")
         path = plot_profile(prof, out, plan=plan, batch_size=args.batch_size)
     print(f"picture written to {path}")
     return 0
@@ -296,7 +298,7 @@ def _check_splittable(batch_size: int, n: int, command: str) -> None:
 def cmd_bench(args: argparse.Namespace) -> int:
     import torch
 
-    from .. import files, store
+    from .. import files
     from ..devices import parse_devices
     from .bench import bench, cpu_threads
     from .bench_rebalance import bench_rebalance, parse_change
@@ -338,7 +340,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         )
         print(outcome.table())
         if args.json:
-            store.write_json(args.json, "bench-rebalance", {"result": outcome.to_dict()})
+            files.write_json(args.json, "bench-rebalance", {"result": outcome.to_dict()})
             print(f"results written to {args.json}")
         return 0
     result = bench(
@@ -354,13 +356,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
     )
     print(result.table())
     if args.json:
-        store.write_json(args.json, "bench", {"result": result.to_dict()})
+        files.write_json(args.json, "bench", {"result": result.to_dict()})
         print(f"results written to {args.json}")
     return 0
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from .. import files, store
+    from .. import files
     from ..devices import parse_devices
     from .demo import run_demo
     from .models import load_model
@@ -382,6 +384,6 @@ def cmd_demo(args: argparse.Namespace) -> int:
         processes=not args.threads_only,
     )
     if args.json:
-        store.write_json(args.json, "bench", {"result": result.to_dict()})
+        files.write_json(args.json, "bench", {"result": result.to_dict()})
         print(f"results written to {args.json} (draw them with: hetsplit show {args.json})")
     return 0

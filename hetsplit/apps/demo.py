@@ -14,7 +14,8 @@ from typing import Any
 import torch
 
 from ..devices import DeviceLike, discover, parse_devices
-from .bench import BenchResult, bench, cpu_threads
+from .bench import bench, cpu_threads
+from .bench_result import BenchResult
 from .models import ModelSpec
 
 
@@ -168,7 +169,8 @@ def run_processes(
             failure = _failure(done.stderr + done.stdout) or f"torchrun exited with status {done.returncode}"
         else:
             return {"error": failure}
-        return json.loads(out.read_text(encoding="utf-8"))
+        result: dict[str, Any] = json.loads(out.read_text(encoding="utf-8"))
+        return result
 
 
 def _rank_env(devices: Sequence[str], threads: int) -> dict[str, str]:

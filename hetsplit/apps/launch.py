@@ -36,12 +36,12 @@ def torchrun_args(
             node would host is taken, or a device of this node is not present here;
             before anything starts.
     """
-    from ..devices import parse_devices
+    from ..devices import device_list, parse_devices
     from ..distributed.setup import rank_devices
 
     if nnodes < 1 or not 0 <= node_rank < nnodes:
         raise ValueError(f"node rank {node_rank} is out of range for {nnodes} nodes; give 0 <= --node-rank < --nnodes")
-    spec = [s.strip() for s in devices.split(",") if s.strip()]
+    spec = device_list(devices)
     if len(spec) % nnodes:
         raise ValueError(
             f"{len(spec)} devices cannot be shared evenly by {nnodes} nodes (torchrun runs the same number of "
@@ -147,12 +147,21 @@ def _failure_line(error: BaseException) -> str:
     return f"rank {rank} failed with {how}{tail}; the other ranks were stopped"
 
 
-def launch(devices: str, script: str, script_args: Sequence[str] = (), **options: object) -> None:
+def launch(
+    devices: str,
+    script: str,
+    script_args: Sequence[str] = (),
+    *,
+    nnodes: int = 1,
+    node_rank: int = 0,
+    rdzv_endpoint: str | None = None,
+    rdzv_backend: str = "c10d",
+    max_restarts: int = 0,
+) -> None:
     """Run ``script`` in one process per device of ``devices``, through torchrun.
 
-    Every process finds its device with :func:`hetsplit.distributed.init`. See
-    :func:`torchrun_args` for ``options`` (``nnodes``, ``node_rank``, ``rdzv_endpoint``,
-    ``rdzv_backend``, ``max_restarts``).
+    Every process finds its device with :func:`hetsplit.distributed.init`. The keyword
+    arguments are :func:`torchrun_args`'s.
 
     Raises:
         ValueError: On a missing script, bad devices or options, before any process starts.
@@ -164,14 +173,24 @@ def launch(devices: str, script: str, script_args: Sequence[str] = (), **options
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
+    from ..devices import device_list
     from ..distributed.setup import ENV_DEVICES, rank_devices
 
     if not os.path.exists(script):  # else every rank starts, each ending in the same traceback
         raise ValueError(f"no such script: {script} (looked in {os.getcwd()}); give the path of the training script")
-    argv, _ = torchrun_args(devices, script, script_args, **options)  # type: ignore[arg-type]
+    argv, _ = torchrun_args(
+        devices,
+        script,
+        script_args,
+        nnodes=nnodes,
+        node_rank=node_rank,
+        rdzv_endpoint=rdzv_endpoint,
+        rdzv_backend=rdzv_backend,
+        max_restarts=max_restarts,
+    )
     if "--standalone" in argv:
         local_env(os.environ)
-    os.environ[ENV_DEVICES] = ",".join(rank_devices(devices, len([s for s in devices.split(",") if s.strip()])))
+    os.environ[ENV_DEVICES] = ",".join(rank_devices(devices, len(device_list(devices))))
     try:
         run(parse_args(argv))
     except ChildFailedError as e:

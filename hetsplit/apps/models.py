@@ -7,6 +7,7 @@ import importlib
 import os
 import sys
 from collections.abc import Callable
+from typing import Literal, overload
 
 import torch
 from torch import nn
@@ -72,7 +73,7 @@ def resnet18(num_classes: int = 10, in_channels: int = 1) -> nn.Module:
     """torchvision's ResNet-18 adapted to small 1-channel images (Fashion-MNIST)."""
     import torchvision
 
-    net = torchvision.models.resnet18(weights=None, num_classes=num_classes)
+    net: nn.Module = torchvision.models.resnet18(weights=None, num_classes=num_classes)
     net.conv1 = nn.Conv2d(in_channels, 64, kernel_size=3, stride=1, padding=1, bias=False)
     net.maxpool = nn.Identity()
     return net
@@ -166,6 +167,18 @@ def _output_classes(factory: Callable[[], nn.Module], shape: tuple[int, ...]) ->
     return None, f"is {what}"
 
 
+@overload
+def synthetic_batch(
+    spec: ModelSpec, batch: int, *, seed: int = 0, dtype: torch.dtype = torch.float32, targets: Literal[True] = True
+) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+@overload
+def synthetic_batch(
+    spec: ModelSpec, batch: int, *, seed: int = 0, dtype: torch.dtype = torch.float32, targets: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]: ...
+
+
 def synthetic_batch(
     spec: ModelSpec, batch: int, *, seed: int = 0, dtype: torch.dtype = torch.float32, targets: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -182,7 +195,9 @@ def synthetic_batch(
         )
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn((batch, *spec.input_shape), generator=gen, dtype=dtype)
-    y = torch.randint(0, spec.num_classes, (batch,), generator=gen) if targets else None
+    y = None
+    if targets and spec.num_classes is not None:
+        y = torch.randint(0, spec.num_classes, (batch,), generator=gen)
     return x, y
 
 

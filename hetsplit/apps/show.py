@@ -10,11 +10,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..planning import Plan, Profile, even_sizes, solve
+from ..planning import Plan, Profile, solve
+from ..planning.plan import even_sizes
 
 if TYPE_CHECKING:
-    from .bench import BenchResult
     from .bench_rebalance import RebalanceResult
+    from .bench_result import BenchResult
 
 _COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf"]
 

@@ -83,7 +83,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
             loaded[path] = Profile.load(path)
         wanted = loaded[path].devices
         if args.devices is not None:
-            wanted = [d.strip() for d in args.devices.split(",") if d.strip()]
+            from ..devices import device_list
+
+            wanted = device_list(args.devices)
             if not wanted:
                 raise CLIError(f"--devices {args.devices!r} names no device; pick some of {loaded[path].devices}")
         for device in wanted:
@@ -96,21 +98,23 @@ def cmd_plan(args: argparse.Namespace) -> int:
     plan = solver.solve(combined, args.batch_size, accumulate=args.accumulate)
     fingerprints = {p.model.get("fingerprint") for p in loaded.values()}
     params = [p.model.get("parameter_bytes") for p in loaded.values()]
+    known = [float(b) for b in params if b is not None]
+    largest = max(known) if known and len(known) == len(params) else None  # the model's, when every profile has it
     comm = None
     if args.link_gbps:
-        if None in params:
+        if largest is None:
             raise CLIError(
                 "--link-gbps needs the model's size, which these profiles do not record; "
                 "re-profile with this hetsplit version"
             )
-        comm = solver.allreduce_time(max(params), sum(1 for s in plan.sizes if s > 0), args.link_gbps)
+        comm = solver.allreduce_time(largest, sum(1 for s in plan.sizes if s > 0), args.link_gbps)
     if args.json:
         doc = plan.to_dict()
         if comm is not None:
             doc["allreduce_time"] = comm
         print(json.dumps(doc, indent=1))
         return 0
-    rows = []
+    rows: list[list[str]] = []
     for name, size, t, extra in zip(plan.devices, plan.sizes, plan.times, plan.extrapolated):
         notes = [n for n, on in (("emulated", name in plan.emulated), ("beyond measured sizes", extra)) if on]
         micro = plan.micro_batches[len(rows)]
@@ -134,14 +138,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print(f"\npredicted compute per step {fmt_time(plan.step_time)}")
 
     def exchange(sizes: list[int], participants: int | None = None) -> float:
-        if comm is None:
+        if comm is None or largest is None:
             return 0.0
         n = participants if participants is not None else sum(1 for s in sizes if s > 0)
-        return solver.allreduce_time(max(params), n, args.link_gbps)
+        return solver.allreduce_time(largest, n, args.link_gbps)
 
-    if comm is not None:
+    if comm is not None and largest is not None:
         print(
-            f"predicted gradient all-reduce {fmt_time(comm)} ({max(params) / 2**20:.1f} MiB over "
+            f"predicted gradient all-reduce {fmt_time(comm)} ({largest / 2**20:.1f} MiB over "
             f"{args.link_gbps:g} Gbit/s, ring, not overlapped); step {fmt_time(plan.step_time + comm)} at most"
         )
     elif len(plan.devices) > 1:

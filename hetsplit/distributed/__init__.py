@@ -1,8 +1,10 @@
 """Distributed: heterogeneous torchrun ranks — one plan for all, per-rank shares, shard-weighted DDP gradients.
 
-``_group`` (ranks, collectives that fail with one clear error) → ``rank_plan`` (each rank
-profiles its device, rank 0 solves, DDP steps calibrate) → ``sampler`` (each rank's share
-of every global batch, from a dataset or from a global batch in hand; ``accumulate`` its
+``setup`` (the launcher's environment, this rank's device, the process group) → ``_group``
+(ranks, collectives that fail with one clear error) → ``rank_plan`` (each rank profiles its
+device, rank 0 solves, DDP steps calibrate; ``report`` says the split and its predicted
+step) → ``sampler`` (each rank's share of every global batch, from a dataset or from a
+global batch in hand; ``zero_share`` what a rank with a share of 0 runs; ``accumulate`` its
 micro-batches) → ``comm_hooks`` (gradients weighted by shard) → ``rebalance`` (online
 rebalancing across ranks; ``step_time`` times a rank's compute apart from its waits and the
 step's collectives); ``teardown`` waits at exit for gloo's workers.
@@ -13,6 +15,7 @@ from .accumulate import micro_batches
 from .comm_hooks import weight_gradients
 from .rank_plan import plan
 from .rebalance import DistributedRebalancer
+from .report import SplitReport
 from .sampler import HeteroDistributedSampler, data_loader, local_batch
 from .setup import init
 from .teardown import drain_at_exit
@@ -27,6 +30,7 @@ __all__ = [
     "weight_gradients",
     "micro_batches",
     "DistributedRebalancer",
+    "SplitReport",
     "guard",
     "DistributedError",
     "drain_at_exit",

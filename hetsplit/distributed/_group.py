@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import datetime as _dt
+import functools
 import hashlib
 import json
+import os
 import re
+import sys
 from collections.abc import Callable
 from types import TracebackType
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -45,7 +48,99 @@ def group_info(group: Any) -> tuple[int, int]:
             "(torchrun sets the environment for it)"
         )
     drain_at_exit()  # this rank uses the group: at exit, let gloo's workers finish first (see teardown)
+    _one_line_for_uncaught_failures()
     return dist.get_rank(group), dist.get_world_size(group)
+
+
+# -- a rank that failed first tells the others why -----------------------------------------------
+# A rank that runs out of memory, catches the error and carries on (or ends) leaves its peers
+# in a collective it never joins: they see only gloo's "Connection closed by peer" or a timeout.
+# So the failing rank writes one line under this key in the process group's store (the
+# rendezvous store every rank already holds), and a peer's failure line quotes it.
+_NOTE_KEY = "hetsplit/failed/{rank}"
+_NOTE_WAIT = 1.0  # seconds a failing rank waits for the store when it reads the others' notes
+
+
+def _store() -> Any:
+    """The default process group's store, or ``None`` (no group, or a torch without one)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    try:  # torch keeps it private; the notes are a courtesy, never a new way to fail
+        return dist.distributed_c10d._get_default_store()
+    except Exception:
+        return None
+
+
+def note_failure(line: str) -> None:
+    """Tell the other ranks, through the store, why this rank stopped taking part (best effort)."""
+    store = _store()
+    if store is None:
+        return
+    try:
+        store.set(_NOTE_KEY.format(rank=dist.get_rank()), line)
+    except Exception:
+        pass
+
+
+def failure_notes(rank: int | None, world: int | None) -> dict[int, str]:
+    """The other ranks' notes of why they stopped (:func:`note_failure`), by rank."""
+    store = _store()
+    if store is None or not world or not _store_outlives_peers(rank):
+        return {}
+    notes = {}
+    try:  # a store whose host is stopped would keep a failing rank waiting for the store's timeout
+        before = store.timeout
+        store.set_timeout(_dt.timedelta(seconds=_NOTE_WAIT))
+    except Exception:
+        return {}
+    try:
+        for r in range(world):
+            key = _NOTE_KEY.format(rank=r)
+            if r != rank and store.check([key]):
+                notes[r] = store.get(key).decode(errors="replace")
+    except Exception:
+        pass  # the store's host is gone: no notes
+    finally:
+        store.set_timeout(before)
+    return notes
+
+
+def _store_outlives_peers(rank: int | None) -> bool:
+    """Whether reading the store cannot meet a dead host: torchrun's agent holds it, or this rank does.
+
+    Without torchrun's agent the store lives in rank 0's process; when that is the rank
+    that died, reading it only adds torch's connection warnings to the failure's one line.
+    """
+    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true" or rank == 0
+
+
+def note_out_of_memory(error: BaseException, step: int | None = None) -> None:
+    """This rank ran out of memory in a step (``error``): the line the other ranks' failures will quote."""
+    where = f" at step {step}" if step is not None else ""
+    first = str(error).strip().splitlines()[0][:160] if str(error).strip() else type(error).__name__
+    note_failure(f"ran out of memory{where} ({first})")
+
+
+@functools.cache  # once per process
+def _one_line_for_uncaught_failures() -> None:
+    """An uncaught dead-or-hung-peer error ends the rank with one hetsplit line instead of gloo's traceback.
+
+    A script without :class:`guard` meets the peer's failure as torch's raw ``RuntimeError``
+    (``Connection closed by peer``) from deep inside FSDP2 or DDP; this says what
+    :class:`guard` would have: the rank that failed, and why when it said so. Other
+    exceptions reach the previous hook unchanged.
+    """
+    previous = sys.excepthook
+
+    def hook(kind: type[BaseException], error: BaseException, tb: TracebackType | None) -> None:
+        if not is_failure(error) or not (dist.is_available() and dist.is_initialized()):
+            previous(kind, error, tb)
+            return
+        rank, world = dist.get_rank(), dist.get_world_size()
+        line = as_error(error, rank=rank, world=world, step=_current_step(), timeout=group_timeout())
+        print(f"hetsplit: {line}", file=sys.stderr, flush=True)
+
+    sys.excepthook = hook
 
 
 # The training step this process is in, as last noted by a guard, the weighting hooks or
@@ -68,6 +163,8 @@ def group_timeout(group: Any = None) -> float | None:
     if not dist.is_available() or not dist.is_initialized():
         return None
     pg = group if group is not None else dist.group.WORLD
+    if pg is None:
+        return None
     for device in ("cpu", "cuda"):
         try:  # torch keeps the timeout in each backend's options; no public accessor
             timeout = pg._get_backend(torch.device(device)).options._timeout
@@ -131,6 +228,7 @@ def as_error(
     """``error`` as a :class:`DistributedError` with one line (see :func:`failure_message`)."""
     others = [r for r in range(world) if r != rank] if world else []
     ranks = others if len(others) == 1 else None
+    notes = failure_notes(rank, world)
     wrapped = _WRAPPED.search(str(error))
     if wrapped:  # the comm hook already wrote the line; torch wrapped it in its future's error
         line = wrapped.group(1).strip()
@@ -140,8 +238,12 @@ def as_error(
     reason = _GLOO_NOISE.sub("", text).strip().rstrip(".")[:200] or type(error).__name__
     who = f"rank {others[0]}" if ranks else "another rank"
     limit = f"{timeout:g} s" if timeout is not None else "process group's"
-    hung = not _DEAD.search(text) and bool(_HUNG.search(text))
-    if hung:
+    hung = not notes and not _DEAD.search(text) and bool(_HUNG.search(text))
+    if notes:  # a rank said why it stopped taking part: that, not what its silence looked like here
+        said = "; ".join(f"rank {r} {note}" for r, note in sorted(notes.items()))
+        ranks = sorted(notes)
+        how = f"{said} and stopped taking part in the collectives ({reason})"
+    elif hung:
         how = (
             f"{who} did not answer within the {limit} timeout: it hangs, is stopped, or is slower than "
             f"the timeout allows ({reason})"
@@ -156,7 +258,7 @@ def as_error(
     tail = ""
     if not hung:
         tail = f"; process-group timeout {timeout:g} s" if timeout is not None else ""
-        tail += "; that rank's own output says why" if _DEAD.search(text) else ""
+        tail += "; that rank's own output says why" if _DEAD.search(text) and not notes else ""
     return DistributedError(f"{where}: {what} failed: {how}{tail}", step=step, ranks=ranks, timeout=timeout)
 
 
@@ -187,9 +289,13 @@ class guard:  # lower case: used like a function, `with hd.guard(step=i):`
             note_step(self.step)
         return self
 
-    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None) -> bool:
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None
+    ) -> Literal[False]:
         if error is not None and is_out_of_memory(error) and not isinstance(error, DistributedError):
-            raise _oom_error(error, self.step if self.step is not None else _current_step(), self.group) from error
+            step = self.step if self.step is not None else _current_step()
+            note_out_of_memory(error, step)
+            raise _oom_error(error, step, self.group) from error
         if error is None or not is_failure(error):
             return False
         rank = world = None

@@ -3,7 +3,8 @@
 ``hetsplit launch`` starts each rank as ``python -m hetsplit.distributed._rank_main
 SCRIPT ARGS...`` (torchrun's ``-m``), so every rank waits at exit for gloo's worker
 threads (:func:`hetsplit.distributed.drain_at_exit`) whatever the script does with the
-process group, even when it never calls into hetsplit.
+process group, even when it never calls into hetsplit; and a rank stopped by Ctrl-C ends
+quietly with status 130, leaving the one line to the launcher.
 """
 
 from __future__ import annotations
@@ -14,6 +15,9 @@ import sys
 
 from .teardown import drain_at_exit
 
+# The exit status of a rank stopped by Ctrl-C: the shell's for SIGINT (128 + 2), as the launcher's.
+INTERRUPTED = 130
+
 
 def main() -> None:
     """Run ``sys.argv[1]`` as ``python SCRIPT ARGS...`` would, with the exit wait registered."""
@@ -23,7 +27,16 @@ def main() -> None:
     drain_at_exit()
     sys.argv = sys.argv[1:]
     sys.path[0] = os.path.dirname(os.path.abspath(script))  # as `python SCRIPT` sets it
-    runpy.run_path(script, run_name="__main__")
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except KeyboardInterrupt:
+        # Ctrl-C reaches every rank (the terminal signals the whole foreground process group),
+        # and `hetsplit launch` says the one line, "hetsplit: interrupted": a rank's traceback
+        # would only repeat it once per rank. The script's own `finally` blocks have run; the
+        # exit skips the interpreter's finalisation, as the launcher's own does after Ctrl-C.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(INTERRUPTED)
 
 
 if __name__ == "__main__":

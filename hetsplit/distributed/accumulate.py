@@ -9,19 +9,18 @@ and ``HeteroTrainer`` (which runs only the pieces that hold items) are built on
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 from torch import nn
 
 from ..devices import DeviceLike, parse_device
-from ..planning.micro import micro_sizes
+from ..planning.micro import micro_sizes_within
 from ..planning.plan import Plan
-from ..tree import batch_length, narrow
+from ..tree import batch_length, split_rows
 from . import sharded as _sharded
 from ._group import group_info
-from .sampler import STAND_IN
+from .zero_share import is_stand_in
 
 
 def micro_batches(
@@ -51,7 +50,7 @@ def micro_batches(
     than ``K`` samples adds two real samples weighted 0 for each missing one. Nothing
     is kept gathered, so a rank holds its shards plus one micro-batch's activations and
     a layer or two gathered, as in a plain FSDP2 step; the price is ``K`` gathers and
-    reduce-scatters per step instead of one (measurements: docs/torchrun.md). Leaving
+    reduce-scatters per step instead of one (measurements: docs/benchmarks.md). Leaving
     the loop early leaves the other ranks waiting in their next collective, as with
     DDP.
 
@@ -80,7 +79,7 @@ def micro_batches(
         rank, _ = group_info(group)
     sizes = _sharded.rank_micro(plan, rank, kind == "fsdp2")
     n = batch_length(batch, dim)
-    if n != plan.sizes[rank] and not (plan.sizes[rank] == 0 and n <= STAND_IN):  # a zero share's stand-in (or none)
+    if n != plan.sizes[rank] and not is_stand_in(plan.sizes[rank], n):
         raise ValueError(
             f"rank {rank}: the batch has {n} samples but the plan gives this rank {plan.sizes[rank]}; "
             "pass this rank's share (hd.data_loader gives it)"
@@ -112,7 +111,7 @@ def _micro_sizes(plan: Plan | None, rank: int, rows: int) -> list[int]:
         return [rows]
     if rows == sum(parts):
         return list(parts)
-    return micro_sizes(rows, math.ceil(rows / max(parts)))
+    return micro_sizes_within(rows, max(parts))
 
 
 def _pieces(batch: Any, sizes: Sequence[int], dim: int = 0) -> list[Any]:
@@ -121,12 +120,11 @@ def _pieces(batch: Any, sizes: Sequence[int], dim: int = 0) -> list[Any]:
     Every tensor whose length along ``dim`` is the batch's (``sum(sizes)``) is cut; other
     values (a 0-dim tensor, ``position_ids`` of one row shared by the batch, a string) go
     whole to every piece. Containers keep their types, any ``Mapping`` (a tokenizer's
-    ``BatchEncoding``) included (:func:`hetsplit.tree.narrow`).
+    ``BatchEncoding``) included (:func:`hetsplit.tree.split_rows`).
     """
     if len(sizes) <= 1:
         return [batch]
-    rows, starts = sum(sizes), [sum(sizes[:j]) for j in range(len(sizes))]
-    return [narrow(batch, start, size, dim=dim, rows=rows) for start, size in zip(starts, sizes)]
+    return split_rows(batch, sizes, dim=dim, rows=sum(sizes))
 
 
 def _all_reduce_once(ddp_model: nn.Module, pieces: Sequence[Any]) -> Iterator[Any]:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import math
+import sys
+import typing
 import warnings
 import weakref
 from collections.abc import Iterator
@@ -14,12 +16,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..emulation import is_out_of_memory
 from ..parallel.reduce import shard_weights
 from ..planning.plan import Plan
 from ..tree import batch_length, flatten, tree_map
 from . import sharded as _sharded
-from ._group import DistributedError, as_error, group_info, group_timeout, note_step, verify_plan
-from .sampler import _IN_HAND, STAND_IN
+from ._group import DistributedError, as_error, group_info, group_timeout, note_out_of_memory, note_step, verify_plan
+from .zero_share import IN_HAND, HandOff, is_stand_in
 
 
 class WeightingState:
@@ -30,9 +33,18 @@ class WeightingState:
     """
 
     def __init__(
-        self, group: Any, reduction: str, rank: int, world: int | None = None, *, sharded: bool = False
+        self,
+        group: Any,
+        reduction: str,
+        rank: int,
+        world: int | None = None,
+        *,
+        sharded: bool = False,
+        in_hand: HandOff = IN_HAND,
     ) -> None:
         self.group, self.reduction, self.rank, self.world = group, reduction, rank, world
+        # Where the loaders say whether the batch in hand is a zero share's stand-in (read without a plan).
+        self.in_hand = in_hand
         self.sharded = sharded  # an FSDP2 model: every rank runs the same number of micro-batches
         self.local = 0
         self.steps = 0
@@ -125,28 +137,29 @@ def _weighted_allreduce(state, bucket):  # type: ignore[no-untyped-def]
     return fut.then(finish)
 
 
-def _first(state, fut):  # type: ignore[no-untyped-def]
+def _first(state: WeightingState, fut: torch.futures.Future[Any]) -> torch.Tensor:
     """The all-reduced tensor; a dead or hung peer raises one line naming the step.
 
     torch re-raises it from ``loss.backward()`` as a ``RuntimeError`` that quotes it;
     :class:`hetsplit.distributed.guard` turns that back into the :class:`DistributedError`.
     """
     try:
-        return fut.value()[0]
+        reduced: torch.Tensor = fut.value()[0]
     except RuntimeError as e:
         raise state.failed(e) from e
+    return reduced
 
 
 class _ScaleGradient(torch.autograd.Function):
     """The identity forward; the gradient flowing back is multiplied by a constant."""
 
     @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, factor: float) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, tensor: torch.Tensor, factor: float) -> torch.Tensor:
         ctx.factor = factor
         return tensor.view_as(tensor)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         # A factor of 0 (a rank with no samples) gives zeros even where the gradient is NaN.
         return (grad * ctx.factor if ctx.factor else torch.zeros_like(grad)), None
 
@@ -261,6 +274,11 @@ def weight_gradients(
     # they act only on the module they were registered on, so a copy runs unweighted.
     # FSDP2 has no inner module: its hooks go on the root (which torch refuses to copy).
     inner = ddp_model if sharded else ddp_model.module
+    if not isinstance(inner, nn.Module):
+        raise ValueError(
+            f"weight_gradients takes a DistributedDataParallel model or an FSDP2 root module; "
+            f"got {type(ddp_model).__name__}, whose .module is a {type(inner).__name__}"
+        )
     owner = weakref.ref(inner)
 
     def record(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -269,16 +287,15 @@ def weight_gradients(
             state.local = first.shape[dim]  # the common case, without walking the inputs
         else:
             state.local = batch_length((args, kwargs), dim)
-        if state.planned is None and _IN_HAND.stand_in:
+        if state.planned is None and state.in_hand.stand_in:
             state.local = 0  # data_loader's stand-in for a share of 0: real samples that count for nothing
         if state.micro is not None:
             _micro_step(state, rank)
             return
         state.started()
-        # A share of 0 is served two real samples (HeteroBatchSampler's zero_share="sample"),
-        # which the plan's weight, 0, leaves out of the gradient.
-        filler = state.planned == 0 and 0 < state.local <= STAND_IN
-        if state.planned is not None and state.local != state.planned and not filler:
+        # A share of 0 is served two real samples (the sampler's zero_share="sample"), which the
+        # plan's weight, 0, leaves out of the gradient.
+        if state.planned is not None and state.local != state.planned and not is_stand_in(state.planned, state.local):
             raise DistributedError(
                 f"rank {rank}: this step has {state.local} samples but the plan gives this rank {state.planned}; "
                 "steps must follow the plan (use HeteroDistributedSampler), or call weight_gradients(ddp) "
@@ -286,6 +303,7 @@ def weight_gradients(
             )
 
     if method == "hook":
+        _note_out_of_memory_in_forward(inner, state, counted_before=True)
 
         def before(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             if torch.is_grad_enabled() and module is owner() and id(module) not in _PAUSED:
@@ -300,7 +318,8 @@ def weight_gradients(
 
         state.handles.append(inner.register_forward_pre_hook(before, with_kwargs=True))
         state.handles.append(inner.register_forward_hook(part, with_kwargs=True))
-        ddp_model.register_comm_hook(state, _weighted_allreduce)
+        # DDP's method (an FSDP2 model was refused above): named on DDP's class for the type checker.
+        typing.cast(nn.parallel.DistributedDataParallel, ddp_model).register_comm_hook(state, _weighted_allreduce)
         return state
 
     def after(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
@@ -315,7 +334,25 @@ def weight_gradients(
         return _watch_for_a_sum(state, _scaled(output, world * state.weight * state.part))
 
     state.handles.append(inner.register_forward_hook(after, with_kwargs=True))
+    _note_out_of_memory_in_forward(inner, state, counted_before=False)
     return state
+
+
+def _note_out_of_memory_in_forward(inner: nn.Module, state: WeightingState, *, counted_before: bool) -> None:
+    """An out-of-memory error in this rank's forward is noted for the other ranks (see ``_group.note_failure``).
+
+    A user who catches it and carries on leaves the other ranks waiting in a collective
+    this rank never joins; their failure line then says that this rank ran out of memory.
+    ``counted_before``: whether the forward's step was counted before it ran (DDP's
+    pre-hook) or is counted after (FSDP2: a forward that raised was not counted yet).
+    """
+
+    def noted(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        error = sys.exc_info()[1]  # the hook runs inside torch's `except` when the forward raised
+        if output is None and error is not None and is_out_of_memory(error):
+            note_out_of_memory(error, state.step if counted_before else state.steps)
+
+    state.handles.append(inner.register_forward_hook(noted, always_call=True))
 
 
 # The first training steps whose outputs' gradient is looked at for a summed loss (a
@@ -393,7 +430,7 @@ def _micro_step(state: WeightingState, rank: int) -> None:
     micro = state.micro
     assert micro is not None
     # A 0 is a sharded model's filler: two real samples weighted 0 (see sharded._even_micro).
-    filler = micro[state.pos] == 0 and state.local <= STAND_IN
+    filler = is_stand_in(micro[state.pos], state.local)
     if state.local != micro[state.pos] and not filler:
         raise DistributedError(
             f"rank {rank}: this forward has {state.local} samples but the micro-batches for this rank are "

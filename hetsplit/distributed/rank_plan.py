@@ -5,7 +5,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
-import os
 import statistics
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -16,23 +15,25 @@ from torch import nn
 
 from ..devices import Device, DeviceLike, parse_device
 from ..planning.curve import Curve
-from ..planning.micro import micro_sizes
+from ..planning.memory import micro_batched
 from ..planning.plan import Plan
-from ..planning.profile import DeviceProfile, Profile
+from ..planning.profile import Profile
 from ..planning.rebalance import with_communication
-from ..planning.sizes import has_batchnorm, resolve_plan, without_single_samples
+from ..planning.records import DeviceProfile
+from ..planning.sizes import has_batchnorm, resolve_plan, without_single_sample_shares
 from ..planning.solver import plan_from_sizes, solve_lockstep
+from ..profiler import emulation_warning, train_step
 from ..profiler import profile as run_profile
-from ..profiler import train_step
 from ..timing import WorkTimer
 from ..tree import move, take_rows
 from ..version import __version__
 from . import sharded as _sharded
 from ._group import DistributedError, all_gather, collective, group_info, guard, verify_dtypes
-from .sampler import STAND_IN
-from .setup import rank_devices
+from .report import SplitReport
+from .setup import launch_env, rank_devices
 from .sharded_profile import profile_sharded
 from .step_time import communication
+from .zero_share import STAND_IN
 
 
 def rank_device(devices: str | Sequence[DeviceLike], rank: int | None = None, *, world: int | None = None) -> str:
@@ -54,12 +55,9 @@ def rank_device(devices: str | Sequence[DeviceLike], rank: int | None = None, *,
             here, size = group_info(None)
         else:
             try:
-                here, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-            except (KeyError, ValueError) as e:
-                raise ValueError(
-                    f"no process group and no RANK/WORLD_SIZE in the environment ({e}); start the script with "
-                    "torchrun, or pass rank= and world="
-                ) from e
+                here, size, _ = launch_env(required=True)
+            except ValueError as e:
+                raise ValueError(f"no process group: {e}, or pass rank= and world=") from e
         rank = here if rank is None else rank
         world = size if world is None else world
     names = rank_devices(spec, world)
@@ -81,6 +79,7 @@ def plan(
     calibrate: int = 16,
     accumulate: bool = False,
     group: Any = None,
+    quiet: bool = False,
     **profile_kwargs: Any,
 ) -> Plan:
     """One plan for all ranks: each profiles its own device, rank 0 solves, all receive it.
@@ -142,6 +141,12 @@ def plan(
         calibrate: DDP steps to calibrate the plan with (after 2 warm-up steps); 0
             skips it (for a job without DDP, or when a share is 0 it is skipped).
         group: The process group (default: the world).
+        quiet: Say nothing. Otherwise rank 0 says, in one line, the split chosen and its
+            predicted step (:class:`~hetsplit.distributed.report.SplitReport`; also
+            silenced by ``$HETSPLIT_QUIET``), and in one more line when a rank's emulated
+            device (``cpu@0.25``) measured more than 1.3x off its speed against a rank of
+            its real device. To say the measured step beside the prediction at the end,
+            ``hd.SplitReport(who, rank).end(plan, measured=seconds)``.
         **profile_kwargs: Passed to :func:`hetsplit.profile` (``time_budget``, ...).
 
     Returns:
@@ -161,7 +166,9 @@ def plan(
     batchnorm = has_batchnorm(model)  # no rank is handed a single sample (BatchNorm cannot train on one)
     if weights is not None:
         cap = parse_device(device if device is not None else _default_device(), check=False).max_batch
-        return _weighted_plan(batch_size, weights, profile, rank, world, group, cap, accumulate, batchnorm)
+        chosen = _weighted_plan(batch_size, weights, profile, rank, world, group, cap, accumulate, batchnorm)
+        SplitReport("hd.plan", rank, quiet).announce(chosen)
+        return chosen
     dev = parse_device(device if device is not None else _default_device())
     _check_versions(group)
     sharded = _sharded.holds_sharded(model)  # the FSDP2 root, or a module around it (a LightningModule's loss)
@@ -175,7 +182,7 @@ def plan(
         profile = run_profile(model, sample, [dev], loss_fn, target=target, progress=False, **profile_kwargs)
     entry = profile.entry(dev.name) if len(profile.entries) > 1 else profile.entries[0]
     gathered = all_gather({"entry": entry.to_dict(), "model": profile.model}, "gathering profiles", group)
-    combined = None
+    combined: Profile | None = None  # every rank's profile, on rank 0 (which solves)
     if rank == 0:
         entries = []
         for r, item in enumerate(gathered):
@@ -183,23 +190,21 @@ def plan(
             e.info.name = f"rank{r}:{e.info.name}"
             entries.append(e)
         combined = Profile(entries, model=gathered[0]["model"], host="torchrun", source="distributed")
-    if sharded and accumulate:
-        # Every rank of a sharded model runs as many micro-batches as the others: solve for that.
-        result = _broadcast_plan(lambda: solve_lockstep(combined, batch_size), group, rank, world, combined)
-    else:
-        result = _broadcast_plan(
-            lambda: _no_single(
-                resolve_plan(batch_size, combined.devices, profile=combined, accumulate=accumulate),
-                combined, accumulate, batchnorm,
-            ),
-            group,
-            rank,
-            world,
-            combined,
+    gathered_profile = combined  # as measured, before calibration corrects it (rank 0)
+
+    def solve(prof: Profile) -> Plan:
+        if sharded and accumulate:
+            # Every rank of a sharded model runs as many micro-batches as the others: solve for that.
+            return solve_lockstep(prof, batch_size)
+        return _no_single(
+            resolve_plan(batch_size, prof.devices, profile=prof, accumulate=accumulate),
+            profile=prof, accumulate=accumulate, batchnorm=batchnorm,
         )  # fmt: skip
+
+    result = _broadcast_plan(solve, group, rank, world, combined)
     if calibrate and not sharded and min(result.sizes) > 0 and max(map(len, result.micro_batches)) == 1:
         work = _calibration_work(model, sample, target, loss_fn, dev, result.sizes[rank], calibrate, group, rank)
-        if rank == 0:
+        if combined is not None:  # rank 0
             combined = dataclasses.replace(
                 combined,
                 entries=[
@@ -207,36 +212,56 @@ def plan(
                     for e, size, seconds in zip(combined.entries, result.sizes, work)
                 ],
             )
-        result = _broadcast_plan(
-            lambda: _no_single(
-                resolve_plan(batch_size, combined.devices, profile=combined, accumulate=accumulate),
-                combined, accumulate, batchnorm,
-            ),
-            group,
-            rank,
-            world,
-            combined,
-        )  # fmt: skip
+        result = _broadcast_plan(solve, group, rank, world, combined)
     # The shares are solved on compute; the step's collectives, the same whatever the split, are
     # timed once at their real sizes and added to the predicted step (every rank gets the same number).
     seconds = communication(model, dev.torch_device, group)
-    return with_communication(result, seconds * (max(map(len, result.micro_batches)) if sharded else 1))
+    result = with_communication(result, seconds * (max(map(len, result.micro_batches)) if sharded else 1))
+    report = SplitReport("hd.plan", rank, quiet)
+    report.announce(result)
+    unreliable = _emulation_warning(gathered_profile) if gathered_profile is not None else None
+    if unreliable:
+        report.note(unreliable)
+    return result
+
+
+def _emulation_warning(prof: Profile) -> str | None:
+    """:func:`hetsplit.profiler.emulation_warning` across ranks: each emulated rank against a real twin rank.
+
+    The profiles' devices are labelled ``rank{r}:{device}``; the profiler's check pairs a
+    ``cpu@0.25`` with a ``cpu`` by name, so each emulated rank is checked in a profile of two:
+    it and the first rank of its real device, both without their rank labels. The first
+    such rank off its speed is named.
+    """
+
+    def bare(e: DeviceProfile) -> DeviceProfile:
+        name = e.info.name.partition(":")[2] if e.info.name.startswith("rank") else e.info.name
+        return dataclasses.replace(e, info=dataclasses.replace(e.info, name=name))
+
+    for e in prof.entries:
+        if not e.info.emulated:
+            continue
+        mine = bare(e)
+        base = parse_device(mine.name, check=False).base
+        twin = next((bare(r) for r in prof.entries if not r.info.emulated and bare(r).name == base), None)
+        if twin is None:
+            continue
+        line = emulation_warning(dataclasses.replace(prof, entries=[twin, mine]))
+        if line:
+            return line.replace(f"{mine.name} measured", f"{e.name} measured", 1)
+    return None
 
 
 def _no_single(
-    plan: Plan, profile: Profile | None, accumulate: bool, batchnorm: bool, room: Sequence[float] | None = None
+    plan: Plan, *, profile: Profile | None, accumulate: bool, batchnorm: bool, room: Sequence[float] | None = None
 ) -> Plan:
     """``plan`` without a share of exactly one sample, for a model holding BatchNorm (else as it is).
 
     A sample moves only where a rank's memory holds it: ``room`` per rank, else the profile's caps.
     """
-    if not batchnorm or 1 not in plan.sizes:
+    if not batchnorm:
         return plan
-    if room is None:
-        caps = profile.memory_caps() if profile is not None else {}
-        room = [caps.get(d) or math.inf for d in plan.devices]
-    sizes = without_single_samples(plan.sizes, list(room))
-    return plan if sizes == list(plan.sizes) else plan_from_sizes(profile, plan.devices, sizes, accumulate=accumulate)
+    return without_single_sample_shares(plan, profile=profile, room=room, accumulate=accumulate)
 
 
 def _check_versions(group: Any) -> None:
@@ -282,7 +307,7 @@ def _weighted_plan(
     caps = [t["cap"] for t in theirs]
     # Before the caps are checked and micro-batches cut (with accumulate any rank has room).
     room = [math.inf if accumulate or c is None else c for c in caps]
-    result = _no_single(result, None, False, batchnorm, room)
+    result = _no_single(result, profile=None, accumulate=False, batchnorm=batchnorm, room=room)
     over = [(r, s, c) for r, (s, c) in enumerate(zip(result.sizes, caps)) if c is not None and s > c]
     if over and not accumulate:
         r, s, c = over[0]
@@ -291,9 +316,7 @@ def _weighted_plan(
             "pass accumulate=True to run its share as micro-batches, or weight it less"
         )
     if over:
-        micro = [micro_sizes(s, math.ceil(s / c)) if c is not None and s > c else m for s, c, m in
-                 zip(result.sizes, caps, result.micro_batches)]  # fmt: skip
-        result = dataclasses.replace(result, micro_batches=micro)
+        result = micro_batched(result, caps)
     return result
 
 
@@ -364,9 +387,13 @@ def _stand_ins_used(plan: Plan, prof: Profile | None) -> Plan:
     return dataclasses.replace(moved, noise=plan.noise)
 
 
-def _broadcast_plan(make: Callable[[], Plan], group: Any, rank: int, world: int, prof: Profile | None = None) -> Plan:
-    """Rank 0 makes the plan (a zero share's stand-ins used and timed, from ``prof``); every rank receives it."""
-    holder: list[Any] = [_with_stand_ins(_stand_ins_used(make(), prof), prof).to_dict() if rank == 0 else None]
+def _broadcast_plan(solve: Callable[[Profile], Plan], group: Any, rank: int, world: int, prof: Profile | None) -> Plan:
+    """Rank 0 solves ``prof``, every rank's profile (zero shares' stand-ins used and timed); every rank receives it."""
+    holder: list[Any] = [None]
+    if rank == 0:
+        if prof is None:
+            raise RuntimeError("rank 0 holds no gathered profile to solve; this is a bug in hetsplit")
+        holder = [_with_stand_ins(_stand_ins_used(solve(prof), prof), prof).to_dict()]
     src = dist.get_global_rank(group, 0) if group is not None else 0
     collective("broadcasting the plan", lambda: dist.broadcast_object_list(holder, src=src, group=group), rank)
     result = Plan.from_dict(holder[0])
@@ -425,5 +452,5 @@ def _calibration_work(
 
 def _default_device() -> str:
     if torch.cuda.is_available():
-        return f"cuda:{int(os.environ.get('LOCAL_RANK', 0)) % torch.cuda.device_count()}"
+        return f"cuda:{launch_env().local_rank % torch.cuda.device_count()}"
     return "cpu"

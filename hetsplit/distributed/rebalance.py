@@ -17,7 +17,7 @@ from ..planning.solver import plan_from_sizes
 from ..timing import Lap, PausableLap
 from ._group import all_gather, group_info, guard, verify_plan
 from .comm_hooks import WeightingState
-from .sampler import HeteroBatchSampler, plan_at
+from .sampler import HeteroDistributedSampler, plan_at
 from .step_time import StepTimer, exposed
 
 
@@ -37,14 +37,14 @@ class DistributedRebalancer:
     timings are all-gathered and every rank feeds the same
     :class:`~hetsplit.rebalance.Rebalancer` the same data, so all reach the same decision. A
     new plan starts at the first step no rank's sampler has handed out yet: ``sampler`` (a
-    :class:`HeteroBatchSampler`) and ``gradients`` (the state returned by
+    :class:`HeteroDistributedSampler`) and ``gradients`` (the state returned by
     :func:`weight_gradients`) follow it from that step on, on every rank at once.
 
     Args:
         plan: The starting plan, the same on every rank (e.g. from :func:`plan`).
         rebalancer: The policy (default: ``Rebalancer()``: every 10 steps, 5 %
             threshold, at most half the batch moved at once).
-        sampler: This rank's :class:`HeteroBatchSampler`, to follow plan changes.
+        sampler: This rank's :class:`HeteroDistributedSampler`, to follow plan changes.
         gradients: The state from :func:`weight_gradients` with a plan, to weight each
             step by the plan in force (without a plan the hook weights by real sizes).
         model: The model (DDP or FSDP2) whose step is timed: on CUDA its hooks mark where
@@ -70,7 +70,7 @@ class DistributedRebalancer:
         plan: Plan,
         rebalancer: Rebalancer | None = None,
         *,
-        sampler: HeteroBatchSampler | None = None,
+        sampler: HeteroDistributedSampler | None = None,
         gradients: WeightingState | None = None,
         model: nn.Module | None = None,
         device: DeviceLike | None = None,
@@ -89,9 +89,13 @@ class DistributedRebalancer:
         if split:
             # A plan run as micro-batches (a memory cap) is re-solved with them: one re-solved
             # without would hand a capped rank a share it cannot hold, mid-training. That
-            # needs the caps, which only a profile holds.
+            # needs the caps: the profile's, else those of the curves the plan was solved from
+            # (which the rebalancer starts from where they show a fixed cost: Rebalancer._start_from).
             profile = self.rebalancer.profile
-            caps = profile.memory_caps() if profile is not None else {}
+            if profile is not None:
+                caps = profile.memory_caps()
+            else:
+                caps = {d: c.memory_cap for d, c in zip(plan.devices, plan.curves) if c.intercept > 0}
             blind = [plan.devices[r] for r in split if caps.get(plan.devices[r]) is None]
             if blind:
                 raise ValueError(

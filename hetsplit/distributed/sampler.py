@@ -1,9 +1,8 @@
-"""Samplers: each rank's share of every global batch, sized by the plan (the uneven DistributedSampler)."""
+"""Sampler: each rank's share of every global batch, sized by the plan (the uneven ``DistributedSampler``)."""
 
 from __future__ import annotations
 
 import math
-import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -13,76 +12,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler, defa
 from ..planning.plan import Plan, sizes_from_weights
 from ..tree import batch_length, narrow, tree_map
 from ._group import group_info
-
-# What a rank whose share is 0 is served: real samples weighted 0, or an empty batch.
-ZERO_SHARES = ("sample", "empty")
-# How many real samples that is: two, not one, because BatchNorm cannot train on one sample
-# ("Expected more than 1 value per channel": a ResNet's last stage on 28-pixel images, any
-# BatchNorm1d), and the plain model never meets one where hetsplit served it (one, when the
-# whole global batch is one sample).
-STAND_IN = 2
-
-
-class HeteroDistributedSampler(Sampler[int]):
-    """Per-rank shares of every global batch, sized by the plan (the uneven ``DistributedSampler``).
-
-    Each epoch's indices (shuffled with ``seed + epoch`` when ``shuffle``) are cut into
-    global batches of ``plan.batch_size``; rank ``r`` takes the ``plan.sizes[r]``
-    indices at its offset in every global batch. Use it with
-    ``DataLoader(dataset, batch_size=plan.sizes[rank], sampler=sampler)``: every rank
-    then runs :attr:`steps` steps, so no rank waits for another at the end of an epoch.
-
-    With ``drop_last=True`` a last, incomplete global batch is dropped; with
-    ``drop_last=False`` it is completed with indices from the start of the epoch, as
-    ``DistributedSampler`` pads, so every sample is seen.
-
-    Args:
-        dataset: The dataset (only its length is used).
-        plan: The plan every rank holds (see :func:`plan`).
-        num_replicas, rank, shuffle, seed, drop_last: As for :class:`HeteroBatchSampler`
-            (this sampler is its flat form, with a plan that never changes).
-
-    Raises:
-        ValueError: If the plan's device count differs from ``num_replicas`` or ``rank``
-            is out of range.
-    """
-
-    def __init__(
-        self,
-        dataset: Dataset,
-        plan: Plan,
-        *,
-        num_replicas: int | None = None,
-        rank: int | None = None,
-        shuffle: bool = True,
-        seed: int = 0,
-        drop_last: bool = False,
-    ) -> None:
-        self._batches = HeteroBatchSampler(
-            dataset, plan, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed, drop_last=drop_last,
-            zero_share="empty",  # the flat form serves whole shares; a share of 0 is no indices
-        )  # fmt: skip
-        self.dataset, self.plan = dataset, plan
-        self.num_replicas, self.rank = self._batches.num_replicas, self._batches.rank
-        self.shuffle, self.seed, self.drop_last = shuffle, seed, drop_last
-        self.size = plan.sizes[self.rank]
-        self.steps = self._batches.steps
-
-    @property
-    def epoch(self) -> int:
-        """The epoch whose order :meth:`__iter__` gives (see :meth:`set_epoch`)."""
-        return self._batches.epoch
-
-    def set_epoch(self, epoch: int) -> None:
-        """Shuffle differently for ``epoch`` (call it on every rank before each epoch)."""
-        self._batches.set_epoch(epoch)
-
-    def __iter__(self) -> Iterator[int]:
-        for batch in self._batches:
-            yield from batch
-
-    def __len__(self) -> int:
-        return self.steps * self.size
+from .zero_share import IN_HAND, check_zero_share, stand_in_batch, stand_in_indices
 
 
 def _epoch_order(n: int, need: int, shuffle: bool, seed: int) -> list[int]:
@@ -127,21 +57,27 @@ def plan_at(schedule: Sequence[tuple[int, Plan]], step: int) -> Plan:
     return current
 
 
-class HeteroBatchSampler(Sampler[list[int]]):
-    """This rank's share of every global batch, one step at a time, following plan changes.
+class HeteroDistributedSampler(Sampler[list[int]]):
+    """This rank's share of every global batch, one step at a time (the uneven ``DistributedSampler``).
 
-    The batch-sampler form of :class:`HeteroDistributedSampler`, for online
-    rebalancing: each yielded list is one step's indices for this rank, cut from the
-    global batch by the plan in force *for that step*. :meth:`set_plan` schedules a new
-    plan from a given step on (``DistributedRebalancer`` does this on every rank with
-    the same step), so the ranks' shares stay disjoint and cover each global batch
-    while the sizes change, even with a ``DataLoader`` that prefetches. Use it as::
+    Each epoch's indices (shuffled with ``seed + epoch`` when ``shuffle``) are cut into
+    global batches of ``plan.batch_size``; each yielded list is one step's indices for
+    this rank: the ``plan.sizes[rank]`` indices at its offset in that global batch, cut
+    by the plan in force *for that step*. Every rank runs :attr:`steps` steps an epoch,
+    so no rank waits for another at the end of an epoch. It is a batch sampler::
 
         loader = DataLoader(dataset, batch_sampler=sampler, collate_fn=sampler.collate)
 
-    (:meth:`collate` also turns a share of 0 samples into an empty batch). Steps are
-    counted across epochs (:attr:`yielded`); epochs, shuffling, padding and
-    ``drop_last`` work as in :class:`HeteroDistributedSampler`.
+    (:func:`data_loader` builds that loader; :meth:`collate` also turns an empty share
+    into an empty batch). :meth:`set_plan` schedules a new plan from a given step on
+    (``DistributedRebalancer`` does this on every rank with the same step), so the ranks'
+    shares stay disjoint and cover each global batch while the sizes change, even with a
+    ``DataLoader`` that prefetches. Steps are counted across epochs (:attr:`yielded`).
+
+    With ``drop_last=True`` a last, incomplete global batch is dropped; with
+    ``drop_last=False`` it is completed with indices from the start of the epoch, as
+    ``DistributedSampler`` pads, so every sample is seen (or cut in the plan's
+    proportions with ``pad=False``).
 
     Args:
         dataset: The dataset (its length; :meth:`collate` also reads one item).
@@ -155,7 +91,7 @@ class HeteroBatchSampler(Sampler[list[int]]):
             ``DistributedSampler`` and accelerate pad), or cut what is left in the plan's
             proportions (``False``: every sample once, none added; evaluation).
         zero_share: What a rank the plan gives 0 samples gets each step: ``"sample"``
-            (default), two real samples of the global batch (:data:`STAND_IN`; one if the
+            (default), two real samples of the global batch (:data:`~.zero_share.STAND_IN`; one if the
             global batch is one), which the plan's gradient weighting counts as 0 and
             :meth:`real_rows` reports as 0 (models that cannot run a batch of 0 rows,
             ``x.view(x.size(0), -1)``, still run, and BatchNorm, which cannot train on one
@@ -168,7 +104,7 @@ class HeteroBatchSampler(Sampler[list[int]]):
 
     def __init__(
         self,
-        dataset: Dataset,
+        dataset: Dataset[Any],
         plan: Plan,
         *,
         num_replicas: int | None = None,
@@ -182,9 +118,7 @@ class HeteroBatchSampler(Sampler[list[int]]):
         _check_dataset(dataset)
         self.num_replicas, self.rank = _world(num_replicas, rank, plan)
         self.dataset, self.shuffle, self.seed, self.drop_last = dataset, shuffle, seed, drop_last
-        if zero_share not in ZERO_SHARES:
-            raise ValueError(f"zero_share={zero_share!r}: use one of {', '.join(map(repr, ZERO_SHARES))}")
-        self.pad, self.zero_share = pad, zero_share
+        self.pad, self.zero_share = pad, check_zero_share(zero_share)
         self.epoch = 0
         self.yielded = 0  # steps handed out so far, across epochs
         self.epoch_start = 0  # the global step of the current epoch's first batch
@@ -234,8 +168,7 @@ class HeteroBatchSampler(Sampler[list[int]]):
             if count == 0 and self.zero_share == "sample":
                 # Real samples of this global batch, which the weighting counts as 0 (the
                 # plan gives this rank 0): models that cannot run 0 rows still run.
-                first = step * self.batch_size
-                yield order[first : first + min(STAND_IN, self.batch_size)]
+                yield stand_in_indices(order, step * self.batch_size, self.batch_size)
             else:
                 yield order[start : start + count]
 
@@ -295,42 +228,38 @@ class HeteroBatchSampler(Sampler[list[int]]):
         """``default_collate``, with an empty share collated to empty tensors of the right shape."""
         if batch:
             return default_collate(batch)
-        one = default_collate([self.dataset[0]])  # type: ignore[index]
+        one = default_collate([self.dataset[0]])
         return tree_map(lambda t: t[:0] if isinstance(t, torch.Tensor) else t, one)
 
 
-class _InHand(threading.local):
-    """Whether the batch a :func:`data_loader` handed this thread last is a zero share's stand-in.
+class _SharesLoader(DataLoader[Any]):
+    """:func:`data_loader`'s ``DataLoader``: says of each batch it yields whether it is a stand-in (:data:`IN_HAND`)."""
 
-    The sampler cannot say it: a loader with workers draws its indices ahead of the batch
-    in hand. The loader says it as it yields the batch, so
-    :func:`~hetsplit.distributed.weight_gradients` without a plan can weight that one real
-    sample 0, as the plan's weighting does.
-    """
+    def __init__(self, dataset: Dataset[Any], shares: HeteroDistributedSampler, **kwargs: Any) -> None:
+        super().__init__(dataset, batch_sampler=shares, **kwargs)
+        self.shares = shares
 
-    stand_in = False
+    # A generator around torch's iterator, not the iterator object torch's signature names:
+    # a training loop only iterates it (and the hand-off must happen as each batch is handed out).
+    # torch's iterator is made here, not at the first batch: making it draws its base seed from
+    # the global generator, and a framework that calls iter() before its hooks (Lightning's fit
+    # loop, before on_train_start) must leave the same random stream to them as a plain loader.
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
+        return self._handed(super().__iter__())
 
-
-_IN_HAND = _InHand()
-
-
-class _SharesLoader(DataLoader):
-    """:func:`data_loader`'s ``DataLoader``: marks each batch it yields as a stand-in or not (:data:`_IN_HAND`)."""
-
-    def __iter__(self) -> Iterator[Any]:
-        sampler = self.batch_sampler
+    def _handed(self, batches: Iterator[Any]) -> Iterator[Any]:
         try:
-            for step, batch in enumerate(super().__iter__()):
-                _IN_HAND.stand_in = sampler.is_filler(step)
+            for step, batch in enumerate(batches):
+                IN_HAND.hand(self.shares.is_filler(step))
                 yield batch
         finally:
-            _IN_HAND.stand_in = False
+            IN_HAND.hand(False)
 
 
 class _Collate:
-    """``collate_fn`` for a :class:`HeteroBatchSampler`: the user's, except for an empty share."""
+    """``collate_fn`` for a :class:`HeteroDistributedSampler`: the user's, except for an empty share."""
 
-    def __init__(self, sampler: HeteroBatchSampler, user: Callable[[list[Any]], Any] | None) -> None:
+    def __init__(self, sampler: HeteroDistributedSampler, user: Callable[[list[Any]], Any] | None) -> None:
         self.sampler, self.user = sampler, user
 
     def __call__(self, batch: list[Any]) -> Any:
@@ -340,7 +269,7 @@ class _Collate:
             return self.user(batch)
         # An empty share has the keys and shapes the user's collate gives (labels a collator
         # adds, say): a framework that looks for them then does the same on every rank.
-        one = self.user([self.sampler.dataset[0]])  # type: ignore[index]
+        one = self.user([self.sampler.dataset[0]])
         return tree_map(lambda t: t[:0] if isinstance(t, torch.Tensor) else t, one)
 
 
@@ -348,7 +277,7 @@ def local_batch(batch: Any, plan: Plan, *, rank: int | None = None, dim: int = 0
     """This rank's rows of a global batch, cut as :func:`data_loader` cuts it: for scripts that make their own batches.
 
     Rank ``r`` takes the ``plan.sizes[r]`` rows at its offset (the shares of the ranks
-    before it). A rank the plan gives 0 takes the batch's first two rows (:data:`STAND_IN`),
+    before it). A rank the plan gives 0 takes the batch's first two rows (:mod:`.zero_share`),
     real samples that :func:`weight_gradients` counts as 0, with the plan or without it
     (the stand-in is marked as :func:`data_loader` marks it), so the model never meets an
     empty batch. A shorter global batch (an epoch's last) is cut in the plan's
@@ -387,14 +316,14 @@ def local_batch(batch: Any, plan: Plan, *, rank: int | None = None, dim: int = 0
     sizes = list(plan.sizes) if n == plan.batch_size else sizes_from_weights(n, plan.sizes)
     start, count = sum(sizes[:rank]), sizes[rank]
     stand_in = count == 0 and n > 0
+    IN_HAND.hand(stand_in)
     if stand_in:  # as the sampler serves a zero share: the global batch's first rows, weighted 0
-        start, count = 0, min(STAND_IN, n)
-    _IN_HAND.stand_in = stand_in
+        return stand_in_batch(batch, dim, rows=n)
     return narrow(batch, start, count, dim=dim, rows=n)
 
 
 def data_loader(
-    dataset: Dataset,
+    dataset: Dataset[Any],
     plan: Plan,
     *,
     shuffle: bool = True,
@@ -405,7 +334,7 @@ def data_loader(
     num_replicas: int | None = None,
     rank: int | None = None,
     **loader_kwargs: Any,
-) -> DataLoader:
+) -> DataLoader[Any]:
     """This rank's ``DataLoader`` over its shares of every global batch, a share of 0 included.
 
     ``DataLoader(batch_size=0)`` is refused by torch, so a rank the plan gives nothing
@@ -414,14 +343,14 @@ def data_loader(
     collective. The gradient weighting (:func:`weight_gradients`, with the plan or
     without: the loader marks the batch in hand as that stand-in) counts that sample as
     0, and ``loader.batch_sampler.real_rows(step)`` says 0 for it (weight metrics by that). The batch sampler
-    (``loader.batch_sampler``, a :class:`HeteroBatchSampler`) follows plan changes and
+    (``loader.batch_sampler``, a :class:`HeteroDistributedSampler`) follows plan changes and
     needs ``loader.batch_sampler.set_epoch(epoch)`` before each epoch.
 
     Args:
         dataset: A map-style dataset.
         plan: The plan every rank holds.
         shuffle, seed, drop_last, pad, zero_share, num_replicas, rank: As for
-            :class:`HeteroBatchSampler`.
+            :class:`HeteroDistributedSampler`.
         **loader_kwargs: Passed to ``DataLoader`` (``num_workers``, ``pin_memory``,
             ``collate_fn``, ...); ``batch_size``, ``sampler`` and ``shuffle`` are the plan's.
 
@@ -431,9 +360,14 @@ def data_loader(
     taken = sorted({"batch_size", "sampler", "batch_sampler", "drop_last"} & set(loader_kwargs))
     if taken:
         raise ValueError(f"data_loader sets {taken} from the plan; leave them out")
-    sampler = HeteroBatchSampler(
+    sampler = HeteroDistributedSampler(
         dataset, plan, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed, drop_last=drop_last,
         pad=pad, zero_share=zero_share,
     )  # fmt: skip
     collate = _Collate(sampler, loader_kwargs.pop("collate_fn", None))
-    return _SharesLoader(dataset, batch_sampler=sampler, collate_fn=collate, **loader_kwargs)
+    return _SharesLoader(dataset, sampler, collate_fn=collate, **loader_kwargs)
+
+
+# The batch sampler's name before there was one sampler: the integrations still import it.
+# Remove once hetsplit/integrations/ name HeteroDistributedSampler.
+HeteroBatchSampler = HeteroDistributedSampler

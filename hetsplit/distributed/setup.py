@@ -4,17 +4,52 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 
-from ..devices import Device, parse_device
+from ..devices import Device, device_list, parse_device
 from ._group import init_timeout
 from .teardown import drain_at_exit
 
 # `hetsplit launch` puts the job's device list here, one device per global rank.
 ENV_DEVICES = "HETSPLIT_DEVICES"
+
+
+class LaunchEnv(NamedTuple):
+    """This process's place in the job, as the launcher (torchrun, ``hetsplit launch``) set it."""
+
+    rank: int
+    world: int
+    local_rank: int
+
+
+def launch_env(*, required: bool = False) -> LaunchEnv:
+    """``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK`` from torchrun's environment: the one reader of them.
+
+    Args:
+        required: Whether a missing ``RANK``/``WORLD_SIZE`` is an error (a script that
+            must be launched); else a process started alone is rank 0 of 1.
+
+    Raises:
+        ValueError: If a value is not an integer (naming it), or, with ``required``,
+            ``RANK`` or ``WORLD_SIZE`` is not set.
+    """
+    if required and not all(name in os.environ for name in ("RANK", "WORLD_SIZE")):
+        missing = [name for name in ("RANK", "WORLD_SIZE") if name not in os.environ]
+        raise ValueError(
+            f"RANK and WORLD_SIZE are not set (missing: {', '.join(missing)}); start the script with "
+            "'hetsplit launch' or torchrun"
+        )
+    values = {}
+    for name, default in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
+        raw = os.environ.get(name, default)
+        try:
+            values[name] = int(raw)
+        except ValueError as e:
+            raise ValueError(f"{name} must be an integer, got {raw!r}; start the job with torchrun") from e
+    return LaunchEnv(values["RANK"], values["WORLD_SIZE"], values["LOCAL_RANK"])
 
 
 # The frameworks name the CPU with an index (accelerate's multi-CPU device is "cpu:0",
@@ -39,7 +74,7 @@ def device_name(device: Any) -> str:
 
 def device_names(spec: str) -> str:
     """A comma-separated device list with every entry named as :func:`device_name` names it."""
-    return ",".join(device_name(s) for s in spec.split(",") if s.strip())
+    return ",".join(device_name(s) for s in device_list(spec))
 
 
 def rank_devices(spec: str, world: int) -> list[str]:
@@ -51,7 +86,7 @@ def rank_devices(spec: str, world: int) -> list[str]:
     Raises:
         ValueError: If the list is empty, malformed, or its length is not ``world``.
     """
-    items = [device_name(s) for s in spec.split(",") if s.strip()]
+    items = [device_name(s) for s in device_list(spec)]
     if not items:
         raise ValueError(f"no devices in {spec!r}; list one device per process, e.g. 'cuda:0,cuda:1,cpu'")
     names = [parse_device(s, check=False).name for s in items]
@@ -104,19 +139,13 @@ def init(timeout: float | None = None, *, devices: str | None = None, backend: s
             f"no device list: start the job with 'hetsplit launch --devices ...', or pass devices= "
             f"(or set ${ENV_DEVICES}) to list one device per rank"
         )
-    try:
-        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    except (KeyError, ValueError) as e:
-        raise ValueError(
-            f"RANK and WORLD_SIZE are not set ({e}); start the script with 'hetsplit launch' or torchrun"
-        ) from e
+    rank, world, _ = launch_env(required=True)
     names = rank_devices(spec, world)
     device = parse_device(names[rank])  # this machine must have it
     if device.type == "cuda":
         torch.cuda.set_device(device.index)
     backend = backend or choose_backend(names)
-    kwargs = {"timeout": init_timeout(timeout)} if timeout is not None else {}
     if not dist.is_initialized():
-        dist.init_process_group(backend, **kwargs)
+        dist.init_process_group(backend, timeout=init_timeout(timeout) if timeout is not None else None)
     drain_at_exit()  # at exit, let gloo's workers finish with the last collective first (see teardown)
     return device

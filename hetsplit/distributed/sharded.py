@@ -32,9 +32,9 @@ from torch import nn
 
 from ..planning.micro import micro_sizes
 from ..planning.plan import Plan
-from ..tree import batch_length, tree_map
+from ..tree import narrow
 from ._group import DistributedError, all_gather, collective
-from .sampler import STAND_IN
+from .zero_share import stand_in_batch
 
 _WORKS = (
     "FSDP2's fully_shard on a 1-D device mesh (the default: every rank in one shard group), the same on every rank, "
@@ -165,18 +165,13 @@ def _even_micro(plan: Plan) -> list[list[int]]:
 def micro_pieces(batch: Any, sizes: Sequence[int], dim: int) -> Iterator[tuple[Any, int]]:
     """``batch`` cut into the real ``sizes`` (in order), then a filler for each ``0``; yields ``(piece, size)``.
 
-    A filler is the batch's first sample, which the weighting counts as 0 (an empty
-    batch, ``zero_share="empty"``, stays empty).
+    A filler is a zero share's stand-in, the batch's first samples, which the weighting
+    counts as 0 (an empty batch, ``zero_share="empty"``, stays empty).
     """
     start = 0
     for size in sizes:
-        at, n = (start, size) if size > 0 else (0, min(STAND_IN, batch_length(batch, dim)))
-        yield tree_map(lambda t, at=at, n=n: t.narrow(dim, at, n) if _batched(t, dim) else t, batch), size
+        yield (narrow(batch, start, size, dim=dim) if size > 0 else stand_in_batch(batch, dim)), size
         start += size
-
-
-def _batched(t: Any, dim: int) -> bool:
-    return isinstance(t, torch.Tensor) and t.dim() > dim
 
 
 def exchanged_total(local: int, model: nn.Module, group: Any, rank: int) -> int:

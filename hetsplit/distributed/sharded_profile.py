@@ -12,7 +12,7 @@ rank's step lasts as long as the slowest's, and the ranks look equally busy). Me
 in the same steps, the ranks see the same load on a busy machine: timed in turns, a load
 that changed between one rank's turn and the next would tilt the plan. A rank past its
 memory cap or its budget runs the least any rank runs in a sharded step (a zero share's
-stand-in, :data:`~hetsplit.distributed.sampler.STAND_IN` samples) while the others climb
+stand-in, :data:`~hetsplit.distributed.zero_share.STAND_IN` samples) while the others climb
 on. The collectives themselves are timed apart and added to the plan's step
 (:func:`~hetsplit.distributed.step_time.communication`).
 
@@ -40,16 +40,16 @@ from torch import nn
 
 from ..devices import Device, DeviceLike, describe, parse_device
 from ..planning.curve import Curve
-from ..planning.profile import DeviceProfile, Measurement, Profile
-from ..planning.records import MemoryModel
+from ..planning.profile import Profile
+from ..planning.records import DeviceProfile, Measurement, MemoryModel
 from ..planning.sizes import has_batchnorm
 from ..profiler import _MAX_PROBE, check_ladder, check_settings, default_ladder, model_record, train_step
 from ..timing import threads_for
 from ..tree import move, take_rows
 from ._group import DistributedError, all_gather, group_info, guard
 from .comm_hooks import paused
-from .sampler import STAND_IN
 from .step_time import StepTimer
+from .zero_share import STAND_IN
 
 
 def profile_sharded(
@@ -159,9 +159,9 @@ def profile_sharded(
             for m, training in modes:
                 m.training = training
             with torch.no_grad():
-                for name, b in model.named_buffers():
-                    if name in buffers and buffers[name].shape == b.shape:  # a buffer made in forward stays
-                        b.copy_(buffers[name])
+                for name, buffer in model.named_buffers():
+                    if name in buffers and buffers[name].shape == buffer.shape:  # a buffer made in forward stays
+                        buffer.copy_(buffers[name])
     empty = f"device {dev.name} cannot run even batch {ladder[0]} (out of memory)" if not turn.times else None
     failed = {r: e for r, e in enumerate(all_gather(empty, what, group)) if e}
     if failed:

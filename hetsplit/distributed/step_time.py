@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import statistics
 import time
 from collections.abc import Iterator, Sequence
@@ -151,9 +152,9 @@ def communication(model: nn.Module, device: torch.device, group: Any = None, *, 
     if world <= 1:
         return 0.0
     ops: collections.Counter[tuple[str, int, torch.dtype]] = collections.Counter()  # (kind, numel, dtype): a step's
-    if _sharded.holds_sharded(model):
-        fsdp = _sharded._fsdp2_module()
-        modules = [m for m in model.modules() if fsdp is not None and isinstance(m, fsdp)]
+    fsdp = _sharded._fsdp2_module()
+    if fsdp is not None and _sharded.holds_sharded(model):
+        modules = [m for m in model.modules() if isinstance(m, fsdp)]
         for m in modules:
             owned = _own_parameters(m, fsdp)
             for dtype in dict.fromkeys(p.dtype for p in owned):
@@ -172,19 +173,19 @@ def communication(model: nn.Module, device: torch.device, group: Any = None, *, 
     for (kind, numel, dtype), count in sorted(ops.items(), key=str):  # the same order on every rank
         if not count:
             continue
-        shard = torch.zeros(numel, dtype=dtype, device=device)
-        full = torch.zeros(numel * world, dtype=dtype, device=device) if kind != "all_reduce" else shard
+        piece = torch.zeros(numel, dtype=dtype, device=device)
+        whole = torch.zeros(numel * world, dtype=dtype, device=device) if kind != "all_reduce" else piece
         runs = []
         for i in range(repeats + 1):  # the first run sets the collective up: not timed
             collective(what, lambda: dist.barrier(group=group), rank, group)
             start = time.perf_counter()
-            collective(what, lambda k=kind, s=shard, f=full: _run(k, s, f, group), rank, group)
+            collective(what, functools.partial(_run, kind, piece, whole, group), rank, group)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             if i:
                 runs.append(time.perf_counter() - start)
         total += count * statistics.median(runs)
-    return min(all_gather(total, what, group))
+    return float(min(all_gather(total, what, group)))
 
 
 _BUCKET = 25 * 2**20  # DDP's default bucket: its all-reduces are of this size

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
-import warnings
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, ClassVar
@@ -20,28 +20,27 @@ from hetsplit.distributed._group import verify_dtypes
 from hetsplit.distributed.comm_hooks import WeightingState
 from hetsplit.distributed.setup import device_name
 from hetsplit.distributed.sharded import kind
-from hetsplit.planning import Plan, Profile, Rebalancer, resolve_plan
+from hetsplit.planning import Plan, Profile, Rebalancer
+from hetsplit.planning.sizes import resolve_plan, scaled_plan
 from hetsplit.tree import tree_map
 
 from . import core
-from .accelerate_parts import (
-    SharesLoader,
+from .accelerate_checks import (
     check_arguments,
     check_even_batches,
-    check_loader,
     check_whole_shares,
-    load_epochs,
-    profiling_inputs,
-    save_epochs,
     shard_on_cpu,
-    shuffle_seed,
     wants_fsdp2,
 )
 from .collectives import all_tensors, first_rows, uneven_gather, weighted_reduce
-from .core import carried_settings, is_cpu_job, launched_world, throttle, throttle_forward
+from .core import is_cpu_job, launched_world, throttle, throttle_forward
+from .loaders import carried_settings, check_loader, rebuilt_loader
+from .options import HeteroOptions
+from .shares_loader import SharesLoader, load_epochs, save_epochs, shuffle_seed
 
 
-class HeteroAccelerator(accelerate.Accelerator):
+# accelerate ships no type information: its classes are Any to mypy.
+class HeteroAccelerator(accelerate.Accelerator):  # type: ignore[misc]
     """``accelerate.Accelerator`` whose prepared loaders give each process its share of one hetsplit plan.
 
     A one-line change for an accelerate script: ``prepare(model, optimizer, loader)``
@@ -97,11 +96,15 @@ class HeteroAccelerator(accelerate.Accelerator):
             ``calibrate``, ``batch_sizes``, ``weights``, ``accumulate``), over the defaults
             ``{"time_budget": 10.0, "calibrate": 4}`` (the same in every integration).
         quiet: Say nothing about the split (else rank 0 prints the split and its predicted
-            step when training starts, the measured step when it ends; ``HETSPLIT_QUIET=1`` too).
+            step at the first training step, and the measured step at :meth:`end_training`,
+            or at exit for a script that does not call it; ``HETSPLIT_QUIET=1`` too).
+        options: ``devices``, ``plan``, ``profile``, ``global_batch_size``, ``rebalance``,
+            ``plan_kwargs`` and ``quiet`` as one :class:`~hetsplit.integrations.options.HeteroOptions`
+            (not with those keywords).
         **accelerator_kwargs: Passed to ``accelerate.Accelerator``.
 
     Raises:
-        TypeError, ValueError: As :func:`hetsplit.integrations.core.check_arguments` (the
+        TypeError, ValueError: As :meth:`~hetsplit.integrations.options.HeteroOptions.check` (the
             same for every integration), and a ``ValueError`` for a device list without one
             device per process, FSDP1, DeepSpeed or Megatron-LM, or FSDP2 over devices of
             two kinds (``cuda:0,cpu``); before any process group is created.
@@ -134,13 +137,16 @@ class HeteroAccelerator(accelerate.Accelerator):
         loss_fn: Any = None,
         plan_kwargs: Mapping[str, Any] | None = None,
         quiet: bool = False,
+        options: HeteroOptions | None = None,
         **accelerator_kwargs: Any,
     ) -> None:
         rank, world = launched_world()
-        given = {"devices": devices, "plan": plan, "profile": profile, "global_batch_size": global_batch_size}
-        given.update(weighting=weighting, rebalance=rebalance, plan_kwargs=plan_kwargs, quiet=quiet)
+        given = HeteroOptions.given(
+            self.who, options, devices=devices, plan=plan, profile=profile, global_batch_size=global_batch_size,
+            rebalance=rebalance, plan_kwargs=plan_kwargs, quiet=quiet,
+        )  # fmt: skip
         own_loss = self.loss_weights_micro_batches
-        names = check_arguments(given, accelerator_kwargs, world, loss_weights_micro_batches=own_loss)
+        names = check_arguments(given, weighting, accelerator_kwargs, world, loss_weights_micro_batches=own_loss)
         self.rank_device: Device | None = None
         if names is not None:
             self.rank_device = parse_device(names[rank])  # this machine must have it
@@ -165,22 +171,26 @@ class HeteroAccelerator(accelerate.Accelerator):
                 f"({self.distributed_type}): each would train alone; pass cpu=True on a machine without "
                 "CUDA, or launch one process per device with 'hetsplit launch --devices ...'"
             )
-        self._plan = plan
-        self._profile = profile  # not .profile: accelerate's Accelerator.profile() is a method
-        self.global_batch_size = global_batch_size
+        self.options = given
+        self._plan = given.plan
+        self._profile = given.profile  # not .profile: accelerate's Accelerator.profile() is a method
+        self.global_batch_size = given.global_batch_size
         self.weighting = weighting
-        self.rebalance = rebalance
+        self.rebalance = given.rebalance
         self.rebalancer: hd.DistributedRebalancer | None = None
         self.loss_fn = loss_fn
-        self.plan_kwargs = core.plan_kwargs(plan_kwargs)
+        self.plan_kwargs = given.plan_arguments
         self.model_to_profile: torch.nn.Module | None = None  # what prepare(loader) profiles without a model
-        self._planned_loader: DataLoader | None = None  # the loader whose global batch the plan was made for
+        self._planned_loader: DataLoader[Any] | None = None  # the loader whose global batch the plan was made for
         self._planned_shares: SharesLoader | None = None  # that loader, prepared (its sampler is rebalanced)
         self._weightings: list[WeightingState] = []
         self._adopted: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()  # weighted and throttled
         self._provisional = False  # an FSDP2 plan made before the model was sharded: profiled once it is
         self.device_names = [f"rank{r}:{n}" for r, n in enumerate(names)] if names is not None else None
-        self.report = core.SplitReport(self.who, self.process_index, quiet)
+        self.report = core.SplitReport(self.who, self.process_index, given.quiet)
+        # accelerate has no end of training but end_training(), which a script may not call:
+        # a run not ended by then says its measured step at exit (the report only: no collective).
+        atexit.register(self.report.end)
 
     @property
     def plan(self) -> Plan | None:
@@ -188,17 +198,12 @@ class HeteroAccelerator(accelerate.Accelerator):
         return self.rebalancer.plan if self.rebalancer is not None else self._plan
 
     @property
-    def hetero_plan(self) -> Plan | None:
-        """Deprecated: :attr:`plan` (the name before the three integrations shared one vocabulary)."""
-        warnings.warn("hetero_plan is deprecated: use .plan", DeprecationWarning, stacklevel=2)
-        return self.plan
-
-    @property
     def device(self) -> torch.device:
         """This process's device: the hetsplit device given, else accelerate's."""
         if self.rank_device is not None:
             return self.rank_device.torch_device
-        return super().device
+        device: torch.device = super().device
+        return device
 
     # -- prepare ------------------------------------------------------------------------
 
@@ -279,13 +284,15 @@ class HeteroAccelerator(accelerate.Accelerator):
         for state in self._weightings:
             state.set_plan(plan)
 
-    def _global_batch(self, loader: DataLoader) -> int:
+    def _global_batch(self, loader: DataLoader[Any]) -> int:
         """Samples per step over all processes: ``global_batch_size`` for the planned loader, else accelerate's."""
         if self.global_batch_size is not None and loader is self._planned_loader:
             return self.global_batch_size
-        return loader.batch_size if self.split_batches else self.num_processes * loader.batch_size
+        per_process = loader.batch_size
+        assert per_process is not None, "check_loader refused a loader without batch_size"
+        return per_process if self.split_batches else self.num_processes * per_process
 
-    def _make_plan(self, model: torch.nn.Module | None, loader: DataLoader) -> Plan:
+    def _make_plan(self, model: torch.nn.Module | None, loader: DataLoader[Any]) -> Plan:
         self._planned_loader = loader
         batch = self._global_batch(loader)
         if self.num_processes == 1:
@@ -311,7 +318,7 @@ class HeteroAccelerator(accelerate.Accelerator):
         device = device_name(self.rank_device if self.rank_device is not None else self.device)
         cuda = [self.device] if self.device.type == "cuda" else []
         with torch.random.fork_rng(devices=cuda):  # drawing the sample shuffles: the run must not see it
-            sample, target, loss_fn = profiling_inputs(next(iter(loader)), self.loss_fn)
+            sample, target, loss_fn = _profiling_inputs(next(iter(loader)), self.loss_fn)
         with core.forwards_unthrottled():  # a model prepared already (FSDP2): the profile throttles its steps
             return core.profiled_plan(
                 "HeteroAccelerator", "the model", model, sample, batch, device=device, profile=self._profile,
@@ -320,20 +327,18 @@ class HeteroAccelerator(accelerate.Accelerator):
                 "tuple: pass loss_fn=, or plan= (or profile=) to skip profiling",
             )  # fmt: skip
 
-    def _loader_plan(self, loader: DataLoader) -> Plan:
+    def _loader_plan(self, loader: DataLoader[Any]) -> Plan:
         """The shares for this loader's global batch: the plan, or its proportions for another batch size."""
         plan = self._plan
         assert plan is not None
         if self._planned_loader is None:  # a given plan: it is for the first loader prepared
             self._planned_loader = loader
         batch = self._global_batch(loader) if loader is not self._planned_loader else plan.batch_size
-        if batch == plan.batch_size:
-            return plan
-        return resolve_plan(batch, _ranks(self.num_processes), weights=plan.sizes)  # the plan's proportions
+        return plan if batch == plan.batch_size else scaled_plan(plan, batch, _ranks(self.num_processes))
 
     def prepare_data_loader(
-        self, data_loader: DataLoader, device_placement: Any = None, slice_fn_for_dispatch: Any = None
-    ) -> DataLoader:
+        self, data_loader: DataLoader[Any], device_placement: Any = None, slice_fn_for_dispatch: Any = None
+    ) -> DataLoader[Any]:
         """This process's share of every global batch (instead of ``BatchSamplerShard``), on its device."""
         if getattr(data_loader, "_is_accelerate_prepared", False):
             return data_loader
@@ -345,20 +350,17 @@ class HeteroAccelerator(accelerate.Accelerator):
         plan = self._loader_plan(data_loader)
         carried = carried_settings(data_loader)
         seed = shuffle_seed(data_loader, self.dataloader_config.data_seed, self.num_processes)
-        inner = hd.data_loader(
-            data_loader.dataset,
+        inner = rebuilt_loader(
+            data_loader,
             plan,
             shuffle=isinstance(data_loader.sampler, RandomSampler),
             seed=seed,
-            drop_last=data_loader.drop_last,
             # accelerate completes a last short global batch by wrapping around (even_batches) only
             # across processes: one process, or even_batches=False, keeps it short, every sample once.
             pad=self.num_processes > 1 and self.even_batches,
             num_replicas=self.num_processes,
             rank=self.process_index,
             zero_share=self.zero_share,
-            collate_fn=data_loader.collate_fn,
-            **carried,
         )
         placement = self.device_placement if device_placement is None else device_placement
         loader = SharesLoader(
@@ -389,7 +391,13 @@ class HeteroAccelerator(accelerate.Accelerator):
         return self.rebalance_step()
 
     def _loader_pass_ended(self) -> None:
-        self.report.end(self.plan)  # each pass over the training loader: its measured step
+        # An epoch ended, not the run: evaluation may follow, and is no step's time.
+        self.report.pause()
+
+    def end_training(self) -> None:
+        """accelerate's end of training, after the measured step beside the predicted one (process 0)."""
+        self.report.end(self.plan)
+        super().end_training()
 
     def rebalance_step(self) -> contextlib.AbstractContextManager[Any]:
         """One training step, timed by the rebalancer (nothing without ``rebalance``).
@@ -399,13 +407,14 @@ class HeteroAccelerator(accelerate.Accelerator):
         """
         if not self.rebalance or self._planned_shares is None or self._plan is None:
             return contextlib.nullcontext()
-        if self.rebalancer is None:
-            self.rebalancer = core.rebalancer(
-                self._plan, self.rebalance, sampler=self._planned_shares.batch_sampler,
+        rebalancer = self.rebalancer
+        if rebalancer is None:
+            rebalancer = self.rebalancer = core.rebalancer(
+                self._plan, self.rebalance, sampler=self._planned_shares.shares,
                 gradients=self._weightings[0] if self._weightings else None,
                 model=self._models[0] if self._models else None, device=self.rank_device,
             )  # fmt: skip
-        return self.rebalancer.step()
+        return rebalancer.step() if rebalancer is not None else contextlib.nullcontext()
 
     def skip_first_batches(self, dataloader: Any, num_batches: int = 0) -> Any:
         """``dataloader`` from its ``num_batches``-th batch on (resuming mid-epoch), with the same shares and order."""
@@ -415,7 +424,7 @@ class HeteroAccelerator(accelerate.Accelerator):
 
     def save_state(self, output_dir: str | None = None, safe_serialization: bool = True, **kwargs: Any) -> str:
         """accelerate's checkpoint, plus each prepared loader's epoch (its shuffle is ``seed + epoch``)."""
-        location = super().save_state(output_dir, safe_serialization=safe_serialization, **kwargs)
+        location: str = super().save_state(output_dir, safe_serialization=safe_serialization, **kwargs)
         if self.is_main_process:
             save_epochs(self._dataloaders, location)
         return location
@@ -426,7 +435,9 @@ class HeteroAccelerator(accelerate.Accelerator):
         if input_dir is not None:
             load_epochs(self._dataloaders, input_dir)
 
-    def prepare_model(self, model: torch.nn.Module, device_placement: Any = None, evaluation_mode: bool = False):
+    def prepare_model(
+        self, model: torch.nn.Module, device_placement: Any = None, evaluation_mode: bool = False
+    ) -> torch.nn.Module:
         """Wrap as accelerate does (DDP), then weight the gradients by shard; emulated devices at their speed.
 
         accelerate shards an FSDP2 model in :meth:`prepare` instead (with its optimizer),
@@ -434,9 +445,11 @@ class HeteroAccelerator(accelerate.Accelerator):
         """
         if not evaluation_mode and kind(model) == "ddp":  # DDP's first broadcast aborts a rank on a dtype mismatch
             verify_dtypes(model)
-        model = super().prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
-        self._adopt(model)
-        return model
+        prepared: torch.nn.Module = super().prepare_model(
+            model, device_placement=device_placement, evaluation_mode=evaluation_mode
+        )
+        self._adopt(prepared)
+        return prepared
 
     def _adopt(self, model: torch.nn.Module) -> None:
         """Weight a prepared model's gradients by shard and run it at this process's speed (once a model).
@@ -472,7 +485,7 @@ class HeteroAccelerator(accelerate.Accelerator):
             if isinstance(loader, SharesLoader):
                 sampler = loader.batch_sampler
                 n = sampler.batch_size
-                new = plan if n == plan.batch_size else resolve_plan(n, _ranks(self.num_processes), weights=plan.sizes)
+                new = plan if n == plan.batch_size else scaled_plan(plan, n, _ranks(self.num_processes))
                 sampler.set_plan(new, sampler.yielded)
 
     # -- steps and collectives ------------------------------------------------------------
@@ -534,7 +547,7 @@ class HeteroAccelerator(accelerate.Accelerator):
         loader = getattr(self.gradient_state, "active_dataloader", None)
         if not isinstance(loader, SharesLoader) or loader.current_samples is None or self.num_processes == 1:
             return super().gather_for_metrics(input_data, use_gather_object=use_gather_object)
-        rows, real = loader._rows, loader.real_rows()
+        rows, real = loader.rows, loader.real_rows()
         mine = first_rows(input_data, rows, real)
         tensors = all_tensors(mine)
         if use_gather_object or not tensors:
@@ -563,6 +576,17 @@ class HeteroAccelerator(accelerate.Accelerator):
 def _results(result: Any, args: Sequence[Any]) -> tuple[Any, ...]:
     """``prepare``'s return as a tuple, one per argument (accelerate returns a lone object unwrapped)."""
     return tuple(result) if len(args) > 1 else (result,)
+
+
+def _profiling_inputs(batch: Any, loss_fn: Any) -> tuple[Any, Any, Any]:
+    """(sample, target, loss) to profile the model on a batch as the training loop will call it."""
+    if isinstance(batch, Mapping):  # Hugging Face style: model(**batch).loss
+        return dict(batch), None, loss_fn or (lambda out: out["loss"] if isinstance(out, Mapping) else out.loss)
+    if isinstance(batch, (list, tuple)) and len(batch) >= 2 and loss_fn is not None:
+        return batch[0], batch[1], loss_fn
+    if isinstance(batch, (list, tuple)) and batch:
+        return batch[0], None, None
+    return batch, None, None
 
 
 def _ranks(n: int) -> list[str]:

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
-import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -16,17 +16,17 @@ from transformers.loss.loss_utils import ForCausalLMLoss
 
 from hetsplit.devices import Device, parse_device
 from hetsplit.distributed.accumulate import _all_reduce_once, _micro_sizes, _pieces
-from hetsplit.distributed.sampler import STAND_IN
 from hetsplit.distributed.setup import ENV_DEVICES, rank_devices
 from hetsplit.distributed.sharded import kind, micro_for_rows
+from hetsplit.distributed.zero_share import STAND_IN
 from hetsplit.planning import Plan, Profile, Rebalancer
 from hetsplit.tree import flatten, narrow
 
-from . import core
 from .accelerate import HeteroAccelerator
 from .collectives import samples_in
 from .core import is_cpu_job, launched_world
-from .transformers_parts import items_in, piece_items, zero_gradients
+from .loss_items import items_in, piece_items, zero_gradients
+from .options import HeteroOptions
 
 
 class HeteroTrainer(transformers.Trainer):
@@ -41,8 +41,9 @@ class HeteroTrainer(transformers.Trainer):
     - Each process computes the model's own mean loss over its items (label tokens that
       are not ``-100``, shifted by one for a causal LM; else samples) and makes it its
       part of the global loss, ``world * S_r / N``, with ``N`` the items of the global
-      batch over the accumulation window, counted on every process before the step.
-      DDP's plain mean is then the global mean: padded token losses are weighted by
+      batch over the accumulation window, counted on every process before the step as
+      the plain Trainer counts them (``num_items_in_batch``: GPT-2's labels unshifted).
+      DDP's plain mean is then the Trainer's global loss: padded token losses are weighted by
       tokens, models that ignore ``num_items_in_batch`` (sequence classification) are
       weighted by samples, and gradient accumulation is one mean over the window.
     - Evaluation: ``eval_loss`` is the mean over every item of the evaluation set (the
@@ -87,6 +88,9 @@ class HeteroTrainer(transformers.Trainer):
             ``{"accumulate": True}`` lets a device with a memory cap run its share as micro-batches.
         quiet: Say nothing about the split (else rank 0 prints the split and its predicted
             step when training starts, the measured step when it ends; ``HETSPLIT_QUIET=1`` too).
+        options: ``devices``, ``plan``, ``profile``, ``global_batch_size``, ``rebalance``,
+            ``plan_kwargs`` and ``quiet`` as one :class:`~hetsplit.integrations.options.HeteroOptions`
+            (not with those keywords).
         **trainer_kwargs: As for ``transformers.Trainer``.
 
     The gradients are not weighted by samples (there is no ``weighting`` argument): the
@@ -94,7 +98,7 @@ class HeteroTrainer(transformers.Trainer):
     token losses, where weighting by samples is not.
 
     Raises:
-        TypeError, ValueError: As :func:`hetsplit.integrations.core.check_arguments` (the
+        TypeError, ValueError: As :meth:`~hetsplit.integrations.options.HeteroOptions.check` (the
             same for every integration), before the Trainer starts.
         ValueError: With the Trainer's FSDP1 or DeepSpeed (not supported; the message names
             FSDP2, which runs: see below), if a process would run
@@ -116,17 +120,19 @@ class HeteroTrainer(transformers.Trainer):
         rebalance: int | Rebalancer = 0,
         plan_kwargs: Mapping[str, Any] | None = None,
         quiet: bool = False,
+        options: HeteroOptions | None = None,
         **trainer_kwargs: Any,
     ) -> None:
-        given = {"devices": devices, "plan": plan, "profile": profile, "global_batch_size": global_batch_size}
-        given.update(rebalance=rebalance, plan_kwargs=plan_kwargs, quiet=quiet)
-        core.check_arguments("HeteroTrainer", weighting="none", **given)
-        if devices is not None and not isinstance(devices, str):
-            given["devices"] = devices = ",".join(map(str, devices))
+        given = HeteroOptions.given(
+            "HeteroTrainer", options, devices=devices, plan=plan, profile=profile,
+            global_batch_size=global_batch_size, rebalance=rebalance, plan_kwargs=plan_kwargs, quiet=quiet,
+        )  # fmt: skip
+        given.check("HeteroTrainer", weighting="none")
+        given = dataclasses.replace(given, devices=given.device_list)  # one string, as every process reads it
         training_args = trainer_kwargs.get("args", args[1] if len(args) > 1 else None)
         _check_sampling(training_args)
-        _run_on_cpu(training_args, devices)
-        self._hetero_kwargs = given
+        _run_on_cpu(training_args, given.device_list)
+        self.options = given
         self._window_items: float | None = None  # items of the global batch over this accumulation window
         self._piece_items: dict[int, tuple[Any, list[int], list[float]]] = {}  # id: batch, sizes, their items
         self._eval_sums: list[float] | None = None  # (summed loss, items) of this process's evaluation
@@ -152,12 +158,6 @@ class HeteroTrainer(transformers.Trainer):
         return getattr(self.accelerator, "plan", None)
 
     @property
-    def hetero_plan(self) -> Plan | None:
-        """Deprecated: :attr:`plan` (the name before the three integrations shared one vocabulary)."""
-        warnings.warn("hetero_plan is deprecated: use .plan", DeprecationWarning, stacklevel=2)
-        return self.plan
-
-    @property
     def rank_device(self) -> Device | None:
         """This process's hetsplit device (``None`` without a device list)."""
         return getattr(self.accelerator, "rank_device", None)
@@ -180,7 +180,7 @@ class HeteroTrainer(transformers.Trainer):
         # "none": each process's loss is made its part of the global loss (compute_loss), exact
         # for token losses too, where weighting gradients by samples is not; under FSDP2 too,
         # whose reduce-scatter averages the processes' gradients as DDP's all-reduce does.
-        self.accelerator = _TrainerAccelerator(weighting="none", **self._hetero_kwargs, **self._accelerator_args)
+        self.accelerator = _TrainerAccelerator(weighting="none", options=self.options, **self._accelerator_args)
         # Read again: on CPU processes the Trainer's own accelerator dropped the FSDP2 plugin
         # (accelerate shards on GPUs only), which HeteroAccelerator keeps (its emulated twin).
         self.is_fsdp_enabled = getattr(self.accelerator.state, "fsdp_plugin", None) is not None
@@ -222,41 +222,84 @@ class HeteroTrainer(transformers.Trainer):
             total = rest.detach().clone()
             dist.all_reduce(total)
             self._tr_loss = total / self.accelerator.num_processes
-        return super()._finalize_training(*args, **kwargs)
+        # transformers leaves _finalize_training unannotated.
+        return super()._finalize_training(*args, **kwargs)  # type: ignore[no-untyped-call]
+
+    def _save(self, output_dir: str | None = None, state_dict: dict[str, Any] | None = None) -> None:
+        """The Trainer's save; a gathered ``state_dict``'s tied weights are one tensor again, saved once.
+
+        ``save_pretrained`` drops a tied weight (GPT-2's ``lm_head.weight``) by finding the
+        tensors that share storage. The whole state dict FSDP2 gathers (``accelerator.get_state_dict``)
+        holds a copy per name, so both were saved, where the plain Trainer saves one.
+        """
+        if state_dict is not None and self.model is not None:
+            state_dict = _tied_as_one(self.accelerator.unwrap_model(self.model), state_dict)
+        super()._save(output_dir, state_dict=state_dict)
 
     def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: torch.device) -> Any:
         """The Trainer's next accumulation window, and the items of the global batch over it (one all-reduce)."""
         batches, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)
-        self._window_items = self._count_items(batches, device)  # once per window, before any micro-batch
+        # once per window, before any micro-batch
+        self._window_items = self._count_items(batches, device, num_items)
         return batches, num_items
 
-    def _count_items(self, batches: list[Any], device: torch.device) -> float:
+    def _count_items(self, batches: list[Any], device: torch.device, counted: Any) -> float:
         """The items of the global batch over ``batches`` (this process's), counted on every process.
 
+        ``counted`` is the Trainer's own count of ``batches`` (``_get_num_items_in_batch``).
         The items of each batch's micro-batches are kept for :meth:`training_step`, read
         with the same one synchronisation.
         """
-        shifted = self._shifts(self.model)
+        shifted = self._shifts(self._trained_model())
         layout = [(batch, self._micro(samples_in(batch) or 0)) for batch in batches]
         counts = [piece_items(batch, sizes, shifted, device) for batch, sizes in layout]  # on the device
         local = torch.cat(counts) if counts else torch.zeros(0, dtype=torch.float64, device=device)
-        total = local.sum().reshape(1)
-        if self.accelerator.num_processes > 1:
-            dist.all_reduce(total)
+        total = self._global_items(counted, local.sum())
         values = torch.cat([total, local]).tolist()  # one synchronisation per window, as the Trainer's own count
         self._piece_items, at = {}, 1
         for batch, sizes in layout:
             self._piece_items[id(batch)] = (batch, sizes, values[at : at + len(sizes)])
             at += len(sizes)
-        return values[0]
+        return float(values[0])
+
+    def _global_items(self, counted: Any, local: torch.Tensor) -> torch.Tensor:
+        """What the global batch's summed loss is divided by: the Trainer's count ``counted``, else ``local``'s sum.
+
+        The items a model's own mean averages over (``local``, :func:`items_in`) are not
+        always what the plain Trainer divides by: it counts a model's labels unshifted
+        unless the model's ``loss_type`` maps to the causal-LM loss, so GPT-2 (``loss_type``
+        None, whose loss shifts all the same) is divided by every label, position 0 too.
+        Where the Trainer counts (``counted``, from its own ``_get_num_items_in_batch``),
+        that count is taken as it is; else (the Trainer leaves the model's mean alone,
+        ``num_items_in_batch`` None) the model's own items are.
+
+        Returns:
+            One float64 count on ``local``'s device, summed over the processes.
+        """
+        trainers = torch.is_tensor(counted)
+        total = (counted if trainers else local).to(local.device, torch.float64).reshape(1)
+        if trainers and self.args.average_tokens_across_devices and self.args.world_size > 1:
+            return total  # the Trainer's count is the sum over the processes already (accelerator.gather)
+        if self.accelerator.num_processes > 1:
+            dist.all_reduce(total)
+        return total
 
     def _pieces(self, inputs: Any) -> tuple[list[int], list[float]]:
         """This batch's micro-batch sizes and the items of each (counted with its window's, else here)."""
         sizes = self._micro(samples_in(inputs) or 0)
         batch, known, counts = self._piece_items.get(id(inputs), (None, None, None))
-        if batch is inputs and known == sizes:
+        if batch is inputs and known == sizes and counts is not None:
             return sizes, counts
-        return sizes, piece_items(inputs, sizes, self._shifts(self.model), self.args.device).tolist()
+        shifted = self._shifts(self._trained_model())
+        counted: list[float] = piece_items(inputs, sizes, shifted, self.args.device).tolist()
+        return sizes, counted
+
+    def _trained_model(self) -> nn.Module:
+        """The model the Trainer trains (``self.model``, set by the Trainer's constructor)."""
+        model = self.model
+        if model is None:
+            raise RuntimeError("HeteroTrainer has no model: pass model= (or model_init=) to the Trainer")
+        return model
 
     def training_step(
         self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: torch.Tensor | int | None = None
@@ -293,12 +336,13 @@ class HeteroTrainer(transformers.Trainer):
     def _step(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: Any) -> torch.Tensor:
         outside = self._window_items is None  # a step outside the Trainer's loop: its items, counted once here
         if outside:  # on every process whatever its micro-batches, so the all-reduces pair up
-            self._window_items = self._count_items([inputs], self.args.device)
+            counted = self._get_num_items_in_batch([inputs], self.args.device)
+            self._window_items = self._count_items([inputs], self.args.device, counted)
         try:
             sizes, counts = self._pieces(inputs)
             sharded = kind(model) == "fsdp2"
             device = self.rank_device
-            if device is not None and sum(sizes):
+            if device is not None and any(sizes):
                 device.check_batch(max(sizes))  # before any forward
             pieces = _pieces(inputs, sizes)
             if sharded:  # FSDP2's forwards are collective: every piece runs, as many on every process
@@ -306,17 +350,19 @@ class HeteroTrainer(transformers.Trainer):
             run = [piece for piece, n in zip(pieces, counts) if n > 0]
             if not run:  # no items: DDP still needs this process's backward, which must add exact zeros
                 with zero_gradients(model):
-                    return super().training_step(model, pieces[-1], num_items_in_batch)
-            total = None
+                    alone: torch.Tensor = super().training_step(model, pieces[-1], num_items_in_batch)
+                return alone
+            losses: list[torch.Tensor] = []
             for piece in _all_reduce_once(model, run):  # a piece without items adds nothing: not run
-                loss = super().training_step(model, piece, num_items_in_batch)
-                total = loss if total is None else total + loss
-            return total
+                losses.append(super().training_step(model, piece, num_items_in_batch))
+            return _summed(losses)
         finally:
             if outside:
                 self._window_items, self._piece_items = None, {}
 
-    def _run_sharded(self, model: nn.Module, pieces: list[Any], counts: list[float], num_items_in_batch: Any) -> Any:
+    def _run_sharded(
+        self, model: nn.Module, pieces: list[Any], counts: list[float], num_items_in_batch: Any
+    ) -> torch.Tensor:
         """Each piece's forward and backward, each reduce-scattering its gradient (FSDP2).
 
         A piece without items, or a filler (0 rows: two real samples), adds exact zeros
@@ -324,20 +370,19 @@ class HeteroTrainer(transformers.Trainer):
         parameter hooks that hold DDP's at zero, and the model's loss over no items may
         backpropagate NaN.
         """
-        total = None
+        losses: list[torch.Tensor] = []
         for piece, n in zip(pieces, counts):
             self._null_step = n == 0
             try:
-                loss = super().training_step(model, piece, num_items_in_batch)
+                losses.append(super().training_step(model, piece, num_items_in_batch))
             finally:
                 self._null_step = False
-            total = loss if total is None else total + loss
-        return total
+        return _summed(losses)
 
     def _micro(self, rows: int) -> list[int]:
         """This process's micro-batch sizes for a batch of ``rows`` rows; under FSDP2 as many as every process runs."""
         rank = self.accelerator.process_index
-        if self.plan is not None and kind(self.model) == "fsdp2":
+        if self.plan is not None and kind(self._trained_model()) == "fsdp2":
             return micro_for_rows(self.plan, rank, rows)
         return _micro_sizes(self.plan, rank, rows)
 
@@ -358,7 +403,9 @@ class HeteroTrainer(transformers.Trainer):
         result = super().compute_loss(
             model, self._filler_inputs(inputs) if empty else dict(inputs), return_outputs=return_outputs or null
         )
-        loss, outputs = result if return_outputs or null else (result, None)
+        loss: torch.Tensor
+        outputs: Any
+        loss, outputs = result if isinstance(result, tuple) else (result, None)
         if null:  # exact zeros through the outputs: the loss over no items may be NaN, and so its backward
             loss = _zero_through(outputs, loss)
             outputs = outputs if return_outputs else None
@@ -366,10 +413,8 @@ class HeteroTrainer(transformers.Trainer):
             items = items_in(inputs, shifted)  # a tensor on the labels' device: the factor needs no synchronisation
             total = self._window_items
             if total is None:  # a step outside the Trainer's loop: count this step's items on every process
-                counted = torch.zeros(1, dtype=torch.float64, device=loss.device) + items
-                if self.accelerator.num_processes > 1:
-                    dist.all_reduce(counted)
-                total = counted.item()
+                counted = self._get_num_items_in_batch([inputs], self.args.device)
+                total = self._global_items(counted, torch.as_tensor(items, device=loss.device)).item()
             factor = self.accelerator.num_processes / total if total else 0.0
             scaled = getattr(self, "loss_is_scaled_for_ga", None)
             if scaled is None:  # the Trainer's own rule for when it divides by the accumulation steps
@@ -411,8 +456,9 @@ class HeteroTrainer(transformers.Trainer):
         total = torch.tensor(sums, dtype=torch.float64, device=self.args.device)
         if self.accelerator.num_processes > 1:
             dist.all_reduce(total)
-        if f"{prefix}_loss" in output.metrics and total[1] > 0:
-            output.metrics[f"{prefix}_loss"] = (total[0] / total[1]).item()
+        metrics = output.metrics
+        if metrics is not None and f"{prefix}_loss" in metrics and total[1] > 0:
+            metrics[f"{prefix}_loss"] = (total[0] / total[1]).item()
         return output
 
     def get_eval_dataloader(self, eval_dataset: Any = None) -> Any:
@@ -453,6 +499,7 @@ class HeteroTrainer(transformers.Trainer):
             return torch.zeros(())
         with torch.no_grad():
             mean = super().compute_loss(model, _rows(inputs, real) if real else inputs)
+        assert isinstance(mean, torch.Tensor), "compute_loss without return_outputs returns the loss"
         return mean if real else torch.zeros(())
 
 
@@ -532,7 +579,28 @@ def _zero_through(outputs: Any, loss: torch.Tensor) -> torch.Tensor:
     leaves = [t for t in flatten(outputs)[0] if torch.is_tensor(t) and t.requires_grad and t is not loss]
     if not leaves:
         return _part(loss, 0.0)
-    return sum(t.sum() for t in leaves) * 0.0
+    return _summed([t.sum() for t in leaves]) * 0.0
+
+
+def _tied_as_one(model: nn.Module, state_dict: dict[str, Any]) -> dict[str, Any]:
+    """``state_dict`` with every name of one parameter of ``model`` (tied weights) holding one tensor, the first's."""
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    tied = dict(state_dict)
+    for group in names.values():
+        present = [name for name in group if name in tied]
+        for name in present[1:]:
+            tied[name] = tied[present[0]]
+    return tied
+
+
+def _summed(losses: list[torch.Tensor]) -> torch.Tensor:
+    """The sum of one or more losses (the first one itself when alone, as the Trainer's own step returns it)."""
+    total = losses[0]
+    for loss in losses[1:]:
+        total = total + loss
+    return total
 
 
 def _part(loss: torch.Tensor, factor: float) -> torch.Tensor:

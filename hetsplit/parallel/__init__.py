@@ -8,18 +8,24 @@ concurrently) → ``outputs`` (combining what they return, with backward fanned 
 shard a version counter of its own and passes writes into the inputs back, ``compiled``
 carries a module's ``torch.compile`` over to its replicas. ``reduce`` is the weighted
 all-reduce for hand-written loops.
+
+The public names below are torch's ``torch.nn.parallel`` verbs for any devices and uneven
+shards (``scatter``, ``replicate``, ``parallel_apply``, ``gather``), the module wrapper and
+the pieces of a hand-written loop; ``hetsplit`` re-exports the latter.
 """
 
 from .apply import parallel_apply, run_parallel
 from .data_parallel import HeteroDataParallel
+from .micro import StepOutOfMemory
 from .outputs import count_tokens
-from .reduce import reduce_gradients, shard_weights
+from .reduce import reduce_gradients
 from .replicas import replicate
 from .scatter_gather import gather, scatter
-from .sizes import balanced_split, split_sizes
+from .sizes import balanced_split
 
 __all__ = [
     "HeteroDataParallel",
+    "StepOutOfMemory",
     "balanced_split",
     "count_tokens",
     "gather",
@@ -28,6 +34,4 @@ __all__ = [
     "replicate",
     "run_parallel",
     "scatter",
-    "shard_weights",
-    "split_sizes",
 ]

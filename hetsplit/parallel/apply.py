@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import queue
 import threading
@@ -37,7 +38,7 @@ class _Worker:
             while True:
                 job, done = self.jobs.get()
                 job()
-                job = None  # an idle worker must not keep the last step's results (outputs, gradients) alive
+                del job  # an idle worker must not keep the last step's results (outputs, gradients) alive
                 # Idle again before the caller hears of it: its next submission then reuses
                 # this worker instead of starting another.
                 with pool.lock:
@@ -129,7 +130,7 @@ class _Context:
         self.own_hooks = user is not None and user is top  # the calling thread's own are the user's
         self.hooks_off = (
             None
-            if torch._C._autograd._saved_tensors_hooks_is_enabled()
+            if torch._C._autograd._saved_tensors_hooks_is_enabled()  # type: ignore[attr-defined]  # not in torch's stubs
             else torch._C._autograd._saved_tensors_hooks_get_disabled_error_message()
         )
 
@@ -293,8 +294,10 @@ def run_parallel(
         >>> run_parallel([lambda: 1, lambda: 2], parse_devices("cpu,cpu@0.5"))
         [1, 2]
     """
-    if any(not isinstance(d, Device) for d in devices):
-        devices = parse_devices(devices)
+    parsed = [d for d in devices if isinstance(d, Device)]
+    if len(parsed) != len(devices):  # parsed once, by the caller, in a step's hot path
+        parsed = parse_devices(devices)
+    devices = parsed
     if len(devices) != len(fns):
         raise ValueError(f"got {len(fns)} callables and {len(devices)} devices; give one device per callable")
     ctx = _Context()
@@ -321,20 +324,20 @@ def run_parallel(
     # Workers are placed before they wake (see _Workers.submit), then the calling thread
     # moves to its own core for its job and gets its cores back once the step's work is done.
     latches = [
-        _WORKERS.submit(lambda i=i: run(i, False), frozenset({cores[i]}) if cores else None)
+        _WORKERS.submit(functools.partial(run, i, False), frozenset({cores[i]}) if cores else None)
         for i in range(len(fns))
         if i != inline
     ]
-    own = inline is not None and inline < len(fns)
-    before = placed[1] if placed and own else None
+    own_job = inline if inline is not None and inline < len(fns) else None
+    before = placed[1] if placed and own_job is not None else None
     try:
-        if before is not None:
+        if before is not None and cores is not None and own_job is not None:
             try:
-                os.sched_setaffinity(0, {cores[inline]})
+                os.sched_setaffinity(0, {cores[own_job]})
             except OSError:  # the core was taken from the process meanwhile: run where the scheduler likes
                 before = None
-        if own:
-            run(inline, True)
+        if own_job is not None:
+            run(own_job, True)
     finally:
         try:
             for done in latches:
@@ -384,4 +387,4 @@ def parallel_apply(
             "give one of each per replica"
         )
     args = [x if isinstance(x, tuple) else (x,) for x in inputs]
-    return run_parallel([lambda i=i: modules[i](*args[i], **kwargs_tup[i]) for i in range(n)], devs)
+    return run_parallel([functools.partial(modules[i], *args[i], **kwargs_tup[i]) for i in range(n)], devs)

@@ -28,10 +28,11 @@ def _dynamo() -> tuple[type, type, Callable[[Any], Any]] | None:
     return OptimizedModule, _TorchDynamoContext, wrap_inline
 
 
-def _context_of(fn: Callable[..., Any], context_type: type) -> Any:
+def _context_of(fn: Callable[..., Any] | None, context_type: type) -> Any:
     """The compilation context behind a ``torch.compile``'d function (its closure's ``self``), or ``None``."""
     code = getattr(fn, "__code__", None)
-    cell = dict(zip(code.co_freevars, fn.__closure__ or ())).get("self") if code is not None else None
+    closure = getattr(fn, "__closure__", None) or ()
+    cell = dict(zip(code.co_freevars, closure)).get("self") if code is not None else None
     ctx = cell.cell_contents if cell is not None else None
     return ctx if isinstance(ctx, context_type) else None
 
@@ -66,7 +67,7 @@ class Compiled:
         dynamo = _dynamo()
         ctx = None
         if dynamo is not None and (not optimized or isinstance(original, dynamo[0])):
-            ctx = _context_of(compiled_call, dynamo[1]) if not optimized else original.__dict__["dynamo_ctx"]
+            ctx = original.__dict__["dynamo_ctx"] if optimized else _context_of(compiled_call, dynamo[1])
         if dynamo is None or not isinstance(ctx, dynamo[1]):
             raise ValueError(
                 f"the module {type(original).__name__} was compiled in a way hetsplit cannot carry over to its "

@@ -121,8 +121,9 @@ class HeteroDataParallel(nn.Module):
             accumulate=accumulate,
             model=module,
         )
-        self.register_state_dict_post_hook(_drop_module_prefix)
-        self.register_load_state_dict_pre_hook(_add_module_prefix)
+        # Called through nn.Module: torch leaves these unannotated (mypy's exclusion of torch matches them there).
+        nn.Module.register_state_dict_post_hook(self, _drop_module_prefix)
+        nn.Module.register_load_state_dict_pre_hook(self, _add_module_prefix)
         self._reset_runtime()
 
     def _reset_runtime(self) -> None:
@@ -138,28 +139,29 @@ class HeteroDataParallel(nn.Module):
         return {k: v for k, v in self.__dict__.items() if k not in _RUNTIME}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        super().__setstate__(state)
+        nn.Module.__setstate__(self, state)
         self._reset_runtime()
 
     def __getattr__(self, name: str) -> Any:
         try:
             return super().__getattr__(name)
         except AttributeError:
-            # state_dict() keys have no "module." prefix (a checkpoint loads into the plain model);
-            # attributes keep it. Said here, where torch.func.functional_call(dp, sd) looks a key up.
+            # state_dict() keys have no "module." prefix (a checkpoint loads into the plain model),
+            # so a name the wrapped module holds directly (a child, parameter or buffer) is looked
+            # up there too: torch.func.functional_call(dp, dp.state_dict()) finds "0.weight" as
+            # the plain module's does, and swaps the very tensors the replicas are built from.
             inner = self.__dict__.get("_modules", {}).get("module")
-            if inner is None or not any(name in d for d in (inner._modules, inner._parameters, inner._buffers)):
-                raise
-            raise AttributeError(
-                f"HeteroDataParallel has no attribute {name!r}; the wrapped module's is dp.module.{name} "
-                "(state_dict() keys leave out 'module.', attributes do not): torch.func.functional_call takes the "
-                "wrapper's own names, dict(dp.named_parameters()) and dict(dp.named_buffers())"
-            ) from None
+            for table in ("_modules", "_parameters", "_buffers"):
+                held = inner.__dict__.get(table, {}) if inner is not None else {}
+                if name in held:
+                    return held[name]
+            raise
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> HeteroDataParallel:
         # .to()/.double() (also a parent's) come here: the buffer copies are taken afresh.
         self._replicator = None
-        return super()._apply(fn, recurse)
+        nn.Module._apply(self, fn, recurse)
+        return self
 
     @property
     def output_device(self) -> torch.device:
@@ -248,8 +250,9 @@ class HeteroDataParallel(nn.Module):
         before = _generators(step.devices)
         outs = self._run(fns, "", step.active)
         if len(step.built) == len(replicas):
+            assert self._replicator is not None  # built this step's replicas
             for built in step.built:  # refused before anything is merged or combined
-                self._replicator.check_unwritten(built)  # type: ignore[union-attr]
+                self._replicator.check_unwritten(built)
         step.random = before != _generators(step.devices)
         step.leaves = [[flatten(o)[0] for o in per_device] for per_device in outs]
         return outs if step.split else [o[0] for o in outs]  # micro-batched: a list per replica
@@ -257,7 +260,7 @@ class HeteroDataParallel(nn.Module):
     def gather(self, outputs: Sequence[Any], output_device: torch.device) -> Any:
         """Combine the replicas' outputs on ``output_device``; backward reaches the module through autograd.
 
-        Called on its own (outside :meth:`forward`), it is :func:`hetsplit.gather` along :attr:`dim`.
+        Called on its own (outside :meth:`forward`), it is :func:`hetsplit.parallel.gather` along :attr:`dim`.
         """
         step = self._step
         if step is None:
@@ -360,13 +363,15 @@ class HeteroDataParallel(nn.Module):
         weights = policy_weights(reduction, [m for sizes in step.micro for m in sizes], flat)
         assert weights is not None
         grads = self._step_grads(step)
+        replicator = self._replicator
+        assert replicator is not None  # built this step's replicas (as _step_grads checks)
         # Per replica: backwards begun and finished (each follows its micro-batch's forward).
         begun, finished = [0] * len(step.active), [0] * len(step.active)
 
         def capture(j: int, outputs: list[torch.Tensor], given: Any) -> Grads:
             begun[j] += 1
-            self._replicator.check_unwritten(step.built[j])  # type: ignore[union-attr]
-            found = grads.capture(j, outputs, given, False, False)
+            replicator.check_unwritten(step.built[j])
+            found = grads.capture(j, outputs, given, retain_graph=False, create_graph=False)
             finished[j] += 1
             return found
 
@@ -381,8 +386,14 @@ class HeteroDataParallel(nn.Module):
         grads.deliver(grads.reduce([found or [None] * len(grads.inputs[j]) for j, (_, found) in enumerate(done)]))
         self._finish(step)
         losses = [x for xs, _ in done for x in xs]
-        # A piece weighted 0 (no labelled token) adds nothing, not its nan.
-        return sum(to_device(x, self.output_device) * w for x, w in zip(losses, weights) if w)  # type: ignore[return-value]
+        # A piece weighted 0 (no labelled token) adds nothing, not its nan. Added in turn, as sum() would.
+        pieces = [to_device(x, self.output_device) * w for x, w in zip(losses, weights) if w]
+        if not pieces:  # no piece holds a labelled token: a zero loss, as a tensor like any other step's
+            return torch.zeros((), device=self.output_device)
+        total = pieces[0]
+        for piece in pieces[1:]:
+            total = total + piece
+        return total
 
     def _direct_local_step(self, home: torch.device, batch: Any, loss_fn: Any, reduction: ScalarPolicy) -> torch.Tensor:
         """Local-loss mode when the module's own device has the whole batch: the module's own step."""
@@ -431,7 +442,7 @@ class HeteroDataParallel(nn.Module):
                 if not any(outs for outs, _ in pieces):
                     continue
                 if fresh is None:
-                    capture = lambda o, g, j=j: grads.capture(j, o, g, keep, build)
+                    capture = lambda o, g, j=j: grads.capture(j, o, g, retain_graph=keep, create_graph=build)
                 else:  # see _rebuilt: the same forward again, on a replica of its own
                     capture = _again(step, j, fresh[j], grads, pieces)
                 jobs.append((j, i, backward_fn(pieces, sizes, i, self._mem, capture)))
@@ -546,7 +557,9 @@ def _again(step: Step, j: int, replica: Any, grads: StepGrads, pieces: list[Any]
         with torch.enable_grad():
             leaves = flatten(replica.module(*args, **kwargs))[0]
         at = {id(t): k for k, t in enumerate(step.leaves[j][m])}
-        return grads.capture(j, [leaves[at[id(t)]] for t in outs], given, True, True, inputs)
+        return grads.capture(
+            j, [leaves[at[id(t)]] for t in outs], given, retain_graph=True, create_graph=True, inputs=inputs
+        )
 
     return capture
 

@@ -88,15 +88,16 @@ class StepGrads:
         j: int,
         outputs: Sequence[torch.Tensor],
         grads: Sequence[torch.Tensor] | None,
-        keep: bool,
-        build: bool,
+        *,
+        retain_graph: bool,
+        create_graph: bool,
         inputs: list[torch.Tensor] | None = None,
     ) -> Grads:
         """Replica ``j``'s gradients at its stand-ins, from ``outputs`` (with ``grads``); run in its thread.
 
         Args:
-            keep: Keep the replica's graph (``retain_graph``).
-            build: Build a graph of the gradients (``create_graph``).
+            retain_graph: Keep the replica's graph, as in :func:`torch.autograd.grad`.
+            create_graph: Build a graph of the gradients, as in :func:`torch.autograd.grad`.
             inputs: Other stand-ins (a replica rebuilt for this backward), else replica ``j``'s.
         """
         walked = self._walked[j] if inputs is None and self._walked is not None else None
@@ -107,9 +108,9 @@ class StepGrads:
         if foreign:
             raise RuntimeError(self._foreign(foreign))
         if reentrant:
-            return self._reentrant(outputs, grads, keep, build, inputs)
+            return self._reentrant(outputs, grads, inputs, retain_graph=retain_graph, create_graph=create_graph)
         found = torch.autograd.grad(
-            list(outputs), inputs, grads, retain_graph=keep, create_graph=build, allow_unused=True
+            list(outputs), inputs, grads, retain_graph=retain_graph, create_graph=create_graph, allow_unused=True
         )
         return list(found)
 
@@ -117,9 +118,10 @@ class StepGrads:
         self,
         outputs: Sequence[torch.Tensor],
         grads: Sequence[torch.Tensor] | None,
-        keep: bool,
-        build: bool,
         inputs: list[torch.Tensor],
+        *,
+        retain_graph: bool,
+        create_graph: bool,
     ) -> Grads:
         """A replica's gradients when its graph holds a reentrant checkpoint.
 
@@ -137,7 +139,7 @@ class StepGrads:
                 "layers in front of the wrapper: that input's gradient cannot be gathered from the replicas; use "
                 "use_reentrant=False (torch's recommended setting)"
             )
-        torch.autograd.backward(list(outputs), grads, retain_graph=keep, create_graph=build)
+        torch.autograd.backward(list(outputs), grads, retain_graph=retain_graph, create_graph=create_graph)
         found: Grads = []
         for p in inputs[: self.n_params]:
             # A stand-in through autograd (a backward that builds a graph, on replicas of its own)
@@ -194,7 +196,7 @@ class StepGrads:
         out: Grads = []
         for k in range(self.n_params):
             device = self.targets[k].device
-            out.append(_add_all([to_device(g[k], device) if g[k] is not None else None for g in per_replica]))
+            out.append(_add_all([None if (grad := g[k]) is None else to_device(grad, device) for g in per_replica]))
         if self.upstream is not None:
             out += self.upstream.combine([g[self.n_params :] for g in per_replica])
         return out
@@ -271,9 +273,11 @@ def _walk(
             reentrant = True  # its own backward reaches the leaves: what lies behind is not walked here
             continue
         if kind == "AccumulateGrad":
-            k = leaves.get(id(node.variable))
+            # The leaf an AccumulateGrad node feeds; torch's stubs type every node as the base Node.
+            leaf = node.variable  # type: ignore[attr-defined]
+            k = leaves.get(id(leaf))
             if k is None:
-                foreign.append(node.variable)
+                foreign.append(leaf)
             else:
                 reached.add(k)
             continue

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -115,15 +116,12 @@ def local_fns(
     ) -> list[Callable[[], Any]]:
         loss_of = lambda out, t: shard_loss(loss_fn, out, t, has_target)
         sums = dim if refuse_sums and len(weights) > 1 else None  # one piece: its weight is 1 either way
-        fns, pos = [], 0
+        fns: list[Callable[[], Any]] = []
+        pos = 0
         for r, parts, sizes, i, c in zip(replicas, pieces, micro, active, captures):
             ws = list(weights[pos : pos + len(parts)])
             pos += len(parts)
-            fns.append(
-                lambda r=r, p=parts, s=sizes, w=ws, i=i, c=c: _run_pieces(
-                    r, p, s, w, i, devices[i], log, loss_of, c, sums
-                )
-            )
+            fns.append(functools.partial(_run_pieces, r, parts, sizes, ws, i, devices[i], log, loss_of, c, sums))
         return fns
 
     return pieces, make

@@ -14,11 +14,12 @@ into a lower cap when a device runs out of memory.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gc
 import logging
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 from torch import nn
@@ -28,8 +29,8 @@ from ..devices import Device
 from ..emulation import is_out_of_memory
 from ..planning.memory import cap_after_oom
 from ..planning.plan import Plan
+from ..tree import split_rows
 from .grads import add_into
-from .scatter_gather import scatter_to
 from .writes import versions
 
 _LOG = logging.getLogger("hetsplit")
@@ -80,6 +81,13 @@ class StepOutOfMemory(torch.OutOfMemoryError):
     """A step ran out of memory again after re-planning, or where it cannot be re-run (in backward)."""
 
 
+class OutOfMemoryAt(NamedTuple):
+    """Where a replica's work ran out of memory: its device position and the micro-batch's samples."""
+
+    position: int
+    size: int
+
+
 class MemoryLog:
     """Per wrapper: the micro-batch sizes that ran on each device, and the last failure.
 
@@ -88,7 +96,7 @@ class MemoryLog:
 
     def __init__(self) -> None:
         self.ran: dict[int, int] = {}  # device position -> largest micro-batch that ran there
-        self.failed: tuple[int, int] | None = None  # (device position, size) of the last OOM
+        self.failed: OutOfMemoryAt | None = None  # the first OOM of the attempt
         self._lock = threading.Lock()
 
     def watch(self, i: int, size: int, fn: Callable[[], T], device: Device | None = None) -> T:
@@ -100,7 +108,7 @@ class MemoryLog:
         except BaseException as e:
             if is_out_of_memory(e):
                 with self._lock:
-                    self.failed = self.failed or (i, size)
+                    self.failed = self.failed or OutOfMemoryAt(i, size)
             raise
 
     def done(self, i: int, size: int) -> None:
@@ -112,7 +120,7 @@ class MemoryLog:
 
 def cut(shard: Any, sizes: Sequence[int], device: Device, dim: int) -> list[Any]:
     """``shard`` (already on ``device``) cut into micro-batches of ``sizes`` along ``dim`` (views)."""
-    return scatter_to(shard, [device] * len(sizes), sizes, dim) if len(sizes) > 1 else [shard]
+    return split_rows(shard, sizes, dim=dim) if len(sizes) > 1 else [shard]
 
 
 def _generator_state(device: torch.device) -> torch.Tensor:
@@ -174,14 +182,15 @@ def forward_fns(
     dim: int,
 ) -> tuple[list[Callable[[], list[Any]]], list[list[Shard]]]:
     """Per active device, the work of its forward (a list of outputs, one per micro-batch) and its micro-shards."""
-    fns, pieces = [], []
+    fns: list[Callable[[], list[Any]]] = []
+    pieces: list[list[Shard]] = []
     generators = [_generator_key(devices[i].torch_device) for i in active]
     for r, shard, sizes, i, key in zip(replicas, shards, micro, active, generators):
         dev = devices[i]
         parts = cut(shard, sizes, dev, dim)
         pieces.append(parts)
         shared = generators.count(key) > 1
-        fns.append(lambda r=r, p=parts, s=sizes, i=i, d=dev, sh=shared: _forward_pieces(r, p, s, i, d, log, sh))
+        fns.append(functools.partial(_forward_pieces, r, parts, sizes, i, dev, log, shared=shared))
     return fns, pieces
 
 
@@ -207,7 +216,7 @@ def backward_fn(
         total: list[Any] | None = None
         for (outs, grads), size in zip(work, sizes):
             if outs:
-                found = log.watch(i, size, lambda o=outs, g=grads: capture(o, g))
+                found = log.watch(i, size, functools.partial(capture, outs, grads))
                 total = found if total is None else add_into(total, found)
             log.done(i, size)
         return total if total is not None else capture([], [])
@@ -237,7 +246,7 @@ def with_recovery(run: Callable[[], T], log: MemoryLog, plans: Any, devices: Seq
             if first is None:
                 first = lower_cap(log, plans, devices, e, quiet=True)
             else:
-                again(log, plans, devices, first, e)
+                lower_cap_again(log, plans, devices, first, e)
             continue
         if first is not None:
             _LOG.warning("hetsplit: %s; the step then ran with micro-batches %s", first, plans.current.micro_batches)
@@ -250,7 +259,7 @@ def recoverable(error: BaseException, log: MemoryLog, devices: Sequence[Device])
         return False
     if log.failed is None:
         return False
-    device = devices[log.failed[0]]
+    device = devices[log.failed.position]
     if device.type == "cuda" or device.max_batch is not None:
         return True
     log.failed = None  # a real CPU does not raise this for lack of memory: the user's own error
@@ -317,7 +326,7 @@ def backward_oom(log: MemoryLog, plans: Any, devices: Sequence[Device], error: B
     ) from error
 
 
-def again(log: MemoryLog, plans: Any, devices: Sequence[Device], first: str, error: BaseException) -> None:
+def lower_cap_again(log: MemoryLog, plans: Any, devices: Sequence[Device], first: str, error: BaseException) -> None:
     """Lower the cap once more after another out-of-memory error in the same step, or give up naming both.
 
     Raises:

@@ -9,6 +9,7 @@ from typing import Any, TypeAlias
 import torch
 
 from ..tree import flatten, leaf_paths, to_device, unflatten
+from .reduce import shard_weights
 from .scatter_gather import concat_column
 
 # How 0-dim floating outputs of the replicas (per-shard losses) become one: a named rule,
@@ -63,17 +64,16 @@ def policy_weights(
     if policy == "sum":
         return [1.0] * len(sizes)
     if policy is None or policy == "mean":
-        total = sum(sizes)
-        return [s / total for s in sizes]
+        return shard_weights(list(sizes))
     assert callable(policy)
-    raw = [float(policy(args, kwargs)) for args, kwargs in shards]
+    raw: list[float] = [float(policy(args, kwargs)) for args, kwargs in shards]
     if any(not math.isfinite(w) or w < 0 for w in raw) or sum(raw) <= 0:
         raise ValueError(
             f"the scalar weighting returned {raw} for the replicas' shards; "
             "weights must be finite, >= 0 and not all zero"
         )
-    total = sum(raw)
-    return [w / total for w in raw]
+    raw_total = sum(raw)
+    return [w / raw_total for w in raw]
 
 
 def count_tokens(
@@ -118,7 +118,8 @@ def sums_over_batch(value: torch.Tensor, size: int, dim: int) -> bool:
         return reduction == _REDUCTION_SUM
     if type(node).__name__ not in ("SumBackward0", "SumBackward1"):
         return False
-    sizes = tuple(node._saved_self_sym_sizes)
+    # A SumBackward's saved input shape; torch's stubs type every node as the base Node.
+    sizes = tuple(node._saved_self_sym_sizes)  # type: ignore[attr-defined]
     return -len(sizes) <= dim < len(sizes) and sizes[dim] == size
 
 

@@ -104,7 +104,7 @@ def reduce_gradients(
     if len({len(ps) for ps in lists}) != 1:
         raise ValueError(f"every device needs the same parameters; got lists of lengths {[len(ps) for ps in lists]}")
     _check_not_aliased(lists)
-    totals = []
+    totals: list[torch.Tensor | None] = []
     for k, group in enumerate(zip(*lists)):
         shapes = {tuple(p.shape) for p in group}
         if len(shapes) != 1:

@@ -32,6 +32,7 @@ from torch.nn.parameter import is_lazy
 from ..devices import DeviceLike, parse_devices
 from ..tree import to_device
 from .compiled import Compiled
+from .reduce import shard_weights
 
 # torch's norm layers count their training steps in this integer buffer; a full-batch
 # step advances it as one forward of the module would, however many replicas ran.
@@ -40,7 +41,7 @@ _STEP_COUNTER = "num_batches_tracked"
 
 def module_device(module: nn.Module) -> torch.device:
     """Where a module's parameters (else buffers) live; the CPU for a module with neither."""
-    first = next(iter(module.parameters()), None)
+    first: torch.Tensor | None = next(iter(module.parameters()), None)
     if first is None:
         first = next(iter(module.buffers()), None)
     return first.device if first is not None else torch.device("cpu")
@@ -109,7 +110,8 @@ class _Replicator:
         # The module's tensors as of this step, for the engine (targets, merging): walked once.
         named = list(self.module.named_parameters())
         self.names = [n for n, _ in named]
-        self.params = params = [p for _, p in named]
+        params: list[torch.Tensor] = [p for _, p in named]
+        self.params = params
         self.named_buffers = list(self.module.named_buffers())
         buffers = [b for _, b in self.named_buffers]
         param_at = {id(p): k for k, p in enumerate(params)}
@@ -135,8 +137,9 @@ class _Replicator:
                         setattr(r, key, t)
                         r._parameters = own
                     # Listed as the replica's parameters: a model that asks next(self.parameters())
-                    # for its device or dtype still gets an answer.
-                    own[key] = t
+                    # for its device or dtype still gets an answer. They are views or copies in the
+                    # module's graph, not Parameters, as in torch's own replicate.
+                    own[key] = t  # type: ignore[assignment]
                 for key, b in m._buffers.items():
                     r._buffers[key] = None if b is None else own_buffers[buffer_at[id(b)]]
                 if m.__dict__.get("_compiled_call_impl") is not None or "dynamo_ctx" in m.__dict__:
@@ -198,7 +201,7 @@ class _Replicator:
                 f"a replica's forward added or removed buffers (the module has {len(targets)}, the replicas "
                 f"{[len(b) for b in current]}): register every buffer in __init__"
             )
-        total = float(sum(sizes))
+        weights = shard_weights(list(sizes))
         for k, (name, target) in enumerate(zip(names, targets)):
             values = [to_device(bufs[k], target.device) for bufs in current]
             counter = name.rsplit(".", 1)[-1] == _STEP_COUNTER and not target.is_floating_point()
@@ -211,7 +214,7 @@ class _Replicator:
                 flipped = torch.stack([v != target for v in values]).any(0)
                 target.copy_(torch.where(flipped, ~target, target))
             elif target.is_floating_point() or target.is_complex():
-                merged = sum((v * (s / total) for v, s in zip(values[1:], sizes[1:])), values[0] * (sizes[0] / total))
+                merged = sum((v * w for v, w in zip(values[1:], weights[1:])), values[0] * weights[0])
                 # A weighted mean of equal numbers can round: unchanged elements keep their value.
                 unchanged = torch.stack([v == target for v in values]).all(0)
                 target.copy_(torch.where(unchanged, target, merged))
@@ -226,7 +229,8 @@ def _shallow(m: nn.Module) -> nn.Module:
     device: nn.Module's setattr made it 20 us each); a class's own rule is kept.
     """
     if type(m)._replicate_for_data_parallel is not nn.Module._replicate_for_data_parallel:
-        return m._replicate_for_data_parallel()
+        own_rule: nn.Module = m._replicate_for_data_parallel()
+        return own_rule
     replica = m.__new__(type(m))
     state = m.__dict__.copy()
     state["_parameters"], state["_buffers"], state["_modules"] = {}, dict(m._buffers), dict(m._modules)

@@ -10,7 +10,7 @@ import torch
 
 from ..devices import Device, DeviceLike, parse_devices
 from ..planning.plan import check_sizes
-from ..tree import batch_length, flatten, leaf_paths, to_device, unflatten
+from ..tree import batch_length, flatten, leaf_paths, split_rows, to_device, unflatten
 
 
 def scatter(inputs: Any, devices: Sequence[DeviceLike], sizes: Sequence[int], dim: int = 0) -> list[Any]:
@@ -50,27 +50,12 @@ def scatter(inputs: Any, devices: Sequence[DeviceLike], sizes: Sequence[int], di
 
 def scatter_to(inputs: Any, devices: Sequence[Device], sizes: Sequence[int], dim: int = 0) -> list[Any]:
     """:func:`scatter` for parsed devices and checked sizes (the engines' hot path)."""
-    leaves, spec = flatten(inputs)
-    pieces = [_pieces(leaf, sizes, dim, len(devices)) for leaf in leaves]
-    shards = []
-    for j, dev in enumerate(devices):
-        target = dev.torch_device
-        shard = [to_device(p[j], target) if p is not None else leaf for leaf, p in zip(leaves, pieces)]
-        shards.append(unflatten(shard, spec))
-    return shards
+    return split_rows(inputs, sizes, dim=dim, devices=[d.torch_device for d in devices])
 
 
 def _check_dim(dim: object) -> None:
     if isinstance(dim, bool) or not isinstance(dim, numbers.Integral):
         raise TypeError(f"dim must be an integer, got {type(dim).__name__}: {dim!r}")
-
-
-def _pieces(leaf: Any, sizes: Sequence[int], dim: int, n: int) -> Sequence[torch.Tensor] | None:
-    if not isinstance(leaf, torch.Tensor):
-        return None
-    if leaf.dim() == 0:
-        return [leaf] * n  # a scalar tensor cannot be split: every device gets it
-    return torch.split(leaf, list(sizes), dim=dim)
 
 
 def concat_column(parts: Sequence[torch.Tensor], target: torch.device, dim: int, path: str) -> torch.Tensor:
@@ -122,7 +107,7 @@ def gather(outputs: Sequence[Any], target_device: DeviceLike, dim: int = 0) -> A
         if s != spec:
             raise ValueError(f"output {i} has a different structure from output 0: {s} vs {spec}")
     paths = leaf_paths(outputs[0])
-    gathered = []
+    gathered: list[Any] = []
     for k, first in enumerate(flat[0][0]):
         column = [leaves[k] for leaves, _ in flat]
         if not isinstance(first, torch.Tensor):

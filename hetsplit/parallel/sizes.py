@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Sequence
-from pathlib import PurePath
 
 import torch
 from torch import nn
@@ -14,26 +12,17 @@ from ..planning.memory import capped_plan
 from ..planning.plan import Plan
 from ..planning.profile import Profile
 from ..planning.rebalance import Rebalancer
-from ..planning.sizes import check_profile, check_weights, has_batchnorm, resolve_plan, without_single_samples
-from ..planning.solver import plan_from_sizes
+from ..planning.sizes import (
+    check_profile,
+    check_source,
+    check_weights,
+    has_batchnorm,
+    resolve_plan,
+    without_single_sample_shares,
+)
 from ..quick import default_profile
 from ..tree import batch_length
 from .scatter_gather import scatter_to
-
-
-def _check_source(profile: object, *, plan: object = None) -> None:
-    """Refuse a ``profile`` that is neither a :class:`Profile` nor a :class:`Plan`, or a ``plan`` that is no Plan.
-
-    A file name is not silently ignored (which would fall back to a stored or quick profile).
-
-    Raises:
-        TypeError: Naming the argument and what was given.
-    """
-    for arg, value, kinds in (("profile", profile, (Profile, Plan)), ("plan", plan, (Plan,))):
-        if value is not None and not isinstance(value, kinds):
-            hint = "; load a file with hetsplit.Profile.load(path)" if isinstance(value, str | PurePath) else ""
-            wanted = " or ".join(k.__name__ for k in kinds)
-            raise TypeError(f"{arg} must be a {wanted}, got {type(value).__name__}: {value!r}{hint}")
 
 
 def split_sizes(
@@ -45,7 +34,7 @@ def split_sizes(
 ) -> list[int]:
     """The per-device sizes :func:`balanced_split` uses for a batch of ``batch`` samples.
 
-    Sources, in order (see :func:`hetsplit.planning.resolve_plan`): a :class:`Plan`
+    Sources, in order (see :func:`hetsplit.planning.sizes.resolve_plan`): a :class:`Plan`
     (its sizes, which must match the batch) or a :class:`Profile` (solved for this
     batch); ``weights`` (relative throughputs, largest-remainder rounding); else the
     newest stored profile covering the devices; else a quick built-in calibration.
@@ -60,7 +49,7 @@ def split_sizes(
             profile lacks some of the devices.
     """
     devs = parse_devices(devices)
-    _check_source(profile)
+    check_source("profile", profile, (Profile, Plan))  # a Plan too: balanced_split follows one
     plan = profile if isinstance(profile, Plan) else None
     prof = profile if isinstance(profile, Profile) else None
     return resolve_plan(
@@ -143,7 +132,8 @@ class BatchPlans:
                 f"got weights= together with {given}: give one source of shares (weights= splits every batch in "
                 "proportion; profile= solves every batch size; plan= fixes one batch size)"
             )
-        _check_source(profile, plan=plan)
+        check_source("profile", profile, (Profile, Plan))
+        check_source("plan", plan, (Plan,))
         if isinstance(profile, Plan):
             raise TypeError("profile must be a Profile; pass a Plan as plan=")
         self.devices, self.names = list(devices), [d.name for d in devices]
@@ -179,8 +169,7 @@ class BatchPlans:
         """
         plan = self.by_batch.get(batch)
         if plan is None:
-            learned = self.rebalancer is not None and bool(self.rebalancer.log_factors)
-            profile = self.rebalancer.corrected(self.names) if learned else self.profile
+            profile = self._profile_in_use()
             if profile is None and self.weights is None and self.given is None:
                 # Found once, for every size: a stored profile of this model, else the quick
                 # calibration, which times training steps also when this batch came under no_grad.
@@ -197,40 +186,36 @@ class BatchPlans:
             if self.caps:
                 plan = self.by_batch[batch] = self.capped(plan)
         if 1 in plan.sizes and plan is not self.given and has_batchnorm(self.model):  # also a rebalancer's plan
-            plan = self.by_batch[batch] = self._without_single_samples(plan)
+            # The caps are the profile's and those learned from running out; the plan is
+            # re-wrapped with the profile in use.
+            plan = self.by_batch[batch] = without_single_sample_shares(
+                plan, profile=self._profile_in_use(), room=self._all_caps(), accumulate=self.accumulate
+            )
         self.current = plan
         return plan
 
-    def _without_single_samples(self, plan: Plan) -> Plan:
-        """``plan`` without single-sample shards (:func:`~hetsplit.planning.sizes.without_single_samples`).
+    def _profile_in_use(self) -> Profile | None:
+        """The rebalancer's corrected profile once it has learned, else the given (or found) one."""
+        if self.rebalancer is not None and self.rebalancer.log_factors:
+            return self.rebalancer.corrected(self.names)
+        return self.profile
 
-        The caps are the profile's and those learned from running out; the plan is re-wrapped
-        with the profile in use (the rebalancer's corrected one once it has learned).
-        """
+    def _all_caps(self) -> dict[str, int]:
+        """The memory caps by device name: the profile's, lowered by those learned from running out."""
         caps = {n: c for n, c in (self.profile.memory_caps() if self.profile else {}).items() if c is not None}
         for name, cap in self.caps.items():
             caps[name] = min(cap, caps.get(name, cap))
-        sizes = without_single_samples(plan.sizes, [caps.get(n, math.inf) for n in self.names])
-        if sizes == list(plan.sizes):
-            return plan
-        learned = self.rebalancer is not None and bool(self.rebalancer.log_factors)
-        profile = self.rebalancer.corrected(self.names) if learned else self.profile
-        return plan_from_sizes(profile, self.names, sizes, accumulate=self.accumulate)
+        return caps
 
     def _within_caps(self, plan: Plan) -> Plan | None:
-        caps = {n: c for n, c in (self.profile.memory_caps() if self.profile else {}).items() if c is not None}
-        for name, cap in self.caps.items():
-            caps[name] = min(cap, caps.get(name, cap))
         try:
-            return capped_plan(plan, caps, accumulate=True)
+            return capped_plan(plan, self._all_caps(), accumulate=True)
         except ValueError:  # a share on a device that holds nothing: keep the plan in force
             return None
 
     def capped(self, plan: Plan) -> Plan:
         """``plan`` within the learned :attr:`caps` (re-solved with the profile, if there is one)."""
-        learned = self.rebalancer is not None and bool(self.rebalancer.log_factors)
-        profile = self.rebalancer.corrected(self.names) if learned else self.profile
-        return capped_plan(plan, self.caps, profile=profile, accumulate=self.accumulate)
+        return capped_plan(plan, self.caps, profile=self._profile_in_use(), accumulate=self.accumulate)
 
     def lower_cap(self, name: str, cap: int) -> Plan:
         """Remember that ``name`` holds at most ``cap`` samples; the current batch's plan within it.

@@ -4,31 +4,23 @@
 of devices, as data) → ``solver`` (the exact integer split) → ``plan`` (the result) →
 ``sizes`` (the one policy every engine asks for a batch's shares) → ``rebalance``
 (re-solving from measured step times while training).
+
+The public names below are what users hold and build: a :class:`Profile`, the :class:`Plan`
+solved from it (:func:`solve`) or written by hand (:func:`plan_from_sizes`), and the
+:class:`Rebalancer` with the :class:`PlanChange` it reports. The package's own modules and the
+tests import the other names from the modules that define them.
 """
 
-from .curve import Curve, CurveTable
-from .plan import Plan, check_sizes, even_sizes, sizes_from_weights
-from .profile import DeviceProfile, Measurement, Profile, latest_profile
+from .plan import Plan
+from .profile import Profile
 from .rebalance import PlanChange, Rebalancer
-from .sizes import check_weights, resolve_plan
-from .solver import allreduce_time, plan_from_sizes, solve
+from .solver import plan_from_sizes, solve
 
 __all__ = [
-    "Curve",
-    "CurveTable",
-    "DeviceProfile",
-    "Measurement",
     "Plan",
     "PlanChange",
     "Profile",
     "Rebalancer",
-    "allreduce_time",
-    "check_sizes",
-    "check_weights",
-    "even_sizes",
-    "latest_profile",
     "plan_from_sizes",
-    "resolve_plan",
-    "sizes_from_weights",
     "solve",
 ]

@@ -299,7 +299,8 @@ class CurveTable:
             if not (up.any() or down.any()):
                 break
             c = c + up - down
-        return c.astype(np.int64)
+        counts: np.ndarray = c.astype(np.int64)
+        return counts
 
     def bounds(self, seconds: float) -> tuple[np.ndarray, np.ndarray]:
         """Capacities at ``seconds`` from below and from above, in one closed-form pass.

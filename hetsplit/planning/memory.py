@@ -6,7 +6,7 @@ import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 
-from .micro import micro_sizes
+from .micro import micro_sizes_within
 from .plan import Plan
 from .profile import Profile
 from .solver import solve
@@ -57,9 +57,18 @@ def capped_plan(
             f"the shares {plan.sizes} break the memory caps ({shown}) and without a profile they cannot be "
             "re-solved; pass accumulate=True (a device then runs its share as micro-batches) or a profile"
         )
+    return micro_batched(plan, [caps.get(d) for d in plan.devices])
+
+
+def micro_batched(plan: Plan, caps: Sequence[int | None]) -> Plan:
+    """``plan`` with each share whose micro-batches break its cap (one per share, ``None``: no cap) cut to fit.
+
+    Such a share runs as the fewest near-equal micro-batches of at most its cap
+    (:func:`~hetsplit.planning.micro.micro_sizes_within`); the shares themselves stay.
+    """
     micro = [
-        micro_sizes(s, -(-s // caps[d])) if d in caps and max(m, default=0) > caps[d] else list(m)
-        for d, s, m in zip(plan.devices, plan.sizes, plan.micro_batches)
+        micro_sizes_within(s, c) if c is not None and max(m, default=0) > c else list(m)
+        for s, c, m in zip(plan.sizes, caps, plan.micro_batches)
     ]
     return dataclasses.replace(plan, micro_batches=micro)
 

@@ -38,6 +38,18 @@ def micro_sizes(batch: int, count: int) -> list[int]:
     return [q + 1] * r + [q] * (count - r)
 
 
+def micro_sizes_within(share: int, cap: int) -> list[int]:
+    """``share`` samples as the fewest near-equal micro-batches of at most ``cap`` samples each.
+
+    The one rule for a share over its device's memory cap, for every engine.
+
+    Example:
+        >>> micro_sizes_within(10, 4)
+        [4, 3, 3]
+    """
+    return micro_sizes(share, -(-share // cap))
+
+
 def _turning_points(v: np.ndarray, at: object) -> tuple[np.ndarray, np.ndarray]:
     """Of each row's sorted run ends ``v``, those where the best ``k`` can lie; and ``t`` there.
 
@@ -93,7 +105,7 @@ class MicroTable:
         x, y, c = table.x[rows], table.y[rows], cap[rows]
         self.X, self.Y, self.c = x, y, c
         self.tc = table.evaluate(c, rows) if len(rows) else c.copy()  # t at the cap, for _split_upper
-        self._pieces(x, y, table.intercept[rows], table.slope[rows])
+        self._segment_lines(x, y, table.intercept[rows], table.slope[rows])
         # The micro sizes where a run of k ends: 1, the cap, and each knot (both sides when fractional).
         self.fractional = not np.array_equal(x, np.floor(x))
         knots = np.concatenate([np.floor(x), np.ceil(x)], axis=1) if self.fractional else x
@@ -103,7 +115,7 @@ class MicroTable:
         if not self.fractional and len(rows):
             self.v, self.tv = _turning_points(np.sort(self.v, axis=1), self._at)
 
-    def _pieces(self, x: np.ndarray, y: np.ndarray, a: np.ndarray, s: np.ndarray) -> None:
+    def _segment_lines(self, x: np.ndarray, y: np.ndarray, a: np.ndarray, s: np.ndarray) -> None:
         """Each split device's curve as ``m + 1`` lines through an anchor, flattened row after row.
 
         Piece ``p`` holds the sizes with ``p`` knots at or below them (as the curve's own
@@ -123,13 +135,14 @@ class MicroTable:
         self.PI[:: m + 1] = np.where(below[:, 0] > 0, below[:, 0], np.inf)
         self.width = m + 1
 
-    def _piece(self, knots: np.ndarray, z: np.ndarray, j: np.ndarray) -> np.ndarray:
+    def _segment_of(self, knots: np.ndarray, z: np.ndarray, j: np.ndarray) -> np.ndarray:
         """Flat index of the piece holding ``z`` (one row per split device ``j``) by ``knots`` (X or Y)."""
         kj = knots[j]
         p = np.zeros(z.shape, dtype=np.int64)
         for col in range(kj.shape[1]):  # a handful of knots: a loop of 2-D compares beats a 3-D one
             p += kj[:, col : col + 1] <= z
-        return p + (j * self.width)[:, None]
+        flat: np.ndarray = p + (j * self.width)[:, None]
+        return flat
 
     def _at(self, q: np.ndarray, j: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``(t(q), t(q + 1) - t(q))`` on split devices ``j`` (one row of sizes ``1 <= q <= cap`` each).
@@ -137,7 +150,7 @@ class MicroTable:
         ``q`` and ``q + 1`` are taken on the piece that holds ``q`` (for a fractional knot
         between them the difference is the interpolation the curve's own evaluation uses).
         """
-        i = self._piece(self.X, q, j)
+        i = self._segment_of(self.X, q, j)
         xa, ya, s = self.PX[i], self.PY[i], self.PS[i]
         t = ya + s * (q - xa)
         step = s
@@ -243,7 +256,7 @@ class MicroTable:
         rows = self.all if rows is None else np.asarray(rows)
         return self._times(b, rows)[0]
 
-    def times_and_counts(self, sizes: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+    def times_and_counts(self, sizes: Sequence[int] | np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Each device's time for ``sizes`` and the number of micro-batches behind it (0 for no samples)."""
         t, k = self._times(np.asarray(sizes, dtype=float), self.all)
         return t, k.astype(np.int64)
@@ -262,7 +275,7 @@ class MicroTable:
         kv = kv + ((kv + 1) * tv <= seconds) - ((kv * tv > seconds) & (kv > 0))
         k = np.minimum(np.maximum(np.concatenate([np.ones((len(self.rows), 1)), kv, kv + 1], axis=1), 1.0), 1e15)
         u = seconds / k  # seconds per micro-batch
-        i = self._piece(self.Y, u, np.arange(len(self.rows)))
+        i = self._segment_of(self.Y, u, np.arange(len(self.rows)))
         with np.errstate(divide="ignore", invalid="ignore"):
             per = self.PX[i] + (u - self.PY[i]) / self.PI[i]
             rate = np.nan_to_num(1.0 / self.PI[i], nan=0.0, posinf=1e18)
@@ -273,7 +286,8 @@ class MicroTable:
     def _split_capacity(self, seconds: float) -> np.ndarray:
         """Approximately the most samples each split device runs in ``seconds`` (exact up to rounding)."""
         v, _, top = self._split_inverse(seconds)
-        return np.floor(np.minimum(v, top)).max(axis=1)
+        capacity: np.ndarray = np.floor(np.minimum(v, top)).max(axis=1)
+        return capacity
 
     def bounds(self, seconds: float) -> tuple[np.ndarray, np.ndarray]:
         """Capacities at ``seconds`` from below and from above (see :meth:`CurveTable.bounds`).

@@ -10,6 +10,8 @@ from typing import Any
 
 import numpy as np
 
+from .curve import Curve
+
 
 @dataclasses.dataclass
 class Plan:
@@ -29,8 +31,11 @@ class Plan:
             after another with gradients accumulated (``[[64, 64, 63], [40]]``; ``[]`` for
             no samples). Default: the share as one batch.
         noise: The relative ± of the predicted times: the noisiest device's measurements
-            (:attr:`DeviceProfile.noise <hetsplit.planning.DeviceProfile.noise>`); NaN where
+            (:attr:`DeviceProfile.noise <hetsplit.planning.records.DeviceProfile.noise>`); NaN where
             unknown (sizes given by hand, timings taken once).
+        curves: Per device, the step-time curve the plan was solved from (empty for sizes
+            given by hand): what a rebalancer starts from, where it has no profile of its
+            own (a torchrun job: each rank's curve was measured on its own rank).
     """
 
     devices: list[str]
@@ -44,6 +49,7 @@ class Plan:
     emulated: list[str] = dataclasses.field(default_factory=list)
     micro_batches: list[list[int]] = dataclasses.field(default_factory=list)
     noise: float = math.nan
+    curves: list[Curve] = dataclasses.field(default_factory=list)
 
     def __post_init__(self) -> None:
         check_sizes(self.sizes, self.batch_size, len(self.devices))
@@ -51,6 +57,8 @@ class Plan:
             self.micro_batches = [[int(s)] if s > 0 else [] for s in self.sizes]
         else:
             self.micro_batches = _check_micro_batches(self.micro_batches, self.sizes)
+        if self.curves and len(self.curves) != len(self.devices):
+            raise ValueError(f"a plan of {len(self.devices)} devices has {len(self.curves)} curves; give one a device")
 
     @property
     def step_time(self) -> float:
@@ -139,6 +147,7 @@ class Plan:
             emulated=list(data.get("emulated", [])),
             micro_batches=[list(m) for m in data.get("micro_batches") or []],
             noise=math.nan if data.get("noise") is None else float(data["noise"]),  # older files: unknown
+            curves=[Curve(**c) for c in data.get("curves") or []],
         )
 
 
@@ -168,7 +177,8 @@ def check_sizes(sizes: Sequence[Any], total: int, n_devices: int) -> list[int]:
     # The fast path, for the solver's own output.
     no_bools = isinstance(sizes, np.ndarray) or bool not in set(map(type, sizes))
     if arr.dtype.kind in "iu" and arr.ndim == 1 and no_bools and (arr >= 0).all() and int(arr.sum()) == total:
-        return arr.tolist()
+        fast: list[int] = arr.tolist()
+        return fast
     out = []
     for i, s in enumerate(sizes):
         if isinstance(s, bool) or not isinstance(s, (int, np.integer)):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import datetime as _dt
 import hashlib
@@ -13,7 +14,7 @@ from typing import Any
 
 import torch
 
-from .. import store
+from .. import files, store
 from ..devices import DeviceInfo, DeviceLike, canonical_name, describe, local_gpus
 from ..version import __version__
 from . import checks
@@ -34,7 +35,7 @@ def fingerprint(model: torch.nn.Module) -> str:
     h = hashlib.sha256(type(model).__qualname__.encode())
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
         # A lazy module's parameter has no shape before its first forward.
-        shape = "lazy" if isinstance(t, torch.nn.parameter.UninitializedTensorMixin) else tuple(t.shape)
+        shape = "lazy" if torch.nn.parameter.is_lazy(t) else tuple(t.shape)
         h.update(f"{name}:{shape}:{t.dtype};".encode())
     return h.hexdigest()[:16]
 
@@ -66,8 +67,8 @@ class Profile:
         names = [e.name for e in self.entries]
         if not names:
             raise ValueError("a profile needs at least one device")
-        seen: set[str] = set()
-        dupes = sorted({n for n in names if n in seen or seen.add(n)})  # linear: profiles of 10,000 copies
+        counts = collections.Counter(names)  # linear: profiles of 10,000 copies
+        dupes = sorted(n for n, count in counts.items() if count > 1)
         if dupes:
             shown = ", ".join(repr(n) for n in dupes[:5]) + (f" and {len(dupes) - 5:,} more" if len(dupes) > 5 else "")
             raise ValueError(f"device names in a profile must be unique, got {shown} more than once")
@@ -90,7 +91,7 @@ class Profile:
         Raises:
             KeyError: If the profile has no such device; the message lists those it has.
         """
-        index = self.__dict__.get("_index")
+        index: dict[str, DeviceProfile] | None = self.__dict__.get("_index")
         if index is None or len(index) != len(self.entries):
             index = self.__dict__["_index"] = {e.name: e for e in self.entries}
         found = index.get(device) if isinstance(device, str) else None
@@ -106,7 +107,7 @@ class Profile:
 
         ``curves``, if given, are those of ``names`` (saves looking them up again).
         """
-        cache = self.__dict__.setdefault("_tables", {})
+        cache: dict[tuple[str, ...], CurveTable] = self.__dict__.setdefault("_tables", {})
         key = tuple(names)
         if key not in cache:
             if len(cache) >= 8:
@@ -343,14 +344,14 @@ class Profile:
             hetsplit.store.ProfileFileError: If the file is missing, damaged, or of
                 another schema version; the message names the file.
         """
-        doc = store.read_json(path, "profile")
+        doc = files.read_json(path, "profile")
         advice = "re-create it with 'hetsplit profile'"
         try:
             return cls.from_dict(doc)
         except KeyError as e:
-            raise store.ProfileFileError(f"{path}: damaged profile: no {e.args[0]!r} entry; {advice}") from e
+            raise files.ProfileFileError(f"{path}: damaged profile: no {e.args[0]!r} entry; {advice}") from e
         except (TypeError, ValueError, AttributeError) as e:
-            raise store.ProfileFileError(f"{path}: damaged profile: {e}; {advice}") from e
+            raise files.ProfileFileError(f"{path}: damaged profile: {e}; {advice}") from e
 
 
 def latest_profile(

@@ -13,7 +13,8 @@ from typing import Any
 from ..devices import DeviceInfo
 from .curve import Curve
 from .plan import Plan
-from .profile import DeviceProfile, Profile
+from .profile import Profile
+from .records import DeviceProfile
 from .sizes import resolve_plan
 from .solver import plan_from_sizes
 
@@ -70,8 +71,9 @@ class Rebalancer:
     would move.
 
     Args:
-        profile: The devices' profile; without one, each device starts from a model
-            where time is proportional to its shard (learned from the first steps).
+        profile: The devices' profile; without one, each device starts from the curve its
+            plan was solved from (:attr:`Plan.curves`), else from a model where time is
+            proportional to its shard (learned from the first steps).
         every: Steps between re-solves.
         threshold: Minimum predicted gain (fraction of step time) to switch plans.
         max_move: Largest fraction of the batch moved between devices in one switch.
@@ -125,6 +127,7 @@ class Rebalancer:
         # Without a profile: each device's observed steps (runs, samples, seconds), to which a
         # fixed per-run cost plus a cost per sample is fitted (see _fit).
         self._seen: dict[str, deque[tuple[int, int, float]]] = {}
+        self._planned: set[str] = set()  # devices whose curve came with the plan (see record)
         self._last_check: tuple[list[int], dict[str, float], float] | None = None
 
     def factors(self) -> dict[str, float]:
@@ -180,11 +183,13 @@ class Rebalancer:
         """
         started = time.perf_counter()
         self.steps += 1
+        if self.profile is None and not self._planned:
+            self._start_from(plan)
         for name, size, micro in zip(plan.devices, plan.sizes, plan.micro_batches):
             seconds = step_times.get(name)
             if size <= 0 or not seconds or seconds <= 0:
                 continue
-            if self.profile is None and self._fit(name, len(micro), size, seconds):
+            if self.profile is None and name not in self._planned and self._fit(name, len(micro), size, seconds):
                 continue
             curve = self._entry(name).curve
             base = sum(curve(m) for m in micro)  # the predicted time of what ran: its micro-batches
@@ -194,6 +199,22 @@ class Rebalancer:
             seen.append(math.log(seconds / base))
             self.log_factors[name] = statistics.median(seen)
         self.seconds += time.perf_counter() - started
+
+    def _start_from(self, plan: Plan) -> None:
+        """Without a profile: start each device from the curve its plan was solved from, where it shows a fixed cost.
+
+        Such a curve (a torchrun plan's: measured on its own rank) knows the device's fixed cost
+        per step and its memory cap, which steps of one size cannot show: scaled by the observed
+        factor it follows a change of speed at any share. Seen on a busy VM: fitted from the
+        steps alone, the fixed cost was lost in the noise, time was taken as proportional to the
+        share, and a small share looked slow per sample (FSDP2, 2x slower rank recovered: no move
+        back in 38 steps). A curve without a fixed cost (the quick calibration's) tells nothing the
+        steps will not: those devices are fitted from their steps.
+        """
+        for name, curve in zip(plan.devices, plan.curves):
+            if curve.intercept > 0 and name not in self._entries:
+                self._entries[name] = dataclasses.replace(_observed(name, 0.0, 1.0), curve=curve)
+                self._planned.add(name)
 
     def _fit(self, name: str, runs: int, samples: int, seconds: float) -> bool:
         """Without a profile: fit ``t = a * runs + s * samples`` to the device's steps; ``True`` once fitted.

@@ -240,7 +240,8 @@ class DeviceProfile:
 def _noise(entry: DeviceProfile) -> Noise:
     """The :class:`Noise` of ``entry``'s measurements, refusing times no plan can rest on."""
     name = entry.info.name
-    medians, spreads = [], []
+    medians: list[tuple[int, float]] = []
+    spreads: list[float] = []
     for m in entry.measurements:
         times = m.times
         bad = [t for t in times if not (isinstance(t, int | float) and 0 < t < math.inf)]  # NaN fails too
@@ -253,7 +254,9 @@ def _noise(entry: DeviceProfile) -> Noise:
             medians.append((m.batch, float(times[0])))
             continue
         medians.append((m.batch, m.median))
-        spreads.append(m.spread)
+        spread = m.spread  # never None here: two or more times, each finite and > 0
+        if spread is not None:
+            spreads.append(spread)
     if entry.curve.seconds[0] <= 0:
         raise ValueError(
             f"device {name!r}: its curve predicts {entry.curve.seconds[0]!r} s for a step of batch "

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from pathlib import Path
+import math
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import PurePath
 from typing import Any
 
 import numpy as np
@@ -13,6 +14,28 @@ from . import checks
 from .plan import Plan, sizes_from_weights
 from .profile import Profile, fingerprint
 from .solver import plan_from_sizes, solve
+
+
+def check_source(arg: str, value: object, kinds: tuple[type, ...] = (Profile,)) -> None:
+    """Refuse a ``plan=``/``profile=`` argument that is none of ``kinds`` (``None`` passes).
+
+    The one check of where shares come from, for every engine and integration: a file
+    name is refused with the way to load it, never silently ignored (which would fall
+    back to a stored profile or a quick calibration).
+
+    Args:
+        arg: The argument as the user wrote it (``"profile"``, ``"HeteroDDPStrategy(plan=...)"``).
+        value: What was given.
+        kinds: The accepted types.
+
+    Raises:
+        TypeError: Naming the argument, the accepted types and what was given.
+    """
+    if value is None or isinstance(value, kinds):
+        return
+    hint = "; load a file with hetsplit.Profile.load(path)" if isinstance(value, str | PurePath) else ""
+    wanted = " or ".join(k.__name__ for k in kinds)
+    raise TypeError(f"{arg} must be a {wanted}, got {type(value).__name__}: {value!r}{hint}")
 
 
 def check_weights(weights: Sequence[float], n_devices: int) -> list[float]:
@@ -125,10 +148,8 @@ def resolve_plan(
     if batch < 1:
         raise ValueError(f"the batch is empty (0 samples); nothing to split across {names}")
     checks.batch_count(batch, "the batch size")
-    for arg, value, kind in (("plan", plan, Plan), ("profile", profile, Profile)):
-        if value is not None and not isinstance(value, kind):
-            hint = "; load a file with hetsplit.Profile.load(path)" if isinstance(value, str | Path) else ""
-            raise TypeError(f"{arg} must be a {kind.__name__}, got {type(value).__name__}: {value!r}{hint}")
+    check_source("plan", plan, (Plan,))
+    check_source("profile", profile, (Profile,))
     if weights is not None and (plan is not None or profile is not None):
         raise ValueError("give weights, or a plan and/or profile, not both")
     if plan is not None and list(plan.devices) != names:
@@ -172,8 +193,66 @@ def without_single_samples(sizes: Sequence[int], caps: Sequence[float]) -> list[
     return out
 
 
+def without_single_sample_shares(
+    plan: Plan,
+    *,
+    profile: Profile | None = None,
+    room: Sequence[float] | Mapping[str, int] | None = None,
+    accumulate: bool = False,
+) -> Plan:
+    """``plan`` with no share of exactly one sample (:func:`without_single_samples`), re-planned.
+
+    The one BatchNorm rule of every engine: call it for a model holding BatchNorm
+    (:func:`has_batchnorm`). A sample moves only where the receiving device's memory holds it.
+
+    Args:
+        plan: The plan to change.
+        profile: The curves the new shares are timed with (:func:`~hetsplit.planning.solver.plan_from_sizes`).
+        room: The most samples each share may hold: one number per share, or caps by device
+            name (a device not named holds any number); default: the profile's memory caps.
+        accumulate: Let a capped device run its new share as micro-batches.
+
+    Returns:
+        ``plan`` itself when no share moves.
+    """
+    if 1 not in plan.sizes:
+        return plan
+    if room is None:
+        room = {d: c for d, c in (profile.memory_caps() if profile is not None else {}).items() if c is not None}
+    if isinstance(room, Mapping):
+        caps = room
+        room = [caps.get(d, math.inf) for d in plan.devices]
+    sizes = without_single_samples(plan.sizes, list(room))
+    return plan if sizes == list(plan.sizes) else plan_from_sizes(profile, plan.devices, sizes, accumulate=accumulate)
+
+
 def has_batchnorm(model: Any) -> bool:
     """Whether ``model`` holds a BatchNorm layer (``torch.nn.modules.batchnorm._BatchNorm``)."""
     import torch.nn as nn
 
     return model is not None and any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+
+
+def scaled_plan(plan: Plan, batch: int, devices: Sequence[DeviceLike] | None = None) -> Plan:
+    """``plan``'s shares in proportion for a batch of ``batch`` samples (``plan`` itself at its own batch size).
+
+    What every loader of another global batch than the planned one follows (an evaluation
+    loader, a second training loader, the last short batch of an epoch): the same
+    proportions, rounded by largest remainder (:func:`~hetsplit.planning.plan.sizes_from_weights`),
+    with no predicted times (nothing was solved for ``batch``).
+
+    Args:
+        plan: The plan in force.
+        batch: Samples in the other batch (>= 1).
+        devices: Labels for the scaled plan's shares (default: the plan's devices).
+
+    Raises:
+        ValueError: If ``batch`` is not a positive number of samples, or ``devices`` has
+            another length than the plan's shares.
+    """
+    if batch == plan.batch_size and devices is None:
+        return plan
+    names = list(plan.devices) if devices is None else list(devices)
+    if len(names) != len(plan.sizes):
+        raise ValueError(f"{len(names)} devices {names} for a plan of {len(plan.sizes)} shares {list(plan.sizes)}")
+    return resolve_plan(batch, names, weights=plan.sizes)

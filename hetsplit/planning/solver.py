@@ -15,7 +15,8 @@ from . import checks
 from .curve import CurveTable
 from .micro import MicroTable, micro_sizes
 from .plan import Plan, check_sizes, even_sizes
-from .profile import DeviceProfile, Profile
+from .profile import Profile
+from .records import DeviceProfile
 
 # Past this many candidate (device, sample) items left after bisection, stop enumerating
 # them one by one: bisection only stops that wide when floating point can't separate
@@ -233,6 +234,7 @@ def _make_plan(
         emulated=list(dict.fromkeys(n for n, e in zip(names, entries) if e.info.emulated)),
         micro_batches=micro,
         noise=_noise(entries),
+        curves=[e.curve for e in entries],
     )
 
 
@@ -317,7 +319,8 @@ def _solve_sizes(table: CurveTable | MicroTable, batch: int) -> np.ndarray:
     gap = c_hi - c_lo
     if int(gap.sum()) > _ENUMERATE_LIMIT:
         before = np.cumsum(gap) - gap
-        return c_lo + np.clip(need - before, 0, gap)
+        filled: np.ndarray = c_lo + np.clip(need - before, 0, gap)
+        return filled
     # Each candidate item is "one more sample on device i"; its cost is the device's
     # time with that sample. Within a device costs are non-decreasing, so taking the
     # `need` cheapest items (ties: lower k first) takes a prefix on every device.

@@ -8,12 +8,13 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
+from typing_extensions import override
 
 from hetsplit.distributed.sharded import kind
 from hetsplit.planning import Plan, Profile, Rebalancer
 
-from . import core
-from .lightning import _HeteroStrategy
+from ..options import HeteroOptions
+from .strategy import HeteroStrategy
 
 _WHO = "HeteroModelParallelStrategy"
 _HOW = (
@@ -22,7 +23,7 @@ _HOW = (
 )
 
 
-class HeteroModelParallelStrategy(_HeteroStrategy, ModelParallelStrategy):
+class HeteroModelParallelStrategy(HeteroStrategy, ModelParallelStrategy):
     """Lightning's ``ModelParallelStrategy`` (FSDP2) with uneven per-rank batches from one hetsplit plan.
 
     For a model larger than the smallest device: the LightningModule shards itself with
@@ -62,18 +63,19 @@ class HeteroModelParallelStrategy(_HeteroStrategy, ModelParallelStrategy):
         devices, plan, profile, global_batch_size, rebalance, plan_kwargs, quiet: As for
             :class:`~hetsplit.lightning.HeteroDDPStrategy`.
         weighting: ``"outputs"`` only (FSDP2 has no comm hook to weight).
+        options: As for :class:`~hetsplit.lightning.HeteroDDPStrategy`.
         data_parallel_size: ``"auto"`` (the world size) or the world size.
         tensor_parallel_size: 1.
         **kwargs: Passed to ``ModelParallelStrategy`` (``save_distributed_checkpoint``,
             ``process_group_backend``, ``timeout``).
 
     Raises:
-        TypeError, ValueError: As :func:`hetsplit.integrations.core.check_arguments`, and a
+        TypeError, ValueError: As :meth:`~hetsplit.integrations.options.HeteroOptions.check`, and a
             ``ValueError`` for a ``tensor_parallel_size`` other than 1 or a
             ``data_parallel_size`` that is not a positive number of processes.
     """
 
-    _who = _WHO
+    who = _WHO
 
     def __init__(
         self,
@@ -86,6 +88,7 @@ class HeteroModelParallelStrategy(_HeteroStrategy, ModelParallelStrategy):
         *,
         plan_kwargs: dict[str, Any] | None = None,
         quiet: bool = False,
+        options: HeteroOptions | None = None,
         data_parallel_size: int | str = "auto",
         tensor_parallel_size: int = 1,
         **kwargs: Any,
@@ -103,18 +106,20 @@ class HeteroModelParallelStrategy(_HeteroStrategy, ModelParallelStrategy):
                 f"{_WHO}(data_parallel_size={data_parallel_size!r}): leave it out ('auto': every process is one "
                 "data-parallel rank) or give the number of processes"
             )
-        super().__init__(
-            devices, plan, profile, global_batch_size, weighting, rebalance, plan_kwargs=plan_kwargs, quiet=quiet,
-            data_parallel_size=data_parallel_size, tensor_parallel_size=1, **kwargs,
+        given = HeteroOptions.given(
+            _WHO, options, devices=devices, plan=plan, profile=profile, global_batch_size=global_batch_size,
+            rebalance=rebalance, plan_kwargs=plan_kwargs, quiet=quiet,
         )  # fmt: skip
+        given.check(_WHO, weighting, ("outputs",))
+        super().__init__(given, weighting, data_parallel_size=data_parallel_size, tensor_parallel_size=1, **kwargs)
         self._root: nn.Module | None = None
 
-    def _check_arguments(self, given: dict[str, Any], strategy_kwargs: dict[str, Any]) -> None:
-        core.check_arguments(_WHO, weightings=("outputs",), **given)
-
-    def _check_devices(self) -> None:
+    @override
+    def check_devices(self) -> None:
         """The device list as for every hetsplit strategy, and a 1-D data-parallel mesh of every process."""
-        super()._check_devices()
+        super().check_devices()
+        # ModelParallelStrategy keeps its mesh sizes in these attributes of its own (no setter): this
+        # subclass fixes them to the 1-D data-parallel mesh before the strategy builds the mesh from them.
         if self._data_parallel_size not in ("auto", self.world_size):
             raise ValueError(
                 f"{_WHO}(data_parallel_size={self._data_parallel_size}) with {self.world_size} processes: every "
@@ -123,13 +128,15 @@ class HeteroModelParallelStrategy(_HeteroStrategy, ModelParallelStrategy):
             )
         self._data_parallel_size, self._tensor_parallel_size = self.world_size, 1
 
+    @override
     def setup(self, trainer: pl.Trainer) -> None:
         """Set up as ``ModelParallelStrategy`` does (``configure_model`` has sharded the model), then find its root."""
         super().setup(trainer)
         self.gradients = self.rebalancer = self.train_sampler = None
-        self._root = _fsdp_root(self.lightning_module)
-        self._weight()
+        self._root = _fsdp_root(self.module)
+        self.weight()
 
+    @override
     def teardown(self) -> None:
         """Remove the weighting's hooks from the root (a later fit with another strategy weights afresh)."""
         if self.gradients is not None:
@@ -138,14 +145,18 @@ class HeteroModelParallelStrategy(_HeteroStrategy, ModelParallelStrategy):
             self.gradients = None
         super().teardown()
 
-    def _weighted_model(self) -> nn.Module | None:
+    @override
+    def weighted_model(self) -> nn.Module | None:
         return self._root
 
-    def _micro_model(self) -> nn.Module:
-        assert self._root is not None, "set up first"
+    @override
+    def micro_model(self) -> nn.Module:
+        if self._root is None:
+            raise RuntimeError(f"{_WHO} runs micro-batches through the fully_shard root: set up first")
         return self._root
 
-    def _run_piece(self, call: Any, *args: Any, **kwargs: Any) -> Any:
+    @override
+    def run_micro_batch(self, call: Any, *args: Any, **kwargs: Any) -> Any:
         # The LightningModule's step itself: its forward of the fully_shard root is what the weighting sees.
         return call(*args, **kwargs)
 

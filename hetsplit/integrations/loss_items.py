@@ -1,4 +1,4 @@
-"""HeteroTrainer parts: counting a batch's items (per micro-batch), holding gradients at zero."""
+"""Loss items: what a mean loss averages over in a batch (per micro-batch), and a backward held at exact zeros."""
 
 from __future__ import annotations
 

@@ -1,132 +1,16 @@
-"""Accelerate parts: the loader, checkpointed epochs and argument checks HeteroAccelerator is built from."""
+"""HeteroAccelerator's checks: its arguments and accelerate's, refused before accelerate or a process group starts."""
 
 from __future__ import annotations
 
-import contextlib
-import json
 import os
-from collections.abc import Callable, Iterator, Mapping
-from pathlib import Path
+from collections.abc import Mapping
 from typing import Any
 
-import torch
-import torch.distributed as dist
-from accelerate.data_loader import DataLoaderShard
-from torch.utils.data import DataLoader, IterableDataset, RandomSampler, SequentialSampler
-
-from hetsplit.devices import parse_device
+from hetsplit.devices import device_list, parse_device
 from hetsplit.distributed.setup import ENV_DEVICES, rank_devices
 from hetsplit.planning import Plan
 
-from . import core
-from .collectives import samples_in
-
-# "none": DDP's plain mean, for a loss already normalised over the global batch (what the
-# HF Trainer does with num_items_in_batch); the other two weight a per-process mean by shard.
-WEIGHTINGS = core.WEIGHTINGS
-
-
-class SharesLoader(DataLoaderShard):
-    """accelerate's ``DataLoaderShard`` over hetsplit's shares, knowing what each yielded batch holds.
-
-    Attributes:
-        current_samples: The samples of the current batch the gradient weighting counts
-            (0 for the stand-in a share of 0 is served), ``None`` outside a loop.
-        origin: The loader this one was cut from by ``skip_first_batches``: its epoch
-            counter moves on with this one's, so the next epoch draws the next order.
-        step_context: Makes the context each batch is handed out in, from its yield to the
-            next (the accelerator's rebalancer times it as one step); ``None``: none.
-        pass_ended: Called when a pass over the loader ends (the accelerator's split report).
-    """
-
-    current_samples: int | None = None
-    origin: SharesLoader | None = None
-    step_context: Callable[[], contextlib.AbstractContextManager[Any]] | None = None
-    pass_ended: Callable[[], None] | None = None
-    _index: int = 0  # the current batch's index from the epoch's first (skipped ones included)
-    _rows: int = 0  # its rows
-
-    def __iter__(self) -> Iterator[Any]:
-        self._index = self.skip_batches - 1
-        for batch in super().__iter__():
-            self._index += 1
-            self._rows = samples_in(batch) or 0
-            self.current_samples = 0 if self.batch_sampler.is_filler(self._index) else self._rows
-            with self.step_context() if self.step_context is not None else contextlib.nullcontext():
-                yield batch
-        self.current_samples = None
-        if self.origin is not None:
-            self.origin.iteration = max(self.origin.iteration, self.iteration)
-        if self.pass_ended is not None:
-            self.pass_ended()
-
-    def real_rows(self) -> int:
-        """This process's rows of the current batch that are data counted once.
-
-        Not the padding that completes a last global batch, nor the one sample a share of
-        0 is served (:meth:`HeteroBatchSampler.real_rows`).
-        """
-        return min(self._rows, self.batch_sampler.real_rows(self._index))
-
-    def padded(self) -> bool:
-        """Whether the current global batch holds padding on some process (the same answer on every one)."""
-        return self.batch_sampler.padded(self._index)
-
-    def resumed(self, skip: int, **settings: Any) -> SharesLoader:
-        """This loader from its ``skip``-th batch on (resuming mid-epoch): the same shares, order and epoch."""
-        loader = SharesLoader(
-            self.dataset,
-            device=self.device,
-            batch_sampler=self.batch_sampler,
-            collate_fn=self.collate_fn,
-            skip_batches=skip,
-            iteration=self.iteration,
-            _drop_last=self._drop_last,
-            _non_blocking=self._non_blocking,
-            **settings,
-        )
-        loader.origin, loader.step_context, loader.pass_ended = self, self.step_context, self.pass_ended
-        loader._is_accelerate_prepared = True
-        return loader
-
-    def state(self) -> dict[str, int]:
-        """What a checkpoint keeps: the epoch counter (the shuffle of epoch ``e`` is ``seed + e``)."""
-        return {"iteration": int(self.iteration)}
-
-
-def shuffle_seed(loader: DataLoader, data_seed: int | None, processes: int) -> int:
-    """The seed every process shuffles with: ``data_seed``, else process 0's (its loader's generator or torch's).
-
-    So ``set_seed`` and a loader's ``generator`` change the order as they would with
-    accelerate, and all processes cut the same order.
-    """
-    if data_seed is not None:
-        return int(data_seed)
-    generator = getattr(loader, "generator", None) or getattr(loader.sampler, "generator", None)
-    seed = [int(generator.initial_seed()) if generator is not None else int(torch.initial_seed())]
-    if processes > 1:
-        dist.broadcast_object_list(seed, src=0)
-    return seed[0] % (1 << 63)
-
-
-# The file beside accelerate's checkpoint that keeps each prepared loader's epoch.
-LOADERS_FILE = "hetsplit_loaders.json"
-
-
-def save_epochs(loaders: list[Any], location: str) -> None:
-    """Write each :class:`SharesLoader`'s epoch counter beside the checkpoint at ``location``."""
-    states = [loader.state() for loader in loaders if isinstance(loader, SharesLoader)]
-    (Path(location) / LOADERS_FILE).write_text(json.dumps(states))
-
-
-def load_epochs(loaders: list[Any], location: str) -> None:
-    """Give each :class:`SharesLoader` the epoch saved at ``location`` (nothing for a checkpoint without it)."""
-    saved = Path(location) / LOADERS_FILE
-    if not saved.exists():  # a checkpoint of accelerate's own, or from before hetsplit kept it
-        return
-    mine = [loader for loader in loaders if isinstance(loader, SharesLoader)]
-    for loader, state in zip(mine, json.loads(saved.read_text())):
-        loader.iteration = int(state["iteration"])
+from .options import HeteroOptions
 
 
 def wants_fsdp2(accelerator_kwargs: Mapping[str, Any]) -> bool:
@@ -139,7 +23,8 @@ def wants_fsdp2(accelerator_kwargs: Mapping[str, Any]) -> bool:
 
 
 def check_arguments(
-    given: Mapping[str, Any],
+    options: HeteroOptions,
+    weighting: str,
     accelerator_kwargs: Mapping[str, Any],
     world: int,
     *,
@@ -148,14 +33,15 @@ def check_arguments(
     """Every argument checked before accelerate or a process group starts; the per-process device names.
 
     Args:
-        given: HeteroAccelerator's own arguments by name (``devices``, ``plan``, ``weighting``, ...).
+        options: HeteroAccelerator's shared arguments (:class:`~.options.HeteroOptions`).
+        weighting: How its gradients are weighted.
         accelerator_kwargs: Those for ``accelerate.Accelerator``.
         world: The number of processes launched.
         loss_weights_micro_batches: The caller's loss weights each micro-batch itself
             (HeteroTrainer's), so ``weighting="none"`` takes a plan with micro-batches.
     """
-    core.check_arguments("HeteroAccelerator", **given)
-    plan, weighting, devices = given.get("plan"), given.get("weighting", "hook"), given.get("devices")
+    options.check("HeteroAccelerator", weighting)
+    plan = options.plan
     if plan is not None and weighting == "none" and not loss_weights_micro_batches:
         check_whole_shares(plan, 'HeteroAccelerator(weighting="none")')
     if plan is not None and len(plan.sizes) != world:
@@ -199,12 +85,11 @@ def check_arguments(
             "dispatch_batches=True sends every batch from process 0; HeteroAccelerator gives each process its "
             "own share instead: leave dispatch_batches unset"
         )
-    if devices is not None and not isinstance(devices, str):
-        devices = ",".join(map(str, devices))
+    devices = options.device_list
     spec = devices if devices is not None else os.environ.get(ENV_DEVICES)
     if not spec:
         return None
-    items = [s for s in spec.split(",") if s.strip()]
+    items = device_list(spec)
     if len(items) > 1 and world == 1:
         raise ValueError(
             f"devices {spec!r} lists {len(items)} devices, one per process, but this job runs 1 process "
@@ -248,36 +133,6 @@ def shard_on_cpu(state: Any, plugin: Any) -> None:
 
 def _flag(value: str | None) -> bool:
     return (value or "").strip().lower() in ("1", "true", "yes", "on")
-
-
-def check_loader(loader: DataLoader) -> None:
-    """A loader HeteroAccelerator can re-cut into shares without changing what it means, else one clear error."""
-    if isinstance(loader.dataset, IterableDataset):
-        raise ValueError(
-            f"HeteroAccelerator needs a map-style dataset (indexable, with a length), got the iterable "
-            f"{type(loader.dataset).__name__}: wrap the data in a map-style Dataset"
-        )
-    if loader.batch_size is None:
-        raise ValueError(
-            f"HeteroAccelerator needs a DataLoader with batch_size, got batch_sampler="
-            f"{type(loader.batch_sampler).__name__}: pass batch_size= (and shuffle=) instead of a batch sampler"
-        )
-    if not isinstance(loader.sampler, RandomSampler | SequentialSampler):
-        raise ValueError(
-            f"HeteroAccelerator replaces the loader's sampler with per-process shares and keeps only its order "
-            f"(shuffled or sequential); got {type(loader.sampler).__name__}: use shuffle=True or False instead"
-        )
-
-
-def profiling_inputs(batch: Any, loss_fn: Any) -> tuple[Any, Any, Any]:
-    """(sample, target, loss) to profile the model on a batch as the training loop will call it."""
-    if isinstance(batch, Mapping):  # Hugging Face style: model(**batch).loss
-        return dict(batch), None, loss_fn or (lambda out: out["loss"] if isinstance(out, Mapping) else out.loss)
-    if isinstance(batch, (list, tuple)) and len(batch) >= 2 and loss_fn is not None:
-        return batch[0], batch[1], loss_fn
-    if isinstance(batch, (list, tuple)) and batch:
-        return batch[0], None, None
-    return batch, None, None
 
 
 def check_even_batches(weighting: str) -> None:

@@ -22,31 +22,58 @@ reduce-scatters its weighted gradient, and FSDP2 adds them into the sharded grad
 from __future__ import annotations
 
 import contextlib
-import inspect
 import numbers
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from functools import partial
-from typing import Any
+from typing import Any, Protocol
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.plugins import Precision
 from torch import Tensor, nn
 
 import hetsplit.distributed as hd
+from hetsplit.devices import Device
 from hetsplit.distributed.sharded import is_sharded, rank_micro
 from hetsplit.planning import Plan
 
-from .collectives import samples_in
-
-LOG_SIGNATURE = inspect.signature(pl.LightningModule.log)
-_NOT_SET = object()
+from ..collectives import samples_in
+from .logs import LOG_SIGNATURE, log_replaced
 
 
-def run_training_step(strategy: Any, plain: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """HeteroDDPStrategy's training step: the share as one batch, or as the plan's micro-batches.
+class MicroBatchRunner(Protocol):
+    """What a step run as micro-batches needs of its strategy (:class:`~.strategy.HeteroStrategy` has it)."""
+
+    @property
+    def module(self) -> pl.LightningModule: ...
+
+    @property
+    def plan(self) -> Plan | None: ...
+
+    @property
+    def global_rank(self) -> int: ...
+
+    @property
+    def rank_device(self) -> Device | None: ...
+
+    @property
+    def precision_plugin(self) -> Precision: ...
+
+    @property
+    def aside(self) -> GradientsAside: ...
+
+    def micro_model(self) -> nn.Module: ...
+
+    def run_micro_batch(self, call: Any, *args: Any, **kwargs: Any) -> Any: ...
+
+
+def run_training_step(
+    strategy: MicroBatchRunner, plain: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    """A hetsplit strategy's training step: the share as one batch, or as the plan's micro-batches.
 
     Args:
-        strategy: The ``HeteroDDPStrategy`` (its plan, rank, model, device and precision plugin).
+        strategy: The strategy (its plan, rank, module, device and precision plugin).
         plain: ``DDPStrategy.training_step`` (the share as one batch, through Lightning's forward redirection).
         args: The arguments Lightning gave ``training_step`` (the share's batch first).
         kwargs: Its keyword arguments.
@@ -59,8 +86,8 @@ def run_training_step(strategy: Any, plain: Callable[..., Any], args: tuple[Any,
             rank's emulated memory (``cpu:max4``), as a GPU's would.
         ValueError: As :func:`share_micro_batches` and :func:`micro_training_step`.
     """
-    module, plan, rank, device = strategy.lightning_module, strategy.plan, strategy.global_rank, strategy.rank_device
-    if share_micro_batches(plan, rank, module, sharded=is_sharded(strategy._micro_model())) is None:
+    module, plan, rank, device = strategy.module, strategy.plan, strategy.global_rank, strategy.rank_device
+    if share_micro_batches(plan, rank, module, sharded=is_sharded(strategy.micro_model())) is None:
         samples = samples_in(args[0] if args else kwargs.get("batch"))
         if device is not None and samples is not None:
             device.check_batch(samples)
@@ -108,7 +135,7 @@ def share_micro_batches(
     return list(parts) if len(parts) > 1 else None
 
 
-def micro_training_step(strategy: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+def micro_training_step(strategy: MicroBatchRunner, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Run this rank's share as ``plan.micro_batches[rank]``; return the share's step output for Lightning.
 
     The batch is cut by :func:`hetsplit.distributed.micro_batches` (which also makes an
@@ -134,7 +161,8 @@ def micro_training_step(strategy: Any, args: tuple[Any, ...], kwargs: dict[str, 
         ValueError: If the batch is not this rank's share, or a micro-batch's step returns no loss.
         torch.OutOfMemoryError: If a micro-batch exceeds the device's emulated memory.
     """
-    synced, module, plan, rank = strategy._micro_model(), strategy.lightning_module, strategy.plan, strategy.global_rank
+    synced, module, plan, rank = strategy.micro_model(), strategy.module, strategy.plan, strategy.global_rank
+    assert plan is not None, "micro-batches follow a plan"  # share_micro_batches found them in it
     sizes = rank_micro(plan, rank, is_sharded(synced))
     batch = args[0] if args else kwargs["batch"]
     # The index Lightning decides zero_grad by (its epoch loop's), also for a training_step without batch_idx.
@@ -150,7 +178,9 @@ def micro_training_step(strategy: Any, args: tuple[Any, ...], kwargs: dict[str, 
     pieces = hd.micro_batches(synced, batch, plan, rank=rank, device=strategy.rank_device)
     for j, (piece, samples) in enumerate(zip(pieces, sizes)):
         piece_args, piece_kwargs = ((piece, *args[1:]), kwargs) if args else (args, {**kwargs, "batch": piece})
-        outs.append(strategy._run_piece(partial(_recorded, module, recorder, samples), *piece_args, **piece_kwargs))
+        outs.append(
+            strategy.run_micro_batch(partial(_recorded, module, recorder, samples), *piece_args, **piece_kwargs)
+        )
         if j < len(sizes) - 1:  # inside no_sync: gradients accumulate locally
             loss = _loss(outs[-1], j, sizes) / normalize
             (scaler.scale(loss) if scaler is not None else loss).backward()
@@ -245,12 +275,12 @@ class _ShareLoss(torch.autograd.Function):
     """Forward: the share's loss ``value``. Backward: the incoming gradient to the given losses, unchanged."""
 
     @staticmethod
-    def forward(ctx: Any, value: Tensor, *losses: Tensor) -> Tensor:  # type: ignore[override]
+    def forward(ctx: Any, value: Tensor, *losses: Tensor) -> Tensor:
         ctx.count = len(losses)
         return value.clone()
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
         return (None, *([grad] * ctx.count))
 
 
@@ -327,8 +357,10 @@ def combine(values: Sequence[Any], weights: Sequence[float], how: str = "mean", 
     if not all(isinstance(v, Tensor | numbers.Number) for v in values):
         return last
     if all(isinstance(v, numbers.Number) for v in values):
-        if how in ("sum", "max", "min"):
-            return {"sum": sum, "max": max, "min": min}[how](values)
+        if how == "sum":
+            return sum(values)
+        if how in ("max", "min"):
+            return max(values) if how == "max" else min(values)
         return sum(v * w for v, w in zip(values, weights)) / sum(weights)
     like = next(v for v in values if isinstance(v, Tensor))
     tensors = [v if isinstance(v, Tensor) else torch.tensor(v, dtype=like.dtype, device=like.device) for v in values]
@@ -337,8 +369,10 @@ def combine(values: Sequence[Any], weights: Sequence[float], how: str = "mean", 
     if any(t.shape != like.shape for t in tensors):
         return last
     stacked = torch.stack(tensors)
-    if how in ("sum", "max", "min"):
-        return {"sum": stacked.sum, "max": stacked.amax, "min": stacked.amin}[how](0)
+    if how == "sum":
+        return stacked.sum(0)
+    if how in ("max", "min"):
+        return stacked.amax(0) if how == "max" else stacked.amin(0)
     if not (stacked.is_floating_point() or stacked.is_complex()):
         stacked = stacked.to(torch.get_default_dtype())
     share = torch.tensor([w / sum(weights) for w in weights], dtype=stacked.dtype, device=stacked.device)
@@ -405,17 +439,3 @@ def _detached(value: Any) -> Any:
     if isinstance(value, Mapping):
         return {k: _detached(v) for k, v in value.items()}
     return value
-
-
-@contextlib.contextmanager
-def log_replaced(module: nn.Module, log: Callable[..., None]) -> Iterator[None]:
-    """``module.log`` is ``log`` inside (an instance attribute over the class's method; removed after)."""
-    own = vars(module).get("log", _NOT_SET)
-    module.log = log
-    try:
-        yield
-    finally:
-        if own is _NOT_SET:
-            del module.log
-        else:
-            module.log = own

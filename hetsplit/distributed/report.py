@@ -1,0 +1,175 @@
+"""Report: what hetsplit says about a split — the shares and predicted step at the start, the measured step at the end.
+
+One line each, on rank 0, silenced with ``quiet=True`` or ``$HETSPLIT_QUIET``: the same
+lines from :func:`hetsplit.distributed.plan` and from every integration (Lightning,
+accelerate, the HF Trainer), so a user can tell that something uneven happened and how
+close the prediction came.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import statistics
+import time
+from collections.abc import Sequence
+
+from ..devices import parse_device
+from ..planning.plan import Plan
+
+# The variable that silences every integration's split report, as quiet=True does.
+QUIET_ENV = "HETSPLIT_QUIET"
+
+# The steps at a run's start that its measured step leaves out (warm-up), when there are more.
+WARMUP_STEPS = 1
+
+
+def is_quiet(quiet: bool) -> bool:
+    """``quiet``, or ``$HETSPLIT_QUIET`` set to anything but empty, ``0``, ``false``, ``no`` or ``off``."""
+    flag = os.environ.get(QUIET_ENV, "").strip().lower()
+    return bool(quiet) or flag not in ("", "0", "false", "no", "off")
+
+
+class SplitReport:
+    """What hetsplit says about a split: one line when training starts, one when it ends (rank 0).
+
+    At the run's first training step, the split in force with its predicted step (the
+    plan's slowest share) and which devices are emulated; at the end (:meth:`end`), the
+    measured step beside the prediction: the median time from the start of one training
+    step to the next on rank 0, over every step of the run but the first (warm-up:
+    allocations, lazy initialisation), where each step ends in the gradients' all-reduce
+    every rank waits for, so rank 0's period is the job's. Each line is said once per
+    run, however many epochs it has: between epochs, :meth:`pause` keeps an evaluation
+    or an epoch's end out of the steps timed. Nothing with ``quiet`` (:func:`is_quiet`)
+    or on another rank.
+
+    In a torchrun script: ``report = hd.SplitReport("train.py", dist.get_rank())``, then
+    ``report.step(plan)`` at the start of every training step, ``report.pause()`` where
+    training stops for a while (evaluation), and ``report.end(plan)`` after the last (or
+    ``report.end(plan, measured=seconds)`` with a step time of your own).
+    :func:`hetsplit.distributed.plan` says the split when it is made, so the first
+    :meth:`step` of a plan already said does not repeat it.
+
+    Args:
+        who: The class or script the user runs (each line starts with it).
+        rank: This process's rank.
+        quiet: Say nothing.
+    """
+
+    def __init__(self, who: str, rank: int, quiet: bool = False) -> None:
+        self.who, self.on = who, rank == 0 and not is_quiet(quiet)
+        self.periods: list[float] = []  # the run's step times, start to start (the first one's included)
+        self._last: float | None = None  # when the running step started (None: paused, or not started)
+        self._first: Plan | None = None  # the plan of the run's first step (None: no run yet)
+        self._plan: Plan | None = None  # the plan of the run's latest step
+        self._said: Plan | None = None  # the plan whose split was said last (by announce)
+
+    def announce(self, plan: Plan, devices: Sequence[str] | None = None) -> None:
+        """Say the split of ``plan`` and its predicted step now (a plan just made)."""
+        if self.on:
+            self._said = plan
+            self._say(self._start_line(plan, devices))
+
+    def note(self, line: str) -> None:
+        """Say one more line about the split (a warning about its measurement), as the others are said."""
+        if self.on:
+            self._say(f"{self.who}: {line}")
+
+    def step(self, plan: Plan | None, devices: Sequence[str] | None = None) -> None:
+        """A training step of ``plan`` starts (the run's first says the split; ``devices``: one name per rank)."""
+        if not self.on or plan is None:
+            return
+        now = time.perf_counter()
+        if self._first is None:
+            self._first = plan
+            if plan is not self._said:
+                self._say(self._start_line(plan, devices))
+        elif self._last is not None:
+            self.periods.append(now - self._last)
+        self._last, self._plan = now, plan
+
+    def pause(self) -> None:
+        """Training stops for a while (a pass over the loader ended, an evaluation runs): the run goes on.
+
+        The time until the next :meth:`step` is no step's, so it is not timed; the split
+        is not said again.
+        """
+        self._last = None
+
+    def end(self, plan: Plan | None = None, measured: float | None = None) -> None:
+        """The run ended: the measured step beside the prediction, once (a later :meth:`step` starts a new run).
+
+        Args:
+            plan: The plan in force at the end (default: the latest step's).
+            measured: A step time in seconds measured by the caller, said instead of the
+                median time between the starts of the steps this report saw.
+        """
+        if not self.on:
+            return
+        plan = plan if plan is not None else self._plan
+        if measured is not None:
+            self._say(f"{self.who}: measured step {_ms(measured)} (yours){_against(plan, measured, self._first)}")
+        elif self._first is None:
+            return
+        elif not self.periods:
+            self._say(f"{self.who}: measured step: one step, none to time from start to start")
+        else:
+            # The first step's time holds the run's warm-up (allocations, lazy initialisation,
+            # DDP's first buckets), which the prediction leaves out; with one step timed, it is all there is.
+            warm = WARMUP_STEPS if len(self.periods) > WARMUP_STEPS else 0
+            timed = self.periods[warm:]
+            median = statistics.median(timed)
+            which = f"median of {len(timed)} after {warm} warm-up" if warm else "1 step, warm-up included"
+            line = f"{self.who}: measured step {_ms(median)} ({which}, rank 0, start to start)"
+            self._say(line + _against(plan, median, self._first))
+        self._last, self._first, self._plan, self.periods = None, None, None, []
+
+    def _start_line(self, plan: Plan, devices: Sequence[str] | None) -> str:
+        names = list(devices) if devices is not None and len(devices) == len(plan.sizes) else list(plan.devices)
+        shares = ", ".join(f"{name} {size} ({size / plan.batch_size:.0%})" for name, size in zip(names, plan.sizes))
+        line = f"{self.who}: global batch {plan.batch_size} split {shares}"
+        if any(len(parts) > 1 for parts in plan.micro_batches):
+            line += f" (micro-batches {plan.micro_batches})"
+        predicted = plan.step_time
+        line += (
+            f"; predicted step {_ms(predicted)}"
+            if math.isfinite(predicted) and predicted > 0
+            else ("; no predicted step (shares set by hand, nothing profiled)")
+        )
+        emulated = sorted({_bare(n) for n in names if _emulated(n)} | {_bare(n) for n in plan.emulated})
+        if emulated:
+            line += f"; emulated (a real device slowed down or capped, not real hardware): {', '.join(emulated)}"
+        return line
+
+    @staticmethod
+    def _say(line: str) -> None:
+        print(f"hetsplit: {line}", flush=True)
+
+
+def _against(plan: Plan | None, measured: float, first: Plan | None) -> str:
+    """The prediction beside a measured step (and a rebalanced split), as the end line says them."""
+    predicted = plan.step_time if plan is not None else math.nan
+    if math.isfinite(predicted) and predicted > 0:
+        line = f", predicted {_ms(predicted)} ({measured / predicted - 1:+.0%})"
+    else:
+        line = ", no prediction (shares set by hand)"
+    if plan is not None and first is not None and list(plan.sizes) != list(first.sizes):
+        line += f"; rebalanced to {list(plan.sizes)}"
+    return line
+
+
+def _bare(name: str) -> str:
+    """``cpu@0.25`` for a plan's label ``rank1:cpu@0.25`` (a hand-set plan's ``rank1`` stays)."""
+    head, _, rest = name.partition(":")
+    return rest if head.startswith("rank") and head[4:].isdigit() and rest else name
+
+
+def _emulated(name: str) -> bool:
+    try:
+        return parse_device(_bare(name), check=False).emulated
+    except ValueError:  # a free-form label of a hand-set plan
+        return False
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.1f} ms"

@@ -1,0 +1,105 @@
+"""Zero share: what a rank the plan gives 0 samples runs each step, and how that stand-in is recognised.
+
+``DataLoader(batch_size=0)`` is refused by torch and many models cannot run a batch of 0
+rows (``x.view(x.size(0), -1)``), yet every rank must take part in every collective. So
+a rank with a share of 0 runs :data:`STAND_IN` real samples — the first rows of the
+global batch — which the gradient weighting counts as 0 and metrics count as none.
+Every piece that serves, cuts or weights such a batch asks this module: the samplers
+(:mod:`.sampler`), a global batch cut by hand (:func:`~hetsplit.distributed.local_batch`),
+FSDP2's filler micro-batches (:mod:`.sharded`), the weighting (:mod:`.comm_hooks`), the
+plan's prediction of the step (:mod:`.rank_plan`) and the integrations.
+
+How the weighting learns that the batch in hand is a stand-in without a plan: whoever
+hands the batch out says so to :data:`IN_HAND` (a :class:`HandOff`), and the weighting,
+given that hand-off when it is made, reads it in the forward. The sampler cannot say it
+(a loader with workers draws indices ahead of the batch in hand); the loader's iterator
+and :func:`~hetsplit.distributed.local_batch` can, as they give the batch to the
+training loop. It is kept per thread: the batch a thread holds is the one its next
+forward runs.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+from ..tree import batch_length, narrow
+
+# How many real samples a zero share runs: two, not one, because BatchNorm cannot train on
+# one sample ("Expected more than 1 value per channel": a ResNet's last stage on 28-pixel
+# images, any BatchNorm1d), and the plain model never meets one where hetsplit served it
+# (one, when the whole global batch is one sample).
+STAND_IN = 2
+
+# What a rank whose share is 0 is served: the stand-in (real samples weighted 0), or an empty batch.
+ZERO_SHARES = ("sample", "empty")
+
+
+def check_zero_share(zero_share: str) -> str:
+    """``zero_share`` if it is one of :data:`ZERO_SHARES`.
+
+    Raises:
+        ValueError: Naming the value and the accepted ones.
+    """
+    if zero_share not in ZERO_SHARES:
+        raise ValueError(f"zero_share={zero_share!r}: use one of {', '.join(map(repr, ZERO_SHARES))}")
+    return zero_share
+
+
+def stand_in_rows(rows: int) -> int:
+    """How many rows the stand-in of a batch of ``rows`` holds (:data:`STAND_IN`, fewer in a smaller batch)."""
+    return min(STAND_IN, rows)
+
+
+def is_stand_in(planned: int | None, rows: int) -> bool:
+    """Whether ``rows`` rows run where the plan gives ``planned`` are a zero share's stand-in (or nothing).
+
+    The one test every check of a step against its plan makes before refusing it.
+    """
+    return planned == 0 and rows <= STAND_IN
+
+
+def stand_in_indices(order: Sequence[int], first: int, batch_size: int) -> list[int]:
+    """The stand-in's indices in an epoch's ``order``: the first rows of the global batch starting at ``first``."""
+    return list(order[first : first + stand_in_rows(batch_size)])
+
+
+def stand_in_batch(batch: Any, dim: int = 0, *, rows: int | None = None) -> Any:
+    """The stand-in cut from a batch in hand: its first rows (views; every tensor with ``dim``, or of ``rows``)."""
+    n = batch_length(batch, dim) if rows is None else rows
+    return narrow(batch, 0, stand_in_rows(n), dim=dim, rows=rows)
+
+
+def stand_in_items(dataset: Any) -> list[Any]:
+    """The stand-in drawn from a map-style dataset: its first items, for a framework that collates them itself.
+
+    (The HF Trainer's evaluation of a share of 0 runs these, collated by its own collator.)
+    """
+    return [dataset[i] for i in range(stand_in_rows(len(dataset)))]
+
+
+class HandOff:
+    """Whether the batch handed to the training loop last, on this thread, is a zero share's stand-in.
+
+    Written by whoever gives a batch to the loop (:func:`~hetsplit.distributed.data_loader`'s
+    iterator, :func:`~hetsplit.distributed.local_batch`) and read by the gradient weighting
+    made without a plan, which then counts the stand-in as 0 samples, as the plan's
+    weighting does.
+    """
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+
+    def hand(self, stand_in: bool) -> None:
+        """The batch now handed out is (``True``) or is not a stand-in."""
+        self._local.stand_in = stand_in
+
+    @property
+    def stand_in(self) -> bool:
+        """Whether the batch in hand is a stand-in."""
+        return bool(getattr(self._local, "stand_in", False))
+
+
+# The hand-off between the loaders and the weighting (see the module's doc).
+IN_HAND = HandOff()

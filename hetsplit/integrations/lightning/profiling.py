@@ -1,0 +1,135 @@
+"""Profiling a LightningModule for the plan: its ``training_step`` timed on each rank's device, rank 0 solving."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import warnings
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
+from torch import nn
+
+from hetsplit.devices import Device
+from hetsplit.distributed.sharded import holds_sharded
+from hetsplit.planning import Plan, Profile
+
+from .. import core
+
+
+class _Shared:
+    """A context factory that ``copy.deepcopy`` (the profiler copies the model) shares, never copies."""
+
+    def __init__(self, factory: Callable[[], contextlib.AbstractContextManager[Any]]) -> None:
+        self.factory = factory
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _Shared:
+        return self
+
+
+class LossModule(nn.Module):
+    """A copy of a LightningModule whose forward is its ``training_step``: the loss the profiler times.
+
+    The copy has no trainer, so ``self.log`` in ``training_step`` would warn on every
+    call; those warnings are silenced. The step runs in ``context`` (the precision
+    plugin's training context: autocast for mixed precision).
+
+    Args:
+        module: The detached copy of the LightningModule.
+        context: A callable returning the context manager to run the step in.
+    """
+
+    def __init__(self, module: pl.LightningModule, context: Callable[[], Any] = contextlib.nullcontext) -> None:
+        super().__init__()
+        self.module = module
+        self.context = _Shared(context)
+
+    @classmethod
+    def detached(cls, module: pl.LightningModule, context: Callable[[], Any] = contextlib.nullcontext) -> LossModule:
+        """A :class:`LossModule` over a copy of ``module`` made without its trainer (``module`` keeps it).
+
+        Returns:
+            The loss module (the original module is untouched).
+        """
+        trainer = module.trainer
+        module.trainer = None  # the copy must not drag the trainer along, nor log through it
+        try:
+            replica = copy.deepcopy(module)
+        finally:
+            module.trainer = trainer
+        return cls(replica, context)
+
+    def forward(self, batch: Any) -> torch.Tensor:
+        """The loss of ``training_step(batch, 0)`` (its ``"loss"`` entry when it returns a dict).
+
+        Called as Lightning calls it: ``batch_idx`` only where the hook's signature takes
+        one (``training_step(self, batch)`` is allowed; Lightning's own FSDP2 example has it).
+        """
+        step = self.module.training_step
+        args = (batch, 0) if is_param_in_hook_signature(step, "batch_idx", min_args=2) else (batch,)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r".*`self\.log\(\)`.*")
+            with self.context.factory():
+                out = step(*args)
+        loss = out.get("loss") if isinstance(out, Mapping) else out
+        if not isinstance(loss, torch.Tensor):
+            raise ValueError(
+                f"training_step returned {type(out).__name__}, not a loss tensor or a dict with 'loss'; "
+                "the strategy profiles the loss training_step returns: pass plan= or profile= instead"
+            )
+        return loss
+
+
+def profiled_plan(
+    module: pl.LightningModule,
+    context: Callable[[], contextlib.AbstractContextManager[Any]],
+    loader: Any,
+    batch_size: int,
+    *,
+    who: str,
+    root: torch.device,
+    device: Device | None,
+    profile: Profile | None,
+    plan_kwargs: Mapping[str, Any],
+) -> Plan:
+    """Profile a detached copy of ``module`` on this rank's device; rank 0 solves for all.
+
+    A module sharded with ``fully_shard`` is profiled in place, the ranks in turns, as
+    :func:`hetsplit.distributed.plan` does.
+
+    Args:
+        module: The LightningModule.
+        context: The precision plugin's training-step context (autocast for mixed precision).
+        loader: The user's training loader (one batch of it is the profiling sample).
+        batch_size: The global batch to plan.
+        who: The strategy's class (named in the message).
+        root: The device the rank's model lives on (its random state is kept on a GPU).
+        device, profile, plan_kwargs: As for :func:`hetsplit.distributed.plan`.
+
+    Raises:
+        RuntimeError: If ``training_step`` cannot be profiled (naming the device and the cause).
+    """
+    cuda = [root] if root.type == "cuda" else []
+    with torch.random.fork_rng(devices=cuda):  # drawing the sample shuffles: the run must not see it
+        sample = next(iter(loader))  # as the loader gives it (on the CPU): the profiler moves rows itself
+
+    def profiled(model: nn.Module) -> Plan:
+        return core.profiled_plan(
+            who, "training_step", model, (sample,), batch_size, device=device, profile=profile,
+            plan_kwargs=plan_kwargs, cuda=cuda, hint="fix the step, or pass plan= (or profile=) to skip profiling",
+        )  # fmt: skip
+
+    if not holds_sharded(module):
+        return profiled(LossModule.detached(module, context))
+    # torch refuses to copy an FSDP2 module: hetsplit.distributed.plan times the sharded module
+    # itself, the ranks in turns, and leaves it as it was. Detached from the trainer meanwhile,
+    # so the profile's self.log goes nowhere (and syncs nothing).
+    trainer = module.trainer
+    module.trainer = None
+    try:
+        return profiled(LossModule(module, context))
+    finally:
+        module.trainer = trainer
