@@ -203,7 +203,7 @@ def _llama(rank):
 
 
 def _planned(rank):
-    """hd.plan on the sharded model: rank 1 is a quarter as fast with a memory of 4 samples (its share: micro-batches)."""
+    """hd.plan on the sharded model: rank 1 a quarter as fast, holding 4 samples (its share: micro-batches)."""
     from torch.distributed.tensor import DTensor
 
     model = _sharded(width=512)  # wide enough that a step's arithmetic outweighs its overhead: both ranks get work
