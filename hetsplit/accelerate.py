@@ -1,5 +1,6 @@
 """HeteroAccelerator: Hugging Face accelerate with per-device shares from one hetsplit plan."""
 
 from hetsplit.integrations.accelerate import HeteroAccelerator
+from hetsplit.integrations.options import HeteroOptions
 
-__all__ = ["HeteroAccelerator"]
+__all__ = ["HeteroAccelerator", "HeteroOptions"]

@@ -2,5 +2,6 @@
 
 from hetsplit.integrations.lightning.ddp import HeteroDDPStrategy
 from hetsplit.integrations.lightning.model_parallel import HeteroModelParallelStrategy
+from hetsplit.integrations.options import HeteroOptions
 
-__all__ = ["HeteroDDPStrategy", "HeteroModelParallelStrategy"]
+__all__ = ["HeteroDDPStrategy", "HeteroModelParallelStrategy", "HeteroOptions"]

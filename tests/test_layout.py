@@ -85,9 +85,9 @@ PUBLIC = {
     "hetsplit.parallel": 10,  # torch.nn.parallel's verbs for any devices, and what hetsplit re-exports
     "hetsplit.planning": 6,  # plans and profiles as data
     "hetsplit.distributed": 12,
-    "hetsplit.lightning": 2,
-    "hetsplit.accelerate": 1,
-    "hetsplit.transformers": 1,
+    "hetsplit.lightning": 3,
+    "hetsplit.accelerate": 2,
+    "hetsplit.transformers": 2,
     "hetsplit.apps.models": None,
 }
 
