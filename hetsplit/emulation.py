@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -131,6 +132,7 @@ def delayed(device: _Emulated) -> float:
 _SCHEDSTAT = "/proc/thread-self/schedstat"  # Linux: ns on a CPU, ns runnable but waiting for one, slices
 _HAS_SCHEDSTAT: bool | None = None
 _EXTRA = threading.local()  # per thread: emulated compute added by throttles (seconds beyond the real work)
+_STAT = threading.local()  # per thread: its schedstat file, open (see _runnable_time)
 
 
 def _runnable_time() -> float:
@@ -148,8 +150,14 @@ def _runnable_time() -> float:
     global _HAS_SCHEDSTAT
     if _HAS_SCHEDSTAT is not False:
         try:
-            with open(_SCHEDSTAT, "rb") as f:
-                waiting = int(f.read().split()[1])
+            # Every lap reads this twice per replica per step: the file is opened once per
+            # thread (/proc/thread-self names the thread that opens it) and read in place,
+            # 2 us a read against 15 us for an open, read and close. The file object lives
+            # in the thread's local state and is closed with it.
+            stat = getattr(_STAT, "file", None)
+            if stat is None:
+                stat = _STAT.file = open(_SCHEDSTAT, "rb", buffering=0)  # noqa: SIM115
+            waiting = int(os.pread(stat.fileno(), 128, 0).split()[1])
             _HAS_SCHEDSTAT = True
             return time.thread_time() + waiting * 1e-9
         except (OSError, ValueError, IndexError):

@@ -114,6 +114,7 @@ def test_the_runnable_clock_counts_work_not_sleep():
 def test_without_schedstat_the_clock_is_the_threads_cpu_time(monkeypatch):
     monkeypatch.setattr(emulation, "_SCHEDSTAT", "/nonexistent/schedstat")
     monkeypatch.setattr(emulation, "_HAS_SCHEDSTAT", None)
+    monkeypatch.setattr(emulation, "_STAT", threading.local())  # no file this thread opened before
     monkeypatch.setattr(time, "thread_time", lambda: 12.5)
     assert emulation._runnable_time() == 12.5 and not emulation.measures_load()
 

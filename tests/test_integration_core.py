@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import hetsplit
 import hetsplit.distributed as hd
 from hetsplit.accelerate import HeteroAccelerator
-from hetsplit.distributed.setup import device_name
+from hetsplit.devices import device_name
 from hetsplit.integrations import core, loaders, options
 from hetsplit.lightning import HeteroDDPStrategy
 from hetsplit.planning import Plan, plan_from_sizes
@@ -327,3 +327,9 @@ def test_quiet_is_one_shared_option_checked_alike(integration):
     }[integration]
     with pytest.raises(TypeError, match=r"\(quiet=\.\.\.\) must be True or False, got str: 'yes'"):
         make(quiet="yes")
+
+
+def test_a_profile_file_name_is_refused_with_the_way_to_load_it_in_every_integration():
+    # The one source check (planning.sizes.check_source): the integrations used to lose its hint.
+    with pytest.raises(TypeError, match=r"HeteroTrainer\(profile=...\) must be a hetsplit Profile.*Profile\.load"):
+        options.HeteroOptions(profile="cpu.json").check("HeteroTrainer")

@@ -33,6 +33,6 @@ def test_a_single_sample_share_moves_where_the_room_allows():
 
 @pytest.mark.parametrize("value", ["profile.json", Path("profile.json")])
 def test_a_file_name_for_a_source_is_refused_with_the_way_to_load_it(value):
-    with pytest.raises(TypeError, match=r"profile must be a Profile or Plan, got .*Profile\.load\(path\)"):
+    with pytest.raises(TypeError, match=r"profile must be a hetsplit Profile or Plan, got .*Profile\.load\(path\)"):
         check_source("profile", value, (Profile, Plan))
     check_source("profile", None)  # not given: nothing to check

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hetsplit.planning import Plan, Profile, Rebalancer
+from hetsplit.planning.sizes import check_source
 
 from .core import check_rebalance
 
@@ -115,13 +116,11 @@ class HeteroOptions:
             )
         if weighting not in weightings:
             raise ValueError(f"{who}(weighting={weighting!r}): use one of {', '.join(map(repr, weightings))}")
-        if plan is not None and not isinstance(plan, Plan):
-            raise TypeError(
-                f"{who}(plan=...) must be a hetsplit Plan, got {type(plan).__name__}: {plan!r}; for fixed shares use "
-                "hetsplit.planning.plan_from_sizes(None, ['rank0', 'rank1'], [6, 2]) or plan_kwargs={'weights': [3, 1]}"
-            )
-        if profile is not None and not isinstance(profile, Profile):
-            raise TypeError(f"{who}(profile=...) must be a hetsplit Profile, got {type(profile).__name__}: {profile!r}")
+        check_source(
+            f"{who}(plan=...)", plan, (Plan,), hint="; for fixed shares use hetsplit.planning.plan_from_sizes("
+            "None, ['rank0', 'rank1'], [6, 2]) or plan_kwargs={'weights': [3, 1]}"
+        )  # fmt: skip
+        check_source(f"{who}(profile=...)", profile, (Profile,))
         if not isinstance(self.quiet, bool):
             raise TypeError(f"{who}(quiet=...) must be True or False, got {type(self.quiet).__name__}: {self.quiet!r}")
         if self.plan_kwargs is not None and not isinstance(self.plan_kwargs, Mapping):

@@ -583,12 +583,6 @@ def _check_one_device(module: nn.Module) -> None:
         )
 
 
-def _positions(devices: Sequence[Device], chosen: Sequence[Device]) -> list[int]:
-    """Where each of ``chosen`` sits in ``devices``, taking repeated devices in order."""
-    free = list(range(len(devices)))
-    return [free.pop(next(k for k, i in enumerate(free) if devices[i] == d)) for d in chosen]
-
-
 def _drop_module_prefix(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
     """State-dict hook: the wrapped module's keys without ``module.``, at any nesting depth."""
     inner = prefix + "module."

@@ -128,6 +128,7 @@ class Rebalancer:
         # fixed per-run cost plus a cost per sample is fitted (see _fit).
         self._seen: dict[str, deque[tuple[int, int, float]]] = {}
         self._planned: set[str] = set()  # devices whose curve came with the plan (see record)
+        self._started = False  # the first plan's curves looked at (once)
         self._last_check: tuple[list[int], dict[str, float], float] | None = None
 
     def factors(self) -> dict[str, float]:
@@ -183,7 +184,7 @@ class Rebalancer:
         """
         started = time.perf_counter()
         self.steps += 1
-        if self.profile is None and not self._planned:
+        if self.profile is None and not self._started:
             self._start_from(plan)
         for name, size, micro in zip(plan.devices, plan.sizes, plan.micro_batches):
             seconds = step_times.get(name)
@@ -211,6 +212,7 @@ class Rebalancer:
         back in 38 steps). A curve without a fixed cost (the quick calibration's) tells nothing the
         steps will not: those devices are fitted from their steps.
         """
+        self._started = True
         for name, curve in zip(plan.devices, plan.curves):
             if curve.intercept > 0 and name not in self._entries:
                 self._entries[name] = dataclasses.replace(_observed(name, 0.0, 1.0), curve=curve)

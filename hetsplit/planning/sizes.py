@@ -16,7 +16,7 @@ from .profile import Profile, fingerprint
 from .solver import plan_from_sizes, solve
 
 
-def check_source(arg: str, value: object, kinds: tuple[type, ...] = (Profile,)) -> None:
+def check_source(arg: str, value: object, kinds: tuple[type, ...] = (Profile,), *, hint: str = "") -> None:
     """Refuse a ``plan=``/``profile=`` argument that is none of ``kinds`` (``None`` passes).
 
     The one check of where shares come from, for every engine and integration: a file
@@ -27,15 +27,16 @@ def check_source(arg: str, value: object, kinds: tuple[type, ...] = (Profile,)) 
         arg: The argument as the user wrote it (``"profile"``, ``"HeteroDDPStrategy(plan=...)"``).
         value: What was given.
         kinds: The accepted types.
+        hint: What to do instead, said after the message (``"; for fixed shares use ..."``).
 
     Raises:
         TypeError: Naming the argument, the accepted types and what was given.
     """
     if value is None or isinstance(value, kinds):
         return
-    hint = "; load a file with hetsplit.Profile.load(path)" if isinstance(value, str | PurePath) else ""
+    load = "; load a file with hetsplit.Profile.load(path)" if isinstance(value, str | PurePath) else ""
     wanted = " or ".join(k.__name__ for k in kinds)
-    raise TypeError(f"{arg} must be a {wanted}, got {type(value).__name__}: {value!r}{hint}")
+    raise TypeError(f"{arg} must be a hetsplit {wanted}, got {type(value).__name__}: {value!r}{load}{hint}")
 
 
 def check_weights(weights: Sequence[float], n_devices: int) -> list[float]:
