@@ -307,6 +307,26 @@ def device_list(spec: str) -> list[str]:
     return [s.strip() for s in spec.split(",") if s.strip()]
 
 
+# The frameworks name the CPU with an index (accelerate's multi-CPU device is "cpu:0",
+# torch.device("cpu", 0) prints so); hetsplit's CPU takes none (Device makes cpu:0 the
+# CPU). A framework's index is dropped, whatever follows it (@speed, :maxN).
+_CPU_INDEX = re.compile(r"^cpu:\d+(?=$|[@:])")
+
+
+def device_name(device: Any) -> str:
+    """hetsplit's name for a device as a framework writes it: ``cpu:0`` is ``cpu``, ``cuda:1`` stays.
+
+    Args:
+        device: A ``torch.device``, a hetsplit ``Device`` or a name (``"cpu:0@0.25"``).
+
+    Returns:
+        The name :func:`parse_device` takes.
+    """
+    if isinstance(device, Device):
+        return device.name
+    return _CPU_INDEX.sub("cpu", str(device).strip())
+
+
 def parse_devices(specs: str | Iterable[DeviceLike], *, check: bool = True) -> list[Device]:
     """Parse a comma-separated string or a sequence of device specs.
 

@@ -10,12 +10,10 @@ from __future__ import annotations
 import contextlib
 import copy
 import io
-import os
-import sys
 
 import torch
 import torch.nn.functional as F
-from integration_launch import run_scenario  # tests/ is the script's folder
+from integration_launch import scenario  # tests/ is the script's folder
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
 from hetsplit.accelerate import HeteroAccelerator
@@ -27,7 +25,6 @@ N = 16
 X = torch.randn(N, 3, dtype=torch.float64)
 Y = torch.randn(N, 1, dtype=torch.float64)
 DATA = TensorDataset(torch.arange(N), X, Y)
-SCENARIOS = sys.argv[1].split(",") if len(sys.argv) > 1 else None
 
 
 def model_pair():
@@ -51,15 +48,6 @@ def assert_same(model, ref, what):
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         err = (p.detach().cpu() - q.detach()).abs().max().item()
         assert err < 1e-12, f"{what}: parameter {name} differs from the single-process reference by {err}"
-
-
-def scenario(name):
-    def register(fn):
-        if SCENARIOS is None or name in SCENARIOS:
-            run_scenario(name, fn, int(os.environ["RANK"]))
-        return fn
-
-    return register
 
 
 @scenario("step")

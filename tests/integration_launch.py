@@ -13,9 +13,11 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import traceback
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -69,3 +71,25 @@ def run_scenario(name: str, fn: Callable[[], object], rank: int) -> None:
         print(f"FAIL {name} rank {rank}\n{traceback.format_exc()}END {name} rank {rank}", flush=True)
     else:
         print(f"OK {name} rank {rank}", flush=True)
+
+
+def scenario(name: str, *, folder: bool = False) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """A job's scenario: the decorated function runs at once, under :func:`run_scenario`, if the job asked for it.
+
+    A job runs the scenarios its first argument names (``job.py a,b``), every one without
+    an argument. With ``folder`` the function is given a fresh temporary folder, removed
+    after it.
+    """
+    wanted = sys.argv[1].split(",") if len(sys.argv) > 1 else None
+
+    def register(fn: Callable[..., Any]) -> Callable[..., Any]:
+        if wanted is None or name in wanted:
+            rank = int(os.environ["RANK"])
+            if folder:
+                with tempfile.TemporaryDirectory() as path:
+                    run_scenario(name, lambda: fn(path), rank)
+            else:
+                run_scenario(name, fn, rank)
+        return fn
+
+    return register

@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import os
 import shutil
-import sys
 import tempfile
 
 import lightning as L
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from integration_launch import run_scenario  # tests/ is the script's folder
+from integration_launch import scenario  # tests/ is the script's folder
 from torch.distributed.fsdp import fully_shard
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -35,7 +34,6 @@ torch.manual_seed(0)
 X, Y = torch.randn(N, 3, dtype=torch.float64), torch.randn(N, 1, dtype=torch.float64)
 DATA = TensorDataset(torch.arange(N), X, Y)
 RANK = int(os.environ["RANK"])
-SCENARIOS = sys.argv[1].split(",") if len(sys.argv) > 1 else None
 
 
 def net():
@@ -125,15 +123,6 @@ def assert_full_batch_sgd(model, trainer, padded=False, epochs=2):
         err = (full - q.detach()).abs().max().item()
         assert err < 1e-12, f"parameter {name} differs from the single-process full-batch SGD by {err}"
     return shares, stand_in
-
-
-def scenario(name):
-    def register(fn):
-        if SCENARIOS is None or name in SCENARIOS:
-            run_scenario(name, fn, RANK)
-        return fn
-
-    return register
 
 
 @scenario("uneven")

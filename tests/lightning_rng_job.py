@@ -13,13 +13,12 @@ per later epoch the same way. Prints ``OK``/``FAIL`` per scenario and rank
 from __future__ import annotations
 
 import os
-import sys
 
 import lightning as L
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from integration_launch import run_scenario  # tests/ is the script's folder
+from integration_launch import scenario  # tests/ is the script's folder
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 from torch.distributed.fsdp import fully_shard
 from torch.utils.data import DataLoader, TensorDataset
@@ -32,7 +31,6 @@ torch.manual_seed(0)
 X, Y = torch.randn(N, 3, dtype=torch.float64), torch.randn(N, 1, dtype=torch.float64)
 DATA = TensorDataset(X, Y)
 RANK = int(os.environ["RANK"])
-SCENARIOS = sys.argv[1].split(",") if len(sys.argv) > 1 else None
 
 
 class Draws(L.LightningModule):
@@ -98,15 +96,6 @@ def assert_same(plain, hetero) -> None:
     assert [h for h, _ in plain] == [h for h, _ in hetero], (plain, hetero)
     different = [(h, p, q) for (h, p), (_, q) in zip(plain, hetero) if p != q]
     assert not different, f"draws differ from plain Lightning's (hook, plain, hetsplit): {different}"
-
-
-def scenario(name):
-    def register(fn):
-        if SCENARIOS is None or name in SCENARIOS:
-            run_scenario(name, fn, RANK)
-        return fn
-
-    return register
 
 
 PLAN = plan_from_sizes(None, ["rank0", "rank1"], [6, 2])

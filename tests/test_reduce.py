@@ -65,3 +65,14 @@ def test_the_course_get_params_on_one_cpu_is_refused_naming_device_copy():
             for p in ps:
                 p -= 0.5 * p.grad
     assert all(torch.equal(a, p - 0.5) and torch.equal(b, p - 0.5) for a, b, p in zip(own[0], own[1], params))
+
+
+def test_one_shards_weight_is_its_entry_in_the_shard_weights():
+    # The engines that know only their own size and the total (a rank, a micro-batch) weight by it.
+    from hetsplit.parallel.reduce import shard_weight, shard_weights
+
+    for reduction in ("mean", "sum"):
+        assert [shard_weight(s, 8, reduction) for s in (6, 2, 0)] == shard_weights([6, 2, 0], reduction)
+    assert shard_weight(0, 0) == 0.0 and shard_weight(0, 0, "sum") == 0.0  # a step without samples weighs nothing
+    with pytest.raises(ValueError, match="reduction must be 'mean' or 'sum', got 'max'"):
+        shard_weight(1, 2, "max")

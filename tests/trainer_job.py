@@ -13,18 +13,15 @@ import contextlib
 import copy
 import io
 import os
-import sys
-import tempfile
 
 import torch
 import torch.distributed as dist
-from integration_launch import run_scenario  # tests/ is the script's folder
+from integration_launch import scenario  # tests/ is the script's folder
 from transformers import BertConfig, BertForSequenceClassification, LlamaConfig, LlamaForCausalLM, TrainingArguments
 
 from hetsplit.planning import Plan, Profile, plan_from_sizes
 from hetsplit.transformers import HeteroTrainer
 
-SCENARIOS = sys.argv[1].split(",") if len(sys.argv) > 1 else None
 # HF's causal-LM loss computes in float32 (it casts the logits), so sharded and full-batch
 # sums round differently at ~1e-7 relative; a weighting error is of order 1e-2 here.
 TOLERANCE = 1e-6
@@ -91,16 +88,6 @@ def assert_same(model, ref, what):
         assert err < TOLERANCE, f"{what}: {name} differs from the single-process reference by {err}"
 
 
-def scenario(name):
-    def register(fn):
-        if SCENARIOS is None or name in SCENARIOS:
-            with tempfile.TemporaryDirectory() as folder:
-                run_scenario(name, lambda: fn(folder), int(os.environ["RANK"]))
-        return fn
-
-    return register
-
-
 def train_once(folder, plan, data, devices=None, plan_kwargs=None, **overrides):
     """Train a fresh tiny Llama for one step; ``plan`` is a Plan, a list of shares, or None (profiled)."""
     model = llama()
@@ -115,7 +102,7 @@ def train_once(folder, plan, data, devices=None, plan_kwargs=None, **overrides):
     return trainer, model, ref
 
 
-@scenario("tokens")
+@scenario("tokens", folder=True)
 def _(folder):
     # The Trainer's own global token normalisation (average_tokens_across_devices, the default)
     # and the rescaled per-process mean (flag off) both equal the full-batch step on 3 + 1 samples.
@@ -127,7 +114,7 @@ def _(folder):
         assert_same(model, ref, f"average_tokens_across_devices={flag}")
 
 
-@scenario("short-last")
+@scenario("short-last", folder=True)
 def _(folder):
     # even_batches=False: the last global batch (2 of 6 samples) is kept short, cut in the plan's
     # proportions, and both steps equal a single process's steps on [0..3] then [4, 5].
@@ -142,7 +129,7 @@ def _(folder):
     assert_same(model, ref, "a short last global batch, even_batches=False")
 
 
-@scenario("accumulate")
+@scenario("accumulate", folder=True)
 def _(folder):
     # Two global batches accumulated into one step (the Trainer counts the window's tokens).
     data = sequences(8, seed=2)
@@ -151,7 +138,7 @@ def _(folder):
     assert_same(model, ref, "gradient accumulation")
 
 
-@scenario("zero")
+@scenario("zero", folder=True)
 def _(folder):
     # A share of 0: one real sample weighted 0, with either normalisation of the Trainer.
     data = sequences(4, seed=3)
@@ -191,14 +178,14 @@ def classify(folder, plan, devices=None):
         assert err < 1e-12, f"sequence classification: {name} differs by {err}"  # float64 end to end
 
 
-@scenario("classify")
+@scenario("classify", folder=True)
 def _(folder):
     # BERT sequence classification computes its own mean over samples and ignores
     # num_items_in_batch: the step must still be the full-batch step on 6 + 2 samples.
     classify(folder, plan_from_sizes(None, ["rank0", "rank1"], [6, 2]))
 
 
-@scenario("evaluate")
+@scenario("evaluate", folder=True)
 def _(folder):
     # Evaluation first (no plan: each process profiles on the evaluation loader), 9 samples in
     # global batches of 4: the last batch is padded. eval_loss is the token mean over the 9
@@ -222,7 +209,7 @@ def _(folder):
     assert seen == [9], seen
 
 
-@scenario("profiled")
+@scenario("profiled", folder=True)
 def _(folder):
     # No plan: each process profiles the model on its device; both follow the plan solved from the profiles.
     data = sequences(16, seed=5)
@@ -250,7 +237,7 @@ def _(folder):
     assert theirs == [list(plan.sizes)] * 2, theirs
 
 
-@scenario("rebalance")
+@scenario("rebalance", folder=True)
 def _(folder):
     # rebalance= as in the other integrations: each training_step is one step of the rebalancer (the
     # Trainer fetches a whole accumulation window first); the step is still the full-batch step.
@@ -278,7 +265,7 @@ MICRO = Plan(["rank0", "rank1"], [6, 2], [0.0, 0.0], 8, micro_batches=[[2, 2, 2]
 CAPPED = "cpu:max2,cpu"
 
 
-@scenario("micro")
+@scenario("micro", folder=True)
 def _(folder):
     # Each micro-batch's loss is weighted by its own label tokens, under either normalisation of the Trainer.
     data = sequences(8, seed=7)
@@ -304,7 +291,7 @@ def _(folder):
         assert err < TOLERANCE, f"a step outside the loop: {name}'s gradient differs by {err}"
 
 
-@scenario("micro-accumulate")
+@scenario("micro-accumulate", folder=True)
 def _(folder):
     # The Trainer's gradient accumulation over micro-batched shares: the window's tokens counted once.
     data = sequences(16, seed=8)
@@ -315,7 +302,7 @@ def _(folder):
     assert_same(model, ref, "micro-batches with gradient accumulation")
 
 
-@scenario("micro-classify")
+@scenario("micro-classify", folder=True)
 def _(folder):
     # Sequence classification (a mean over samples) with micro-batches: still float64-exact.
     classify(folder, MICRO, CAPPED)
@@ -349,7 +336,7 @@ def assert_exact(got, want, what):
         assert err < 1e-12, f"{what}: {name} differs from the float64 full-batch reference by {err}"
 
 
-@scenario("micro-masked")
+@scenario("micro-masked", folder=True)
 def _(folder):
     # Weighted 0, a masked mean over no tokens is 0 in value but NaN in its backward (0 * 1/0) in every
     # parameter. In order (sequential): rank 0's share of 6 runs as 2 + 2 + 2 and its first micro-batch's
@@ -378,7 +365,7 @@ def _(folder):
     assert_exact(grads, [p.grad for p in check.parameters()], "a step of its own with label-less micro-batches")
 
 
-@scenario("micro-memory")
+@scenario("micro-memory", folder=True)
 def _(folder):
     # Whole shares of 4 over emulated memories of 2 and 3 samples: the forward raises, as a GPU's would.
     # Both shares are too large, so both ranks stop at the same point (no collective left waiting).
@@ -390,7 +377,7 @@ def _(folder):
         raise AssertionError("a share over the emulated memory trained without torch.OutOfMemoryError")
 
 
-@scenario("micro-solved")
+@scenario("micro-solved", folder=True)
 def _(folder):
     # Solved with accumulate (plan_kwargs) for devices whose memories hold 2 and 3 samples, from
     # given profiles (no timing): 8 samples fit only as micro-batches, which the Trainer follows
@@ -427,7 +414,7 @@ def assert_same_sharded(model, ref, what):
         assert err < TOLERANCE, f"{what}: {name} differs from the single-process reference by {err}"
 
 
-@scenario("fsdp2")
+@scenario("fsdp2", folder=True)
 def _(folder):
     # The Trainer's own FSDP2 settings (fsdp_config version 2, a fully_shard per decoder layer), on
     # CPU processes as on GPUs: an uneven plan, a share of 0, and two accumulated global batches all
@@ -458,7 +445,7 @@ def _(folder):
         assert_exact(whole, ref.parameters(), f"FSDP2, plan {sizes}, samples {silenced} without labels")
 
 
-@scenario("fsdp2-save")
+@scenario("fsdp2-save", folder=True)
 def _(folder):
     # A tied GPT-2 saved by HeteroTrainer under FSDP2 holds the keys the plain Trainer's save holds:
     # the tied lm_head.weight once, as transformers' save_pretrained drops it (was: saved twice).
@@ -490,7 +477,7 @@ def _(folder):
     assert "lm_head.weight" not in keys[0], keys[0]
 
 
-@scenario("fsdp2-profiled")
+@scenario("fsdp2-profiled", folder=True)
 def _(folder):
     # No plan: the Trainer prepares its loader before the model, so the shares stay even until
     # accelerate has sharded the model, then each process profiles it sharded (nothing holds it
@@ -521,7 +508,7 @@ def _(folder):
     assert abs(loss - expected) < TOLERANCE, (loss, expected)
 
 
-@scenario("fsdp2-micro")
+@scenario("fsdp2-micro", folder=True)
 def _(folder):
     # Micro-batches under FSDP2: every process runs as many forwards (the plan's largest count;
     # its collectives would hang otherwise), a smaller share in more, smaller pieces, a piece

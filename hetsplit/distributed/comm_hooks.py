@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..emulation import is_out_of_memory
-from ..parallel.reduce import shard_weights
+from ..parallel.reduce import shard_weight, shard_weights
 from ..planning.plan import Plan
 from ..tree import batch_length, flatten, tree_map
 from . import sharded as _sharded
@@ -70,7 +70,7 @@ class WeightingState:
         self.planned = plan.sizes[self.rank]
         micro = _sharded.rank_micro(plan, self.rank, self.sharded)
         self.micro = micro if len(micro) > 1 else None
-        self.weight = self.planned / plan.batch_size if self.reduction == "mean" else float(self.planned > 0)
+        self.weight = shard_weight(self.planned, plan.batch_size, self.reduction)
 
     def started(self) -> None:
         """A training forward began: count it as this rank's next step."""
@@ -328,8 +328,7 @@ def weight_gradients(
         record(args, kwargs)  # after the forward: one Python call per step; an off-plan step still raises
         if state.weight is None:  # FSDP2 without a plan: B from this step's counts
             total = _sharded.exchanged_total(state.local, module, group, rank)
-            b = state.local
-            weight = (b / total if total else 0.0) if reduction == "mean" else float(b > 0)
+            weight = shard_weight(state.local, total, reduction)
             return _watch_for_a_sum(state, _scaled(output, world * weight))
         return _watch_for_a_sum(state, _scaled(output, world * state.weight * state.part))
 
@@ -440,6 +439,6 @@ def _micro_step(state: WeightingState, rank: int) -> None:
         state.started()  # a step is all of the rank's micro-batches
     if filler:
         state.part = 0.0
-    else:
-        state.part = state.local / sum(micro) if state.reduction == "mean" else 1.0
+    else:  # the micro-batch's weight in the rank's gradient, as a shard's in the step's
+        state.part = shard_weight(state.local, sum(micro), state.reduction)
     state.pos = (state.pos + 1) % len(micro)

@@ -366,8 +366,3 @@ def data_loader(
     )  # fmt: skip
     collate = _Collate(sampler, loader_kwargs.pop("collate_fn", None))
     return _SharesLoader(dataset, sampler, collate_fn=collate, **loader_kwargs)
-
-
-# The batch sampler's name before there was one sampler: the integrations still import it.
-# Remove once hetsplit/integrations/ name HeteroDistributedSampler.
-HeteroBatchSampler = HeteroDistributedSampler

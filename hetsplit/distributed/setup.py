@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import os
-import re
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
-from ..devices import Device, device_list, parse_device
+from ..devices import Device, device_list, device_name, parse_device
 from ._group import init_timeout
 from .teardown import drain_at_exit
 
@@ -50,31 +49,6 @@ def launch_env(*, required: bool = False) -> LaunchEnv:
         except ValueError as e:
             raise ValueError(f"{name} must be an integer, got {raw!r}; start the job with torchrun") from e
     return LaunchEnv(values["RANK"], values["WORLD_SIZE"], values["LOCAL_RANK"])
-
-
-# The frameworks name the CPU with an index (accelerate's multi-CPU device is "cpu:0",
-# torch.device("cpu", 0) prints so); hetsplit's CPU takes none. The index is dropped,
-# whatever follows it (@speed, :maxN).
-_CPU_INDEX = re.compile(r"^cpu:\d+(?=$|[@:])")
-
-
-def device_name(device: Any) -> str:
-    """hetsplit's name for a device as a framework writes it: ``cpu:0`` is ``cpu``, ``cuda:1`` stays.
-
-    Args:
-        device: A ``torch.device``, a hetsplit ``Device`` or a name (``"cpu:0@0.25"``).
-
-    Returns:
-        The name :func:`hetsplit.parse_device` takes.
-    """
-    if isinstance(device, Device):
-        return device.name
-    return _CPU_INDEX.sub("cpu", str(device).strip())
-
-
-def device_names(spec: str) -> str:
-    """A comma-separated device list with every entry named as :func:`device_name` names it."""
-    return ",".join(device_name(s) for s in device_list(spec))
 
 
 def rank_devices(spec: str, world: int) -> list[str]:

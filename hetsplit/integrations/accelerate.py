@@ -15,10 +15,9 @@ from accelerate.utils import reduce as accelerate_reduce
 from torch.utils.data import DataLoader, RandomSampler
 
 import hetsplit.distributed as hd
-from hetsplit.devices import Device, parse_device
+from hetsplit.devices import Device, device_name, parse_device
 from hetsplit.distributed._group import verify_dtypes
 from hetsplit.distributed.comm_hooks import WeightingState
-from hetsplit.distributed.setup import device_name
 from hetsplit.distributed.sharded import kind
 from hetsplit.planning import Plan, Profile, Rebalancer
 from hetsplit.planning.sizes import resolve_plan, scaled_plan

@@ -14,7 +14,7 @@ from typing import Any
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler, SequentialSampler
 
 import hetsplit.distributed as hd
-from hetsplit.distributed.sampler import HeteroBatchSampler
+from hetsplit.distributed.sampler import HeteroDistributedSampler
 from hetsplit.planning import Plan
 
 # DataLoader settings a rebuilt loader keeps from the user's (the sampler, batch size and
@@ -78,10 +78,10 @@ def rebuilt_loader(
     )
 
 
-def shares_sampler(loader: DataLoader[Any]) -> HeteroBatchSampler:
-    """The :class:`~hetsplit.distributed.sampler.HeteroBatchSampler` of a loader :func:`rebuilt_loader` made."""
+def shares_sampler(loader: DataLoader[Any]) -> HeteroDistributedSampler:
+    """The :class:`~hetsplit.distributed.sampler.HeteroDistributedSampler` of a loader :func:`rebuilt_loader` made."""
     sampler = loader.batch_sampler
-    if not isinstance(sampler, HeteroBatchSampler):
+    if not isinstance(sampler, HeteroDistributedSampler):
         raise TypeError(f"expected a loader rebuilt on hetsplit's shares, got batch_sampler {sampler!r}")
     return sampler
 

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from accelerate.data_loader import DataLoaderShard
 from torch.utils.data import DataLoader
 
-from hetsplit.distributed.sampler import HeteroBatchSampler
+from hetsplit.distributed.sampler import HeteroDistributedSampler
 
 from .collectives import samples_in
 
@@ -45,10 +45,10 @@ class SharesLoader(DataLoaderShard):  # type: ignore[misc]
     _rows: int = 0  # its rows
 
     @property
-    def shares(self) -> HeteroBatchSampler:
+    def shares(self) -> HeteroDistributedSampler:
         """The batch sampler that cuts every global batch into the plan's shares."""
         sampler = self.batch_sampler
-        assert isinstance(sampler, HeteroBatchSampler), "made over hetsplit's shares"
+        assert isinstance(sampler, HeteroDistributedSampler), "made over hetsplit's shares"
         return sampler
 
     @property
@@ -74,7 +74,7 @@ class SharesLoader(DataLoaderShard):  # type: ignore[misc]
         """This process's rows of the current batch that are data counted once.
 
         Not the padding that completes a last global batch, nor the one sample a share of
-        0 is served (:meth:`HeteroBatchSampler.real_rows`).
+        0 is served (:meth:`HeteroDistributedSampler.real_rows`).
         """
         return min(self._rows, self.shares.real_rows(self._index))
 

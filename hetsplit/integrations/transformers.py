@@ -18,7 +18,8 @@ from hetsplit.devices import Device, parse_device
 from hetsplit.distributed.accumulate import _all_reduce_once, _micro_sizes, _pieces
 from hetsplit.distributed.setup import ENV_DEVICES, rank_devices
 from hetsplit.distributed.sharded import kind, micro_for_rows
-from hetsplit.distributed.zero_share import STAND_IN
+from hetsplit.distributed.zero_share import stand_in_items
+from hetsplit.parallel.reduce import shard_weight
 from hetsplit.planning import Plan, Profile, Rebalancer
 from hetsplit.tree import flatten, narrow
 
@@ -415,7 +416,8 @@ class HeteroTrainer(transformers.Trainer):
             if total is None:  # a step outside the Trainer's loop: count this step's items on every process
                 counted = self._get_num_items_in_batch([inputs], self.args.device)
                 total = self._global_items(counted, torch.as_tensor(items, device=loss.device)).item()
-            factor = self.accelerator.num_processes / total if total else 0.0
+            # Each item's shard weight, 1 / N, times the processes DDP averages over: S_r items weigh world * S_r / N.
+            factor = self.accelerator.num_processes * shard_weight(1, total)
             scaled = getattr(self, "loss_is_scaled_for_ga", None)
             if scaled is None:  # the Trainer's own rule for when it divides by the accumulation steps
                 scaled = self.model_accepts_loss_kwargs and num_items_in_batch is not None
@@ -473,7 +475,7 @@ class HeteroTrainer(transformers.Trainer):
         loader = self._filler
         if loader is None:
             raise RuntimeError("HeteroTrainer: a share of 0 samples before any loader was made; pass a data set")
-        items = [loader.dataset[i] for i in range(min(STAND_IN, len(loader.dataset)))]
+        items = stand_in_items(loader.dataset)
         some = self._prepare_inputs(loader.collate_fn(items))
         return {k: v for k, v in some.items() if k in inputs}
 

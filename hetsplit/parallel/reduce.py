@@ -18,17 +18,35 @@ def shard_weights(sizes: Sequence[int], reduction: str = "mean") -> list[float]:
         ValueError: On an unknown ``reduction``, a size that is not a non-negative
             integer, or an empty batch.
     """
-    if reduction not in ("mean", "sum"):
-        raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+    _check_reduction(reduction)
     for i, s in enumerate(sizes):
         if isinstance(s, bool) or not isinstance(s, int) or s < 0:
             raise ValueError(f"size {i} must be an integer >= 0 (a shard's sample count), got {s!r} in {list(sizes)}")
     total = sum(sizes)
     if total <= 0:
         raise ValueError(f"sizes {list(sizes)} hold no sample; nothing to weight")
+    return [shard_weight(s, total, reduction) for s in sizes]
+
+
+def shard_weight(size: float, total: float, reduction: str = "mean") -> float:
+    """One shard's weight (see :func:`shard_weights`) where only its own size and the total are known.
+
+    For the callers that know ``total`` from a plan or a collective and weight once per
+    step or forward: the sizes are not checked here. A step where no shard has a sample
+    (``total`` is 0) weighs nothing.
+
+    Raises:
+        ValueError: On an unknown ``reduction``.
+    """
     if reduction == "sum":
-        return [1.0 if s > 0 else 0.0 for s in sizes]
-    return [s / total for s in sizes]
+        return 1.0 if size > 0 else 0.0
+    _check_reduction(reduction)
+    return size / total if total else 0.0
+
+
+def _check_reduction(reduction: str) -> None:
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
 
 
 def _check_not_aliased(lists: Sequence[Sequence[torch.Tensor]]) -> None:

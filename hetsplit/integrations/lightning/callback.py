@@ -9,14 +9,14 @@ import lightning.pytorch as pl
 from typing_extensions import override
 
 import hetsplit.distributed as hd
-from hetsplit.distributed.sampler import HeteroBatchSampler
+from hetsplit.distributed.sampler import HeteroDistributedSampler
 
 
 class Driven(Protocol):
     """What the callback drives (:class:`~.strategy.HeteroStrategy` has it)."""
 
     @property
-    def train_sampler(self) -> HeteroBatchSampler | None: ...
+    def train_sampler(self) -> HeteroDistributedSampler | None: ...
 
     @property
     def rebalancer(self) -> hd.DistributedRebalancer | None: ...

@@ -35,6 +35,7 @@ from torch import Tensor, nn
 import hetsplit.distributed as hd
 from hetsplit.devices import Device
 from hetsplit.distributed.sharded import is_sharded, rank_micro
+from hetsplit.parallel.reduce import shard_weight
 from hetsplit.planning import Plan
 
 from ..collectives import samples_in
@@ -309,7 +310,7 @@ def share_output(outs: Sequence[Any], sizes: Sequence[int]) -> Any:
     losses = [_loss(out, j, sizes) for j, out in enumerate(outs)]
     weights = _weights(sizes)
     total = sum(weights)
-    value = sum(loss.detach() * (n / total) for loss, n in zip(losses, weights))
+    value = sum(loss.detach() * shard_weight(n, total) for loss, n in zip(losses, weights))
     combined = _ShareLoss.apply(value, losses[-1])
     if not isinstance(outs[-1], Mapping):
         return combined
@@ -348,6 +349,7 @@ def combine(values: Sequence[Any], weights: Sequence[float], how: str = "mean", 
     """
     last = values[-1]
     weights = _weights(weights)
+    total = sum(weights)
     if isinstance(last, Mapping):
         out = {}
         for key in last:
@@ -361,7 +363,7 @@ def combine(values: Sequence[Any], weights: Sequence[float], how: str = "mean", 
             return sum(values)
         if how in ("max", "min"):
             return max(values) if how == "max" else min(values)
-        return sum(v * w for v, w in zip(values, weights)) / sum(weights)
+        return sum(v * shard_weight(w, total) for v, w in zip(values, weights))
     like = next(v for v in values if isinstance(v, Tensor))
     tensors = [v if isinstance(v, Tensor) else torch.tensor(v, dtype=like.dtype, device=like.device) for v in values]
     if rows and all(t.dim() > 0 and t.shape[0] == w for t, w in zip(tensors, weights)):
@@ -375,7 +377,7 @@ def combine(values: Sequence[Any], weights: Sequence[float], how: str = "mean", 
         return stacked.amax(0) if how == "max" else stacked.amin(0)
     if not (stacked.is_floating_point() or stacked.is_complex()):
         stacked = stacked.to(torch.get_default_dtype())
-    share = torch.tensor([w / sum(weights) for w in weights], dtype=stacked.dtype, device=stacked.device)
+    share = torch.tensor([shard_weight(w, total) for w in weights], dtype=stacked.dtype, device=stacked.device)
     return (stacked * share.view(-1, *[1] * like.dim())).sum(0)
 
 

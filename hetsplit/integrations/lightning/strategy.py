@@ -25,7 +25,7 @@ from typing_extensions import override
 import hetsplit.distributed as hd
 from hetsplit.devices import Device, parse_device
 from hetsplit.distributed.comm_hooks import WeightingState
-from hetsplit.distributed.sampler import HeteroBatchSampler
+from hetsplit.distributed.sampler import HeteroDistributedSampler
 from hetsplit.distributed.setup import ENV_DEVICES
 from hetsplit.planning import Plan, plan_from_sizes
 from hetsplit.planning.plan import sizes_from_weights
@@ -78,8 +78,8 @@ class HeteroStrategy(ParallelStrategy):
         self._labels: list[str] = []
         self.gradients: WeightingState | None = None
         self.rebalancer: hd.DistributedRebalancer | None = None
-        self.train_sampler: HeteroBatchSampler | None = None
-        self._eval_samplers: weakref.WeakKeyDictionary[HeteroBatchSampler, int] = weakref.WeakKeyDictionary()
+        self.train_sampler: HeteroDistributedSampler | None = None
+        self._eval_samplers: weakref.WeakKeyDictionary[HeteroDistributedSampler, int] = weakref.WeakKeyDictionary()
         self._samples: int | None = None  # this rank's samples in the step running now
         # The running batch's index and loader, as Lightning's loops number them (the step
         # hooks may take no batch_idx: Lightning passes only what their signature names).
@@ -300,7 +300,7 @@ class HeteroStrategy(ParallelStrategy):
             return plan_from_sizes(None, self._labels, sizes_from_weights(total, [1] * self.world_size))
         return scaled_plan(plan, total, self._labels)
 
-    def _step_sampler(self) -> HeteroBatchSampler | None:
+    def _step_sampler(self) -> HeteroDistributedSampler | None:
         """The hetsplit sampler of the loader the running step's batch comes from, if it has one.
 
         Evaluation loaders are found where Lightning keeps what ``process_dataloader``
@@ -321,7 +321,7 @@ class HeteroStrategy(ParallelStrategy):
         index = self._dataloader_idx
         loader = loaders[index] if 0 <= index < len(loaders) else None
         sampler = getattr(loader, "batch_sampler", None)
-        return sampler if isinstance(sampler, HeteroBatchSampler) else None
+        return sampler if isinstance(sampler, HeteroDistributedSampler) else None
 
     # ------------------------------------------------------------------ steps
     def batch_started(self, index: int, dataloader_idx: int = 0) -> None:
