@@ -127,7 +127,7 @@ class Rebalancer:
         # Without a profile: each device's observed steps (runs, samples, seconds), to which a
         # fixed per-run cost plus a cost per sample is fitted (see _fit).
         self._seen: dict[str, deque[tuple[int, int, float]]] = {}
-        self._planned: set[str] = set()  # devices whose curve came with the plan (see record)
+        self._prior: dict[str, Curve] = {}  # the curves the first plan came with (see _start_from)
         self._started = False  # the first plan's curves looked at (once)
         self._last_check: tuple[list[int], dict[str, float], float] | None = None
 
@@ -190,7 +190,7 @@ class Rebalancer:
             seconds = step_times.get(name)
             if size <= 0 or not seconds or seconds <= 0:
                 continue
-            if self.profile is None and name not in self._planned and self._fit(name, len(micro), size, seconds):
+            if self.profile is None and self._fit(name, len(micro), size, seconds):
                 continue
             curve = self._entry(name).curve
             base = sum(curve(m) for m in micro)  # the predicted time of what ran: its micro-batches
@@ -205,18 +205,25 @@ class Rebalancer:
         """Without a profile: start each device from the curve its plan was solved from, where it shows a fixed cost.
 
         Such a curve (a torchrun plan's: measured on its own rank) knows the device's fixed cost
-        per step and its memory cap, which steps of one size cannot show: scaled by the observed
-        factor it follows a change of speed at any share. Seen on a busy VM: fitted from the
-        steps alone, the fixed cost was lost in the noise, time was taken as proportional to the
-        share, and a small share looked slow per sample (FSDP2, 2x slower rank recovered: no move
-        back in 38 steps). A curve without a fixed cost (the quick calibration's) tells nothing the
-        steps will not: those devices are fitted from their steps.
+        per step and its memory cap, which steps of one size cannot show. It is the device's
+        model until its steps separate a fixed cost of their own (:meth:`_fit`), and again
+        whenever they cannot: seen on a busy VM, where the noise hid the fixed cost, time was
+        taken as proportional to the share, a small share looked slow per sample, and an FSDP2
+        rank slowed 2x and recovered never got its share back. A curve without a fixed cost
+        (the quick calibration's) tells nothing the steps will not: it is not kept.
         """
         self._started = True
         for name, curve in zip(plan.devices, plan.curves):
             if curve.intercept > 0 and name not in self._entries:
                 self._entries[name] = dataclasses.replace(_observed(name, 0.0, 1.0), curve=curve)
-                self._planned.add(name)
+                self._prior[name] = curve
+
+    def _use(self, name: str, entry: DeviceProfile) -> None:
+        """Make ``entry`` the device's model; a change of curve voids the last re-solve's proof."""
+        old = self._entries.get(name)
+        if old is None or old.curve != entry.curve:
+            self._entries[name] = entry
+            self._last_check = None  # the curve changed: the last re-solve proves nothing about it
 
     def _fit(self, name: str, runs: int, samples: int, seconds: float) -> bool:
         """Without a profile: fit ``t = a * runs + s * samples`` to the device's steps; ``True`` once fitted.
@@ -248,11 +255,16 @@ class Rebalancer:
         rss = sum((v - a * x - slope * y) ** 2 for x, y, v in zip(k, n, t))
         error = math.sqrt(rss / dof * nn / det) if dof > 0 and det > 0 else math.inf
         if not (slope > 0 and a > 2.0 * error):
+            prior = self._prior.get(name)
+            if prior is not None:  # the plan's curve, not a line through the origin (see _start_from)
+                self._use(name, dataclasses.replace(_observed(name, 0.0, 1.0), curve=prior))
+                self.corrections[name] = deque(
+                    (math.log(v / (r * prior(b / r))) for r, b, v in seen if prior(b / r) > 0), maxlen=self.window
+                )
+                self.log_factors[name] = statistics.median(self.corrections[name]) if self.corrections[name] else 0.0
+                return True
             a, slope = 0.0, sum(t) / sum(n)
-        old = self._entries.get(name)
-        if old is None or (old.curve.intercept, old.curve.slope) != (a, slope):
-            self._entries[name] = _observed(name, a, slope)
-            self._last_check = None  # the curve changed: the last re-solve proves nothing about it
+        self._use(name, _observed(name, a, slope))
         self.corrections[name] = deque(
             (math.log(v / (a * r + slope * b)) for r, b, v in seen if a * r + slope * b > 0), maxlen=self.window
         )
