@@ -255,3 +255,23 @@ def test_without_a_profile_it_starts_from_the_plans_curves_and_follows_a_recover
     assert sizes[44] <= 6 and sizes[-1] >= 7  # and back within 45 steps of the recovery
     assert len(reb.history) <= 4  # no swinging in between
     assert Plan.from_dict(start.to_dict()).curves == start.curves  # the curves travel with the plan (torchrun)
+
+
+def test_a_rank_whose_zero_share_runs_stand_ins_keeps_them_real_and_stays_timed():
+    """Under torchrun a rank with share 0 still runs two samples: it keeps two real ones and stays timed.
+
+    Seen on FSDP2 (a rank slowed 2x, its fixed cost large): [12, 4] -> [16, 0], and with nothing to time
+    the rank never got its share back after it sped up again.
+    """
+    truth = Profile.from_measurements({d: [(1, 0.06), (16, 0.21)] for d in DEVICES})
+    reb, plan, rng = Rebalancer(every=4), solve(truth, 16), random.Random(5)
+    reb.stand_in = 2  # what DistributedRebalancer sets
+    sizes, slow_factor = [], {}
+    for step in range(90):
+        speeds = {"fast": 1.0, "slow": 0.1 if 10 <= step < 45 else 1.0}  # so slow that 0 would be solved
+        new = reb.observe(plan, _fsdp_like(speeds, plan, rng))
+        plan = new if new is not None else plan
+        sizes.append(plan.sizes[1])
+        slow_factor[step] = reb.factors().get("slow")
+    assert min(sizes[10:]) == 2  # never 0: its two stand-ins are real samples (without stand_in: 0 from step 15)
+    assert slow_factor[44] / slow_factor[89] > 5  # and its 10x speed-up is seen

@@ -20,8 +20,8 @@ from ..planning.plan import Plan
 from ..planning.profile import Profile
 from ..planning.rebalance import with_communication
 from ..planning.records import DeviceProfile
-from ..planning.sizes import has_batchnorm, resolve_plan, without_single_sample_shares
-from ..planning.solver import plan_from_sizes, solve_lockstep
+from ..planning.sizes import has_batchnorm, priced_stand_ins, resolve_plan, stand_ins_used, without_single_sample_shares
+from ..planning.solver import solve_lockstep
 from ..profiler import emulation_warning, train_step
 from ..profiler import profile as run_profile
 from ..timing import WorkTimer
@@ -333,58 +333,13 @@ def _through(curve: Curve, size: int, seconds: float) -> Curve:
 
 
 def _with_stand_ins(plan: Plan, prof: Profile | None) -> Plan:
-    """``plan`` with each zero share's predicted time: its rank runs ``STAND_IN`` samples weighted 0.
-
-    A rank with no share still runs two real samples every step (``hd.data_loader``,
-    ``hd.local_batch``), at its own speed: on a slow rank they can take longer than the
-    fast ranks' whole shares (ResNet-18 at a quarter speed: 1.1 s against 0.4 s), and a
-    prediction that counted them as nothing was 40-80 % low.
-    """
-    if prof is None or all(s > 0 for s in plan.sizes):
-        return plan
-    times = [
-        prof.entries[i].curve(STAND_IN) if s == 0 and i < len(prof.entries) else t
-        for i, (t, s) in enumerate(zip(plan.times, plan.sizes))
-    ]
-    return dataclasses.replace(plan, times=times)
+    """``plan`` with each zero share priced as the ``STAND_IN`` samples its rank runs (planning.sizes)."""
+    return priced_stand_ins(plan, prof, STAND_IN)
 
 
 def _stand_ins_used(plan: Plan, prof: Profile | None) -> Plan:
-    """``plan`` with each zero share given the samples its rank would run as stand-ins anyway.
-
-    The solver counts a zero share as free, but its rank runs ``STAND_IN`` samples every
-    step all the same; when a rank's fixed cost makes those its step, a share of 0 and a
-    share of ``STAND_IN`` real samples cost that rank the same, and the real samples take
-    work off the busiest ranks. Seen on a loaded machine: two equal CPUs, 8 samples, the
-    plan [8, 0] where [6, 2] is never slower. Samples move one at a time from the rank
-    predicted slowest, and the move is kept only if the step (stand-ins priced) is no
-    slower. Plans of several micro-batches per rank are left as solved.
-    """
-    if prof is None or 0 not in plan.sizes or max(map(len, plan.micro_batches)) > 1:
-        return plan
-    caps = prof.memory_caps()
-    before = _with_stand_ins(plan, prof).step_time
-    sizes = list(plan.sizes)
-    for i, s in enumerate(plan.sizes):
-        if s != 0:
-            continue
-        room = min(STAND_IN, caps.get(plan.devices[i]) or STAND_IN)
-        trial = list(sizes)
-        for _ in range(room):  # a donor keeps more than STAND_IN: no new zero share, no single sample
-            donors = [j for j, b in enumerate(trial) if j != i and b > STAND_IN]
-            if not donors:
-                break
-            times = plan_from_sizes(prof, plan.devices, trial).times
-            trial[max(donors, key=lambda j: times[j])] -= 1
-            trial[i] += 1
-        if trial[i] == room:  # all of them or none: a share of one sample would trip BatchNorm
-            sizes = trial
-    if sizes == list(plan.sizes):
-        return plan
-    moved = plan_from_sizes(prof, plan.devices, sizes)
-    if _with_stand_ins(moved, prof).step_time > before:
-        return plan
-    return dataclasses.replace(moved, noise=plan.noise)
+    """``plan`` with each zero share given the samples its rank runs anyway (planning.sizes)."""
+    return stand_ins_used(plan, prof, STAND_IN)
 
 
 def _broadcast_plan(solve: Callable[[Profile], Plan], group: Any, rank: int, world: int, prof: Profile | None) -> Plan:

@@ -19,6 +19,7 @@ from ._group import all_gather, group_info, guard, verify_plan
 from .comm_hooks import WeightingState
 from .sampler import HeteroDistributedSampler, plan_at
 from .step_time import StepTimer, exposed
+from .zero_share import STAND_IN
 
 
 class DistributedRebalancer:
@@ -85,6 +86,7 @@ class DistributedRebalancer:
                 f"the plan has {plan.sizes}; build both from the same plan"
             )
         self.rebalancer = rebalancer if rebalancer is not None else Rebalancer()
+        self.rebalancer.stand_in = STAND_IN  # a rank with no share runs these (hetsplit.distributed.zero_share)
         split = [r for r, parts in enumerate(plan.micro_batches) if len(parts) > 1]
         if split:
             # A plan run as micro-batches (a memory cap) is re-solved with them: one re-solved

@@ -15,7 +15,7 @@ from .curve import Curve
 from .plan import Plan
 from .profile import Profile
 from .records import DeviceProfile
-from .sizes import resolve_plan
+from .sizes import resolve_plan, stand_ins_used
 from .solver import plan_from_sizes
 
 
@@ -87,6 +87,10 @@ class Rebalancer:
         communication: Seconds every step pays beyond its slowest device's compute, whatever
             the split (collectives no computing hides; ``DistributedRebalancer`` measures it):
             added to both predictions, so a gain is the step's, not the compute's alone.
+        stand_in: Samples a device with a share of 0 runs all the same (0 in one process;
+            ``DistributedRebalancer`` sets its ranks' stand-in): priced in the predictions, and
+            a zero share takes that many real samples where the step is no slower, so the
+            device stays timed and its share can come back when it speeds up.
 
     Example:
         >>> dp = HeteroDataParallel(net, ["cpu", "cpu@0.25"], profile=prof, rebalance=True)
@@ -121,6 +125,7 @@ class Rebalancer:
         self.history: list[PlanChange] = []
         self.accumulate = False
         self.communication = 0.0
+        self.stand_in = 0
         self.steps = 0
         self.seconds = 0.0  # time spent in the rebalancer itself, to report its overhead
         self._entries: dict[str, DeviceProfile] = {}
@@ -332,7 +337,10 @@ class Rebalancer:
 
         def step_time(p: Plan) -> float:
             """The plan's step as it runs (each device's micro-batches in turn), communication included."""
-            work = [sum(c(m) for m in micro) for c, micro in zip(curves, p.micro_batches) if micro]
+            work = [
+                sum(c(m) for m in micro) if micro else c(self.stand_in) if self.stand_in else 0.0
+                for c, micro in zip(curves, p.micro_batches)
+            ]
             return max(work, default=0.0) + self.communication
 
         target = resolve_plan(plan.batch_size, plan.devices, profile=profile, accumulate=self.accumulate)
@@ -345,6 +353,11 @@ class Rebalancer:
         # Under accumulate, a share beyond a device's cap runs as micro-batches, cut as solve() would:
         # the new plan is predicted as it will run, the old one as it ran.
         new = plan_from_sizes(profile, plan.devices, sizes, accumulate=self.accumulate)
+        if self.stand_in:  # a zero share costs its stand-ins all the same: real samples there where no slower
+            new = stand_ins_used(new, profile, self.stand_in)
+            sizes = list(new.sizes)
+            if sizes == list(plan.sizes):
+                return None
         then = step_time(new)
         if not (math.isfinite(then) and 0 < then < now):  # never worse than the plan in force
             return None
