@@ -235,30 +235,16 @@ def _fsdp_like(speeds, plan, rng, fixed=0.05, per_sample=0.01):
     }
 
 
-def test_without_a_profile_it_starts_from_the_plans_curves_and_follows_a_recovery():
-    """A torchrun job: no profile at hand, the plan's curves (a fixed cost a step) are; rank 1 slowed 2x, then back.
-
-    Fitted from noisy steps alone, the fixed cost was lost (time taken as proportional to the share), a
-    small share looked slow per sample, and the share never came back after the recovery.
-    """
-    truth = Profile.from_measurements({d: [(1, 0.06), (16, 0.21)] for d in DEVICES})
-    start = solve(truth, 16)
-    assert start.sizes == [8, 8] and all(c.intercept > 0 for c in start.curves)
-    reb, plan, rng = Rebalancer(every=4), start, random.Random(3)
-    sizes = []
-    for step in range(90):
-        speeds = {"fast": 1.0, "slow": 0.5 if 10 <= step < 45 else 1.0}
-        new = reb.observe(plan, _fsdp_like(speeds, plan, rng))
-        plan = new if new is not None else plan
-        sizes.append(plan.sizes[1])
-    assert sizes[9] == 8 and min(sizes[10:30]) <= 6  # moved within 20 steps of the slow-down
-    assert sizes[44] <= 6 and sizes[-1] >= 7  # and back within 45 steps of the recovery
-    assert len(reb.history) <= 4  # no swinging in between
-    assert Plan.from_dict(start.to_dict()).curves == start.curves  # the curves travel with the plan (torchrun)
+def test_a_plan_carries_its_curves_through_json():
+    """What a torchrun rank receives (rank 0's plan as a dict): the curves it was solved from, memory caps included."""
+    truth = Profile.from_measurements({d: [(1, 0.06), (16, 0.21)] for d in DEVICES}, {"slow": 4})
+    plan = solve(truth, 16, accumulate=True)
+    assert plan.curves == [truth.entry(d).curve for d in DEVICES] and plan.curves[1].memory_cap == 4
+    assert Plan.from_dict(plan.to_dict()).curves == plan.curves
 
 
 def test_a_rank_whose_zero_share_runs_stand_ins_keeps_them_real_and_stays_timed():
-    """Under torchrun a rank with share 0 still runs two samples: it keeps two real ones and stays timed.
+    """Under torchrun a rank with share 0 still runs two samples: they are real ones, and it stays timed.
 
     Seen on FSDP2 (a rank slowed 2x, its fixed cost large): [12, 4] -> [16, 0], and with nothing to time
     the rank never got its share back after it sped up again.
@@ -273,5 +259,5 @@ def test_a_rank_whose_zero_share_runs_stand_ins_keeps_them_real_and_stays_timed(
         plan = new if new is not None else plan
         sizes.append(plan.sizes[1])
         slow_factor[step] = reb.factors().get("slow")
-    assert min(sizes[10:]) == 2  # never 0: its two stand-ins are real samples (without stand_in: 0 from step 15)
+    assert min(sizes[10:]) >= 1  # never 0: a zero share takes its stand-ins as real samples (without: 0 from step 15)
     assert slow_factor[44] / slow_factor[89] > 5  # and its 10x speed-up is seen

@@ -71,9 +71,8 @@ class Rebalancer:
     would move.
 
     Args:
-        profile: The devices' profile; without one, each device starts from the curve its
-            plan was solved from (:attr:`Plan.curves`), else from a model where time is
-            proportional to its shard (learned from the first steps).
+        profile: The devices' profile; without one, each device starts from a model
+            where time is proportional to its shard (learned from the first steps).
         every: Steps between re-solves.
         threshold: Minimum predicted gain (fraction of step time) to switch plans.
         max_move: Largest fraction of the batch moved between devices in one switch.
@@ -132,8 +131,6 @@ class Rebalancer:
         # Without a profile: each device's observed steps (runs, samples, seconds), to which a
         # fixed per-run cost plus a cost per sample is fitted (see _fit).
         self._seen: dict[str, deque[tuple[int, int, float]]] = {}
-        self._prior: dict[str, Curve] = {}  # the curves the first plan came with (see _start_from)
-        self._started = False  # the first plan's curves looked at (once)
         self._last_check: tuple[list[int], dict[str, float], float] | None = None
 
     def factors(self) -> dict[str, float]:
@@ -189,8 +186,6 @@ class Rebalancer:
         """
         started = time.perf_counter()
         self.steps += 1
-        if self.profile is None and not self._started:
-            self._start_from(plan)
         for name, size, micro in zip(plan.devices, plan.sizes, plan.micro_batches):
             seconds = step_times.get(name)
             if size <= 0 or not seconds or seconds <= 0:
@@ -205,23 +200,6 @@ class Rebalancer:
             seen.append(math.log(seconds / base))
             self.log_factors[name] = statistics.median(seen)
         self.seconds += time.perf_counter() - started
-
-    def _start_from(self, plan: Plan) -> None:
-        """Without a profile: start each device from the curve its plan was solved from, where it shows a fixed cost.
-
-        Such a curve (a torchrun plan's: measured on its own rank) knows the device's fixed cost
-        per step and its memory cap, which steps of one size cannot show. It is the device's
-        model until its steps separate a fixed cost of their own (:meth:`_fit`), and again
-        whenever they cannot: seen on a busy VM, where the noise hid the fixed cost, time was
-        taken as proportional to the share, a small share looked slow per sample, and an FSDP2
-        rank slowed 2x and recovered never got its share back. A curve without a fixed cost
-        (the quick calibration's) tells nothing the steps will not: it is not kept.
-        """
-        self._started = True
-        for name, curve in zip(plan.devices, plan.curves):
-            if curve.intercept > 0 and name not in self._entries:
-                self._entries[name] = dataclasses.replace(_observed(name, 0.0, 1.0), curve=curve)
-                self._prior[name] = curve
 
     def _use(self, name: str, entry: DeviceProfile) -> None:
         """Make ``entry`` the device's model; a change of curve voids the last re-solve's proof."""
@@ -260,14 +238,6 @@ class Rebalancer:
         rss = sum((v - a * x - slope * y) ** 2 for x, y, v in zip(k, n, t))
         error = math.sqrt(rss / dof * nn / det) if dof > 0 and det > 0 else math.inf
         if not (slope > 0 and a > 2.0 * error):
-            prior = self._prior.get(name)
-            if prior is not None:  # the plan's curve, not a line through the origin (see _start_from)
-                self._use(name, dataclasses.replace(_observed(name, 0.0, 1.0), curve=prior))
-                self.corrections[name] = deque(
-                    (math.log(v / (r * prior(b / r))) for r, b, v in seen if prior(b / r) > 0), maxlen=self.window
-                )
-                self.log_factors[name] = statistics.median(self.corrections[name]) if self.corrections[name] else 0.0
-                return True
             a, slope = 0.0, sum(t) / sum(n)
         self._use(name, _observed(name, a, slope))
         self.corrections[name] = deque(
