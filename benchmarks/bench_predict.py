@@ -265,6 +265,7 @@ def run_threads(work: Workload, devices: str, args: argparse.Namespace) -> dict[
     from hetsplit.apps.bench import home_device
     from hetsplit.apps.bench_timing import calibrate_plan, time_steps
     from hetsplit.devices import parse_devices
+    from hetsplit.planning.sizes import has_batchnorm
     from hetsplit.planning.solver import solve
     from hetsplit.profiler import default_ladder, emulation_warning
 
@@ -287,7 +288,9 @@ def run_threads(work: Workload, devices: str, args: argparse.Namespace) -> dict[
         _step_loss(dp, x, y, work.loss).backward()
         busy.append(dp.step_times)
 
-    plan, cal = calibrate_plan(prof, plan, step, busy, devs, 5, args.warmup, seconds=args.calibrate_seconds)
+    plan, cal = calibrate_plan(
+        prof, plan, step, busy, devs, 5, args.warmup, seconds=args.calibrate_seconds, batchnorm=has_batchnorm(dp.module)
+    )
     dp.set_plan(plan)
     physical = _cuda_bases(devs)
     for d in physical:

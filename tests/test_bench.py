@@ -197,3 +197,21 @@ def test_calibration_keeps_a_micro_batched_plan_micro_batched():
 
     new, _ = calibrate_plan(prof, plan, step, busy, [], steps=4, warmup=1)
     assert new.micro_batches == plan.micro_batches
+
+
+@pytest.mark.parametrize("batchnorm", [False, True])
+def test_calibration_never_hands_a_batchnorm_model_a_share_of_one_sample(batchnorm):
+    # "b" is 16x slower inside the split: re-solved it would get 1 of 32 samples, which a
+    # BatchNorm layer cannot train on (bench_predict: ResNet-18, [15, 1, ...] in replica 1).
+    import hetsplit
+    from hetsplit.apps.bench import calibrate_plan
+
+    prof = hetsplit.Profile.from_measurements({"a": [(1, 0.001), (32, 0.032)], "b": [(1, 0.001), (32, 0.032)]})
+    plan = hetsplit.solve(prof, 32)
+    busy = []
+
+    def step():
+        busy.append({"a": 0.016, "b": 0.016 * 16})
+
+    new, _ = calibrate_plan(prof, plan, step, busy, [], steps=4, warmup=1, batchnorm=batchnorm)
+    assert (1 in new.sizes) is not batchnorm and sum(new.sizes) == 32, new.sizes

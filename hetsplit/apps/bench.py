@@ -17,6 +17,7 @@ from .. import timing
 from ..devices import Device, DeviceLike, parse_devices
 from ..parallel.data_parallel import HeteroDataParallel
 from ..planning.curve import holdout_error
+from ..planning.sizes import has_batchnorm
 from ..planning.solver import solve
 from ..profiler import emulation_warning
 from ..profiler import profile as run_profile
@@ -182,8 +183,9 @@ def bench(
     if calibrate > 0:
         say(f"calibrating the plan {plan.sizes} inside the split over {calibrate}+ steps ...")
         plan, calibration = calibrate_plan(
-            prof, plan, configs["balanced"], busy["balanced"], devs, calibrate, warmup, seconds=calibrate_seconds
-        )
+            prof, plan, configs["balanced"], busy["balanced"], devs, calibrate, warmup, seconds=calibrate_seconds,
+            batchnorm=has_batchnorm(base),
+        )  # fmt: skip
         bal_dp.set_plan(plan)
         busy["balanced"].clear()
     real = [d for d in devs if not d.emulated and d.torch_device == home]

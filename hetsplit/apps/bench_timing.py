@@ -10,6 +10,7 @@ from typing import Any
 from ..devices import Device
 from ..planning.plan import Plan
 from ..planning.rebalance import Rebalancer
+from ..planning.sizes import without_single_sample_shares
 from ..planning.solver import plan_from_sizes
 
 # Calibration steps at most, however short a step is.
@@ -70,6 +71,7 @@ def calibrate_plan(
     warmup: int,
     *,
     seconds: float = 0.0,
+    batchnorm: bool = False,
 ) -> tuple[Plan, dict[str, Any]]:
     """Run ``step`` (balanced, on ``plan``) and re-solve from each device's busy time inside the split.
 
@@ -96,6 +98,7 @@ def calibrate_plan(
         warmup: Untimed steps first.
         seconds: Keep calibrating, ``steps`` at a time, until the steps took this long
             (the factors' noise falls with the number of steps; 0: exactly ``steps``).
+        batchnorm: The model holds BatchNorm: no share of one sample in the result.
 
     Returns:
         The calibrated plan and what was measured (see ``BenchResult.calibration``).
@@ -119,6 +122,10 @@ def calibrate_plan(
     corrected = moved or plan_from_sizes(
         rebalancer.corrected(plan.devices), plan.devices, plan.sizes, accumulate=rebalancer.accumulate
     )
+    if batchnorm and 1 in corrected.sizes:  # as HeteroDataParallel would for a plan it solved (planning.sizes)
+        corrected = without_single_sample_shares(
+            corrected, profile=rebalancer.corrected(plan.devices), accumulate=rebalancer.accumulate
+        )
     rests = [max(0.0, w - max(b.values(), default=w)) for w, b in zip(walls, busy)]
     info = {
         "steps": len(walls),
