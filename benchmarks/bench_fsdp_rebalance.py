@@ -52,6 +52,28 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
+class _Traced(hetsplit.Rebalancer):
+    """The rebalancer at its defaults, keeping what it saw and concluded at each look (for --json)."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.trace: list[dict] = []
+
+    def record(self, plan, step_times) -> None:
+        super().record(plan, step_times)
+        self.trace.append({"sizes": list(plan.sizes), "ms": {k: v * 1e3 for k, v in step_times.items()}})
+
+    def propose(self, plan, step=None):
+        new = super().propose(plan, step)
+        look = {"look_at": step, "sizes": list(plan.sizes), "factors": self.factors()}
+        look["comm_ms"], look["uncertainty"] = self.communication * 1e3, self.uncertainty(plan.devices)
+        curves = {d: self.corrected(plan.devices).entry(d).curve for d in plan.devices}  # as corrected now
+        look["curves_ms"] = {d: [c.intercept * 1e3, c.slope * 1e3] for d, c in curves.items()}
+        look["new"] = list(new.sizes) if new is not None else None
+        self.trace.append(look)
+        return new
+
+
 def main() -> None:
     args = parse_args()
     torch.set_num_threads(1)  # one core a rank, as the suite and the other benchmarks run
@@ -67,7 +89,7 @@ def main() -> None:
     grads = hd.weight_gradients(model, plan)
     loader = hd.data_loader(data, plan, shuffle=True, seed=0)
     rb = hd.DistributedRebalancer(
-        plan, hetsplit.Rebalancer(every=args.every), sampler=loader.batch_sampler, gradients=grads, model=model,
+        plan, _Traced(every=args.every), sampler=loader.batch_sampler, gradients=grads, model=model,
         device=dev,
     )  # fmt: skip
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -124,7 +146,8 @@ def main() -> None:
         print(json.dumps(summary))
         if args.json:
             with open(args.json, "w") as f:
-                json.dump({"summary": summary, "steps": steps, "changes": history, "args": vars(args)}, f, indent=1)
+                run = {"summary": summary, "steps": steps, "changes": history, "args": vars(args)}
+                json.dump({**run, "trace": rb.rebalancer.trace}, f, indent=1)
     dist.barrier()
     dist.destroy_process_group()
 

@@ -25,7 +25,10 @@ backward that sums the devices' gradients into the module. Processes: from a bar
 starts every rank together to the end of its last backward (DDP: the gradient all-reduce
 inside it; FSDP2: its all-gathers and reduce-scatters); the step is the slowest rank's.
 Measured: the median of ``--steps`` timed steps after warm-up, taken after the prediction.
-Error = (predicted - measured) / measured. Beside it, to tell a wrong prediction from a span
+Error = (predicted - measured) / measured. Then the same steps are measured once more: "again"
+= (measured - measured again) / measured again, the error of a prediction that *was* the first
+measurement. Its median over the configurations is this machine's noise floor for the error.
+Beside it, to tell a wrong prediction from a span
 it leaves out: the slowest device's own compute in those steps (work; waits not counted) and,
 for DDP, one bare all-reduce of the gradients. On CUDA each row also compares the profile's
 predicted peak memory (``DeviceProfile.memory`` at the share run at once) with
@@ -206,17 +209,25 @@ def percentile(values: Sequence[float], q: float) -> float:
 
 def summarise(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, float]]:
     """Per engine and ``all``: configurations ``n`` (with an error), ``failed``, median and 95th percentile of
-    |error|, and the median signed error (``bias``: below 0, steps longer than predicted)."""
+    |error|, and the median signed error (``bias``: below 0, steps longer than predicted).
+
+    Beside them the machine's own noise floor, ``again_median_abs`` and ``again_p95_abs``: the
+    same of |again|, where ``again`` is each configuration's second measurement of the same steps
+    against its first, i.e. the error of a prediction that was the first measurement itself.
+    No prediction can be expected to beat it."""
     out = {}
     for engine in [*dict.fromkeys(r["engine"] for r in rows), "all"]:
         mine = [r for r in rows if engine in ("all", r["engine"])]
         errors = [r["error"] for r in mine if r.get("error") is not None and math.isfinite(r["error"])]
+        agains = [abs(r["again"]) for r in mine if r.get("again") is not None and math.isfinite(r["again"])]
         out[engine] = {
             "n": len(errors),
             "failed": len(mine) - len(errors),
             "median_abs": statistics.median(abs(e) for e in errors) if errors else math.nan,
             "p95_abs": percentile([abs(e) for e in errors], 95),
             "bias": statistics.median(errors) if errors else math.nan,
+            "again_median_abs": statistics.median(agains) if agains else math.nan,
+            "again_p95_abs": percentile(agains, 95),
         }
     return out
 
@@ -302,12 +313,14 @@ def run_threads(work: Workload, devices: str, args: argparse.Namespace) -> dict[
     split = sum(1 for size in plan.sizes if size) > 1
     busiest = [max(b.values(), default=0.0) for b in busy[-args.steps :]] if split else []
     peaks = {d: int(torch.cuda.max_memory_allocated(d)) for d in physical}
+    again = time_steps({"balanced": step}, devs, args.steps, 0)["balanced"]  # the same steps once more: the noise
     return {
         "sizes": list(plan.sizes),
         "micro_batches": [list(m) for m in plan.micro_batches],
         "predicted_s": cal["step"],
         "uncalibrated": {"sizes": cal["sizes"], "predicted_s": cal["predicted"]},  # the profile's plan and step
         "measured_s": measured,
+        "measured_again_s": again,
         "work_s": statistics.median(busiest) if busiest else None,
         "noise": _noise(plan),
         "calibration_steps": cal["steps"],
@@ -402,6 +415,7 @@ def _rank_case(engine: str, work: Workload, dev: Any, args: argparse.Namespace) 
         torch.cuda.reset_peak_memory_stats(dev.torch_device)
     walls, computes, largest = _timed_steps(runner, mine, plan, dev, work, args.steps)
     measured, compute = _slowest_median(walls), _slowest_median(computes)
+    again = _slowest_median(_timed_steps(runner, mine, plan, dev, work, args.steps)[0])  # once more: the noise
     by_rank: list[float] = [0.0] * world
     dist.all_gather_object(by_rank, statistics.median(computes))
     memory = None
@@ -421,6 +435,7 @@ def _rank_case(engine: str, work: Workload, dev: Any, args: argparse.Namespace) 
         "micro_batches": [list(m) for m in plan.micro_batches],
         "predicted_s": plan.step_time,
         "measured_s": measured,
+        "measured_again_s": again,
         "work_s": compute,
         "work_by_rank_s": by_rank,
         "allreduce_s": allreduce,
@@ -529,26 +544,29 @@ def _line(r: dict[str, Any]) -> str:
 def table(rows: Sequence[dict[str, Any]], summary: dict[str, dict[str, float]], markdown: bool = True) -> str:
     """The results: one row per configuration, then the summary per engine (markdown, or aligned plain text)."""
     memory = any(r.get("memory") for r in rows)
-    head = ["engine", "model", "devices", "batch", "plan", "predicted ms", "measured ms", "error", "work ms",
-            "all-reduce ms"] + (["memory, predicted / measured MiB"] if memory else [])  # fmt: skip
+    head = ["engine", "model", "devices", "batch", "plan", "predicted ms", "measured ms", "error", "again",
+            "work ms", "all-reduce ms"] + (["memory, predicted / measured MiB"] if memory else [])  # fmt: skip
     body = []
     for r in rows:
         cells = [r["engine"], r["model"], r["devices"]]
         if "failed" in r:
-            cells += ["", f"failed: {r['failed']}", "", "", "", "", ""]
+            cells += ["", f"failed: {r['failed']}", "", "", "", "", "", ""]
         else:
             micro = "" if all(len(m) <= 1 for m in r["micro_batches"]) else f" as {r['micro_batches']}"
             err = f"{100 * r['error']:+.1f} %" + (" (emulation unreliable)" if r.get("warning") else "")
+            again = _pct(r["again"], "+") if r.get("again") is not None else ""
             cells += [str(r["batch"]), f"{r['sizes']}{micro}", _ms(r["predicted_s"]), _ms(r["measured_s"]), err,
-                      _ms(r.get("work_s")), _ms(r.get("allreduce_s"))]  # fmt: skip
+                      again, _ms(r.get("work_s")), _ms(r.get("allreduce_s"))]  # fmt: skip
         if memory:
             cells.append("; ".join(_memory_cell(m) for m in r.get("memory") or []))
         body.append(cells)
     totals = []
     for engine, s in summary.items():
         failed = f" ({s['failed']} failed)" if s["failed"] else ""
-        totals.append([engine, f"{s['n']}{failed}", _pct(s["median_abs"]), _pct(s["p95_abs"]), _pct(s["bias"], "+")])
-    heads = ["engine", "configurations", "median abs error", "95th percentile abs error", "median error"]
+        totals.append([engine, f"{s['n']}{failed}", _pct(s["median_abs"]), _pct(s["p95_abs"]), _pct(s["bias"], "+"),
+                       _pct(s.get("again_median_abs", math.nan)), _pct(s.get("again_p95_abs", math.nan))])  # fmt: skip
+    heads = ["engine", "configurations", "median abs error", "95th percentile abs error", "median error",
+             "noise floor: median abs again", "95th percentile abs again"]  # fmt: skip
     return _render(head, body, markdown) + "\n\n" + _render(heads, totals, markdown)
 
 
@@ -678,6 +696,8 @@ def _finish(result: dict[str, Any], devices: str) -> dict[str, Any]:
     if "failed" not in result:
         result["batch"] = WORKLOADS[result["model"]].batch
         result["error"] = error(result["predicted_s"], result["measured_s"])
+        if result.get("measured_again_s") is not None:
+            result["again"] = error(result["measured_s"], result["measured_again_s"])
     return result
 
 

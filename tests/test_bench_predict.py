@@ -77,9 +77,23 @@ def test_table_shows_each_configuration_its_failure_and_the_summary():
     text = bp.table(rows, bp.summarise(rows), markdown=True)
     lines = text.splitlines()
     assert lines[0].startswith("| engine | model | devices | batch | plan | predicted ms | measured ms | error |")
-    assert "| threads | mlp | cpu,cpu@0.25 | 8 | [6, 2] | 105.0 | 100.0 | +5.0 % | 90.0 |" in text
+    assert "| threads | mlp | cpu,cpu@0.25 | 8 | [6, 2] | 105.0 | 100.0 | +5.0 % |  | 90.0 |" in text  # no again
     assert "cuda:0 2.0 / 1.0 (over 10 %)" in text
     assert "failed: ValueError: refused" in text
     assert "| all | 1 (1 failed) | 5.0 % | 5.0 % | +5.0 % |" in text
     plain = bp.table(rows, bp.summarise(rows), markdown=False)
     assert "|" not in plain and "threads" in plain and "+5.0 %" in plain
+
+
+def test_the_noise_floor_is_each_configuration_measured_again_against_its_first_measurement():
+    rows = [
+        {**_row("threads", 0.105, 0.100), "measured_again_s": 0.125},  # again: 0.100 vs 0.125, -20 %
+        {**_row("ddp", 0.090, 0.100), "measured_again_s": 0.095},  # +5.3 %
+        _row("fsdp2", 0.1, 0.1),  # not measured again: no floor from it
+    ]
+    rows = [bp._finish(dict(r), r["devices"]) for r in rows]
+    assert rows[0]["again"] == pytest.approx(-0.2) and rows[1]["again"] == pytest.approx(0.1 / 0.095 - 1)
+    s = bp.summarise(rows)
+    assert s["all"]["again_median_abs"] == pytest.approx((0.2 + 0.1 / 0.095 - 1) / 2)
+    assert s["threads"]["again_p95_abs"] == pytest.approx(0.2) and math.isnan(s["fsdp2"]["again_median_abs"])
+    assert "noise floor" in bp.table(rows, s) and "-20.0 %" in bp.table(rows, s)

@@ -92,7 +92,7 @@ class DistributedRebalancer:
             # A plan run as micro-batches (a memory cap) is re-solved with them: one re-solved
             # without would hand a capped rank a share it cannot hold, mid-training. That
             # needs the caps: the profile's, else those of the curves the plan was solved from
-            # (which the rebalancer starts from where they show a fixed cost: Rebalancer._start_from).
+            # (which the rebalancer starts from: Rebalancer._make_entry).
             profile = self.rebalancer.profile
             if profile is not None:
                 caps = profile.memory_caps()

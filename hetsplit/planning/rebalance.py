@@ -71,8 +71,10 @@ class Rebalancer:
     would move.
 
     Args:
-        profile: The devices' profile; without one, each device starts from a model
-            where time is proportional to its shard (learned from the first steps).
+        profile: The devices' profile; without one, each device starts from the curve
+            the first plan it sees was solved from (a plan from :func:`~hetsplit.distributed.plan`
+            carries its curves), and without that from a model where time is proportional to
+            its shard (learned from the first steps).
         every: Steps between re-solves.
         threshold: Minimum predicted gain (fraction of step time) to switch plans.
         max_move: Largest fraction of the batch moved between devices in one switch.
@@ -131,6 +133,7 @@ class Rebalancer:
         # Without a profile: each device's observed steps (runs, samples, seconds), to which a
         # fixed per-run cost plus a cost per sample is fitted (see _fit).
         self._seen: dict[str, deque[tuple[int, int, float]]] = {}
+        self._planned: dict[str, Curve] = {}  # without a profile: the curves of the first plan seen (see record)
         self._last_check: tuple[list[int], dict[str, float], float] | None = None
 
     def factors(self) -> dict[str, float]:
@@ -156,7 +159,13 @@ class Rebalancer:
     def _make_entry(self, name: str) -> DeviceProfile:
         if self.profile is not None:
             return self.profile.entry(name)
-        # No profile: time proportional to the shard, one second per sample, which the
+        planned = self._planned.get(name)
+        if planned is not None:
+            # The curve the first plan was solved from (a torchrun rank's profile travels in its
+            # plan): its shape, fixed cost included, measured at several sizes, which the steps of
+            # one split cannot show; the factor scales it to the speed the device runs at now.
+            return DeviceProfile(DeviceInfo(name=name, kind="planned", description=name), [], planned)
+        # No curve at all: time proportional to the shard, one second per sample, which the
         # factor then scales to the device's measured seconds per sample — until steps of
         # two sizes let _fit separate a fixed per-step cost from the cost per sample.
         return _observed(name, 0.0, 1.0)
@@ -186,11 +195,13 @@ class Rebalancer:
         """
         started = time.perf_counter()
         self.steps += 1
+        if self.profile is None and self.steps == 1:  # the first plan's curves: those it was solved from
+            self._planned = {n: c for n, c in zip(plan.devices, plan.curves) if math.isfinite(c.slope) and c.slope > 0}
         for name, size, micro in zip(plan.devices, plan.sizes, plan.micro_batches):
             seconds = step_times.get(name)
             if size <= 0 or not seconds or seconds <= 0:
                 continue
-            if self.profile is None and self._fit(name, len(micro), size, seconds):
+            if self.profile is None and name not in self._planned and self._fit(name, len(micro), size, seconds):
                 continue
             curve = self._entry(name).curve
             base = sum(curve(m) for m in micro)  # the predicted time of what ran: its micro-batches
