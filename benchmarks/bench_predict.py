@@ -300,8 +300,9 @@ def run_threads(work: Workload, devices: str, args: argparse.Namespace) -> dict[
         busy.append(dp.step_times)
 
     plan, cal = calibrate_plan(
-        prof, plan, step, busy, devs, 5, args.warmup, seconds=args.calibrate_seconds, batchnorm=has_batchnorm(dp.module)
-    )
+        prof, plan, step, busy, devs, 5, args.warmup, seconds=args.calibrate_seconds,
+        batchnorm=has_batchnorm(dp.module), set_plan=dp.set_plan,
+    )  # fmt: skip
     dp.set_plan(plan)
     physical = _cuda_bases(devs)
     for d in physical:

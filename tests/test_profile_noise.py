@@ -60,12 +60,12 @@ def test_a_plan_says_when_its_gain_is_inside_the_noise():
     plan = solve(_repeated(0.2), 100)
     assert plan.sizes == [96, 4] and plan.noise == pytest.approx(0.1)
     # 96 ms against a alone's 100 ms: a gain of 4 % measured with a ±10 % spread may not be there.
-    assert plan.noise_notes() == ["the gain over a alone (4%) is inside the measurement noise (±10%)"]
+    assert plan.noise_notes() == ["the predicted gain over a alone (4%) is inside the measurement noise (±10%)"]
     assert solve(_repeated(0.02), 100).noise_notes() == []  # quiet timings: the 4 % is real
     # Compared with other step times (e.g. a gradient exchange added): the gain over the even split too.
     assert plan.noise_notes(even=0.1) == [
-        "the gain over the even split (4%) is inside the measurement noise (±10%)",
-        "the gain over a alone (4%) is inside the measurement noise (±10%)",
+        "the predicted gain over the even split (4%) is inside the measurement noise (±10%)",
+        "the predicted gain over a alone (4%) is inside the measurement noise (±10%)",
     ]
     # A calibrated step slower than the alternative is said as such, never "inside the noise".
     assert plan.noise_notes(step=0.12) == ["predicted 17% slower than a alone, beyond the measurement noise (±10%)"]
@@ -87,7 +87,7 @@ def test_a_plan_s_noise_round_trips_and_an_older_plan_file_loads():
 def test_hetsplit_plan_prints_when_the_gain_is_inside_the_noise(capsys, tmp_path):
     path = _repeated(0.2).save(tmp_path / "noisy.json")
     assert main(["plan", str(path), "--batch-size", "100"]) == 0
-    assert "the gain over a alone (4%) is inside the measurement noise (±10%)" in capsys.readouterr().out
+    assert "the predicted gain over a alone (4%) is inside the measurement noise (±10%)" in capsys.readouterr().out
     path = _repeated(0.02).save(tmp_path / "quiet.json")
     assert main(["plan", str(path), "--batch-size", "100"]) == 0
     assert "inside the measurement noise" not in capsys.readouterr().out

@@ -184,7 +184,7 @@ def bench(
         say(f"calibrating the plan {plan.sizes} inside the split over {calibrate}+ steps ...")
         plan, calibration = calibrate_plan(
             prof, plan, configs["balanced"], busy["balanced"], devs, calibrate, warmup, seconds=calibrate_seconds,
-            batchnorm=has_batchnorm(base),
+            batchnorm=has_batchnorm(base), set_plan=bal_dp.set_plan,
         )  # fmt: skip
         bal_dp.set_plan(plan)
         busy["balanced"].clear()

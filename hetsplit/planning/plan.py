@@ -86,7 +86,7 @@ class Plan:
         """One line for each predicted gain that is inside the measurement noise, else nothing.
 
         A gain over the even split, or over :attr:`single_device` alone, no larger than
-        :attr:`noise` may not be there at all: ``"the gain over the even split (3%) is
+        :attr:`noise` may not be there at all: ``"the predicted gain over the even split (3%) is
         inside the measurement noise (±8%)"``. ``step``, ``even`` and ``single`` replace
         the predicted step times compared (e.g. with a modelled gradient exchange added).
         A comparison with itself (the plan is the even split, or one device alone) says
@@ -111,7 +111,9 @@ class Plan:
             if not (differs and math.isfinite(gain)):
                 continue
             if abs(gain) <= self.noise:
-                notes.append(f"the gain over {label} ({gain:.0%}) is inside the measurement noise (±{self.noise:.0%})")
+                notes.append(
+                    f"the predicted gain over {label} ({gain:.0%}) is inside the measurement noise (±{self.noise:.0%})"
+                )
             elif gain < 0:  # a calibrated step can come out slower than the plain alternative: say so, plainly
                 notes.append(
                     f"predicted {-gain:.0%} slower than {label}, beyond the measurement noise (±{self.noise:.0%})"
