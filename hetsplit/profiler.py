@@ -25,7 +25,7 @@ from .planning.profile import Profile, fingerprint
 from .planning.records import DeviceProfile, Measurement, MemoryModel
 from .tree import batch_length, flatten, move, take_rows
 
-_MAX_PROBE = 1 << 16
+MAX_PROBE = 1 << 16  # the largest batch a profile tries (the default max_probe, the sharded profile's too)
 
 LossFn = Callable[..., torch.Tensor]
 
@@ -43,7 +43,7 @@ def default_ladder(max_batch: int = 256) -> list[int]:
     return [*ladder, max_batch]
 
 
-def check_ladder(batch_sizes: Sequence[int] | None, max_probe: int = _MAX_PROBE) -> list[int]:
+def check_ladder(batch_sizes: Sequence[int] | None, max_probe: int = MAX_PROBE) -> list[int]:
     """The ladder a profile climbs: ``batch_sizes`` sorted and deduplicated (default :func:`default_ladder`).
 
     Checked before any device work: whole numbers of samples, at least one, none above
@@ -183,7 +183,7 @@ def profile(
     warmup: int = 2,
     time_budget: float = 60.0,
     find_memory_cap: bool = True,
-    max_probe: int = _MAX_PROBE,
+    max_probe: int = MAX_PROBE,
     progress: bool | None = None,
     model_name: str | None = None,
     threads: int | None = None,

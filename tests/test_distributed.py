@@ -112,7 +112,8 @@ def weighted_caps(ctx):
     bn = mlp(6, 5, 3, batch_norm=True)
     capped = hd.plan(bn, x, 16, device=["cpu:max15", "cpu"][ctx.rank], weights=[15, 1])
     moved = hd.plan(bn, x, 16, device=["cpu:max4", "cpu"][ctx.rank], weights=[15, 1], accumulate=True)
-    out = {"micro": micro, "capped": capped.sizes, "moved": [moved.sizes, moved.micro_batches]}
+    named = hd.plan(_net(), x, 16, device=device, weights=[1, 1], accumulate=True, quiet=True).devices
+    out = {"micro": micro, "capped": capped.sizes, "moved": [moved.sizes, moved.micro_batches], "named": named}
     try:
         hd.plan(_net(), x, 16, device=device, weights=[1, 1])
     except ValueError as e:
@@ -434,6 +435,7 @@ def test_hand_set_weights_respect_an_emulated_memory(ranks):
         assert r["micro"] == [[8], [2, 2, 2, 2]], r
         assert r["capped"] == [15, 1], r  # no room under rank 0's cap: the single sample stays
         assert r["moved"] == [[16, 0], [[4, 4, 4, 4], []]], r
+        assert r["named"] == ["rank0:cpu", "rank1:cpu@0.25:max2"], r  # labelled as a profiled plan's devices
         assert "give rank 1 8 samples of 16 but its memory holds 2" in (r["error"] or ""), r
         assert "accumulate=True" in r["error"], r
 

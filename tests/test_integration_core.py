@@ -84,18 +84,18 @@ def test_plan_kwargs_have_one_name_and_one_default():
 
 
 def test_one_cut_for_micro_batches_keeps_shared_values_whole_and_the_mapping_type():
-    from hetsplit.distributed.accumulate import _micro_sizes, _pieces
+    from hetsplit.distributed.accumulate import micro_sizes_for, row_pieces
 
     class Encoding(dict):  # a tokenizer's BatchEncoding: a dict subclass the tree walk keeps whole
         pass
 
     batch = Encoding(ids=torch.arange(6).reshape(6, 1), position_ids=torch.arange(3).reshape(1, 3), tag="x")
-    pieces = _pieces(batch, [2, 2, 2])
+    pieces = row_pieces(batch, [2, 2, 2])
     assert all(type(p) is Encoding and p["tag"] == "x" for p in pieces)
     assert [p["ids"].flatten().tolist() for p in pieces] == [[0, 1], [2, 3], [4, 5]]
     assert all(p["position_ids"] is batch["position_ids"] for p in pieces)  # not the batch's rows: whole
-    assert _micro_sizes(MICRO, 0, 6) == [2, 2, 2] and _micro_sizes(MICRO, 0, 5) == [2, 2, 1]  # none above 2
-    assert _micro_sizes(MICRO, 1, 2) == [2] and _micro_sizes(None, 0, 7) == [7]
+    assert micro_sizes_for(MICRO, 0, 6) == [2, 2, 2] and micro_sizes_for(MICRO, 0, 5) == [2, 2, 1]  # none above 2
+    assert micro_sizes_for(MICRO, 1, 2) == [2] and micro_sizes_for(None, 0, 7) == [7]
 
 
 def test_every_row_cutter_cuts_any_mapping_namedtuple_and_dataclass_keeping_their_types():
@@ -151,6 +151,50 @@ def test_a_recut_loader_keeps_every_carried_setting():
     carried = loaders.carried_settings(loader)
     assert carried["generator"] is g and carried["in_order"] is False and "pin_memory_device" in carried
     assert "persistent_workers" not in carried  # DataLoader refuses it without workers
+
+
+def test_a_loader_that_cannot_be_recut_is_refused_alike_by_accelerate_lightning_and_the_trainer():
+    """One loader check: the same loader, the same refusal, naming the integration the user made."""
+    from torch.utils.data import (
+        BatchSampler,
+        DistributedSampler,
+        IterableDataset,
+        SequentialSampler,
+        WeightedRandomSampler,
+    )
+
+    from hetsplit.integrations.transformers import _TrainerAccelerator  # the accelerator a HeteroTrainer makes
+
+    class Stream(IterableDataset):
+        def __iter__(self):
+            yield from range(4)
+
+    data = TensorDataset(torch.arange(8))
+    bad = [
+        DataLoader(Stream(), batch_size=2),
+        DataLoader(data, batch_sampler=BatchSampler(SequentialSampler(data), 4, False)),
+        DataLoader(data, batch_size=4, sampler=WeightedRandomSampler([1.0] * 8, 8)),
+    ]
+    for loader in bad:
+        said = {}
+        for who, check in [
+            ("HeteroAccelerator", lambda x: HeteroAccelerator().prepare_data_loader(x)),
+            ("HeteroTrainer", lambda x: _TrainerAccelerator().prepare_data_loader(x)),
+            (
+                "HeteroDDPStrategy",
+                lambda x: loaders.lightning_order(x, "training", strict=True, who="HeteroDDPStrategy"),
+            ),
+        ]:
+            with pytest.raises(ValueError) as info:
+                check(loader)
+            assert str(info.value).startswith(f"{who} cannot shard the "), info.value
+            said[who] = str(info.value).split(" loader: ", 1)[1]
+        assert len(set(said.values())) == 1, said
+    # Lightning's own DistributedSampler only says the order; anywhere else it is refused as any other sampler.
+    spread = DataLoader(data, batch_size=4, sampler=DistributedSampler(data, num_replicas=2, rank=0, seed=5))
+    assert loaders.lightning_order(spread, "training", strict=True, who="HeteroDDPStrategy") == (True, 5)
+    with pytest.raises(ValueError, match="its sampler DistributedSampler cannot be kept"):
+        loaders.check_loader(spread, "HeteroAccelerator")
 
 
 def test_a_sharded_model_is_refused_before_any_work(monkeypatch):

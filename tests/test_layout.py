@@ -1,11 +1,13 @@
 """The package's shape: no import cycles, one tree walker, a purpose line in every module, a small public API.
 
-These read the source with ``ast``. A module's size follows its job and a private name
-may be imported by the package's own modules (as torch does), so neither is policed here.
+These read the source with ``ast``. A module's size follows its job, so it is not policed
+here; a private name may be imported by the package's own modules (as torch does), but
+not by another package's. The package map in docs/how-it-works.md names every module.
 """
 
 import ast
 import importlib
+import re
 from pathlib import Path
 
 import pytest
@@ -118,3 +120,52 @@ def test_public_names_resolve_and_are_documented(module):
     for name in names:
         value = getattr(mod, name)
         assert (value.__doc__ or "").strip(), f"{module}.{name} has no docstring"
+
+
+def _package(module: str, path: Path) -> str:
+    return module if path.name == "__init__.py" else module.rpartition(".")[0]
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def test_no_module_imports_another_package_s_private_names():
+    """What one package shares with another is public where it lives: a ``_name`` or ``_module`` stays home."""
+    names = {_name(p): p for p in MODULES}
+    found = []
+    for module, path in names.items():
+        home = _package(module, path)
+        for target, imported, _ in _imports(path):
+            owner = _package(target, names[target]) if target in names else target.rpartition(".")[0]
+            if owner == home:
+                continue  # a package's own modules may share private names (as torch's do)
+            if any(_private(part) for part in target.split(".")):
+                found.append(f"{module} imports {target}")
+            found += [
+                f"{module} imports {target}.{n}" for n in imported if _private(n) and f"{target}.{n}" not in names
+            ]
+    assert not found, found
+
+
+def test_the_package_map_names_every_module():
+    """docs/how-it-works.md's map is the newcomer's first view of the tree: no module is missing from it."""
+    doc = (PACKAGE.parent / "docs" / "how-it-works.md").read_text(encoding="utf-8")
+    block = doc.split('<!-- test: check "package-map"', 1)[1].split("```", 2)[1]
+    entries: dict[str, str] = {}  # a top-level module or folder, and its text
+    for line in block.splitlines():
+        if line.startswith("  ") and not line.startswith("   "):
+            key, _, text = line.strip().partition(" ")
+            entries[key] = text
+        elif entries and line.startswith("   "):
+            entries[key] += " " + line.strip()
+    missing = []
+    for path in MODULES:
+        parts = path.relative_to(PACKAGE).parts
+        if parts[-1] == "__init__.py":
+            continue
+        if len(parts) == 1:
+            missing += [] if parts[0] in entries else [parts[0]]
+        elif not re.search(rf"(?<![\w.]){re.escape(path.stem)}\b", entries.get(parts[0] + "/", "")):
+            missing.append("/".join(parts))
+    assert not missing, f"docs/how-it-works.md's package map does not name {missing}"

@@ -3,7 +3,7 @@
 The one place where a rank's batch is cut into micro-batches and DDP is told to all-reduce
 once: :func:`micro_batches` (torchrun loops, ``HeteroAccelerator``, ``HeteroDDPStrategy``)
 and ``HeteroTrainer`` (which runs only the pieces that hold items) are built on
-:func:`_micro_sizes`, :func:`_pieces` and :func:`_all_reduce_once`.
+:func:`micro_sizes_for`, :func:`row_pieces` and :func:`all_reduce_once`.
 """
 
 from __future__ import annotations
@@ -92,13 +92,13 @@ def micro_batches(
             yield piece
         return
     parts = list(sizes) if len(sizes) > 1 else [n]
-    for piece, size in zip(_all_reduce_once(ddp_model, _pieces(batch, parts, dim)), parts):
+    for piece, size in zip(all_reduce_once(ddp_model, row_pieces(batch, parts, dim)), parts):
         if dev is not None:
             dev.check_batch(size)
         yield piece
 
 
-def _micro_sizes(plan: Plan | None, rank: int, rows: int) -> list[int]:
+def micro_sizes_for(plan: Plan | None, rank: int, rows: int) -> list[int]:
     """The micro-batches ``rows`` rows of rank ``rank``'s batch run as (``[rows]``: whole).
 
     The plan's ``micro_batches[rank]`` when ``rows`` is that share; another number of rows
@@ -114,7 +114,7 @@ def _micro_sizes(plan: Plan | None, rank: int, rows: int) -> list[int]:
     return micro_sizes_within(rows, max(parts))
 
 
-def _pieces(batch: Any, sizes: Sequence[int], dim: int = 0) -> list[Any]:
+def row_pieces(batch: Any, sizes: Sequence[int], dim: int = 0) -> list[Any]:
     """``batch`` as consecutive pieces of ``sizes`` rows (views, no copy).
 
     Every tensor whose length along ``dim`` is the batch's (``sum(sizes)``) is cut; other
@@ -127,7 +127,7 @@ def _pieces(batch: Any, sizes: Sequence[int], dim: int = 0) -> list[Any]:
     return split_rows(batch, sizes, dim=dim, rows=sum(sizes))
 
 
-def _all_reduce_once(ddp_model: nn.Module, pieces: Sequence[Any]) -> Iterator[Any]:
+def all_reduce_once(ddp_model: nn.Module, pieces: Sequence[Any]) -> Iterator[Any]:
     """Each of ``pieces``, all but the last inside ``ddp_model.no_sync()`` (a model without one: as it is).
 
     The loop body runs each piece's forward and backward: DDP then accumulates locally and

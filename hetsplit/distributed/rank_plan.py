@@ -28,7 +28,8 @@ from ..timing import WorkTimer
 from ..tree import move, take_rows
 from ..version import __version__
 from . import sharded as _sharded
-from ._group import DistributedError, all_gather, collective, group_info, guard, verify_dtypes
+from ._group import DistributedError, all_gather, collective, group_info, guard
+from .dtypes import verify_dtypes
 from .report import SplitReport
 from .setup import launch_env, rank_devices
 from .sharded_profile import profile_sharded
@@ -165,8 +166,10 @@ def plan(
     verify_dtypes(model, sample, group)  # before DDP or FSDP2 meet them (a mismatch aborts a process)
     batchnorm = has_batchnorm(model)  # no rank is handed a single sample (BatchNorm cannot train on one)
     if weights is not None:
-        cap = parse_device(device if device is not None else _default_device(), check=False).max_batch
-        chosen = _weighted_plan(batch_size, weights, profile, rank, world, group, cap, accumulate, batchnorm)
+        mine = parse_device(device if device is not None else _default_device(), check=False)
+        chosen = _weighted_plan(
+            batch_size, weights, profile, rank, world, group, mine.max_batch, accumulate, batchnorm, mine.name
+        )
         SplitReport("hd.plan", rank, quiet).announce(chosen)
         return chosen
     dev = parse_device(device if device is not None else _default_device())
@@ -283,8 +286,12 @@ def _weighted_plan(
     cap: int | None = None,
     accumulate: bool = False,
     batchnorm: bool = False,
+    device_name: str = "",
 ) -> Plan:
     """The plan of hand-set ``weights`` (one per rank), the same on every rank; nothing is profiled.
+
+    Its devices are labelled as a profiled plan's, ``rank{r}:{device}`` (each rank's
+    ``device_name``, gathered), so reports and the rebalancer name them alike.
 
     A share above its rank's emulated memory (``cap``, ``cpu:max2``) runs as micro-batches
     with ``accumulate``, and is refused without it (on every rank: the caps are gathered).
@@ -300,10 +307,12 @@ def _weighted_plan(
     labels = [f"rank{r}" for r in range(world)]
     result = resolve_plan(batch_size, labels, weights=values)
     _check_versions(group)
-    theirs = all_gather({"weights": values, "cap": cap}, "comparing weights", group)
+    theirs = all_gather({"weights": values, "cap": cap, "device": device_name}, "comparing weights", group)
     if any(t["weights"] != values for t in theirs):
         given = {r: t["weights"] for r, t in enumerate(theirs)}
         raise DistributedError(f"the ranks pass different weights: {given}; pass the same weights= on every rank")
+    labels = [f"rank{r}:{t['device']}" if t["device"] else f"rank{r}" for r, t in enumerate(theirs)]
+    result = dataclasses.replace(result, devices=labels)
     caps = [t["cap"] for t in theirs]
     # Before the caps are checked and micro-batches cut (with accumulate any rank has room).
     room = [math.inf if accumulate or c is None else c for c in caps]

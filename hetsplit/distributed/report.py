@@ -12,7 +12,7 @@ import math
 import os
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from ..devices import parse_device
 from ..planning.plan import Plan
@@ -40,8 +40,11 @@ class SplitReport:
     allocations, lazy initialisation), where each step ends in the gradients' all-reduce
     every rank waits for, so rank 0's period is the job's. Each line is said once per
     run, however many epochs it has: between epochs, :meth:`pause` keeps an evaluation
-    or an epoch's end out of the steps timed. Nothing with ``quiet`` (:func:`is_quiet`)
-    or on another rank.
+    or an epoch's end out of the steps timed. A framework that says where each step ends
+    (the HF Trainer's ``on_step_end``, before it evaluates or saves) calls
+    :meth:`step_end` there: each step is then timed from its start to its end, and what
+    runs between two steps (evaluation, checkpoints) is no step's time. Nothing with
+    ``quiet`` (:func:`is_quiet`) or on another rank.
 
     In a torchrun script: ``report = hd.SplitReport("train.py", dist.get_rank())``, then
     ``report.step(plan)`` at the start of every training step, ``report.pause()`` where
@@ -54,11 +57,14 @@ class SplitReport:
         who: The class or script the user runs (each line starts with it).
         rank: This process's rank.
         quiet: Say nothing.
+        clock: Seconds from some fixed point (default ``time.perf_counter``, looked up at each
+            call); a test passes its own, or sets ``report.clock``.
     """
 
-    def __init__(self, who: str, rank: int, quiet: bool = False) -> None:
-        self.who, self.on = who, rank == 0 and not is_quiet(quiet)
+    def __init__(self, who: str, rank: int, quiet: bool = False, clock: Callable[[], float] | None = None) -> None:
+        self.who, self.on, self.clock = who, rank == 0 and not is_quiet(quiet), clock
         self.periods: list[float] = []  # the run's step times, start to start (the first one's included)
+        self._ended = False  # the steps were timed start to end (step_end), not start to start
         self._last: float | None = None  # when the running step started (None: paused, or not started)
         self._first: Plan | None = None  # the plan of the run's first step (None: no run yet)
         self._plan: Plan | None = None  # the plan of the run's latest step
@@ -79,7 +85,7 @@ class SplitReport:
         """A training step of ``plan`` starts (the run's first says the split; ``devices``: one name per rank)."""
         if not self.on or plan is None:
             return
-        now = time.perf_counter()
+        now = self._now()
         if self._first is None:
             self._first = plan
             if plan is not self._said:
@@ -87,6 +93,18 @@ class SplitReport:
         elif self._last is not None:
             self.periods.append(now - self._last)
         self._last, self._plan = now, plan
+
+    def step_end(self, batches: int = 1) -> None:
+        """The running step ended: its time since :meth:`step` is timed, and nothing until the next step.
+
+        Args:
+            batches: Global batches the step ran (the Trainer's gradient accumulation): the
+                step timed is their mean, as the plan predicts one global batch.
+        """
+        if not self.on or self._last is None:
+            return
+        self.periods.append((self._now() - self._last) / max(batches, 1))
+        self._last, self._ended = None, True
 
     def pause(self) -> None:
         """Training stops for a while (a pass over the loader ended, an evaluation runs): the run goes on.
@@ -120,9 +138,13 @@ class SplitReport:
             timed = self.periods[warm:]
             median = statistics.median(timed)
             which = f"median of {len(timed)} after {warm} warm-up" if warm else "1 step, warm-up included"
-            line = f"{self.who}: measured step {_ms(median)} ({which}, rank 0, start to start)"
+            span = "start to end" if self._ended else "start to start"
+            line = f"{self.who}: measured step {_ms(median)} ({which}, rank 0, {span})"
             self._say(line + _against(plan, median, self._first))
-        self._last, self._first, self._plan, self.periods = None, None, None, []
+        self._last, self._first, self._plan, self.periods, self._ended = None, None, None, [], False
+
+    def _now(self) -> float:
+        return self.clock() if self.clock is not None else time.perf_counter()
 
     def _start_line(self, plan: Plan, devices: Sequence[str] | None) -> str:
         names = list(devices) if devices is not None and len(devices) == len(plan.sizes) else list(plan.devices)

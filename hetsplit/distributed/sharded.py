@@ -42,7 +42,8 @@ _WORKS = (
 )
 
 
-def _fsdp2_module() -> type | None:
+def fsdp2_module() -> type | None:
+    """torch's ``FSDPModule`` (what ``fully_shard`` makes a module), ``None`` in a torch without FSDP2."""
     try:
         from torch.distributed.fsdp import FSDPModule
     except ImportError:  # torch without FSDP2
@@ -60,7 +61,7 @@ def _fsdp1_module() -> type | None:
 
 def kind(model: nn.Module) -> str:
     """``"fsdp2"`` (``fully_shard`` at the root), ``"fsdp1"`` (``FullyShardedDataParallel``), else ``"ddp"``."""
-    fsdp2, fsdp1 = _fsdp2_module(), _fsdp1_module()
+    fsdp2, fsdp1 = fsdp2_module(), _fsdp1_module()
     if fsdp2 is not None and isinstance(model, fsdp2):
         return "fsdp2"
     if fsdp1 is not None and isinstance(model, fsdp1):
@@ -86,7 +87,7 @@ def _describe(model: nn.Module) -> dict[str, Any]:
     """This rank's sharding: the ``fully_shard`` modules and their meshes, or why it is refused."""
     if kind(model) == "fsdp1":
         return {"refused": f"{type(model).__name__} (FSDP1, torch.distributed.fsdp.FullyShardedDataParallel)"}
-    fsdp2 = _fsdp2_module()
+    fsdp2 = fsdp2_module()
     layout = [name or "<root>" for name, m in model.named_modules() if fsdp2 is not None and isinstance(m, fsdp2)]
     for name, p in model.named_parameters():
         mesh = getattr(p, "device_mesh", None)

@@ -43,7 +43,7 @@ from ..planning.curve import Curve
 from ..planning.profile import Profile
 from ..planning.records import DeviceProfile, Measurement, MemoryModel
 from ..planning.sizes import has_batchnorm
-from ..profiler import _MAX_PROBE, check_ladder, check_settings, default_ladder, model_record, train_step
+from ..profiler import MAX_PROBE, check_ladder, check_settings, default_ladder, model_record, train_step
 from ..timing import threads_for
 from ..tree import move, take_rows
 from ._group import DistributedError, all_gather, group_info, guard
@@ -64,7 +64,7 @@ def profile_sharded(
     warmup: int = 2,
     time_budget: float = 60.0,
     find_memory_cap: bool = True,
-    max_probe: int = _MAX_PROBE,
+    max_probe: int = MAX_PROBE,
     memory_fraction: float = 0.9,
     optimizer: torch.optim.Optimizer | None = None,
     batch_size: int | None = None,

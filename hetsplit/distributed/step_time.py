@@ -64,7 +64,7 @@ class StepTimer:
         # sharded parameters' gradients itself, so those hooks would never fire.
         self._ddp = WorkTimer(device, None if sharded else model)
         if pause_at_waits and model is not None:
-            fsdp = _sharded._fsdp2_module()
+            fsdp = _sharded.fsdp2_module()
             for m in model.modules():
                 if fsdp is not None and isinstance(m, fsdp):
                     self._hook(m)
@@ -152,7 +152,7 @@ def communication(model: nn.Module, device: torch.device, group: Any = None, *, 
     if world <= 1:
         return 0.0
     ops: collections.Counter[tuple[str, int, torch.dtype]] = collections.Counter()  # (kind, numel, dtype): a step's
-    fsdp = _sharded._fsdp2_module()
+    fsdp = _sharded.fsdp2_module()
     if fsdp is not None and _sharded.holds_sharded(model):
         modules = [m for m in model.modules() if isinstance(m, fsdp)]
         for m in modules:

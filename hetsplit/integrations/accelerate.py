@@ -16,8 +16,8 @@ from torch.utils.data import DataLoader, RandomSampler
 
 import hetsplit.distributed as hd
 from hetsplit.devices import Device, device_name, parse_device
-from hetsplit.distributed._group import verify_dtypes
 from hetsplit.distributed.comm_hooks import WeightingState
+from hetsplit.distributed.dtypes import verify_dtypes
 from hetsplit.distributed.sharded import kind
 from hetsplit.planning import Plan, Profile, Rebalancer
 from hetsplit.planning.sizes import resolve_plan, scaled_plan
@@ -229,7 +229,7 @@ class HeteroAccelerator(accelerate.Accelerator):  # type: ignore[misc]
         """
         loaders = [a for a in args if isinstance(a, DataLoader) and not getattr(a, "_is_accelerate_prepared", False)]
         for loader in loaders:
-            check_loader(loader)
+            check_loader(loader, self.who)
         models = [a for a in args if isinstance(a, torch.nn.Module)]
         if self.is_fsdp2 and models and loaders:
             # accelerate shards the model in this call: model and optimizer first, then the
@@ -341,7 +341,7 @@ class HeteroAccelerator(accelerate.Accelerator):  # type: ignore[misc]
         """This process's share of every global batch (instead of ``BatchSamplerShard``), on its device."""
         if getattr(data_loader, "_is_accelerate_prepared", False):
             return data_loader
-        check_loader(data_loader)
+        check_loader(data_loader, self.who)
         if self.num_processes > 1 and not self.even_batches:  # set after the accelerator was made
             check_even_batches(self.weighting)
         if self._plan is None:  # called directly rather than through prepare()

@@ -86,36 +86,30 @@ def shares_sampler(loader: DataLoader[Any]) -> HeteroDistributedSampler:
     return sampler
 
 
-def check_loader(loader: DataLoader[Any], who: str = "HeteroAccelerator") -> None:
+def check_loader(loader: object, who: str, stage: str = "") -> None:
     """A loader ``who`` can rebuild on shares without changing what it means, else one clear error.
 
+    Args:
+        loader: The user's loader.
+        who: The integration's class (named in the message).
+        stage: ``"training"``, ``"validation"``, ... (named in the message; ``""``: none).
+
     Raises:
-        ValueError: For an iterable dataset, no ``batch_size`` (a custom batch sampler), or a
-            sampler other than random or sequential.
+        ValueError: For anything but a ``DataLoader`` over a map-style dataset with
+            ``batch_size`` and a random or sequential sampler.
     """
-    if isinstance(loader.dataset, IterableDataset):
-        raise ValueError(
-            f"{who} needs a map-style dataset (indexable, with a length), got the iterable "
-            f"{type(loader.dataset).__name__}: wrap the data in a map-style Dataset"
-        )
-    if loader.batch_size is None:
-        raise ValueError(
-            f"{who} needs a DataLoader with batch_size, got batch_sampler="
-            f"{type(loader.batch_sampler).__name__}: pass batch_size= (and shuffle=) instead of a batch sampler"
-        )
-    if not isinstance(loader.sampler, RandomSampler | SequentialSampler):
-        raise ValueError(
-            f"{who} replaces the loader's sampler with per-process shares and keeps only its order "
-            f"(shuffled or sequential); got {type(loader.sampler).__name__}: use shuffle=True or False instead"
-        )
+    problem = _problem(loader, distributed=False)
+    if problem is not None:
+        raise ValueError(_refusal(who, stage, problem))
 
 
 def lightning_order(loader: object, stage: str, *, strict: bool, who: str) -> tuple[bool, int] | None:
     """Whether a loader Lightning hands a strategy shuffles, and with which seed (``None``: it cannot be rebuilt).
 
-    The sampler Lightning may have put in (``DistributedSampler``, with its own shuffle
-    and seed) or the user's ``RandomSampler``/``SequentialSampler`` only says whether to
-    shuffle; the seed is otherwise ``$PL_GLOBAL_SEED`` (``seed_everything``).
+    The loader is checked as :func:`check_loader` checks one, except that it may hold the
+    ``DistributedSampler`` Lightning puts in (with its own shuffle and seed); otherwise the
+    user's ``RandomSampler``/``SequentialSampler`` only says whether to shuffle, and the seed
+    is ``$PL_GLOBAL_SEED`` (``seed_everything``).
 
     Args:
         loader: The loader Lightning hands the strategy.
@@ -124,35 +118,43 @@ def lightning_order(loader: object, stage: str, *, strict: bool, who: str) -> tu
         who: The strategy's class (named in the message).
 
     Raises:
-        ValueError: With ``strict``, for anything but a ``DataLoader`` over a map-style
-            dataset with ``batch_size`` and a random, sequential or plain distributed sampler.
+        ValueError: With ``strict``, as :func:`check_loader`.
     """
-    problem = None
-    seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
-    shuffle = False
-    if not isinstance(loader, DataLoader):
-        problem = f"it is a {type(loader).__name__}, not a torch DataLoader; return a DataLoader"
-    elif isinstance(loader.dataset, IterableDataset):
-        problem = (
-            f"its dataset {type(loader.dataset).__name__} is iterable; shares are cut by index, "
-            "so use a map-style Dataset (with __getitem__ and __len__)"
-        )
-    elif loader.batch_size is None:
-        problem = (
-            "it has no batch_size (its batches come from a batch_sampler, or batch_size=None); the per-rank "
-            "batch comes from the plan: pass batch_size= (and shuffle=) instead of a batch sampler"
-        )
-    elif isinstance(loader.sampler, RandomSampler):
-        shuffle = True
-    elif type(loader.sampler) is DistributedSampler:  # what Lightning puts in with use_distributed_sampler=True
-        shuffle, seed = bool(loader.sampler.shuffle), int(loader.sampler.seed)
-    elif not isinstance(loader.sampler, SequentialSampler):
-        problem = (
-            f"its sampler {type(loader.sampler).__name__} cannot be kept (hetsplit cuts every global batch by index "
-            "and only shuffles or not): use shuffle=True/False, or weight the dataset itself"
-        )
+    problem = _problem(loader, distributed=True)
     if problem is not None:
         if strict:
-            raise ValueError(f"{who} cannot shard the {stage} loader: {problem}")
+            raise ValueError(_refusal(who, stage, problem))
         return None
-    return shuffle, seed
+    assert isinstance(loader, DataLoader)  # _problem said so
+    if type(loader.sampler) is DistributedSampler:  # what Lightning puts in with use_distributed_sampler=True
+        return bool(loader.sampler.shuffle), int(loader.sampler.seed)
+    return isinstance(loader.sampler, RandomSampler), int(os.environ.get("PL_GLOBAL_SEED", 0))
+
+
+def _problem(loader: object, *, distributed: bool) -> str | None:
+    """Why ``loader`` cannot be rebuilt on shares (``None``: it can); ``distributed``: Lightning's sampler may stay."""
+    if not isinstance(loader, DataLoader):
+        return f"it is a {type(loader).__name__}, not a torch DataLoader; return a DataLoader"
+    if isinstance(loader.dataset, IterableDataset):
+        return (
+            f"its dataset {type(loader.dataset).__name__} is iterable, and shares are cut by index: use a map-style "
+            "dataset (indexable, with __getitem__ and __len__)"
+        )
+    if loader.batch_size is None:
+        return (
+            f"it has no batch_size (its batches come from batch_sampler={type(loader.batch_sampler).__name__}, or "
+            "batch_size=None) and the per-process batch comes from the plan: pass batch_size= (and shuffle=) "
+            "instead of a batch sampler"
+        )
+    kept = isinstance(loader.sampler, RandomSampler | SequentialSampler)
+    if not kept and not (distributed and type(loader.sampler) is DistributedSampler):
+        return (
+            f"its sampler {type(loader.sampler).__name__} cannot be kept (hetsplit replaces the sampler with "
+            "per-process shares, cutting every global batch by index, and keeps only whether it shuffles): use "
+            "shuffle=True or False, or weight the dataset itself"
+        )
+    return None
+
+
+def _refusal(who: str, stage: str, problem: str) -> str:
+    return f"{who} cannot shard the {stage + ' ' if stage else ''}loader: {problem}"

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hetsplit.distributed.accumulate import _pieces
+from hetsplit.distributed.accumulate import row_pieces
 
 from .collectives import samples_in
 
@@ -39,7 +39,7 @@ def piece_items(inputs: Any, sizes: list[int], shifted: bool, device: torch.devi
     Returns:
         One float64 count per micro-batch, on ``device``, without a synchronisation.
     """
-    out = [items_in(piece, shifted) for piece in _pieces(inputs, sizes)]
+    out = [items_in(piece, shifted) for piece in row_pieces(inputs, sizes)]
     return torch.cat([torch.as_tensor(n, dtype=torch.float64, device=device).reshape(1) for n in out])
 
 

@@ -15,7 +15,9 @@ from torch import nn
 from transformers.loss.loss_utils import ForCausalLMLoss
 
 from hetsplit.devices import Device, parse_device
-from hetsplit.distributed.accumulate import _all_reduce_once, _micro_sizes, _pieces
+from hetsplit.distributed.accumulate import all_reduce_once as _all_reduce_once
+from hetsplit.distributed.accumulate import micro_sizes_for as _micro_sizes
+from hetsplit.distributed.accumulate import row_pieces as _pieces
 from hetsplit.distributed.setup import ENV_DEVICES, rank_devices
 from hetsplit.distributed.sharded import kind, micro_for_rows
 from hetsplit.distributed.zero_share import stand_in_items
@@ -47,8 +49,9 @@ class HeteroTrainer(transformers.Trainer):
       DDP's plain mean is then the Trainer's global loss: padded token losses are weighted by
       tokens, models that ignore ``num_items_in_batch`` (sequence classification) are
       weighted by samples, and gradient accumulation is one mean over the window.
-    - Evaluation: ``eval_loss`` is the mean over every item of the evaluation set (the
-      padding of a last incomplete batch left out); predictions and labels reach
+    - Evaluation: ``eval_loss`` is the loss summed over the evaluation set (the padding of
+      a last incomplete batch left out) over its items as the plain Trainer counts them
+      (GPT-2's labels unshifted, as in training); predictions and labels reach
       ``compute_metrics`` with uneven shards, every sample once.
     - A process whose share is 0 runs two real samples weighted 0 (many models cannot
       run a batch of 0 rows; DDP needs every process in every backward); one whose share
@@ -139,7 +142,9 @@ class HeteroTrainer(transformers.Trainer):
         self._eval_sums: list[float] | None = None  # (summed loss, items) of this process's evaluation
         self._filler: Any = None  # the loader an empty share borrows two real samples from
         self._null_step = False  # this step's loss is exact zeros through the outputs (FSDP2, no items)
+        self._batches = 0  # global batches (training_step calls) of the optimizer step running
         super().__init__(*args, **trainer_kwargs)
+        self.add_callback(_StepTimes(self))
         if self.args.n_gpu > 1:
             raise ValueError(
                 f"this process sees {self.args.n_gpu} GPUs and the Trainer would run nn.DataParallel over them; "
@@ -195,6 +200,21 @@ class HeteroTrainer(transformers.Trainer):
         inner = self.accelerator.unwrap_model(model)
         config = getattr(inner, "config", None)
         return getattr(inner, "loss_function", None) is ForCausalLMLoss and not getattr(config, "is_encoder_decoder", 0)
+
+    def _counted_items(self, model: nn.Module, inputs: Mapping[str, Any]) -> float:
+        """The items the plain Trainer divides ``inputs``' summed loss by in evaluation, else the model's own.
+
+        Its ``prediction_step`` passes ``num_items_in_batch`` (``_get_num_items_in_batch``) to
+        a model that takes it, and that count shifts the labels only where the model's
+        ``loss_type`` maps to the causal-LM loss: GPT-2's is None, so its labels count
+        unshifted, position 0 too (16 for a block of 16, where its loss averages 15). The
+        rule is copied, not called: the Trainer's own count all-gathers, once per batch
+        whatever its rows, where these are a process's real rows of a batch cut unevenly.
+        """
+        counts = "labels" in inputs and (self.model_accepts_loss_kwargs or self.compute_loss_func is not None)
+        # transformers before _loss_shifts_labels counted every label unshifted.
+        shifted = getattr(self, "_loss_shifts_labels", False) if counts else self._shifts(model)
+        return float(items_in(inputs, shifted))
 
     def get_train_dataloader(self) -> Any:
         """The Trainer's training loader, cut into this process's shares (the model is profiled first if needed)."""
@@ -330,7 +350,7 @@ class HeteroTrainer(transformers.Trainer):
             torch.OutOfMemoryError: If a micro-batch (or an unsplit share) exceeds this
                 process's emulated memory (``cpu:max4``), as a GPU would run out.
         """
-        self.accelerator.report.step(self.plan, self.accelerator.device_names)  # the split, said once (process 0)
+        self._batches += 1  # the split report times the Trainer's steps (_StepTimes)
         with self.accelerator.rebalance_step():  # one step of the rebalancer (nothing without rebalance)
             return self._step(model, inputs, num_items_in_batch)
 
@@ -437,9 +457,10 @@ class HeteroTrainer(transformers.Trainer):
                 real = self._real_rows(inputs)
                 whole = real == samples_in(inputs)
                 mean = loss if whole and not together else self._real_mean(model, inputs, real, together)
-                real_items = float(items_in(inputs if whole else _rows(inputs, real), shifted))
+                rows = inputs if whole else _rows(inputs, real)
+                real_items = float(items_in(rows, shifted))  # what the model's own mean averages over
                 self._eval_sums[0] += float(mean.detach()) * real_items if real_items else 0.0
-                self._eval_sums[1] += real_items
+                self._eval_sums[1] += self._counted_items(model, rows)
             elif together:
                 self._real_mean(model, self._filler_inputs(inputs), 0, together)
         if empty:
@@ -559,6 +580,27 @@ def _run_on_cpu(args: Any, devices: str | None) -> None:
     args.use_cpu = True
     vars(args).pop("_setup_devices", None)
     _ = args.device  # set up again: accelerate's shared state is reset and made a multi-CPU job
+
+
+class _StepTimes(transformers.TrainerCallback):
+    """The split report's steps: each optimizer step timed from the Trainer's ``on_step_begin`` to its ``on_step_end``.
+
+    Timed start to start, a step would hold what the Trainer runs after ``on_step_end`` and
+    before the next step: evaluation, checkpoint saving, logging. A step of several
+    accumulated global batches counts as their mean, as the plan predicts one batch.
+    """
+
+    def __init__(self, trainer: HeteroTrainer) -> None:
+        self.trainer = trainer
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        trainer = self.trainer
+        trainer._batches = 0
+        # The first step says the split (process 0): the plan is made by then (the first loader or batch).
+        trainer.accelerator.report.step(trainer.plan, trainer.accelerator.device_names)
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.trainer.accelerator.report.step_end(self.trainer._batches)
 
 
 class _TrainerAccelerator(HeteroAccelerator):

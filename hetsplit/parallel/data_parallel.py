@@ -272,9 +272,9 @@ class HeteroDataParallel(nn.Module):
         # outputs are combined as they are, and backward walks through them as torch's would.
         grads = self._step_grads(step, gathered=True) if len(step.built) == len(step.active) else None
         targets = grads.targets if grads is not None else []
-        backward = self._backward(step, grads) if grads is not None else None
-        if grads is not None and torch.is_grad_enabled():  # a backward of its activations outside the output
-            self.__dict__["_stray"] = grads.watch_stray()
+        stray = grads.stray_check() if grads is not None and torch.is_grad_enabled() else None
+        self.__dict__["_stray"] = stray  # run after the gather's backward, and at the next step for any other
+        backward = self._backward(step, grads, stray) if grads is not None else None
         sums = sizes if self.scalar_outputs is None else None  # the default: a sum is refused, not averaged
         return combine(outputs, output_device, self.dim, weights, backward, labels, targets, sums)
 
@@ -288,10 +288,8 @@ class HeteroDataParallel(nn.Module):
                 self.__dict__["_step"] = None  # the steps' seams, called on their own, work on their own
 
     def _forward(self, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        step = self._begin(batch_of(inputs, kwargs))
-        home = direct_device(step, self.module, self.rebalancer is not None)
+        step, home = self._begin(batch_of(inputs, kwargs))
         if home is not None:  # the module's own device has the whole batch: run the module itself
-            self._log.end(step.plan, keep=False)  # no busy times: step_times must not repeat the last split step's
             run = lambda: call_on(self.module, home, inputs, kwargs)
             out = self._mem.watch(step.active[0], step.sizes[0], run, step.devices[0])  # an OOM re-plans
             return move(out, self._output_device or home)
@@ -348,10 +346,8 @@ class HeteroDataParallel(nn.Module):
 
     def _train_step(self, inputs: Any, target: Any, loss_fn: Any, reduction: ScalarPolicy) -> torch.Tensor:
         """One local-loss step (see :meth:`train_step`), each device's micro-batches in turn."""
-        step = self._begin((inputs, target))
-        home = direct_device(step, self.module, self.rebalancer is not None)
+        step, home = self._begin((inputs, target))
         if home is not None:  # the module's own device has the whole batch: the module's own step
-            self._log.end(step.plan, keep=False)  # no busy times: step_times must not repeat the last split step's
             return self._direct_local_step(home, (inputs, target), loss_fn, reduction)
         batch = (inputs, target)
         step.upstream = Upstream(batch, scatter_to(batch, step.devices, step.sizes, self.dim), self.dim)
@@ -424,11 +420,14 @@ class HeteroDataParallel(nn.Module):
         outputs = [[t for leaves in per_device for t in leaves] for per_device in step.leaves] if reach else None
         return StepGrads(self._replicator.params, step.built, step.upstream, self._replicator.names, outputs)
 
-    def _backward(self, step: Step, grads: StepGrads) -> Callable[[list[Any], bool, bool], Grads]:
+    def _backward(
+        self, step: Step, grads: StepGrads, stray: Callable[[], None] | None
+    ) -> Callable[[list[Any], bool, bool], Grads]:
         """The gather's backward: every device's gradients computed concurrently, summed per target."""
 
         def run(work: list[tuple[list[torch.Tensor], list[torch.Tensor]]], keep: bool, build: bool) -> Grads:
-            torch.autograd.Variable._execution_engine.queue_callback(grads.check_stray)  # once this backward is done
+            if stray is not None:  # once this backward is done
+                torch.autograd.Variable._execution_engine.queue_callback(stray)
             # After a backward that built a graph of the gradients (create_graph), that graph
             # reaches into the replicas' graphs: a later backward through it walks them too,
             # so this node's own walk must leave them for it.
@@ -505,8 +504,13 @@ class HeteroDataParallel(nn.Module):
         if self._replicator is not None and len(step.built) == len(step.active):
             self._replicator.merge_buffers(step.built, step.sizes, [len(m) for m in step.micro])
 
-    def _begin(self, batch_tree: Any) -> Step:
-        """Start a step: feed the rebalancer the steps it can read, choose this step's plan."""
+    def _begin(self, batch_tree: Any) -> tuple[Step, torch.device | None]:
+        """Start a step: feed the rebalancer the steps it can read, choose this step's plan.
+
+        Returns:
+            The step, and the module's device when the module runs it there itself
+            (:func:`~hetsplit.parallel.step.direct_device`), else ``None``.
+        """
         stray, self.__dict__["_stray"] = self._stray, None
         if stray is not None:  # a backward of the last step's activations outside the wrapper's output
             stray()
@@ -514,8 +518,11 @@ class HeteroDataParallel(nn.Module):
         plan = self._plans.for_batch(batch_length(batch_tree, self.dim))
         active = [i for i, s in enumerate(plan.sizes) if s > 0]
         step = self.__dict__["_step"] = Step(plan, active, [self.devices[i] for i in active])  # not nn.Module's setattr
-        self._log.start()  # a step that runs the module itself logs no busy time
-        return step
+        self._log.start()
+        home = direct_device(step, self.module, self.rebalancer is not None)
+        if home is not None:  # no busy times: step_times must not repeat the last split step's
+            self._log.end(step.plan, keep=False)
+        return step, home
 
     def _run(
         self, fns: Sequence[Callable[[], Any]], what: str, active: Sequence[int], inline: int | None = 0

@@ -166,25 +166,19 @@ class StepGrads:
             "register each as an nn.Parameter of the module (or detach it, if it is not trained)"
         )
 
-    def check_stray(self) -> None:
-        """Refuse a gradient that reached a replica's own parameter other than through the engine.
+    def stray_check(self) -> Callable[[], None]:
+        """The step's one check that no gradient reached a replica's own parameter other than through the engine.
 
         The replicas' parameters are leaves of their own: a loss computed from something a
         replica made that the wrapper did not return (an activation a forward hook kept) would
-        leave its gradient there, where it can never reach the module. Run once a backward
-        through the gather is done (the engine's callback).
+        leave its gradient there, where it can never reach the module. The wrapper runs the
+        check once a backward through the gather is done (the engine's callback), and at the
+        next step's start for a backward of its own. It holds the parameters weakly: such a
+        backward can only happen while something holds what a replica made, and that keeps
+        the replica's parameters alive; the others are let go with the step.
 
-        Raises:
-            RuntimeError: Naming the parameter and what to do.
-        """
-        own = [(k, t) for r in self._replicas for k, t in enumerate(r.params) if id(t) not in self._names]
-        _check_stray(own, self._all_names)
-
-    def watch_stray(self) -> Callable[[], None]:
-        """:meth:`check_stray` for a later backward, holding the replicas' parameters weakly.
-
-        A backward through what a replica made can only happen while something holds it,
-        and that keeps the replica's parameters alive: the others are let go with the step.
+        Returns:
+            A callable that raises ``RuntimeError`` naming the parameter and what to do.
         """
         own = [(k, weakref.ref(t)) for r in self._replicas for k, t in enumerate(r.params) if t.is_leaf]
         own = [(k, ref) for k, ref in own if id(ref()) not in self._names]
@@ -212,8 +206,8 @@ class StepGrads:
 
 
 def _check_stray(params: Sequence[tuple[int, torch.Tensor]], names: Sequence[str]) -> None:
-    """Raise for the first replica parameter ``(position, tensor)`` holding a ``.grad`` (see ``check_stray``)."""
-    stray = [(k, t) for k, t in params if t.is_leaf and t.grad is not None]
+    """Raise for the first replica parameter ``(position, tensor)`` holding a ``.grad`` (see ``stray_check``)."""
+    stray = [(k, t) for k, t in params if t.grad is not None]
     for _, t in stray:
         t.grad = None  # said once
     if stray:

@@ -14,7 +14,7 @@ from .micro import Step
 from .replicas import module_device
 from .scatter_gather import scatter_to
 from .upstream import Upstream
-from .writes import InputWrites
+from .writes import InputWrites, lone_tensor
 
 
 def cut_upstream(
@@ -26,9 +26,9 @@ def cut_upstream(
     gradients upstream); any other tensor of the batch into aliases (see :class:`InputWrites`).
     """
     whole = (tuple(batch[0]), dict(batch[1]))
-    lone = batch[0][0] if len(batch[0]) == 1 and not batch[1] else None
+    lone = lone_tensor(whole)
     shards = list(zip(args, kws))
-    if not (isinstance(lone, torch.Tensor) and not lone.requires_grad):  # a lone tensor without grad: none
+    if lone is None or lone.requires_grad:  # a lone tensor without grad: none
         step.upstream = Upstream(whole, shards, dim)
         shards = step.upstream.shards
     step.writes = InputWrites(whole, shards, step.sizes, dim)
@@ -72,13 +72,15 @@ def direct_device(step: Step, module: nn.Module, rebalancing: bool) -> torch.dev
 
 def batch_of(inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """The inputs as one tree; a lone tensor as itself (the common case, measured without walking a tree)."""
-    return inputs[0] if len(inputs) == 1 and not kwargs and isinstance(inputs[0], torch.Tensor) else (inputs, kwargs)
+    lone = lone_tensor((inputs, kwargs))
+    return lone if lone is not None else (inputs, kwargs)
 
 
 def call_on(module: nn.Module, device: torch.device, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """``module(*inputs, **kwargs)`` with the inputs moved to ``device`` first."""
-    if len(inputs) == 1 and not kwargs and isinstance(inputs[0], torch.Tensor):
-        return module(to_device(inputs[0], device))
+    lone = lone_tensor((inputs, kwargs))
+    if lone is not None:
+        return module(to_device(lone, device))
     inputs, kwargs = move((inputs, kwargs), device)
     return module(*inputs, **kwargs)
 
@@ -87,8 +89,9 @@ def scatter_inputs(
     inputs: tuple[Any, ...], kwargs: dict[str, Any] | None, devices: Sequence[Device], sizes: Sequence[int], dim: int
 ) -> tuple[list[tuple[Any, ...]], list[dict[str, Any]]]:
     """Positional and keyword inputs cut into shards on ``devices`` (forward's scatter)."""
-    if len(inputs) == 1 and not kwargs and isinstance(inputs[0], torch.Tensor) and inputs[0].dim() > 0:
-        pieces = inputs[0].split(list(sizes), dim)  # one tensor, the common case: no tree walk
+    lone = lone_tensor((tuple(inputs), kwargs or {}))
+    if lone is not None and lone.dim() > 0:
+        pieces = lone.split(list(sizes), dim)  # one tensor, the common case: no tree walk
         return [(to_device(p, d.torch_device),) for p, d in zip(pieces, devices)], [{} for _ in pieces]
     shards = scatter_to((tuple(inputs), dict(kwargs or {})), devices, sizes, dim)
     return [tuple(a) for a, _ in shards], [dict(k) for _, k in shards]

@@ -44,7 +44,7 @@ class InputWrites:
         # (the caller's tensor, the replica's piece of it, the piece's version, first row, rows)
         self._watched: list[tuple[torch.Tensor, torch.Tensor, int, int, int]] = []
         starts = [sum(sizes[:j]) for j in range(len(sizes))]
-        graph, lone = torch.is_grad_enabled(), _lone_tensor(batch)
+        graph, lone = torch.is_grad_enabled(), lone_tensor(batch)
         if lone is not None:  # the common case, without walking a tree
             if lone.dim() > 0 and not (graph and lone.requires_grad):
                 self.shards = [((self._own(lone, a[0], s, n),), k) for (a, k), s, n in zip(shards, starts, sizes)]
@@ -79,8 +79,11 @@ class InputWrites:
                     source.narrow(self.dim, start, rows).copy_(piece)
 
 
-def _lone_tensor(batch: Any) -> torch.Tensor | None:
-    """The input of ``model(x)``: the tensor of a batch ``((x,), {})``, else ``None``."""
+def lone_tensor(batch: Any) -> torch.Tensor | None:
+    """The input of ``model(x)``: the tensor of a batch ``((x,), {})``, else ``None``.
+
+    The common case, which a step handles without walking a tree.
+    """
     args, kwargs = batch
     if isinstance(kwargs, dict) and not kwargs and isinstance(args, tuple) and len(args) == 1:
         return args[0] if isinstance(args[0], torch.Tensor) else None

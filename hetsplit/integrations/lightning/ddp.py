@@ -11,7 +11,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
-from hetsplit.distributed._group import verify_dtypes
+from hetsplit.distributed.dtypes import verify_dtypes
 from hetsplit.planning import Plan, Profile, Rebalancer
 
 from ..options import HeteroOptions

@@ -1,0 +1,93 @@
+"""The 2-process job behind tests/test_trainer_eval.py: HeteroTrainer's eval_loss against the plain Trainer's.
+
+A tiny GPT-2 built from its config (float64, nothing downloaded) on SYNTHETIC blocks of
+16 tokens, run_clm's setting. Prints ``OK <scenario> rank <r>`` per scenario it passes,
+or its traceback (``tests/integration_launch.py``). Its helpers serve the one-process
+tests too (importing it there runs no scenario: they run only under torchrun).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
+
+BLOCK = 16
+# HF's causal-LM loss is computed in float32 (it casts the logits): a mean there and a sum over
+# a count here round differently at ~1e-7 relative, against 1/15 when the count differs.
+REL = 1e-6
+
+
+def blocks(n: int, seed: int) -> list[dict[str, torch.Tensor]]:
+    """``n`` token blocks of 16, labels the inputs (as run_clm's ``group_texts`` makes them)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 50, (n, BLOCK), generator=g)
+    return [{"input_ids": row, "labels": row.clone()} for row in ids]
+
+
+def gpt2() -> GPT2LMHeadModel:
+    """A GPT-2 of one layer, float64, seeded; ``loss_type`` None (the plain Trainer counts its labels unshifted)."""
+    torch.manual_seed(0)
+    config = GPT2Config(
+        n_embd=16, n_layer=1, n_head=2, vocab_size=50, n_positions=BLOCK, resid_pdrop=0.0, embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )  # fmt: skip
+    return GPT2LMHeadModel(config).double()
+
+
+def arguments(folder: str, **overrides) -> TrainingArguments:
+    settings = dict(
+        output_dir=folder, per_device_train_batch_size=2, per_device_eval_batch_size=2, max_steps=1,
+        learning_rate=0.1, optim="sgd", lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=0.0,
+        report_to=[], save_strategy="no", logging_strategy="no", use_cpu=True, disable_tqdm=True, seed=0,
+    )  # fmt: skip
+    settings.update(overrides)
+    return TrainingArguments(**settings)
+
+
+def plain_eval_loss(model: GPT2LMHeadModel, data: list[dict[str, torch.Tensor]]) -> float:
+    """The one-process plain Trainer's eval_loss on ``data`` (full blocks): shifted token losses over all labels.
+
+    Each batch's summed loss over its labels unshifted (GPT-2's ``loss_type`` is None), mean
+    over the batches weighted by samples: for blocks of one length, whatever the batches, the
+    summed loss over 16 a block (float64 here).
+    """
+    ids = torch.stack([d["input_ids"] for d in data])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits
+    losses = torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), ids[:, 1:], reduction="sum")
+    return losses.item() / ids.numel()
+
+
+if "RANK" in os.environ and __name__ == "__main__":
+    import torch.distributed as dist
+    from integration_launch import scenario  # tests/ is the script's folder
+    from transformers import Trainer
+
+    from hetsplit.planning import plan_from_sizes
+    from hetsplit.transformers import HeteroTrainer
+
+    @scenario("gpt2-eval", folder=True)
+    def _(folder):
+        # The plain Trainer divides each batch's summed loss by all its labels (GPT-2's loss_type is
+        # None), so HeteroTrainer must too (was: 16/15 of it). 8 blocks in global batches of 4: 2 + 2
+        # for the plain Trainer, 3 + 1 under the plan; the same eval_loss.
+        plan = plan_from_sizes(None, ["rank0", "rank1"], [3, 1])
+        data = blocks(8, seed=3)
+        plain = Trainer(model=gpt2(), args=arguments(os.path.join(folder, "plain")), eval_dataset=data)
+        expected = plain.evaluate()["eval_loss"]
+        hetero = HeteroTrainer(
+            model=gpt2(), args=arguments(os.path.join(folder, "hetero")), eval_dataset=data, plan=plan
+        )
+        loss = hetero.evaluate()["eval_loss"]
+        assert abs(loss - expected) <= REL * abs(expected), f"HeteroTrainer {loss}, the plain Trainer {expected}"
+        # 9 blocks: the last global batch padded. The plain Trainer on 2 processes counts the padding's
+        # duplicate into that batch's loss; its one-process run (tests/test_trainer_eval.py) does not.
+        data = blocks(9, seed=3)
+        loss = hetero.evaluate(eval_dataset=data)["eval_loss"]
+        expected = plain_eval_loss(gpt2(), data)
+        assert abs(loss - expected) <= REL * abs(expected), f"HeteroTrainer {loss}, the plain Trainer {expected}"
+
+    dist.barrier()
+    dist.destroy_process_group()
