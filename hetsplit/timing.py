@@ -9,14 +9,18 @@ not counted; on CUDA two events on the current stream; elsewhere wall time.
 from __future__ import annotations
 
 import contextlib
+from collections import deque
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from . import emulation
 from .devices import Device
+
+if TYPE_CHECKING:  # a type only: planning sits above timing in the pipeline
+    from .planning.plan import Plan
 
 
 class Lap:
@@ -172,6 +176,44 @@ class WorkTimer:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+
+
+class BusyLog:
+    """The laps of every device in each step, and the finished steps not read yet.
+
+    On the CPU a lap is known when it ends; on a GPU it is known once the device has
+    run the step. Finished steps queue here until all their laps can be read, so a
+    rebalancer reading them (:meth:`readable`) never makes training wait.
+    """
+
+    def __init__(self) -> None:
+        self.current: dict[str, list[Lap]] = {}
+        self.last: dict[str, list[Lap]] = {}
+        self.unread: deque[tuple[Plan, dict[str, list[Lap]]]] = deque()
+
+    def start(self) -> None:
+        """Begin a step."""
+        self.current = {}
+
+    def add(self, name: str, lap: Lap) -> None:
+        """Count ``lap`` as busy time of device ``name`` in this step."""
+        self.current.setdefault(name, []).append(lap)
+
+    def end(self, plan: Plan, *, keep: bool) -> None:
+        """End the step that ran ``plan``; ``keep`` it for :meth:`readable`."""
+        self.last = self.current
+        if keep and self.current:
+            self.unread.append((plan, self.current))
+
+    def readable(self) -> Iterator[tuple[Plan, dict[str, float]]]:
+        """The kept steps, oldest first, whose laps can all be read now: (plan, seconds per device)."""
+        while self.unread and all(lap.ready() for laps in self.unread[0][1].values() for lap in laps):
+            plan, busy = self.unread.popleft()
+            yield plan, {name: sum(lap.seconds() for lap in laps) for name, laps in busy.items()}
+
+    def last_times(self) -> dict[str, float]:
+        """Busy seconds of each device in the last finished step (waits for a GPU to finish it)."""
+        return {name: sum(lap.seconds() for lap in laps) for name, laps in self.last.items()}
 
 
 def cpu_threads(devices: Sequence[Device], requested: int | None = None) -> int:

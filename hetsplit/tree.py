@@ -157,6 +157,19 @@ def leaf_paths(tree: Any) -> list[str]:
     return [pytree.keystr(path) or "<output>" for path, _ in pytree.tree_flatten_with_path(walkable)[0]]
 
 
+def samples_in(tree: Any) -> int | None:
+    """The samples in a batch as trainers count them for logging: its first tensor's length.
+
+    Lightning's and accelerate's rule (not :func:`batch_length`'s, which wants every tensor
+    to agree): 1 for a 0-dim tensor, ``None`` when the batch holds no tensor.
+    """
+    if not isinstance(tree, torch.Tensor):
+        tree = next((x for x in flatten(tree)[0] if isinstance(x, torch.Tensor)), None)
+        if tree is None:
+            return None
+    return 1 if tree.dim() == 0 else len(tree)
+
+
 def batch_length(tree: Any, dim: int = 0) -> int:
     """The common length along ``dim`` of every tensor in a nested batch.
 

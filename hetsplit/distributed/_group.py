@@ -14,6 +14,8 @@ from types import TracebackType
 from typing import Any, Literal
 
 import torch
+import torch.autograd
+import torch.autograd.graph
 import torch.distributed as dist
 
 from ..emulation import is_out_of_memory
@@ -118,6 +120,47 @@ def note_out_of_memory(error: BaseException, step: int | None = None) -> None:
     where = f" at step {step}" if step is not None else ""
     first = str(error).strip().splitlines()[0][:160] if str(error).strip() else type(error).__name__
     note_failure(f"ran out of memory{where} ({first})")
+
+
+# An out-of-memory error in this rank's backward is noted as one in forward is:
+# a rank that runs out of memory in its backward, catches the error and
+# stops (or ends) leaves its peers in a collective it never joins (DDP's all-reduce, FSDP2's
+# reduce-scatter); they could only say that it died. A forward's error is seen by a module
+# hook (``comm_hooks``); nothing of a module or a tensor runs while an error unwinds through
+# autograd's engine. The one place it passes through Python on its way to the caller is
+# torch's ``_engine_run_backward``, which ``Tensor.backward``, ``torch.autograd.backward``
+# and ``torch.autograd.grad`` all call: it is wrapped, once per process, to write the same
+# note (:func:`note_out_of_memory`) and raise the error unchanged. A torch without that
+# function keeps its own (the peers then say only that the rank died).
+_MARK = "_hetsplit_notes_out_of_memory"  # on the wrapper: wrapped once, whoever asks again
+
+
+@functools.cache  # once per process
+def note_out_of_memory_in_backward() -> None:
+    """From now on, an out-of-memory error raised by a backward in this process is noted for the other ranks."""
+    run = getattr(torch.autograd.graph, "_engine_run_backward", None)
+    if not callable(run) or getattr(run, _MARK, False):
+        return
+    wrapped = _noting(run)
+    torch.autograd.graph._engine_run_backward = wrapped
+    # torch.autograd imported the name itself (backward() and grad() call it from there).
+    if getattr(torch.autograd, "_engine_run_backward", None) is run:
+        # (set as an attribute: torch.autograd does not re-export the name, and mypy says so)
+        setattr(torch.autograd, "_engine_run_backward", wrapped)  # noqa: B010
+
+
+def _noting(run: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(run)
+    def run_backward(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return run(*args, **kwargs)
+        except BaseException as error:
+            if is_out_of_memory(error):  # the step the weighting hooks noted at this step's forward
+                note_out_of_memory(error, _current_step())
+            raise
+
+    setattr(run_backward, _MARK, True)
+    return run_backward
 
 
 @functools.cache  # once per process

@@ -21,8 +21,16 @@ from ..parallel.reduce import shard_weight, shard_weights
 from ..planning.plan import Plan
 from ..tree import batch_length, flatten, tree_map
 from . import sharded as _sharded
-from ._group import DistributedError, as_error, group_info, group_timeout, note_out_of_memory, note_step, verify_plan
-from .backward_oom import note_out_of_memory_in_backward
+from ._group import (
+    DistributedError,
+    as_error,
+    group_info,
+    group_timeout,
+    note_out_of_memory,
+    note_out_of_memory_in_backward,
+    note_step,
+    verify_plan,
+)
 from .zero_share import IN_HAND, HandOff, is_stand_in
 
 
@@ -353,7 +361,7 @@ def _note_out_of_memory_in_forward(inner: nn.Module, state: WeightingState, *, c
             note_out_of_memory(error, state.step if counted_before else state.steps)
 
     state.handles.append(inner.register_forward_hook(noted, always_call=True))
-    note_out_of_memory_in_backward()  # and one in its backward (backward_oom)
+    note_out_of_memory_in_backward()  # and one in its backward (_group)
 
 
 # The first training steps whose outputs' gradient is looked at for a summed loss (a

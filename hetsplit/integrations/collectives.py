@@ -14,24 +14,6 @@ from hetsplit.tree import rebuilt, tree_map
 _MAX_DIMS = 8  # the shape a gather exchanges first has room for this many dimensions
 
 
-def samples_in(batch: Any) -> int | None:
-    """The samples in a batch as trainers count them for logging: the first tensor's length.
-
-    Returns:
-        That length (1 for a 0-dim tensor), or ``None`` when the batch holds no tensor.
-    """
-    if isinstance(batch, torch.Tensor):
-        return 1 if batch.dim() == 0 else len(batch)
-    items = batch.values() if isinstance(batch, Mapping) else batch
-    if isinstance(items, (str, bytes)) or not hasattr(items, "__iter__"):
-        return None
-    for item in items:
-        found = samples_in(item)
-        if found is not None:
-            return found
-    return None
-
-
 def op_name(reduce_op: Any) -> str:
     """``"mean"``, ``"sum"``, ``"max"``, ``"min"`` for the trainers' and torch's spellings of those reductions."""
     if isinstance(reduce_op, str):

@@ -10,8 +10,7 @@ import torch
 from torch import nn
 
 from hetsplit.distributed.accumulate import row_pieces
-
-from .collectives import samples_in
+from hetsplit.tree import samples_in
 
 
 def items_in(inputs: Mapping[str, Any], shifted: bool) -> torch.Tensor | int:

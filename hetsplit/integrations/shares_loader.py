@@ -19,8 +19,7 @@ from accelerate.data_loader import DataLoaderShard
 from torch.utils.data import DataLoader
 
 from hetsplit.distributed.sampler import HeteroDistributedSampler
-
-from .collectives import samples_in
+from hetsplit.tree import samples_in
 
 
 # accelerate ships no type information: its classes are Any to mypy.

@@ -23,10 +23,9 @@ from hetsplit.distributed.sharded import kind, micro_for_rows
 from hetsplit.distributed.zero_share import stand_in_items
 from hetsplit.parallel.reduce import shard_weight
 from hetsplit.planning import Plan, Profile, Rebalancer
-from hetsplit.tree import flatten, narrow
+from hetsplit.tree import flatten, narrow, samples_in
 
 from .accelerate import HeteroAccelerator
-from .collectives import samples_in
 from .core import is_cpu_job, launched_world
 from .loss_items import items_in, piece_items, zero_gradients
 from .options import HeteroOptions

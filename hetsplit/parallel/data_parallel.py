@@ -15,11 +15,11 @@ from ..emulation import is_out_of_memory
 from ..planning.plan import Plan
 from ..planning.profile import Profile
 from ..planning.rebalance import Rebalancer
-from ..timing import Lap
+from ..timing import BusyLog, Lap
 from ..tree import batch_length, flatten, move, to_device
 from .apply import parallel_apply, run_parallel
-from .busy import BusyLog
 from .grads import Grads, StepGrads
+from .inputs import InputWrites, Upstream, batch_of, call_on, cut_upstream, scatter_inputs
 from .local import local_fns, local_inputs, shard_loss
 from .micro import (
     MemoryLog,
@@ -36,9 +36,6 @@ from .outputs import ScalarPolicy, check_policy, combine, policy_weights
 from .replicas import _Replicator, check_wrappable, module_device
 from .scatter_gather import gather, scatter_to
 from .sizes import BatchPlans
-from .step import batch_of, call_on, cut_upstream, direct_device, engine_job, scatter_inputs
-from .upstream import Upstream
-from .writes import InputWrites
 
 _RUNTIME = ("_replicator", "_step", "_log", "_lock", "_mem", "_stray")
 
@@ -294,7 +291,9 @@ class HeteroDataParallel(nn.Module):
             out = self._mem.watch(step.active[0], step.sizes[0], run, step.devices[0])  # an OOM re-plans
             return move(out, self._output_device or home)
         args, kws = self.scatter(inputs, kwargs, step.devices)
-        args, kws = cut_upstream(step, (inputs, kwargs), args, kws, self.dim)  # each shard's piece of the inputs
+        # Each shard's piece of the inputs: connected for grad, or aliases whose writes pass back.
+        step.upstream, step.writes, step.shards = cut_upstream((inputs, kwargs), args, kws, step.sizes, self.dim)
+        args, kws = [a for a, _ in step.shards], [k for _, k in step.shards]
         replicas = self.replicate(self.module, step.devices)
         # A forward that fails leaves the buffers as they were (see _merge_after).
         outputs = self.parallel_apply(replicas, args, kws)
@@ -509,7 +508,7 @@ class HeteroDataParallel(nn.Module):
 
         Returns:
             The step, and the module's device when the module runs it there itself
-            (:func:`~hetsplit.parallel.step.direct_device`), else ``None``.
+            (:func:`direct_device`), else ``None``.
         """
         stray, self.__dict__["_stray"] = self._stray, None
         if stray is not None:  # a backward of the last step's activations outside the wrapper's output
@@ -606,3 +605,37 @@ def _add_module_prefix(module: nn.Module, state_dict: dict[str, Any], prefix: st
     inner = prefix + "module."
     for key in [k for k in state_dict if k.startswith(prefix) and not k.startswith(inner)]:
         state_dict[inner + key[len(prefix) :]] = state_dict.pop(key)
+
+
+def engine_job(devices: Sequence[Device], output: torch.device) -> int | None:
+    """Which backward job runs in the calling thread (the autograd engine's): ``None`` for none.
+
+    The gathered outputs' backward runs in the autograd engine's thread for their device.
+    On a GPU that thread is the only one the engine runs that GPU's work on, so a replica
+    there must run its backward inline, or the engine waits on itself; no other job may.
+    On the CPU it is the thread that called ``backward``, which would only wait: it runs
+    the first CPU job itself (a GPU replica's backward stays in a worker, as it was tested).
+    """
+    kind = "cuda" if output.type == "cuda" else "cpu"
+    target = output if kind == "cuda" else None
+    return next(
+        (k for k, d in enumerate(devices) if d.type == kind and (target is None or d.torch_device == target)), None
+    )
+
+
+def direct_device(step: Step, module: nn.Module, rebalancing: bool) -> torch.device | None:
+    """The module's device when this step can simply run the module there, else ``None``.
+
+    That is when one real device, the module's own, has the whole batch (a one-device
+    wrapper, or a plan that leaves the other devices empty), as ``nn.DataParallel`` does
+    with one device: no replica, no thread, no copy. Not while rebalancing: the
+    rebalancer reads every step's busy times, which only the replicas' threads measure.
+    Nor on a slowed device (``cpu@0.25``), whose throttle runs in the replica's thread; an
+    emulated memory alone (``cpu:max64``) is checked here as on the replica path.
+    Nor when the plan cuts the share into micro-batches (a memory cap): those run in a
+    replica, one at a time.
+    """
+    if rebalancing or len(step.active) != 1 or step.devices[0].speed != 1.0 or step.split:
+        return None
+    home = module_device(module)
+    return home if step.devices[0].torch_device == home else None

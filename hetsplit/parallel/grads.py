@@ -21,8 +21,8 @@ from collections.abc import Callable, Sequence
 import torch
 
 from ..tree import to_device
+from .inputs import Upstream
 from .replicas import _Replica
-from .upstream import Upstream
 
 Grads = list[torch.Tensor | None]
 

@@ -31,7 +31,7 @@ from ..planning.memory import cap_after_oom
 from ..planning.plan import Plan
 from ..tree import split_rows
 from .grads import add_into
-from .writes import versions
+from .inputs import versions
 
 _LOG = logging.getLogger("hetsplit")
 T = TypeVar("T")
@@ -47,8 +47,8 @@ class Step:
     devices: list[Device]
     shards: list[tuple[tuple[Any, ...], dict[str, Any]]] = dataclasses.field(default_factory=list)
     pieces: list[list[Any]] = dataclasses.field(default_factory=list)  # per active device, its micro-shards
-    upstream: Any = None  # the inputs that require grad, and each shard's piece of them (parallel/upstream.py)
-    writes: Any = None  # the other tensors of the batch, each shard's alias of them (parallel/writes.py)
+    upstream: Any = None  # the inputs that require grad, and each shard's piece of them (parallel/inputs.py)
+    writes: Any = None  # the other tensors of the batch, each shard's alias of them (parallel/inputs.py)
     built: list[Any] = dataclasses.field(default_factory=list)  # this step's replicas (parallel/replicas.py)
     finished: bool = False  # its backward ran: busy times logged
     # For a backward with create_graph=True, which runs the forwards again (data_parallel._rebuilt):

@@ -37,8 +37,8 @@ from hetsplit.devices import Device
 from hetsplit.distributed.sharded import is_sharded, rank_micro
 from hetsplit.parallel.reduce import shard_weight
 from hetsplit.planning import Plan
+from hetsplit.tree import samples_in
 
-from ..collectives import samples_in
 from .logs import LOG_SIGNATURE, log_replaced
 
 

@@ -30,9 +30,10 @@ from hetsplit.distributed.setup import ENV_DEVICES
 from hetsplit.planning import Plan, plan_from_sizes
 from hetsplit.planning.plan import sizes_from_weights
 from hetsplit.planning.sizes import scaled_plan
+from hetsplit.tree import samples_in
 
 from .. import core
-from ..collectives import op_name, samples_in, weighted_reduce
+from ..collectives import op_name, weighted_reduce
 from ..loaders import lightning_order, rebuilt_loader, shares_sampler
 from ..options import HeteroOptions
 from .callback import HeteroCallback
@@ -111,6 +112,10 @@ class HeteroStrategy(ParallelStrategy):
     def rank_device(self) -> Device | None:
         """This rank's hetsplit device (known once the environment is set up)."""
         return self._rank_device
+
+    def _throttled(self) -> contextlib.AbstractContextManager[Any]:
+        """The block at this rank's emulated speed (a real device, or none yet: as it is); waits are not slowed."""
+        return self._rank_device.throttle() if self._rank_device is not None else contextlib.nullcontext()
 
     @property
     def module(self) -> pl.LightningModule:
@@ -377,7 +382,7 @@ class HeteroStrategy(ParallelStrategy):
                 results.batch_size = 0
         logging = stand_in_logging(module, rows) if stand_in and rows else contextlib.nullcontext()
         try:
-            with core.throttle(self._rank_device), logging:
+            with self._throttled(), logging:
                 yield
         finally:
             self._samples = None
@@ -412,7 +417,7 @@ class HeteroStrategy(ParallelStrategy):
         (:class:`~.micro_batches.GradientsAside`).
         """
         self.aside.restore()
-        with core.throttle(self._rank_device):
+        with self._throttled():
             loss: Tensor = super().backward(closure_loss, optimizer, *args, **kwargs)
         return loss
 
