@@ -31,6 +31,7 @@ from ._group import (
     note_step,
     verify_plan,
 )
+from .report import SplitReport
 from .zero_share import IN_HAND, HandOff, is_stand_in
 
 
@@ -69,10 +70,15 @@ class WeightingState:
         # How the user runs a plan's micro-batches, named when a forward does not follow them
         # (an integration names its own call).
         self.micro_call = "hd.micro_batches(model, batch, plan)"
+        self.plan: Plan | None = None  # the plan in force (set_plan)
+        self.report: SplitReport | None = None  # times each step of a plan hd.plan said (SplitReport.following)
 
     def set_plan(self, plan: Plan | None) -> None:
         """Weight the following steps by ``plan`` (``None``: by each step's real sizes)."""
         self.micro, self.pos, self.part = None, 0, 1.0
+        self.plan = plan
+        if self.report is None:
+            self.report = SplitReport.following(plan)
         if plan is None:
             self.weight = self.planned = None
             return
@@ -86,6 +92,8 @@ class WeightingState:
         self.step = self.steps
         self.steps += 1
         note_step(self.step)
+        if self.report is not None:
+            self.report.step(self.plan)
 
     def failed(self, error: BaseException) -> DistributedError:
         """The all-reduce of this step failed (a dead or hung peer): one line naming the step."""

@@ -170,7 +170,7 @@ def plan(
         chosen = _weighted_plan(
             batch_size, weights, profile, rank, world, group, mine.max_batch, accumulate, batchnorm, mine.name
         )
-        SplitReport("hd.plan", rank, quiet).announce(chosen)
+        SplitReport("hd.plan", rank, quiet).announce(chosen, follow=True)
         return chosen
     dev = parse_device(device if device is not None else _default_device())
     _check_versions(group)
@@ -221,7 +221,7 @@ def plan(
     seconds = communication(model, dev.torch_device, group)
     result = with_communication(result, seconds * (max(map(len, result.micro_batches)) if sharded else 1))
     report = SplitReport("hd.plan", rank, quiet)
-    report.announce(result)
+    report.announce(result, follow=True)  # weight_gradients times the run on it; its end is said at exit
     unreliable = _emulation_warning(gathered_profile) if gathered_profile is not None else None
     if unreliable:
         report.note(unreliable)

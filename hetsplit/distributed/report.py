@@ -8,6 +8,7 @@ close the prediction came.
 
 from __future__ import annotations
 
+import atexit
 import math
 import os
 import statistics
@@ -70,11 +71,30 @@ class SplitReport:
         self._plan: Plan | None = None  # the plan of the run's latest step
         self._said: Plan | None = None  # the plan whose split was said last (by announce)
 
-    def announce(self, plan: Plan, devices: Sequence[str] | None = None) -> None:
-        """Say the split of ``plan`` and its predicted step now (a plan just made)."""
+    def announce(self, plan: Plan, devices: Sequence[str] | None = None, *, follow: bool = False) -> None:
+        """Say the split of ``plan`` and its predicted step now (a plan just made).
+
+        ``follow``: this report also says the end of the run that trains on ``plan``
+        (:meth:`following`), as :func:`hetsplit.distributed.plan` asks for a torchrun script.
+        """
         if self.on:
             self._said = plan
             self._say(self._start_line(plan, devices))
+            if follow:
+                _FOLLOWED[:] = [*_FOLLOWED[-7:], (plan, self)]
+                _end_at_exit()
+
+    @staticmethod
+    def following(plan: Plan | None) -> SplitReport | None:
+        """The report that said ``plan`` to follow its run (``announce(follow=True)``), else ``None``.
+
+        :func:`~hetsplit.distributed.weight_gradients` times each training step of such a plan
+        with it, and the measured step is said beside the prediction when the process exits:
+        a torchrun script that trains on :func:`~hetsplit.distributed.plan`'s plan gets both
+        lines without a call of its own. Plans made with ``quiet`` (the integrations', which
+        report themselves) have none.
+        """
+        return next((report for said, report in reversed(_FOLLOWED) if said is plan), None)
 
     def note(self, line: str) -> None:
         """Say one more line about the split (a warning about its measurement), as the others are said."""
@@ -166,6 +186,25 @@ class SplitReport:
     @staticmethod
     def _say(line: str) -> None:
         print(f"hetsplit: {line}", flush=True)
+
+
+# The plans hd.plan said in this process, each with the report that says the end of its run.
+_FOLLOWED: list[tuple[Plan, SplitReport]] = []
+
+
+def _end_runs() -> None:
+    """At exit: each followed run that trained says its measured step (once: end() forgets the run)."""
+    for _, report in _FOLLOWED:
+        report.end()
+
+
+_end_at_exit_once: list[bool] = []
+
+
+def _end_at_exit() -> None:
+    if not _end_at_exit_once:
+        _end_at_exit_once.append(True)
+        atexit.register(_end_runs)
 
 
 def _against(plan: Plan | None, measured: float, first: Plan | None) -> str:
