@@ -3,7 +3,9 @@
 The plain Trainer divides an evaluation batch's summed token loss by its own count of the
 labels (``num_items_in_batch``): unshifted for GPT-2, whose ``loss_type`` is None though its
 loss shifts them. HeteroTrainer divided by the shifted count, 16/15 of the plain
-``eval_loss`` for blocks of 16 (run_clm's setting). The two-process job is
+``eval_loss`` for blocks of 16 (run_clm's setting). And the plain Trainer's ``eval_loss`` is
+the mean over the batches, weighted by samples, of each batch's loss: for padded batches of
+different label counts not the loss over every label of the set, which HeteroTrainer gave. The two-process job is
 ``tests/trainer_eval_job.py``; the rest runs in this process (one-process HeteroTrainer,
 ``devices="cpu"``).
 """
@@ -15,7 +17,7 @@ import pytest
 import torch
 import transformers  # noqa: F401  (a test extra: missing, fail; never skip)
 from integration_launch import check, job_fixture
-from trainer_eval_job import REL, arguments, blocks, gpt2, plain_eval_loss
+from trainer_eval_job import LENGTHS, REL, arguments, blocks, gpt2, pad, padded, plain_eval_loss
 
 
 def test_eval_loss_of_a_gpt2_is_the_plain_trainer_s_in_one_process(tmp_path):
@@ -34,11 +36,36 @@ def test_eval_loss_of_a_gpt2_is_the_plain_trainer_s_in_one_process(tmp_path):
     assert hetero == pytest.approx(plain, rel=REL, abs=0), f"HeteroTrainer {hetero}, the plain Trainer {plain}"
 
 
+def test_eval_loss_of_padded_batches_is_the_plain_trainer_s_mean_over_batches_in_one_process(tmp_path):
+    # Each batch's loss over its own labels, weighted by samples (the plain Trainer's rule); the mean
+    # over every label of the set differs here by percents, and was HeteroTrainer's.
+    from transformers import Trainer
+
+    from hetsplit.transformers import HeteroTrainer
+
+    data = padded(LENGTHS, seed=5)  # batches of 4: short sequences, long ones, a last batch of 2
+    reference = plain_eval_loss(gpt2(), data, batch=4)
+    over_labels = plain_eval_loss(gpt2(), data)  # one batch: the mean over every label
+    assert abs(reference - over_labels) > 0.01 * reference, "the data must tell the two rules apart"
+    losses = []
+    for cls, kwargs in ((Trainer, {}), (HeteroTrainer, {"devices": "cpu"})):
+        args = arguments(str(tmp_path / cls.__name__), per_device_eval_batch_size=4)
+        trainer = cls(model=gpt2(), args=args, eval_dataset=data, data_collator=pad, **kwargs)
+        losses.append(trainer.evaluate()["eval_loss"])
+    plain, hetero = losses
+    assert plain == pytest.approx(reference, rel=REL, abs=0), "the job's reference"
+    assert hetero == pytest.approx(plain, rel=REL, abs=0), f"HeteroTrainer {hetero}, the plain Trainer {plain}"
+
+
 job = job_fixture("trainer_eval_job.py", timeout=240)
 
 
 def test_eval_loss_of_a_gpt2_is_the_plain_trainer_s_on_two_uneven_processes(job):
     check(job, "gpt2-eval")
+
+
+def test_eval_loss_of_padded_batches_is_the_plain_trainer_s_on_two_uneven_processes(job):
+    check(job, "gpt2-eval-padded")
 
 
 class _Clock:

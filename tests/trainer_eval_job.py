@@ -1,9 +1,10 @@
 """The 2-process job behind tests/test_trainer_eval.py: HeteroTrainer's eval_loss against the plain Trainer's.
 
 A tiny GPT-2 built from its config (float64, nothing downloaded) on SYNTHETIC blocks of
-16 tokens, run_clm's setting. Prints ``OK <scenario> rank <r>`` per scenario it passes,
-or its traceback (``tests/integration_launch.py``). Its helpers serve the one-process
-tests too (importing it there runs no scenario: they run only under torchrun).
+16 tokens, run_clm's setting, and on padded sequences of different lengths. Prints
+``OK <scenario> rank <r>`` per scenario it passes, or its traceback
+(``tests/integration_launch.py``). Its helpers serve the one-process tests too
+(importing it there runs no scenario: they run only under torchrun).
 """
 
 from __future__ import annotations
@@ -17,6 +18,9 @@ BLOCK = 16
 # HF's causal-LM loss is computed in float32 (it casts the logits): a mean there and a sum over
 # a count here round differently at ~1e-7 relative, against 1/15 when the count differs.
 REL = 1e-6
+# Short sequences in the first batch of 4, long ones in the second: a mean over the batches and
+# a mean over every label differ by percents (tests/test_trainer_eval.py checks that they do).
+LENGTHS = [3, 5, 4, 3, 16, 14, 15, 16, 9, 6]
 
 
 def blocks(n: int, seed: int) -> list[dict[str, torch.Tensor]]:
@@ -46,18 +50,46 @@ def arguments(folder: str, **overrides) -> TrainingArguments:
     return TrainingArguments(**settings)
 
 
-def plain_eval_loss(model: GPT2LMHeadModel, data: list[dict[str, torch.Tensor]]) -> float:
-    """The one-process plain Trainer's eval_loss on ``data`` (full blocks): shifted token losses over all labels.
+def padded(lengths: list[int], seed: int) -> list[dict[str, torch.Tensor]]:
+    """Token sequences of the given lengths, labels the inputs: batches of them hold different numbers of labels."""
+    g = torch.Generator().manual_seed(seed)
+    rows = [torch.randint(1, 50, (n,), generator=g) for n in lengths]
+    return [{"input_ids": row, "labels": row.clone()} for row in rows]
 
-    Each batch's summed loss over its labels unshifted (GPT-2's ``loss_type`` is None), mean
-    over the batches weighted by samples: for blocks of one length, whatever the batches, the
-    summed loss over 16 a block (float64 here).
+
+def pad(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """A data collator padding to the batch's longest sequence on the right: token 0, unattended, label -100."""
+    longest = max(len(s["input_ids"]) for s in samples)
+    batch: dict[str, list[torch.Tensor]] = {"input_ids": [], "attention_mask": [], "labels": []}
+    for s in samples:
+        n = len(s["input_ids"])
+        batch["input_ids"].append(torch.nn.functional.pad(s["input_ids"], (0, longest - n), value=0))
+        batch["attention_mask"].append((torch.arange(longest) < n).long())
+        batch["labels"].append(torch.nn.functional.pad(s["labels"], (0, longest - n), value=-100))
+    return {k: torch.stack(v) for k, v in batch.items()}
+
+
+def plain_eval_loss(model: GPT2LMHeadModel, data: list[dict[str, torch.Tensor]], batch: int | None = None) -> float:
+    """The one-process plain Trainer's eval_loss on ``data`` in batches of ``batch`` (default: one batch).
+
+    The Trainer takes each batch's summed token loss (labels shifted) over the batch's labels
+    counted unshifted (GPT-2's ``loss_type`` is None), then the mean over the batches weighted
+    by their samples. For blocks of one length that is the summed loss over 16 a block
+    whatever the batches; for padded sequences of different lengths it depends on them.
     """
-    ids = torch.stack([d["input_ids"] for d in data])
-    with torch.no_grad():
-        logits = model(input_ids=ids).logits
-    losses = torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), ids[:, 1:], reduction="sum")
-    return losses.item() / ids.numel()
+    batch = batch or len(data)
+    means, weights = [], []
+    for at in range(0, len(data), batch):
+        rows = pad(data[at : at + batch])
+        with torch.no_grad():
+            logits = model(input_ids=rows["input_ids"], attention_mask=rows["attention_mask"]).logits
+        labels = rows["labels"]
+        summed = torch.nn.functional.cross_entropy(
+            logits[:, :-1].transpose(1, 2), labels[:, 1:], ignore_index=-100, reduction="sum"
+        )
+        means.append(summed.item() / labels.ne(-100).sum().item())
+        weights.append(len(labels))
+    return sum(m * w for m, w in zip(means, weights)) / sum(weights)
 
 
 if "RANK" in os.environ and __name__ == "__main__":
@@ -87,6 +119,26 @@ if "RANK" in os.environ and __name__ == "__main__":
         data = blocks(9, seed=3)
         loss = hetero.evaluate(eval_dataset=data)["eval_loss"]
         expected = plain_eval_loss(gpt2(), data)
+        assert abs(loss - expected) <= REL * abs(expected), f"HeteroTrainer {loss}, the plain Trainer {expected}"
+
+    @scenario("gpt2-eval-padded", folder=True)
+    def _(folder):
+        # Padded sequences of different lengths: each global batch holds its own number of labels, and
+        # the plain Trainer's eval_loss is the mean over the batches (weighted by samples) of each
+        # one's loss over its labels, not the loss over every label of the set. 3 + 1 under the plan,
+        # global batches of 4 (the last, of 2, padded), against the one-process plain Trainer's.
+        plan = plan_from_sizes(None, ["rank0", "rank1"], [3, 1])
+        data = padded(LENGTHS, seed=5)
+        args = arguments(os.path.join(folder, "hetero"))
+        hetero = HeteroTrainer(model=gpt2(), args=args, eval_dataset=data[:8], data_collator=pad, plan=plan)
+        for rows in (8, 10):
+            loss = hetero.evaluate(eval_dataset=data[:rows])["eval_loss"]
+            expected = plain_eval_loss(gpt2(), data[:rows], batch=4)
+            assert abs(loss - expected) <= REL * abs(expected), f"{rows}: HeteroTrainer {loss}, plain {expected}"
+        # The plain Trainer on these 2 processes (2 + 2, no padding with 8) gives the same.
+        plain = Trainer(model=gpt2(), args=arguments(os.path.join(folder, "plain")), data_collator=pad)
+        expected = plain.evaluate(eval_dataset=data[:8])["eval_loss"]
+        loss = hetero.evaluate(eval_dataset=data[:8])["eval_loss"]
         assert abs(loss - expected) <= REL * abs(expected), f"HeteroTrainer {loss}, the plain Trainer {expected}"
 
     dist.barrier()

@@ -188,8 +188,8 @@ def _(folder):
 @scenario("evaluate", folder=True)
 def _(folder):
     # Evaluation first (no plan: each process profiles on the evaluation loader), 9 samples in
-    # global batches of 4: the last batch is padded. eval_loss is the token mean over the 9
-    # samples, and compute_metrics sees each of them once.
+    # global batches of 4: the last batch is padded. eval_loss is the plain one-process Trainer's
+    # (each batch's token mean, weighted by samples), and compute_metrics sees each sample once.
     data = sequences(9, seed=4)
     seen = []
 
@@ -204,7 +204,7 @@ def _(folder):
     )  # fmt: skip
     loss = trainer.evaluate()["eval_loss"]
     with torch.no_grad():
-        expected = model(**collate(data)).loss.item()  # the token mean over all 9 sequences
+        expected = sum(len(b) * model(**collate(b)).loss.item() for b in (data[:4], data[4:8], data[8:])) / 9
     assert abs(loss - expected) < TOLERANCE, (loss, expected)
     assert seen == [9], seen
 
@@ -500,11 +500,11 @@ def _(folder):
     reference_step(ref, [data])
     assert_same_sharded(trainer.model, ref, f"FSDP2, profiled plan {plan.sizes}")
     # Evaluation of the sharded model, 9 samples in global batches of 4 cut in the plan's
-    # proportions: eval_loss is the token mean over the 9, as the plain model's.
+    # proportions: eval_loss is the plain one-process Trainer's (each batch's token mean, by samples).
     held_out = sequences(9, seed=15)
     loss = trainer.evaluate(eval_dataset=held_out)["eval_loss"]
     with torch.no_grad():
-        expected = ref(**collate(held_out)).loss.item()
+        expected = sum(len(b) * ref(**collate(b)).loss.item() for b in (held_out[:4], held_out[4:8], held_out[8:])) / 9
     assert abs(loss - expected) < TOLERANCE, (loss, expected)
 
 

@@ -48,10 +48,13 @@ class HeteroTrainer(transformers.Trainer):
       DDP's plain mean is then the Trainer's global loss: padded token losses are weighted by
       tokens, models that ignore ``num_items_in_batch`` (sequence classification) are
       weighted by samples, and gradient accumulation is one mean over the window.
-    - Evaluation: ``eval_loss`` is the loss summed over the evaluation set (the padding of
-      a last incomplete batch left out) over its items as the plain Trainer counts them
-      (GPT-2's labels unshifted, as in training); predictions and labels reach
-      ``compute_metrics`` with uneven shards, every sample once.
+    - Evaluation: ``eval_loss`` is the plain one-process Trainer's at the same global batch:
+      each global batch's loss summed over the processes, over its items as the plain
+      Trainer counts them (GPT-2's labels unshifted, as in training), then the mean over
+      the batches weighted by their samples (the padding of a last incomplete batch left
+      out; a batch whose loss is not finite too, as the Trainer filters it). For padded
+      batches of different label counts that is not the mean over every item of the set.
+      Predictions and labels reach ``compute_metrics`` with uneven shards, every sample once.
     - A process whose share is 0 runs two real samples weighted 0 (many models cannot
       run a batch of 0 rows; DDP needs every process in every backward); one whose share
       has no items runs its last micro-batch so. Their gradients are held at exact zeros:
@@ -138,7 +141,8 @@ class HeteroTrainer(transformers.Trainer):
         self.options = given
         self._window_items: float | None = None  # items of the global batch over this accumulation window
         self._piece_items: dict[int, tuple[Any, list[int], list[float]]] = {}  # id: batch, sizes, their items
-        self._eval_sums: list[float] | None = None  # (summed loss, items) of this process's evaluation
+        # Per evaluation batch, this process's (summed loss, items, samples): reduced once at the end.
+        self._eval_rows: list[torch.Tensor] | None = None
         self._filler: Any = None  # the loader an empty share borrows two real samples from
         self._null_step = False  # this step's loss is exact zeros through the outputs (FSDP2, no items)
         self._batches = 0  # global batches (training_step calls) of the optimizer step running
@@ -200,7 +204,7 @@ class HeteroTrainer(transformers.Trainer):
         config = getattr(inner, "config", None)
         return getattr(inner, "loss_function", None) is ForCausalLMLoss and not getattr(config, "is_encoder_decoder", 0)
 
-    def _counted_items(self, model: nn.Module, inputs: Mapping[str, Any]) -> float:
+    def _counted_items(self, model: nn.Module, inputs: Mapping[str, Any]) -> torch.Tensor | int:
         """The items the plain Trainer divides ``inputs``' summed loss by in evaluation, else the model's own.
 
         Its ``prediction_step`` passes ``num_items_in_batch`` (``_get_num_items_in_batch``) to
@@ -213,7 +217,7 @@ class HeteroTrainer(transformers.Trainer):
         counts = "labels" in inputs and (self.model_accepts_loss_kwargs or self.compute_loss_func is not None)
         # transformers before _loss_shifts_labels counted every label unshifted.
         shifted = getattr(self, "_loss_shifts_labels", False) if counts else self._shifts(model)
-        return float(items_in(inputs, shifted))
+        return items_in(inputs, shifted)
 
     def get_train_dataloader(self) -> Any:
         """The Trainer's training loader, cut into this process's shares (the model is profiled first if needed)."""
@@ -448,7 +452,7 @@ class HeteroTrainer(transformers.Trainer):
             # A batch without items adds an exact 0 (the model's mean over none is NaN); its
             # gradients, NaN too (0 * 1/0), training_step makes exact zeros.
             loss = torch.where(scale > 0, loss * scale, 0.0) if factor else _part(loss, 0.0)
-        elif not model.training and self._eval_sums is not None:
+        elif not model.training and self._eval_rows:
             # Under FSDP2 a forward is collective: where some process's rows pad a last global
             # batch and it runs a second forward over its real rows, every process runs one.
             together = kind(model) == "fsdp2" and self._padded_batch()
@@ -457,9 +461,9 @@ class HeteroTrainer(transformers.Trainer):
                 whole = real == samples_in(inputs)
                 mean = loss if whole and not together else self._real_mean(model, inputs, real, together)
                 rows = inputs if whole else _rows(inputs, real)
-                real_items = float(items_in(rows, shifted))  # what the model's own mean averages over
-                self._eval_sums[0] += float(mean.detach()) * real_items if real_items else 0.0
-                self._eval_sums[1] += self._counted_items(model, rows)
+                real_items = items_in(rows, shifted)  # what the model's own mean averages over
+                counted = self._counted_items(model, rows)  # what the plain Trainer divides the batch's sum by
+                self._eval_rows[-1] += _eval_row(mean, real_items, counted, real, self.args.device)
             elif together:
                 self._real_mean(model, self._filler_inputs(inputs), 0, together)
         if empty:
@@ -468,20 +472,30 @@ class HeteroTrainer(transformers.Trainer):
         return (loss, outputs) if return_outputs else loss
 
     def evaluation_loop(self, *args: Any, **kwargs: Any) -> Any:
-        """The Trainer's loop; ``<prefix>_loss`` becomes the mean over every evaluated item (see the class)."""
-        self._eval_sums = [0.0, 0.0]
+        """The Trainer's loop; ``<prefix>_loss`` becomes the plain one-process Trainer's (see the class)."""
+        self._eval_rows = []
         try:
             output = super().evaluation_loop(*args, **kwargs)
         finally:
-            sums, self._eval_sums = self._eval_sums, None
+            rows, self._eval_rows = self._eval_rows, None
         prefix = kwargs.get("metric_key_prefix", args[4] if len(args) > 4 else "eval")
-        total = torch.tensor(sums, dtype=torch.float64, device=self.args.device)
-        if self.accelerator.num_processes > 1:
+        # A row of zeros (no samples) after them: never an empty collective.
+        zero = torch.zeros(3, dtype=torch.float64, device=self.args.device)
+        total = torch.stack([*rows, zero])
+        if self.accelerator.num_processes > 1:  # every process runs every global batch: rows pair up
             dist.all_reduce(total)
         metrics = output.metrics
-        if metrics is not None and f"{prefix}_loss" in metrics and total[1] > 0:
-            metrics[f"{prefix}_loss"] = (total[0] / total[1]).item()
+        if metrics is not None and f"{prefix}_loss" in metrics:
+            loss = _mean_over_batches(total, self.args.logging_nan_inf_filter)
+            if loss is not None:
+                metrics[f"{prefix}_loss"] = loss
         return output
+
+    def prediction_step(self, model: nn.Module, inputs: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
+        """The Trainer's step on this process's share of one evaluation batch, which opens its row of the loss."""
+        if self._eval_rows is not None:
+            self._eval_rows.append(torch.zeros(3, dtype=torch.float64, device=self.args.device))
+        return super().prediction_step(model, inputs, *args, **kwargs)
 
     def get_eval_dataloader(self, eval_dataset: Any = None) -> Any:
         """The Trainer's evaluation loader, cut in the plan's proportions."""
@@ -531,6 +545,38 @@ def _refused_sharding(what: str) -> str:
         "TrainingArguments(fsdp=True, fsdp_config={'version': 2, ...}) (the default version), or accelerate "
         "launch --use_fsdp --fsdp_version 2"
     )
+
+
+def _eval_row(
+    mean: torch.Tensor, real_items: torch.Tensor | int, counted: torch.Tensor | int, samples: int, device: torch.device
+) -> torch.Tensor:
+    """One process's part of an evaluation batch: (summed loss, items as the Trainer counts, samples), float64.
+
+    ``mean`` is the model's own mean over ``real_items``; over none it may be NaN, and adds 0.
+    Tensors throughout: no synchronisation per batch.
+    """
+    items = torch.as_tensor(real_items, dtype=torch.float64, device=device)
+    summed = torch.where(items > 0, mean.detach().to(device, torch.float64) * items, 0.0)
+    counts = torch.as_tensor(counted, dtype=torch.float64, device=device)
+    return torch.stack([summed, counts, items.new_tensor(samples)])
+
+
+def _mean_over_batches(rows: torch.Tensor, drop_not_finite: bool) -> float | None:
+    """The plain Trainer's ``eval_loss`` from each global batch's (summed loss, items, samples).
+
+    Its evaluation loop repeats each batch's loss (its summed loss over the items it counts)
+    once per sample and averages: a mean over the batches weighted by samples. A batch whose loss is
+    not finite (no items: 0/0) is left out where the Trainer filters it
+    (``logging_nan_inf_filter``, and some batch is finite). ``None`` without any sample.
+    """
+    rows = rows[rows[:, 2] > 0].cpu()
+    if not len(rows):
+        return None
+    losses, samples = rows[:, 0] / rows[:, 1], rows[:, 2]
+    finite = torch.isfinite(losses)
+    if drop_not_finite and finite.any():
+        losses, samples = losses[finite], samples[finite]
+    return float((losses * samples).sum() / samples.sum())
 
 
 def _rows(tree: Any, n: int) -> Any:
