@@ -13,12 +13,16 @@ import io
 
 import torch
 import torch.nn.functional as F
-from integration_launch import scenario  # tests/ is the script's folder
+from integration_launch import ACCELERATE_PATTERNS, run_patterns, scenario  # tests/ is the script's folder
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
 from hetsplit.accelerate import HeteroAccelerator
 from hetsplit.devices import Device
 from hetsplit.planning import Plan, plan_from_sizes
+
+# tests/integration_jobs.py's accelerate patterns first (one checks how a job starts, before
+# any accelerator exists), and before the seed below: this job's scenarios draw as they did alone.
+run_patterns(ACCELERATE_PATTERNS)
 
 torch.manual_seed(0)
 N = 16

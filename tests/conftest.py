@@ -10,26 +10,42 @@ import torch
 def _isolate(monkeypatch, tmp_path):
     # Profiles found on the developer's disk must not change what a test sees.
     monkeypatch.setenv("HETSPLIT_PROFILE_DIR", str(tmp_path / "profiles"))
+    # Nor a device list: neither the developer's nor one an in-process `hetsplit launch` (test_launch.py)
+    # leaves in os.environ for its ranks, which a later module on the same xdist worker would read.
+    monkeypatch.delenv("HETSPLIT_DEVICES", raising=False)
     threads = torch.get_num_threads()
     yield
     torch.set_num_threads(threads)
 
 
-# Modules whose jobs take tens of seconds (multi-process launches, framework imports). The
-# two xdist workers take whole modules in collection order, so the slowest go first and
-# the short ones fill in at the end, instead of one long module starting last while the
-# other worker sits idle.
+# Modules whose jobs take tens of seconds (multi-process launches, framework imports), the
+# longest first, as measured on the 2-vCPU VM. The two xdist workers take whole modules in
+# collection order (pyproject's --no-loadscope-reorder: xdist would otherwise hand out the
+# modules with the most tests first, and these few-test modules came last, one of them
+# running alone at the end): the slowest go first and the short ones fill in at the end.
 _SLOW_FIRST = (
-    "test_integration_scenarios.py",
-    "test_exit.py",
-    "test_hf_trainer.py",
     "test_docs.py",
     "test_examples.py",
+    "test_hf_trainer.py",
     "test_accelerate.py",
-    "test_lightning.py",
     "test_launch.py",
+    "test_cli.py",
     "test_fsdp.py",
+    "test_faults.py",
+    "test_lightning.py",
+    "test_exit.py",
+    "test_profiler.py",
     "test_distributed.py",
+    "test_journeys.py",
+    "test_oom_backward.py",
+    "test_data_parallel.py",
+    "test_integration_scenarios.py",
+    "test_distributed_rebalance.py",
+    "test_solver.py",
+    "test_trainer_eval.py",
+    "test_bad_inputs.py",
+    "test_apply.py",
+    "test_micro.py",
 )
 
 

@@ -1,4 +1,5 @@
-"""Two-process jobs behind tests/test_integration_scenarios.py: one scenario per launch.
+"""Upstream-script patterns for two-process jobs: tests/test_integration_scenarios.py launches the Trainer's
+and torchrun's; the accelerate and Lightning ones run inside those frameworks' own jobs (``run_patterns``).
 
 ``torchrun --standalone --nproc_per_node=2 tests/integration_jobs.py SCENARIO...`` runs the
 scenarios, in turn, on both ranks (gloo, one thread each) and prints ``OK SCENARIO rank R`` once its

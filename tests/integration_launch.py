@@ -73,6 +73,43 @@ def run_scenario(name: str, fn: Callable[[], object], rank: int) -> None:
         print(f"OK {name} rank {rank}", flush=True)
 
 
+# The upstream-script patterns of tests/integration_jobs.py that run in a framework's own job,
+# after (Lightning: tests/test_lightning.py) or before (accelerate: tests/accelerate_job.py,
+# one of them checks how a job starts) its scenarios: a launch less each, whose start-up
+# (torch and the framework imported by three processes) is most of its time.
+ACCELERATE_PATTERNS = (
+    "accelerate_cpu_false_on_a_cpu_only_machine_is_one_job",  # first: before any accelerator exists
+    "accelerate_zero_share_batch_keeps_its_type",
+    "accelerate_profiles_on_the_device_accelerate_names",
+    "accelerate_resume_draws_the_orders_of_an_uninterrupted_run",
+)
+LIGHTNING_PATTERNS = (
+    "lightning_zero_share_never_reaches_the_step_empty",
+    "lightning_sync_dist_metrics_cover_500_samples_once",
+    "lightning_steps_without_batch_idx_are_profiled_and_weighted",
+    "lightning_zero_share_logs_no_nan_without_sync_dist",
+)
+
+
+def run_patterns(names: tuple[str, ...]) -> None:
+    """Run these scenarios of tests/integration_jobs.py here, each under :func:`run_scenario`.
+
+    The environment is restored after each (one pattern drops ``HETSPLIT_DEVICES``, as a
+    launch without a device list has it), so the job's own scenarios see the launch's.
+    """
+    import runpy
+
+    found = runpy.run_path(str(Path(__file__).with_name("integration_jobs.py")), run_name="integration_jobs")
+    rank = int(os.environ["RANK"])
+    for name in names:
+        saved = dict(os.environ)
+        try:
+            run_scenario(name, found["SCENARIOS"][name], rank)
+        finally:
+            os.environ.clear()
+            os.environ.update(saved)
+
+
 def scenario(name: str, *, folder: bool = False) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """A job's scenario: the decorated function runs at once, under :func:`run_scenario`, if the job asked for it.
 

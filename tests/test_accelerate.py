@@ -13,7 +13,7 @@ import textwrap
 
 import accelerate  # noqa: F401  (a test extra: missing, fail; never skip)
 import pytest
-from integration_launch import ROOT, check, job_fixture
+from integration_launch import ACCELERATE_PATTERNS, ROOT, check, job_fixture
 
 SCENARIOS = (
     "step", "accumulate", "micro", "micro_hf", "zero", "metrics", "epochs", "profiled", "prepare_order", "micro_zero",
@@ -27,6 +27,14 @@ job = job_fixture("accelerate_job.py", timeout=240)
 
 @pytest.mark.parametrize("name", SCENARIOS)
 def test_matches_the_single_process_reference(job, name):
+    check(job, name)
+
+
+# tests/integration_jobs.py's accelerate scenarios, first in the same launch: a collate's batch type kept
+# for a zero share, cpu=False on a CPU-only machine still one job, profiling on the device accelerate
+# names, a resumed run drawing the uninterrupted run's orders.
+@pytest.mark.parametrize("name", ACCELERATE_PATTERNS)
+def test_an_upstream_script_pattern_matches_plain_accelerate(job, name):
     check(job, name)
 
 

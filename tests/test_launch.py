@@ -2,6 +2,7 @@
 
 import signal
 import socket
+import subprocess
 import time
 from pathlib import Path
 
@@ -35,8 +36,8 @@ def _launch(tmp_path, *args):
     return proc, time.perf_counter() - start
 
 
-def test_each_rank_runs_on_its_own_device(tmp_path):
-    proc, _ = _launch(tmp_path)
+def test_each_rank_runs_on_its_own_device(listening_job):
+    proc, _ = listening_job  # the launch of LISTENERS below: each rank says its device first
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "rank 0 of 2: cpu emulated=False backend=gloo" in proc.stdout
     assert "rank 1 of 2: cpu@0.25 emulated=True backend=gloo" in proc.stdout
@@ -178,10 +179,12 @@ import os
 import torch.distributed as dist
 import hetsplit.distributed as hd
 
-hd.init(timeout=20)
+dev = hd.init(timeout=20)
+print(f"rank {dist.get_rank()} of {dist.get_world_size()}: {dev.name} emulated={dev.emulated} "
+      f"backend={dist.get_backend()}", flush=True)
 dist.barrier()  # the ranks' gloo connections exist now
 inodes = set()
-for fd in os.listdir("/proc/self/fd"):
+for fd in os.listdir("/proc/self/fd") if os.path.exists("/proc/net/tcp") else []:  # Linux only (the test skips)
     try:
         target = os.readlink(f"/proc/self/fd/{fd}")
     except OSError:
@@ -189,7 +192,7 @@ for fd in os.listdir("/proc/self/fd"):
     if target.startswith("socket:["):
         inodes.add(target[8:-1])
 addresses = []
-for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+for table in ("/proc/net/tcp", "/proc/net/tcp6") if inodes else ():
     for line in open(table).read().splitlines()[1:]:
         parts = line.split()
         if parts[3] == "0A" and parts[9] in inodes:  # LISTEN, one of this rank's sockets
@@ -203,15 +206,22 @@ dist.destroy_process_group()
 LOOPBACK_HEX = {"0100007F", "00000000000000000000000001000000"}  # 127.0.0.1 and ::1 as /proc/net writes them
 
 
-@pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="reads the listening sockets from Linux's /proc")
-def test_a_single_machine_job_keeps_its_ranks_sockets_on_the_loopback(tmp_path):
-    assert "--local-addr" in torchrun_args("cpu,cpu@0.25", "t.py")[0]
-    script = tmp_path / "listeners.py"
+@pytest.fixture(scope="module")
+def listening_job(tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
+    # One launch for two tests (each rank's device; its sockets): the ranks' start-up is most of its time.
+    folder = tmp_path_factory.mktemp("listeners")
+    script = folder / "listeners.py"
     script.write_text(LISTENERS)
     env = {k: v for k, v in subprocess_env().items() if not k.endswith("_SOCKET_IFNAME")}
-    proc = launch("cpu,cpu@0.25", script, cwd=tmp_path, timeout=120, env=env)
+    return launch("cpu,cpu@0.25", script, cwd=folder, timeout=120, env=env), folder
+
+
+@pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="reads the listening sockets from Linux's /proc")
+def test_a_single_machine_job_keeps_its_ranks_sockets_on_the_loopback(listening_job):
+    assert "--local-addr" in torchrun_args("cpu,cpu@0.25", "t.py")[0]
+    proc, folder = listening_job
     assert proc.returncode == 0, proc.stderr[-2000:]
-    lines = [(tmp_path / f"rank{r}.txt").read_text() for r in (0, 1)]
+    lines = [(folder / f"rank{r}.txt").read_text() for r in (0, 1)]
     assert all(line.startswith("gloo on lo ") for line in lines), lines  # not the host name's address
     for line in lines:  # the ranks' listening sockets: the loopback only
         listening = eval(line.split("listens on ")[1])

@@ -21,7 +21,7 @@ from pathlib import Path
 import lightning  # noqa: F401  (a test extra: missing, fail; never skip)
 import pytest
 import torch
-from integration_launch import check
+from integration_launch import LIGHTNING_PATTERNS, check
 
 from hetsplit.devices import parse_device
 
@@ -670,6 +670,17 @@ def test_hooks_see_the_random_stream_of_plain_lightning(launch, name):
     check(launch[0], name)
 
 
+# --------------------------------------------------------------------------- upstream scripts' patterns
+# tests/integration_jobs.py's Lightning scenarios, last in the same launch: a zero share never reaches
+# training_step empty, sync_dist metrics cover the 500 samples once, steps without batch_idx are profiled
+# and weighted, a zero share logs no NaN without sync_dist.
+
+
+@pytest.mark.parametrize("name", LIGHTNING_PATTERNS)
+def test_an_upstream_script_pattern_matches_plain_lightning(launch, name):
+    check(launch[0], name)
+
+
 def test_fsdp2_only_data_parallelism_on_a_1d_mesh():
     from hetsplit.lightning import HeteroModelParallelStrategy
 
@@ -689,3 +700,7 @@ if __name__ == "__main__":
     sys.argv = sys.argv[:1]  # every scenario of the job
     runpy.run_path(str(Path(__file__).with_name("lightning_fsdp_job.py")), run_name="__main__")
     runpy.run_path(str(Path(__file__).with_name("lightning_rng_job.py")), run_name="__main__")
+    # Last, tests/integration_jobs.py's Lightning patterns (upstream scripts' ways), in the same processes.
+    from integration_launch import LIGHTNING_PATTERNS, run_patterns
+
+    run_patterns(LIGHTNING_PATTERNS)
