@@ -276,7 +276,7 @@ def run_threads(work: Workload, devices: str, args: argparse.Namespace) -> dict[
     from hetsplit.apps.bench import home_device
     from hetsplit.apps.bench_timing import calibrate_plan, time_steps
     from hetsplit.devices import parse_devices
-    from hetsplit.planning.sizes import has_batchnorm
+    from hetsplit.planning.sizes import has_batchnorm, without_single_sample_shares
     from hetsplit.planning.solver import solve
     from hetsplit.profiler import default_ladder, emulation_warning
 
@@ -289,6 +289,8 @@ def run_threads(work: Workload, devices: str, args: argparse.Namespace) -> dict[
         time_budget=args.budget, progress=False, model_name=work.name, threads=torch.get_num_threads(),
     )  # fmt: skip
     plan = solve(prof, work.batch)
+    if has_batchnorm(base) and 1 in plan.sizes:  # as hetsplit bench plans: BatchNorm cannot train on one sample
+        plan = without_single_sample_shares(plan, profile=prof)
     home = home_device(devs)
     dp = HeteroDataParallel(copy.deepcopy(base).to(home), devs, plan=plan)
     x, y = _to(inputs, dp.output_device), _to(target, dp.output_device)

@@ -250,3 +250,23 @@ def test_a_calibrated_plan_on_another_set_of_devices_is_predicted_from_its_own_s
     running.append(plan)
     _, alone = bench_timing.calibrate_plan(prof, plan, step, busy, [], steps=4, warmup=1)  # no second round
     assert alone["rounds"] == 1 and alone["step"] > 0.14
+
+
+def test_bench_never_hands_a_batchnorm_model_a_share_of_one_sample(monkeypatch):
+    # The profile solves 17 samples as [16, 1]; a BatchNorm model cannot train on one sample, so the
+    # balanced split moves it (bench_predict's ResNet-18 on three devices failed in replica 1 without).
+    import torch.nn as nn
+
+    import hetsplit
+    from hetsplit.apps import bench as bench_module
+    from hetsplit.apps.bench import bench
+    from hetsplit.apps.models import ModelSpec
+
+    prof = hetsplit.Profile.from_measurements(
+        {"cpu": [(1, 0.001), (17, 0.016)], "cpu@0.25": [(1, 0.0156), (17, 0.265)]}
+    )
+    assert hetsplit.solve(prof, 17).sizes == [16, 1]
+    monkeypatch.setattr(bench_module, "run_profile", lambda *a, **k: prof)
+    spec = ModelSpec("bn-mlp", lambda: nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Linear(8, 3)), (8,), 3)
+    r = bench(spec, "cpu,cpu@0.25", batch_size=17, steps=1, warmup=0, calibrate=0)
+    assert 1 not in r.plan.sizes and sum(r.plan.sizes) == 17, r.plan.sizes

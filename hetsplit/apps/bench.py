@@ -17,7 +17,7 @@ from .. import timing
 from ..devices import Device, DeviceLike, parse_devices
 from ..parallel.data_parallel import HeteroDataParallel
 from ..planning.curve import holdout_error
-from ..planning.sizes import has_batchnorm
+from ..planning.sizes import has_batchnorm, without_single_sample_shares
 from ..planning.solver import solve
 from ..profiler import emulation_warning
 from ..profiler import profile as run_profile
@@ -171,6 +171,8 @@ def bench(
         threads=torch.get_num_threads(),  # the threads the configurations train with, whatever they are
     )
     plan = solve(prof, batch_size, devices=[d.name for d in devs])  # a repeated device: its curve per copy
+    if has_batchnorm(base) and 1 in plan.sizes:  # BatchNorm cannot train on one sample (as every engine plans)
+        plan = without_single_sample_shares(plan, profile=prof)
     configs: dict[str, Callable[[], None]] = {}
     for dev in devs:
         configs[f"single:{dev.name}"] = plain_step(copy.deepcopy(base).to(dev.torch_device), dev, x, y)
