@@ -136,6 +136,7 @@ def test_ctrl_c_ends_the_launch_with_one_line_and_status_130(tmp_path, capsys, m
     monkeypatch.setattr("torch.distributed.run.run", signalled(signal.SIGINT))
     code, err = _one_line(capsys, "launch", "--devices", "cpu,cpu@0.25", str(script))
     assert (code, err) == (130, "hetsplit: interrupted")  # was torch's traceback and status 1
+    assert "HETSPLIT_DEVICES" not in __import__("os").environ  # the ranks' environment, not the caller's
     monkeypatch.setattr("torch.distributed.run.run", signalled(signal.SIGTERM))
     code, err = _one_line(capsys, "launch", "--devices", "cpu,cpu@0.25", str(script))
     assert (code, err) == (1, "hetsplit launch: error: stopped by SIGTERM; the ranks were stopped")

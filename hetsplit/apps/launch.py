@@ -188,6 +188,9 @@ def launch(
         rdzv_backend=rdzv_backend,
         max_restarts=max_restarts,
     )
+    # The ranks inherit this process's environment (torchrun's agent starts them); it is put back
+    # after, so a caller that launches in-process (a notebook, a test) keeps its own.
+    saved = dict(os.environ)
     if "--standalone" in argv:
         local_env(os.environ)
     os.environ[ENV_DEVICES] = ",".join(rank_devices(devices, len(device_list(devices))))
@@ -199,6 +202,9 @@ def launch(
         if e.sigval == signal.SIGINT:
             raise KeyboardInterrupt from None  # the CLI's Ctrl-C: "hetsplit: interrupted", status 130
         raise RuntimeError(f"stopped by {e.sigval.name}; the ranks were stopped") from None
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
