@@ -258,7 +258,7 @@ def _():
     # No plan: each process profiles its own device (cpu and an emulated quarter-speed cpu);
     # both processes hold the plan solved from those profiles.
     acc = HeteroAccelerator(
-        devices="cpu,cpu@0.25", loss_fn=F.mse_loss, plan_kwargs={"time_budget": 1.5, "calibrate": 0}
+        devices="cpu,cpu@0.25", loss_fn=F.mse_loss, plan_kwargs={"time_budget": 0.3, "calibrate": 0}
     )
     model, _ = model_pair()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -292,7 +292,7 @@ def _():
     data = TensorDataset(X, Y, torch.arange(N))  # (input, target, ...): what the profile reads
     for loader_first in (False, True):
         acc = HeteroAccelerator(
-            devices="cpu,cpu@0.25", loss_fn=F.mse_loss, plan_kwargs={"time_budget": 1.0, "calibrate": 0}
+            devices="cpu,cpu@0.25", loss_fn=F.mse_loss, plan_kwargs={"time_budget": 0.3, "calibrate": 0}
         )
         model, ref = model_pair()
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -516,7 +516,7 @@ def _():
     with sharded_profiles() as calls:
         for together in (False, True):
             acc = fsdp2_accelerator(
-                devices="cpu,cpu@0.25", loss_fn=F.mse_loss, plan_kwargs={"time_budget": 1.0, "calibrate": 0}
+                devices="cpu,cpu@0.25", loss_fn=F.mse_loss, plan_kwargs={"time_budget": 0.3, "calibrate": 0}
             )
             model, _ = model_pair()
             opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -542,7 +542,7 @@ def _():
     # The model and optimizer prepared first, the loader alone afterwards (accelerate's other usual
     # order): the plan is profiled on the model already sharded, not left at even shares.
     with sharded_profiles() as calls:
-        budget = {"time_budget": 1.0, "calibrate": 0}
+        budget = {"time_budget": 0.3, "calibrate": 0}
         acc = fsdp2_accelerator(devices="cpu,cpu@0.25", loss_fn=F.mse_loss, plan_kwargs=budget)
         model, _ = model_pair()
         opt = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -39,7 +39,6 @@ _SLOW_FIRST = (
     "test_journeys.py",
     "test_oom_backward.py",
     "test_data_parallel.py",
-    "test_integration_scenarios.py",
     "test_distributed_rebalance.py",
     "test_solver.py",
     "test_trainer_eval.py",

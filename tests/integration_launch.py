@@ -74,9 +74,10 @@ def run_scenario(name: str, fn: Callable[[], object], rank: int) -> None:
 
 
 # The upstream-script patterns of tests/integration_jobs.py that run in a framework's own job,
-# after (Lightning: tests/test_lightning.py) or before (accelerate: tests/accelerate_job.py,
-# one of them checks how a job starts) its scenarios: a launch less each, whose start-up
-# (torch and the framework imported by three processes) is most of its time.
+# after (Lightning: tests/test_lightning.py) or before (accelerate: tests/accelerate_job.py; the
+# Trainer and torchrun: tests/trainer_job.py; one of each checks how a job starts) its
+# scenarios: a launch less each, whose start-up (torch and the framework imported by three
+# processes) is most of its time.
 ACCELERATE_PATTERNS = (
     "accelerate_cpu_false_on_a_cpu_only_machine_is_one_job",  # first: before any accelerator exists
     "accelerate_zero_share_batch_keeps_its_type",
@@ -88,6 +89,15 @@ LIGHTNING_PATTERNS = (
     "lightning_sync_dist_metrics_cover_500_samples_once",
     "lightning_steps_without_batch_idx_are_profiled_and_weighted",
     "lightning_zero_share_logs_no_nan_without_sync_dist",
+)
+# The Trainer's and torchrun's, first in the Trainer's job (tests/trainer_job.py), the Trainer's first of
+# all: how a launch starts (one job, not two copies) before anything made the process group or accelerate's
+# state; the torchrun ones then reuse them, as a script would.
+TRAINER_PATTERNS = (
+    "trainer_without_use_cpu_on_a_cpu_only_machine_is_one_job",
+    "torchrun_weights_split_every_global_batch_in_proportion",
+    "torchrun_weighting_without_a_plan_leaves_a_zero_shares_stand_in_out",
+    "torchrun_rebalancer_does_not_time_a_zero_shares_stand_in",
 )
 
 

@@ -43,7 +43,7 @@ def test_the_example_runs_under_accelerate_launch():
     # machine too); the example profiles both processes and splits the global batch between them.
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
            "--main_process_port", "0", str(ROOT / "examples" / "accelerate_hetero.py"), "--devices", "cpu,cpu@0.25",
-           "--epochs", "1", "--train-size", "512", "--test-size", "300", "--budget", "2"]  # fmt: skip
+           "--epochs", "1", "--train-size", "512", "--test-size", "300", "--budget", "1"]  # fmt: skip
     env = dict(__import__("os").environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), HETSPLIT_DEVICES="")
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]

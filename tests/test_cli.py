@@ -172,7 +172,7 @@ def test_demo_runs_end_to_end_and_writes_results_for_show(capsys, tmp_path):
         "--steps",
         "2",
         "--budget",
-        "2",
+        "1",
         "--quiet",
         "--json",
         str(out_file),

@@ -199,10 +199,11 @@ assert all(_forwards) or not dev.emulated, f"{_forwards.count(False)} DDP forwar
 SETUPS = {
     "script": Setup(_WHOLE_SCRIPT, after=_WHOLE_SCRIPT_AFTER, job="torchrun"),
     # The scripts as written; only the integrations' default profile is shortened (10 s a rank, three
-    # scripts: half of the suite's longest job); the default itself is checked in test_integration_core.
+    # scripts: half of the suite's longest job; the profile measures at least two sizes however short
+    # its budget); the default itself is checked in test_integration_core.
     "framework-script": Setup(
         "import hetsplit.integrations.options as _options\n"
-        "_options.PLAN_KWARGS = {**_options.PLAN_KWARGS, 'time_budget': 1.0}\n",
+        "_options.PLAN_KWARGS = {**_options.PLAN_KWARGS, 'time_budget': 0.3}\n",
         job="integrations",
         devices="cpu,cpu@0.25",
     ),

@@ -34,7 +34,7 @@ def test_lenet_from_scratch():
         "--batch-size",
         "128",
         "--budget",
-        "2",
+        "1",
     )
     assert "SYNTHETIC" in out and "emulated devices: cpu@0.5" in out and "split per batch" in out
     accs = [float(line.split("test acc ")[1].split(",")[0]) for line in out.splitlines() if "test acc" in line]

@@ -14,7 +14,7 @@ import accelerate  # noqa: F401  (a test extra: missing, fail; never skip)
 import pytest
 import torch
 import transformers  # noqa: F401  (a test extra: missing, fail; never skip)
-from integration_launch import ROOT, check, job_fixture
+from integration_launch import ROOT, TRAINER_PATTERNS, check, job_fixture
 
 SCENARIOS = (
     "tokens", "short-last", "accumulate", "zero", "classify", "evaluate", "profiled", "rebalance",
@@ -29,6 +29,23 @@ job = job_fixture("trainer_job.py", timeout=300)
 @pytest.mark.parametrize("name", SCENARIOS)
 def test_matches_the_single_process_reference(job, name):
     check(job, name)
+
+
+# tests/integration_jobs.py's Trainer and torchrun scenarios, first in the same launch: run_clm.py's arguments
+# without use_cpu still one two-process job; weights splitting every global batch; a zero share's stand-in left
+# out of the weighting without a plan and out of the rebalancer's timings.
+@pytest.mark.parametrize("name", TRAINER_PATTERNS)
+def test_an_upstream_script_pattern_matches_the_plain_trainer_or_torchrun(job, name):
+    check(job, name)
+
+
+# tests/test_trainer_eval.py's two-process cases run in this job's launch (tests/trainer_eval_job.py).
+def test_eval_loss_of_a_gpt2_is_the_plain_trainer_s_on_two_uneven_processes(job):
+    check(job, "gpt2-eval")
+
+
+def test_eval_loss_of_padded_batches_is_the_plain_trainer_s_on_two_uneven_processes(job):
+    check(job, "gpt2-eval-padded")
 
 
 def test_the_example_runs_under_hetsplit_launch(tmp_path):

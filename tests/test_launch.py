@@ -166,7 +166,7 @@ def test_the_torchrun_example_runs_under_hetsplit_launch(tmp_path):
     # outputs weighting: one run covers the launcher and the example's distributed features.
     proc = launch(
         "cpu,cpu@0.25", ROOT / "examples" / "torchrun_ddp.py",
-        "--steps", "2", "--budget", "2", "--data", "synthetic", "--train-size", "512", "--test-size", "128",
+        "--steps", "2", "--budget", "1", "--data", "synthetic", "--train-size", "512", "--test-size", "128",
         "--threads", "1", "--timeout", "60", "--rebalance", "1", "--weighting", "outputs", cwd=tmp_path,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -5,9 +5,9 @@ labels (``num_items_in_batch``): unshifted for GPT-2, whose ``loss_type`` is Non
 loss shifts them. HeteroTrainer divided by the shifted count, 16/15 of the plain
 ``eval_loss`` for blocks of 16 (run_clm's setting). And the plain Trainer's ``eval_loss`` is
 the mean over the batches, weighted by samples, of each batch's loss: for padded batches of
-different label counts not the loss over every label of the set, which HeteroTrainer gave. The two-process job is
-``tests/trainer_eval_job.py``; the rest runs in this process (one-process HeteroTrainer,
-``devices="cpu"``).
+different label counts not the loss over every label of the set, which HeteroTrainer gave. The two-process
+cases (``tests/trainer_eval_job.py``) run in tests/trainer_job.py's launch and are judged in
+tests/test_hf_trainer.py; the rest runs in this process (one-process HeteroTrainer, ``devices="cpu"``).
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ import accelerate  # noqa: F401  (a test extra: missing, fail; never skip)
 import pytest
 import torch
 import transformers  # noqa: F401  (a test extra: missing, fail; never skip)
-from integration_launch import check, job_fixture
 from trainer_eval_job import LENGTHS, REL, arguments, blocks, gpt2, pad, padded, plain_eval_loss
 
 
@@ -55,17 +54,6 @@ def test_eval_loss_of_padded_batches_is_the_plain_trainer_s_mean_over_batches_in
     plain, hetero = losses
     assert plain == pytest.approx(reference, rel=REL, abs=0), "the job's reference"
     assert hetero == pytest.approx(plain, rel=REL, abs=0), f"HeteroTrainer {hetero}, the plain Trainer {plain}"
-
-
-job = job_fixture("trainer_eval_job.py", timeout=240)
-
-
-def test_eval_loss_of_a_gpt2_is_the_plain_trainer_s_on_two_uneven_processes(job):
-    check(job, "gpt2-eval")
-
-
-def test_eval_loss_of_padded_batches_is_the_plain_trainer_s_on_two_uneven_processes(job):
-    check(job, "gpt2-eval-padded")
 
 
 class _Clock:

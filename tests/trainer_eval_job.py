@@ -1,10 +1,11 @@
-"""The 2-process job behind tests/test_trainer_eval.py: HeteroTrainer's eval_loss against the plain Trainer's.
+"""HeteroTrainer's eval_loss against the plain Trainer's: the helpers of tests/test_trainer_eval.py, two scenarios.
 
 A tiny GPT-2 built from its config (float64, nothing downloaded) on SYNTHETIC blocks of
-16 tokens, run_clm's setting, and on padded sequences of different lengths. Prints
-``OK <scenario> rank <r>`` per scenario it passes, or its traceback
-(``tests/integration_launch.py``). Its helpers serve the one-process tests too
-(importing it there runs no scenario: they run only under torchrun).
+16 tokens, run_clm's setting, and on padded sequences of different lengths. The helpers
+serve the one-process tests; :func:`run_scenarios` runs the two-process ones inside
+tests/trainer_job.py's launch (a launch of its own would import transformers on two more
+processes, most of its time), each printing ``OK <scenario> rank <r>`` or its traceback
+(``tests/integration_launch.py``), judged by tests/test_hf_trainer.py.
 """
 
 from __future__ import annotations
@@ -92,8 +93,8 @@ def plain_eval_loss(model: GPT2LMHeadModel, data: list[dict[str, torch.Tensor]],
     return sum(m * w for m, w in zip(means, weights)) / sum(weights)
 
 
-if "RANK" in os.environ and __name__ == "__main__":
-    import torch.distributed as dist
+def run_scenarios() -> None:
+    """Run the two-process scenarios here, on the ranks of a launch (tests/trainer_job.py's)."""
     from integration_launch import scenario  # tests/ is the script's folder
     from transformers import Trainer
 
@@ -140,6 +141,3 @@ if "RANK" in os.environ and __name__ == "__main__":
         expected = plain.evaluate(eval_dataset=data[:8])["eval_loss"]
         loss = hetero.evaluate(eval_dataset=data[:8])["eval_loss"]
         assert abs(loss - expected) <= REL * abs(expected), f"HeteroTrainer {loss}, the plain Trainer {expected}"
-
-    dist.barrier()
-    dist.destroy_process_group()

@@ -4,7 +4,9 @@ A tiny Llama built from a config (float64, nothing downloaded), SYNTHETIC token
 sequences of unequal lengths padded per shard (labels -100 on padding), so a loss
 weighted by samples instead of tokens would show. Shares run as micro-batches on
 emulated memories (``cpu:max2``) in the ``micro*`` scenarios. Prints ``OK <scenario> rank <r>``
-per scenario it passes, or its traceback (``tests/integration_launch.py``).
+per scenario it passes, or its traceback (``tests/integration_launch.py``); first, in the
+same launch, the Trainer's and torchrun's patterns of ``tests/integration_jobs.py`` and the
+scenarios of ``tests/trainer_eval_job.py``.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ import os
 
 import torch
 import torch.distributed as dist
-from integration_launch import scenario  # tests/ is the script's folder
+from integration_launch import TRAINER_PATTERNS, run_patterns, scenario  # tests/ is the script's folder
+from trainer_eval_job import run_scenarios as run_eval_scenarios
 from transformers import BertConfig, BertForSequenceClassification, LlamaConfig, LlamaForCausalLM, TrainingArguments
 
 from hetsplit.planning import Plan, Profile, plan_from_sizes
@@ -100,6 +103,13 @@ def train_once(folder, plan, data, devices=None, plan_kwargs=None, **overrides):
     )  # fmt: skip
     trainer.train()
     return trainer, model, ref
+
+
+# A launch less each: tests/integration_jobs.py's Trainer and torchrun patterns first (the first of them checks
+# how a job starts), then tests/test_trainer_eval.py's two-process scenarios (GPT-2's eval_loss), before an
+# FSDP2 scenario leaves ACCELERATE_USE_FSDP in os.environ.
+run_patterns(TRAINER_PATTERNS)
+run_eval_scenarios()
 
 
 @scenario("tokens", folder=True)
@@ -200,7 +210,7 @@ def _(folder):
     model = llama()
     trainer = HeteroTrainer(
         model=model, args=arguments(folder), eval_dataset=data, data_collator=collate, compute_metrics=metrics,
-        devices="cpu,cpu@0.25", plan_kwargs={"time_budget": 1, "calibrate": 0},
+        devices="cpu,cpu@0.25", plan_kwargs={"time_budget": 0.3, "calibrate": 0},
     )  # fmt: skip
     loss = trainer.evaluate()["eval_loss"]
     with torch.no_grad():
@@ -216,7 +226,7 @@ def _(folder):
     model = llama()
     trainer = HeteroTrainer(
         model=model, args=arguments(folder, per_device_train_batch_size=8), train_dataset=data,
-        data_collator=collate, devices="cpu,cpu@0.25", plan_kwargs={"time_budget": 1, "calibrate": 0},
+        data_collator=collate, devices="cpu,cpu@0.25", plan_kwargs={"time_budget": 0.3, "calibrate": 0},
     )  # fmt: skip
     with contextlib.redirect_stdout(io.StringIO()) as said:
         trainer.train()
@@ -489,7 +499,7 @@ def _(folder):
     try:
         data = sequences(16, seed=12)
         trainer, _, ref = train_once(
-            folder, None, data, devices="cpu,cpu@0.25", plan_kwargs={"time_budget": 1, "calibrate": 0},
+            folder, None, data, devices="cpu,cpu@0.25", plan_kwargs={"time_budget": 0.3, "calibrate": 0},
             per_device_train_batch_size=8, **FSDP2,
         )  # fmt: skip
     finally:

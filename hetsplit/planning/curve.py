@@ -11,7 +11,6 @@ from itertools import chain
 from typing import Any
 
 import numpy as np
-from scipy.optimize import isotonic_regression, nnls
 
 from . import checks
 
@@ -89,6 +88,8 @@ class Curve:
             )
         xs = np.array(sorted(by_batch), dtype=float)
         ys = np.array([statistics.median(by_batch[int(b)]) for b in xs])
+        from scipy.optimize import isotonic_regression  # here: scipy costs every process 0.4 s at import
+
         ys = isotonic_regression(ys, increasing=True).x
         if len(xs) == 1:
             # One point says nothing about fixed overhead: assume time proportional to batch.
@@ -341,6 +342,8 @@ def rounded_bounds(
 def _affine(xs: np.ndarray, ys: np.ndarray) -> tuple[float, float]:
     """Non-negative least-squares fit of ``y = a + s*x`` in relative error."""
     design = np.stack([1.0 / ys, xs / ys], axis=1)
+    from scipy.optimize import nnls  # here: scipy costs every process 0.4 s at import
+
     (a, s), _ = nnls(design, np.ones_like(ys))
     return float(a), float(s)
 

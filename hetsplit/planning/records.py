@@ -10,7 +10,6 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
-from scipy.optimize import isotonic_regression
 
 from ..devices import DeviceInfo
 from ..emulation import check_speed
@@ -265,6 +264,8 @@ def _noise(entry: DeviceProfile) -> Noise:
     ys = [t for _, t in sorted(medians)]
     residual = 0.0
     if any(b < a for a, b in itertools.pairwise(ys)):  # only a measured dip needs the smoothing
+        from scipy.optimize import isotonic_regression  # here: scipy costs every process 0.4 s at import
+
         fitted = isotonic_regression(ys, increasing=True).x  # as Curve.fit smooths the medians
         residual = float(max(abs(y - f) / f for y, f in zip(ys, fitted)))
     return Noise(float(statistics.median(spreads)) if spreads else None, residual)
