@@ -143,6 +143,19 @@ def calibration(ctx):
     res["model_untouched"] = all(p.grad is None for p in net.parameters()) and all(
         torch.equal(p, q) for p, q in zip(net.parameters(), _net().parameters())
     )
+    # The calibration's DDP steps are the steps training runs: with the shard weighting's comm hook,
+    # whose Python hook is a fifth or more of a small model's step (calibrated without, plans ran short).
+    from hetsplit.distributed import rank_plan
+
+    seen, real = [], rank_plan.weight_gradients
+    rank_plan.weight_gradients = lambda ddp, plan, **kw: (
+        seen.append((type(ddp).__name__, plan.sizes)) or real(ddp, plan, **kw)
+    )
+    try:
+        hd.plan(net, x, 40, device=device, loss_fn=F.cross_entropy, target=y, profile=ctx.profile, calibrate=2)
+    finally:
+        rank_plan.weight_gradients = real
+    res["calibrated_with_the_hook"] = seen
     return res
 
 
@@ -447,6 +460,11 @@ def test_calibration_moves_the_plan_off_a_rank_slower_than_its_profile(ranks):
         assert r["calibrated"][0] >= 26, r["calibrated"]  # rank 1 really runs at a quarter speed
         assert r["model_untouched"]
     assert results[0]["calibrated"] == results[1]["calibrated"]
+
+
+def test_calibration_runs_ddp_steps_with_the_shard_weighting_training_runs(ranks):
+    for r in ranks["calibration"]:
+        assert r["calibrated_with_the_hook"] == [["DistributedDataParallel", [20, 20]]], r  # (through JSON)
 
 
 def test_a_calibration_step_failing_on_one_rank_is_reported_on_every_rank(ranks):
