@@ -50,6 +50,37 @@ def launch(devices: str, script, *args: str, cwd, timeout: float = 240, env=None
 # -- a tiny net and its data ------------------------------------------------------------------
 
 
+def two_ranks(script, *args: str, cwd, timeout: float = 120) -> list[tuple[int, str, str]]:
+    """Run ``script`` as ranks 0 and 1 of a gloo job, without a launcher; each rank's (status, stdout, stderr).
+
+    For a job whose ranks fail on purpose (a launcher would stop the others at the first exit).
+    """
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = subprocess_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2")
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), *args],
+            env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=cwd,
+        )
+        for r in range(2)
+    ]
+    try:
+        outputs = [p.communicate(timeout=timeout) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    return [(p.returncode, out, err) for p, (out, err) in zip(procs, outputs)]
+
+
 def mlp(*widths: int, seed: int = 0, batch_norm: bool = False) -> nn.Sequential:
     """A float64 MLP ``widths[0] -> ... -> widths[-1]``: Linear, [BatchNorm1d,] Tanh between layers.
 

@@ -9,12 +9,8 @@ an autograd node of rank 1's second step; rank 1 catches it, as a user would, an
 
 from __future__ import annotations
 
-import socket
-import subprocess
-import sys
-
 import pytest
-from helpers import subprocess_env
+from helpers import two_ranks
 
 BACKWARD_OOM_JOB = """
 import datetime, sys
@@ -72,29 +68,9 @@ print("finished", flush=True)
 def test_a_peer_of_a_rank_that_ran_out_of_memory_in_backward_gets_one_line_naming_it(tmp_path, kind):
     script = tmp_path / "job.py"
     script.write_text(BACKWARD_OOM_JOB)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = subprocess_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2")
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(script), kind],
-            env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            cwd=tmp_path,
-        )
-        for r in range(2)
-    ]
-    try:
-        (out0, err0), (out1, err1) = (p.communicate(timeout=120) for p in procs)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
+    (code0, out0, err0), (_, out1, err1) = two_ranks(script, kind, cwd=tmp_path)
     assert "skipped the step" in out1, (out1, err1[-3000:])
-    assert procs[0].returncode == 1 and "finished" not in out0, (out0, err0[-3000:])
+    assert code0 == 1 and "finished" not in out0, (out0, err0[-3000:])
     lines = err0.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in err0, err0[-3000:]
     what = "gradient all-reduce" if kind == "ddp" else "training step"

@@ -19,8 +19,9 @@ import os
 import torch
 import torch.distributed as dist
 from integration_launch import TRAINER_PATTERNS, run_patterns, scenario  # tests/ is the script's folder
+from trainer_eval_job import arguments  # the Trainer settings every scenario starts from
 from trainer_eval_job import run_scenarios as run_eval_scenarios
-from transformers import BertConfig, BertForSequenceClassification, LlamaConfig, LlamaForCausalLM, TrainingArguments
+from transformers import BertConfig, BertForSequenceClassification, LlamaConfig, LlamaForCausalLM
 
 from hetsplit.planning import Plan, Profile, plan_from_sizes
 from hetsplit.transformers import HeteroTrainer
@@ -64,16 +65,6 @@ def llama() -> LlamaForCausalLM:
         num_key_value_heads=2, max_position_embeddings=16, attention_dropout=0.0,
     )  # fmt: skip
     return LlamaForCausalLM(config).double()
-
-
-def arguments(folder: str, **overrides) -> TrainingArguments:
-    settings = dict(
-        output_dir=folder, per_device_train_batch_size=2, per_device_eval_batch_size=2, max_steps=1,
-        learning_rate=0.1, optim="sgd", lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=0.0,
-        report_to=[], save_strategy="no", logging_strategy="no", use_cpu=True, disable_tqdm=True, seed=0,
-    )  # fmt: skip
-    settings.update(overrides)
-    return TrainingArguments(**settings)
 
 
 def reference_step(model: LlamaForCausalLM, batches: list[list[dict]], lr: float = 0.1) -> None:
