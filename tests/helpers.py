@@ -50,6 +50,20 @@ def launch(devices: str, script, *args: str, cwd, timeout: float = 240, env=None
 # -- a tiny net and its data ------------------------------------------------------------------
 
 
+# The training loop of the out-of-memory jobs (tests/test_fsdp.py, tests/test_oom_backward.py): a rank
+# that runs out of memory catches the error and ends, as a user who carries on would leave its peer.
+OOM_LOOP = """
+for steps in range(3):
+    x, y = torch.randn(plan.sizes[rank], 6, dtype=torch.float64), torch.randint(0, 3, (plan.sizes[rank],))
+    try:
+        F.cross_entropy(model(x), y).backward()
+    except torch.OutOfMemoryError:
+        print("skipped the step", flush=True)
+        sys.exit(0)
+print("finished", flush=True)
+"""
+
+
 def two_ranks(script, *args: str, cwd, timeout: float = 120) -> list[tuple[int, str, str]]:
     """Run ``script`` as ranks 0 and 1 of a gloo job, without a launcher; each rank's (status, stdout, stderr).
 

@@ -9,6 +9,7 @@ close the prediction came.
 from __future__ import annotations
 
 import atexit
+import functools
 import math
 import os
 import statistics
@@ -198,13 +199,9 @@ def _end_runs() -> None:
         report.end()
 
 
-_end_at_exit_once: list[bool] = []
-
-
+@functools.cache  # once per process
 def _end_at_exit() -> None:
-    if not _end_at_exit_once:
-        _end_at_exit_once.append(True)
-        atexit.register(_end_runs)
+    atexit.register(_end_runs)
 
 
 def _against(plan: Plan | None, measured: float, first: Plan | None) -> str:
