@@ -603,7 +603,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--devices", action="append", help=f"a device set; repeat for several (default: {DEVICE_SETS})")
     p.add_argument("--models", help=f"comma-separated, of {[n for n in WORKLOADS if n != FSDP_MODEL]}")
     p.add_argument("--engines", default=",".join(ENGINES), help="comma-separated, of threads,ddp,fsdp2")
-    p.add_argument("--steps", type=int, help="timed steps per configuration (default 10; --quick 3)")
+    p.add_argument("--steps", type=int, help="timed steps per configuration (default 30; --quick 3)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps before the calibration and the timing")
     p.add_argument("--budget", type=float, help="profiling seconds per configuration (default 3; --quick 1)")
     p.add_argument("--calibrate-seconds", type=float, help="threads: calibration, as bench (default 2; --quick 0.3)")
@@ -611,7 +611,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--worker", help=argparse.SUPPRESS)  # set in the torchrun ranks this script launches
     args = p.parse_args(argv)
     quick = args.quick
-    args.steps = args.steps or (3 if quick else 10)
+    args.steps = args.steps or (3 if quick else 30)
     args.budget = args.budget or (1.0 if quick else 3.0)
     args.calibrate_seconds = args.calibrate_seconds if args.calibrate_seconds is not None else (0.3 if quick else 2.0)
     default_models = ["mlp", "gpt2"] if quick else [n for n in WORKLOADS if n != FSDP_MODEL]

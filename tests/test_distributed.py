@@ -156,6 +156,26 @@ def calibration(ctx):
     finally:
         rank_plan.weight_gradients = real
     res["calibrated_with_the_hook"] = seen
+    # What the calibration steps lasted beyond their slowest rank's work is in the predicted step:
+    # here a 30 ms wait in every forward, not compute, which timing the bare all-reduce leaves out.
+    waiting = _net()
+    waiting.register_forward_pre_hook(lambda *_: time.sleep(0.03))
+    res["steps"] = {
+        name: hd.plan(m, x, 40, device=device, loss_fn=F.cross_entropy, target=y, profile=ctx.profile, calibrate=3,
+                      calibrate_seconds=0, quiet=True).step_time
+        for name, m in [("plain", net), ("waiting", waiting)]
+    }  # fmt: skip
+    # The calibration runs more steps than `calibrate` until they took `calibrate_seconds`.
+    counted, real_step = [], rank_plan.train_step
+    rank_plan.train_step = lambda *a, **kw: counted.append(1) or real_step(*a, **kw)
+    try:
+        for seconds in (0, 0.3):
+            counted.clear()
+            hd.plan(waiting, x, 40, device=device, loss_fn=F.cross_entropy, target=y, profile=ctx.profile,
+                    calibrate=3, calibrate_seconds=seconds, quiet=True)  # fmt: skip
+            res[f"calibration_steps_{seconds}"] = len(counted) - 3  # less the lone step and 2 warm-up steps
+    finally:
+        rank_plan.train_step = real_step
     return res
 
 
@@ -467,6 +487,20 @@ def test_calibration_runs_ddp_steps_with_the_shard_weighting_training_runs(ranks
         assert r["calibrated_with_the_hook"] == [["DistributedDataParallel", [20, 20]]], r  # (through JSON)
 
 
+def test_the_predicted_step_holds_what_the_calibration_steps_spent_beyond_the_work(ranks):
+    for r in ranks["calibration"]:
+        steps = r["steps"]
+        assert steps["waiting"] >= 0.025 and steps["waiting"] - steps["plain"] >= 0.02, steps
+
+
+def test_the_calibration_runs_more_steps_until_they_took_calibrate_seconds(ranks):
+    for r in ranks["calibration"]:
+        assert r["calibration_steps_0"] == 3, r  # calibrate_seconds=0: exactly `calibrate`
+        # Every step waits 30 ms in its forward: 0.3 s is at most 10 of them, and more than 3.
+        assert 3 < r["calibration_steps_0.3"] <= 10, r
+    assert ranks["calibration"][0]["calibration_steps_0.3"] == ranks["calibration"][1]["calibration_steps_0.3"]
+
+
 def test_a_calibration_step_failing_on_one_rank_is_reported_on_every_rank(ranks):
     for error in ranks["calibration_failure"]:  # not left hanging in DDP
         assert "failed on ranks {1: 'RuntimeError: this loss fails on rank 1'}" in error
@@ -590,3 +624,17 @@ def test_a_zero_share_takes_the_samples_its_stand_ins_would_cost():
     assert _stand_ins_used(plan_from_sizes(capped, ["a", "b"], [8, 0]), capped).sizes == [7, 1]
     fast = Profile.from_measurements({"a": [(1, 0.01), (8, 0.08)], "b": [(1, 0.5), (8, 4.0)]})
     assert _stand_ins_used(plan_from_sizes(fast, ["a", "b"], [8, 0]), fast).sizes == [6, 2]  # 1.0 s either way
+
+
+def test_the_predicted_step_is_the_calibration_steps_each_as_long_as_its_slowest_rank():
+    from hetsplit.distributed.rank_plan import _stepwise
+
+    # Two ranks, each the slower one in every other step: their medians are equal (15 ms), but
+    # every step took 20 ms plus 1 ms beyond its slowest rank's compute (walls from a barrier).
+    steps = [([0.021, 0.021], [0.010, 0.020]), ([0.021, 0.021], [0.020, 0.010])] * 3
+    plan = plan_from_sizes(None, ["rank0", "rank1"], [30, 10])
+    plan = dataclasses.replace(plan, times=[0.015, 0.015])
+    assert _stepwise(plan, [0.015, 0.015], steps) == pytest.approx(0.021)
+    # New shares scale each rank's compute in every step by its planned over its median compute.
+    plan = dataclasses.replace(plan, times=[0.030, 0.030])
+    assert _stepwise(plan, [0.015, 0.015], steps) == pytest.approx(0.040 + 0.001)

@@ -166,6 +166,9 @@ def test_plan_rejects_a_negative_calibration_before_any_collective():
 
     with pytest.raises(ValueError, match="calibrate must be a number of steps >= 0, got -1"):
         plan(None, None, 8, calibrate=-1)
+    for bad in (-1.0, float("inf"), "1"):
+        with pytest.raises(ValueError, match=f"calibrate_seconds must be a number of seconds >= 0, got {bad!r}"):
+            plan(None, None, 8, calibrate_seconds=bad)
 
 
 def test_calibration_correction_passes_the_curve_through_the_measurement():

@@ -6,6 +6,7 @@ import copy
 import dataclasses
 import math
 import statistics
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -34,7 +35,7 @@ from .dtypes import verify_dtypes
 from .report import SplitReport
 from .setup import launch_env, rank_devices
 from .sharded_profile import profile_sharded
-from .step_time import communication
+from .step_time import communication, exposed
 from .zero_share import STAND_IN
 
 
@@ -79,6 +80,7 @@ def plan(
     profile: Profile | None = None,
     weights: Sequence[float] | None = None,
     calibrate: int = 16,
+    calibrate_seconds: float = 1.0,
     accumulate: bool = False,
     group: Any = None,
     quiet: bool = False,
@@ -102,10 +104,12 @@ def plan(
     not touched.
 
     Every time here is a rank's compute, apart from its waits for the others
-    (:mod:`hetsplit.distributed.step_time`): the shares are solved on compute. The step's
+    (:mod:`hetsplit.distributed.step_time`): the shares are solved on compute. The
+    communication is added to the plan's predicted step, which is then the slowest rank's
+    compute plus the communication: with ``calibrate`` steps, the median of what the
+    calibration steps lasted beyond their slowest rank's work; otherwise the step's
     collectives (DDP's all-reduce; FSDP2's all-gathers and reduce-scatters, once per
-    micro-batch) are timed once at their real sizes and added to the plan's predicted
-    step, which is then the slowest rank's compute plus the communication.
+    micro-batch) timed once at their real sizes.
 
     A sharded model (FSDP2's ``fully_shard``, checked across ranks as :func:`weight_gradients`
     does) is profiled as the user sharded it, every rank climbing the same ladder of batch
@@ -142,6 +146,9 @@ def plan(
             micro-batches is not calibrated (calibration runs whole shares).
         calibrate: DDP steps to calibrate the plan with (after 2 warm-up steps); 0
             skips it (for a job without DDP, or when a share is 0 it is skipped).
+        calibrate_seconds: Calibrate with more steps than ``calibrate``, until they took
+            this long (at most 400): a machine's speed drifts over seconds, and a short
+            calibration catches one moment of it; 0: exactly ``calibrate`` steps.
         group: The process group (default: the world).
         quiet: Say nothing. Otherwise rank 0 says, in one line, the split chosen and its
             predicted step (:class:`~hetsplit.distributed.report.SplitReport`; also
@@ -155,7 +162,7 @@ def plan(
         The same :class:`Plan` on every rank.
 
     Raises:
-        ValueError: On a negative ``calibrate``, ``weights`` with ``profile``, or
+        ValueError: On a negative ``calibrate`` or ``calibrate_seconds``, ``weights`` with ``profile``, or
             ``weights`` of another length than the world or not positive and finite,
             before anything else runs.
         DistributedError: If ``weights`` differ across ranks, hetsplit versions differ across ranks, a calibration step
@@ -163,6 +170,12 @@ def plan(
     """
     if isinstance(calibrate, bool) or not isinstance(calibrate, int) or calibrate < 0:
         raise ValueError(f"calibrate must be a number of steps >= 0, got {calibrate!r}")
+    if (
+        isinstance(calibrate_seconds, bool)
+        or not isinstance(calibrate_seconds, (int, float))
+        or not (0 <= calibrate_seconds < math.inf)
+    ):
+        raise ValueError(f"calibrate_seconds must be a number of seconds >= 0, got {calibrate_seconds!r}")
     rank, world = group_info(group)
     verify_dtypes(model, sample, group)  # before DDP or FSDP2 meet them (a mismatch aborts a process)
     batchnorm = has_batchnorm(model)  # no rank is handed a single sample (BatchNorm cannot train on one)
@@ -206,20 +219,28 @@ def plan(
         )  # fmt: skip
 
     result = _broadcast_plan(solve, group, rank, world, combined)
-    if calibrate and not sharded and min(result.sizes) > 0 and max(map(len, result.micro_batches)) == 1:
-        work = _calibration_work(model, sample, target, loss_fn, dev, result, calibrate, group, rank)
+    calibrated = bool(calibrate and not sharded and min(result.sizes) > 0 and max(map(len, result.micro_batches)) == 1)
+    seconds = 0.0
+    if calibrated:
+        work, steps = _calibration_work(
+            model, sample, target, loss_fn, dev, result, calibrate, calibrate_seconds, group, rank
+        )
         if combined is not None:  # rank 0
             combined = dataclasses.replace(
                 combined,
                 entries=[
-                    dataclasses.replace(e, curve=_through(e.curve, size, seconds))
-                    for e, size, seconds in zip(combined.entries, result.sizes, work)
+                    dataclasses.replace(e, curve=_through(e.curve, size, t))
+                    for e, size, t in zip(combined.entries, result.sizes, work)
                 ],
             )
         result = _broadcast_plan(solve, group, rank, world, combined)
-    # The shares are solved on compute; the step's collectives, the same whatever the split, are
-    # timed once at their real sizes and added to the predicted step (every rank gets the same number).
-    seconds = communication(model, dev.torch_device, group)
+        # The shares are solved on compute; the predicted step is the calibration steps',
+        # each scaled to the new shares (what the plan adds to its slowest rank's compute:
+        # the communication, the same whatever the split, and the steps' spread).
+        seconds = _stepwise(result, work, steps) - max(result.times)
+    else:
+        # The step's collectives, timed once at their real sizes (every rank gets the same number).
+        seconds = communication(model, dev.torch_device, group)
     result = with_communication(result, seconds * (max(map(len, result.micro_batches)) if sharded else 1))
     report = SplitReport("hd.plan", rank, quiet)
     report.announce(result, follow=True)  # weight_gradients times the run on it; its end is said at exit
@@ -375,10 +396,13 @@ def _calibration_work(
     dev: Device,
     plan: Plan,
     steps: int,
+    seconds: float,
     group: Any,
     rank: int,
-) -> list[float]:
-    """Every rank's median seconds of work in a real DDP step on its share of ``plan`` (all-gathered).
+) -> tuple[list[float], list[tuple[list[float], list[float]]]]:
+    """Every rank's median seconds of work in a real DDP step on its share of ``plan``, and
+    each step's every rank's wall seconds (from a barrier) and work (all-gathered): ``steps``
+    steps, or more until they took ``seconds``.
 
     The step is the one training runs: DDP with the shard weighting's comm hook
     (:func:`~hetsplit.distributed.weight_gradients`), whose Python hook costs a rank a fifth
@@ -411,18 +435,61 @@ def _calibration_work(
     weighting = weight_gradients(ddp, plan, group=group)
     weighting.sum_checks = 0  # the user's loss is judged in training (once), not in these steps
     timer = WorkTimer(dev, replica)
-    laps = []
-    try:
-        for i in range(2 + steps):
+    laps: list[Any] = []
+    walls: list[float] = []
+
+    def run(first: int, count: int) -> None:
+        for i in range(first, first + count):
             replica.zero_grad(set_to_none=True)
-            with guard(what=f"calibrating the plan (DDP step {i})", group=group), timer.step() as lap:
+            what = f"calibrating the plan (DDP step {i})"
+            collective(what, lambda: dist.barrier(group=group), rank, group)  # every rank starts the step together
+            start = time.perf_counter()
+            with guard(what=what, group=group), timer.step() as lap:
                 train_step(ddp, inputs, labels, loss_fn, dev)  # waiting for other ranks is not slowed
+            dev.synchronize()
             if i >= 2:
                 laps.append(lap)
+                walls.append(time.perf_counter() - start)
+
+    try:
+        run(0, 2 + steps)
+        # A machine's speed drifts by a tenth or more over seconds (measured here: the same
+        # LeNet share 23 to 32 ms in three runs of 20 steps), so a small model's 16 steps
+        # (0.2 s) catch one moment of it: more steps, up to ``seconds`` of them. Every rank
+        # runs as many (DDP's collectives): the count is agreed from every rank's estimate.
+        wanted = all_gather(math.ceil(seconds / max(statistics.median(walls), 1e-6)), "calibrating the plan", group)
+        run(2 + steps, max(0, min(max(wanted), _MAX_CALIBRATION_STEPS) - steps))
     finally:
         timer.remove()
-    mine = statistics.median(x.seconds() for x in laps)
-    return [float(t) for t in all_gather(mine, "gathering calibration times", group)]
+    computes = [x.seconds() for x in laps]
+    gathered = all_gather((walls, computes), "gathering calibration times", group)
+    work = [float(statistics.median(g[1])) for g in gathered]
+    per_step = [([float(g[0][i]) for g in gathered], [float(g[1][i]) for g in gathered]) for i in range(len(walls))]
+    return work, per_step
+
+
+def _stepwise(plan: Plan, work: Sequence[float], steps: Sequence[tuple[list[float], list[float]]]) -> float:
+    """The median over calibration ``steps`` of each step as it would have run ``plan``.
+
+    Each rank's compute in the step, scaled by its planned over its median compute
+    (``work``; the plan's curves pass through it, so the ratio carries the new share),
+    the slowest, plus what the step lasted beyond its slowest rank's compute
+    (:func:`~hetsplit.distributed.step_time.exposed`: gloo's all-reduces in DDP's buckets,
+    the hook's waits). A step lasts as long as its slowest rank *in that step*, and the
+    slowest of several noisy ranks is slower on average than the slowest of their
+    medians: predicted from the medians, balanced plans ran 6-10 % longer than predicted
+    (measured: DDP on two ranks, median error -8.3 % over 12 configurations), as the
+    threads engine's did before it took its calibration step by step
+    (:func:`hetsplit.apps.bench_timing.calibrate_plan`).
+    """
+    out = []
+    for walls, computes in steps:
+        scaled = [t * p / w if w > 0 else p for t, p, w in zip(computes, plan.times, work)]
+        out.append(max(scaled) + exposed(walls, computes))
+    return float(statistics.median(out))
+
+
+_MAX_CALIBRATION_STEPS = 400  # a tiny model's 1 s of steps; its median settles well before
 
 
 def _default_device() -> str:
