@@ -12,8 +12,8 @@ after another, never two at once:
   ``bench_timing.calibrate_plan``: balanced steps inside the split, each device's busy time
   against its curve, the step's time outside the devices' work added).
 - **ddp** (one torchrun rank per device through ``hetsplit launch``, gloo): predicted by
-  ``hd.plan`` (each rank's profile, 16 DDP calibration steps) as docs/torchrun.md runs it,
-  with ``hd.weight_gradients``; ``plan.step_time``.
+  ``hd.plan`` (each rank's profile, then DDP calibration steps: 16, or more until 1 s of
+  them) as docs/torchrun.md runs it, with ``hd.weight_gradients``; ``plan.step_time``.
 - **fsdp2** (the same launch, a tiny Llama under ``fully_shard`` per layer and at the root):
   ``hd.plan(..., accumulate=True)`` on the sharded model (the ranks profile it in turns);
   ``plan.step_time``.
