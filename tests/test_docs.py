@@ -203,7 +203,7 @@ SETUPS = {
     # its budget); the default itself is checked in test_integration_core.
     "framework-script": Setup(
         "import hetsplit.integrations.options as _options\n"
-        "_options.PLAN_KWARGS = {**_options.PLAN_KWARGS, 'time_budget': 0.3}\n",
+        "_options.PLAN_KWARGS = {**_options.PLAN_KWARGS, 'time_budget': 0.3, 'calibrate_seconds': 0}\n",
         job="integrations",
         devices="cpu,cpu@0.25",
     ),
