@@ -106,10 +106,11 @@ def plan(
     Every time here is a rank's compute, apart from its waits for the others
     (:mod:`hetsplit.distributed.step_time`): the shares are solved on compute. The
     communication is added to the plan's predicted step, which is then the slowest rank's
-    compute plus the communication: with ``calibrate`` steps, the median of what the
-    calibration steps lasted beyond their slowest rank's work; otherwise the step's
-    collectives (DDP's all-reduce; FSDP2's all-gathers and reduce-scatters, once per
-    micro-batch) timed once at their real sizes.
+    compute plus the communication. Calibrated, the predicted step is the calibration
+    steps' median, each step scaled to the new shares and as long as its slowest rank plus
+    what it lasted beyond that rank's work; otherwise the step's collectives (DDP's
+    all-reduce; FSDP2's all-gathers and reduce-scatters, once per micro-batch) are timed
+    once at their real sizes.
 
     A sharded model (FSDP2's ``fully_shard``, checked across ranks as :func:`weight_gradients`
     does) is profiled as the user sharded it, every rank climbing the same ladder of batch
