@@ -5,6 +5,7 @@ ranks in turn and its result (or its traceback) is asserted by its own test belo
 """
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -157,10 +158,27 @@ def waits(ctx):
     return _waits(ctx.rank)
 
 
+def calibrated(ctx):
+    """hd.plan calibrates a sharded plan on the sharded model's own steps, in place.
+
+    A 100 ms wait in every forward (not compute) is in the predicted step: its steps' walls,
+    beyond their slowest rank's compute; the collectives timed once at their sizes leave it out.
+    """
+    model = _sharded()
+    model.register_forward_pre_hook(lambda *_: time.sleep(0.1))
+    before, rng = _full(model), torch.get_rng_state()
+    x, y, _ = _data()[:8]
+    device = "cpu" if ctx.rank == 0 else "cpu@0.25"
+    plan = hd.plan(model, x, N, device=device, loss_fn=F.cross_entropy, target=y, batch_sizes=[2, 4, 8], repeats=1,
+                   warmup=0, time_budget=1, calibrate=2, calibrate_seconds=0, quiet=True)  # fmt: skip
+    untouched = _max_err(_full(model), before) == 0 and all(p.grad is None for p in model.parameters())
+    return {"step": plan.step_time, "untouched": untouched and torch.equal(torch.get_rng_state(), rng)}
+
+
 SCENARIOS = {
     fn.__name__: fn
     for fn in (uneven, zero_share, no_plan, micro, micro_fillers, micro_zero_share, llama, planned, rebalancer,
-               checkpoint, refusals, waits)
+               checkpoint, refusals, waits, calibrated)
 }  # fmt: skip
 
 
@@ -486,6 +504,13 @@ def test_the_rebalancer_works_unchanged(ranks):
     first = r0["changes"][0]
     assert first["new"][1] < first["old"][1] == 5, r0["changes"]  # the quarter-speed rank loses samples
     assert all(c["faster"] for c in r0["changes"]), r0["changes"]  # each predicted faster than the plan it replaced
+
+
+def test_a_sharded_plan_is_calibrated_on_the_sharded_model_s_own_steps(ranks):
+    for r in ranks["calibrated"]:
+        assert r["step"] >= 0.09, r  # the 100 ms wait of every step (less a rank's compute at most)
+        assert r["untouched"], r  # parameters, gradients (none) and the RNG state as they were
+    assert ranks["calibrated"][0]["step"] == ranks["calibrated"][1]["step"]
 
 
 def test_a_sharded_checkpoint_resumes_on_another_plan(ranks):

@@ -34,7 +34,7 @@ from .comm_hooks import weight_gradients
 from .dtypes import verify_dtypes
 from .report import SplitReport
 from .setup import launch_env, rank_devices
-from .sharded_profile import profile_sharded
+from .sharded_profile import profile_sharded, sharded_steps
 from .step_time import communication, exposed
 from .zero_share import STAND_IN
 
@@ -121,7 +121,8 @@ def plan(
     emulated one (``cpu:max8``) as given; on CUDA where the fitted peak of the sharded step
     reaches 90 % of the device (``memory_fraction``) less the room of ``optimizer``'s state
     when it is passed (``profile_kwargs`` of a sharded model: ``memory_fraction``,
-    ``optimizer``). Such a plan is not calibrated (calibration runs DDP).
+    ``optimizer``). Its calibration steps run the sharded model itself, in place, as its
+    profile did (no rank holds a copy of the whole model); the model is left as it was.
     With ``accumulate=True`` its shares are solved for what FSDP2 runs: every rank as
     many micro-batches as the others (:func:`hetsplit.planning.solver.solve_lockstep`),
     so a fast rank's extra micro-batches are priced in, not only the capped rank's.
@@ -220,12 +221,16 @@ def plan(
         )  # fmt: skip
 
     result = _broadcast_plan(solve, group, rank, world, combined)
-    calibrated = bool(calibrate and not sharded and min(result.sizes) > 0 and max(map(len, result.micro_batches)) == 1)
+    calibrated = bool(calibrate and min(result.sizes) > 0 and max(map(len, result.micro_batches)) == 1)
     seconds = 0.0
     if calibrated:
-        work, steps = _calibration_work(
-            model, sample, target, loss_fn, dev, result, calibrate, calibrate_seconds, group, rank
-        )
+        if sharded:  # the user's sharded model in place, as its profile ran (no rank holds a whole copy)
+            with sharded_steps(model, sample, target, loss_fn, dev, result.sizes[rank], group=group) as one:
+                work, steps = _timed_steps(lambda _i: one(), dev, calibrate, calibrate_seconds, group, rank)
+        else:
+            work, steps = _calibration_work(
+                model, sample, target, loss_fn, dev, result, calibrate, calibrate_seconds, group, rank
+            )
         if combined is not None:  # rank 0
             combined = dataclasses.replace(
                 combined,
@@ -242,7 +247,9 @@ def plan(
     else:
         # The step's collectives, timed once at their real sizes (every rank gets the same number).
         seconds = communication(model, dev.torch_device, group)
-    result = with_communication(result, seconds * (max(map(len, result.micro_batches)) if sharded else 1))
+    if not calibrated and sharded:
+        seconds *= max(map(len, result.micro_batches))  # the collectives run once per micro-batch
+    result = with_communication(result, seconds)
     report = SplitReport("hd.plan", rank, quiet)
     report.announce(result, follow=True)  # weight_gradients times the run on it; its end is said at exit
     unreliable = _emulation_warning(gathered_profile) if gathered_profile is not None else None
@@ -436,33 +443,49 @@ def _calibration_work(
     weighting = weight_gradients(ddp, plan, group=group)
     weighting.sum_checks = 0  # the user's loss is judged in training (once), not in these steps
     timer = WorkTimer(dev, replica)
+
+    def step(i: int) -> Any:
+        replica.zero_grad(set_to_none=True)
+        with guard(what=f"calibrating the plan (DDP step {i})", group=group), timer.step() as lap:
+            train_step(ddp, inputs, labels, loss_fn, dev)  # waiting for other ranks is not slowed
+        return lap  # read after the steps: on CUDA its events are done by then
+
+    try:
+        return _timed_steps(step, dev, steps, seconds, group, rank)
+    finally:
+        timer.remove()
+
+
+def _timed_steps(
+    step: Callable[[int], Any], dev: Device, steps: int, seconds: float, group: Any, rank: int
+) -> tuple[list[float], list[tuple[list[float], list[float]]]]:
+    """Run calibration steps (``step(i)`` returns its compute: seconds, or a lap) on every rank.
+
+    Two warm-up steps, then ``steps``, then more until they took ``seconds``; each from a
+    barrier that starts every rank together. Returns every rank's median compute, and each
+    step's every rank's wall seconds and compute (all-gathered).
+    """
     laps: list[Any] = []
     walls: list[float] = []
 
     def run(first: int, count: int) -> None:
         for i in range(first, first + count):
-            replica.zero_grad(set_to_none=True)
-            what = f"calibrating the plan (DDP step {i})"
-            collective(what, lambda: dist.barrier(group=group), rank, group)  # every rank starts the step together
+            collective(f"calibrating the plan (step {i})", lambda: dist.barrier(group=group), rank, group)
             start = time.perf_counter()
-            with guard(what=what, group=group), timer.step() as lap:
-                train_step(ddp, inputs, labels, loss_fn, dev)  # waiting for other ranks is not slowed
+            lap = step(i)
             dev.synchronize()
             if i >= 2:
                 laps.append(lap)
                 walls.append(time.perf_counter() - start)
 
-    try:
-        run(0, 2 + steps)
-        # A machine's speed drifts by a tenth or more over seconds (measured here: the same
-        # LeNet share 23 to 32 ms in three runs of 20 steps), so a small model's 16 steps
-        # (0.2 s) catch one moment of it: more steps, up to ``seconds`` of them. Every rank
-        # runs as many (DDP's collectives): the count is agreed from every rank's estimate.
-        wanted = all_gather(math.ceil(seconds / max(statistics.median(walls), 1e-6)), "calibrating the plan", group)
-        run(2 + steps, max(0, min(max(wanted), _MAX_CALIBRATION_STEPS) - steps))
-    finally:
-        timer.remove()
-    computes = [x.seconds() for x in laps]
+    run(0, 2 + steps)
+    # A machine's speed drifts by a tenth or more over seconds (measured here: the same
+    # LeNet share 23 to 32 ms in three runs of 20 steps), so a small model's 16 steps
+    # (0.2 s) catch one moment of it: more steps, up to ``seconds`` of them. Every rank
+    # runs as many (the steps' collectives): the count is agreed from every rank's estimate.
+    wanted = all_gather(math.ceil(seconds / max(statistics.median(walls), 1e-6)), "calibrating the plan", group)
+    run(2 + steps, max(0, min(max(wanted), _MAX_CALIBRATION_STEPS) - steps))
+    computes = [float(x) if isinstance(x, float | int) else x.seconds() for x in laps]
     gathered = all_gather((walls, computes), "gathering calibration times", group)
     work = [float(statistics.median(g[1])) for g in gathered]
     per_step = [([float(g[0][i]) for g in gathered], [float(g[1][i]) for g in gathered]) for i in range(len(walls))]

@@ -30,9 +30,10 @@ parameter-sized tensors per parameter shard (Adam 2, SGD with momentum 1, ...).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -119,17 +120,8 @@ def profile_sharded(
     if turn.limit is not None and optimizer is not None and not optimizer.state:
         turn.limit -= optimizer_state_bytes(optimizer)  # state it holds already is in the steps' peaks
     turn.even = math.ceil(batch_size / world) if batch_size else 0
-    buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
-    modes = [(m, m.training) for m in model.modules()]
-    cuda = [dev.index] if dev.type == "cuda" else []
     what = "profiling the sharded model"
-    with (
-        threads_for([dev], threads),
-        torch.random.fork_rng(devices=cuda),
-        guard(what=what, group=group),
-        paused(model),  # hetsplit's weighting hooks, if already on the model: these are no training steps
-    ):
-        model.train()
+    with _untouched(model, dev, threads, what, group):
         try:
             # The first pass climbs the ladder (warm-up steps, then one timed step of each size); the
             # other repeats pass over the sizes it reached again, in rounds: a load that changes while
@@ -155,6 +147,57 @@ def profile_sharded(
                     turn.step(b if b in mine else floor, record=b in mine)
         finally:
             timer.remove()
+    empty = f"device {dev.name} cannot run even batch {ladder[0]} (out of memory)" if not turn.times else None
+    failed = {r: e for r, e in enumerate(all_gather(empty, what, group)) if e}
+    if failed:
+        raise DistributedError(f"{what}: {failed}; give every rank a device that holds a batch of {ladder[0]}")
+    return Profile([turn.entry()], model=model_record(model, sample, model_name), source="measured")
+
+
+@contextlib.contextmanager
+def sharded_steps(
+    model: nn.Module,
+    sample: Any,
+    target: Any,
+    loss_fn: Callable[..., torch.Tensor] | None,
+    device: DeviceLike,
+    size: int,
+    *,
+    group: Any = None,
+) -> Iterator[Callable[[], float]]:
+    """Training steps of ``size`` samples of ``sample`` on the sharded ``model`` in place (collective).
+
+    Yields ``step()``: one step (forward, loss, backward; its gradients dropped), returning
+    this rank's compute in it (:class:`~hetsplit.distributed.step_time.StepTimer`: its
+    waits in the collectives are the other ranks' time). The model is left as it was, as by
+    :func:`profile_sharded`: ``hd.plan`` calibrates a sharded plan with these steps.
+    """
+    dev = parse_device(device)
+    turn = _Turn(model, dev, sample, target, loss_fn, find_memory_cap=False, memory_fraction=1.0)
+    timer = turn.timer = StepTimer(dev, model)
+    with _untouched(model, dev, None, "calibrating the sharded plan", group):
+        try:
+            yield lambda: turn.step(size)
+        finally:
+            timer.remove()
+
+
+@contextlib.contextmanager
+def _untouched(model: nn.Module, dev: Device, threads: int | None, what: str, group: Any) -> Iterator[None]:
+    """Steps inside leave ``model`` as it was: parameters, gradients (none), buffers, modes and the RNG state."""
+    buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
+    modes = [(m, m.training) for m in model.modules()]
+    cuda = [dev.index] if dev.type == "cuda" else []
+    with (
+        threads_for([dev], threads),
+        torch.random.fork_rng(devices=cuda),
+        guard(what=what, group=group),
+        paused(model),  # hetsplit's weighting hooks, if already on the model: these are no training steps
+    ):
+        model.train()
+        try:
+            yield
+        finally:
             model.zero_grad(set_to_none=True)
             for m, training in modes:
                 m.training = training
@@ -162,11 +205,6 @@ def profile_sharded(
                 for name, buffer in model.named_buffers():
                     if name in buffers and buffers[name].shape == buffer.shape:  # a buffer made in forward stays
                         buffer.copy_(buffers[name])
-    empty = f"device {dev.name} cannot run even batch {ladder[0]} (out of memory)" if not turn.times else None
-    failed = {r: e for r, e in enumerate(all_gather(empty, what, group)) if e}
-    if failed:
-        raise DistributedError(f"{what}: {failed}; give every rank a device that holds a batch of {ladder[0]}")
-    return Profile([turn.entry()], model=model_record(model, sample, model_name), source="measured")
 
 
 def _decided(decide: Callable[[], bool], what: str, group: Any) -> list[bool]:
