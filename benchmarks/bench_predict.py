@@ -15,8 +15,8 @@ after another, never two at once:
   ``hd.plan`` (each rank's profile, then DDP calibration steps: 16, or more until 1 s of
   them) as docs/torchrun.md runs it, with ``hd.weight_gradients``; ``plan.step_time``.
 - **fsdp2** (the same launch, a tiny Llama under ``fully_shard`` per layer and at the root):
-  ``hd.plan(..., accumulate=True)`` on the sharded model (the ranks profile it in turns);
-  ``plan.step_time``.
+  ``hd.plan(..., accumulate=True)`` on the sharded model (the ranks profile it in the same
+  steps, then calibrate on its own steps, as DDP's); ``plan.step_time``.
 
 The span predicted and measured is the same in every engine: forward, loss and backward of
 the whole global batch (every micro-batch), up to every device synchronised; no optimizer
@@ -392,7 +392,7 @@ def _rank_case(engine: str, work: Workload, dev: Any, args: argparse.Namespace) 
         for layer in model.model.layers:
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
-        # The profile hd.plan takes of a sharded model (the ranks in turns), passed in so its memory model is at hand.
+        # The profile hd.plan takes of a sharded model (the ranks in the same steps), passed in for its memory model.
         prof = profile_sharded(
             model, sample, dev, work.loss, target=sample_target, batch_size=work.batch, time_budget=args.budget
         )

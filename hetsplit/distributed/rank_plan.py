@@ -146,11 +146,13 @@ def plan(
         accumulate: Let a rank with a memory cap run its share as micro-batches
             (``plan.micro_batches``; run them with :func:`micro_batches`). A plan with
             micro-batches is not calibrated (calibration runs whole shares).
-        calibrate: DDP steps to calibrate the plan with (after 2 warm-up steps); 0
-            skips it (for a job without DDP, or when a share is 0 it is skipped).
+        calibrate: Training steps to calibrate the plan with (after 2 warm-up steps): DDP
+            steps of a copy of the model, or the sharded model's own steps; 0 skips it
+            (for a job without DDP or FSDP2, or a large model's start-up; a plan with a
+            share of 0 or with micro-batches is not calibrated).
         calibrate_seconds: Calibrate with more steps than ``calibrate``, until they took
-            this long (at most 400): a machine's speed drifts over seconds, and a short
-            calibration catches one moment of it; 0: exactly ``calibrate`` steps.
+            this long (at most 400 steps): a machine's speed drifts over seconds, and a
+            short calibration catches one moment of it; 0: exactly ``calibrate`` steps.
         group: The process group (default: the world).
         quiet: Say nothing. Otherwise rank 0 says, in one line, the split chosen and its
             predicted step (:class:`~hetsplit.distributed.report.SplitReport`; also
@@ -168,7 +170,8 @@ def plan(
             ``weights`` of another length than the world or not positive and finite,
             before anything else runs.
         DistributedError: If ``weights`` differ across ranks, hetsplit versions differ across ranks, a calibration step
-            fails on some rank, or a rank dies or hangs past the group's timeout.
+            fails on some rank (a sharded model's steps are collective: then at the group's
+            timeout), or a rank dies or hangs past the group's timeout.
     """
     if isinstance(calibrate, bool) or not isinstance(calibrate, int) or calibrate < 0:
         raise ValueError(f"calibrate must be a number of steps >= 0, got {calibrate!r}")
@@ -240,15 +243,17 @@ def plan(
                 ],
             )
         result = _broadcast_plan(solve, group, rank, world, combined)
+    micro = max(map(len, result.micro_batches))
+    if calibrated and micro == 1:
         # The shares are solved on compute; the predicted step is the calibration steps',
         # each scaled to the new shares (what the plan adds to its slowest rank's compute:
         # the communication, the same whatever the split, and the steps' spread).
         seconds = _stepwise(result, work, steps) - max(result.times)
     else:
-        # The step's collectives, timed once at their real sizes (every rank gets the same number).
-        seconds = communication(model, dev.torch_device, group)
-    if not calibrated and sharded:
-        seconds *= max(map(len, result.micro_batches))  # the collectives run once per micro-batch
+        # Not calibrated, or solved again into micro-batches (a step the calibration did not
+        # run): the step's collectives timed once at their real sizes, every rank the same
+        # number; FSDP2's run once per micro-batch.
+        seconds = communication(model, dev.torch_device, group) * (micro if sharded else 1)
     result = with_communication(result, seconds)
     report = SplitReport("hd.plan", rank, quiet)
     report.announce(result, follow=True)  # weight_gradients times the run on it; its end is said at exit
@@ -483,7 +488,8 @@ def _timed_steps(
     # LeNet share 23 to 32 ms in three runs of 20 steps), so a small model's 16 steps
     # (0.2 s) catch one moment of it: more steps, up to ``seconds`` of them. Every rank
     # runs as many (the steps' collectives): the count is agreed from every rank's estimate.
-    wanted = all_gather(math.ceil(seconds / max(statistics.median(walls), 1e-6)), "calibrating the plan", group)
+    mine = math.ceil(min(seconds / max(statistics.median(walls), 1e-6), _MAX_CALIBRATION_STEPS))
+    wanted = all_gather(mine, "calibrating the plan", group)
     run(2 + steps, max(0, min(max(wanted), _MAX_CALIBRATION_STEPS) - steps))
     computes = [float(x) if isinstance(x, float | int) else x.seconds() for x in laps]
     gathered = all_gather((walls, computes), "gathering calibration times", group)
