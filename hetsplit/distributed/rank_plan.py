@@ -225,7 +225,6 @@ def plan(
 
     result = _broadcast_plan(solve, group, rank, world, combined)
     calibrated = bool(calibrate and min(result.sizes) > 0 and max(map(len, result.micro_batches)) == 1)
-    seconds = 0.0
     if calibrated:
         if sharded:  # the user's sharded model in place, as its profile ran (no rank holds a whole copy)
             with sharded_steps(model, sample, target, loss_fn, dev, result.sizes[rank], group=group) as one:
@@ -490,7 +489,7 @@ def _timed_steps(
     # runs as many (the steps' collectives): the count is agreed from every rank's estimate.
     mine = math.ceil(min(seconds / max(statistics.median(walls), 1e-6), _MAX_CALIBRATION_STEPS))
     wanted = all_gather(mine, "calibrating the plan", group)
-    run(2 + steps, max(0, min(max(wanted), _MAX_CALIBRATION_STEPS) - steps))
+    run(2 + steps, max(0, max(wanted) - steps))
     computes = [float(x) if isinstance(x, float | int) else x.seconds() for x in laps]
     gathered = all_gather((walls, computes), "gathering calibration times", group)
     work = [float(statistics.median(g[1])) for g in gathered]
