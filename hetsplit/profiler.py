@@ -9,7 +9,7 @@ import math
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -114,16 +114,6 @@ def train_step(
     return loss
 
 
-@contextlib.contextmanager
-def _released(device: torch.device) -> Iterator[None]:
-    try:
-        yield
-    finally:
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-
-
 class _Runner:
     """Runs timed training steps of one replica on one device."""
 
@@ -155,20 +145,24 @@ class _Runner:
 
     def try_step(self, batch: int) -> bool:
         """Run one untimed step; False if it ran out of memory."""
-        with _released(self.device):
-            try:
-                self.step(batch, throttled=False)
-                return True
-            except Exception as e:
-                if not is_out_of_memory(e):
-                    hint = "check the model runs on this sample and the loss fits its output"
-                    if batch < 2 and any("BatchNorm" in type(m).__name__ for m in self.replica.modules()):
-                        hint = "BatchNorm needs batches of 2 or more"  # only then: it misled a loss error
-                    raise RuntimeError(
-                        f"a training step of batch {batch} failed on {self.dev.name}: {type(e).__name__}: {e}; {hint}"
-                    ) from e
-                self.replica.zero_grad(set_to_none=True)
-                return False
+        try:
+            self.step(batch, throttled=False)
+            fits = True
+        except Exception as e:
+            if not is_out_of_memory(e):
+                hint = "check the model runs on this sample and the loss fits its output"
+                if batch < 2 and any("BatchNorm" in type(m).__name__ for m in self.replica.modules()):
+                    hint = "BatchNorm needs batches of 2 or more"  # only then: it misled a loss error
+                raise RuntimeError(
+                    f"a training step of batch {batch} failed on {self.dev.name}: {type(e).__name__}: {e}; {hint}"
+                ) from e
+            fits = False
+        if not fits:  # out here, the error and the frames it held are gone
+            self.replica.zero_grad(set_to_none=True)
+            gc.collect()  # only after a failure: a full collection costs more than a small model's whole profile
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # the next, larger size meets the memory a fresh process would
+        return fits
 
 
 def profile(
@@ -383,8 +377,7 @@ def _measure(
         entries.append(
             DeviceProfile(describe(dev), measured, curve, memory_cap=caps[i], memory_probed_to=probed, memory=memory)
         )
-    del runners
-    gc.collect()
+    del runners  # their replicas; a GPU's cached blocks go with the next empty_cache
     return entries
 
 

@@ -252,3 +252,21 @@ def test_a_lazy_model_has_a_fingerprint_before_its_first_forward():
     before = fingerprint(lazy)
     lazy(torch.randn(2, 5))
     assert len(before) == 16 and fingerprint(lazy) != before
+
+
+def test_garbage_is_collected_only_after_a_step_that_ran_out_of_memory(monkeypatch):
+    # A full collection costs tens of milliseconds (hundreds in a process that imported a
+    # framework): after every probing step it was most of a small model's profile, far past
+    # its time_budget. A step that ran through freed its graph; one that failed may not have.
+    import gc
+
+    calls = []
+    real = gc.collect
+    monkeypatch.setattr(gc, "collect", lambda *a: calls.append(a) or real(*a))
+    kwargs = dict(batch_sizes=[2, 8, 32], repeats=1, warmup=0, time_budget=5, max_probe=512, progress=False)
+    profile(nn.Linear(8, 3), torch.randn(4, 8), ["cpu", "cpu:max1000"], **kwargs)
+    assert calls == [], f"{len(calls)} collections in a profile whose every step fit"
+    entry = profile(nn.Linear(8, 3), torch.randn(4, 8), ["cpu:max100"], **kwargs).entries[0]
+    assert entry.memory_cap is not None and entry.memory_cap <= 100
+    # one per out-of-memory step of the probe: at 128, then bisecting between 64 and 128
+    assert 1 <= len(calls) <= 5, calls
