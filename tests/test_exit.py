@@ -2,8 +2,8 @@
 
 Each case is one kind of job from tests/exit_jobs.py (Lightning validate alone, test then
 predict, HeteroTrainer.evaluate alone, HeteroAccelerator prepare and gather alone). The
-kinds of one framework share a launch (its start-up is most of a launch's time) and the
-launches run at once, as a loaded machine runs them (``EXIT_RUNS`` adds a busy process):
+kinds share a launch (its start-up is most of a launch's time), and a launch's runs go at
+once, as a loaded machine runs them (``EXIT_RUNS`` adds a busy process):
 each kind must register hetsplit's exit wait on both ranks, and every launch with the wait
 must exit 0. With ``EXIT_RUNS=N`` each launch runs N times, and as often without the wait
 (taken off at its very end) to measure how often it aborts instead, for docs/benchmarks.md
@@ -25,10 +25,8 @@ import transformers  # noqa: F401  (a test extra: missing, fail; never skip)
 from integration_launch import launch
 
 ROOT = Path(__file__).resolve().parents[1]
-LAUNCHES = [
-    ("lightning_validate", "lightning_test_then_predict"),
-    ("trainer_evaluate", "accelerate_prepare_gather"),  # the Trainer runs on accelerate: one import
-]
+# One launch: its ranks' start-up (torch, Lightning, the Trainer's imports) is most of its time.
+LAUNCHES = [("lightning_validate", "lightning_test_then_predict", "trainer_evaluate", "accelerate_prepare_gather")]
 KINDS = [kind for kinds in LAUNCHES for kind in kinds]
 RUNS = int(os.environ.get("EXIT_RUNS", "1"))
 
@@ -36,8 +34,8 @@ RUNS = int(os.environ.get("EXIT_RUNS", "1"))
 @pytest.fixture(scope="module")
 def busy():
     # The measurement (EXIT_RUNS) adds a process that spins on one core. In the suite the
-    # launches below already load the machine (eight ranks at once on two cores, beside
-    # the other pytest worker): a spinner there only slowed every other test down.
+    # launch below already loads the machine (its ranks, beside the other pytest worker): a
+    # spinner there only slowed every other test down.
     spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if "EXIT_RUNS" in os.environ else None
     try:
         yield
