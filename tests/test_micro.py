@@ -198,7 +198,9 @@ def test_rebalancing_keeps_micro_batches_within_the_caps():
         for p in dp.module.parameters():
             p.grad = None
         dp.train_step(x, y, F.cross_entropy)
-        assert max(dp.plan.micro_batches[0]) <= 8 and max(dp.plan.micro_batches[1]) <= 16
+        # A loaded machine's noisy steps may move a device's whole share away (window 1, no threshold):
+        # a share of 0 runs no micro-batch, which is within any cap.
+        assert max(dp.plan.micro_batches[0], default=0) <= 8 and max(dp.plan.micro_batches[1], default=0) <= 16
         assert_same_grads(dp.module, _reference(net, x, y), **TIGHT)
 
 
