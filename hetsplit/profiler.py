@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import gc
 import math
 import statistics
 import sys
@@ -18,7 +17,7 @@ from tqdm.auto import tqdm
 
 from . import emulation, timing
 from .devices import Device, DeviceLike, describe, parse_devices
-from .emulation import is_out_of_memory
+from .emulation import is_out_of_memory, release_after_oom
 from .planning import checks
 from .planning.curve import Curve
 from .planning.profile import Profile, fingerprint
@@ -147,7 +146,6 @@ class _Runner:
         """Run one untimed step; False if it ran out of memory."""
         try:
             self.step(batch, throttled=False)
-            fits = True
         except Exception as e:
             if not is_out_of_memory(e):
                 hint = "check the model runs on this sample and the loss fits its output"
@@ -156,13 +154,13 @@ class _Runner:
                 raise RuntimeError(
                     f"a training step of batch {batch} failed on {self.dev.name}: {type(e).__name__}: {e}; {hint}"
                 ) from e
-            fits = False
-        if not fits:  # out here, the error and the frames it held are gone
-            self.replica.zero_grad(set_to_none=True)
-            gc.collect()  # only after a failure: a full collection costs more than a small model's whole profile
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()  # the next, larger size meets the memory a fresh process would
-        return fits
+        else:
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()  # the next, larger size meets the memory a fresh process would
+            return True
+        self.replica.zero_grad(set_to_none=True)
+        release_after_oom([self.dev])
+        return False
 
 
 def profile(

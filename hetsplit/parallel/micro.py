@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import gc
 import logging
 import threading
 from collections.abc import Callable, Sequence
@@ -26,7 +25,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..devices import Device
-from ..emulation import is_out_of_memory
+from ..emulation import is_out_of_memory, release_after_oom
 from ..planning.memory import cap_after_oom
 from ..planning.plan import Plan
 from ..tree import split_rows
@@ -242,7 +241,7 @@ def with_recovery(run: Callable[[], T], log: MemoryLog, plans: Any, devices: Seq
         except BaseException as e:
             if not recoverable(e, log, devices):
                 raise
-            release(devices)
+            release_after_oom(devices)
             if first is None:
                 first = lower_cap(log, plans, devices, e, quiet=True)
             else:
@@ -264,14 +263,6 @@ def recoverable(error: BaseException, log: MemoryLog, devices: Sequence[Device])
         return True
     log.failed = None  # a real CPU does not raise this for lack of memory: the user's own error
     return False
-
-
-def release(devices: Sequence[Device]) -> None:
-    """Free what a failed attempt left: its graphs (collected garbage) and cached GPU memory."""
-    gc.collect()
-    for d in {d.torch_device for d in devices if d.type == "cuda"}:
-        with torch.cuda.device(d):
-            torch.cuda.empty_cache()
 
 
 def _oom_line(device: Device, i: int, plan: Plan, cap: int, new: Plan | None) -> str:
@@ -317,7 +308,7 @@ def backward_oom(log: MemoryLog, plans: Any, devices: Sequence[Device], error: B
     The forward has returned its outputs by then, so the step cannot be re-run here:
     nothing of it reached the module's ``.grad`` and the caller runs the step again.
     """
-    release(devices)
+    release_after_oom(devices)
     line = lower_cap(log, plans, devices, error)
     raise StepOutOfMemory(
         f"{line}; this happened in backward, after forward had returned, so the step could not be re-run: its "
