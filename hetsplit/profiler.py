@@ -8,7 +8,7 @@ import math
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -243,12 +243,18 @@ def profile(
 _EMULATION_TOLERANCE = 1.3
 
 
-def emulation_warning(prof: Profile) -> str | None:
+def emulation_warning(prof: Profile, factors: Mapping[str, float] | None = None) -> str | None:
     """One line if an emulated device in ``prof`` was not ``1/speed`` times slower than its real device.
 
     Compares each slowed device (``cpu@0.25``) with its real device profiled beside it, at
-    the batch sizes both measured (median of the ratios). ``None`` when every emulated
-    device measured within a factor 1.3 of its speed, or has no real device to compare with.
+    the batch sizes both measured (median of the ratios). With ``factors`` (each device's
+    measured time over its profiled time while the devices ran *together*: a calibration's
+    :meth:`~hetsplit.Rebalancer.factors`), the ratio while they ran together too: the
+    emulated device's own work then shares the cores with its real twin's, and on a loaded
+    machine the scheduler can slow one more than the other (measured beside two busy
+    processes: 1.6x, which gave the demo's ``cpu@0.25`` 11 % of the batch, not 17 %).
+    ``None`` when every emulated device measured within a factor 1.3 of its speed, or has
+    no real device to compare with.
     """
     faults = []
     for e in prof.entries:
@@ -264,8 +270,12 @@ def emulation_warning(prof: Profile) -> str | None:
         if not ratios:
             continue
         ratio, want = statistics.median(ratios), 1.0 / info.speed
-        if not (want / _EMULATION_TOLERANCE <= ratio <= want * _EMULATION_TOLERANCE):
+        if not _near(ratio, want):
             faults.append(f"{e.name} measured {ratio:.1f}x slower than {base}, not {want:g}x")
+        elif factors and factors.get(base, 0) > 0 and e.name in factors:
+            together = ratio * factors[e.name] / factors[base]
+            if not _near(together, want):
+                faults.append(f"{e.name} ran {together:.1f}x slower than {base} beside it, not {want:g}x")
     if not faults:
         return None
     why = "" if emulation.measures_load() else " (this system does not report the time a thread waits for a core)"
@@ -273,6 +283,10 @@ def emulation_warning(prof: Profile) -> str | None:
         f"emulation unreliable here{why}: {'; '.join(faults)}; the plan rests on it — re-profile on a quieter "
         "machine or set the shares by hand (weights=)"
     )
+
+
+def _near(ratio: float, want: float) -> bool:
+    return want / _EMULATION_TOLERANCE <= ratio <= want * _EMULATION_TOLERANCE
 
 
 def check_settings(sample: Any, target: Any, repeats: Any, warmup: Any, time_budget: Any) -> None:

@@ -270,3 +270,33 @@ def test_bench_never_hands_a_batchnorm_model_a_share_of_one_sample(monkeypatch):
     spec = ModelSpec("bn-mlp", lambda: nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Linear(8, 3)), (8,), 3)
     r = bench(spec, "cpu,cpu@0.25", batch_size=17, steps=1, warmup=0, calibrate=0)
     assert 1 not in r.plan.sizes and sum(r.plan.sizes) == 17, r.plan.sizes
+
+
+@pytest.mark.parametrize("skew", [1.6, 1.1])
+def test_an_emulated_device_slowed_more_beside_its_real_one_is_said_in_one_line(monkeypatch, skew):
+    # Profiled one at a time, cpu@0.25 was 4x slower than cpu; inside the split the scheduler slowed
+    # its work `skew` times as much as the real one's (1.6: as beside two busy processes): the plan
+    # then gives it too little, and the demo says why instead of printing the share as if it held.
+    import dataclasses
+
+    import hetsplit
+    from hetsplit.apps import bench as bench_module
+    from hetsplit.apps.demo import verdict
+
+    prof = hetsplit.Profile.from_measurements({"cpu": [(8, 0.01), (32, 0.04)], "cpu@0.25": [(8, 0.04), (32, 0.16)]})
+    prof.entries[1].info = dataclasses.replace(prof.entries[1].info, emulated=True, speed=0.25)
+    monkeypatch.setattr(bench_module, "run_profile", lambda *a, **k: prof)
+    calibrate = bench_module.calibrate_plan
+
+    def skewed(*args, **kwargs):  # the factors as measured beside busy processes
+        plan, info = calibrate(*args, **kwargs)
+        return plan, {**info, "factors": {"cpu": 1.0, "cpu@0.25": skew}}
+
+    monkeypatch.setattr(bench_module, "calibrate_plan", skewed)
+    r = bench("mlp", "cpu,cpu@0.25", batch_size=32, steps=1, warmup=0, calibrate=2)
+    line = r.meta["emulation_warning"]
+    if skew > 1.3:
+        assert line.startswith("emulation unreliable here") and "cpu@0.25 ran 6.4x slower than cpu beside it" in line
+        assert line in verdict(r)
+    else:  # 4.4x: within 1.3 of its speed
+        assert line is None

@@ -7,7 +7,7 @@ import pytest
 
 from hetsplit.planning.memory import micro_batched
 from hetsplit.planning.micro import micro_sizes_within
-from hetsplit.planning.plan import Plan
+from hetsplit.planning.plan import Plan, scaled_step
 from hetsplit.planning.profile import Profile
 from hetsplit.planning.sizes import check_source, without_single_sample_shares
 from hetsplit.planning.solver import plan_from_sizes
@@ -36,3 +36,19 @@ def test_a_file_name_for_a_source_is_refused_with_the_way_to_load_it(value):
     with pytest.raises(TypeError, match=r"profile must be a hetsplit Profile or Plan, got .*Profile\.load\(path\)"):
         check_source("profile", value, (Profile, Plan))
     check_source("profile", None)  # not given: nothing to check
+
+
+def test_a_predicted_step_is_each_measured_step_as_long_as_its_slowest_device():
+    # Two devices, each the slower one in every other step: their medians are equal (15 ms), but
+    # every step took 20 ms plus 1 ms beyond its slowest device's compute.
+    steps = [([0.010, 0.020], 0.001), ([0.020, 0.010], 0.001)] * 3
+    assert scaled_step(steps, [1.0, 1.0], [0.015, 0.015]) == pytest.approx(0.021)
+    # New shares scale each device's compute in every step by its time on the new share over the old.
+    assert scaled_step(steps, [2.0, 2.0], [0.030, 0.030]) == pytest.approx(0.041)
+    # A device the steps did not time (or whose ratio is unknown) counts at its planned time;
+    # one with nothing planned (no share) not at all, however slow it was.
+    assert scaled_step([([None, 0.010], 0.001)], [1.0, 1.0], [0.030, 0.015]) == pytest.approx(0.031)
+    assert scaled_step([([0.010, 0.010], 0.001)], [None, 1.0], [0.030, 0.015]) == pytest.approx(0.031)
+    assert scaled_step([([0.010, 0.500], 0.001)], [1.0, 1.0], [0.010, 0.0]) == pytest.approx(0.011)
+    with pytest.raises(ValueError, match="at least one measured step"):
+        scaled_step([], [1.0], [0.01])

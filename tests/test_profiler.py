@@ -244,6 +244,13 @@ def test_an_emulated_device_not_slower_by_its_speed_is_named_in_one_line():
     assert line is not None and "\n" not in line
     assert "cpu@0.25 measured 1.4x slower than cpu, not 4x" in line and "weights=" in line
     assert "cpu@0.25 measured 9.0x" in emulation_warning(emulated_at(9.0))
+    # Each right alone, but beside each other the scheduler slowed the emulated one's work more
+    # (a calibration's factors: measured over profiled time, the devices running together).
+    assert emulation_warning(emulated_at(4.0), {"cpu": 0.9, "cpu@0.25": 1.1}) is None  # 4.9x: within 1.3
+    line = emulation_warning(emulated_at(4.0), {"cpu": 0.9, "cpu@0.25": 1.5})
+    assert line is not None and "cpu@0.25 ran 6.7x slower than cpu beside it, not 4x" in line, line
+    assert "ran 2.7x" in emulation_warning(emulated_at(4.0), {"cpu": 1.5, "cpu@0.25": 1.0})
+    assert emulation_warning(emulated_at(4.0), {"cpu@0.25": 3.0}) is None  # the real one not seen: nothing to compare
 
 
 def test_a_lazy_model_has_a_fingerprint_before_its_first_forward():

@@ -233,7 +233,7 @@ def bench(
             "warmup": warmup,
             "data": "synthetic",
             "emulated": [d.name for d in devs if d.emulated],
-            "emulation_warning": emulation_warning(prof),
+            "emulation_warning": emulation_warning(prof, calibration.get("factors")),
             "noise": noise,
             "allocator_kept_memory": tuned,
         },

@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..devices import Device
-from ..planning.plan import Plan
+from ..planning.plan import Plan, scaled_step
 from ..planning.rebalance import Rebalancer
 from ..planning.sizes import without_single_sample_shares
 from ..planning.solver import plan_from_sizes
@@ -139,7 +139,7 @@ def calibrate_plan(
         "factors": rebalancer.factors(),
         "uncertainty": rebalancer.uncertainty(list(rebalancer.factors())),
         "rest": statistics.median(rests),
-        "step": statistics.median(_scaled_steps(prof, ran, corrected, busy, walls, rests)),
+        "step": _predicted_step(prof, ran, corrected, busy, walls, rests),
         "sizes": list(plan.sizes),
         "predicted": plan.step_time,
     }
@@ -166,24 +166,17 @@ def _calibration_steps(
     return walls
 
 
-def _scaled_steps(
+def _predicted_step(
     prof: Any, plan: Plan, new: Plan, busy: list[dict[str, float]], walls: list[float], rests: list[float]
-) -> list[float]:
-    """Each calibration step's wall time had it run ``new``: busy times scaled by the curves, plus its rest."""
-    # Per device, once: its profiled time on the old and the new share (micro-batch by
-    # micro-batch), and the new plan's time for it, used where a step saw it idle.
+) -> float:
+    """The calibration steps' wall time had they run ``new`` (:func:`~hetsplit.planning.plan.scaled_step`)."""
+    if not any(busy):  # the module's own step (one active device): no busy times, the wall is the work
+        return float(statistics.median(walls))
+    # Per device, once: its profiled time on the old and the new share, micro-batch by micro-batch.
     scales = []
-    for i, (name, was, now) in enumerate(zip(plan.devices, plan.micro_batches, new.micro_batches)):
+    for name, was, now in zip(plan.devices, plan.micro_batches, new.micro_batches):
         curve = prof.entry(name).curve
-        scales.append((name, sum(map(curve, was)), sum(map(curve, now)), new.times[i]))
-    out = []
-    for wall, seen, rest in zip(walls, busy, rests):
-        if not seen:  # the module's own step (one active device): no busy times, the wall is the work
-            out.append(wall)
-            continue
-        longest = 0.0
-        for name, before, after, planned in scales:
-            if after > 0:
-                longest = max(longest, seen[name] * after / before if seen.get(name) and before > 0 else planned)
-        out.append(longest + rest)
-    return out
+        before = sum(map(curve, was))
+        scales.append(sum(map(curve, now)) / before if before > 0 else None)
+    steps = [([seen.get(name) for name in plan.devices], rest) for seen, rest in zip(busy, rests)]
+    return scaled_step(steps, scales, new.times)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-from collections.abc import Mapping, Sequence
+import statistics
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -151,6 +152,39 @@ class Plan:
             noise=math.nan if data.get("noise") is None else float(data["noise"]),  # older files: unknown
             curves=[Curve(**c) for c in data.get("curves") or []],
         )
+
+
+def scaled_step(
+    steps: Iterable[tuple[Sequence[float | None], float]],
+    scales: Sequence[float | None],
+    planned: Sequence[float],
+) -> float:
+    """The median over measured steps of each step as it would have run another plan.
+
+    ``steps``: per measured step, each device's compute (``None`` where the step did not
+    time it) and what the step lasted beyond its slowest device (communication no
+    compute hid, hand-offs, the loss). ``scales``: each device's time on its new share
+    over its time on the measured one, from the curves (``None``: unknown). A device counts
+    at its compute times its scale, or at its ``planned`` time on the new plan where either
+    is missing; one with nothing planned (no share) not at all. Each step: its slowest
+    device plus its own rest.
+
+    Taken step by step, not from the medians: a step lasts as long as its slowest device
+    *in that step*, and the slowest of several noisy devices is slower on average than the
+    slowest of their medians (predicted from the medians, balanced plans ran 6-10 % longer:
+    DDP on two ranks, median error -8.3 % over 12 configurations). The one rule for the
+    thread engine's calibration and ``hd.plan``'s.
+    """
+    out = []
+    for computes, rest in steps:
+        longest = 0.0
+        for seen, scale, plan_s in zip(computes, scales, planned, strict=True):
+            if plan_s > 0:
+                longest = max(longest, seen * scale if seen and scale is not None else plan_s)
+        out.append(longest + rest)
+    if not out:
+        raise ValueError("scaled_step needs at least one measured step")
+    return float(statistics.median(out))
 
 
 def _ratio(a: float, b: float) -> float:
