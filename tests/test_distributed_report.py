@@ -14,7 +14,7 @@ def test_a_step_measured_by_the_caller_is_said_beside_the_prediction(capsys, mon
     assert capsys.readouterr().out.splitlines() == [
         "hetsplit: train.py: global batch 8 split rank0:cpu 6 (75%), rank1:cpu@0.25 2 (25%); predicted step "
         "10.0 ms; emulated (a real device slowed down or capped, not real hardware): cpu@0.25",
-        "hetsplit: train.py: measured step 11.0 ms (yours), predicted 10.0 ms (+10%)",
+        "hetsplit: train.py: measured step 11.0 ms (yours), predicted 10.0 ms (error -9%)",
     ]
     hd.SplitReport("train.py", 1).end(plan, measured=0.011)
     hd.SplitReport("train.py", 0, quiet=True).end(plan, measured=0.011)
@@ -51,7 +51,7 @@ def test_a_torchrun_script_on_hd_plan_s_plan_hears_its_measured_step_at_exit(cap
     lines = capsys.readouterr().out.splitlines()
     assert lines[1:] == [
         "hetsplit: hd.plan: measured step 125.0 ms (median of 4 after 1 warm-up, rank 0, start to start), "
-        "predicted 100.0 ms (+25%)"
+        "predicted 100.0 ms (error -20%)"
     ], lines
     report_module._end_runs()
     assert capsys.readouterr().out == ""  # said once

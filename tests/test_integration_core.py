@@ -314,7 +314,7 @@ def test_the_split_report_says_the_split_and_prediction_once_then_the_measured_s
         "hetsplit: HeteroDDPStrategy: global batch 8 split rank0:cpu 6 (75%), rank1:cpu@0.25 2 (25%); predicted "
         "step 10.0 ms; emulated (a real device slowed down or capped, not real hardware): cpu@0.25",
         "hetsplit: HeteroDDPStrategy: measured step 12.0 ms (median of 2 after 1 warm-up, rank 0, start to start), "
-        "predicted 10.0 ms (+20%)",
+        "predicted 10.0 ms (error -17%)",
     ]
     by_hand = plan_from_sizes(None, ["rank0", "rank1"], [6, 2])
     core.SplitReport("HeteroTrainer", rank=0).step(by_hand, ["rank0:cpu", "rank1:cpu@0.25"])
@@ -351,7 +351,7 @@ def test_the_split_report_says_each_line_once_per_run_and_times_the_steps_after_
     # Timed: 2 steps an epoch (the last one's end is the evaluation's start), less the first.
     assert lines[1] == (
         "hetsplit: HeteroAccelerator: measured step 12.0 ms (median of 5 after 1 warm-up, rank 0, start to start), "
-        "predicted 10.0 ms (+20%)"
+        "predicted 10.0 ms (error -17%)"
     ), lines
     # One step timed: nothing to leave out, and the line says so.
     report.step(plan)  # a new run says its split again

@@ -208,7 +208,10 @@ def _against(plan: Plan | None, measured: float, first: Plan | None) -> str:
     """The prediction beside a measured step (and a rebalanced split), as the end line says them."""
     predicted = plan.step_time if plan is not None else math.nan
     if math.isfinite(predicted) and predicted > 0:
-        line = f", predicted {_ms(predicted)} ({measured / predicted - 1:+.0%})"
+        # The error as every output states it: (predicted - measured) / measured, negative when
+        # the step took longer than planned (the demo, bench, docs/benchmarks.md).
+        error = f" (error {predicted / measured - 1:+.0%})" if measured > 0 else ""
+        line = f", predicted {_ms(predicted)}{error}"
     else:
         line = ", no prediction (shares set by hand)"
     if plan is not None and first is not None and list(plan.sizes) != list(first.sizes):
