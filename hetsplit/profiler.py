@@ -256,7 +256,7 @@ def emulation_warning(prof: Profile, factors: Mapping[str, float] | None = None)
     ``None`` when every emulated device measured within a factor 1.3 of its speed, or has
     no real device to compare with.
     """
-    faults = []
+    faults, alone = [], False
     for e in prof.entries:
         info = e.info
         if not info.emulated or info.speed >= 1.0:
@@ -272,6 +272,7 @@ def emulation_warning(prof: Profile, factors: Mapping[str, float] | None = None)
         ratio, want = statistics.median(ratios), 1.0 / info.speed
         if not _near(ratio, want):
             faults.append(f"{e.name} measured {ratio:.1f}x slower than {base}, not {want:g}x")
+            alone = True
         elif factors and factors.get(base, 0) > 0 and e.name in factors:
             together = ratio * factors[e.name] / factors[base]
             if not _near(together, want):
@@ -279,10 +280,14 @@ def emulation_warning(prof: Profile, factors: Mapping[str, float] | None = None)
     if not faults:
         return None
     why = "" if emulation.measures_load() else " (this system does not report the time a thread waits for a core)"
-    return (
-        f"emulation unreliable here{why}: {'; '.join(faults)}; the plan rests on it — re-profile on a quieter "
-        "machine or set the shares by hand (weights=)"
-    )
+    if alone:  # the profile itself is off: every plan drawn from it is
+        advice = "the plan rests on it — re-profile on a quieter machine or set the shares by hand (weights=)"
+    else:  # the profile held; side by side the split follows the speeds measured there, not 1/speed
+        advice = (
+            "the split follows the speeds measured side by side, not 1/speed — run on a quieter machine "
+            "or set the shares by hand (weights=)"
+        )
+    return f"emulation unreliable here{why}: {'; '.join(faults)}; {advice}"
 
 
 def _near(ratio: float, want: float) -> bool:

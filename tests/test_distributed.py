@@ -459,10 +459,21 @@ def test_an_emulated_rank_off_its_speed_against_a_real_rank_is_named_in_one_line
     assert line.startswith("emulation unreliable here") and "cpu@0.25 measured 1.2x slower than cpu, not 4x" in line
     assert "\n" not in line
     assert _emulation_warning(gathered(4.0)) is None  # within 1.3x of its speed
-    # Calibrated beside each other (each rank's compute over its profiled time), the emulated rank ran slower still.
-    line = _emulation_warning(gathered(4.0), {"rank0:cpu": 1.0, "rank1:cpu@0.25": 1.4})
-    assert line is not None and "rank1:cpu@0.25 ran 5.6x slower than cpu beside it, not 4x" in line, line
-    assert _emulation_warning(gathered(4.0), {"rank0:cpu": 1.0, "rank1:cpu@0.25": 1.1}) is None
+
+
+def test_the_predicted_step_is_the_calibration_steps_scaled_to_the_new_shares():
+    from hetsplit.distributed.rank_plan import _stepwise
+
+    # Two ranks, each the slower one in every other step: their medians are equal (15 ms), but
+    # every step took 20 ms plus 1 ms beyond its slowest rank's compute (walls from a barrier).
+    steps = [([0.021, 0.021], [0.010, 0.020]), ([0.021, 0.021], [0.020, 0.010])] * 3
+    plan = dataclasses.replace(plan_from_sizes(None, ["rank0", "rank1"], [30, 10]), times=[0.015, 0.015])
+    assert _stepwise(plan, [0.015, 0.015], steps) == pytest.approx(0.021)
+    # New shares scale each rank's compute in every step by its planned over its median compute:
+    # rank 0 from 10 ms to 30, rank 1 from 20 ms to 10, so rank 0 is now the slowest.
+    steps = [([0.021, 0.021], [0.010, 0.020])] * 3
+    plan = dataclasses.replace(plan, times=[0.030, 0.010])
+    assert _stepwise(plan, [0.010, 0.020], steps) == pytest.approx(0.030 + 0.001)
 
 
 def test_a_batchnorm_model_s_plan_hands_no_rank_a_single_sample(ranks):
