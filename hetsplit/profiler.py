@@ -8,6 +8,7 @@ import math
 import statistics
 import sys
 import time
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -121,6 +122,7 @@ class _Runner:
         self.replica = copy.deepcopy(model).to(self.device).train()
         self.n = batch_length(sample)
         self.sample, self.target, self.loss_fn = sample, target, loss_fn
+        self.refused = False  # a probing step failed for another reason than memory (warned once)
         self.peaks: dict[int, int] = {}  # CUDA: peak bytes allocated by a step of each batch size
 
     def step(self, batch: int, *, throttled: bool = True) -> float:
@@ -142,12 +144,26 @@ class _Runner:
             self.peaks[batch] = max(self.peaks.get(batch, 0), int(torch.cuda.max_memory_allocated(self.device)))
         return work.seconds()
 
-    def try_step(self, batch: int) -> bool:
-        """Run one untimed step; False if it ran out of memory."""
+    def try_step(self, batch: int, *, probing: bool = False) -> bool:
+        """Run one untimed step; False if it ran out of memory.
+
+        ``probing``: a size past the ladder, tried only to find the largest batch. There any
+        error after a smaller batch ran marks the device's limit as running out of memory
+        does, said in one warning: a kernel can refuse a batch that memory would hold
+        (measured on an H200: PyTorch's efficient attention above 65,535 sequences).
+        """
         try:
             self.step(batch, throttled=False)
         except Exception as e:
-            if not is_out_of_memory(e):
+            if probing and not is_out_of_memory(e):
+                if not self.refused:  # once per device: the bisection may meet it again
+                    warnings.warn(
+                        f"hetsplit.profile: {self.dev.name} failed a step of {batch} samples while probing for "
+                        f"its largest batch ({type(e).__name__}: {e}); its cap is taken below that size",
+                        stacklevel=2,
+                    )
+                self.refused = True
+            elif not is_out_of_memory(e):
                 hint = "check the model runs on this sample and the loss fits its output"
                 if batch < 2 and any("BatchNorm" in type(m).__name__ for m in self.replica.modules()):
                     hint = "BatchNorm needs batches of 2 or more"  # only then: it misled a loss error
@@ -410,7 +426,7 @@ def _probe_cap(runner: _Runner, ok: int, max_probe: int, deadline: float) -> tup
     while b <= max_probe:
         if time.perf_counter() >= deadline:
             return ok, ok
-        if runner.try_step(b):
+        if runner.try_step(b, probing=True):
             ok, b = b, b * 2
         else:
             bad = b
@@ -424,7 +440,7 @@ def _bisect(runner: _Runner, ok: int, bad: int, deadline: float) -> int:
     """The largest batch that fits, between ``ok`` (fits) and ``bad`` (ran out of memory), to within 1/16."""
     while bad - ok > max(1, ok // 16) and time.perf_counter() < deadline:
         mid = (ok + bad) // 2
-        if runner.try_step(mid):
+        if runner.try_step(mid, probing=True):
             ok = mid
         else:
             bad = mid

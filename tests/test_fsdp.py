@@ -586,7 +586,7 @@ def _gpu_worker(rank, init_file, out_dir):
     fraction = memory(6.5) / total
     capped = profile_sharded(model, x, "cuda:0", F.cross_entropy, memory_fraction=fraction, **kwargs).entries[0]
     out["memory"] = {"per_sample": memory.per_sample, "cap": capped.memory_cap,
-                     "measured": [m.batch for m in capped.measured]}  # fmt: skip
+                     "measured": [m.batch for m in capped.measurements]}  # fmt: skip
     Path(out_dir, "gpu.json").write_text(json.dumps(out))
     dist.destroy_process_group()
 

@@ -158,6 +158,9 @@ def test_init_checks_the_device_list_before_the_process_group(monkeypatch):
 def test_backend_follows_the_device_mix():
     assert choose_backend(["cpu", "cpu@0.5"]) == "gloo"
     assert choose_backend(["cuda:0", "cpu"]) == "gloo"  # one CPU rank makes the whole job gloo
+    # NCCL refuses two ranks on one GPU: an emulated rank beside its real one runs over gloo.
+    assert choose_backend(["cuda:0", "cuda:0@0.5"]) == "gloo"
+    assert choose_backend(["cuda:1", "cuda:0:max64", "cuda:1@0.25"]) == "gloo"
     assert rank_devices(" cuda:0, cuda:1 ", 2) == ["cuda:0", "cuda:1"]
 
 

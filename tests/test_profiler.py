@@ -217,7 +217,7 @@ def test_a_memory_probe_out_of_time_keeps_the_largest_batch_that_fit():
     from hetsplit.profiler import _probe_cap
 
     class Runner:  # holds 8 samples, like cpu:max8
-        def try_step(self, b):
+        def try_step(self, b, *, probing=False):
             return b <= 8
 
     assert _probe_cap(Runner(), 4, 4096, time.perf_counter() + 60) == (8, 16)
@@ -280,3 +280,29 @@ def test_garbage_is_collected_only_after_a_step_that_ran_out_of_memory(monkeypat
     assert entry.memory_cap is not None and entry.memory_cap <= 100
     # one per out-of-memory step of the probe: at 128, then bisecting between 64 and 128
     assert 1 <= len(calls) <= 5, calls
+
+
+class _RefusesLargeBatches(nn.Module):
+    """Runs up to 16 samples, then fails as a kernel with a batch limit does (not out of memory)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 2)
+
+    def forward(self, x):
+        if x.shape[0] > 16:
+            raise RuntimeError("this kernel cannot take more than 16 rows (a stand-in for attention's 65,535)")
+        return self.lin(x)
+
+
+def test_a_batch_refused_while_probing_for_the_cap_is_the_device_s_limit_said_once():
+    # On an H200 the memory probe reached 65,536 sequences, which PyTorch's efficient attention refuses;
+    # the whole profile failed. Past the ladder, such a refusal marks the largest batch, as memory does.
+    with pytest.warns(UserWarning, match=r"cpu:max1000 failed a step of 32 samples while probing") as said:
+        p = profile(_RefusesLargeBatches(), torch.randn(4, 8), ["cpu:max1000"], batch_sizes=[2, 4, 8], repeats=1,
+                    progress=False)  # fmt: skip
+    assert p.entries[0].memory_cap == 16
+    assert len([w for w in said if "while probing" in str(w.message)]) == 1
+    # Within the ladder the same failure is the user's to see, not a cap.
+    with pytest.raises(RuntimeError, match="a training step of batch 32 failed on cpu"):
+        profile(_RefusesLargeBatches(), torch.randn(4, 8), ["cpu"], batch_sizes=[8, 32], repeats=1, progress=False)

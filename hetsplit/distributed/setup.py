@@ -77,10 +77,15 @@ def choose_backend(devices: list[str]) -> str:
     """``"nccl"`` when every rank is a CUDA GPU (and NCCL is built in), else ``"gloo"``.
 
     NCCL only moves CUDA tensors; one CPU rank among GPUs makes the whole job gloo,
-    which carries both (a GPU rank's tensors are staged through its host memory).
+    which carries both (a GPU rank's tensors are staged through its host memory). NCCL
+    also refuses two ranks on one GPU ("invalid usage", seen on an H200 with
+    ``cuda:0,cuda:0@0.5``): ranks that name the same GPU run over gloo too.
     """
-    all_gpu = all(parse_device(d, check=False).type == "cuda" for d in devices)
-    return "nccl" if all_gpu and dist.is_available() and dist.is_nccl_available() else "gloo"
+    parsed = [parse_device(d, check=False) for d in devices]
+    all_gpu = all(d.type == "cuda" for d in parsed)
+    named = [d.index for d in parsed if d.type == "cuda" and d.index is not None]  # bare "cuda": one per rank
+    shared = len(set(named)) < len(named)
+    return "nccl" if all_gpu and not shared and dist.is_available() and dist.is_nccl_available() else "gloo"
 
 
 def init(timeout: float | None = None, *, devices: str | None = None, backend: str | None = None) -> Device:
