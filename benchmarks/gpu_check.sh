@@ -107,8 +107,8 @@ step "DDP example on $DEV + $SLOW (gloo)" 60 ddp.log \
     --steps 30 --train-size 8192 --test-size 256 --budget 5 --timeout 60
 excerpt ddp.log 15 $? >>"$REPORT"
 
-# Two ranks on one GPU need a backend that allows it: NCCL refuses two ranks on one GPU, gloo has no CUDA
-# reduce-scatter; where neither works the log's last lines say so.
+# Two ranks on one GPU: hetsplit chooses gloo (NCCL refuses them); FSDP2 ran so on an H200 with torch 2.11.
+# Where it does not, the log's last lines say why.
 step "FSDP2 example on $DEV + $SLOW" 55 fsdp.log \
     "$PY" -m hetsplit.apps.cli launch --devices "$DEV,$SLOW" examples/fsdp_hetero.py --steps 10 --layers 4 \
     --hidden 256 --budget 5 --timeout 60
