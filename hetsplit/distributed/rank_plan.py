@@ -258,8 +258,8 @@ def plan(
     report.announce(result, follow=True)  # weight_gradients times the run on it; its end is said at exit
     # Only the profiles are checked: a rank's calibration step holds DDP's own work (the
     # weighting hook, the buckets' copies), which its profile does not, and a quarter-speed
-    # rank with 2 samples of 32 spends most of its step there; compared as the thread engine's
-    # factors are, 7 of 14 quiet plans said "unreliable" with the emulation exact.
+    # rank with 2 samples of 32 spends much of its step there; compared as the thread engine's
+    # factors are, 7 of 14 quiet plans said "unreliable", a gap that DDP's own work explains.
     unreliable = _emulation_warning(gathered_profile) if gathered_profile is not None else None
     if unreliable:
         report.note(unreliable)
