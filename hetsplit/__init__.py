@@ -57,7 +57,7 @@ _REMOVED = {
     "the batch itself",
     "discover": "the command 'hetsplit devices', which lists this machine's devices",
     "quick_profile": "hetsplit.profile(model, sample, devices)",
-    "solver": "hetsplit.solve(profile, batch_size)",
+    "solver": "hetsplit.solve(profile, batch_size); its plan_from_sizes is hetsplit.planning.plan_from_sizes",
     # torch keeps its own in torch.nn.parallel, and so does hetsplit in hetsplit.parallel
     "scatter": "hetsplit.parallel.scatter(inputs, devices, sizes)",
     "gather": "hetsplit.parallel.gather(outputs, target)",

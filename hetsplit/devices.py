@@ -6,12 +6,17 @@ import contextlib
 import dataclasses
 import difflib
 import re
+import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Union
 
 import torch
 
-from . import emulation, hardware
+from . import (
+    _torch,  # noqa: F401  # first: it refuses, in one line, a torch older than hetsplit supports
+    emulation,
+    hardware,
+)
 
 DeviceLike = Union[str, torch.device, "Device"]
 
@@ -105,8 +110,20 @@ class Device:
         """Wait for all queued work on the real device to finish."""
         synchronize(self.torch_device)
 
-    def throttle(self) -> contextlib.AbstractContextManager[None]:
-        """Run the enclosed work at this device's emulated speed (see :func:`hetsplit.emulation.throttle`)."""
+    def throttle(self, *, cpu_time: bool | None = None) -> contextlib.AbstractContextManager[None]:
+        """Run the enclosed work at this device's emulated speed (see :func:`hetsplit.emulation.throttle`).
+
+        Args:
+            cpu_time: Deprecated, ignored: the work is always timed as compute, which is
+                what ``cpu_time=True`` asked for. Removed in hetsplit 0.2.
+        """
+        if cpu_time is not None:
+            warnings.warn(
+                f"Device.throttle(cpu_time={cpu_time!r}) is deprecated and ignored: throttle() always times the "
+                "work as compute (what cpu_time=True did); write dev.throttle(). cpu_time= goes in hetsplit 0.2",
+                DeprecationWarning,
+                stacklevel=2,
+            )
         return emulation.throttle(self)
 
     def copy(self, data: Any, *, requires_grad: bool = False) -> Any:

@@ -1,6 +1,8 @@
 import time
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -195,6 +197,28 @@ def test_memory_model_round_trips_and_old_entries_load():
     assert DeviceProfile.from_dict({**data, "memory": model.to_dict()}).memory == model
     with pytest.raises(ValueError, match="bytes >= 0"):
         DeviceProfile.from_dict({**data, "memory": {"peaks": [[8, 1]], "base": -1.0, "per_sample": 2.0}})
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    peak=st.integers(1, 2**40),
+    batches=st.lists(st.integers(1, 2**16), min_size=2, max_size=6, unique=True),
+)
+def test_flat_memory_peaks_fit_no_per_sample_bytes_whatever_numpy_rounds(peak, batches):
+    # np.polyfit's round-off on flat peaks ((1, 100), (2, 100): 7.35e-15 with numpy 2.4.6) is not
+    # a slope: the cap it implied was one sample.
+    from hetsplit.planning.records import MemoryModel
+
+    model = MemoryModel.fit([(b, peak) for b in batches])
+    assert model.per_sample == 0.0 and model.base == pytest.approx(peak, rel=1e-12)
+
+
+def test_a_memory_slope_of_whole_bytes_is_kept():
+    from hetsplit.planning.records import MemoryModel
+
+    assert MemoryModel.fit([(1, 100), (2, 100)]).per_sample == 0.0
+    model = MemoryModel.fit([(1, 10**9), (2, 10**9 + 1), (3, 10**9 + 2)])  # one byte a sample over 10^9
+    assert model.per_sample == pytest.approx(1.0)
 
 
 def test_cpu_devices_are_timed_with_one_thread_as_the_cli_advises():

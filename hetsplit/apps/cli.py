@@ -58,16 +58,19 @@ def _budget(parser: argparse.ArgumentParser, default: float, *, removed: str | N
         help=f"seconds to spend profiling the devices (default {default:g})",
     )
     if removed is not None:
-        parser.add_argument(removed, action=_Removed, help=argparse.SUPPRESS)
+        _removed(parser, removed, "use --budget SECONDS")
+
+
+def _removed(parser: argparse.ArgumentParser, option: str, instead: str) -> None:
+    """A former option: refused in one line saying what replaced it (argparse's own error would not)."""
+    parser.add_argument(option, action=_Removed, nargs="?", help=argparse.SUPPRESS, const=instead, default=None)
 
 
 class _Removed(argparse.Action):
-    """A former option spelling: refused in one line naming the one that replaced it (argparse's own would not)."""
-
     def __call__(
         self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any, option: str | None = None
     ) -> None:
-        parser.error(f"{option} was removed: use --budget SECONDS")
+        parser.error(f"{option} was removed: {self.const}")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -170,6 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="gather: loss on gathered outputs (DataParallel); local: loss per device (default gather)",
     )
     _budget(p, 20.0, removed="--profile-budget")
+    _removed(p, "--sync", "leave it out (replicas take the parameters one way now)")
     p.add_argument(
         "--calibrate",
         type=_count,

@@ -59,7 +59,7 @@ def run_demo(
         say: Where lines of output go.
 
     Returns:
-        The :class:`~hetsplit.bench.BenchResult`.
+        The :class:`~hetsplit.apps.bench_result.BenchResult`.
     """
     devs = parse_devices(devices if devices is not None else demo_devices())
     if len(devs) < 2:

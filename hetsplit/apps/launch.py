@@ -76,10 +76,12 @@ def _check_endpoint_free(endpoint: str) -> None:
         ValueError: Naming the endpoint and the port, when node 0 would host it here and
             the port cannot be bound.
     """
-    from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname, parse_rendezvous_endpoint
+    from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+
+    from .. import _torch
 
     host, port = parse_rendezvous_endpoint(endpoint, default_port=29400)  # torchrun's default port
-    if port == 0 or not _matches_machine_hostname(host):
+    if port == 0 or not _torch.hosts_rendezvous_here(host):
         return  # another machine hosts it (or any free port will do): nothing to check here
     for family, address in ((socket.AF_INET, "0.0.0.0"), (socket.AF_INET6, "::")):  # the store listens on both
         try:

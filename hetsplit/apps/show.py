@@ -219,7 +219,7 @@ def plot_timeline(result: BenchResult, out: str | Path) -> Path:
     the calling thread). Medians over the benchmark's steps.
 
     Args:
-        result: A :class:`~hetsplit.bench.BenchResult`.
+        result: A :class:`~hetsplit.apps.bench_result.BenchResult`.
         out: The PNG (or any matplotlib format) to write.
 
     Returns:

@@ -13,11 +13,9 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import Any, Literal
 
-import torch
-import torch.autograd
-import torch.autograd.graph
 import torch.distributed as dist
 
+from .. import _torch
 from ..emulation import is_out_of_memory
 from ..planning.plan import Plan
 from .teardown import drain_at_exit
@@ -64,12 +62,7 @@ _NOTE_WAIT = 1.0  # seconds a failing rank waits for the store when it reads the
 
 def _store() -> Any:
     """The default process group's store, or ``None`` (no group, or a torch without one)."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return None
-    try:  # torch keeps it private; the notes are a courtesy, never a new way to fail
-        return dist.distributed_c10d._get_default_store()
-    except Exception:
-        return None
+    return _torch.default_store()
 
 
 def note_failure(line: str) -> None:
@@ -122,45 +115,25 @@ def note_out_of_memory(error: BaseException, step: int | None = None) -> None:
     note_failure(f"ran out of memory{where} ({first})")
 
 
-# An out-of-memory error in this rank's backward is noted as one in forward is:
-# a rank that runs out of memory in its backward, catches the error and
-# stops (or ends) leaves its peers in a collective it never joins (DDP's all-reduce, FSDP2's
-# reduce-scatter); they could only say that it died. A forward's error is seen by a module
-# hook (``comm_hooks``); nothing of a module or a tensor runs while an error unwinds through
-# autograd's engine. The one place it passes through Python on its way to the caller is
-# torch's ``_engine_run_backward``, which ``Tensor.backward``, ``torch.autograd.backward``
-# and ``torch.autograd.grad`` all call: it is wrapped, once per process, to write the same
-# note (:func:`note_out_of_memory`) and raise the error unchanged. A torch without that
-# function keeps its own (the peers then say only that the rank died).
-_MARK = "_hetsplit_notes_out_of_memory"  # on the wrapper: wrapped once, whoever asks again
-
-
+# An out-of-memory error in this rank's backward is noted as one in forward is: a rank
+# that runs out of memory in its backward, catches the error and stops (or ends) leaves its
+# peers in a collective it never joins (DDP's all-reduce, FSDP2's reduce-scatter); they could
+# only say that it died. A forward's error is seen by a module hook (``comm_hooks``); a
+# backward's only where torch lets hetsplit see errors leaving autograd's engine
+# (:func:`hetsplit._torch.on_backward_error`); elsewhere the peers say only that it died.
 @functools.cache  # once per process
-def note_out_of_memory_in_backward() -> None:
-    """From now on, an out-of-memory error raised by a backward in this process is noted for the other ranks."""
-    run = getattr(torch.autograd.graph, "_engine_run_backward", None)
-    if not callable(run) or getattr(run, _MARK, False):
-        return
-    wrapped = _noting(run)
-    torch.autograd.graph._engine_run_backward = wrapped
-    # torch.autograd imported the name itself (backward() and grad() call it from there).
-    if getattr(torch.autograd, "_engine_run_backward", None) is run:
-        # (set as an attribute: torch.autograd does not re-export the name, and mypy says so)
-        setattr(torch.autograd, "_engine_run_backward", wrapped)  # noqa: B010
+def note_out_of_memory_in_backward() -> bool:
+    """From now on, an out-of-memory error raised by a backward in this process is noted for the other ranks.
+
+    Returns:
+        Whether the installed torch lets it be noted.
+    """
+    return _torch.on_backward_error(_note_if_out_of_memory)
 
 
-def _noting(run: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(run)
-    def run_backward(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return run(*args, **kwargs)
-        except BaseException as error:
-            if is_out_of_memory(error):  # the step the weighting hooks noted at this step's forward
-                note_out_of_memory(error, _current_step())
-            raise
-
-    setattr(run_backward, _MARK, True)
-    return run_backward
+def _note_if_out_of_memory(error: BaseException) -> None:
+    if is_out_of_memory(error):  # the step the weighting hooks noted at this step's forward
+        note_out_of_memory(error, _current_step())
 
 
 @functools.cache  # once per process
@@ -208,11 +181,9 @@ def group_timeout(group: Any = None) -> float | None:
     if pg is None:
         return None
     for device in ("cpu", "cuda"):
-        try:  # torch keeps the timeout in each backend's options; no public accessor
-            timeout = pg._get_backend(torch.device(device)).options._timeout
+        timeout = _torch.backend_timeout(pg, device)
+        if timeout is not None:
             return timeout.total_seconds()
-        except Exception:
-            continue
     return None
 
 

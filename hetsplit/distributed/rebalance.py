@@ -36,7 +36,7 @@ class DistributedRebalancer:
     (:attr:`Rebalancer.communication`, the least of the last ``window`` steps': load only
     adds to it), added to both plans' predicted steps. Every ``rebalancer.every`` steps the
     timings are all-gathered and every rank feeds the same
-    :class:`~hetsplit.rebalance.Rebalancer` the same data, so all reach the same decision. A
+    :class:`~hetsplit.planning.Rebalancer` the same data, so all reach the same decision. A
     new plan starts at the first step no rank's sampler has handed out yet: ``sampler`` (a
     :class:`HeteroDistributedSampler`) and ``gradients`` (the state returned by
     :func:`weight_gradients`) follow it from that step on, on every rank at once.

@@ -119,7 +119,7 @@ class HeteroAccelerator(accelerate.Accelerator):  # type: ignore[misc]
     loss_weights_micro_batches: ClassVar[bool] = False
     # The class the user made, named in what it says (HeteroTrainer's accelerator says "HeteroTrainer").
     who: ClassVar[str] = "HeteroAccelerator"
-    # What a process whose share is 0 is served (hetsplit.distributed.ZERO_SHARES): one real
+    # What a process whose share is 0 is served (hetsplit.distributed.zero_share.ZERO_SHARES): one real
     # sample weighted 0, so user code never sees an empty batch; HeteroTrainer, which runs
     # such a share on a sample of its own, takes the empty batch.
     zero_share: ClassVar[str] = "sample"
@@ -195,6 +195,12 @@ class HeteroAccelerator(accelerate.Accelerator):  # type: ignore[misc]
     def plan(self) -> Plan | None:
         """The plan in force (``None`` until the first loader is prepared without ``plan=``)."""
         return self.rebalancer.plan if self.rebalancer is not None else self._plan
+
+    @property
+    def hetero_plan(self) -> Plan | None:
+        """Deprecated: :attr:`plan` (removed in hetsplit 0.2)."""
+        core.renamed("hetero_plan", "plan")
+        return self.plan
 
     @property
     def device(self) -> torch.device:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -27,6 +28,11 @@ from hetsplit.distributed.report import SplitReport as SplitReport
 from hetsplit.distributed.report import is_quiet as is_quiet
 from hetsplit.distributed.setup import launch_env
 from hetsplit.planning import Plan, Profile, Rebalancer
+
+
+def renamed(old: str, new: str) -> None:
+    """Warn, naming the caller's line, that the attribute ``old`` of an integration is now ``new``."""
+    warnings.warn(f".{old} is deprecated: use .{new} (.{old} goes in hetsplit 0.2)", DeprecationWarning, stacklevel=3)
 
 
 def launched_world() -> tuple[int, int]:

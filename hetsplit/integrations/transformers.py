@@ -25,6 +25,7 @@ from hetsplit.parallel.reduce import shard_weight
 from hetsplit.planning import Plan, Profile, Rebalancer
 from hetsplit.tree import flatten, narrow, samples_in
 
+from . import core
 from .accelerate import HeteroAccelerator
 from .core import is_cpu_job, launched_world
 from .loss_items import items_in, piece_items, zero_gradients
@@ -165,6 +166,12 @@ class HeteroTrainer(transformers.Trainer):
     def plan(self) -> Plan | None:
         """The plan in force (``None`` until the first loader is made; the rebalancer's when rebalancing)."""
         return getattr(self.accelerator, "plan", None)
+
+    @property
+    def hetero_plan(self) -> Plan | None:
+        """Deprecated: :attr:`plan` (removed in hetsplit 0.2)."""
+        core.renamed("hetero_plan", "plan")
+        return self.plan
 
     @property
     def rank_device(self) -> Device | None:

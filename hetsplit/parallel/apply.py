@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .. import _torch
 from ..devices import Device, DeviceLike, parse_devices
 from ..timing import Lap, lap
 
@@ -124,15 +125,10 @@ class _Context:
         self.autocast = {
             kind: (torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind)) for kind in ("cpu", "cuda")
         }
-        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        top, self.hooks_off = _torch.saved_tensors_state()
         user = _user_saved_tensors_hooks(top)
         self.hooks = _one_at_a_time(user) if user is not None else None
         self.own_hooks = user is not None and user is top  # the calling thread's own are the user's
-        self.hooks_off = (
-            None
-            if torch._C._autograd._saved_tensors_hooks_is_enabled()  # type: ignore[attr-defined]  # not in torch's stubs
-            else torch._C._autograd._saved_tensors_hooks_get_disabled_error_message()
-        )
 
     def enter(self, stack: contextlib.ExitStack, device: torch.device) -> None:
         stack.enter_context(torch.set_grad_enabled(self.grad))
@@ -154,7 +150,7 @@ class _Context:
             stack.enter_context(torch.cuda.device(device))
 
 
-_Hooks = tuple[Callable[..., Any], Callable[..., Any]]
+_Hooks = _torch.Hooks
 
 
 def _user_saved_tensors_hooks(hooks: _Hooks | None) -> _Hooks | None:

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
+from .. import _torch
 from ..devices import Device, DeviceLike, parse_devices
 from ..emulation import is_out_of_memory
 from ..planning.plan import Plan
@@ -76,6 +78,8 @@ class HeteroDataParallel(nn.Module):
         accumulate: Let a device with a memory cap run its share as micro-batches
             (``plan.micro_batches``); after an out-of-memory error the device's cap is
             lowered, the step re-planned and run again (docs/memory.md).
+        sync: Deprecated, ignored: replicas always take the module's parameters through
+            autograd, as ``"copy"`` and ``"broadcast"`` both came to. Removed in hetsplit 0.2.
 
     Raises:
         ValueError: If the module spans devices, the plan's devices differ, or the
@@ -99,8 +103,16 @@ class HeteroDataParallel(nn.Module):
         rebalance: bool | Rebalancer = False,
         scalar_outputs: ScalarPolicy = None,
         accumulate: bool = True,
+        sync: str | None = None,
     ) -> None:
         super().__init__()
+        if sync is not None:
+            warnings.warn(
+                f"HeteroDataParallel(sync={sync!r}) is deprecated and ignored: there is one way to give replicas "
+                "the module's parameters now; leave sync= out. It goes in hetsplit 0.2",
+                DeprecationWarning,
+                stacklevel=2,
+            )
         self.devices: list[Device] = parse_devices(devices)
         check_wrappable(module)
         _check_one_device(module)
@@ -147,11 +159,11 @@ class HeteroDataParallel(nn.Module):
             # so a name the wrapped module holds directly (a child, parameter or buffer) is looked
             # up there too: torch.func.functional_call(dp, dp.state_dict()) finds "0.weight" as
             # the plain module's does, and swaps the very tensors the replicas are built from.
-            inner = self.__dict__.get("_modules", {}).get("module")
-            for table in ("_modules", "_parameters", "_buffers"):
-                held = inner.__dict__.get(table, {}) if inner is not None else {}
-                if name in held:
-                    return held[name]
+            inner = _torch.held(self, "module")
+            if inner is not None:
+                found = _torch.held(inner, name)
+                if found is not None:
+                    return found
             raise
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> HeteroDataParallel:
@@ -426,7 +438,7 @@ class HeteroDataParallel(nn.Module):
 
         def run(work: list[tuple[list[torch.Tensor], list[torch.Tensor]]], keep: bool, build: bool) -> Grads:
             if stray is not None:  # once this backward is done
-                torch.autograd.Variable._execution_engine.queue_callback(stray)
+                _torch.queue_after_backward(stray)
             # After a backward that built a graph of the gradients (create_graph), that graph
             # reaches into the replicas' graphs: a later backward through it walks them too,
             # so this node's own walk must leave them for it.
@@ -572,7 +584,7 @@ def _again(step: Step, j: int, replica: Any, grads: StepGrads, pieces: list[Any]
 
 def _check_no_transform() -> None:
     """Refuse a step under ``torch.func`` transforms, before any device work: they do not reach worker threads."""
-    if torch._C._are_functorch_transforms_active():
+    if _torch.functorch_transforms_active():
         raise RuntimeError(
             "HeteroDataParallel cannot run inside a torch.func transform (grad, vjp, vmap, jacrev, ...): its replicas "
             "run in worker threads, which the transform does not reach; apply the transform to the plain module "
@@ -594,7 +606,7 @@ def _drop_module_prefix(module: nn.Module, state_dict: dict[str, Any], prefix: s
     inner = prefix + "module."
     for key in [k for k in state_dict if k.startswith(inner)]:
         state_dict[prefix + key[len(inner) :]] = state_dict.pop(key)
-    metadata = getattr(state_dict, "_metadata", None)
+    metadata = _torch.state_dict_metadata(state_dict)
     if metadata is not None:
         for key in [k for k in metadata if k == inner[:-1] or k.startswith(inner)]:
             metadata[prefix + key[len(inner) :] if key != inner[:-1] else prefix[:-1]] = metadata.pop(key)

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .. import _torch
 from ..devices import Device
 from ..tree import flatten, move, to_device, unflatten
 from .scatter_gather import scatter_to
@@ -95,7 +96,7 @@ class Upstream:
             # input in place would rewrite the input's history from several threads at once.
             # It gets its own (differentiable) copy; a piece on another device is one already.
             for shard in new:
-                if shard[k]._base is not None or shard[k] is leaves[k]:
+                if _torch.is_view(shard[k]) or shard[k] is leaves[k]:
                     shard[k] = shard[k].clone()
             self.sources.append(leaves[k])
             for j, shard in enumerate(new):
@@ -163,15 +164,15 @@ class InputWrites:
         """``piece`` of ``source`` with a version counter of its own, watched for writes."""
         if not isinstance(piece, torch.Tensor) or piece.dim() != source.dim():
             return piece
-        if piece.device == source.device and (piece is source or piece._base is not None):
+        if piece.device == source.device and (piece is source or _torch.is_view(piece)):
             piece = piece.data  # same storage, a version counter of its own
-        self._watched.append((source, piece, piece._version, start, rows))
+        self._watched.append((source, piece, _torch.version(piece), start, rows))
         return piece
 
     def pass_back(self) -> None:
         """After the forward: the pieces a replica wrote into reach the caller's tensors, as in the plain module."""
         for source, piece, version, start, rows in self._watched:
-            if piece._version == version:
+            if _torch.version(piece) == version:
                 continue  # the common case: nothing wrote into the input
             with torch.no_grad():
                 if piece.device == source.device and _same_storage(piece, source):
@@ -197,7 +198,7 @@ def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def versions(tree: Any) -> list[int]:
     """The versions of the tensors in a nest (to tell whether a forward wrote into its inputs)."""
-    return [x._version for x in flatten(tree)[0] if isinstance(x, torch.Tensor)]
+    return [_torch.version(x) for x in flatten(tree)[0] if isinstance(x, torch.Tensor)]
 
 
 def cut_upstream(

@@ -8,6 +8,7 @@ from typing import Any, TypeAlias
 
 import torch
 
+from .. import _torch
 from ..tree import flatten, leaf_paths, to_device, unflatten
 from .reduce import shard_weights
 from .scatter_gather import concat_column
@@ -113,13 +114,11 @@ def sums_over_batch(value: torch.Tensor, size: int, dim: int) -> bool:
     node = value.grad_fn
     if node is None:
         return False
-    reduction = getattr(node, "_saved_reduction", None)
-    if isinstance(reduction, int):
+    reduction, sizes = _torch.sum_reduction(node)
+    if reduction is not None:
         return reduction == _REDUCTION_SUM
-    if type(node).__name__ not in ("SumBackward0", "SumBackward1"):
+    if type(node).__name__ not in ("SumBackward0", "SumBackward1") or sizes is None:
         return False
-    # A SumBackward's saved input shape; torch's stubs type every node as the base Node.
-    sizes = tuple(node._saved_self_sym_sizes)  # type: ignore[attr-defined]
     return -len(sizes) <= dim < len(sizes) and sizes[dim] == size
 
 
@@ -173,7 +172,7 @@ class _Gather(torch.autograd.Function):
     def backward(ctx: Any, *grads: torch.Tensor | None) -> Any:
         if ctx.backward_ is None:  # a second backward through a freed graph, with torch's own message
             raise RuntimeError(_FREED)
-        keep = _keeps_graph()
+        keep = _torch.backward_keeps_graph()
         n_inputs = ctx.layout.n_inputs
         found = ctx.backward_(ctx.layout.split(grads), keep, torch.is_grad_enabled())
         if not keep:  # the step's replicas, shards and outputs are not needed again: let them go now
@@ -183,14 +182,6 @@ class _Gather(torch.autograd.Function):
 
 def _differentiable(t: torch.Tensor) -> bool:
     return t.is_floating_point() or t.is_complex()
-
-
-def _keeps_graph() -> bool:
-    # Whether this backward keeps the graph (retain_graph) is not passed to a Function; torch's
-    # engine has it, and torch's own compiled functions ask it the same way. Where it cannot be
-    # asked, the replicas' graphs are kept: more memory until the output is dropped, never wrong.
-    ask = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
-    return True if ask is None else bool(ask())
 
 
 class _Layout:

@@ -29,9 +29,9 @@ import torch
 from torch import nn
 from torch.nn.parameter import is_lazy
 
+from .. import _torch
 from ..devices import DeviceLike, parse_devices
 from ..tree import to_device
-from .compiled import Compiled
 from .reduce import shard_weights
 
 # torch's norm layers count their training steps in this integer buffer; a full-batch
@@ -80,7 +80,7 @@ class _Replica:
         self.params = params  # aligned with the module's parameters (an alias or copy of each)
         self.buffers = buffers  # the buffer tensors the replica started the step with
         # An in-place write into a parameter (or an alias sharing its storage) moves its version.
-        self.versions = [t._version for t in params]
+        self.versions = [_torch.version(t) for t in params]
 
 
 class _Replicator:
@@ -95,7 +95,7 @@ class _Replicator:
         self.names: list[str] = []
         self.params: list[torch.Tensor] = []
         self.named_buffers: list[tuple[str, torch.Tensor]] = []
-        self._compiled = Compiled()
+        self._compiled = _torch.Compiled()
 
     def build(self, devices: Sequence[torch.device], link: str = "graph") -> list[_Replica]:
         """One step's replicas, one per device in ``devices`` (a device may repeat).
@@ -121,28 +121,30 @@ class _Replicator:
         for device in devices:
             own_params = [_param_for(p, device, mode) for p in params]
             own_buffers = self._buffers_for(buffers, device)
-            copies = [_shallow(m) for m in modules]
+            copies = [_torch.shallow_replica(m) for m in modules]
             index = {id(m): i for i, m in enumerate(modules)}
             for m, r in zip(modules, copies):
-                for key, child in m._modules.items():
-                    r._modules[key] = None if child is None else copies[index[id(child)]]
-                own = r._parameters
+                children = _torch.own_submodules(r)
+                for key, child in _torch.own_submodules(m).items():
+                    children[key] = None if child is None else copies[index[id(child)]]
+                own = _torch.own_parameters(r)
                 tracked = type(r).__setattr__ is not nn.Module.__setattr__
-                for key, p in m._parameters.items():
+                for key, p in _torch.own_parameters(m).items():
                     t = None if p is None else own_params[param_at[id(p)]]
                     if tracked and t is not None:
                         # Through the class's setattr, as torch's replicate does: a class that
                         # tracks its weights (an RNN's flat weight list) sees the replica's tensors.
-                        r._parameters = {}
+                        _torch.set_own_parameters(r, {})
                         setattr(r, key, t)
-                        r._parameters = own
+                        _torch.set_own_parameters(r, own)
                     # Listed as the replica's parameters: a model that asks next(self.parameters())
                     # for its device or dtype still gets an answer. They are views or copies in the
                     # module's graph, not Parameters, as in torch's own replicate.
-                    own[key] = t  # type: ignore[assignment]
-                for key, b in m._buffers.items():
-                    r._buffers[key] = None if b is None else own_buffers[buffer_at[id(b)]]
-                if m.__dict__.get("_compiled_call_impl") is not None or "dynamo_ctx" in m.__dict__:
+                    own[key] = t
+                slots = _torch.own_buffers(r)
+                for key, b in _torch.own_buffers(m).items():
+                    slots[key] = None if b is None else own_buffers[buffer_at[id(b)]]
+                if _torch.is_compiled(m):
                     self._compiled.attach(m, r)  # after its children: a compiled call runs the replica's
             out.append(_Replica(copies[0], own_params, own_buffers))
         return out
@@ -154,7 +156,7 @@ class _Replicator:
             RuntimeError: Naming the parameter and what to do.
         """
         for name, t, seen in zip(self.names, replica.params, replica.versions):
-            if t._version != seen:
+            if _torch.version(t) != seen:
                 raise RuntimeError(
                     f"the model's forward wrote into its parameter {name!r} in place (a data-dependent "
                     "initialisation such as ActNorm's, or a reset in forward): each replica holds a view or copy of "
@@ -222,23 +224,6 @@ class _Replicator:
                 target.add_(torch.stack([v - target for v in values]).sum(0).to(target.dtype))
 
 
-def _shallow(m: nn.Module) -> nn.Module:
-    """``m._replicate_for_data_parallel()``: a copy sharing ``m``'s attributes and hook dictionaries.
-
-    Done directly for classes that keep torch's rule (a step builds one per submodule and
-    device: nn.Module's setattr made it 20 us each); a class's own rule is kept.
-    """
-    if type(m)._replicate_for_data_parallel is not nn.Module._replicate_for_data_parallel:
-        own_rule: nn.Module = m._replicate_for_data_parallel()
-        return own_rule
-    replica = m.__new__(type(m))
-    state = m.__dict__.copy()
-    state["_parameters"], state["_buffers"], state["_modules"] = {}, dict(m._buffers), dict(m._modules)
-    state["_is_replica"] = True
-    object.__setattr__(replica, "__dict__", state)  # nn.Module's setattr would inspect it
-    return replica
-
-
 def _param_for(p: torch.Tensor, device: torch.device, mode: str) -> torch.Tensor:
     """The tensor that stands for parameter ``p`` in a replica on ``device``.
 
@@ -285,14 +270,13 @@ def check_backward_hooks(module: nn.Module, modules: Sequence[nn.Module]) -> Non
     Raises:
         ValueError: Naming the module and what to use instead.
     """
-    hooks = torch.nn.modules.module
-    if hooks._global_backward_hooks or hooks._global_backward_pre_hooks:
-        where = "a global module backward hook (register_module_full_backward_hook)"
-    elif any(m._backward_hooks or m._backward_pre_hooks for m in modules):
-        found = next(n for n, m in module.named_modules() if m._backward_hooks or m._backward_pre_hooks)
-        where = f"module {found or '<root>'!r} has a backward hook (register_full_backward_hook or a pre-hook)"
-    else:
+    found = _torch.backward_hook_owner(module, list(modules))
+    if found is None:
         return
+    if found == "global":
+        where = "a global module backward hook (register_module_full_backward_hook)"
+    else:
+        where = f"module {found!r} has a backward hook (register_full_backward_hook or a pre-hook)"
     raise ValueError(
         f"{where}: through HeteroDataParallel it would fire once per replica with that replica's shard of the "
         "gradients, where the plain module fires once with the whole batch's; use a parameter hook "

@@ -24,3 +24,20 @@ __all__ = [
     "plan_from_sizes",
     "solve",
 ]
+
+# Names removed before the first release, and what replaces each: their AttributeError says so.
+_REMOVED = {
+    "even_sizes": "[len(p) for p in torch.arange(batch).tensor_split(n)], or "
+    "hetsplit.planning.plan_from_sizes(None, devices, sizes) for a plan of them",
+    "DeviceProfile": "hetsplit.planning.records.DeviceProfile (a Profile's entries: profile.entry(device))",
+    "Curve": "hetsplit.planning.curve.Curve (a device's curve: profile.entry(device).curve)",
+    "Measurement": "hetsplit.planning.records.Measurement",
+    "latest_profile": "hetsplit.planning.profile.latest_profile",
+    "resolve_plan": "hetsplit.planning.plan_from_sizes(None, devices, sizes), or hetsplit.solve(profile, batch_size)",
+    "allreduce_time": "the command 'hetsplit plan PROFILE --use ...', which predicts the step with its all-reduce",
+}
+
+
+def __getattr__(name: str) -> object:
+    instead = f"; it was removed: use {_REMOVED[name]}" if name in _REMOVED else ""
+    raise AttributeError(f"module 'hetsplit.planning' has no attribute {name!r}{instead}")

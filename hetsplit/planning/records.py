@@ -98,6 +98,12 @@ class Noise:
         return {"spread": self.spread, "residual": self.residual, "relative": self.relative}
 
 
+# Peaks are whole bytes: a fitted slope adding less than half a byte over the measured
+# batches, or less than this fraction of the largest peak, is the fit's round-off.
+_HALF_BYTE = 0.5
+_ROUND_OFF = 1e-9
+
+
 @dataclasses.dataclass
 class MemoryModel:
     """Peak memory of a training step against its batch, ``m(b) = base + per_sample * b`` bytes (CUDA).
@@ -118,8 +124,12 @@ class MemoryModel:
         pts = sorted((int(b), int(m)) for b, m in peaks)
         if len(pts) == 1 or len({b for b, _ in pts}) == 1:
             return cls(pts, 0.0, pts[-1][1] / max(pts[-1][0], 1))
-        per, base = np.polyfit([b for b, _ in pts], [m for _, m in pts], 1)
-        per = max(float(per), 0.0)
+        per = float(np.polyfit([b for b, _ in pts], [m for _, m in pts], 1)[0])
+        # polyfit's round-off is not a slope: flat peaks fit as 7e-15 bytes a sample with one
+        # numpy and 0 with another, and a cap of 1 sample follows from the former.
+        rise = per * (pts[-1][0] - pts[0][0])  # bytes the slope adds over the measured range
+        if per < 0 or abs(rise) <= max(_HALF_BYTE, _ROUND_OFF * max(m for _, m in pts)):
+            per = 0.0
         base = max(float(np.mean([m - per * b for b, m in pts])), 0.0)
         return cls(pts, base, per)
 

@@ -229,10 +229,10 @@ def without_single_sample_shares(
 
 
 def has_batchnorm(model: Any) -> bool:
-    """Whether ``model`` holds a BatchNorm layer (``torch.nn.modules.batchnorm._BatchNorm``)."""
-    import torch.nn as nn
+    """Whether ``model`` holds a BatchNorm layer (any subclass of torch's BatchNorm base)."""
+    from .. import _torch
 
-    return model is not None and any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+    return model is not None and any(_torch.is_batchnorm(m) for m in model.modules())
 
 
 def scaled_plan(plan: Plan, batch: int, devices: Sequence[DeviceLike] | None = None) -> Plan:
