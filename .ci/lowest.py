@@ -7,8 +7,9 @@ environment a user may resolve. A dependency whose floor is given as `>=X` in se
 
 import re
 import sys
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 project = tomllib.loads(Path(sys.argv[1] if len(sys.argv) > 1 else "pyproject.toml").read_text())["project"]
 lists = [project["dependencies"], *project.get("optional-dependencies", {}).values()]

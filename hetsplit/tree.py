@@ -154,7 +154,20 @@ def tree_map(fn: Callable[[Any], Any], tree: Any, is_leaf: Callable[[Any], bool]
 def leaf_paths(tree: Any) -> list[str]:
     """A readable path for every leaf of a nest, in :func:`flatten`'s order (``"[0]['loss']"``)."""
     walkable, _, _ = _walk(tree)
-    return [pytree.keystr(path) or "<output>" for path, _ in pytree.tree_flatten_with_path(walkable)[0]]
+    try:
+        return [pytree.keystr(path) or "<output>" for path, _ in pytree.tree_flatten_with_path(walkable)[0]]
+    except ValueError:  # a node type registered without flatten_with_keys_fn (transformers' outputs before 5.11)
+        return [path or "<output>" for path in _spec_paths(pytree.tree_flatten(walkable)[1])]
+
+
+def _spec_paths(spec: _TreeSpec) -> list[str]:
+    """The leaves' paths read off a spec: a node's context names its children where it lists one per child."""
+    if spec.is_leaf():
+        return [""]
+    context = spec.context
+    named = isinstance(context, list | tuple) and len(context) == spec.num_children
+    keys = [f"[{k!r}]" for k in context] if named else [f"[{i}]" for i in range(spec.num_children)]
+    return [key + rest for key, child in zip(keys, spec.children_specs) for rest in _spec_paths(child)]
 
 
 def samples_in(tree: Any) -> int | None:

@@ -310,7 +310,7 @@ assert "eval_loss" in trainer.evaluate()
         job="integrations",
         devices="cpu,cpu@0.25",
     ),
-    "repo-root": Setup("", root=True),  # profiles/ ships the example profiles the what-if guide uses
+    "repo-root": Setup("", root=True),
 }
 
 

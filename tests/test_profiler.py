@@ -1,10 +1,10 @@
 import time
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 from hetsplit import profile, solve

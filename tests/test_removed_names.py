@@ -79,12 +79,18 @@ def test_the_bench_sync_flag_is_refused_naming_what_to_do(capsys):
     assert "--sync" not in capsys.readouterr().out
 
 
-def test_integrations_hetero_plan_is_plan_with_a_deprecation_warning():
+def test_integrations_hetero_plan_names_plan_in_one_line():
     from hetsplit.accelerate import HeteroAccelerator
     from hetsplit.transformers import HeteroTrainer
 
-    plan = hetsplit.planning.plan_from_sizes(None, ["cpu", "cpu@0.5"], [3, 1])
-    holder = types.SimpleNamespace(plan=plan)
-    for cls in (HeteroAccelerator, HeteroTrainer):
-        with pytest.warns(DeprecationWarning, match=r"\.hetero_plan is deprecated: use \.plan"):
-            assert cls.hetero_plan.fget(holder) is plan
+    plan = hetsplit.planning.plan_from_sizes(None, ["rank0"], [4])
+    acc = HeteroAccelerator(plan=plan)
+    with pytest.raises(
+        AttributeError, match=r"^'HeteroAccelerator' object has no attribute 'hetero_plan'; it was removed: use \.plan$"
+    ):
+        acc.hetero_plan  # noqa: B018
+    assert not hasattr(acc, "hetero_plan") and acc.plan is plan
+    with pytest.raises(
+        AttributeError, match=r"'SimpleNamespace' object has no attribute 'hetero_plan'; it was removed"
+    ):
+        HeteroTrainer.hetero_plan.fget(types.SimpleNamespace(plan=plan))

@@ -39,3 +39,22 @@ def test_split_rows_moves_each_piece_to_its_device_in_one_walk():
     pieces = split_rows(batch, [4, 2], dim=0, devices=[torch.device("cpu"), torch.device("cpu")])
     assert [type(p) for p in pieces] == [Batch, Batch]
     assert [p.x.shape[0] for p in pieces] == [4, 2] and pieces[1].label == "a"
+
+
+class _KeylessOutput(dict):
+    """A model output registered as transformers before 5.11 did: a pytree node without flatten_with_keys_fn."""
+
+
+torch.utils._pytree.register_pytree_node(
+    _KeylessOutput,
+    lambda d: (list(d.values()), list(d.keys())),
+    lambda values, keys: _KeylessOutput(zip(keys, values)),
+)
+
+
+def test_leaf_paths_name_the_leaves_of_a_node_registered_without_keys():
+    from hetsplit.tree import leaf_paths
+
+    out = (_KeylessOutput(loss=torch.tensor(1.0), logits=torch.zeros(2, 3)), [torch.ones(2)])
+    assert leaf_paths(out) == ["[0]['loss']", "[0]['logits']", "[1][0]"]
+    assert leaf_paths({"a": torch.ones(1), "b": (torch.ones(1),)}) == ["['a']", "['b'][0]"]

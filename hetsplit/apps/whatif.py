@@ -21,6 +21,18 @@ _MAX_ROWS = 40
 _MAX_WORTH = 40
 
 
+# Example profiles shipped inside the package (made-up timings for the what-if guide): a
+# profile named that is not on disk is one of these, so the guide runs from any directory,
+# in a clone or after installing the wheel.
+SHIPPED = Path(__file__).parent / "shipped"
+
+
+def profile_path(path: Path) -> Path:
+    """``path``, or the shipped example profile of that name where ``path`` is not on disk."""
+    shipped = SHIPPED / path.name
+    return shipped if not path.exists() and path.name.startswith("example-") and shipped.is_file() else path
+
+
 def _parse_use(text: str, limit: int) -> tuple[Path, str, int]:
     """``profiles/a.json:cuda:0*8`` -> (path, "cuda:0", 8), with at most ``limit`` copies.
 
@@ -43,7 +55,7 @@ def _parse_use(text: str, limit: int) -> tuple[Path, str, int]:
         raise CLIError(f"bad --use {text!r}; write FILE:DEVICE or FILE:DEVICE*N, e.g. profiles/a.json:cuda:0*8")
     if n > limit:
         raise CLIError(f"--use {text!r} asks for {n:,} copies; plan for at most {limit:,} devices in all")
-    return Path(path), device, n
+    return profile_path(Path(path)), device, n
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -68,6 +80,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         if sum(picks.values()) > checks.MAX_DEVICES:
             raise CLIError(f"the what-if set has over {checks.MAX_DEVICES:,} devices; plan for at most that many")
 
+    args.profile = [profile_path(path) for path in args.profile]
     uses = [_parse_use(text, checks.MAX_DEVICES) for text in args.use]
     whole = {path.resolve(): path for path in args.profile}
     both = [(whole[path.resolve()], device) for path, device, _ in uses if path.resolve() in whole]
@@ -180,7 +193,7 @@ def _notes(path: Path, prof: Profile) -> list[str]:
 
     torch's kernels change between versions, so a profile measured here under another
     torch may no longer hold; a profile of another machine records that machine's torch,
-    which is fine. The example profiles shipped in ``profiles/`` are made up for the guide.
+    which is fine. The example profiles shipped with hetsplit (``example-*.json``) are made up for the guide.
     """
     import platform
 

@@ -198,9 +198,8 @@ class HeteroAccelerator(accelerate.Accelerator):  # type: ignore[misc]
 
     @property
     def hetero_plan(self) -> Plan | None:
-        """Deprecated: :attr:`plan` (removed in hetsplit 0.2)."""
-        core.renamed("hetero_plan", "plan")
-        return self.plan
+        """Removed: :attr:`plan` (the attribute error says so)."""
+        raise core.renamed(self, "hetero_plan", "plan")
 
     @property
     def device(self) -> torch.device:

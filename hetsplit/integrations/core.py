@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -30,9 +29,9 @@ from hetsplit.distributed.setup import launch_env
 from hetsplit.planning import Plan, Profile, Rebalancer
 
 
-def renamed(old: str, new: str) -> None:
-    """Warn, naming the caller's line, that the attribute ``old`` of an integration is now ``new``."""
-    warnings.warn(f".{old} is deprecated: use .{new} (.{old} goes in hetsplit 0.2)", DeprecationWarning, stacklevel=3)
+def renamed(owner: object, old: str, new: str) -> AttributeError:
+    """The one-line error for an integration's attribute ``old``, removed for ``new``."""
+    return AttributeError(f"{type(owner).__name__!r} object has no attribute {old!r}; it was removed: use .{new}")
 
 
 def launched_world() -> tuple[int, int]:

@@ -169,9 +169,8 @@ class HeteroTrainer(transformers.Trainer):
 
     @property
     def hetero_plan(self) -> Plan | None:
-        """Deprecated: :attr:`plan` (removed in hetsplit 0.2)."""
-        core.renamed("hetero_plan", "plan")
-        return self.plan
+        """Removed: :attr:`plan` (the attribute error says so)."""
+        raise core.renamed(self, "hetero_plan", "plan")
 
     @property
     def rank_device(self) -> Device | None:
