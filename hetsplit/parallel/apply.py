@@ -248,14 +248,15 @@ def _reraise(e: BaseException, where: str) -> None:
 
     The object itself is raised — its class, ``errno``, file name and any attribute of the
     user's own exception survive. A one-string message gets the replica in front (so
-    ``str(e)`` and ``pytest.raises(match=)`` name it); any other also gets a note.
+    ``str(e)`` and ``pytest.raises(match=)`` name it); any other gets a note (PEP 678).
     """
     if len(e.args) == 1 and isinstance(e.args[0], str) and not isinstance(e, KeyError | OSError):
         e.args = (f"{where}: {e.args[0]}",)
     elif hasattr(e, "add_note"):  # Python 3.11+
         e.add_note(where)
-    else:  # pragma: no cover - Python 3.10 without notes: a new exception naming both
-        raise RuntimeError(f"{where}: {type(e).__name__}: {e}") from e
+    else:  # Python 3.10: the same note by hand (pytest reads it); Python's traceback shows the cause
+        e.__notes__ = [*getattr(e, "__notes__", []), where]
+        raise e from RuntimeError(where)
     raise e
 
 
