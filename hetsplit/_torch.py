@@ -33,14 +33,20 @@ from .version import __version__
 MIN_TORCH = (2, 8)
 
 
+def _release(version: str) -> tuple[int, ...]:
+    """``(major, minor)`` of a torch version string (``"2.15.0+cu130"`` → ``(2, 15)``); ``()`` if unreadable."""
+    found = re.match(r"(\d+)\.(\d+)", version)
+    return (int(found[1]), int(found[2])) if found is not None else ()
+
+
 def check_version(version: str) -> None:
     """Refuse a torch older than :data:`MIN_TORCH` in one line, before any of its internals is touched.
 
     Raises:
         ImportError: Naming the installed and the needed version.
     """
-    found = re.match(r"(\d+)\.(\d+)", version)
-    if found is not None and (int(found[1]), int(found[2])) < MIN_TORCH:
+    release = _release(version)
+    if release and release < MIN_TORCH:
         need = ".".join(map(str, MIN_TORCH))
         raise ImportError(
             f"hetsplit {__version__} needs torch >= {need}, but torch {version} is installed; "
@@ -62,6 +68,7 @@ class Private:
         used_for: What hetsplit does with it.
         missing: What happens where the installed torch lacks it.
         required: Whether hetsplit refuses a feature without it (else it goes on, exactly).
+        since: The first torch that has it, where that is newer than hetsplit's floor.
     """
 
     owner: str
@@ -69,6 +76,7 @@ class Private:
     used_for: str
     missing: str
     required: bool = True
+    since: tuple[int, int] | None = None
 
 
 PRIVATE = [
@@ -80,6 +88,10 @@ PRIVATE = [
             "HeteroDataParallel refuses to step, naming torch 2.8"),
     Private("torch._C._autograd", "_saved_tensors_hooks_get_disabled_error_message",
             "the caller's message for disabled saved-tensor hooks", "HeteroDataParallel refuses to step"),
+    Private("torch.utils.checkpoint", "_checkpoint_internal_hook",
+            "telling a non-reentrant checkpoint's own saved-tensor hooks (_checkpoint_internal, _user_hooks) "
+            "from the user's beneath them", "before 2.14 a checkpoint's hooks are the user's own: nothing to tell",
+            required=False, since=(2, 14)),
     Private("torch._C._autograd", "_get_current_graph_task_keep_graph",
             "whether a backward keeps its graph (retain_graph): the replicas' graphs are freed when not",
             "the replicas' graphs are kept until the output is dropped (more memory, the same numbers)",
@@ -156,8 +168,13 @@ def _attr(owner: str, name: str) -> Any:
 
 
 def missing() -> list[Private]:
-    """The entries of :data:`PRIVATE` the installed torch lacks."""
-    return [p for p in PRIVATE if _attr(p.owner, p.name) is None and not _present_as_none(p)]
+    """The entries of :data:`PRIVATE` the installed torch should have (its version past ``since``) and lacks."""
+    here = _release(torch.__version__)
+    return [
+        p
+        for p in PRIVATE
+        if (p.since is None or here >= p.since) and _attr(p.owner, p.name) is None and not _present_as_none(p)
+    ]
 
 
 def _present_as_none(p: Private) -> bool:
@@ -185,6 +202,20 @@ def saved_tensors_state() -> tuple[Hooks | None, str | None]:
     hooks = top(False)
     off = None if enabled() else autograd._saved_tensors_hooks_get_disabled_error_message()
     return hooks, off
+
+
+def user_saved_tensors_hooks(hooks: Hooks | None) -> Hooks | None:
+    """The (pack, unpack) pair of the user's among ``hooks`` (the calling thread's top pair), or ``None``.
+
+    A non-reentrant checkpoint around the wrapper has its own hooks on top (torch 2.14 and
+    newer mark them), recording the saves of the calling thread in order to match them on
+    recompute; a worker's saves must not join that record (their order across threads is not
+    repeatable), so they get the user's hooks beneath it instead, as torch's nested
+    checkpoints do. An older torch has no such hooks on top: ``hooks`` are the user's.
+    """
+    while hooks is not None and getattr(hooks[0], "_checkpoint_internal", False):
+        hooks = getattr(hooks[0], "_user_hooks", None)
+    return hooks
 
 
 def backward_keeps_graph() -> bool:

@@ -1,6 +1,7 @@
 """torch's private internals stay behind one door (``hetsplit/_torch.py``), checked against the installed torch."""
 
 import ast
+import dataclasses
 import importlib
 import subprocess
 import sys
@@ -37,7 +38,8 @@ def _torch_private_names() -> set[str]:
     names = {n for o in owners for n in dir(o) if n.startswith("_") and not n.startswith("__")}
     # What module.compile() and torch.compile(module) leave on a module, and a loss node's saved state.
     return names | {"_compiled_call_impl", "_orig_mod", "dynamo_ctx", "_saved_reduction", "_saved_self_sym_sizes",
-                    "_metadata", "_is_replica", "_timeout", "_get_backend"}  # fmt: skip
+                    "_metadata", "_is_replica", "_timeout", "_get_backend", "_checkpoint_internal",
+                    "_user_hooks"}  # fmt: skip
 
 
 def _own_names() -> set[str]:
@@ -147,6 +149,12 @@ def test_a_plain_backward_is_bit_equal_beside_the_wrapped_engine_call():
 def test_where_torch_cannot_note_a_backward_error_the_note_is_off(monkeypatch):
     monkeypatch.delattr(torch.autograd.graph, "_engine_run_backward")
     assert _torch.on_backward_error(lambda error: None) is False
+
+
+def test_a_name_newer_than_the_floor_is_missing_only_from_the_torch_that_should_have_it(monkeypatch):
+    gone = _torch.Private("torch", "_no_such_name", "a test", "nothing")
+    monkeypatch.setattr(_torch, "PRIVATE", [gone, dataclasses.replace(gone, name="_later", since=(99, 0))])
+    assert _torch.missing() == [gone]
 
 
 def test_every_entry_says_what_happens_without_it():

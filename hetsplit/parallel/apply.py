@@ -126,7 +126,7 @@ class _Context:
             kind: (torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind)) for kind in ("cpu", "cuda")
         }
         top, self.hooks_off = _torch.saved_tensors_state()
-        user = _user_saved_tensors_hooks(top)
+        user = _torch.user_saved_tensors_hooks(top)
         self.hooks = _one_at_a_time(user) if user is not None else None
         self.own_hooks = user is not None and user is top  # the calling thread's own are the user's
 
@@ -151,19 +151,6 @@ class _Context:
 
 
 _Hooks = _torch.Hooks
-
-
-def _user_saved_tensors_hooks(hooks: _Hooks | None) -> _Hooks | None:
-    """The (pack, unpack) pair of the user's among ``hooks`` (the calling thread's top pair), or ``None``.
-
-    A non-reentrant checkpoint around the wrapper has its own hooks on top, recording the
-    saves of the calling thread in order to match them on recompute; a worker's saves
-    must not join that record (their order across threads is not repeatable), so they
-    get the user's hooks beneath it instead, as torch's nested checkpoints do.
-    """
-    while hooks is not None and getattr(hooks[0], "_checkpoint_internal", False):
-        hooks = getattr(hooks[0], "_user_hooks", None)
-    return hooks
 
 
 def _one_at_a_time(hooks: _Hooks) -> _Hooks:
