@@ -239,6 +239,7 @@ def profile(
         ValueError: On invalid devices, batch sizes or sample, before any device work.
     """
     devs = list(dict.fromkeys(parse_devices(devices)))  # each distinct device once
+    checks.materialised(model, "hetsplit.profile")
     ladder = check_ladder(batch_sizes, max_probe)
     check_settings(sample, target, repeats, warmup, time_budget)
     show = sys.stderr.isatty() if progress is None else progress
