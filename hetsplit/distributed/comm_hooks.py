@@ -16,7 +16,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..emulation import is_out_of_memory
 from ..parallel.reduce import shard_weight, shard_weights
 from ..planning.plan import Plan
 from ..tree import batch_length, flatten, tree_map
@@ -29,6 +28,7 @@ from ._group import (
     note_out_of_memory,
     note_out_of_memory_in_backward,
     note_step,
+    ran_out_of_memory,
     verify_plan,
 )
 from .report import SplitReport
@@ -393,7 +393,7 @@ def _note_out_of_memory_in_forward(inner: nn.Module, state: WeightingState, *, c
 
     def noted(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
         error = sys.exc_info()[1]  # the hook runs inside torch's `except` when the forward raised
-        if output is None and error is not None and is_out_of_memory(error):
+        if output is None and error is not None and ran_out_of_memory(error):
             note_out_of_memory(error, state.step if counted_before else state.steps)
 
     state.handles.append(inner.register_forward_hook(noted, always_call=True))
