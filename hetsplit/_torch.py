@@ -105,6 +105,9 @@ PRIVATE = [
             "a compiled module is refused in one line (wrap the uncompiled one)", required=False),
     Private("torch._dynamo.external_utils", "wrap_inline", "letting dynamo trace a replica's nn.Module call",
             "a compiled module is refused in one line (wrap the uncompiled one)", required=False),
+    Private("torch._dynamo.eval_frame:OptimizedModule", "_orig_mod",
+            "comparing a compiled module with the profile of the module it compiled (uncompiled)",
+            "a profile of the uncompiled module is refused for the compiled one (another model)", required=False),
     Private("torch.nn.modules.module", "_global_backward_hooks",
             "refusing a global module backward hook, which would fire once per replica",
             "HeteroDataParallel refuses to step, naming torch 2.8"),
@@ -163,8 +166,20 @@ def _attr(owner: str, name: str) -> Any:
         if target is None:
             return None
         if not hasattr(target, name):  # an instance attribute
-            target = nn.Module() if target is nn.Module else torch.empty(0) if target is torch.Tensor else target
+            target = _fresh(target)
     return getattr(target, name, None)
+
+
+def _fresh(cls: Any) -> Any:
+    """A fresh instance of ``cls`` to look an instance attribute up on (``cls`` itself where none is made)."""
+    if cls is nn.Module:
+        return nn.Module()
+    if cls is torch.Tensor:
+        return torch.empty(0)
+    found = dynamo()
+    if found is not None and cls is found[0]:
+        return torch.compile(nn.Identity())  # an OptimizedModule; nothing is compiled before its first call
+    return cls
 
 
 def missing() -> list[Private]:
@@ -358,6 +373,25 @@ def dynamo() -> tuple[type, type, Callable[[Any], Any]] | None:
 def is_compiled(m: nn.Module) -> bool:
     """Whether ``m`` was compiled (``torch.compile(m)`` or ``m.compile()``)."""
     return m.__dict__.get("_compiled_call_impl") is not None or "dynamo_ctx" in m.__dict__
+
+
+def uncompiled(m: Any) -> Any:
+    """The module ``torch.compile(m)`` compiled (its ``_orig_mod``, through any nesting); ``m`` if not compiled.
+
+    Args:
+        m: Any object; only a ``torch.compile``'d module (an ``OptimizedModule``) is unwrapped.
+
+    Returns:
+        The original module, which holds the parameters and defines the model; ``m`` itself
+        when it is no ``OptimizedModule`` or this torch cannot say what it wraps.
+    """
+    found = dynamo()
+    while found is not None and isinstance(m, found[0]) and isinstance(m, nn.Module):
+        inner = own_submodules(m).get("_orig_mod")
+        if not isinstance(inner, nn.Module):
+            break
+        m = inner
+    return m
 
 
 def _context_of(fn: Callable[..., Any] | None, context_type: type) -> Any:

@@ -164,6 +164,13 @@ def read_json(path: str | Path, kind: str | tuple[str, ...]) -> dict[str, Any]:
             f"{path}: damaged file: schema_version {version!r} is not a whole number (this hetsplit writes "
             f"{SCHEMA_VERSION}); re-create it with 'hetsplit profile'"
         )
+    if version > SCHEMA_VERSION:  # written by a newer hetsplit: the file is fine, this hetsplit is old
+        writer = doc.get("hetsplit")
+        by = f" (written by hetsplit {writer})" if isinstance(writer, str) and len(writer) < 40 else ""
+        raise ProfileFileError(
+            f"{path}: schema version {version}{by} is newer than this hetsplit reads ({SCHEMA_VERSION}); "
+            "upgrade hetsplit (pip install -U hetsplit)"
+        )
     if version != SCHEMA_VERSION:
         raise ProfileFileError(
             f"{path}: schema version {version!r}, but this hetsplit reads version {SCHEMA_VERSION}; "

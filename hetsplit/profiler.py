@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from . import emulation, timing
+from . import _torch, emulation, timing
 from .devices import Device, DeviceLike, describe, parse_devices
 from .emulation import is_out_of_memory, release_after_oom
 from .planning import checks
@@ -239,6 +239,7 @@ def profile(
         ValueError: On invalid devices, batch sizes or sample, before any device work.
     """
     devs = list(dict.fromkeys(parse_devices(devices)))  # each distinct device once
+    checks.materialised(model, "hetsplit.profile")
     ladder = check_ladder(batch_sizes, max_probe)
     check_settings(sample, target, repeats, warmup, time_budget)
     show = sys.stderr.isatty() if progress is None else progress
@@ -332,7 +333,7 @@ def check_settings(sample: Any, target: Any, repeats: Any, warmup: Any, time_bud
 def model_record(model: nn.Module, sample: Any, name: str | None = None) -> dict[str, Any]:
     """What a profile records of the model it timed (a sharded parameter counts whole: its global shape)."""
     return {
-        "name": name or type(model).__name__,
+        "name": name or type(_torch.uncompiled(model)).__name__,
         "fingerprint": fingerprint(model),
         "parameters": sum(p.numel() for p in model.parameters()),
         "parameter_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),

@@ -178,7 +178,28 @@ API_ROWS = [
      "it was removed: use hetsplit.solve(profile, batch_size).sizes"),
     ("36 removed hd.rank_device", lambda: hetsplit.distributed.rank_device, AttributeError,
      "it was removed: use dev = hd.init()"),
+    # 44: a model on the meta device (shapes, no data) is refused in hetsplit's words, not torch's
+    ("44 meta model wrapped", lambda: hetsplit.HeteroDataParallel(_meta(), ["cpu", "cpu@0.5"]), ValueError,
+     "HeteroDataParallel: the model's 'weight' and 1 more are on the meta device (shapes without data); "
+     "materialise the model first: model.to_empty(device='cpu')"),
+    ("44 meta model profiled", lambda: hetsplit.profile(_meta(), torch.zeros(8, 4), ["cpu"], batch_sizes=[2, 4]),
+     ValueError, "hetsplit.profile: the model's 'weight' and 1 more are on the meta device"),
+    ("44 meta model planned", lambda: hetsplit.distributed.plan(_meta(), torch.zeros(8, 4), 8), ValueError,
+     "hd.plan: the model's 'weight' and 1 more are on the meta device"),
+    ("44 one meta buffer", lambda: hetsplit.HeteroDataParallel(_meta_buffer(), ["cpu"]), ValueError,
+     "the model's 'running_mean' is on the meta device"),
 ]  # fmt: skip
+
+
+def _meta():
+    with torch.device("meta"):
+        return nn.Linear(4, 2)
+
+
+def _meta_buffer():
+    model = nn.BatchNorm1d(4)
+    model.running_mean = torch.zeros(4, device="meta")
+    return model
 
 
 def _bench(**kwargs):

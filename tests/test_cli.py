@@ -416,3 +416,22 @@ def test_plan_notes_a_profile_measured_here_under_another_torch(capsys, tmp_path
     prof.host = "otherbox"  # another machine's profile records that machine's torch: nothing to say
     code, out, _ = _run(capsys, "plan", str(prof.save(tmp_path / "other.json")), "--batch-size", "8")
     assert code == 0 and "note:" not in out
+
+
+def test_profile_of_a_model_taking_token_ids(capsys, tmp_path, monkeypatch):
+    (tmp_path / "tokens.py").write_text(
+        "import torch.nn as nn\n"
+        "def factory():\n    return nn.Sequential(nn.Embedding(50, 4), nn.Flatten(), nn.Linear(24, 3))\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    argv = ["profile", "--model", "tokens:factory", "--input-shape", "6", "--devices", "cpu,cpu@0.5", "--batch-sizes",
+            "2,4", "--repeats", "1", "--budget", "2", "--quiet", "--out", str(tmp_path / "p.json")]  # fmt: skip
+    code, out, err = _run(capsys, *argv)  # was: the first step failed in torch's words about the embedding
+    assert code == 1 and len(err.strip().splitlines()) == 1 and not (tmp_path / "p.json").exists(), err
+    assert "fails on float inputs but runs on integers (token ids): pass --vocab-size N" in err
+    assert "hetsplit.profile(model, sample, devices)" in err and "profiling" not in out
+    code, out, err = _run(capsys, *argv, "--vocab-size", "50")
+    assert code == 0 and "(input (6,), token ids < 50, float32, synthetic data)" in out, err
+    prof = Profile.load(tmp_path / "p.json")
+    assert prof.model["dtype"] == "int64" and prof.model["input_shape"] == [[6]]
+    assert all(len(prof.entry(name).measurements) == 2 for name in prof.devices)

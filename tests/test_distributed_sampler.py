@@ -213,3 +213,52 @@ def test_local_batch_cuts_nests_and_serves_a_zero_share_the_loader_s_stand_in():
     dataset = torch.utils.data.TensorDataset(torch.arange(10))
     (served,) = next(iter(hd.data_loader(dataset, zero, shuffle=False, num_replicas=3, rank=2)))
     assert served.tolist() == [0, 1]  # what hd.data_loader serves it
+
+
+def short_last_batch(ctx):
+    # data_loader(pad=False) with the plan's weighting: 15 samples in global batches of 8, so
+    # the last holds 7, cut [4, 3] by the plan [5, 3]. Rank 1's 3 rows are its planned share,
+    # yet weigh 3/7 there, not 3/8: the weighting must take the short batch's sizes from the loader.
+    import torch
+    import torch.nn.functional as F
+    from helpers import max_rel_grad_error, mlp
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import hetsplit.distributed as hd
+
+    plan = plan_from_sizes(None, ["rank0", "rank1"], [5, 3])
+    gen = torch.Generator().manual_seed(3)
+    x, y = torch.randn(15, 6, generator=gen, dtype=torch.float64), torch.randint(0, 3, (15,), generator=gen)
+    res = {}
+    for method in ("hook", "outputs"):
+        ddp = DDP(mlp(6, 5, 3))
+        hd.weight_gradients(ddp, plan, method=method)
+        loader = hd.data_loader(torch.utils.data.TensorDataset(x, y), plan, shuffle=False, pad=False)
+        errors, rows = [], []
+        for step, (bx, by) in enumerate(loader):
+            ddp.zero_grad()
+            F.cross_entropy(ddp(bx), by).backward()
+            ref = mlp(6, 5, 3)
+            F.cross_entropy(ref(x[8 * step : 8 * step + 8]), y[8 * step : 8 * step + 8]).backward()
+            errors.append(max_rel_grad_error(ddp.module, ref))
+            rows.append(len(bx))
+        res[method] = {"rows": rows, "errors": errors}
+    ddp = DDP(mlp(6, 5, 3))  # a script cutting its own global batches: hd.local_batch hands the cut over too
+    hd.weight_gradients(ddp, plan)
+    F.cross_entropy(ddp(*hd.local_batch((x[8:],), plan)), hd.local_batch(y[8:], plan)).backward()
+    ref = mlp(6, 5, 3)
+    F.cross_entropy(ref(x[8:]), y[8:]).backward()
+    res["local_batch"] = max_rel_grad_error(ddp.module, ref)
+    return res
+
+
+def test_an_unpadded_short_last_batch_trains_exactly_with_the_plan_s_weighting(tmp_path):
+    from helpers import run_ranks
+
+    ranks = run_ranks({"short_last_batch": short_last_batch}, tmp_path, world=2)
+    for rank, res in enumerate(ranks["short_last_batch"]):
+        assert isinstance(res, dict), res  # was: rank 0 refused the last step, advising the sampler it used
+        for method in ("hook", "outputs"):
+            assert res[method]["rows"] == [[5, 4], [3, 3]][rank], (rank, method, res)
+            assert max(res[method]["errors"]) < 1e-12, (rank, method, res)  # float64: rounding only
+        assert res["local_batch"] < 1e-12, res

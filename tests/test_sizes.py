@@ -104,3 +104,22 @@ def test_a_profile_missing_a_device_is_refused_naming_it_before_any_step():
         hetsplit.HeteroDataParallel(torch.nn.Linear(3, 2), ["cpu", "cpu@0.5"], profile=prof)
     with pytest.raises(ValueError, match=message):
         balanced_split(torch.zeros(10), ["cpu", "cpu@0.5"], profile=prof)
+
+
+def test_a_profile_made_before_torch_compile_serves_the_compiled_model():
+    import hetsplit
+    from hetsplit.profiler import fingerprint
+
+    lenet, mlp = torch.nn.Sequential(torch.nn.Conv2d(1, 6, 5)), torch.nn.Linear(3, 2)
+    prof = Profile.from_measurements({"cpu": [(100, 0.1)], "cpu@0.25": [(100, 0.4)]})
+    prof.model = {"name": "LeNet", "fingerprint": fingerprint(lenet)}
+    compiled = torch.compile(lenet)  # an OptimizedModule: its parameters are named _orig_mod.*
+    assert fingerprint(compiled) == fingerprint(lenet)
+    dp = hetsplit.HeteroDataParallel(compiled, ["cpu", "cpu@0.25"], profile=prof)
+    assert dp.sizes_for(50) == [40, 10]
+    with pytest.raises(ValueError) as e:  # another model, compiled, is still another model
+        hetsplit.HeteroDataParallel(torch.compile(mlp), ["cpu", "cpu@0.25"], profile=prof)
+    assert str(e.value).startswith(
+        f"the profile was recorded for another model: LeNet (fingerprint {fingerprint(lenet)}), but this model is "
+        f"Linear (fingerprint {fingerprint(mlp)}); "
+    )

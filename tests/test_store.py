@@ -44,8 +44,14 @@ def test_other_schema_version_and_damage_name_the_file(tmp_path):
     doc = json.loads(path.read_text())
     doc["schema_version"] = 99
     path.write_text(json.dumps(doc))
-    with pytest.raises(ProfileFileError, match=r"p\.json: schema version 99"):
+    with pytest.raises(ProfileFileError, match=r"p\.json: schema version 99 .*newer.*; upgrade hetsplit") as e:
         Profile.load(path)
+    assert "re-create" not in str(e.value) and "\n" not in str(e.value)
+    doc["schema_version"] = 0  # an older file is re-created, not a reason to upgrade
+    path.write_text(json.dumps(doc))
+    with pytest.raises(ProfileFileError, match=r"p\.json: schema version 0, .*re-create it") as e:
+        Profile.load(path)
+    assert "upgrade" not in str(e.value)
     path.write_text(path.read_text()[:40])
     with pytest.raises(ProfileFileError, match=r"p\.json: damaged file"):
         Profile.load(path)

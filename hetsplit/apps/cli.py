@@ -132,6 +132,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--input-shape", type=_ints, help="shape of one sample, e.g. 3,32,32 (needed for your own model)")
     p.add_argument("--dtype", choices=DTYPES, default="float32", help="parameter and input dtype (default float32)")
+    p.add_argument(
+        "--vocab-size",
+        type=_positive_int,
+        help="your model takes token ids: inputs are integers drawn from 0..N-1 (int64, whatever --dtype)",
+    )
     p.add_argument("--batch-sizes", type=_ints, help="the ladder of batch sizes (default 2,4,8,...,256)")
     p.add_argument("--batch-size", type=_positive_int, default=256, help="batch to show the split of (default 256)")
     _budget(p, 30.0)

@@ -128,14 +128,24 @@ def cmd_profile(args: argparse.Namespace) -> int:
         files.check_writable(store.profile_dir(args.profile_dir), directory=True)
     replacing = args.out is not None and args.out.exists()
     torch.set_num_threads(cpu_threads(devs, args.threads))
-    spec = load_model(args.model, tuple(args.input_shape) if args.input_shape else None)
+    builtin = args.model in BUILTIN_MODELS
+    if builtin and args.vocab_size is not None:
+        raise ValueError(
+            f"--vocab-size is for your own model taking token ids; the built-in {args.model!r} takes floats"
+        )
+    spec = load_model(args.model, tuple(args.input_shape) if args.input_shape else None, args.vocab_size)
+    if spec.takes_ids and spec.vocab is None:  # else the first step fails in torch's words about an embedding
+        raise ValueError(
+            f"model {args.model!r} fails on float inputs but runs on integers (token ids): pass --vocab-size N "
+            "(ids drawn from 0..N-1), or profile it from Python with hetsplit.profile(model, sample, devices)"
+        )
     dtype = getattr(torch, args.dtype)
     model = build_model(spec).to(dtype)
-    builtin = args.model in BUILTIN_MODELS
     x, y = synthetic_batch(spec, 16, dtype=dtype, targets=builtin)  # your model: its output summed, any shape
     emulated = [d.name for d in devs if d.emulated]
+    inputs = f"token ids < {spec.vocab}, " if spec.vocab else ""
     print(
-        f"profiling {spec.name} (input {tuple(spec.input_shape)}, {args.dtype}, synthetic data) on "
+        f"profiling {spec.name} (input {tuple(spec.input_shape)}, {inputs}{args.dtype}, synthetic data) on "
         f"{', '.join(d.name for d in devs)}; {_threads(torch.get_num_threads())}"
     )
     if emulated:

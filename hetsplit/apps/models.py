@@ -96,6 +96,8 @@ class ModelSpec:
             ``None`` when the output is no ``(batch, classes)`` tensor of logits.
         output: What the model's output was found to be, for the error when it is needed
             as logits.
+        vocab: Token ids: inputs are integers drawn from ``range(vocab)``; ``None``: float inputs.
+        takes_ids: Whether the model failed on float inputs but ran on integer ones (token ids).
     """
 
     name: str
@@ -103,6 +105,8 @@ class ModelSpec:
     input_shape: tuple[int, ...]
     num_classes: int | None = 10
     output: str = ""
+    vocab: int | None = None
+    takes_ids: bool = False
 
 
 BUILTIN_MODELS: dict[str, ModelSpec] = {
@@ -113,13 +117,17 @@ BUILTIN_MODELS: dict[str, ModelSpec] = {
 }
 
 
-def load_model(name: str, input_shape: tuple[int, ...] | None = None) -> ModelSpec:
+def load_model(name: str, input_shape: tuple[int, ...] | None = None, vocab: int | None = None) -> ModelSpec:
     """Resolve a built-in model name or ``package.module:factory`` to a :class:`ModelSpec`.
 
     Args:
         name: ``cnn``, ``lenet``, ``resnet18``, ``mlp``, or ``package.module:factory`` where
             ``factory()`` returns an ``nn.Module``.
         input_shape: Shape of one sample; required for a user's model.
+        vocab: A user's model takes token ids: its inputs are integers in ``range(vocab)``.
+
+    Returns:
+        The :class:`ModelSpec`, with the classes of a user's model's output found by one forward.
 
     Raises:
         ValueError: If the name is unknown, the factory cannot be imported, or a user
@@ -143,28 +151,49 @@ def load_model(name: str, input_shape: tuple[int, ...] | None = None) -> ModelSp
         raise ValueError(f"model factory {name!r} is not callable")
     if not input_shape:
         raise ValueError(f"model {name!r} needs --input-shape, the shape of one sample such as 3,32,32")
-    classes, output = _output_classes(factory, tuple(input_shape))
-    return ModelSpec(name, factory, tuple(input_shape), classes, output)
+    classes, output, takes_ids = _output_classes(factory, tuple(input_shape), vocab)
+    return ModelSpec(name, factory, tuple(input_shape), classes, output, vocab, takes_ids)
 
 
-def _output_classes(factory: Callable[[], nn.Module], shape: tuple[int, ...]) -> tuple[int | None, str]:
-    """The classes of a user model's output, from one forward of two samples: ``(C, "")`` or ``(None, why not)``.
+def _output_classes(
+    factory: Callable[[], nn.Module], shape: tuple[int, ...], vocab: int | None = None
+) -> tuple[int | None, str, bool]:
+    """The classes of a user model's output, from one forward of two samples.
 
     demo and bench draw targets in ``range(C)``; they assumed 10, and a model of 3 outputs
     failed inside a step (``IndexError: Target 6 is out of bounds``).
+
+    Args:
+        factory: Builds the model.
+        shape: One sample's shape.
+        vocab: Token ids in ``range(vocab)`` as inputs; ``None``: float inputs.
+
+    Returns:
+        ``(C, "", takes_ids)`` or ``(None, why not, takes_ids)``; ``takes_ids`` is whether
+        float inputs failed where integer ones (token ids 0) ran.
     """
+    gen = torch.Generator().manual_seed(0)
+    sample = torch.randint(0, vocab, (2, *shape), generator=gen) if vocab else torch.randn(2, *shape, generator=gen)
+    takes_ids = False
     try:
         model = factory()
         if not isinstance(model, nn.Module):
-            return None, f"is built by a factory returning {type(model).__name__}"
+            return None, f"is built by a factory returning {type(model).__name__}", False
         with torch.no_grad():
-            out = model(torch.randn(2, *shape, generator=torch.Generator().manual_seed(0)))
+            try:
+                out = model(sample)
+            except Exception:
+                if vocab:
+                    raise
+                # An embedding refuses floats: try ids, so that the CLI can ask for --vocab-size.
+                out = model(torch.zeros(2, *shape, dtype=torch.long))
+                takes_ids = True
     except Exception as e:  # build_model and the step report it in full; here only why there are no classes
-        return None, f"could not be computed ({type(e).__name__}: {str(e)[:120]})"
+        return None, f"could not be computed ({type(e).__name__}: {str(e)[:120]})", False
     if isinstance(out, torch.Tensor) and out.is_floating_point() and out.dim() == 2 and out.shape[1] >= 1:
-        return int(out.shape[1]), ""
+        return int(out.shape[1]), "", takes_ids
     what = f"a tensor of shape {tuple(out.shape)}" if isinstance(out, torch.Tensor) else type(out).__name__
-    return None, f"is {what}"
+    return None, f"is {what}", takes_ids
 
 
 @overload
@@ -194,7 +223,10 @@ def synthetic_batch(
             f"but its output {spec.output}; give a classifier, or time any model with 'hetsplit profile'"
         )
     gen = torch.Generator().manual_seed(seed)
-    x = torch.randn((batch, *spec.input_shape), generator=gen, dtype=dtype)
+    if spec.vocab:  # token ids (int64), whatever the parameters' dtype
+        x = torch.randint(0, spec.vocab, (batch, *spec.input_shape), generator=gen)
+    else:
+        x = torch.randn((batch, *spec.input_shape), generator=gen, dtype=dtype)
     y = None
     if targets and spec.num_classes is not None:
         y = torch.randint(0, spec.num_classes, (batch,), generator=gen)

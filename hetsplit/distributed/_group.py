@@ -108,6 +108,28 @@ def _store_outlives_peers(rank: int | None) -> bool:
     return os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true" or rank == 0
 
 
+def ran_out_of_memory(error: BaseException) -> bool:
+    """Whether ``error`` is this rank's own out-of-memory error, not a peer's failure that quotes one.
+
+    A survivor's collective fails with a line that quotes the failed rank's note ("rank 1 ran
+    out of memory ... (CUDA out of memory ...)"), torch wrapping it in a ``RuntimeError``:
+    that is a peer's death, so the survivor must neither note an out-of-memory error of its
+    own nor be told to take a smaller share.
+
+    Args:
+        error: The exception a step raised.
+
+    Returns:
+        ``True`` for torch's ``OutOfMemoryError``, or an error saying "out of memory" that is
+        neither a :class:`DistributedError` nor a communication failure (:func:`is_failure`).
+    """
+    import torch
+
+    if isinstance(error, torch.OutOfMemoryError):
+        return True
+    return is_out_of_memory(error) and not isinstance(error, DistributedError) and not is_failure(error)
+
+
 def note_out_of_memory(error: BaseException, step: int | None = None) -> None:
     """This rank ran out of memory in a step (``error``): the line the other ranks' failures will quote."""
     where = f" at step {step}" if step is not None else ""
@@ -132,7 +154,7 @@ def note_out_of_memory_in_backward() -> bool:
 
 
 def _note_if_out_of_memory(error: BaseException) -> None:
-    if is_out_of_memory(error):  # the step the weighting hooks noted at this step's forward
+    if ran_out_of_memory(error):  # the step the weighting hooks noted at this step's forward
         note_out_of_memory(error, _current_step())
 
 
@@ -305,7 +327,7 @@ class guard:  # lower case: used like a function, `with hd.guard(step=i):`
     def __exit__(
         self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None
     ) -> Literal[False]:
-        if error is not None and is_out_of_memory(error) and not isinstance(error, DistributedError):
+        if error is not None and ran_out_of_memory(error):
             step = self.step if self.step is not None else _current_step()
             note_out_of_memory(error, step)
             raise _oom_error(error, step, self.group) from error
@@ -326,8 +348,10 @@ def _oom_error(error: BaseException, step: int | None, group: Any) -> Distribute
     where = ", ".join(
         x for x in (f"rank {rank}" if rank is not None else "", f"step {step}" if step is not None else "") if x
     )
+    text = str(error).strip()
+    first = text.splitlines()[0][:200] if text else type(error).__name__  # one line, without torch's stack
     return DistributedError(
-        f"{where or 'this rank'}: out of memory ({error}); every rank stops: give this rank a smaller share or "
+        f"{where or 'this rank'}: out of memory ({first}); every rank stops: give this rank a smaller share or "
         "micro-batches (a profile with its memory cap and hd.plan(..., accumulate=True), then hd.micro_batches) "
         "or use a smaller batch",
         step=step,

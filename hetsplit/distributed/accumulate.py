@@ -20,7 +20,7 @@ from ..planning.plan import Plan
 from ..tree import batch_length, split_rows
 from . import sharded as _sharded
 from ._group import group_info
-from .zero_share import is_stand_in
+from .zero_share import IN_HAND, is_stand_in
 
 
 def micro_batches(
@@ -79,7 +79,15 @@ def micro_batches(
         rank, _ = group_info(group)
     sizes = _sharded.rank_micro(plan, rank, kind == "fsdp2")
     n = batch_length(batch, dim)
-    if n != plan.sizes[rank] and not is_stand_in(plan.sizes[rank], n):
+    short = IN_HAND.short  # an epoch's short last global batch (pad=False), as the loader cut it
+    if short is not None and len(short) == len(plan.sizes) and len(sizes) > 1:
+        raise ValueError(
+            f"rank {rank}: an epoch's short last global batch {short} is not cut into this rank's micro-batches "
+            f"{sizes}: build the loader with drop_last=True (or pad=True)"
+        )
+    if short is not None and len(short) == len(plan.sizes) and (n == short[rank] or is_stand_in(short[rank], n)):
+        pass  # one micro-batch: the short share runs whole, weighted by the short batch's sizes
+    elif n != plan.sizes[rank] and not is_stand_in(plan.sizes[rank], n):
         raise ValueError(
             f"rank {rank}: the batch has {n} samples but the plan gives this rank {plan.sizes[rank]}; "
             "pass this rank's share (hd.data_loader gives it)"

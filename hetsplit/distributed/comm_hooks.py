@@ -16,7 +16,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..emulation import is_out_of_memory
 from ..parallel.reduce import shard_weight, shard_weights
 from ..planning.plan import Plan
 from ..tree import batch_length, flatten, tree_map
@@ -29,6 +28,7 @@ from ._group import (
     note_out_of_memory,
     note_out_of_memory_in_backward,
     note_step,
+    ran_out_of_memory,
     verify_plan,
 )
 from .report import SplitReport
@@ -61,6 +61,8 @@ class WeightingState:
         self.step: int | None = None
         self.buffers: dict[int, torch.Tensor] = {}  # per bucket: the packing buffer, reused every step
         self.weight: float | None = None  # with a plan: this rank's constant weight b_r / B
+        # With a plan: the running step's weight, b_r / B, or b'_r / B' for an epoch's short last global batch.
+        self.now: float | None = None
         self.planned: int | None = None  # with a plan: this rank's samples per step
         self.micro: list[int] | None = None  # with a plan: this rank's micro-batches, when several
         self.pos = 0  # the next micro-batch
@@ -80,12 +82,44 @@ class WeightingState:
         if self.report is None:
             self.report = SplitReport.following(plan)
         if plan is None:
-            self.weight = self.planned = None
+            self.weight = self.planned = self.now = None
             return
         self.planned = plan.sizes[self.rank]
         micro = _sharded.rank_micro(plan, self.rank, self.sharded)
         self.micro = micro if len(micro) > 1 else None
-        self.weight = shard_weight(self.planned, plan.batch_size, self.reduction)
+        self.weight = self.now = shard_weight(self.planned, plan.batch_size, self.reduction)
+
+    def follow(self, local: int) -> None:
+        """Check a step of ``local`` samples against the plan and set its weight (:attr:`now`).
+
+        A step of the plan's sizes is weighted by the plan; an epoch's short last global
+        batch that :func:`~hetsplit.distributed.data_loader` or
+        :func:`~hetsplit.distributed.local_batch` handed out (``pad=False``: every rank's
+        rows cut in the plan's proportions, the same cut on every rank) by those rows.
+
+        Raises:
+            DistributedError: If the step has neither the plan's size nor the short batch's.
+        """
+        assert self.planned is not None and self.plan is not None
+        short = self.in_hand.short
+        if short is not None and len(short) == len(self.plan.sizes):
+            mine = short[self.rank]
+            if local == mine or is_stand_in(mine, local):
+                self.now = shard_weight(mine, sum(short), self.reduction)
+                return
+        # A share of 0 is served two real samples (the sampler's zero_share="sample"), which the
+        # plan's weight, 0, leaves out of the gradient.
+        elif local == self.planned or is_stand_in(self.planned, local):
+            self.now = self.weight
+            return
+        expected = f"the plan gives this rank {self.planned}"
+        if short is not None:
+            expected = f"this rank's share of the short global batch {short} is {short[self.rank]}"
+        raise DistributedError(
+            f"rank {self.rank}: this step has {local} samples but {expected}; "
+            "steps must follow the plan (use hd.data_loader), or call weight_gradients(ddp) "
+            "without a plan to weight steps of any size"
+        )
 
     def started(self) -> None:
         """A training forward began: count it as this rank's next step."""
@@ -119,11 +153,11 @@ def _weighted_allreduce(state, bucket):  # type: ignore[no-untyped-def]
     sends zeros, whatever its (empty-batch, possibly NaN) gradient holds.
     """
     grads = bucket.buffer()
-    if state.weight is not None:
+    if state.now is not None:
         # Steps follow the plan (checked in the forward pre-hook): the weights are known, so
         # the bucket is scaled in place and summed, as cheaply as DDP's own Python hook.
-        if state.weight:
-            grads.mul_(state.weight)
+        if state.now:
+            grads.mul_(state.now)
         else:
             grads.zero_()  # a rank with no samples (its empty-batch gradient may be NaN)
         return dist.all_reduce(grads, group=state.group, async_op=True).get_future().then(partial(_first, state))
@@ -310,14 +344,8 @@ def weight_gradients(
             _micro_step(state, rank)
             return
         state.started()
-        # A share of 0 is served two real samples (the sampler's zero_share="sample"), which the
-        # plan's weight, 0, leaves out of the gradient.
-        if state.planned is not None and state.local != state.planned and not is_stand_in(state.planned, state.local):
-            raise DistributedError(
-                f"rank {rank}: this step has {state.local} samples but the plan gives this rank {state.planned}; "
-                "steps must follow the plan (use HeteroDistributedSampler), or call weight_gradients(ddp) "
-                "without a plan to weight steps of any size"
-            )
+        if state.planned is not None:
+            state.follow(state.local)
 
     if method == "hook":
         _note_out_of_memory_in_forward(inner, state, counted_before=True)
@@ -343,11 +371,11 @@ def weight_gradients(
         if not torch.is_grad_enabled() or module is not owner() or id(module) in _PAUSED:
             return None
         record(args, kwargs)  # after the forward: one Python call per step; an off-plan step still raises
-        if state.weight is None:  # FSDP2 without a plan: B from this step's counts
+        if state.now is None:  # FSDP2 without a plan: B from this step's counts
             total = _sharded.exchanged_total(state.local, module, group, rank)
             weight = shard_weight(state.local, total, reduction)
             return _watch_for_a_sum(state, _scaled(output, world * weight))
-        return _watch_for_a_sum(state, _scaled(output, world * state.weight * state.part))
+        return _watch_for_a_sum(state, _scaled(output, world * state.now * state.part))
 
     state.handles.append(inner.register_forward_hook(after, with_kwargs=True))
     _note_out_of_memory_in_forward(inner, state, counted_before=False)
@@ -365,7 +393,7 @@ def _note_out_of_memory_in_forward(inner: nn.Module, state: WeightingState, *, c
 
     def noted(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
         error = sys.exc_info()[1]  # the hook runs inside torch's `except` when the forward raised
-        if output is None and error is not None and is_out_of_memory(error):
+        if output is None and error is not None and ran_out_of_memory(error):
             note_out_of_memory(error, state.step if counted_before else state.steps)
 
     state.handles.append(inner.register_forward_hook(noted, always_call=True))
@@ -449,9 +477,16 @@ def _micro_step(state: WeightingState, rank: int) -> None:
     # A 0 is a sharded model's filler: two real samples weighted 0 (see sharded._even_micro).
     filler = is_stand_in(micro[state.pos], state.local)
     if state.local != micro[state.pos] and not filler:
+        short = state.in_hand.short
+        why = (
+            f"; an epoch's short last global batch {short} is not cut into micro-batches: "
+            "build the loader with drop_last=True (or pad=True)"
+            if short is not None
+            else f"; run them with {state.micro_call}"
+        )
         raise DistributedError(
             f"rank {rank}: this forward has {state.local} samples but the micro-batches for this rank are "
-            f"{micro} (next: {micro[state.pos]}); run them with {state.micro_call}"
+            f"{micro} (next: {micro[state.pos]}){why}"
         )
     if state.pos == 0:
         state.started()  # a step is all of the rank's micro-batches

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..devices import Device, DeviceLike, parse_device
+from ..planning import checks
 from ..planning.curve import Curve
 from ..planning.memory import micro_batched
 from ..planning.plan import Plan, scaled_step
@@ -181,6 +182,7 @@ def plan(
         or not (0 <= calibrate_seconds < math.inf)
     ):
         raise ValueError(f"calibrate_seconds must be a number of seconds >= 0, got {calibrate_seconds!r}")
+    checks.materialised(model, "hd.plan")  # every rank alike, before any collective
     rank, world = group_info(group)
     verify_dtypes(model, sample, group)  # before DDP or FSDP2 meet them (a mismatch aborts a process)
     batchnorm = has_batchnorm(model)  # no rank is handed a single sample (BatchNorm cannot train on one)

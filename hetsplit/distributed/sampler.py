@@ -203,6 +203,15 @@ class HeteroDistributedSampler(Sampler[list[int]]):
         """
         return self._sizes(step, self.plan_at(self.epoch_start + step).sizes)
 
+    def short_sizes(self, step: int) -> list[int] | None:
+        """Every rank's rows of batch ``step`` (from the epoch's first) if it is short of ``B``, else ``None``.
+
+        Only a last global batch cut in proportion (``pad=False``) is short: the gradient
+        weighting with a plan weights it by these sizes (see :func:`weight_gradients`).
+        """
+        sizes = self.step_sizes(step)
+        return sizes if sum(sizes) < self.batch_size else None
+
     def is_filler(self, step: int) -> bool:
         """Whether batch ``step`` (from the epoch's first) is the stand-in a share of 0 is served."""
         return self.zero_share == "sample" and self._cut(step, self.plan_at(self.epoch_start + step).sizes)[1] == 0
@@ -250,7 +259,7 @@ class _SharesLoader(DataLoader[Any]):
     def _handed(self, batches: Iterator[Any]) -> Iterator[Any]:
         try:
             for step, batch in enumerate(batches):
-                IN_HAND.hand(self.shares.is_filler(step))
+                IN_HAND.hand(self.shares.is_filler(step), self.shares.short_sizes(step))
                 yield batch
         finally:
             IN_HAND.hand(False)
@@ -281,9 +290,9 @@ def local_batch(batch: Any, plan: Plan, *, rank: int | None = None, dim: int = 0
     real samples that :func:`weight_gradients` counts as 0, with the plan or without it
     (the stand-in is marked as :func:`data_loader` marks it), so the model never meets an
     empty batch. A shorter global batch (an epoch's last) is cut in the plan's
-    proportions, every row once (``data_loader(pad=False)``); with
-    ``weight_gradients(model, plan)`` every step must have the plan's sizes, so weight
-    such steps with ``weight_gradients(model)`` (no plan), or drop the short batch.
+    proportions, every row once (``data_loader(pad=False)``), and
+    ``weight_gradients(model, plan)`` weights that step by those sizes (the cut is
+    handed to it, as by :func:`data_loader`).
     Every tensor whose length along ``dim`` is the batch's is cut, in any nest (a
     ``BatchEncoding`` keeps its type); other values go whole.
 
@@ -316,7 +325,7 @@ def local_batch(batch: Any, plan: Plan, *, rank: int | None = None, dim: int = 0
     sizes = list(plan.sizes) if n == plan.batch_size else sizes_from_weights(n, plan.sizes)
     start, count = sum(sizes[:rank]), sizes[rank]
     stand_in = count == 0 and n > 0
-    IN_HAND.hand(stand_in)
+    IN_HAND.hand(stand_in, sizes if 0 < n < plan.batch_size else None)
     if stand_in:  # as the sampler serves a zero share: the global batch's first rows, weighted 0
         return stand_in_batch(batch, dim, rows=n)
     return narrow(batch, start, count, dim=dim, rows=n)

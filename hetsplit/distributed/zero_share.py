@@ -80,25 +80,38 @@ def stand_in_items(dataset: Any) -> list[Any]:
 
 
 class HandOff:
-    """Whether the batch handed to the training loop last, on this thread, is a zero share's stand-in.
+    """What the batch handed to the training loop last, on this thread, is: a stand-in, a short batch's share.
 
     Written by whoever gives a batch to the loop (:func:`~hetsplit.distributed.data_loader`'s
-    iterator, :func:`~hetsplit.distributed.local_batch`) and read by the gradient weighting
-    made without a plan, which then counts the stand-in as 0 samples, as the plan's
-    weighting does.
+    iterator, :func:`~hetsplit.distributed.local_batch`) and read by the gradient weighting:
+    made without a plan, it counts a zero share's stand-in as 0 samples, as the plan's
+    weighting does; made with one, it weights an epoch's short last global batch
+    (``pad=False``) by every rank's real rows there, not by the plan's.
     """
 
     def __init__(self) -> None:
         self._local = threading.local()
 
-    def hand(self, stand_in: bool) -> None:
-        """The batch now handed out is (``True``) or is not a stand-in."""
+    def hand(self, stand_in: bool, short: list[int] | None = None) -> None:
+        """The batch now handed out is (``True``) or is not a stand-in.
+
+        Args:
+            stand_in: Whether it is a zero share's stand-in.
+            short: Every rank's rows of a global batch short of the plan's (the same list
+                on every rank), or ``None`` for a batch of the plan's sizes.
+        """
         self._local.stand_in = stand_in
+        self._local.short = short
 
     @property
     def stand_in(self) -> bool:
         """Whether the batch in hand is a stand-in."""
         return bool(getattr(self._local, "stand_in", False))
+
+    @property
+    def short(self) -> list[int] | None:
+        """Every rank's rows of the short global batch in hand, or ``None`` (the plan's sizes)."""
+        return getattr(self._local, "short", None)
 
 
 # The hand-off between the loaders and the weighting (see the module's doc).

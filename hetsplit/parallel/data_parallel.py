@@ -14,6 +14,7 @@ from torch import nn
 from .. import _torch
 from ..devices import Device, DeviceLike, parse_devices
 from ..emulation import is_out_of_memory
+from ..planning import checks
 from ..planning.plan import Plan
 from ..planning.profile import Profile
 from ..planning.rebalance import Rebalancer
@@ -115,6 +116,7 @@ class HeteroDataParallel(nn.Module):
             )
         self.devices: list[Device] = parse_devices(devices)
         check_wrappable(module)
+        checks.materialised(module, "HeteroDataParallel")  # else torch's "Cannot copy out of meta tensor" at a step
         _check_one_device(module)
         self.module = module
         self.dim = dim

@@ -68,3 +68,24 @@ def device_count(value: Any, what: str) -> int:
     if not 1 <= value <= MAX_DEVICES:
         raise ValueError(f"{what} must be between 1 and {MAX_DEVICES:,} devices, got {value:,}")
     return int(value)
+
+
+def materialised(model: Any, where: str) -> None:
+    """Refuse a model with parameters or buffers on the ``meta`` device (shapes, no data), before any work.
+
+    Args:
+        model: The ``nn.Module`` about to be wrapped, profiled or planned for.
+        where: Who refuses it (``"HeteroDataParallel"``, ``"hetsplit.profile"``, ``"hd.plan"``).
+
+    Raises:
+        ValueError: Naming the first tensor on the meta device and how to materialise the model.
+    """
+    named = [*model.named_parameters(), *model.named_buffers()]
+    on_meta = [name for name, t in named if t.is_meta]
+    if on_meta:
+        more = f" and {len(on_meta) - 1} more are" if len(on_meta) > 1 else " is"
+        raise ValueError(
+            f"{where}: the model's {on_meta[0]!r}{more} on the meta device (shapes without data); materialise "
+            "the model first: model.to_empty(device='cpu') (or the device to train on), then initialise its weights "
+            "(reset_parameters() or load_state_dict)"
+        )

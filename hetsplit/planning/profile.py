@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from .. import files, store
+from .. import _torch, files, store
 from ..devices import DeviceInfo, DeviceLike, canonical_name, describe, local_gpus
 from ..version import __version__
 from . import checks
@@ -30,8 +30,17 @@ def fingerprint(model: torch.nn.Module) -> str:
     """A short hash of the model's class and parameter/buffer names, shapes and dtypes (not values).
 
     What a profile records of the model it timed, so that a profile of another model is
-    never used for this one (:func:`hetsplit.planning.sizes.check_profile`).
+    never used for this one (:func:`hetsplit.planning.sizes.check_profile`). A compiled
+    module (``torch.compile(model)``) has the fingerprint of the module it compiled: the
+    same parameters, the same step, so a profile made before compiling still applies.
+
+    Args:
+        model: The module (compiled or not).
+
+    Returns:
+        16 hex digits.
     """
+    model = _torch.uncompiled(model)
     h = hashlib.sha256(type(model).__qualname__.encode())
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
         # A lazy module's parameter has no shape before its first forward.

@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import _torch
 from ..devices import DeviceLike, canonical_name
 from . import checks
 from .plan import Plan, sizes_from_weights
@@ -100,9 +101,10 @@ def check_profile(profile: Profile, devices: Sequence[DeviceLike], model: Any = 
     mine = fingerprint(model)
     if mine != recorded:
         theirs = profile.model.get("name") or "a model"
+        ours = type(_torch.uncompiled(model)).__name__
         raise ValueError(
             f"the profile was recorded for another model: {theirs} (fingerprint {recorded}), but this model is "
-            f"{type(model).__name__} (fingerprint {mine}); profile this model (hetsplit.profile(model, sample, "
+            f"{ours} (fingerprint {mine}); profile this model (hetsplit.profile(model, sample, "
             "devices)), or pass plan= or weights="
         )
 
