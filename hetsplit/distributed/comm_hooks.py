@@ -38,7 +38,10 @@ from .zero_share import IN_HAND, HandOff, is_stand_in
 class WeightingState:
     """What the comm hook needs: this step's local batch size, the reduction, and the plan's weight.
 
-    ``steps`` counts the training forwards (with gradients) of the weighted model;
+    ``steps`` counts the optimizer steps of the weighted model: a step starts at the first
+    training forward (with gradients) after one whose backward synchronised the gradients,
+    so the forwards a script accumulates under DDP's ``no_sync()`` (or
+    ``require_backward_grad_sync = False``) and the plan's micro-batches are one step;
     ``step`` is the one running (from 0), named by a failure in its all-reduce.
     """
 
@@ -59,6 +62,7 @@ class WeightingState:
         self.local = 0
         self.steps = 0
         self.step: int | None = None
+        self.open = False  # a step has started whose gradients are not synchronised yet
         self.buffers: dict[int, torch.Tensor] = {}  # per bucket: the packing buffer, reused every step
         self.weight: float | None = None  # with a plan: this rank's constant weight b_r / B
         self.planned: int | None = None  # with a plan: this rank's samples per step
@@ -87,13 +91,22 @@ class WeightingState:
         self.micro = micro if len(micro) > 1 else None
         self.weight = shard_weight(self.planned, plan.batch_size, self.reduction)
 
-    def started(self) -> None:
-        """A training forward began: count it as this rank's next step."""
-        self.step = self.steps
-        self.steps += 1
-        note_step(self.step)
-        if self.report is not None:
-            self.report.step(self.plan)
+    def started(self, syncs: bool = True, batch: bool = True) -> None:
+        """A training forward began: the first after a synchronised one starts this rank's next step.
+
+        Args:
+            syncs: Whether its backward synchronises the gradients (ends the step).
+            batch: Whether it starts a global batch (not a further micro-batch of the plan's).
+        """
+        if not self.open:
+            self.step = self.steps
+            self.steps += 1
+            note_step(self.step)
+            if self.report is not None:
+                self.report.step(self.plan)
+        if batch and self.report is not None:
+            self.report.batch()
+        self.open = not syncs
 
     def failed(self, error: BaseException) -> DistributedError:
         """The all-reduce of this step failed (a dead or hung peer): one line naming the step."""
@@ -306,10 +319,13 @@ def weight_gradients(
             state.local = batch_length((args, kwargs), dim)
         if state.planned is None and state.in_hand.stand_in:
             state.local = 0  # data_loader's stand-in for a share of 0: real samples that count for nothing
+        # DDP's no_sync() and nanoGPT's `ddp.require_backward_grad_sync = False` leave this
+        # forward's gradients unsynchronised: the step goes on (an FSDP2 root has no such flag).
+        syncs = getattr(ddp_model, "require_backward_grad_sync", True) is not False
         if state.micro is not None:
-            _micro_step(state, rank)
+            _micro_step(state, rank, syncs)
             return
-        state.started()
+        state.started(syncs)
         # A share of 0 is served two real samples (the sampler's zero_share="sample"), which the
         # plan's weight, 0, leaves out of the gradient.
         if state.planned is not None and state.local != state.planned and not is_stand_in(state.planned, state.local):
@@ -442,7 +458,7 @@ def _scaled(output: Any, factor: float) -> Any:
     return scale(output) if isinstance(output, torch.Tensor) else tree_map(scale, output)
 
 
-def _micro_step(state: WeightingState, rank: int) -> None:
+def _micro_step(state: WeightingState, rank: int, syncs: bool = True) -> None:
     """A forward of one of this rank's micro-batches: checked against the plan, its share noted."""
     micro = state.micro
     assert micro is not None
@@ -453,8 +469,8 @@ def _micro_step(state: WeightingState, rank: int) -> None:
             f"rank {rank}: this forward has {state.local} samples but the micro-batches for this rank are "
             f"{micro} (next: {micro[state.pos]}); run them with {state.micro_call}"
         )
-    if state.pos == 0:
-        state.started()  # a step is all of the rank's micro-batches
+    # A step is all of the rank's micro-batches (an FSDP2 model synchronises each: the last ends it).
+    state.started(syncs and state.pos == len(micro) - 1, batch=state.pos == 0)
     if filler:
         state.part = 0.0
     else:  # the micro-batch's weight in the rank's gradient, as a shard's in the step's
