@@ -55,3 +55,90 @@ def test_a_torchrun_script_on_hd_plan_s_plan_hears_its_measured_step_at_exit(cap
     ], lines
     report_module._end_runs()
     assert capsys.readouterr().out == ""  # said once
+
+
+def test_a_step_of_accumulated_batches_is_timed_whole_and_predicted_as_that_many(capsys, monkeypatch):
+    """The Trainer's step_end(batches): the optimizer step is timed whole, not divided into its batches."""
+    monkeypatch.delenv("HETSPLIT_QUIET", raising=False)
+    plan = Plan(["rank0:cpu", "rank1:cpu"], [4, 4], [0.02, 0.02], 8)  # one global batch: 20 ms
+    now = [0.0]
+    report = hd.SplitReport("HeteroTrainer", 0, clock=lambda: now[0])
+    for _ in range(3):
+        report.step(plan)
+        now[0] += 0.09  # four global batches of the step
+        report.step_end(4)
+        now[0] += 1.0  # evaluation: no step's time
+    report.end(plan)
+    line = capsys.readouterr().out.splitlines()[-1]
+    assert line == (
+        "hetsplit: HeteroTrainer: measured step 90.0 ms (median of 2 after 1 warm-up, rank 0, start to end; "
+        "4 global batches accumulated each), predicted 4 x 20.0 ms = 80.0 ms (error -11%)"
+    ), line
+
+
+def _accumulating(ctx):
+    """Steps of 4 accumulated global batches (nanoGPT's require_backward_grad_sync, DDP's no_sync()) and of
+    the plan's 3 micro-batches (hd.micro_batches), on a clock each forward moves by 10 ms: rank 0's end line."""
+    import contextlib
+    import io
+
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from hetsplit.distributed import report as report_module
+
+    now = [0.0]
+
+    class Timed(torch.nn.Linear):
+        def forward(self, x):
+            now[0] += 0.01
+            return super().forward(x)
+
+    said = {}
+    for mode in ("require_backward_grad_sync", "no_sync", "micro_batches"):
+        micro = [[2, 2, 2], [2]] if mode == "micro_batches" else [[6], [2]]
+        plan = Plan(["rank0:cpu", "rank1:cpu"], [6, 2], [0.008, 0.008], 8, micro_batches=micro)
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            report = hd.SplitReport("hd.plan", ctx.rank, clock=lambda: now[0])
+            report.announce(plan, follow=True)
+            ddp = DDP(Timed(3, 1).double())
+            hd.weight_gradients(ddp, plan)
+            x, y = torch.randn(plan.sizes[ctx.rank], 3).double(), torch.randn(plan.sizes[ctx.rank], 1).double()
+            for _ in range(5):
+                if mode == "micro_batches":
+                    for xm, ym in hd.micro_batches(ddp, (x, y), plan):
+                        F.mse_loss(ddp(xm), ym).backward()
+                    continue
+                for k in range(4):
+                    last = k == 3
+                    if mode == "no_sync":
+                        with contextlib.nullcontext() if last else ddp.no_sync():
+                            F.mse_loss(ddp(x), y).backward()
+                    else:
+                        ddp.require_backward_grad_sync = last
+                        F.mse_loss(ddp(x), y).backward()
+            report.end()
+            report_module._FOLLOWED.clear()
+        said[mode] = out.getvalue().splitlines()[1:]
+    return said
+
+
+def test_the_measured_step_is_an_optimizer_step_over_its_accumulated_batches(tmp_path, monkeypatch):
+    from helpers import run_ranks
+
+    monkeypatch.delenv("HETSPLIT_QUIET", raising=False)
+    said = run_ranks({"accumulating": _accumulating}, tmp_path)["accumulating"]
+    four = (
+        "hetsplit: hd.plan: measured step 40.0 ms (median of 3 after 1 warm-up, rank 0, start to start; "
+        "4 global batches accumulated each), predicted 4 x 8.0 ms = 32.0 ms (error -20%)"
+    )
+    assert said[0]["require_backward_grad_sync"] == [four], said[0]
+    assert said[0]["no_sync"] == [four], said[0]
+    # The plan's own micro-batches are one global batch: 3 forwards of rank 0 a step, predicted once.
+    assert said[0]["micro_batches"] == [
+        "hetsplit: hd.plan: measured step 30.0 ms (median of 3 after 1 warm-up, rank 0, start to start), "
+        "predicted 8.0 ms (error -73%)"
+    ], said[0]
+    assert said[1] == {mode: [] for mode in said[0]}  # rank 1 says nothing

@@ -218,6 +218,36 @@ loader = hd.data_loader(dataset, plan)
 """,
         job="torchrun",
     ),
+    "torchrun-nanogpt": Setup(
+        _TORCHRUN_INIT
+        + """
+class GPT(nn.Module):  # nanoGPT's shape: model(X, Y) returns (logits, loss)
+    def __init__(self):
+        super().__init__()
+        self.wte, self.head = nn.Embedding(32, 16), nn.Linear(16, 32)
+
+    def forward(self, idx, targets):
+        logits = self.head(torch.tanh(self.wte(idx)))
+        return logits, F.cross_entropy(logits.view(-1, 32), targets.view(-1))
+
+
+tokens = torch.randint(32, (1024,), generator=torch.Generator().manual_seed(0))
+batch_size, block_size, gradient_accumulation_steps, max_iters = 8, 8, 2, 3
+ddp_world_size = torch.distributed.get_world_size()
+model = GPT()
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
+def get_batch(split):
+    ix = torch.randint(len(tokens) - block_size - 1, (batch_size,))
+    x = torch.stack([tokens[i : i + block_size] for i in ix])
+    return x, torch.stack([tokens[i + 1 : i + 1 + block_size] for i in ix])
+""",
+        after="""
+assert plan.batch_size == 16 and len(X) == plan.sizes[torch.distributed.get_rank()]
+""",
+        job="torchrun",
+    ),
     "torchrun-rebalance": Setup(
         _TORCHRUN_INIT
         + """

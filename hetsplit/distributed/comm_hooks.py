@@ -34,11 +34,16 @@ from ._group import (
 from .report import SplitReport
 from .zero_share import IN_HAND, HandOff, is_stand_in
 
+_WEIGHTED = "_hetsplit_weighting"  # on the weighted model: its WeightingState
+
 
 class WeightingState:
     """What the comm hook needs: this step's local batch size, the reduction, and the plan's weight.
 
-    ``steps`` counts the training forwards (with gradients) of the weighted model;
+    ``steps`` counts the optimizer steps of the weighted model: a step starts at the first
+    training forward (with gradients) after one whose backward synchronised the gradients,
+    so the forwards a script accumulates under DDP's ``no_sync()`` (or
+    ``require_backward_grad_sync = False``) and the plan's micro-batches are one step;
     ``step`` is the one running (from 0), named by a failure in its all-reduce.
     """
 
@@ -59,6 +64,8 @@ class WeightingState:
         self.local = 0
         self.steps = 0
         self.step: int | None = None
+        self.open = False  # a step has started whose gradients are not synchronised yet
+        self.method = "hook"  # how weight_gradients weights: "hook" or "outputs"
         self.buffers: dict[int, torch.Tensor] = {}  # per bucket: the packing buffer, reused every step
         self.weight: float | None = None  # with a plan: this rank's constant weight b_r / B
         # With a plan: the running step's weight, b_r / B, or b'_r / B' for an epoch's short last global batch.
@@ -121,13 +128,22 @@ class WeightingState:
             "without a plan to weight steps of any size"
         )
 
-    def started(self) -> None:
-        """A training forward began: count it as this rank's next step."""
-        self.step = self.steps
-        self.steps += 1
-        note_step(self.step)
-        if self.report is not None:
-            self.report.step(self.plan)
+    def started(self, syncs: bool = True, batch: bool = True) -> None:
+        """A training forward began: the first after a synchronised one starts this rank's next step.
+
+        Args:
+            syncs: Whether its backward synchronises the gradients (ends the step).
+            batch: Whether it starts a global batch (not a further micro-batch of the plan's).
+        """
+        if not self.open:
+            self.step = self.steps
+            self.steps += 1
+            note_step(self.step)
+            if self.report is not None:
+                self.report.step(self.plan)
+        if batch and self.report is not None:
+            self.report.batch()
+        self.open = not syncs
 
     def failed(self, error: BaseException) -> DistributedError:
         """The all-reduce of this step failed (a dead or hung peer): one line naming the step."""
@@ -316,11 +332,23 @@ def weight_gradients(
             'method="outputs" needs the plan (the weights must be known before the step); '
             'use method="hook" for steps of any size'
         )
+    # A model weighted twice (hd.plan(ddp, ...) weights it too) would scale its gradients twice.
+    earlier = ddp_model.__dict__.get(_WEIGHTED)
+    if earlier is not None:
+        if earlier.plan is plan and earlier.method == method and earlier.reduction == reduction:
+            return typing.cast(WeightingState, earlier)
+        raise ValueError(
+            "this model's gradients are weighted already (by hd.plan(ddp, ...) or an earlier weight_gradients) "
+            f"with method={earlier.method!r} and another plan or reduction; weight it once, and change its plan "
+            "with the state's set_plan(plan)"
+        )
     if plan is not None:
         verify_plan(plan, group)
     rank, world = group_info(group)
     state = WeightingState(group, reduction, rank, world, sharded=sharded)
     state.set_plan(plan)
+    state.method = method
+    ddp_model.__dict__[_WEIGHTED] = state  # not an nn.Module attribute: no state_dict, no deep copy rule
     # The hooks travel with copy.deepcopy(ddp.module) (an EMA model, an evaluation copy);
     # they act only on the module they were registered on, so a copy runs unweighted.
     # FSDP2 has no inner module: its hooks go on the root (which torch refuses to copy).
@@ -340,10 +368,13 @@ def weight_gradients(
             state.local = batch_length((args, kwargs), dim)
         if state.planned is None and state.in_hand.stand_in:
             state.local = 0  # data_loader's stand-in for a share of 0: real samples that count for nothing
+        # DDP's no_sync() and nanoGPT's `ddp.require_backward_grad_sync = False` leave this
+        # forward's gradients unsynchronised: the step goes on (an FSDP2 root has no such flag).
+        syncs = getattr(ddp_model, "require_backward_grad_sync", True) is not False
         if state.micro is not None:
-            _micro_step(state, rank)
+            _micro_step(state, rank, syncs)
             return
-        state.started()
+        state.started(syncs)
         if state.planned is not None:
             state.follow(state.local)
 
@@ -470,7 +501,7 @@ def _scaled(output: Any, factor: float) -> Any:
     return scale(output) if isinstance(output, torch.Tensor) else tree_map(scale, output)
 
 
-def _micro_step(state: WeightingState, rank: int) -> None:
+def _micro_step(state: WeightingState, rank: int, syncs: bool = True) -> None:
     """A forward of one of this rank's micro-batches: checked against the plan, its share noted."""
     micro = state.micro
     assert micro is not None
@@ -488,8 +519,8 @@ def _micro_step(state: WeightingState, rank: int) -> None:
             f"rank {rank}: this forward has {state.local} samples but the micro-batches for this rank are "
             f"{micro} (next: {micro[state.pos]}){why}"
         )
-    if state.pos == 0:
-        state.started()  # a step is all of the rank's micro-batches
+    # A step is all of the rank's micro-batches (an FSDP2 model synchronises each: the last ends it).
+    state.started(syncs and state.pos == len(micro) - 1, batch=state.pos == 0)
     if filler:
         state.part = 0.0
     else:  # the micro-batch's weight in the rank's gradient, as a shard's in the step's

@@ -128,9 +128,14 @@ def plan(
     many micro-batches as the others (:func:`hetsplit.planning.solver.solve_lockstep`),
     so a fast rank's extra micro-batches are priced in, not only the capped rank's.
 
+    Given the ``DistributedDataParallel`` model itself, its module is planned and its
+    gradients are weighted by the plan, as :func:`weight_gradients` ``(ddp, plan)`` does
+    (one line for both; call :func:`weight_gradients` yourself for its state, which
+    :class:`DistributedRebalancer` takes).
+
     Args:
         model: The model (unwrapped, the module inside DDP, an FSDP2 root module, or a
-            module holding one).
+            module holding one), or the DDP model (its gradients then weighted by the plan).
         sample: Example input for the profiler (see :func:`hetsplit.profile`).
         batch_size: The global batch: samples per step across all ranks.
         device: This rank's device (default: ``cuda:LOCAL_RANK`` if CUDA is available,
@@ -182,6 +187,14 @@ def plan(
         or not (0 <= calibrate_seconds < math.inf)
     ):
         raise ValueError(f"calibrate_seconds must be a number of seconds >= 0, got {calibrate_seconds!r}")
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        chosen = plan(
+            model.module, sample, batch_size, device=device, loss_fn=loss_fn, target=target, profile=profile,
+            weights=weights, calibrate=calibrate, calibrate_seconds=calibrate_seconds, accumulate=accumulate,
+            group=group, quiet=quiet, **profile_kwargs,
+        )  # fmt: skip
+        weight_gradients(model, chosen, group=group)
+        return chosen
     checks.materialised(model, "hd.plan")  # every rank alike, before any collective
     rank, world = group_info(group)
     verify_dtypes(model, sample, group)  # before DDP or FSDP2 meet them (a mismatch aborts a process)

@@ -35,9 +35,12 @@ def is_quiet(quiet: bool) -> bool:
 class SplitReport:
     """What hetsplit says about a split: one line when training starts, one when it ends (rank 0).
 
-    At the run's first training step, the split in force with its predicted step (the
-    plan's slowest share) and which devices are emulated; at the end (:meth:`end`), the
-    measured step beside the prediction: the median time from the start of one training
+    A step is an optimizer step: one synchronisation of the gradients, however many global
+    batches were accumulated into it (micro-batches, each counted by :meth:`batch`). At the
+    run's first training step, the split in force with its predicted step (the plan's
+    slowest share, for one global batch) and which devices are emulated; at the end
+    (:meth:`end`), the measured step beside the prediction (times the global batches a step
+    accumulates, said as such): the median time from the start of one optimizer
     step to the next on rank 0, over every step of the run but the first (warm-up:
     allocations, lazy initialisation), where each step ends in the gradients' all-reduce
     every rank waits for, so rank 0's period is the job's. Each line is said once per
@@ -49,7 +52,8 @@ class SplitReport:
     ``quiet`` (:func:`is_quiet`) or on another rank.
 
     In a torchrun script: ``report = hd.SplitReport("train.py", dist.get_rank())``, then
-    ``report.step(plan)`` at the start of every training step, ``report.pause()`` where
+    ``report.step(plan)`` at the start of every optimizer step (``report.batch()`` at each
+    global batch it accumulates, when several), ``report.pause()`` where
     training stops for a while (evaluation), and ``report.end(plan)`` after the last (or
     ``report.end(plan, measured=seconds)`` with a step time of your own).
     :func:`hetsplit.distributed.plan` says the split when it is made, so the first
@@ -66,6 +70,8 @@ class SplitReport:
     def __init__(self, who: str, rank: int, quiet: bool = False, clock: Callable[[], float] | None = None) -> None:
         self.who, self.on, self.clock = who, rank == 0 and not is_quiet(quiet), clock
         self.periods: list[float] = []  # the run's step times, start to start (the first one's included)
+        self.batches: list[int] = []  # the global batches each of those steps accumulated
+        self._count = 0  # the global batches of the running step (batch)
         self._ended = False  # the steps were timed start to end (step_end), not start to start
         self._last: float | None = None  # when the running step started (None: paused, or not started)
         self._first: Plan | None = None  # the plan of the run's first step (None: no run yet)
@@ -103,7 +109,7 @@ class SplitReport:
             self._say(f"{self.who}: {line}")
 
     def step(self, plan: Plan | None, devices: Sequence[str] | None = None) -> None:
-        """A training step of ``plan`` starts (the run's first says the split; ``devices``: one name per rank)."""
+        """An optimizer step of ``plan`` starts (the run's first says the split; ``devices``: one name per rank)."""
         if not self.on or plan is None:
             return
         now = self._now()
@@ -112,20 +118,29 @@ class SplitReport:
             if plan is not self._said:
                 self._say(self._start_line(plan, devices))
         elif self._last is not None:
-            self.periods.append(now - self._last)
-        self._last, self._plan = now, plan
+            self._timed(now - self._last, self._count)
+        self._last, self._plan, self._count = now, plan, 0
 
-    def step_end(self, batches: int = 1) -> None:
+    def batch(self) -> None:
+        """A global batch of the running optimizer step starts (one of several accumulated into it)."""
+        self._count += 1
+
+    def step_end(self, batches: int | None = None) -> None:
         """The running step ended: its time since :meth:`step` is timed, and nothing until the next step.
 
         Args:
-            batches: Global batches the step ran (the Trainer's gradient accumulation): the
-                step timed is their mean, as the plan predicts one global batch.
+            batches: Global batches the step accumulated (the Trainer's gradient
+                accumulation; default: those :meth:`batch` counted). The whole step is
+                timed; the prediction is multiplied by them.
         """
         if not self.on or self._last is None:
             return
-        self.periods.append((self._now() - self._last) / max(batches, 1))
+        self._timed(self._now() - self._last, self._count if batches is None else batches)
         self._last, self._ended = None, True
+
+    def _timed(self, seconds: float, batches: int) -> None:
+        self.periods.append(seconds)
+        self.batches.append(max(batches, 1))  # a script that never calls batch(): one each
 
     def pause(self) -> None:
         """Training stops for a while (a pass over the loader ended, an evaluation runs): the run goes on.
@@ -158,11 +173,16 @@ class SplitReport:
             warm = WARMUP_STEPS if len(self.periods) > WARMUP_STEPS else 0
             timed = self.periods[warm:]
             median = statistics.median(timed)
+            # The global batches a step accumulated: the count most steps had (an epoch's last may have fewer).
+            counts = self.batches[warm:]
+            each = max(sorted(set(counts)), key=counts.count)
             which = f"median of {len(timed)} after {warm} warm-up" if warm else "1 step, warm-up included"
             span = "start to end" if self._ended else "start to start"
-            line = f"{self.who}: measured step {_ms(median)} ({which}, rank 0, {span})"
-            self._say(line + _against(plan, median, self._first))
+            accumulated = f"; {each} global batches accumulated each" if each > 1 else ""
+            line = f"{self.who}: measured step {_ms(median)} ({which}, rank 0, {span}{accumulated})"
+            self._say(line + _against(plan, median, self._first, each))
         self._last, self._first, self._plan, self.periods, self._ended = None, None, None, [], False
+        self.batches, self._count = [], 0
 
     def _now(self) -> float:
         return self.clock() if self.clock is not None else time.perf_counter()
@@ -204,14 +224,19 @@ def _end_at_exit() -> None:
     atexit.register(_end_runs)
 
 
-def _against(plan: Plan | None, measured: float, first: Plan | None) -> str:
-    """The prediction beside a measured step (and a rebalanced split), as the end line says them."""
-    predicted = plan.step_time if plan is not None else math.nan
-    if math.isfinite(predicted) and predicted > 0:
+def _against(plan: Plan | None, measured: float, first: Plan | None, batches: int = 1) -> str:
+    """The prediction beside a measured step (and a rebalanced split), as the end line says them.
+
+    The plan predicts one global batch; a step that accumulates ``batches`` is predicted as that many.
+    """
+    one = plan.step_time if plan is not None else math.nan
+    if math.isfinite(one) and one > 0:
+        predicted = one * batches
         # The error as every output states it: (predicted - measured) / measured, negative when
         # the step took longer than planned (the demo, bench, docs/benchmarks.md).
         error = f" (error {predicted / measured - 1:+.0%})" if measured > 0 else ""
-        line = f", predicted {_ms(predicted)}{error}"
+        times = f"{batches} x {_ms(one)} = " if batches > 1 else ""
+        line = f", predicted {times}{_ms(predicted)}{error}"
     else:
         line = ", no prediction (shares set by hand)"
     if plan is not None and first is not None and list(plan.sizes) != list(first.sizes):

@@ -12,6 +12,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler, defa
 from ..planning.plan import Plan, sizes_from_weights
 from ..tree import batch_length, narrow, tree_map
 from ._group import group_info
+from .same_batch import check_same_batch
 from .zero_share import IN_HAND, check_zero_share, stand_in_batch, stand_in_indices
 
 
@@ -282,7 +283,9 @@ class _Collate:
         return tree_map(lambda t: t[:0] if isinstance(t, torch.Tensor) else t, one)
 
 
-def local_batch(batch: Any, plan: Plan, *, rank: int | None = None, dim: int = 0, group: Any = None) -> Any:
+def local_batch(
+    batch: Any, plan: Plan, *, rank: int | None = None, dim: int = 0, group: Any = None, check: bool = True
+) -> Any:
     """This rank's rows of a global batch, cut as :func:`data_loader` cuts it: for scripts that make their own batches.
 
     Rank ``r`` takes the ``plan.sizes[r]`` rows at its offset (the shares of the ranks
@@ -296,12 +299,19 @@ def local_batch(batch: Any, plan: Plan, *, rank: int | None = None, dim: int = 0
     Every tensor whose length along ``dim`` is the batch's is cut, in any nest (a
     ``BatchEncoding`` keeps its type); other values go whole.
 
+    Every rank must hold the same global batch: in a process group, the first
+    ``CHECK_FIRST`` (10) global batches and every ``CHECK_EVERY``-th (100) after are
+    compared across ranks by a fingerprint (their shapes and 4096 sampled values, one small
+    all-gather; :mod:`.same_batch`), so every rank must call this for every global batch.
+
     Args:
         batch: The global batch, the same on every rank (a tensor or a nest).
         plan: The plan every rank holds.
         rank: This rank (default: the process group's).
         dim: The batch dimension.
         group: The process group (for the rank).
+        check: Compare the batch across ranks as above; ``False`` for a call that not
+            every rank makes (an evaluation on rank 0).
 
     Returns:
         This rank's rows (views of ``batch``).
@@ -309,6 +319,8 @@ def local_batch(batch: Any, plan: Plan, *, rank: int | None = None, dim: int = 0
     Raises:
         ValueError: If the batch holds more samples than the plan's global batch, or the
             plan has another number of shares than the world.
+        DistributedError: On every rank, when a checked batch differs across ranks (their
+            random generators drifted apart: draw with :func:`shared_batch`).
 
     Example:
         >>> x, y = next(batches)  # the same global batch of plan.batch_size on every rank
@@ -322,6 +334,8 @@ def local_batch(batch: Any, plan: Plan, *, rank: int | None = None, dim: int = 0
             f"the global batch has {n} samples but the plan splits {plan.batch_size}; pass global batches of "
             f"{plan.batch_size} (or fewer: an epoch's last), or solve the plan for {n}"
         )
+    if check:
+        check_same_batch(batch, group)
     sizes = list(plan.sizes) if n == plan.batch_size else sizes_from_weights(n, plan.sizes)
     start, count = sum(sizes[:rank]), sizes[rank]
     stand_in = count == 0 and n > 0

@@ -187,6 +187,7 @@ class HeteroAccelerator(accelerate.Accelerator):  # type: ignore[misc]
         self._provisional = False  # an FSDP2 plan made before the model was sharded: profiled once it is
         self.device_names = [f"rank{r}:{n}" for r, n in enumerate(names)] if names is not None else None
         self.report = core.SplitReport(self.who, self.process_index, given.quiet)
+        self._pass_batches = 0  # the training loader's batches handed out in this pass
         # accelerate has no end of training but end_training(), which a script may not call:
         # a run not ended by then says its measured step at exit (the report only: no collective).
         atexit.register(self.report.end)
@@ -391,12 +392,18 @@ class HeteroAccelerator(accelerate.Accelerator):  # type: ignore[misc]
     steps_in_loader: ClassVar[bool] = True
 
     def _loader_step(self) -> contextlib.AbstractContextManager[Any]:
-        self.report.step(self.plan, self.device_names)
+        # The report's step is an optimizer step: accelerate's accumulate() synchronises every
+        # `gradient_accumulation_steps` batches from a pass's first (and at its end).
+        if self._pass_batches % max(int(self.gradient_accumulation_steps), 1) == 0:
+            self.report.step(self.plan, self.device_names)
+        self.report.batch()
+        self._pass_batches += 1
         return self.rebalance_step()
 
     def _loader_pass_ended(self) -> None:
         # An epoch ended, not the run: evaluation may follow, and is no step's time.
         self.report.pause()
+        self._pass_batches = 0
 
     def end_training(self) -> None:
         """accelerate's end of training, after the measured step beside the predicted one (process 0)."""

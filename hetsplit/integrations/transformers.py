@@ -638,7 +638,7 @@ class _StepTimes(transformers.TrainerCallback):
 
     Timed start to start, a step would hold what the Trainer runs after ``on_step_end`` and
     before the next step: evaluation, checkpoint saving, logging. A step of several
-    accumulated global batches counts as their mean, as the plan predicts one batch.
+    accumulated global batches is timed whole, and said with their number.
     """
 
     def __init__(self, trainer: HeteroTrainer) -> None:

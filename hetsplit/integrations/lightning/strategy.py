@@ -332,8 +332,13 @@ class HeteroStrategy(ParallelStrategy):
     def batch_started(self, index: int, dataloader_idx: int = 0) -> None:
         """Lightning starts batch ``index`` of loader ``dataloader_idx`` (the strategy's callback says so)."""
         self._batch_index, self._dataloader_idx = index, dataloader_idx
-        if self._report is not None and self.module.trainer.state.stage == RunningStage.TRAINING:
-            self._report.step(self.plan, self._labels)
+        trainer = self.module.trainer
+        if self._report is not None and trainer.state.stage == RunningStage.TRAINING:
+            # A step is an optimizer step: Lightning accumulates `accumulate_grad_batches` batches
+            # into each, from the epoch's first (its last may have fewer).
+            if index % max(int(trainer.accumulate_grad_batches), 1) == 0:
+                self._report.step(self.plan, self._labels)
+            self._report.batch()
 
     def training_paused(self) -> None:
         """Training stops for a while (an epoch ended, an evaluation runs): the time until the next step is untimed."""
