@@ -19,6 +19,7 @@ import dataclasses
 import datetime
 import functools
 import importlib
+import inspect
 import re
 from collections.abc import Callable
 from typing import Any
@@ -231,6 +232,40 @@ def user_saved_tensors_hooks(hooks: Hooks | None) -> Hooks | None:
     while hooks is not None and getattr(hooks[0], "_checkpoint_internal", False):
         hooks = getattr(hooks[0], "_user_hooks", None)
     return hooks
+
+
+def checkpoint(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, **kwargs)``, leaving no hooks behind.
+
+    torch before 2.13 leaves a failed checkpointed forward's saved-tensor hooks pushed in
+    the thread that ran it: its generator is closed only when collected, maybe in another
+    thread, whose hooks it then pops. In HeteroDataParallel's persistent worker threads the
+    stale hooks then packed the next steps' activations and recomputed the failed forward in
+    their backward (found on torch 2.8 by tests/test_journeys.py). The generator is closed
+    here, in this thread, as torch 2.13 does itself (where this is a no-op).
+    """
+    from torch.utils.checkpoint import checkpoint as torch_checkpoint
+
+    try:
+        return torch_checkpoint(fn, *args, use_reentrant=False, **kwargs)
+    except BaseException as error:
+        tb = error.__traceback__
+        while tb is not None:
+            gen = tb.tb_frame.f_locals.get("gen") if tb.tb_frame.f_code is _CHECKPOINT_CODE else None
+            if inspect.isgenerator(gen) and gen.gi_frame is not None:
+                gen.close()  # exits its `with _checkpoint_hook(...)`: pops the hooks in this thread
+            tb = tb.tb_next
+        raise
+
+
+def _checkpoint_code() -> Any:
+    """The code of torch's ``checkpoint`` (under its dynamo-disabling wrapper), whose frame holds ``gen``."""
+    from torch.utils import checkpoint as module
+
+    return getattr(inspect.unwrap(module.checkpoint), "__code__", None)
+
+
+_CHECKPOINT_CODE = _checkpoint_code()
 
 
 def backward_keeps_graph() -> bool:

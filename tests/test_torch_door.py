@@ -162,3 +162,28 @@ def test_every_entry_says_what_happens_without_it():
     for p in _torch.PRIVATE:
         assert p.used_for and p.missing, p
         importlib.import_module(p.owner.partition(":")[0])  # the owner is a real module
+
+
+def test_a_failed_checkpointed_forward_leaves_no_saved_tensor_hooks_in_its_thread():
+    # torch before 2.13 left them pushed (its checkpoint's generator closed only when collected, in
+    # whichever thread): a worker thread's next steps were packed by a failed step's hooks.
+    import threading
+
+    def fail(x):
+        raise KeyboardInterrupt
+
+    tops, errors = [], []
+
+    def worker():
+        try:
+            _torch.checkpoint(fail, torch.ones(2, requires_grad=True))
+        except KeyboardInterrupt as error:
+            errors.append(error)  # carried on, as the engine hands a worker's error to the caller's thread
+        tops.append(torch._C._autograd._top_saved_tensors_default_hooks(False))
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    thread.join()
+    assert tops == [None]
+    x = torch.ones(3, requires_grad=True)
+    assert torch.equal(_torch.checkpoint(lambda t: t * t, x), x * x)  # and a forward that runs is torch's

@@ -22,8 +22,8 @@ from typing import Any, NamedTuple, TypeVar
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
+from .. import _torch
 from ..devices import Device
 from ..emulation import is_out_of_memory, release_after_oom
 from ..planning.memory import cap_after_oom
@@ -150,7 +150,7 @@ def _forward_pieces(
         if len(pieces) == 1:
             fn = lambda a=args, k=kwargs: replica(*a, **k)
         else:  # keep inputs and outputs only; backward recomputes this micro-batch alone
-            fn = lambda a=args, k=kwargs: checkpoint(replica, *a, use_reentrant=False, **k)
+            fn = lambda a=args, k=kwargs: _torch.checkpoint(replica, *a, **k)
         before = _generator_state(device.torch_device) if shared and len(pieces) > 1 else None
         seen = versions((args, kwargs)) if len(pieces) > 1 else None
         outs.append(log.watch(i, size, fn, device))
