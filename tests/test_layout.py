@@ -86,7 +86,7 @@ PUBLIC = {
     "hetsplit": 14,
     "hetsplit.parallel": 10,  # torch.nn.parallel's verbs for any devices, and what hetsplit re-exports
     "hetsplit.planning": 6,  # plans and profiles as data
-    "hetsplit.distributed": 12,
+    "hetsplit.distributed": 13,
     "hetsplit.lightning": 3,
     "hetsplit.accelerate": 2,
     "hetsplit.transformers": 2,

@@ -73,9 +73,9 @@ def test_shared_batch_draws_the_same_batches_whatever_one_rank_draws_besides(tmp
 
 def test_shared_batch_gives_torch_s_generator_back_and_continues_its_own_stream():
     import hetsplit.distributed as hd
-    from hetsplit.distributed import same_batch
+    from hetsplit.distributed import sampler
 
-    same_batch._STREAMS.pop(7, None)
+    sampler._STREAMS.pop(7, None)
     torch.manual_seed(1)
     expected = torch.rand(3)
     torch.manual_seed(1)

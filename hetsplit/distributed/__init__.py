@@ -4,7 +4,7 @@
 (ranks, collectives that fail with one clear error) → ``rank_plan`` (each rank profiles its
 device, rank 0 solves, DDP steps calibrate; ``report`` says the split and its predicted
 step) → ``sampler`` (each rank's share of every global batch, from a dataset or from a
-global batch in hand; ``same_batch`` that batch the same on every rank; ``zero_share`` what
+global batch in hand; ``same_batch`` checks that batch is the same on every rank; ``zero_share`` what
 a rank with a share of 0 runs; ``accumulate`` its micro-batches) → ``comm_hooks`` (gradients
 weighted by shard) → ``rebalance`` (online rebalancing across ranks; ``step_time`` times a
 rank's compute apart from its waits and the step's collectives); ``teardown`` waits at exit for gloo's workers.
@@ -16,8 +16,7 @@ from .comm_hooks import weight_gradients
 from .rank_plan import plan
 from .rebalance import DistributedRebalancer
 from .report import SplitReport
-from .same_batch import shared_batch
-from .sampler import HeteroDistributedSampler, data_loader, local_batch
+from .sampler import HeteroDistributedSampler, data_loader, local_batch, shared_batch
 from .setup import init
 from .teardown import drain_at_exit
 

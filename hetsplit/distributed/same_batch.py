@@ -13,13 +13,11 @@ every :data:`CHECK_EVERY`-th after.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from ..planning.plan import Plan
 from ..tree import flatten
 from ._group import DistributedError, all_gather, group_info
 
@@ -85,54 +83,3 @@ def check_same_batch(batch: Any, group: Any = None) -> None:
             "hd.shared_batch(get_batch, ..., plan=plan), or make every rank draw the same",
             step=count,
         )
-
-
-# The shared stream's state, per seed: torch's CPU generator as it stands between training draws.
-_STREAMS: dict[int, torch.Tensor] = {}
-
-
-def shared_batch(
-    draw: Callable[..., Any], *args: Any, plan: Plan | None, seed: int = 0, dim: int = 0, group: Any = None
-) -> Any:
-    """``draw(*args)``, the global batch, drawn from a random stream every rank shares; this rank's rows of it.
-
-    While ``draw`` runs, torch's CPU generator (``torch.randint``, ``torch.randperm``, ...
-    without ``generator=`` or a CUDA ``device=``) is swapped for a stream seeded with ``seed``
-    that only these calls advance: every rank draws the same global batch, whatever else
-    draws random numbers on some ranks only (an evaluation on rank 0, dropout). The
-    generator is given back as it was. Then :func:`~hetsplit.distributed.local_batch` cuts
-    this rank's rows and checks that every rank drew the same batch. A draw that uses
-    another generator (NumPy's, Python's ``random``, a CUDA one) is not covered: the check
-    then names the batch where the ranks differ. Without a plan (a one-process run) the
-    whole batch comes back, drawn from the same stream, so a run of one process draws the
-    batches a run of several does.
-
-    Args:
-        draw: Makes one global batch of ``plan.batch_size`` rows (nanoGPT's ``get_batch``).
-        *args: Passed to ``draw`` (``"train"``).
-        plan: The plan every rank holds, or ``None`` (one process: nothing cut, nothing checked).
-        seed: The stream's seed, the same on every rank.
-        dim: The batch dimension.
-        group: The process group.
-
-    Returns:
-        This rank's rows of the global batch (the whole batch without a plan).
-
-    Raises:
-        DistributedError: On every rank, if the ranks drew different batches (a checked batch).
-        ValueError: As :func:`~hetsplit.distributed.local_batch`.
-
-    Example:
-        >>> X, Y = hd.shared_batch(get_batch, "train", plan=plan)
-    """
-    from .sampler import local_batch  # sampler imports this module
-
-    mine = torch.get_rng_state()
-    stream = _STREAMS.get(seed)
-    torch.set_rng_state(stream if stream is not None else torch.Generator().manual_seed(seed).get_state())
-    try:
-        batch = draw(*args)
-    finally:
-        _STREAMS[seed] = torch.get_rng_state()
-        torch.set_rng_state(mine)
-    return batch if plan is None else local_batch(batch, plan, dim=dim, group=group)
