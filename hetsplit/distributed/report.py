@@ -11,25 +11,17 @@ from __future__ import annotations
 import atexit
 import functools
 import math
-import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
 
 from ..devices import parse_device
 from ..planning.plan import Plan
-
-# The variable that silences every integration's split report, as quiet=True does.
-QUIET_ENV = "HETSPLIT_QUIET"
+from ..store import QUIET_ENV as QUIET_ENV  # the variable that silences every line here, as quiet=True does
+from ..store import is_quiet as is_quiet
 
 # The steps at a run's start that its measured step leaves out (warm-up), when there are more.
 WARMUP_STEPS = 1
-
-
-def is_quiet(quiet: bool) -> bool:
-    """``quiet``, or ``$HETSPLIT_QUIET`` set to anything but empty, ``0``, ``false``, ``no`` or ``off``."""
-    flag = os.environ.get(QUIET_ENV, "").strip().lower()
-    return bool(quiet) or flag not in ("", "0", "false", "no", "off")
 
 
 class SplitReport:
