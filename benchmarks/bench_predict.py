@@ -292,7 +292,7 @@ def run_threads(work: Workload, devices: str, args: argparse.Namespace) -> dict[
     if has_batchnorm(base) and 1 in plan.sizes:  # as hetsplit bench plans: BatchNorm cannot train on one sample
         plan = without_single_sample_shares(plan, profile=prof)
     home = home_device(devs)
-    dp = HeteroDataParallel(copy.deepcopy(base).to(home), devs, plan=plan)
+    dp = HeteroDataParallel(copy.deepcopy(base).to(home), devs, plan=plan, quiet=True)
     x, y = _to(inputs, dp.output_device), _to(target, dp.output_device)
     busy: list[dict[str, float]] = []
 

@@ -236,6 +236,16 @@ def _skip_damaged(item: _Stored, reason: str) -> None:
 
 _PACKAGE = os.path.dirname(os.path.abspath(__file__))
 
+# The variable that silences hetsplit's lines about a split (every integration's report,
+# hd.plan's, HeteroDataParallel's), as quiet=True does.
+QUIET_ENV = "HETSPLIT_QUIET"
+
+
+def is_quiet(quiet: bool) -> bool:
+    """``quiet``, or ``$HETSPLIT_QUIET`` set to anything but empty, ``0``, ``false``, ``no`` or ``off``."""
+    flag = os.environ.get(QUIET_ENV, "").strip().lower()
+    return bool(quiet) or flag not in ("", "0", "false", "no", "off")
+
 
 def warn_at_caller(message: str, category: type[Warning] = UserWarning) -> None:
     """``warnings.warn(message)`` reported at the first line outside hetsplit and torch: the user's call.

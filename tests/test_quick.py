@@ -173,3 +173,43 @@ def test_emulation_that_holds_adds_no_line(monkeypatch):
 
 def solve_sizes(prof, batch):
     return hetsplit.solve(prof, batch).sizes
+
+
+def test_a_wrapper_split_by_the_calibration_predicts_no_step_of_the_user_s_model(monkeypatch, capsys):
+    """Issue 44: dp.plan.step_time was the calibration MLP's ~1 ms beside a model's step of ~130 ms."""
+    import json
+    import math
+
+    from hetsplit.distributed import SplitReport
+    from hetsplit.planning.plan import Plan
+
+    _fake_profiler(monkeypatch, [STEADY])
+    dp = hetsplit.HeteroDataParallel(nn.Linear(3, 2), ["cpu", "cpu@0.25"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dp(torch.randn(40, 3)).sum().backward()
+    plan = dp.plan
+    assert plan.sizes == [32, 8]  # the shares still follow each device's throughput
+    assert plan.stand_in == "calibration-mlp" and math.isnan(plan.step_time), plan
+    assert math.isnan(plan.speedup_vs_even) and plan.noise_notes() == []
+    data = json.loads(json.dumps(plan.to_dict()))
+    assert data["step_time"] is None and data["stand_in"] == "calibration-mlp"
+    assert Plan.from_dict(data).stand_in == "calibration-mlp"
+    SplitReport("train.py", 0).announce(plan)
+    out = capsys.readouterr().out
+    assert "no predicted step (split by a quick calibration of each device, which times calibration-mlp" in out
+
+
+def test_a_profiled_plan_still_predicts_its_step_and_old_plan_files_load():
+    from hetsplit.planning.plan import Plan
+    from hetsplit.planning.solver import solve
+
+    prof = Profile.from_measurements({"cpu": [(100, 0.1)], "cpu@0.25": [(100, 0.4)]})
+    plan = solve(prof, 100)
+    assert plan.stand_in == "" and plan.step_time == pytest.approx(0.08)
+    old = plan.to_dict()
+    del old["stand_in"]  # a file written before the field
+    assert Plan.from_dict(old).step_time == pytest.approx(0.08)
+    # A calibration corrected by the model's own measured steps times that model.
+    for source, stand_in in [("calibration", "calibration-mlp"), ("calibration+rebalanced", "")]:
+        assert Profile(prof.entries, model={"name": "calibration-mlp"}, source=source).stand_in == stand_in

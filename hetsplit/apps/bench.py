@@ -177,9 +177,9 @@ def bench(
     for dev in devs:
         configs[f"single:{dev.name}"] = plain_step(copy.deepcopy(base).to(dev.torch_device), dev, x, y)
     busy: dict[str, list[dict[str, float]]] = {"even": [], "balanced": []}
-    even_dp = HeteroDataParallel(copy.deepcopy(base).to(home), devs, weights=[1] * len(devs))
+    even_dp = HeteroDataParallel(copy.deepcopy(base).to(home), devs, weights=[1] * len(devs), quiet=True)
     configs["even"] = dp_step(even_dp, x, y, mode, busy["even"])
-    bal_dp = HeteroDataParallel(copy.deepcopy(base).to(home), devs, plan=plan)
+    bal_dp = HeteroDataParallel(copy.deepcopy(base).to(home), devs, plan=plan, quiet=True)
     configs["balanced"] = dp_step(bal_dp, x, y, mode, busy["balanced"])
     calibration: dict[str, Any] = {}
     if calibrate > 0:
@@ -192,7 +192,7 @@ def bench(
         busy["balanced"].clear()
     real = [d for d in devs if not d.emulated and d.torch_device == home]
     if real:
-        one = HeteroDataParallel(copy.deepcopy(base).to(home), [real[0]], weights=[1])
+        one = HeteroDataParallel(copy.deepcopy(base).to(home), [real[0]], weights=[1], quiet=True)
         configs["one-device"] = dp_step(one, x, y, mode)
     say(f"timing {len(configs)} configurations round-robin, {steps} steps each (balanced split {plan.sizes}) ...")
     step_times = time_steps(configs, devs, steps, warmup, progress=progress)

@@ -197,7 +197,7 @@ def bench_rebalance(
     x, y = synthetic_batch(spec, batch_size, seed=seed)
     home = home_device(devs)
     reb = Rebalancer(every=every, on_change=lambda c: say(f"plan change at {c}"))
-    dp = HeteroDataParallel(spec.factory().to(home), devs, weights=[1] * len(devs))
+    dp = HeteroDataParallel(spec.factory().to(home), devs, weights=[1] * len(devs), quiet=True)
     step = dp_step(dp, x, y, "gather")
     times: list[float] = []
     sizes: list[list[int]] = []
@@ -222,7 +222,7 @@ def bench_rebalance(
         candidates = _neighbours(settled.sizes, batch_size)
         sweep = {}
         for cand in candidates:
-            fixed = HeteroDataParallel(spec.factory().to(home), devs, weights=cand)
+            fixed = HeteroDataParallel(spec.factory().to(home), devs, weights=cand, quiet=True)
             sweep[str(cand)] = dp_step(fixed, x, y, "gather")
         medians = time_steps(sweep, devs, sweep_steps, 1)
     finally:

@@ -11,25 +11,17 @@ from __future__ import annotations
 import atexit
 import functools
 import math
-import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
 
 from ..devices import parse_device
 from ..planning.plan import Plan
-
-# The variable that silences every integration's split report, as quiet=True does.
-QUIET_ENV = "HETSPLIT_QUIET"
+from ..store import QUIET_ENV as QUIET_ENV  # the variable that silences every line here, as quiet=True does
+from ..store import is_quiet as is_quiet
 
 # The steps at a run's start that its measured step leaves out (warm-up), when there are more.
 WARMUP_STEPS = 1
-
-
-def is_quiet(quiet: bool) -> bool:
-    """``quiet``, or ``$HETSPLIT_QUIET`` set to anything but empty, ``0``, ``false``, ``no`` or ``off``."""
-    flag = os.environ.get(QUIET_ENV, "").strip().lower()
-    return bool(quiet) or flag not in ("", "0", "false", "no", "off")
 
 
 class SplitReport:
@@ -197,7 +189,7 @@ class SplitReport:
         line += (
             f"; predicted step {_ms(predicted)}"
             if math.isfinite(predicted) and predicted > 0
-            else ("; no predicted step (shares set by hand, nothing profiled)")
+            else f"; no predicted step ({_unpredicted(plan)})"
         )
         emulated = sorted({_bare(n) for n in names if _emulated(n)} | {_bare(n) for n in plan.emulated})
         if emulated:
@@ -238,10 +230,17 @@ def _against(plan: Plan | None, measured: float, first: Plan | None, batches: in
         times = f"{batches} x {_ms(one)} = " if batches > 1 else ""
         line = f", predicted {times}{_ms(predicted)}{error}"
     else:
-        line = ", no prediction (shares set by hand)"
+        line = f", no prediction ({_unpredicted(plan)})"
     if plan is not None and first is not None and list(plan.sizes) != list(first.sizes):
         line += f"; rebalanced to {list(plan.sizes)}"
     return line
+
+
+def _unpredicted(plan: Plan | None) -> str:
+    """Why a plan predicts no step: sizes by hand, or times of another model than the one trained."""
+    if plan is not None and plan.stand_in:
+        return f"split by a quick calibration of each device, which times {plan.stand_in}, not this model"
+    return "shares set by hand, nothing profiled"
 
 
 def _bare(name: str) -> str:

@@ -18,6 +18,7 @@ from ..planning import checks
 from ..planning.plan import Plan
 from ..planning.profile import Profile
 from ..planning.rebalance import Rebalancer
+from ..store import is_quiet, warn_at_caller
 from ..timing import BusyLog, Lap
 from ..tree import batch_length, flatten, move, to_device
 from .apply import parallel_apply, run_parallel
@@ -36,11 +37,12 @@ from .micro import (
     with_recovery,
 )
 from .outputs import ScalarPolicy, check_policy, combine, policy_weights
+from .paying import PayCheck
 from .replicas import _Replicator, check_wrappable, module_device
 from .scatter_gather import gather, scatter_to
 from .sizes import BatchPlans
 
-_RUNTIME = ("_replicator", "_step", "_log", "_lock", "_mem", "_stray")
+_RUNTIME = ("_replicator", "_step", "_log", "_lock", "_mem", "_stray", "_pay")
 
 
 class HeteroDataParallel(nn.Module):
@@ -60,7 +62,9 @@ class HeteroDataParallel(nn.Module):
     and the buffers a step changed are merged back (floating ones shard-weighted,
     integer ones by the sum of increments; docs/one-process.md: "Buffers"). :attr:`step_times` holds
     each device's busy seconds in the last step; with ``rebalance`` they feed the
-    rebalancer at the next step.
+    rebalancer at the next step. After a few steps of one split, a warning says once
+    when its fastest device alone would have been faster, beyond the steps' noise
+    (predicted from that device's busy time on its share; :class:`~hetsplit.parallel.paying.PayCheck`).
 
     Args:
         module: The model; all its parameters and buffers on one device.
@@ -79,6 +83,7 @@ class HeteroDataParallel(nn.Module):
         accumulate: Let a device with a memory cap run its share as micro-batches
             (``plan.micro_batches``); after an out-of-memory error the device's cap is
             lowered, the step re-planned and run again (docs/memory.md).
+        quiet: Say nothing about whether the split pays (``HETSPLIT_QUIET=1`` too).
         sync: Deprecated, ignored: replicas always take the module's parameters through
             autograd, as ``"copy"`` and ``"broadcast"`` both came to. Removed in hetsplit 0.2.
 
@@ -104,6 +109,7 @@ class HeteroDataParallel(nn.Module):
         rebalance: bool | Rebalancer = False,
         scalar_outputs: ScalarPolicy = None,
         accumulate: bool = True,
+        quiet: bool = False,
         sync: str | None = None,
     ) -> None:
         super().__init__()
@@ -121,6 +127,7 @@ class HeteroDataParallel(nn.Module):
         self.module = module
         self.dim = dim
         self.scalar_outputs = check_policy(scalar_outputs)
+        self.quiet = quiet
         self._output_device = parse_devices([output_device])[0].torch_device if output_device is not None else None
         rebalancer = rebalance if isinstance(rebalance, Rebalancer) else Rebalancer(profile) if rebalance else None
         self._plans = BatchPlans(
@@ -145,6 +152,7 @@ class HeteroDataParallel(nn.Module):
         self._lock = threading.RLock()
         self._mem = MemoryLog()
         self._stray: Callable[[], None] | None = None  # the last gathered step's check, run at the next
+        self._pay = PayCheck()
 
     def __getstate__(self) -> dict[str, Any]:
         return {k: v for k, v in self.__dict__.items() if k not in _RUNTIME}
@@ -528,6 +536,9 @@ class HeteroDataParallel(nn.Module):
         if stray is not None:  # a backward of the last step's activations outside the wrapper's output
             stray()
         self._plans.observe(self._log.readable() if self.rebalancer is not None else ())
+        unpaid = self._pay.take()
+        if unpaid is not None and not is_quiet(self.quiet):
+            warn_at_caller(f"hetsplit: {unpaid}")
         plan = self._plans.for_batch(batch_length(batch_tree, self.dim))
         active = [i for i, s in enumerate(plan.sizes) if s > 0]
         step = self.__dict__["_step"] = Step(plan, active, [self.devices[i] for i in active])  # not nn.Module's setattr
@@ -535,6 +546,8 @@ class HeteroDataParallel(nn.Module):
         home = direct_device(step, self.module, self.rebalancer is not None)
         if home is not None:  # no busy times: step_times must not repeat the last split step's
             self._log.end(step.plan, keep=False)
+        else:
+            self._pay.start(step)
         return step, home
 
     def _run(
@@ -550,8 +563,11 @@ class HeteroDataParallel(nn.Module):
         return out
 
     def _finish(self, step: Step) -> None:
-        """End a step whose backward has run: its busy times logged."""
+        """End a step whose backward has run: its busy times logged, and timed against its fastest device alone."""
         self._log.end(step.plan, keep=self.rebalancer is not None)
+        settled = self.rebalancer is None or self.rebalancer.steps >= self.rebalancer.every  # it re-solved once
+        if settled:
+            self._pay.end(step, step.plan, self._log.last)
 
     @property
     def step_times(self) -> dict[str, float]:

@@ -37,6 +37,11 @@ class Plan:
         curves: Per device, the step-time curve the plan was solved from (empty for sizes
             given by hand): what a rebalancer starts from, where it has no profile of its
             own (a torchrun job: each rank's curve was measured on its own rank).
+        stand_in: The model whose steps :attr:`times`, :attr:`even_time` and
+            :attr:`single_time` time when it is not the model split (``"calibration-mlp"``:
+            solved from the quick built-in calibration, whose shares follow each device's
+            throughput); :attr:`step_time` is then NaN, since no step of the user's model was
+            predicted. ``""``: the times are the profiled model's own.
     """
 
     devices: list[str]
@@ -51,6 +56,7 @@ class Plan:
     micro_batches: list[list[int]] = dataclasses.field(default_factory=list)
     noise: float = math.nan
     curves: list[Curve] = dataclasses.field(default_factory=list)
+    stand_in: str = ""
 
     def __post_init__(self) -> None:
         check_sizes(self.sizes, self.batch_size, len(self.devices))
@@ -63,7 +69,12 @@ class Plan:
 
     @property
     def step_time(self) -> float:
-        """Predicted seconds of the whole step: the slowest device's time."""
+        """Predicted seconds of the whole step: the slowest device's time (NaN for a stand-in's: :attr:`stand_in`)."""
+        return math.nan if self.stand_in else self.slowest
+
+    @property
+    def slowest(self) -> float:
+        """The slowest device's time in :attr:`times`, whoever's they are: what the solver compares plans by."""
         return max(self.times) if self.times else 0.0
 
     @property
@@ -128,7 +139,7 @@ class Plan:
         for key in ("even_time", "single_time"):
             data[key] = _finite_or_none(data[key])
         data["times"] = [_finite_or_none(t) for t in self.times]
-        data["step_time"] = _finite_or_none(self.step_time)
+        data["step_time"] = _finite_or_none(self.step_time)  # null for a stand-in's times: no step of this model
         return data
 
     @classmethod
@@ -151,6 +162,7 @@ class Plan:
             micro_batches=[list(m) for m in data.get("micro_batches") or []],
             noise=math.nan if data.get("noise") is None else float(data["noise"]),  # older files: unknown
             curves=[Curve(**c) for c in data.get("curves") or []],
+            stand_in=str(data.get("stand_in") or ""),  # older files: the times were taken as the model's
         )
 
 

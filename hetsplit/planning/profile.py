@@ -72,6 +72,19 @@ class Profile:
     versions: dict[str, str] = dataclasses.field(default_factory=dict)
     source: str = "measured"
 
+    @property
+    def stand_in(self) -> str:
+        """The model whose steps the curves time when it is not the one being split, else ``""``.
+
+        ``"calibration-mlp"`` for the quick built-in calibration (``source`` ``"calibration"``,
+        noisy or not): its curves give each device's throughput, not the user's model's
+        seconds. A calibration corrected by measured steps (``"calibration+calibrated"``,
+        ``"+rebalanced"``) times the model trained: ``""``.
+        """
+        if not self.source.startswith("calibration") or "+" in self.source:
+            return ""
+        return str(self.model.get("name") or "calibration")
+
     def __post_init__(self) -> None:
         names = [e.name for e in self.entries]
         if not names:

@@ -327,7 +327,7 @@ class Rebalancer:
         target = resolve_plan(plan.batch_size, plan.devices, profile=profile, accumulate=self.accumulate)
         sizes = _bounded(plan.sizes, target.sizes, int(self.max_move * plan.batch_size))
         now = step_time(plan)
-        best = (now - self.communication) / target.step_time if target.step_time > 0 else math.inf
+        best = (now - self.communication) / target.slowest if target.slowest > 0 else math.inf
         self._last_check = (list(plan.sizes), {n: self.log_factors.get(n, 0.0) for n in plan.devices}, best)
         if sizes == list(plan.sizes):
             return None

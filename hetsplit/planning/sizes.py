@@ -296,7 +296,7 @@ def stand_ins_used(plan: Plan, prof: Profile | None, stand_in: int) -> Plan:
     if prof is None or stand_in <= 0 or 0 not in plan.sizes or max(map(len, plan.micro_batches)) > 1:
         return plan
     caps = prof.memory_caps()
-    before = priced_stand_ins(plan, prof, stand_in).step_time
+    before = priced_stand_ins(plan, prof, stand_in).slowest
     sizes = list(plan.sizes)
     for i, s in enumerate(plan.sizes):
         if s != 0:
@@ -316,6 +316,6 @@ def stand_ins_used(plan: Plan, prof: Profile | None, stand_in: int) -> Plan:
         return plan
     moved = plan_from_sizes(prof, plan.devices, sizes)
     # (a tolerance: the curve and the packed table that plan_from_sizes evaluates round differently)
-    if priced_stand_ins(moved, prof, stand_in).step_time > before * (1 + 1e-9):
+    if priced_stand_ins(moved, prof, stand_in).slowest > before * (1 + 1e-9):
         return plan
     return dataclasses.replace(moved, noise=plan.noise)

@@ -90,7 +90,7 @@ def _solve(profile: Profile, entries: Sequence[DeviceProfile], batch_size: int, 
             f"use a smaller batch, more devices, {hint}"
         )
     sizes = _solve_sizes(engine, batch_size)
-    return _make_plan(entries, names, engine, sizes, batch_size)
+    return _make_plan(entries, names, engine, sizes, batch_size, profile.stand_in)
 
 
 # Beyond this many micro-batches per step a lockstep plan is not searched: the all-gathers
@@ -131,7 +131,7 @@ def solve_lockstep(profile: Profile, batch_size: int, *, devices: Sequence[Devic
             plan = solve(repeated, batch_size, devices=names)
         except ValueError:  # the caps hold fewer than batch_size samples in k micro-batches
             continue
-        if best is None or plan.step_time < best[1].step_time:
+        if best is None or plan.slowest < best[1].slowest:
             best = (k, plan)
     if best is None:
         raise ValueError(
@@ -189,7 +189,7 @@ def plan_from_sizes(
     names = [e.info.name for e in entries]
     table = profile.table(names)
     engine = micro_table(table) if accumulate else table
-    return _make_plan(entries, names, engine, np.asarray(sizes, dtype=np.int64), total)
+    return _make_plan(entries, names, engine, np.asarray(sizes, dtype=np.int64), total, profile.stand_in)
 
 
 def _make_plan(
@@ -198,6 +198,7 @@ def _make_plan(
     table: CurveTable | MicroTable,
     sizes: np.ndarray,
     batch_size: int,
+    stand_in: str = "",
 ) -> Plan:
     shares = sizes.tolist()
     micro: list[list[int]] = []  # the plan's default: each share as one batch
@@ -235,6 +236,7 @@ def _make_plan(
         micro_batches=micro,
         noise=_noise(entries),
         curves=[e.curve for e in entries],
+        stand_in=stand_in,
     )
 
 
