@@ -195,6 +195,7 @@ def profile(
     progress: bool | None = None,
     model_name: str | None = None,
     threads: int | None = None,
+    check_emulation: bool = True,
 ) -> Profile:
     """Measure a full training step (forward, loss, backward) of ``model`` on each device.
 
@@ -231,6 +232,9 @@ def profile(
         model_name: Name recorded in the profile (default: the model's class name).
         threads: Torch CPU threads while timing, restored afterwards (default: 1 when every
             device is the CPU, as ``hetsplit profile`` does; :func:`hetsplit.timing.cpu_threads`).
+        check_emulation: Warn in one line (:func:`emulation_warning`) when an emulated device
+            measured more than 1.3x off ``1/speed`` times its real device profiled beside it
+            (``False``: the caller says it, e.g. with the factors of a calibration).
 
     Returns:
         The :class:`Profile`, with raw measurements and fitted curves.
@@ -251,7 +255,11 @@ def profile(
     ):
         entries = _measure(model, devs, sample, target, loss_fn, ladder, repeats, warmup, time_budget / len(devs),
                            find_memory_cap, max_probe, bar)  # fmt: skip
-    return Profile(entries, model=model_record(model, sample, model_name), source="measured")
+    prof = Profile(entries, model=model_record(model, sample, model_name), source="measured")
+    line = emulation_warning(prof) if check_emulation else None
+    if line:
+        warnings.warn(f"hetsplit.profile: {line}", stacklevel=2)
+    return prof
 
 
 # An emulated device measured further than this from 1/speed times its real device is not

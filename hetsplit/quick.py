@@ -172,6 +172,7 @@ def _check_emulation(devices: Sequence[Device]) -> None:
         find_memory_cap=False,
         progress=False,
         model_name="calibration-mlp",
+        check_emulation=False,  # said below, as the quick calibration's
     )
     line = emulation_warning(prof) or ""
     _EMULATION.update({d.name: line for d in devices})

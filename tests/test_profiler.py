@@ -224,7 +224,9 @@ def test_a_memory_slope_of_whole_bytes_is_kept():
 def test_cpu_devices_are_timed_with_one_thread_as_the_cli_advises():
     torch.set_num_threads(2)
     probe = nn.Linear(3, 2)
-    prof = profile(probe, torch.zeros(4, 3), ["cpu", "cpu@0.5"], batch_sizes=[2], repeats=1, warmup=0)
+    prof = profile(
+        probe, torch.zeros(4, 3), ["cpu", "cpu@0.5"], batch_sizes=[2], repeats=1, warmup=0, check_emulation=False
+    )
     assert torch.get_num_threads() == 2  # given back
     # each CPU entry records the threads it was timed with
     assert [e.info.threads for e in prof.entries] == [1, 1]
@@ -330,3 +332,42 @@ def test_a_batch_refused_while_probing_for_the_cap_is_the_device_s_limit_said_on
     # Within the ladder the same failure is the user's to see, not a cap.
     with pytest.raises(RuntimeError, match="a training step of batch 32 failed on cpu"):
         profile(_RefusesLargeBatches(), torch.randn(4, 8), ["cpu"], batch_sizes=[8, 32], repeats=1, progress=False)
+
+
+def test_profile_itself_says_in_one_line_when_an_emulated_device_measured_off_its_speed(monkeypatch):
+    """Beside two busy processes cpu@0.25 measured 2.4x slower than cpu, and hetsplit.profile said nothing."""
+    import warnings
+
+    import hetsplit.profiler as profiler
+    from hetsplit.devices import describe, parse_devices
+    from hetsplit.planning.curve import Curve
+    from hetsplit.planning.profile import Measurement
+    from hetsplit.planning.records import DeviceProfile
+
+    def measured(ratio):
+        def fake(model, devs, *args):  # the measurements a loaded machine gave (no clock involved)
+            times = {"cpu": 1.0, "cpu@0.25": ratio}
+            return [
+                DeviceProfile(
+                    describe(d),
+                    [Measurement(b, [0.001 * b * times[d.name]]) for b in (2, 4)],
+                    Curve.fit([(b, 0.001 * b * times[d.name]) for b in (2, 4)]),
+                )
+                for d in devs
+            ]
+
+        return fake
+
+    devices = parse_devices(["cpu", "cpu@0.25"])
+    monkeypatch.setattr(profiler, "_measure", measured(2.4))
+    with pytest.warns(UserWarning) as caught:
+        profile(Net(), torch.randn(4, 8), devices, batch_sizes=[2, 4], repeats=1, progress=False)
+    (line,) = [str(w.message) for w in caught]
+    assert line.startswith("hetsplit.profile: emulation unreliable here") and "\n" not in line
+    assert "cpu@0.25 measured 2.4x slower than cpu, not 4x" in line and "weights=" in line
+    monkeypatch.setattr(profiler, "_measure", measured(4.4))  # within the noise allowed (1.3x): nothing said
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        profile(Net(), torch.randn(4, 8), devices, batch_sizes=[2, 4], repeats=1, progress=False)
+        monkeypatch.setattr(profiler, "_measure", measured(2.4))  # the caller says it itself
+        profile(Net(), torch.randn(4, 8), devices, batch_sizes=[2, 4], repeats=1, progress=False, check_emulation=False)

@@ -168,6 +168,7 @@ def bench(
         time_budget=profile_budget,
         progress=progress,
         model_name=spec.name,
+        check_emulation=False,  # said in the result, with the calibration's factors (emulation_warning)
         threads=torch.get_num_threads(),  # the threads the configurations train with, whatever they are
     )
     plan = solve(prof, batch_size, devices=[d.name for d in devs])  # a repeated device: its curve per copy

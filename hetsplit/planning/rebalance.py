@@ -18,6 +18,12 @@ from .records import DeviceProfile
 from .sizes import resolve_plan, stand_ins_used
 from .solver import plan_from_sizes
 
+# Steps kept per device to measure how far its estimate wanders by itself (Rebalancer._wander_of).
+NOISE_STEPS = 50
+# The wander's weight in the margin: at 1, a 2x slow-down on a noisy rank with a large fixed cost
+# (tests/test_rebalance.py, FSDP2's case) was followed back 14 steps late.
+WANDER_WEIGHT = 0.75
+
 
 @dataclasses.dataclass
 class PlanChange:
@@ -59,8 +65,11 @@ class Rebalancer:
     device's factor is the median of its last ``window`` corrections, so outlier steps do
     not move it. Every ``every`` steps it re-solves the profile scaled by the factors and
     switches plans only when the predicted gain exceeds ``threshold`` plus twice the
-    estimate's own uncertainty (from the corrections' spread): a steady but noisy mix
-    does not flip back and forth, a real change of speed is followed. A switch moves at
+    estimate's own uncertainty: the corrections' spread, or, where larger, how far each
+    device's estimate wandered by itself over its last 50 steps (a loaded machine's load
+    lasts longer than a window): a steady but noisy mix does not flip back and forth, a
+    real change of speed is followed. The same rule serves
+    :class:`~hetsplit.distributed.DistributedRebalancer`. A switch moves at
     most ``max_move`` of the batch. Both plans are predicted the same way, as they run
     (each device's micro-batches one after another, plus :attr:`communication`), so a new
     plan is never worse than the one in force by the rebalancer's own prediction.
@@ -122,6 +131,8 @@ class Rebalancer:
         self.every, self.threshold, self.max_move, self.window = every, threshold, max_move, window
         self.on_change = on_change
         self.corrections: dict[str, deque[float]] = {}
+        # Each device's predicted seconds (log) of an even share after each of its recent steps.
+        self._wander: dict[str, deque[float]] = {}
         self.log_factors: dict[str, float] = {}
         self.history: list[PlanChange] = []
         self.accumulate = False
@@ -210,6 +221,13 @@ class Rebalancer:
             seen = self.corrections.setdefault(name, deque(maxlen=self.window))
             seen.append(math.log(seconds / base))
             self.log_factors[name] = statistics.median(seen)
+        reference = max(1, plan.batch_size // len(plan.devices))
+        for name, size in zip(plan.devices, plan.sizes):
+            seconds = self._entry(name).curve(reference) if size > 0 and name in self.log_factors else 0.0
+            if 0 < seconds < math.inf:
+                self._wander.setdefault(name, deque(maxlen=NOISE_STEPS)).append(
+                    math.log(seconds) + self.log_factors[name]
+                )
         self.seconds += time.perf_counter() - started
 
     def _use(self, name: str, entry: DeviceProfile) -> None:
@@ -299,16 +317,39 @@ class Rebalancer:
         return bound <= 1.0 + self.threshold + 2.0 * self.uncertainty(active)
 
     def uncertainty(self, devices: Sequence[str]) -> float:
-        """Relative uncertainty of the factors of ``devices`` (standard error of the medians)."""
+        """Relative uncertainty of the factors of ``devices``.
+
+        Each device's is the standard error of its factor's median, or its estimate's measured
+        wander (:meth:`_wander_of`) where larger; the devices' are added in quadrature.
+        """
         total = 0.0
         for name in dict.fromkeys(devices):
             seen = self.corrections.get(name)
             if not seen or len(seen) < 2:
                 continue
-            mid = statistics.median(seen)
-            sigma = 1.4826 * statistics.median(abs(v - mid) for v in seen)  # robust spread (MAD)
-            total += (1.2533 * sigma) ** 2 / len(seen)  # variance of a median
+            error = 1.2533 * _spread(seen) / math.sqrt(len(seen))  # standard error of a median
+            # A loaded machine's noise comes in bursts longer than a window, in which the window's own
+            # spread is small while its median is off: how far the factor itself wandered over the last
+            # steps is the margin measured, whatever the bursts' length.
+            error = max(error, self._wander_of(name))
+            total += error**2
         return math.sqrt(total)
+
+    def _wander_of(self, name: str) -> float:
+        """How far ``name``'s estimate moves in a window's steps on its own: 0 until measured.
+
+        The robust spread of the moves of the device's predicted time over ``window`` steps
+        (÷√2: two estimates' noise), in the older and the newer half of its recent steps, up
+        to the window in force: a machine's load moves it in both halves, a real change of
+        speed (followed, or being shown by the window in force) in one at most; the smaller
+        half is taken.
+        """
+        wander = list(self._wander.get(name, ()))[: -self.window]
+        moves = [b - a for a, b in zip(wander, wander[self.window :])]
+        half = len(moves) // 2
+        if half < self.window:
+            return 0.0
+        return min(_spread(moves[:half]), _spread(moves[half:])) / math.sqrt(2.0) * WANDER_WEIGHT
 
     def _maybe_switch(self, plan: Plan, step: int) -> Plan | None:
         if self._settled(plan):
@@ -351,6 +392,12 @@ class Rebalancer:
         if self.on_change is not None:
             self.on_change(change)
         return with_communication(new, self.communication)
+
+
+def _spread(values: Sequence[float] | deque[float]) -> float:
+    """A robust standard deviation: 1.4826 times the median absolute deviation."""
+    mid = statistics.median(values)
+    return 1.4826 * statistics.median(abs(v - mid) for v in values)
 
 
 def _observed(name: str, fixed: float, per_sample: float) -> DeviceProfile:
