@@ -20,6 +20,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from .version import __version__
+from .version import no_attribute as _no_attribute
 
 # Public names are imported on first use (PEP 562), so `import hetsplit` and the CLI's
 # start are instant: torch loads when a name that needs it is touched, after the CLI has
@@ -71,8 +72,7 @@ def __getattr__(name: str) -> Any:
         return importlib.import_module(_MODULES.get(name, f".{name}"), __name__)
     where = _WHERE.get(name)
     if where is None:
-        instead = f"; it was removed: use {_REMOVED[name]}" if name in _REMOVED else ""
-        raise AttributeError(f"module 'hetsplit' has no attribute {name!r}{instead}")
+        raise _no_attribute(__name__, name, _REMOVED)
     module = importlib.import_module(where, __name__)
     value = getattr(module, name)
     globals()[name] = value

@@ -10,6 +10,7 @@ weighted by shard) → ``rebalance`` (online rebalancing across ranks; ``step_ti
 rank's compute apart from its waits and the step's collectives); ``teardown`` waits at exit for gloo's workers.
 """
 
+from ..version import no_attribute
 from ._group import DistributedError, guard
 from .accumulate import micro_batches
 from .comm_hooks import weight_gradients
@@ -52,5 +53,4 @@ _REMOVED = {
 
 
 def __getattr__(name: str) -> object:
-    instead = f"; it was removed: use {_REMOVED[name]}" if name in _REMOVED else ""
-    raise AttributeError(f"module 'hetsplit.distributed' has no attribute {name!r}{instead}")
+    raise no_attribute(__name__, name, _REMOVED)

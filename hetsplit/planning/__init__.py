@@ -11,6 +11,7 @@ solved from it (:func:`solve`) or written by hand (:func:`plan_from_sizes`), and
 tests import the other names from the modules that define them.
 """
 
+from ..version import no_attribute
 from .plan import Plan
 from .profile import Profile
 from .rebalance import PlanChange, Rebalancer
@@ -39,5 +40,4 @@ _REMOVED = {
 
 
 def __getattr__(name: str) -> object:
-    instead = f"; it was removed: use {_REMOVED[name]}" if name in _REMOVED else ""
-    raise AttributeError(f"module 'hetsplit.planning' has no attribute {name!r}{instead}")
+    raise no_attribute(__name__, name, _REMOVED)
