@@ -37,6 +37,8 @@ class Plan:
         curves: Per device, the step-time curve the plan was solved from (empty for sizes
             given by hand): what a rebalancer starts from, where it has no profile of its
             own (a torchrun job: each rank's curve was measured on its own rank).
+        notes: Lines on shares the planner changed after solving, and why (a device sitting
+            out because its share was too small for BatchNorm's statistics).
     """
 
     devices: list[str]
@@ -51,6 +53,7 @@ class Plan:
     micro_batches: list[list[int]] = dataclasses.field(default_factory=list)
     noise: float = math.nan
     curves: list[Curve] = dataclasses.field(default_factory=list)
+    notes: list[str] = dataclasses.field(default_factory=list)
 
     def __post_init__(self) -> None:
         check_sizes(self.sizes, self.batch_size, len(self.devices))
@@ -151,6 +154,7 @@ class Plan:
             micro_batches=[list(m) for m in data.get("micro_batches") or []],
             noise=math.nan if data.get("noise") is None else float(data["noise"]),  # older files: unknown
             curves=[Curve(**c) for c in data.get("curves") or []],
+            notes=[str(n) for n in data.get("notes") or []],
         )
 
 
