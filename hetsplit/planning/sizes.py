@@ -181,9 +181,9 @@ def resolve_plan(
 # normalised ones always have mean 0 and variance 1: at n = 2 each is -1 or +1 whatever the
 # input, and the variance estimate is off by sqrt(2 / (n - 1)) on average (141 % at 2, 53 % at 8).
 # Measured (ResNet-18 on 8x8 synthetic images, so 1x1 maps in its last stage; batch 32, 16 SGD
-# steps; one share fixed at n samples, 3 seeds): n = 2 diverged every time (accuracy 0.08-0.14,
-# chance 0.1), n = 3 lost up to 17 points (0.78 against 0.95 unsplit), n = 4 and 6 trained within
-# 5 points. 8 is twice the least that trained in every seed.
+# steps; one share fixed at n samples; 3 seeds, n = 3 and up in 2): n = 2 diverged every time
+# (accuracy 0.08-0.14, chance 0.1), n = 3 fell to 0.78 and 0.26 (unsplit 0.95 and 0.81), n = 4,
+# 6 and 8 reached 0.73-0.96 (noisy after 16 steps). 8 is twice the least that trained every time.
 MIN_BATCHNORM_VALUES = 8
 
 
