@@ -276,9 +276,10 @@ def run_threads(work: Workload, devices: str, args: argparse.Namespace) -> dict[
     from hetsplit.apps.bench import home_device
     from hetsplit.apps.bench_timing import calibrate_plan, time_steps
     from hetsplit.devices import parse_devices
-    from hetsplit.planning.sizes import has_batchnorm, without_single_sample_shares
+    from hetsplit.planning.sizes import batchnorm_minimum, model_call, with_minimum_shares
     from hetsplit.planning.solver import solve
     from hetsplit.profiler import default_ladder, emulation_warning
+    from hetsplit.tree import batch_length
 
     devs = parse_devices(devices)
     torch.set_num_threads(timing.cpu_threads(devs))
@@ -289,8 +290,9 @@ def run_threads(work: Workload, devices: str, args: argparse.Namespace) -> dict[
         time_budget=args.budget, progress=False, model_name=work.name, threads=torch.get_num_threads(),
     )  # fmt: skip
     plan = solve(prof, work.batch)
-    if has_batchnorm(base) and 1 in plan.sizes:  # as hetsplit bench plans: BatchNorm cannot train on one sample
-        plan = without_single_sample_shares(plan, profile=prof)
+    sample = _rows(inputs, 0, 16)  # as hetsplit bench plans: no share too small for BatchNorm's statistics
+    minimum = batchnorm_minimum(base, *model_call(sample), batch_length(sample))
+    plan = with_minimum_shares(plan, minimum, profile=prof)
     home = home_device(devs)
     dp = HeteroDataParallel(copy.deepcopy(base).to(home), devs, plan=plan, quiet=True)
     x, y = _to(inputs, dp.output_device), _to(target, dp.output_device)
@@ -303,7 +305,7 @@ def run_threads(work: Workload, devices: str, args: argparse.Namespace) -> dict[
 
     plan, cal = calibrate_plan(
         prof, plan, step, busy, devs, 5, args.warmup, seconds=args.calibrate_seconds,
-        batchnorm=has_batchnorm(dp.module), set_plan=dp.set_plan,
+        minimum=minimum, set_plan=dp.set_plan,
     )  # fmt: skip
     dp.set_plan(plan)
     physical = _cuda_bases(devs)

@@ -52,6 +52,7 @@ def train(net: nn.Module, devices: str, train_iter, test_iter, epochs: int, lr: 
         print(
             f"  epoch {epoch + 1}: loss {float(loss.detach()):.3f}, test acc {acc:.3f}, {seconds:.1f} s/epoch, "
             f"split {dict(zip(dp.device_names, dp.plan.sizes))}"
+            + "".join(f"; {note}" for note in dp.plan.notes)  # e.g. a device sitting out for BatchNorm's sake
         )
 
 

@@ -196,6 +196,32 @@ def test_a_batchnorm_model_never_gets_a_share_of_one_sample(batch_size):
     assert plain.sizes_for(16) == [15, 1]  # without BatchNorm the weights' split stands
 
 
+def _conv_bn(stride):
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(1, 4, 3, stride=stride, padding=1), nn.BatchNorm2d(4), nn.ReLU(),
+        nn.Conv2d(4, 4, 3, stride=stride, padding=1), nn.BatchNorm2d(4), nn.Flatten(), nn.LazyLinear(3),
+    )  # fmt: skip
+
+
+def test_no_share_is_too_small_for_batchnorm_statistics_on_its_smallest_map():
+    # A ResNet's last stage on small images: 4x4 inputs end at 1x1 maps, so a share of 2 samples
+    # normalises 2 values per channel (ResNet-18 diverged on one: loss 3.06, accuracy 0.08).
+    x, y = torch.randn(32, 1, 4, 4), torch.randint(0, 3, (32,))
+    small = _conv_bn(stride=2)
+    small(x)  # the lazy layer
+    dp = HeteroDataParallel(small, DEVICES, weights=[15, 1])
+    F.cross_entropy(dp(x), y).backward()
+    assert dp.plan.sizes == [32, 0], dp.plan.sizes  # 2 samples sit out rather than 6 moved onto the slow device
+    assert dp.plan.notes and "sits out (its 2 samples moved)" in dp.plan.notes[0], dp.plan.notes
+    # Maps of 4x4 (16 values a sample per channel): 2 samples are plenty, the weights' split stands.
+    large = _conv_bn(stride=1)
+    large(x)
+    dp = HeteroDataParallel(large, DEVICES, weights=[15, 1])
+    F.cross_entropy(dp(x), y).backward()
+    assert dp.plan.sizes == [30, 2] and not dp.plan.notes
+
+
 def test_a_single_sample_moves_only_where_a_memory_cap_leaves_room():
     from hetsplit.parallel.sizes import BatchPlans
 

@@ -207,7 +207,8 @@ SETUPS = {
         job="integrations",
         devices="cpu,cpu@0.25",
     ),
-    "torchrun": Setup(_TORCHRUN, job="torchrun"),
+    # The guide's recipe, watched as a whole script is: its emulated rank's forwards run in dev.throttle().
+    "torchrun": Setup(_TORCHRUN + _WHOLE_SCRIPT, after=_WHOLE_SCRIPT_AFTER, job="torchrun"),
     "torchrun-micro": Setup(
         _TORCHRUN_INIT
         + """
@@ -293,9 +294,8 @@ class Tiny(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 """,
         after="""
-trainer.fit_loop.max_epochs = 1  # the guide's Trainer would train for Lightning's default 1000 epochs
-trainer.fit(Tiny(), loader)
-assert trainer.global_step == 4, trainer.global_step  # 64 samples, a global batch of 2 x 8
+trainer.fit(Tiny(), loader)  # as the guide's Trainer is: a bounded fit (max_epochs=2)
+assert trainer.global_step == 8, trainer.global_step  # 64 samples, a global batch of 2 x 8, two epochs
 """,
         job="integrations",
         devices="cpu,cpu@0.25",
@@ -622,6 +622,32 @@ TEXT = [b for b in ALL if b.lang not in ("python", "bash", "sh", "shell", "conso
 def test_text_block_is_what_the_code_says(block):
     assert block.check in CHECKS, f'{block.id}: no check; precede it with <!-- test: check "NAME" --> (CHECKS)'
     CHECKS[block.check](block)
+
+
+def test_every_guide_trainer_stops_early():
+    # A Lightning Trainer without max_epochs or max_steps trains Lightning's default 1000 epochs: a
+    # reader's copy of the fragment (and the docs test) would run for hours.
+    unbounded = [
+        f"{b.id}: {call.splitlines()[0]}"
+        for b in PYTHON
+        for call in re.findall(r"L\.Trainer\((?:[^()]|\([^()]*\))*\)", b.code)
+        if "max_epochs" not in call and "max_steps" not in call
+    ]
+    assert not unbounded, unbounded
+
+
+def test_no_guide_paragraph_runs_past_250_words():
+    # A list item is a paragraph of its own; code blocks and table rows are not prose.
+    long = []
+    for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        text = re.sub(r"```.*?```", "", path.read_text(encoding="utf-8"), flags=re.S)
+        for block in re.split(r"\n\s*\n", text):
+            items = re.split(r"\n(?=\s*(?:[-*]|\d+\.) )", block)
+            for item in items:
+                words = len(" ".join(line for line in item.splitlines() if not line.lstrip().startswith("|")).split())
+                if words > 250:
+                    long.append(f"{path.name}: {words} words: {item.strip()[:60]!r}")
+    assert not long, long
 
 
 def test_every_setup_and_check_named_in_a_guide_exists():

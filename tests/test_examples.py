@@ -146,3 +146,37 @@ def test_fsdp_hetero_under_hetsplit_launch(tmp_path):
     micro = line.split("rank1:cpu@0.25:max8 ")[1].split(" as ")[1]
     assert all(int(m) <= 8 for m in micro.strip("[]").split(",") if m.strip())  # its memory of 8 samples
     assert (tmp_path / "ckpt" / ".metadata").exists()
+
+
+def test_lenet_from_scratch_on_an_emulated_device_equals_one_device():
+    """On cpu + cpu@0.25 (one torch device) the course's loop applies each update once, as on cpu alone."""
+    import importlib.util
+
+    import torch
+
+    import hetsplit
+
+    sys.path.insert(0, str(EXAMPLES))
+    try:
+        spec = importlib.util.spec_from_file_location("lenet_from_scratch", EXAMPLES / "lenet_from_scratch.py")
+        example = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(example)
+    finally:
+        sys.path.remove(str(EXAMPLES))
+    params = [p.double() for p in example.init_params()]
+    gen = torch.Generator().manual_seed(0)
+    batches = [
+        (torch.randn(8, 1, 28, 28, dtype=torch.float64, generator=gen), torch.randint(0, 10, (8,))) for _ in range(3)
+    ]
+
+    def run(devices, sizes):
+        devs = hetsplit.parse_devices(devices)
+        device_params = [example.copy_params(params, d) for d in devs]
+        for x, y in batches:
+            example.train_batch(x, y, device_params, devs, sizes, lr=0.5)
+        return device_params
+
+    one = run("cpu", [8])[0]
+    for copy in run("cpu,cpu@0.25", [6, 2]):  # shared copies would take each step twice (and be refused)
+        for got, want in zip(copy, one):
+            torch.testing.assert_close(got.detach(), want.detach(), rtol=1e-12, atol=1e-14)

@@ -23,6 +23,11 @@ from hetsplit.distributed.rank_plan import rank_device
 
 EXAMPLE = ROOT / "examples" / "torchrun_ddp.py"
 TIMEOUT = 5  # the process group's timeout in these jobs, seconds
+# Serial: two tests time a real process group's timeout (gloo's clock, not the test's), run alone, not
+# beside the other pytest worker. Their margins: a dead peer is noticed within TIMEOUT (at once: the
+# survivor's socket closes; the rest is its one-line exit), and a hung one after TIMEOUT - 1 s (the
+# timeout itself, never sooner) and before TIMEOUT + 4 s (the survivor's exit under load).
+pytestmark = pytest.mark.serial
 TRAIN = [
     "--equal",
     "--threads",

@@ -9,7 +9,7 @@ from hetsplit.planning.memory import micro_batched
 from hetsplit.planning.micro import micro_sizes_within
 from hetsplit.planning.plan import Plan, scaled_step
 from hetsplit.planning.profile import Profile
-from hetsplit.planning.sizes import check_source, without_single_sample_shares
+from hetsplit.planning.sizes import check_source, with_minimum_shares
 from hetsplit.planning.solver import plan_from_sizes
 
 
@@ -24,11 +24,25 @@ def test_a_share_over_its_cap_becomes_the_fewest_near_equal_micro_batches():
 
 def test_a_single_sample_share_moves_where_the_room_allows():
     plan = plan_from_sizes(None, ["a", "b", "c"], [9, 1, 4])
-    assert without_single_sample_shares(plan).sizes == [10, 0, 4]
-    assert without_single_sample_shares(plan, room=[9, math.inf, math.inf]).sizes == [9, 0, 5]
-    assert without_single_sample_shares(plan, room={"a": 9}).sizes == [9, 0, 5]  # caps by device name
+    assert with_minimum_shares(plan).sizes == [10, 0, 4]
+    assert with_minimum_shares(plan, room=[9, math.inf, math.inf]).sizes == [9, 0, 5]
+    assert with_minimum_shares(plan, room={"a": 9}).sizes == [9, 0, 5]  # caps by device name
     even = plan_from_sizes(None, ["a", "b"], [3, 3])
-    assert without_single_sample_shares(even) is even
+    assert with_minimum_shares(even) is even
+
+
+def test_a_share_under_the_minimum_sits_out_or_is_raised_whichever_the_profile_finds_faster():
+    # Equal devices: [24, 8] (raised) beats [32, 0] (sitting out); "b" 20x slower: the other way.
+    import hetsplit
+
+    equal = hetsplit.Profile.from_measurements({"a": [(1, 0.001), (32, 0.032)], "b": [(1, 0.001), (32, 0.032)]})
+    raised = with_minimum_shares(plan_from_sizes(equal, ["a", "b"], [26, 6]), 8, profile=equal)
+    assert raised.sizes == [24, 8] and raised.notes[0].startswith("b raised from 6 to 8 samples (BatchNorm"), raised
+    slow = hetsplit.Profile.from_measurements({"a": [(1, 0.001), (32, 0.032)], "b": [(1, 0.02), (32, 0.64)]})
+    out = with_minimum_shares(plan_from_sizes(slow, ["a", "b"], [30, 2]), 8, profile=slow)
+    assert out.sizes == [32, 0] and out.notes[0].startswith("b sits out (its 2 samples moved)"), out
+    # Without a profile: whichever moves fewer samples.
+    assert with_minimum_shares(plan_from_sizes(None, ["a", "b"], [25, 7]), 8).sizes == [24, 8]
 
 
 @pytest.mark.parametrize("value", ["profile.json", Path("profile.json")])

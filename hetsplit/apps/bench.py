@@ -17,7 +17,7 @@ from .. import timing
 from ..devices import Device, DeviceLike, parse_devices
 from ..parallel.data_parallel import HeteroDataParallel
 from ..planning.curve import holdout_error
-from ..planning.sizes import has_batchnorm, without_single_sample_shares
+from ..planning.sizes import batchnorm_minimum, with_minimum_shares
 from ..planning.solver import solve
 from ..profiler import emulation_warning
 from ..profiler import profile as run_profile
@@ -172,8 +172,9 @@ def bench(
         threads=torch.get_num_threads(),  # the threads the configurations train with, whatever they are
     )
     plan = solve(prof, batch_size, devices=[d.name for d in devs])  # a repeated device: its curve per copy
-    if has_batchnorm(base) and 1 in plan.sizes:  # BatchNorm cannot train on one sample (as every engine plans)
-        plan = without_single_sample_shares(plan, profile=prof)
+    # No share too small for BatchNorm's statistics (as every engine plans).
+    minimum = batchnorm_minimum(base, (x[:16],), None, len(x[:16]))
+    plan = with_minimum_shares(plan, minimum, profile=prof)
     configs: dict[str, Callable[[], None]] = {}
     for dev in devs:
         configs[f"single:{dev.name}"] = plain_step(copy.deepcopy(base).to(dev.torch_device), dev, x, y)
@@ -187,7 +188,7 @@ def bench(
         say(f"calibrating the plan {plan.sizes} inside the split over {calibrate}+ steps ...")
         plan, calibration = calibrate_plan(
             prof, plan, configs["balanced"], busy["balanced"], devs, calibrate, warmup, seconds=calibrate_seconds,
-            batchnorm=has_batchnorm(base), set_plan=bal_dp.set_plan,
+            minimum=minimum, set_plan=bal_dp.set_plan,
         )  # fmt: skip
         bal_dp.set_plan(plan)
         busy["balanced"].clear()

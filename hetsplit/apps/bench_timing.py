@@ -10,7 +10,7 @@ from typing import Any
 from ..devices import Device
 from ..planning.plan import Plan, scaled_step
 from ..planning.rebalance import Rebalancer
-from ..planning.sizes import without_single_sample_shares
+from ..planning.sizes import with_minimum_shares
 from ..planning.solver import plan_from_sizes
 
 # Calibration steps at most, however short a step is.
@@ -71,7 +71,7 @@ def calibrate_plan(
     warmup: int,
     *,
     seconds: float = 0.0,
-    batchnorm: bool = False,
+    minimum: int = 1,
     set_plan: Callable[[Plan], None] | None = None,
 ) -> tuple[Plan, dict[str, Any]]:
     """Run ``step`` (balanced, on ``plan``) and re-solve from each device's busy time inside the split.
@@ -99,7 +99,8 @@ def calibrate_plan(
         warmup: Untimed steps first.
         seconds: Keep calibrating, ``steps`` at a time, until the steps took this long
             (the factors' noise falls with the number of steps; 0: exactly ``steps``).
-        batchnorm: The model holds BatchNorm: no share of one sample in the result.
+        minimum: The fewest samples a share may hold (a BatchNorm model's:
+            :func:`~hetsplit.planning.sizes.batchnorm_minimum`); none smaller in the result.
         set_plan: Makes ``step`` run another plan. Given, a calibrated plan that runs
             another set of devices than the calibration steps did (a device dropped to 0,
             or one device left alone: the module's own step) is run for a second round of
@@ -123,9 +124,12 @@ def calibrate_plan(
     corrected = moved or plan_from_sizes(
         rebalancer.corrected(plan.devices), plan.devices, plan.sizes, accumulate=rebalancer.accumulate
     )
-    if batchnorm and 1 in corrected.sizes:  # as HeteroDataParallel would for a plan it solved (planning.sizes)
-        corrected = without_single_sample_shares(
-            corrected, profile=rebalancer.corrected(plan.devices), accumulate=rebalancer.accumulate
+    if minimum > 1:  # as HeteroDataParallel would for a plan it solved (planning.sizes)
+        corrected = with_minimum_shares(
+            corrected,
+            minimum,
+            profile=rebalancer.corrected(plan.devices),
+            accumulate=rebalancer.accumulate,
         )
     ran, taken = plan, len(walls)
     if set_plan is not None and [s > 0 for s in corrected.sizes] != [s > 0 for s in plan.sizes]:

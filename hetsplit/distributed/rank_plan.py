@@ -22,12 +22,20 @@ from ..planning.plan import Plan, scaled_step
 from ..planning.profile import Profile
 from ..planning.rebalance import with_communication
 from ..planning.records import DeviceProfile
-from ..planning.sizes import has_batchnorm, priced_stand_ins, resolve_plan, stand_ins_used, without_single_sample_shares
+from ..planning.sizes import (
+    batchnorm_minimum,
+    has_batchnorm,
+    model_call,
+    priced_stand_ins,
+    resolve_plan,
+    stand_ins_used,
+    with_minimum_shares,
+)
 from ..planning.solver import solve_lockstep
 from ..profiler import emulation_warning, train_step
 from ..profiler import profile as run_profile
 from ..timing import WorkTimer
-from ..tree import move, take_rows
+from ..tree import batch_length, move, take_rows
 from ..version import __version__
 from . import sharded as _sharded
 from ._group import DistributedError, all_gather, collective, group_info, guard
@@ -198,11 +206,11 @@ def plan(
     checks.materialised(model, "hd.plan")  # every rank alike, before any collective
     rank, world = group_info(group)
     verify_dtypes(model, sample, group)  # before DDP or FSDP2 meet them (a mismatch aborts a process)
-    batchnorm = has_batchnorm(model)  # no rank is handed a single sample (BatchNorm cannot train on one)
+    minimum = _minimum_share(model, sample)  # no rank's share too small for BatchNorm's statistics
     if weights is not None:
         mine = parse_device(device if device is not None else _default_device(), check=False)
         chosen = _weighted_plan(
-            batch_size, weights, profile, rank, world, group, mine.max_batch, accumulate, batchnorm, mine.name
+            batch_size, weights, profile, rank, world, group, mine.max_batch, accumulate, minimum, mine.name
         )
         SplitReport("hd.plan", rank, quiet).announce(chosen, follow=True)
         return chosen
@@ -235,10 +243,10 @@ def plan(
             return solve_lockstep(prof, batch_size)
         return _no_single(
             resolve_plan(batch_size, prof.devices, profile=prof, accumulate=accumulate),
-            profile=prof, accumulate=accumulate, batchnorm=batchnorm,
+            profile=prof, accumulate=accumulate, minimum=minimum,
         )  # fmt: skip
 
-    result = _broadcast_plan(solve, group, rank, world, combined)
+    result = _broadcast_plan(solve, group, rank, world, combined, minimum)
     calibrated = bool(calibrate and min(result.sizes) > 0 and max(map(len, result.micro_batches)) == 1)
     if calibrated:
         if sharded:  # the user's sharded model in place, as its profile ran (no rank holds a whole copy)
@@ -256,7 +264,7 @@ def plan(
                     for e, size, t in zip(combined.entries, result.sizes, work)
                 ],
             )
-        result = _broadcast_plan(solve, group, rank, world, combined)
+        result = _broadcast_plan(solve, group, rank, world, combined, minimum)
     micro = max(map(len, result.micro_batches))
     if calibrated and micro == 1:
         # The shares are solved on compute; the predicted step is the calibration steps',
@@ -308,16 +316,31 @@ def _emulation_warning(prof: Profile) -> str | None:
     return None
 
 
+def _minimum_share(model: Any, sample: Any) -> int:
+    """The fewest samples a rank's share of ``model`` may hold (:func:`~hetsplit.planning.sizes.batchnorm_minimum`).
+
+    A sharded model's maps are not traced (its forward gathers parameters across ranks, which
+    a trace on one rank must not start), nor those of a model planned without a sample (the
+    Lightning strategy's, from a given profile): a BatchNorm there gets the floor of 2.
+    """
+    if not has_batchnorm(model):
+        return 1
+    if sample is None or _sharded.holds_sharded(model):
+        return 2
+    args, kwargs = model_call(sample)
+    return batchnorm_minimum(model, args, kwargs, batch_length((args, kwargs)))
+
+
 def _no_single(
-    plan: Plan, *, profile: Profile | None, accumulate: bool, batchnorm: bool, room: Sequence[float] | None = None
+    plan: Plan, *, profile: Profile | None, accumulate: bool, minimum: int, room: Sequence[float] | None = None
 ) -> Plan:
-    """``plan`` without a share of exactly one sample, for a model holding BatchNorm (else as it is).
+    """``plan`` with no share under ``minimum`` samples (:func:`_minimum_share`; 1: as it is).
 
     A sample moves only where a rank's memory holds it: ``room`` per rank, else the profile's caps.
     """
-    if not batchnorm:
+    if minimum <= 1:
         return plan
-    return without_single_sample_shares(plan, profile=profile, room=room, accumulate=accumulate)
+    return with_minimum_shares(plan, minimum, profile=profile, room=room, accumulate=accumulate)
 
 
 def _check_versions(group: Any) -> None:
@@ -338,7 +361,7 @@ def _weighted_plan(
     group: Any,
     cap: int | None = None,
     accumulate: bool = False,
-    batchnorm: bool = False,
+    minimum: int = 1,
     device_name: str = "",
 ) -> Plan:
     """The plan of hand-set ``weights`` (one per rank), the same on every rank; nothing is profiled.
@@ -348,8 +371,8 @@ def _weighted_plan(
 
     A share above its rank's emulated memory (``cap``, ``cpu:max2``) runs as micro-batches
     with ``accumulate``, and is refused without it (on every rank: the caps are gathered).
-    For a BatchNorm model a share of one sample moves to another rank first, only where
-    that rank's memory holds it (anywhere with ``accumulate``: micro-batches are cut after).
+    For a BatchNorm model a share under ``minimum`` samples moves to another rank first, only
+    where that rank's memory holds it (anywhere with ``accumulate``: micro-batches are cut after).
     """
     if profile is not None:
         raise ValueError("pass weights= or profile=, not both: weights set the shares without a profile")
@@ -369,7 +392,7 @@ def _weighted_plan(
     caps = [t["cap"] for t in theirs]
     # Before the caps are checked and micro-batches cut (with accumulate any rank has room).
     room = [math.inf if accumulate or c is None else c for c in caps]
-    result = _no_single(result, profile=None, accumulate=False, batchnorm=batchnorm, room=room)
+    result = _no_single(result, profile=None, accumulate=False, minimum=minimum, room=room)
     over = [(r, s, c) for r, (s, c) in enumerate(zip(result.sizes, caps)) if c is not None and s > c]
     if over and not accumulate:
         r, s, c = over[0]
@@ -399,18 +422,23 @@ def _with_stand_ins(plan: Plan, prof: Profile | None) -> Plan:
     return priced_stand_ins(plan, prof, STAND_IN)
 
 
-def _stand_ins_used(plan: Plan, prof: Profile | None) -> Plan:
-    """``plan`` with each zero share given the samples its rank runs anyway (planning.sizes)."""
-    return stand_ins_used(plan, prof, STAND_IN)
+def _stand_ins_used(plan: Plan, prof: Profile | None, minimum: int = 1) -> Plan:
+    """``plan`` with each zero share given the samples its rank runs anyway (planning.sizes).
+
+    Not where they are fewer than ``minimum`` (a BatchNorm model's smallest share).
+    """
+    return plan if minimum > STAND_IN else stand_ins_used(plan, prof, STAND_IN)
 
 
-def _broadcast_plan(solve: Callable[[Profile], Plan], group: Any, rank: int, world: int, prof: Profile | None) -> Plan:
+def _broadcast_plan(
+    solve: Callable[[Profile], Plan], group: Any, rank: int, world: int, prof: Profile | None, minimum: int = 1
+) -> Plan:
     """Rank 0 solves ``prof``, every rank's profile (zero shares' stand-ins used and timed); every rank receives it."""
     holder: list[Any] = [None]
     if rank == 0:
         if prof is None:
             raise RuntimeError("rank 0 holds no gathered profile to solve; this is a bug in hetsplit")
-        holder = [_with_stand_ins(_stand_ins_used(solve(prof), prof), prof).to_dict()]
+        holder = [_with_stand_ins(_stand_ins_used(solve(prof), prof, minimum), prof).to_dict()]
     src = dist.get_global_rank(group, 0) if group is not None else 0
     collective("broadcasting the plan", lambda: dist.broadcast_object_list(holder, src=src, group=group), rank)
     result = Plan.from_dict(holder[0])

@@ -194,6 +194,8 @@ class SplitReport:
         emulated = sorted({_bare(n) for n in names if _emulated(n)} | {_bare(n) for n in plan.emulated})
         if emulated:
             line += f"; emulated (a real device slowed down or capped, not real hardware): {', '.join(emulated)}"
+        for note in plan.notes:  # shares the planner changed after solving, and why
+            line += f"; {note}"
         return line
 
     @staticmethod

@@ -113,7 +113,7 @@ def profile_sharded(
         raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction!r}")
     rank, world = group_info(group)
     floor = STAND_IN  # what a rank that stopped climbing runs: the least any rank runs in a sharded step
-    if has_batchnorm(model):  # BatchNorm cannot train on one sample
+    if has_batchnorm(model):  # BatchNorm cannot train on one sample (its maps are not traced: rank_plan)
         ladder = [b for b in ladder if b >= 2] or [2]
     turn = _Turn(model, dev, sample, target, loss_fn, find_memory_cap, memory_fraction)
     timer = turn.timer = StepTimer(dev, model)

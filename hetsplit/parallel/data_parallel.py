@@ -307,7 +307,7 @@ class HeteroDataParallel(nn.Module):
                 self.__dict__["_step"] = None  # the steps' seams, called on their own, work on their own
 
     def _forward(self, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        step, home = self._begin(batch_of(inputs, kwargs))
+        step, home = self._begin(batch_of(inputs, kwargs), (inputs, kwargs))
         if home is not None:  # the module's own device has the whole batch: run the module itself
             run = lambda: call_on(self.module, home, inputs, kwargs)
             out = self._mem.watch(step.active[0], step.sizes[0], run, step.devices[0])  # an OOM re-plans
@@ -367,7 +367,7 @@ class HeteroDataParallel(nn.Module):
 
     def _train_step(self, inputs: Any, target: Any, loss_fn: Any, reduction: ScalarPolicy) -> torch.Tensor:
         """One local-loss step (see :meth:`train_step`), each device's micro-batches in turn."""
-        step, home = self._begin((inputs, target))
+        step, home = self._begin((inputs, target), inputs)
         if home is not None:  # the module's own device has the whole batch: the module's own step
             return self._direct_local_step(home, (inputs, target), loss_fn, reduction)
         batch = (inputs, target)
@@ -525,8 +525,11 @@ class HeteroDataParallel(nn.Module):
         if self._replicator is not None and len(step.built) == len(step.active):
             self._replicator.merge_buffers(step.built, step.sizes, [len(m) for m in step.micro])
 
-    def _begin(self, batch_tree: Any) -> tuple[Step, torch.device | None]:
+    def _begin(self, batch_tree: Any, call: tuple[tuple[Any, ...], dict[str, Any]]) -> tuple[Step, torch.device | None]:
         """Start a step: feed the rebalancer the steps it can read, choose this step's plan.
+
+        ``call`` is the batch as the module takes it, ``(args, kwargs)``: a BatchNorm model's
+        smallest share is traced from it (:meth:`BatchPlans.trace`).
 
         Returns:
             The step, and the module's device when the module runs it there itself
@@ -539,6 +542,7 @@ class HeteroDataParallel(nn.Module):
         unpaid = self._pay.take()
         if unpaid is not None and not is_quiet(self.quiet):
             warn_at_caller(f"hetsplit: {unpaid}")
+        self._plans.trace(*call, self.dim)
         plan = self._plans.for_batch(batch_length(batch_tree, self.dim))
         active = [i for i, s in enumerate(plan.sizes) if s > 0]
         step = self.__dict__["_step"] = Step(plan, active, [self.devices[i] for i in active])  # not nn.Module's setattr

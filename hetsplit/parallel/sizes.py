@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -13,15 +14,16 @@ from ..planning.plan import Plan
 from ..planning.profile import Profile
 from ..planning.rebalance import Rebalancer
 from ..planning.sizes import (
+    batchnorm_minimum,
     check_profile,
     check_source,
     check_weights,
     has_batchnorm,
     resolve_plan,
-    without_single_sample_shares,
+    with_minimum_shares,
 )
 from ..quick import default_profile
-from ..tree import batch_length
+from ..tree import batch_length, flatten
 from .scatter_gather import scatter_to
 
 
@@ -144,8 +146,30 @@ class BatchPlans:
         self.given: Plan | None = None  # a plan the user gave (plan= or set_plan): followed for its size
         self.current: Plan | None = None
         self.by_batch: dict[int, Plan] = {}
+        # The fewest samples a share may hold: 2 for a BatchNorm model until a batch shows its maps
+        # (trace), 1 without BatchNorm.
+        self.batchnorm = has_batchnorm(model)
+        self.minimum = 2 if self.batchnorm else 1
+        self._traced: object = None  # the per-sample input shapes the minimum was traced for
         if plan is not None:
             self.set(plan)
+
+    def trace(self, args: tuple[Any, ...], kwargs: dict[str, Any], dim: int) -> None:
+        """Set :attr:`minimum` from a batch the model is about to run (once per per-sample input shape).
+
+        The plans cached under another minimum are dropped (a given plan stays).
+        """
+        if not self.batchnorm:
+            return
+        leaves = [x for x in flatten((args, kwargs))[0] if isinstance(x, torch.Tensor) and x.dim() > 0]
+        key = [tuple(x.shape[:dim]) + tuple(x.shape[dim + 1 :]) if -x.dim() <= dim < x.dim() else None for x in leaves]
+        if key == self._traced:
+            return
+        self._traced = key
+        minimum = batchnorm_minimum(self.model, args, kwargs, batch_length((args, kwargs), dim))
+        if minimum != self.minimum:
+            self.minimum = minimum
+            self.by_batch = {k: p for k, p in self.by_batch.items() if p is self.given}
 
     def set(self, plan: Plan) -> None:
         """Follow ``plan`` for its batch size from now on; other sizes keep their source (profile or weights).
@@ -185,11 +209,11 @@ class BatchPlans:
             )
             if self.caps:
                 plan = self.by_batch[batch] = self.capped(plan)
-        if 1 in plan.sizes and plan is not self.given and has_batchnorm(self.model):  # also a rebalancer's plan
+        if plan is not self.given and any(0 < s < self.minimum for s in plan.sizes):  # also a rebalancer's plan
             # The caps are the profile's and those learned from running out; the plan is
             # re-wrapped with the profile in use.
-            plan = self.by_batch[batch] = without_single_sample_shares(
-                plan, profile=self._profile_in_use(), room=self._all_caps(), accumulate=self.accumulate
+            plan = self.by_batch[batch] = with_minimum_shares(
+                plan, self.minimum, profile=self._profile_in_use(), room=self._all_caps(), accumulate=self.accumulate
             )
         self.current = plan
         return plan

@@ -42,6 +42,8 @@ class Plan:
             solved from the quick built-in calibration, whose shares follow each device's
             throughput); :attr:`step_time` is then NaN, since no step of the user's model was
             predicted. ``""``: the times are the profiled model's own.
+        notes: Lines on shares the planner changed after solving, and why (a device sitting
+            out because its share was too small for BatchNorm's statistics).
     """
 
     devices: list[str]
@@ -57,6 +59,7 @@ class Plan:
     noise: float = math.nan
     curves: list[Curve] = dataclasses.field(default_factory=list)
     stand_in: str = ""
+    notes: list[str] = dataclasses.field(default_factory=list)
 
     def __post_init__(self) -> None:
         check_sizes(self.sizes, self.batch_size, len(self.devices))
@@ -163,6 +166,7 @@ class Plan:
             noise=math.nan if data.get("noise") is None else float(data["noise"]),  # older files: unknown
             curves=[Curve(**c) for c in data.get("curves") or []],
             stand_in=str(data.get("stand_in") or ""),  # older files: the times were taken as the model's
+            notes=[str(n) for n in data.get("notes") or []],
         )
 
 

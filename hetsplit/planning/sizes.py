@@ -12,6 +12,7 @@ import numpy as np
 
 from .. import _torch
 from ..devices import DeviceLike, canonical_name
+from ..tree import tree_map
 from . import checks
 from .plan import Plan, sizes_from_weights
 from .profile import Profile, fingerprint
@@ -176,64 +177,218 @@ def resolve_plan(
     return solve(fallback(), int(batch), devices=names, accumulate=accumulate)
 
 
-def without_single_samples(sizes: Sequence[int], caps: Sequence[float]) -> list[int]:
-    """``sizes`` with every share of exactly one sample moved to the largest share that can hold one more.
+# The fewest values a BatchNorm may normalise per channel in one share. With n values the
+# normalised ones always have mean 0 and variance 1: at n = 2 each is -1 or +1 whatever the
+# input, and the variance estimate is off by sqrt(2 / (n - 1)) on average (141 % at 2, 53 % at 8).
+# Measured (ResNet-18 on 8x8 synthetic images, so 1x1 maps in its last stage; batch 32, 16 SGD
+# steps; one share fixed at n samples; 3 seeds, n = 3 and up in 2): n = 2 diverged every time
+# (accuracy 0.08-0.14, chance 0.1), n = 3 fell to 0.78 and 0.26 (unsplit 0.95 and 0.81), n = 4,
+# 6 and 8 reached 0.73-0.96 (noisy after 16 steps). 8 is twice the least that trained every time.
+MIN_BATCHNORM_VALUES = 8
 
-    For a model holding BatchNorm, which cannot train on one sample ("Expected more than 1
-    value per channel") while the plain model trains on the whole batch: the sample goes
-    where the solver put the most (the device it found fastest) unless that share's memory
-    cap (``caps``, ``inf`` for none) forbids, then to the next share that is not empty
-    (another single one pairs with it). With nowhere to go it stays.
+
+def batchnorm_minimum(model: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any] | None, batch: int) -> int:
+    """The fewest samples a share of ``model`` may hold: 1 without BatchNorm.
+
+    With BatchNorm, enough that every BatchNorm layer normalises at least
+    :data:`MIN_BATCHNORM_VALUES` values per channel (samples x the values per channel one
+    sample gives it: H x W for a BatchNorm2d), and never fewer than 2. The map sizes are
+    traced by one forward of ``inputs`` on the meta device (no computation, no parameter or
+    buffer changed); a model that cannot run there gets the floor of 2, with a warning.
+
+    Args:
+        model: The model (an ``nn.Module``; ``None``: no BatchNorm).
+        args: A batch of ``batch`` samples as the model takes it: ``model(*args, **kwargs)``
+            (:func:`model_call` turns a profiler's sample into these).
+        kwargs: The keyword inputs (``None``: none).
+        batch: The samples in the batch.
+
+    Returns:
+        The minimum share in samples (1, or at least 2 with BatchNorm).
+    """
+    if not has_batchnorm(model):
+        return 1
+    per_sample = _batchnorm_values(model, args, dict(kwargs or {}), batch)
+    if per_sample is None:
+        return 2
+    return max(2, math.ceil(MIN_BATCHNORM_VALUES / per_sample))
+
+
+def model_call(sample: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """A profiler's ``sample`` as ``(args, kwargs)``: ``**sample`` for a dict, ``*sample`` for a tuple or list."""
+    if isinstance(sample, dict):
+        return (), dict(sample)
+    if isinstance(sample, (tuple, list)) and not hasattr(sample, "_fields"):
+        return tuple(sample), {}
+    return (sample,), {}
+
+
+def _batchnorm_values(model: Any, args: tuple[Any, ...], kwargs: dict[str, Any], batch: int) -> float | None:
+    """The fewest values per channel one sample gives any BatchNorm of ``model``, traced on the meta device."""
+    import warnings
+
+    import torch
+
+    net = _torch.uncompiled(model)
+    seen: list[int] = []
+
+    def record(module: Any, args: tuple[Any, ...]) -> None:
+        x = args[0] if args else None
+        if isinstance(x, torch.Tensor) and x.dim() >= 2 and x.shape[1] > 0:
+            seen.append(x.numel() // x.shape[1])  # the values one channel is normalised over
+
+    def meta(x: Any) -> Any:
+        return x.to("meta") if isinstance(x, torch.Tensor) else x
+
+    state = {n: meta(t) for n, t in [*net.named_parameters(), *net.named_buffers()]}
+    hooks = [m.register_forward_pre_hook(record) for m in net.modules() if _torch.is_batchnorm(m)]
+    try:
+        on_meta = tree_map(meta, (args, kwargs))
+        with torch.no_grad():
+            torch.func.functional_call(net, state, tuple(on_meta[0]), dict(on_meta[1]))
+    except Exception as e:  # data-dependent code (.item(), a branch on values) cannot run on meta tensors
+        if not seen:
+            first = str(e).splitlines()[0] if str(e) else type(e).__name__
+            warnings.warn(
+                f"hetsplit: could not trace the model's BatchNorm map sizes on the meta device ({first}); "
+                "every share holds at least 2 samples, however small its maps: set the shares yourself "
+                "(plan= or weights=) if a small share's statistics matter",
+                stacklevel=3,
+            )
+            return None
+    finally:
+        for h in hooks:
+            h.remove()
+    return min(seen) / batch if seen else None
+
+
+def at_least(
+    sizes: Sequence[int],
+    caps: Sequence[float],
+    minimum: int = 2,
+    step_time: Callable[[list[int]], float] | None = None,
+) -> tuple[list[int], list[tuple[int, str]]]:
+    """``sizes`` with no share of fewer than ``minimum`` samples, where memory allows; what moved.
+
+    For a model holding BatchNorm (:func:`batchnorm_minimum`), whose statistics degenerate on
+    a small share while the plain model trains on the whole batch. Each share under the
+    minimum (the smallest first) either gives its samples away (the device sits out) or
+    takes samples from the largest shares until it holds the minimum, whichever
+    ``step_time`` finds faster; without it, whichever moves fewer samples (giving away on a
+    tie). A sample given away goes to the largest share that is not empty and whose
+    memory cap (``caps``, ``inf`` for none) holds one more; a donor keeps the minimum. A
+    share with nowhere to go stays, and is named.
+
+    Args:
+        sizes: Samples per share.
+        caps: The most samples each share may hold.
+        minimum: The fewest samples a share that is not empty may hold.
+        step_time: The predicted step of a list of sizes (the solver's), to choose by.
+
+    Returns:
+        The new sizes, and for each share changed or left under the minimum its index and
+        what became of it (``(1, "sits out (its 2 samples moved)")``).
     """
     out = [int(s) for s in sizes]
+    notes: list[tuple[int, str]] = []
     if sum(out) < 2:
-        return out
-    for i in [i for i, size in enumerate(out) if size == 1]:
-        # Never into an empty share (that would make another single one), never over a cap.
+        return out, notes
+    for i in sorted((i for i, s in enumerate(out) if 0 < s < minimum), key=lambda i: out[i]):
+        s = out[i]
+        if not 0 < s < minimum:  # grown by another share's samples meanwhile
+            continue
+        options = [o for o in (_given_away(out, caps, i), _raised(out, caps, i, minimum)) if o is not None]
+        if not options:
+            notes.append((i, f"keeps {s} samples, under the minimum of {minimum}: no other device has room"))
+            continue
+        if step_time is not None:
+            best = min(options, key=step_time)  # min keeps the first (giving away) on a tie
+        else:
+            best = min(options, key=lambda o: sum(abs(a - b) for a, b in zip(o, out)))
+        out = best
+        said = f"sits out (its {s} samples moved)" if out[i] == 0 else f"raised from {s} to {out[i]} samples"
+        notes.append((i, said))
+    return out, notes
+
+
+def _given_away(sizes: list[int], caps: Sequence[float], i: int) -> list[int] | None:
+    """``sizes`` with share ``i``'s samples moved, one at a time, to the largest shares with room; else ``None``."""
+    out = list(sizes)
+    while out[i] > 0:
+        # Never into an empty share (that would make another small one), never over a cap.
         room = [j for j, s in enumerate(out) if j != i and s >= 1 and s + 1 <= caps[j]]
-        if room and out[i] == 1:
-            j = max(room, key=lambda j: out[j])
-            out[j], out[i] = out[j] + 1, 0
+        if not room:
+            return None
+        j = max(room, key=lambda j: out[j])
+        out[j], out[i] = out[j] + 1, out[i] - 1
     return out
 
 
-def without_single_sample_shares(
+def _raised(sizes: list[int], caps: Sequence[float], i: int, minimum: int) -> list[int] | None:
+    """``sizes`` with share ``i`` raised to ``minimum`` from the largest shares, each keeping it; else ``None``."""
+    if caps[i] < minimum:
+        return None
+    out = list(sizes)
+    while out[i] < minimum:
+        donors = [j for j, s in enumerate(out) if j != i and s - 1 >= minimum]
+        if not donors:
+            return None
+        j = max(donors, key=lambda j: out[j])
+        out[j], out[i] = out[j] - 1, out[i] + 1
+    return out
+
+
+def with_minimum_shares(
     plan: Plan,
+    minimum: int = 2,
     *,
     profile: Profile | None = None,
     room: Sequence[float] | Mapping[str, int] | None = None,
     accumulate: bool = False,
 ) -> Plan:
-    """``plan`` with no share of exactly one sample (:func:`without_single_samples`), re-planned.
+    """``plan`` with no share under ``minimum`` samples (:func:`at_least`), re-planned, saying why.
 
-    The one BatchNorm rule of every engine: call it for a model holding BatchNorm
-    (:func:`has_batchnorm`). A sample moves only where the receiving device's memory holds it.
+    The one BatchNorm rule of every engine: call it with :func:`batchnorm_minimum` of the
+    model. A sample moves only where the receiving device's memory holds it; the profile's
+    predicted step chooses between a small share's device sitting out and its share raised.
 
     Args:
         plan: The plan to change.
+        minimum: The fewest samples a share that is not empty may hold.
         profile: The curves the new shares are timed with (:func:`~hetsplit.planning.solver.plan_from_sizes`).
         room: The most samples each share may hold: one number per share, or caps by device
             name (a device not named holds any number); default: the profile's memory caps.
         accumulate: Let a capped device run its new share as micro-batches.
 
     Returns:
-        ``plan`` itself when no share moves.
+        ``plan`` itself when no share is under the minimum; else the new plan, whose
+        :attr:`~hetsplit.planning.plan.Plan.notes` say what moved and why.
     """
-    if 1 not in plan.sizes:
+    if not any(0 < s < minimum for s in plan.sizes):
         return plan
     if room is None:
         room = {d: c for d, c in (profile.memory_caps() if profile is not None else {}).items() if c is not None}
     if isinstance(room, Mapping):
         caps = room
         room = [caps.get(d, math.inf) for d in plan.devices]
-    sizes = without_single_samples(plan.sizes, list(room))
-    return plan if sizes == list(plan.sizes) else plan_from_sizes(profile, plan.devices, sizes, accumulate=accumulate)
+
+    def step_time(sizes: list[int]) -> float:
+        return plan_from_sizes(profile, plan.devices, sizes, accumulate=accumulate).step_time
+
+    sizes, changes = at_least(plan.sizes, list(room), minimum, step_time if profile is not None else None)
+    why = (
+        f"BatchNorm: a share under {minimum} samples normalises fewer than {MIN_BATCHNORM_VALUES} values per "
+        "channel on the model's smallest map"
+        if minimum > 2
+        else "BatchNorm cannot train on one sample"
+    )
+    notes = [f"{plan.devices[i]} {said} ({why})" for i, said in changes]
+    new = plan if sizes == list(plan.sizes) else plan_from_sizes(profile, plan.devices, sizes, accumulate=accumulate)
+    return dataclasses.replace(new, notes=[*new.notes, *notes]) if notes else new
 
 
 def has_batchnorm(model: Any) -> bool:
     """Whether ``model`` holds a BatchNorm layer (any subclass of torch's BatchNorm base)."""
-    from .. import _torch
-
     return model is not None and any(_torch.is_batchnorm(m) for m in model.modules())
 
 
