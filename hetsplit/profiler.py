@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import math
 import statistics
 import sys
 import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -268,20 +269,24 @@ def profile(
 _EMULATION_TOLERANCE = 1.3
 
 
-def emulation_warning(prof: Profile, factors: Mapping[str, float] | None = None) -> str | None:
-    """One line if an emulated device in ``prof`` was not ``1/speed`` times slower than its real device.
+class EmulationFault(NamedTuple):
+    """An emulated device measured off its declared speed (:func:`emulation_faults`)."""
 
-    Compares each slowed device (``cpu@0.25``) with its real device profiled beside it, at
-    the batch sizes both measured (median of the ratios). With ``factors`` (each device's
-    measured time over its profiled time while the devices ran *together*: a calibration's
-    :meth:`~hetsplit.Rebalancer.factors`), the ratio while they ran together too: the
-    emulated device's own work then shares the cores with its real twin's, and on a loaded
-    machine the scheduler can slow one more than the other (measured beside two busy
-    processes: 1.6x, which gave the demo's ``cpu@0.25`` 11 % of the batch, not 17 %).
-    ``None`` when every emulated device measured within a factor 1.3 of its speed, or has
-    no real device to compare with.
-    """
-    faults, alone = [], False
+    name: str  # the emulated device, as the profile names it
+    base: str  # its real device
+    ratio: float  # measured: its time over its real device's
+    want: float  # declared: 1/speed
+    together: bool  # measured while both ran side by side (a calibration's factors), not alone
+
+    def __str__(self) -> str:
+        how = "ran" if self.together else "measured"
+        tail = " beside it" if self.together else ""
+        return f"{self.name} {how} {self.ratio:.1f}x slower than {self.base}{tail}, not {self.want:g}x"
+
+
+def emulation_faults(prof: Profile, factors: Mapping[str, float] | None = None) -> list[EmulationFault]:
+    """Each emulated device in ``prof`` off ``1/speed`` times its real device's time (:func:`emulation_warning`)."""
+    faults = []
     for e in prof.entries:
         info = e.info
         if not info.emulated or info.speed >= 1.0:
@@ -296,23 +301,71 @@ def emulation_warning(prof: Profile, factors: Mapping[str, float] | None = None)
             continue
         ratio, want = statistics.median(ratios), 1.0 / info.speed
         if not _near(ratio, want):
-            faults.append(f"{e.name} measured {ratio:.1f}x slower than {base}, not {want:g}x")
-            alone = True
+            faults.append(EmulationFault(e.name, base, ratio, want, False))
         elif factors and factors.get(base, 0) > 0 and e.name in factors:
             together = ratio * factors[e.name] / factors[base]
             if not _near(together, want):
-                faults.append(f"{e.name} ran {together:.1f}x slower than {base} beside it, not {want:g}x")
+                faults.append(EmulationFault(e.name, base, together, want, True))
+    return faults
+
+
+def emulation_warning(prof: Profile, factors: Mapping[str, float] | None = None) -> str | None:
+    """One line if an emulated device in ``prof`` was not ``1/speed`` times slower than its real device.
+
+    Compares each slowed device (``cpu@0.25``) with its real device profiled beside it, at
+    the batch sizes both measured (median of the ratios). With ``factors`` (each device's
+    measured time over its profiled time while the devices ran *together*: a calibration's
+    :meth:`~hetsplit.Rebalancer.factors`), the ratio while they ran together too: the
+    emulated device's own work then shares the cores with its real twin's, and on a loaded
+    machine the scheduler can slow one more than the other (measured beside two busy
+    processes: 1.6x, which gave the demo's ``cpu@0.25`` 11 % of the batch, not 17 %).
+    ``None`` when every emulated device measured within a factor 1.3 of its speed, or has
+    no real device to compare with.
+    """
+    return describe_faults(emulation_faults(prof, factors))
+
+
+def describe_faults(faults: Sequence[EmulationFault]) -> str | None:
+    """The one warning line of :func:`emulation_warning` for ``faults`` (``None`` for none)."""
     if not faults:
         return None
     why = "" if emulation.measures_load() else " (this system does not report the time a thread waits for a core)"
-    if alone:  # the profile itself is off: every plan drawn from it is
+    if any(not f.together for f in faults):  # the profile itself is off: every plan drawn from it is
         advice = "the plan rests on it — re-profile on a quieter machine or set the shares by hand (weights=)"
     else:  # the profile held; side by side the split follows the speeds measured there, not 1/speed
         advice = (
             "the split follows the speeds measured side by side, not 1/speed — run on a quieter machine "
             "or set the shares by hand (weights=)"
         )
-    return f"emulation unreliable here{why}: {'; '.join(faults)}; {advice}"
+    return f"emulation unreliable here{why}: {'; '.join(map(str, faults))}; {advice}"
+
+
+def held_to_declared_speed(prof: Profile, faults: Sequence[EmulationFault]) -> Profile:
+    """``prof`` with each emulated device that measured faster than its declared speed slowed to it.
+
+    The rule every plan solved from a profile follows: an emulated device whose profile
+    beat ``1/speed`` times its real device (``faults`` with ``ratio < want``, measured
+    alone) has its curve scaled by ``want / ratio``, so it never gets more than its
+    declared speed's share. One measured slower than declared keeps its measured curve.
+    """
+    scale = {f.name: f.want / f.ratio for f in faults if not f.together and 0 < f.ratio < f.want}
+    if not scale:
+        return prof
+    entries = [
+        dataclasses.replace(e, curve=e.curve.scaled(scale[e.name])) if e.name in scale else e for e in prof.entries
+    ]
+    return dataclasses.replace(prof, entries=entries)
+
+
+def fault_note(faults: Sequence[EmulationFault], calibrated: bool = False) -> str:
+    """What a plan line says of ``faults`` (``""`` for none): ``emulation unreliable: ...``, and how it was planned.
+
+    ``calibrated``: a calibration inside the split re-solved the plan from its own steps,
+    whose shares then stand over the declared speeds (:func:`held_to_declared_speed`).
+    """
+    held = ", then calibrated in the split" if calibrated else ""
+    parts = [f"{f}, planned at {f.want:g}x{held}" if not f.together and f.ratio < f.want else str(f) for f in faults]
+    return "emulation unreliable: " + "; ".join(parts) if parts else ""
 
 
 def _near(ratio: float, want: float) -> bool:

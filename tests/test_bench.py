@@ -300,3 +300,33 @@ def test_an_emulated_device_slowed_more_beside_its_real_one_is_said_in_one_line(
         assert line in verdict(r)
     else:  # 4.4x: within 1.3 of its speed
         assert line is None
+
+
+def test_the_demo_s_split_line_gives_each_share_its_time_and_says_an_emulation_measured_off(monkeypatch):
+    # cpu@0.25 profiled only 2x slower than cpu: planned at its declared 4x, and the split line says so;
+    # a profile noisier than 25 % leaves the predicted step out of the verdict.
+    import hetsplit
+    from hetsplit.apps import bench as bench_module
+    from hetsplit.apps.demo import verdict
+    from hetsplit.profiler import emulation_faults, held_to_declared_speed
+
+    prof = hetsplit.Profile.from_measurements({"cpu": [(8, 0.01), (32, 0.04)], "cpu@0.25": [(8, 0.02), (32, 0.08)]})
+    prof.entries[1].info = dataclasses.replace(prof.entries[1].info, emulated=True, speed=0.25)
+    monkeypatch.setattr(bench_module, "run_profile", lambda *a, **k: prof)
+    r = bench("mlp", "cpu,cpu@0.25", batch_size=32, steps=1, warmup=0, calibrate=0)
+    declared = hetsplit.solve(held_to_declared_speed(prof, emulation_faults(prof)), 32)
+    assert r.plan.sizes == declared.sizes != hetsplit.solve(prof, 32).sizes
+    a, b = declared.sizes
+    ta, tb = (f"{t * 1e3:.1f} ms" for t in declared.times)
+    lines = verdict(r).splitlines()
+    assert lines[0] == (
+        f"balanced split of 32: cpu {a} ({a / 32:.0%}, {ta}), cpu@0.25 {b} ({b / 32:.0%}, {tb}); "
+        "emulation unreliable: cpu@0.25 measured 2.0x slower than cpu, not 4x, planned at 4x"
+    ), lines[0]
+    assert any(line.startswith("the plan (from each device timed alone) predicted a balanced step") for line in lines)
+    noisy = dataclasses.replace(r, plan=dataclasses.replace(r.plan, noise=0.4))
+    said = [line for line in verdict(noisy).splitlines() if "balanced step" in line]
+    assert said == [
+        f"the plan's (from each device timed alone) balanced step: unreliable here (noise ±40%); measured "
+        f"{r.step_times['balanced'] * 1e3:.1f} ms"
+    ], said

@@ -12,8 +12,8 @@ def test_a_step_measured_by_the_caller_is_said_beside_the_prediction(capsys, mon
     report.step(plan)  # the first step of that plan does not say it again
     report.end(plan, measured=0.011)
     assert capsys.readouterr().out.splitlines() == [
-        "hetsplit: train.py: global batch 8 split rank0:cpu 6 (75%), rank1:cpu@0.25 2 (25%); predicted step "
-        "10.0 ms; emulated (a real device slowed down or capped, not real hardware): cpu@0.25",
+        "hetsplit: train.py: global batch 8 split rank0:cpu 6 (75%, 10.0 ms), rank1:cpu@0.25 2 (25%, 9.0 ms); "
+        "predicted step 10.0 ms; emulated (a real device slowed down or capped, not real hardware): cpu@0.25",
         "hetsplit: train.py: measured step 11.0 ms (yours), predicted 10.0 ms (error -9%)",
     ]
     hd.SplitReport("train.py", 1).end(plan, measured=0.011)
@@ -142,3 +142,74 @@ def test_the_measured_step_is_an_optimizer_step_over_its_accumulated_batches(tmp
         "predicted 8.0 ms (error -73%)"
     ], said[0]
     assert said[1] == {mode: [] for mode in said[0]}  # rank 1 says nothing
+
+
+def _said(plan, **kwargs):
+    import io
+    from contextlib import redirect_stdout
+
+    out = io.StringIO()
+    with redirect_stdout(out):
+        hd.SplitReport("train.py", 0).announce(plan, **kwargs)
+    return out.getvalue().strip()
+
+
+def test_each_share_is_said_with_the_time_its_curve_predicts_for_it(monkeypatch):
+    import math
+
+    monkeypatch.delenv("HETSPLIT_QUIET", raising=False)
+    plan = Plan(["rank0:cpu", "rank1:cpu@0.25"], [205, 51], [0.0251, 0.0248], 256)
+    assert _said(plan).startswith(
+        "hetsplit: train.py: global batch 256 split rank0:cpu 205 (80%, 25.1 ms), rank1:cpu@0.25 51 (20%, 24.8 ms); "
+        "predicted step 25.1 ms"
+    )
+    # An unknown time (NaN) and an unused device: the share alone.
+    unknown = Plan(["rank0:cpu", "rank1:cpu", "rank2:cpu"], [6, 2, 0], [0.01, math.nan, 0.0], 8)
+    assert "split rank0:cpu 6 (75%, 10.0 ms), rank1:cpu 2 (25%), rank2:cpu 0 (0%);" in _said(unknown)
+    # A quick calibration's plan times the calibration's model, not the user's: said as such.
+    quick = Plan(["rank0:cpu", "rank1:cpu"], [6, 2], [0.01, 0.009], 8, stand_in="calibration-mlp")
+    assert "split rank0:cpu 6 (75%, calibration 10.0 ms), rank1:cpu 2 (25%, calibration 9.0 ms); no predicted" in (
+        _said(quick)
+    )
+
+
+def test_a_plan_on_an_emulated_rank_measured_off_its_speed_says_so_in_its_own_line(monkeypatch):
+    from hetsplit.profiler import EmulationFault, fault_note
+
+    monkeypatch.delenv("HETSPLIT_QUIET", raising=False)
+    plan = Plan(["rank0:cpu", "rank1:cpu@0.25"], [32, 8], [0.04, 0.04], 40)
+    fast = EmulationFault("rank1:cpu@0.25", "cpu", 2.4, 4.0, False)
+    assert _said(plan, note=fault_note([fast])).endswith(
+        "not real hardware): cpu@0.25; emulation unreliable: rank1:cpu@0.25 measured 2.4x slower than cpu, not 4x, "
+        "planned at 4x"
+    )
+    # Calibrated in the split afterwards: the share followed those steps, and the line says so.
+    assert fault_note([fast], calibrated=True).endswith("not 4x, planned at 4x, then calibrated in the split")
+    slow = EmulationFault("rank1:cpu@0.25", "cpu", 6.0, 4.0, False)  # slower than declared: its measured share
+    assert fault_note([slow]) == "emulation unreliable: rank1:cpu@0.25 measured 6.0x slower than cpu, not 4x"
+    assert fault_note([]) == ""
+
+
+def test_a_prediction_inside_large_noise_is_said_unreliable_not_as_a_number(capsys, monkeypatch):
+    """Past 25 % step-to-step noise (the steps' own, or the profile's: Plan.noise) no predicted step is said."""
+    monkeypatch.delenv("HETSPLIT_QUIET", raising=False)
+    plan = Plan(["rank0:cpu", "rank1:cpu"], [4, 4], [0.02, 0.02], 8)  # predicted 20 ms
+    now = [0.0]
+    report = hd.SplitReport("train.py", 0, clock=lambda: now[0])
+    for period in [0.5, 0.02, 0.04, 0.02, 0.04, 0.03, 0.03]:  # median 30 ms, ±10 ms a step (33 %)
+        report.step(plan)
+        now[0] += period
+    report.step(plan)
+    report.end(plan)
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        "hetsplit: train.py: measured step 30.0 ms (median of 6 after 1 warm-up, rank 0, start to start), "
+        "predicted: unreliable here (noise ±33%)"
+    )
+    noisy = Plan(["rank0:cpu", "rank1:cpu"], [4, 4], [0.02, 0.02], 8, noise=0.4)
+    hd.SplitReport("train.py", 0).end(noisy, measured=0.03)
+    quiet = Plan(["rank0:cpu", "rank1:cpu"], [4, 4], [0.02, 0.02], 8, noise=0.2)
+    hd.SplitReport("train.py", 0).end(quiet, measured=0.03)
+    assert capsys.readouterr().out.splitlines() == [
+        "hetsplit: train.py: measured step 30.0 ms (yours), predicted: unreliable here (noise ±40%)",
+        "hetsplit: train.py: measured step 30.0 ms (yours), predicted 20.0 ms (error -33%)",
+    ]

@@ -311,8 +311,8 @@ def test_the_split_report_says_the_split_and_prediction_once_then_the_measured_s
     report.end(predicted)
     lines = capsys.readouterr().out.splitlines()
     assert lines == [
-        "hetsplit: HeteroDDPStrategy: global batch 8 split rank0:cpu 6 (75%), rank1:cpu@0.25 2 (25%); predicted "
-        "step 10.0 ms; emulated (a real device slowed down or capped, not real hardware): cpu@0.25",
+        "hetsplit: HeteroDDPStrategy: global batch 8 split rank0:cpu 6 (75%, 10.0 ms), rank1:cpu@0.25 2 (25%, 9.0 ms); "
+        "predicted step 10.0 ms; emulated (a real device slowed down or capped, not real hardware): cpu@0.25",
         "hetsplit: HeteroDDPStrategy: measured step 12.0 ms (median of 2 after 1 warm-up, rank 0, start to start), "
         "predicted 10.0 ms (error -17%)",
     ]

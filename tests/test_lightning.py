@@ -465,7 +465,7 @@ def test_synced_metrics_are_global_batch_means(job, name):
 
 def test_the_split_is_said_once_and_the_measured_step_leaves_out_warm_up_and_epoch_ends(job):
     lines = job[0]["report"]  # rank 0; 3 steps an epoch, 2 timed start to start in each
-    assert len(lines) == 2 and "HeteroDDPStrategy: global batch 8 split rank0:cpu 6 (75%)" in lines[0], lines
+    assert len(lines) == 2 and "HeteroDDPStrategy: global batch 8 split rank0:cpu 6 (75%" in lines[0], lines
     assert "measured step" in lines[1] and "(median of 3 after 1 warm-up, rank 0, start to start)" in lines[1], lines
     assert job[1]["report"] == [], job[1]["report"]
 

@@ -371,3 +371,24 @@ def test_profile_itself_says_in_one_line_when_an_emulated_device_measured_off_it
         profile(Net(), torch.randn(4, 8), devices, batch_sizes=[2, 4], repeats=1, progress=False)
         monkeypatch.setattr(profiler, "_measure", measured(2.4))  # the caller says it itself
         profile(Net(), torch.randn(4, 8), devices, batch_sizes=[2, 4], repeats=1, progress=False, check_emulation=False)
+
+
+def test_an_emulated_device_measured_faster_than_declared_is_planned_at_its_declared_speed():
+    """cpu@0.25 measured only 2x slower than cpu: planned as 4x (a fifth of the batch), not a third."""
+    import dataclasses
+
+    import hetsplit
+    from hetsplit.profiler import emulation_faults, held_to_declared_speed
+
+    def measured(slower):
+        prof = hetsplit.Profile.from_measurements(
+            {"cpu": [(8, 0.01), (32, 0.04)], "cpu@0.25": [(8, 0.01 * slower), (32, 0.04 * slower)]}
+        )
+        prof.entries[1].info = dataclasses.replace(prof.entries[1].info, emulated=True, speed=0.25)
+        return prof
+
+    fast = measured(2.0)
+    assert hetsplit.solve(fast, 30).sizes == [20, 10]  # as measured: a third
+    assert hetsplit.solve(held_to_declared_speed(fast, emulation_faults(fast)), 30).sizes == [24, 6]  # declared
+    slow = measured(8.0)  # slower than declared: its smaller measured share stands
+    assert held_to_declared_speed(slow, emulation_faults(slow)) is slow

@@ -19,7 +19,7 @@ from ..parallel.data_parallel import HeteroDataParallel
 from ..planning.curve import holdout_error
 from ..planning.sizes import batchnorm_minimum, with_minimum_shares
 from ..planning.solver import solve
-from ..profiler import emulation_warning
+from ..profiler import emulation_faults, emulation_warning, fault_note, held_to_declared_speed
 from ..profiler import profile as run_profile
 from .bench_result import BenchResult
 from .bench_timing import calibrate_plan, time_steps
@@ -171,10 +171,13 @@ def bench(
         check_emulation=False,  # said in the result, with the calibration's factors (emulation_warning)
         threads=torch.get_num_threads(),  # the threads the configurations train with, whatever they are
     )
-    plan = solve(prof, batch_size, devices=[d.name for d in devs])  # a repeated device: its curve per copy
+    # An emulated device that measured faster than its declared speed is planned at that speed
+    # (held_to_declared_speed); the calibration below re-solves from the split's own steps.
+    held = held_to_declared_speed(prof, emulation_faults(prof))
+    plan = solve(held, batch_size, devices=[d.name for d in devs])  # a repeated device: its curve per copy
     # No share too small for BatchNorm's statistics (as every engine plans).
     minimum = batchnorm_minimum(base, (x[:16],), None, len(x[:16]))
-    plan = with_minimum_shares(plan, minimum, profile=prof)
+    plan = with_minimum_shares(plan, minimum, profile=held)
     configs: dict[str, Callable[[], None]] = {}
     for dev in devs:
         configs[f"single:{dev.name}"] = plain_step(copy.deepcopy(base).to(dev.torch_device), dev, x, y)
@@ -236,6 +239,11 @@ def bench(
             "data": "synthetic",
             "emulated": [d.name for d in devs if d.emulated],
             "emulation_warning": emulation_warning(prof, calibration.get("factors")),
+            # What the plan line says of it: planned at the declared speed, or as calibrated in the split.
+            "emulation_note": fault_note(
+                emulation_faults(prof, calibration.get("factors")),
+                calibrated=bool(calibration) and calibration["sizes"] != list(plan.sizes),
+            ),
             "noise": noise,
             "allocator_kept_memory": tuned,
         },

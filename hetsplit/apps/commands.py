@@ -164,9 +164,12 @@ def cmd_profile(args: argparse.Namespace) -> int:
         progress=False if args.quiet else None,
         model_name=spec.name,
     )
-    plan = solver.solve(prof, args.batch_size, accumulate=True)  # a capped device may take micro-batches
+    faults = profiler.emulation_faults(prof)  # an emulated device faster than declared is planned at its declared speed
+    plan = solver.solve(
+        profiler.held_to_declared_speed(prof, faults), args.batch_size, accumulate=True
+    )  # micro-batches
     rows: list[list[str]] = []
-    for e, size in zip(prof.entries, plan.sizes):
+    for e, size, t in zip(prof.entries, plan.sizes, plan.times):
         top = e.measurements[-1].batch
         rows.append(
             [
@@ -174,7 +177,9 @@ def cmd_profile(args: argparse.Namespace) -> int:
                 e.info.description,
                 f"{prof.throughput(e.name, top):,.0f} @ {top}",
                 "-" if e.memory_cap is None else f"{e.memory_cap}" + (" (emulated)" if e.info.max_batch else ""),
-                f"{size} ({size / args.batch_size:.0%})" + _micro_note(plan.micro_batches[len(rows)]),
+                f"{size} ({size / args.batch_size:.0%}"
+                + (f", {fmt_time(t)})" if size > 0 and math.isfinite(t) else ")")
+                + _micro_note(plan.micro_batches[len(rows)]),
             ]
         )
     print(table(rows, ["device", "hardware", "samples/s @ batch", "memory cap", f"share of {args.batch_size}"]))
@@ -192,7 +197,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
         if math.isfinite(plan.single_time)
         else f"no device alone holds the batch ({alone_note(plan, caps)})"
     )
-    print(f"\npredicted step {fmt_time(plan.step_time)}: {even}, {alone}")
+    note = profiler.fault_note(faults)
+    print(f"\npredicted step {fmt_time(plan.step_time)}: {even}, {alone}" + (f"; {note}" if note else ""))
     # Saved after the results are shown: a full disk then costs the file, not the measurements' summary.
     path = store.save_profile(prof, args.out, directory=args.profile_dir)
     print(f"profile written to {path}" + (" (it replaced the file there)" if replacing else ""))

@@ -196,8 +196,12 @@ def _rank_env(devices: Sequence[str], threads: int) -> dict[str, str]:
 
 def verdict(result: BenchResult) -> str:
     """A few lines a person reads in ten seconds: the split, step times, speedup, efficiency, idle time."""
+    from ..distributed.report import split_text, unreliable_note
+
     b = result.batch_size
-    split = ", ".join(f"{d} {s} ({s / b:.0%})" for d, s in zip(result.plan.devices, result.plan.sizes))
+    split = split_text(result.plan)
+    if result.meta.get("emulation_note"):  # the measurements the split rests on were off: said in its line
+        split += f"; {result.meta['emulation_note']}"
     even, bal = result.step_times["even"], result.step_times["balanced"]
     fastest = result.fastest
     lines = [
@@ -212,12 +216,15 @@ def verdict(result: BenchResult) -> str:
     if guess:
         cal = result.calibration
         how = f"calibrated over {cal['steps']} balanced steps" if cal else "from each device timed alone"
+        unreliable = unreliable_note(result.plan.noise)
         line = (
-            f"the plan ({how}) predicted a balanced step of {guess * 1e3:.1f} ms; measured {bal * 1e3:.1f} ms "
+            f"the plan's ({how}) balanced step: {unreliable}; measured {bal * 1e3:.1f} ms"
+            if unreliable
+            else f"the plan ({how}) predicted a balanced step of {guess * 1e3:.1f} ms; measured {bal * 1e3:.1f} ms "
             f"({guess / bal - 1:+.0%})"
         )
         alone = result.predicted.get(f"single:{fastest}")
-        if alone:  # how far the machine itself drifted from its profile while these steps ran
+        if alone and not unreliable:  # how far the machine itself drifted from its profile while these steps ran
             line += f"; {fastest} alone, in the same run: {alone / result.step_times[f'single:{fastest}'] - 1:+.0%}"
         lines.append(line)
     idle = []

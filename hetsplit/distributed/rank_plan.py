@@ -32,7 +32,7 @@ from ..planning.sizes import (
     with_minimum_shares,
 )
 from ..planning.solver import solve_lockstep
-from ..profiler import emulation_warning, train_step
+from ..profiler import EmulationFault, describe_faults, emulation_faults, fault_note, held_to_declared_speed, train_step
 from ..profiler import profile as run_profile
 from ..timing import WorkTimer
 from ..tree import batch_length, move, take_rows
@@ -236,6 +236,13 @@ def plan(
             entries.append(e)
         combined = Profile(entries, model=gathered[0]["model"], host="torchrun", source="distributed")
     gathered_profile = combined  # as measured, before calibration corrects it (rank 0)
+    # Only the profiles are checked: a rank's calibration step holds DDP's own work (the
+    # weighting hook, the buckets' copies), which its profile does not, and a quarter-speed
+    # rank with 2 samples of 32 spends much of its step there; compared as the thread engine's
+    # factors are, 7 of 14 quiet plans said "unreliable", a gap that DDP's own work explains.
+    faults = _emulation_faults(gathered_profile) if gathered_profile is not None else []
+    if combined is not None:  # an emulated rank faster than declared is planned at its declared speed
+        combined = held_to_declared_speed(combined, faults)
 
     def solve(prof: Profile) -> Plan:
         if sharded and accumulate:
@@ -278,30 +285,28 @@ def plan(
         seconds = communication(model, dev.torch_device, group) * (micro if sharded else 1)
     result = with_communication(result, seconds)
     report = SplitReport("hd.plan", rank, quiet)
-    report.announce(result, follow=True)  # weight_gradients times the run on it; its end is said at exit
-    # Only the profiles are checked: a rank's calibration step holds DDP's own work (the
-    # weighting hook, the buckets' copies), which its profile does not, and a quarter-speed
-    # rank with 2 samples of 32 spends much of its step there; compared as the thread engine's
-    # factors are, 7 of 14 quiet plans said "unreliable", a gap that DDP's own work explains.
-    unreliable = _emulation_warning(gathered_profile) if gathered_profile is not None else None
+    # weight_gradients times the run on it; its end is said at exit
+    report.announce(result, follow=True, note=fault_note(faults, calibrated))
+    unreliable = describe_faults(faults)
     if unreliable:
         report.note(unreliable)
     return result
 
 
-def _emulation_warning(prof: Profile) -> str | None:
-    """:func:`hetsplit.profiler.emulation_warning` across ranks: each emulated rank against a real twin rank.
+def _emulation_faults(prof: Profile) -> list[EmulationFault]:
+    """:func:`hetsplit.profiler.emulation_faults` across ranks: each emulated rank against a real twin rank.
 
     The profiles' devices are labelled ``rank{r}:{device}``; the profiler's check pairs a
     ``cpu@0.25`` with a ``cpu`` by name, so each emulated rank is checked in a profile of two:
-    it and the first rank of its real device, both without their rank labels. The first
-    such rank off its speed is named.
+    it and the first rank of its real device, both without their rank labels. Each fault
+    names the emulated rank by its label.
     """
 
     def bare(e: DeviceProfile) -> DeviceProfile:
         name = e.info.name.partition(":")[2] if e.info.name.startswith("rank") else e.info.name
         return dataclasses.replace(e, info=dataclasses.replace(e.info, name=name))
 
+    faults = []
     for e in prof.entries:
         if not e.info.emulated:
             continue
@@ -310,10 +315,13 @@ def _emulation_warning(prof: Profile) -> str | None:
         twin = next((bare(r) for r in prof.entries if not r.info.emulated and bare(r).name == base), None)
         if twin is None:
             continue
-        line = emulation_warning(dataclasses.replace(prof, entries=[twin, mine]))
-        if line:
-            return line.replace(f"{mine.name} measured", f"{e.name} measured", 1)
-    return None
+        faults += [f._replace(name=e.name) for f in emulation_faults(dataclasses.replace(prof, entries=[twin, mine]))]
+    return faults
+
+
+def _emulation_warning(prof: Profile) -> str | None:
+    """The warning line of :func:`_emulation_faults` (``None``: every emulated rank near its speed)."""
+    return describe_faults(_emulation_faults(prof))
 
 
 def _minimum_share(model: Any, sample: Any) -> int:

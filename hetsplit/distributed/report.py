@@ -70,15 +70,19 @@ class SplitReport:
         self._plan: Plan | None = None  # the plan of the run's latest step
         self._said: Plan | None = None  # the plan whose split was said last (by announce)
 
-    def announce(self, plan: Plan, devices: Sequence[str] | None = None, *, follow: bool = False) -> None:
+    def announce(
+        self, plan: Plan, devices: Sequence[str] | None = None, *, follow: bool = False, note: str = ""
+    ) -> None:
         """Say the split of ``plan`` and its predicted step now (a plan just made).
 
         ``follow``: this report also says the end of the run that trains on ``plan``
         (:meth:`following`), as :func:`hetsplit.distributed.plan` asks for a torchrun script.
+        ``note``: said at the end of the line (``emulation unreliable: ...``, when the
+        measurements the plan rests on were flagged: :func:`hetsplit.profiler.fault_note`).
         """
         if self.on:
             self._said = plan
-            self._say(self._start_line(plan, devices))
+            self._say(self._start_line(plan, devices) + (f"; {note}" if note else ""))
             if follow:
                 _FOLLOWED[:] = [*_FOLLOWED[-7:], (plan, self)]
                 _end_at_exit()
@@ -172,7 +176,7 @@ class SplitReport:
             span = "start to end" if self._ended else "start to start"
             accumulated = f"; {each} global batches accumulated each" if each > 1 else ""
             line = f"{self.who}: measured step {_ms(median)} ({which}, rank 0, {span}{accumulated})"
-            self._say(line + _against(plan, median, self._first, each))
+            self._say(line + _against(plan, median, self._first, each, _spread(timed)))
         self._last, self._first, self._plan, self.periods, self._ended = None, None, None, [], False
         self.batches, self._count = [], 0
 
@@ -181,8 +185,7 @@ class SplitReport:
 
     def _start_line(self, plan: Plan, devices: Sequence[str] | None) -> str:
         names = list(devices) if devices is not None and len(devices) == len(plan.sizes) else list(plan.devices)
-        shares = ", ".join(f"{name} {size} ({size / plan.batch_size:.0%})" for name, size in zip(names, plan.sizes))
-        line = f"{self.who}: global batch {plan.batch_size} split {shares}"
+        line = f"{self.who}: global batch {plan.batch_size} split {split_text(plan, names)}"
         if any(len(parts) > 1 for parts in plan.micro_batches):
             line += f" (micro-batches {plan.micro_batches})"
         predicted = plan.step_time
@@ -218,13 +221,57 @@ def _end_at_exit() -> None:
     atexit.register(_end_runs)
 
 
-def _against(plan: Plan | None, measured: float, first: Plan | None, batches: int = 1) -> str:
+def split_text(plan: Plan, names: Sequence[str] | None = None) -> str:
+    """Each device's share with the time its curve predicts for it: ``cpu 205 (80%, 25.1 ms)``.
+
+    The time is left out where the plan has none for the device (sizes by hand, an unused
+    device); a quick calibration's plan (:attr:`Plan.stand_in`) times the calibration's
+    model, not the user's, and says so (``calibration 25.1 ms``).
+    """
+    names = list(names) if names is not None else list(plan.devices)
+    times = list(plan.times) if len(plan.times) == len(plan.sizes) else [math.nan] * len(plan.sizes)
+    whose = "calibration " if plan.stand_in else ""
+    parts = []
+    for name, size, t in zip(names, plan.sizes, times):
+        when = f", {whose}{_ms(t)}" if size > 0 and math.isfinite(t) and t > 0 else ""
+        parts.append(f"{name} {size} ({size / plan.batch_size:.0%}{when})")
+    return ", ".join(parts)
+
+
+# Above this relative step-to-step noise (measured, or the profile's: Plan.noise), a
+# predicted step is not said: a step then varies by more than the 10-40 % a balanced split
+# typically wins, so a prediction could miss by 2x and no error against it means anything.
+NOISE_LIMIT = 0.25
+
+
+def unreliable_note(*noises: float) -> str:
+    """``unreliable here (noise ±31%)`` where the largest known noise exceeds :data:`NOISE_LIMIT`, else ``""``."""
+    known = [n for n in noises if math.isfinite(n) and n >= 0]
+    if not known or max(known) <= NOISE_LIMIT:
+        return ""
+    return f"unreliable here (noise ±{max(known):.0%})"
+
+
+def _spread(seconds: Sequence[float]) -> float:
+    """The steps' relative step-to-step noise: their median absolute deviation over their median (NaN: too few)."""
+    if len(seconds) < 3:
+        return math.nan
+    mid = statistics.median(seconds)
+    return statistics.median(abs(s - mid) for s in seconds) / mid if mid > 0 else math.nan
+
+
+def _against(plan: Plan | None, measured: float, first: Plan | None, batches: int = 1, noise: float = math.nan) -> str:
     """The prediction beside a measured step (and a rebalanced split), as the end line says them.
 
     The plan predicts one global batch; a step that accumulates ``batches`` is predicted as that many.
+    ``noise``: the measured steps' own (:func:`_spread`); with the plan's, past :data:`NOISE_LIMIT`
+    the prediction is said to be unreliable here instead.
     """
     one = plan.step_time if plan is not None else math.nan
-    if math.isfinite(one) and one > 0:
+    unreliable = unreliable_note(noise, plan.noise if plan is not None else math.nan)
+    if math.isfinite(one) and one > 0 and unreliable:
+        line = f", predicted: {unreliable}"
+    elif math.isfinite(one) and one > 0:
         predicted = one * batches
         # The error as every output states it: (predicted - measured) / measured, negative when
         # the step took longer than planned (the demo, bench, docs/benchmarks.md).
