@@ -98,14 +98,9 @@ def test_missing_fashion_mnist_is_explained(name, tmp_path):
     assert proc.returncode != 0 and "never downloads" in proc.stderr
 
 
-def test_lenet_from_scratch_step_equals_one_full_batch_step():
-    """One two-device SGD step of the course's loop (cpu and cpu@1 share one CPU) is one full-batch step."""
+def _lenet_from_scratch():
+    """The course's from-scratch example, imported as a module (its helpers import from examples/)."""
     import importlib.util
-
-    import torch
-    import torch.nn.functional as F
-
-    import hetsplit
 
     sys.path.insert(0, str(EXAMPLES))
     try:
@@ -114,6 +109,18 @@ def test_lenet_from_scratch_step_equals_one_full_batch_step():
         spec.loader.exec_module(example)
     finally:
         sys.path.remove(str(EXAMPLES))
+    return example
+
+
+def test_lenet_from_scratch_step_equals_one_full_batch_step():
+    """One two-device SGD step of the course's loop (cpu and cpu@1 share one CPU) is one full-batch step."""
+
+    import torch
+    import torch.nn.functional as F
+
+    import hetsplit
+
+    example = _lenet_from_scratch()
     params = [p.double() for p in example.init_params()]
     devices = hetsplit.parse_devices("cpu,cpu@1")
     device_params = [example.copy_params(params, d) for d in devices]
@@ -150,19 +157,12 @@ def test_fsdp_hetero_under_hetsplit_launch(tmp_path):
 
 def test_lenet_from_scratch_on_an_emulated_device_equals_one_device():
     """On cpu + cpu@0.25 (one torch device) the course's loop applies each update once, as on cpu alone."""
-    import importlib.util
 
     import torch
 
     import hetsplit
 
-    sys.path.insert(0, str(EXAMPLES))
-    try:
-        spec = importlib.util.spec_from_file_location("lenet_from_scratch", EXAMPLES / "lenet_from_scratch.py")
-        example = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(example)
-    finally:
-        sys.path.remove(str(EXAMPLES))
+    example = _lenet_from_scratch()
     params = [p.double() for p in example.init_params()]
     gen = torch.Generator().manual_seed(0)
     batches = [

@@ -12,7 +12,19 @@ from __future__ import annotations
 import pytest
 from helpers import OOM_LOOP, two_ranks
 
-BACKWARD_OOM_JOB = """
+# Both jobs' model: its Allocates node (each job's own) raises out of memory where a GPU would.
+_NET = """
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 8), nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.b(Allocates.apply(torch.tanh(self.a(x))))
+"""
+
+BACKWARD_OOM_JOB = (
+    """
 import datetime, sys
 import torch, torch.nn as nn, torch.nn.functional as F
 import torch.distributed as dist
@@ -37,14 +49,9 @@ class Allocates(torch.autograd.Function):  # rank 1's memory runs out in its sec
         return grad
 
 
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.a, self.b = nn.Linear(6, 8), nn.Linear(8, 3)
-
-    def forward(self, x):
-        return self.b(Allocates.apply(torch.tanh(self.a(x))))
-
+"""
+    + _NET
+    + """
 
 model = Net().double()
 if sys.argv[1] == "fsdp2":
@@ -54,6 +61,7 @@ else:
 plan = plan_from_sizes(None, ["rank0", "rank1"], [6, 4])
 hd.weight_gradients(model, plan)
 """
+)
 BACKWARD_OOM_JOB += OOM_LOOP  # the loop both out-of-memory jobs run
 
 
@@ -72,7 +80,8 @@ def test_a_peer_of_a_rank_that_ran_out_of_memory_in_backward_gets_one_line_namin
     ), lines
 
 
-GUARDED_OOM_JOB = """
+GUARDED_OOM_JOB = (
+    """
 import datetime, sys, time
 import torch, torch.nn as nn, torch.nn.functional as F
 import torch.distributed as dist
@@ -98,14 +107,9 @@ class Allocates(torch.autograd.Function):  # rank 1 runs out of memory in its se
         return grad
 
 
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.a, self.b = nn.Linear(6, 8), nn.Linear(8, 3)
-
-    def forward(self, x):
-        return self.b(Allocates.apply(torch.tanh(self.a(x))))
-
+"""
+    + _NET
+    + """
 
 torch.manual_seed(0)
 model = nn.parallel.DistributedDataParallel(Net().double())
@@ -126,6 +130,7 @@ if rank == 0:  # torchrun's agent holds the store: wait for every rank's notes, 
         f.write(repr(sorted(_group.failure_notes(None, 3))))
 import os; os._exit(0)  # rank 1 too: torchrun stops the others at a rank's failure, not at its success
 """
+)
 
 
 @pytest.mark.parametrize("where", ["backward", "forward"])
