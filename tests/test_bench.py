@@ -1,6 +1,7 @@
 import dataclasses
 import json
 import math
+from pathlib import Path
 
 import pytest
 
@@ -330,3 +331,21 @@ def test_the_demo_s_split_line_gives_each_share_its_time_and_says_an_emulation_m
         f"the plan's (from each device timed alone) balanced step: unreliable here (noise ±40%); measured "
         f"{r.step_times['balanced'] * 1e3:.1f} ms"
     ], said
+
+
+def test_the_demo_s_ranks_find_an_installed_hetsplit_without_site_packages_on_their_path(monkeypatch):
+    # A wheel's demo put site-packages on its ranks' PYTHONPATH, and torchrun's ranks then had no
+    # gloo ("Unknown c10d backend type GLOO", torch 2.15): its process engine failed.
+    import os
+    import site
+
+    from hetsplit.apps import demo
+
+    installed = site.getsitepackages()[0]
+    checkout = str(Path(demo.__file__).resolve().parents[2])
+    assert demo._is_site_packages(installed) and not demo._is_site_packages(checkout)
+    monkeypatch.delenv("PYTHONPATH", raising=False)
+    monkeypatch.setattr(demo, "__file__", os.path.join(installed, "hetsplit", "apps", "demo.py"))
+    assert "PYTHONPATH" not in demo._rank_env(["cpu", "cpu@0.25"], 1)
+    monkeypatch.setattr(demo, "__file__", os.path.join(checkout, "hetsplit", "apps", "demo.py"))
+    assert demo._rank_env(["cpu", "cpu@0.25"], 1)["PYTHONPATH"].split(os.pathsep) == [checkout]

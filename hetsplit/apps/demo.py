@@ -188,10 +188,22 @@ def _rank_env(devices: Sequence[str], threads: int) -> dict[str, str]:
     env = {**os.environ, ENV_DEVICES: ",".join(rank_devices(",".join(devices), len(devices)))}
     env.setdefault("OMP_NUM_THREADS", str(threads))  # torchrun would print a warning and set 1
     root = str(Path(__file__).resolve().parents[2])  # this hetsplit, also when run from a checkout
-    env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
+    # An installed hetsplit is found without it; site-packages named on PYTHONPATH as well
+    # leaves torchrun's ranks without gloo ("Unknown c10d backend type GLOO", torch 2.15).
+    if not _is_site_packages(root):
+        env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
     env["PYTHONSAFEPATH"] = "1"
     local_env(env)
     return env
+
+
+def _is_site_packages(folder: str) -> bool:
+    """Whether ``folder`` is one of this interpreter's site-packages (where an installed hetsplit lives)."""
+    import site
+    import sysconfig
+
+    found = {*site.getsitepackages(), site.getusersitepackages(), *sysconfig.get_paths().values()}
+    return os.path.realpath(folder) in {os.path.realpath(f) for f in found if isinstance(f, str)}
 
 
 def verdict(result: BenchResult) -> str:
