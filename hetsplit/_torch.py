@@ -20,24 +20,17 @@ import datetime
 import functools
 import importlib
 import inspect
-import re
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
-from .version import __version__
+from .version import __version__, release
 
 # The oldest torch every feature of hetsplit runs on, as tested (docs/compatibility.md): 2.7
 # lacks the caller's saved-tensor hooks that HeteroDataParallel's worker threads must carry.
 MIN_TORCH = (2, 8)
-
-
-def _release(version: str) -> tuple[int, ...]:
-    """``(major, minor)`` of a torch version string (``"2.15.0+cu130"`` → ``(2, 15)``); ``()`` if unreadable."""
-    found = re.match(r"(\d+)\.(\d+)", version)
-    return (int(found[1]), int(found[2])) if found is not None else ()
 
 
 def check_version(version: str) -> None:
@@ -46,8 +39,8 @@ def check_version(version: str) -> None:
     Raises:
         ImportError: Naming the installed and the needed version.
     """
-    release = _release(version)
-    if release and release < MIN_TORCH:
+    found = release(version, 2)
+    if found and found < MIN_TORCH:
         need = ".".join(map(str, MIN_TORCH))
         raise ImportError(
             f"hetsplit {__version__} needs torch >= {need}, but torch {version} is installed; "
@@ -185,7 +178,7 @@ def _fresh(cls: Any) -> Any:
 
 def missing() -> list[Private]:
     """The entries of :data:`PRIVATE` the installed torch should have (its version past ``since``) and lacks."""
-    here = _release(torch.__version__)
+    here = release(torch.__version__, 2)
     return [
         p
         for p in PRIVATE

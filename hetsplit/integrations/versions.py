@@ -3,16 +3,13 @@
 from __future__ import annotations
 
 import importlib.metadata
-import re
+
+from hetsplit.version import release
 
 # As pyproject.toml declares them (a test keeps the two equal); each found by the floor pass of
 # .ci/run: lightning 2.3 brought ModelParallelStrategy; the Trainer of transformers 5.10.1 counts
 # the tokens of a batch as HeteroTrainer's exact weighting expects (5.2-5.9 differ by 2e-3).
 MINIMUM = {"lightning": "2.3", "accelerate": "1.15", "transformers": "5.10.1"}
-
-
-def _release(version: str) -> tuple[int, ...]:
-    return tuple(int(part) for part in re.findall(r"\d+", version.split("+")[0])[:3])
 
 
 def require(package: str, who: str) -> None:
@@ -28,7 +25,7 @@ def require(package: str, who: str) -> None:
         raise ImportError(
             f"{who} needs {package} >= {need}, which is not installed: pip install '{package}>={need}'"
         ) from None
-    if _release(have) < _release(need):
+    if release(have) < release(need):
         raise ImportError(
             f"{who} needs {package} >= {need}, but {package} {have} is installed: pip install '{package}>={need}'"
         )
