@@ -1,0 +1,307 @@
+"""Elastic: replica groups that leave and join on torchft, the global batch constant and its gradient exact.
+
+Each torchft replica group is one hetsplit rank. Every step the groups present exchange who
+they are (one small all-reduce), solve the same plan for themselves from the stored profile,
+and each takes its share of the step's global batch; gradients are pre-scaled by each group's
+samples, summed and divided by the all-reduced sample count, never by the number of groups.
+A step torchft discards (``should_commit`` false) is run again on the same global batch by
+the groups then present, so no sample is dropped or seen twice. The guide is docs/elastic.md.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+import statistics
+import time
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any
+from urllib.parse import urlparse
+
+import torch
+
+from ..devices import canonical_name
+from ..planning.plan import Plan, sizes_from_weights
+from ..planning.profile import Profile, fingerprint
+from ..planning.solver import plan_from_sizes, solve
+from .sampler import local_batch
+
+# Per group, in the membership vector: present, then its own measurement (batch, seconds; 0
+# until taken) for a device the profile lacks. Each slot is written by one group only, so
+# the sum every group receives is bit-identical and every group solves the same plan.
+_FIELDS = 3
+
+
+def _check_reachable(address: str, timeout: float) -> None:
+    """One line naming the lighthouse when nothing answers there (torchft would retry for a minute)."""
+    url = urlparse(address if "://" in address else f"http://{address}")
+    try:
+        socket.create_connection((url.hostname or "localhost", url.port or 29510), timeout=timeout).close()
+    except OSError as e:
+        raise ConnectionError(
+            f"lighthouse {address} unreachable ({e.strerror or e}); start one (torchft_lighthouse --bind "
+            f"[::]:{url.port or 29510} --min_replicas 1) or pass its address as lighthouse="
+        ) from None
+
+
+class ElasticGroup:
+    """One replica group of an elastic run on torchft: its share of every global batch, weighted exactly.
+
+    A step is ``begin()`` (the quorum, the groups present, this group's share), the
+    forward and backward on ``local_batch(global_batch)``, then ``commit()`` (the weighted
+    all-reduce, torchft's ``should_commit``, the optimizer step). ``step`` is the index of
+    the global batch to train on: it advances only on a committed step.
+
+    Args:
+        model: This group's model (the same on every group; a joiner is healed from a peer).
+        optimizer: Its optimizer (its state travels with the model when healing).
+        batch_size: The global batch, constant whatever the membership.
+        devices: One device name per possible group (the fleet); group ``i`` is
+            ``devices[i]``, planned by that name's curve in ``profile``.
+        group: This group's index in ``devices``.
+        lighthouse: The torchft lighthouse's address (``http://host:port``).
+        profile: Step-time curves of the devices (a stored profile: nothing measured on the
+            hot path). A device it lacks is given a conservative share (half the slowest
+            known device's speed) until its first ``measure`` steps are timed.
+        min_groups: Groups needed to commit a step.
+        timeout: Seconds for a collective or a heal before the step is discarded.
+        quorum_timeout: Seconds to wait for a quorum of ``min_groups``.
+        use_async_quorum: Overlap the quorum with the forward; the groups then learn the
+            membership from the step's own all-reduce, so new shares apply one step late
+            and the step at a change is discarded and re-run (exact, one step lost).
+        measure: Steps a device missing from the profile is timed on.
+        checkpoint: A file :meth:`save` writes (atomically: a checkpoint on disk always
+            loads); one that exists is resumed from, at its global-batch position.
+
+    Raises:
+        ImportError: Without torchft (``pip install 'hetsplit[elastic]'``).
+        ConnectionError: The lighthouse does not answer, in one line naming it.
+        ValueError: Invalid arguments, before anything starts.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        batch_size: int,
+        devices: Sequence[str],
+        group: int,
+        lighthouse: str,
+        profile: Profile | None = None,
+        min_groups: int = 1,
+        timeout: float = 30.0,
+        quorum_timeout: float = 60.0,
+        use_async_quorum: bool = False,
+        measure: int = 3,
+        checkpoint: str | os.PathLike[str] | None = None,
+    ) -> None:
+        try:
+            from torchft import Manager, ProcessGroupGloo
+        except ImportError:
+            raise ImportError("hetsplit's elastic groups run on torchft: pip install 'hetsplit[elastic]'") from None
+        if not 0 <= group < len(devices):
+            raise ValueError(f"group {group} is out of range for {len(devices)} devices; give 0..{len(devices) - 1}")
+        if batch_size < len(devices):
+            raise ValueError(f"batch_size {batch_size} is smaller than the {len(devices)} possible groups")
+        self.model, self.optimizer, self.batch_size = model, optimizer, int(batch_size)
+        self.names = [canonical_name(d) for d in devices]
+        self.group, self.profile, self.measure = group, profile, measure
+        self.known = {n for n in self.names if profile is not None and n in profile.devices}
+        self._async = use_async_quorum
+        self._measured: list[tuple[int, float]] = []  # (samples, seconds) of this group's first steps
+        self._shared = torch.zeros(len(devices), _FIELDS, dtype=torch.float64)  # what every group last said
+        self.members: list[int] = [group]
+        self.plan: Plan = plan_from_sizes(None, [self.names[group]], [self.batch_size])
+        self._fingerprint = fingerprint(model)
+        self._started, self.min_groups, self.checkpoint = 0.0, min_groups, checkpoint
+        _check_reachable(lighthouse, min(timeout, 10.0))
+        # Each replica group owns a TCPStore (torchft's process groups meet through it).
+        self._store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        self.manager = Manager(
+            pg=ProcessGroupGloo(timeout=timedelta(seconds=timeout)),
+            load_state_dict=self._load,
+            state_dict=self._state,
+            min_replica_size=min_groups,
+            use_async_quorum=use_async_quorum,
+            timeout=timedelta(seconds=timeout),
+            quorum_timeout=timedelta(seconds=quorum_timeout),
+            connect_timeout=timedelta(seconds=min(timeout, 10.0)),
+            rank=0,
+            world_size=1,
+            store_addr="127.0.0.1",
+            store_port=self._store.port,
+            lighthouse_addr=lighthouse,
+            replica_id=f"hetsplit_{group}",
+            heartbeat_interval=timedelta(milliseconds=100),
+        )
+        if checkpoint is not None and os.path.exists(checkpoint):
+            state = torch.load(checkpoint, weights_only=True)
+            self._load(state["user"])
+            self.manager.load_state_dict(state["torchft"])
+
+    @property
+    def step(self) -> int:
+        """The index of the global batch the next step trains on (committed steps so far)."""
+        return int(self.manager.current_step())
+
+    def _state(self) -> dict[str, Any]:
+        """What a joiner is healed with: the model, the optimizer, and what it must match."""
+        return {
+            "model": self.model.state_dict(),
+            "optim": self.optimizer.state_dict(),
+            "hetsplit": {"fingerprint": self._fingerprint, "batch_size": self.batch_size},
+        }
+
+    def _load(self, state: dict[str, Any]) -> None:
+        """Heal from a peer, refusing one of another model or global batch in one line."""
+        theirs, ours = state["hetsplit"], {"fingerprint": self._fingerprint, "batch_size": self.batch_size}
+        if theirs != ours:
+            raise ValueError(
+                f"group {self.group} refused at the quorum: the running groups train model {theirs['fingerprint']} "
+                f"on global batches of {theirs['batch_size']}, this group model {ours['fingerprint']} on "
+                f"{ours['batch_size']}; start it with the same model and batch_size"
+            )
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optim"])
+
+    def begin(self) -> int:
+        """Start a step: the quorum, the groups present and this group's share.
+
+        Returns:
+            The index of the global batch to train on (:attr:`step`).
+
+        Raises:
+            TimeoutError: No quorum of ``min_groups`` within ``quorum_timeout``, in one line.
+        """
+        self.optimizer.zero_grad(set_to_none=False)
+        try:
+            self.manager.start_quorum()
+            if not self._async:
+                said = self._said()
+                work = self.manager.allreduce(said, reduce_op=torch.distributed.ReduceOp.SUM)
+                work.wait()
+                if self.manager.errored() is None:
+                    self._replan(said)
+        except TimeoutError as e:
+            saved = f"from {self.checkpoint} (intact; " if self.checkpoint else "from your last checkpoint ("
+            raise TimeoutError(
+                f"group {self.group}: no quorum at step {self.step} within the quorum timeout ({e}): the other "
+                f"groups are gone; restart the groups with checkpoint= {saved}it resumes at its global batch)"
+            ) from None
+        self._started = time.perf_counter()
+        return self.step
+
+    def _said(self) -> torch.Tensor:
+        """This group's slot of the membership vector."""
+        said = torch.zeros_like(self._shared)
+        said[self.group, 0] = 1.0
+        if len(self._measured) >= self.measure and self.names[self.group] not in self.known:
+            said[self.group, 1:] = torch.tensor(statistics.median_low(self._measured), dtype=torch.float64)
+        return said
+
+    def _replan(self, said: torch.Tensor) -> None:
+        """Solve the plan for the groups present, the same on every group (the same vector, the same solve)."""
+        members = [i for i in range(len(self.names)) if said[i, 0] > 0.5]
+        if self.group not in members:  # a failed exchange: keep the plan; the step will be discarded
+            return
+        if members == self.members and torch.equal(said, self._shared):
+            return
+        self.members, self._shared = members, said.clone()
+        self.plan = self._solve(members, said)
+
+    def _solve(self, members: list[int], said: torch.Tensor) -> Plan:
+        known = [self.names[i] for i in members if self.names[i] in self.known]
+        curves: dict[str, list[tuple[int, float]]] = {}
+        for i in members:
+            b, t = int(said[i, 1]), float(said[i, 2])
+            if self.names[i] in self.known:
+                continue
+            if b > 0:
+                curves[f"group{i}"] = [(b, t)]
+            elif known:  # not yet measured: half the slowest known device's speed, at an even share
+                even = max(1, self.batch_size // len(members))
+                assert self.profile is not None
+                slowest = max(self.profile.step_time(n, even) for n in known)
+                curves[f"group{i}"] = [(even, 2 * slowest)]
+        labels = [self.names[i] if self.names[i] in self.known else f"group{i}" for i in members]
+        if not known and len(curves) < len(members):  # nothing known about anyone yet: even shares
+            return plan_from_sizes(None, labels, sizes_from_weights(self.batch_size, [1.0] * len(members)))
+        assert self.profile is not None or not known
+        entries = [self.profile.entry(n) for n in dict.fromkeys(known)] if self.profile else []
+        if curves:
+            entries += Profile.from_measurements(curves).entries
+        return solve(Profile(entries, model=dict(self.profile.model) if self.profile else {}), self.batch_size,
+                     devices=labels)
+
+    def local_batch(self, batch: Any, dim: int = 0) -> Any:
+        """This group's rows of the step's global batch (the same on every group), as :func:`local_batch` cuts it."""
+        return local_batch(batch, self.plan, rank=self.members.index(self.group), dim=dim, check=False)
+
+    @property
+    def samples(self) -> int:
+        """This group's real samples in the current step (0 for a zero share's stand-in)."""
+        return int(self.plan.sizes[self.members.index(self.group)])
+
+    def commit(self) -> bool:
+        """All-reduce the sample-weighted gradients, ask torchft, and step the optimizer if the step commits.
+
+        Returns:
+            Whether the step committed (else it is run again, on the same global batch).
+        """
+        took, b = time.perf_counter() - self._started, self.samples
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        grads = [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params]
+        tail = [torch.tensor([float(b)], dtype=torch.float64)]
+        if self._async:  # the membership travels with the gradients: the plan used is checked after
+            tail.append(self._said().reshape(-1))
+        flat = torch.cat([g.to(torch.float64) * b for g in grads] + tail)
+        self.manager.allreduce(flat, reduce_op=torch.distributed.ReduceOp.SUM).wait()
+        n = len(flat) - sum(t.numel() for t in tail)
+        total = float(flat[n])
+        if self._async:
+            said = flat[n + 1 :].reshape(self._shared.shape)
+            used = list(self.members)
+            self._replan(said)
+            if self.members != used:  # the shares were solved for other groups: run the step again
+                self.manager.report_error(RuntimeError("membership changed"))
+        if self.manager.errored() is None and total != self.batch_size:
+            self.manager.report_error(RuntimeError(f"{total:g} samples of {self.batch_size}"))
+        if self.manager.errored() is None:
+            offset = 0
+            for p, g in zip(params, grads):
+                p.grad = (flat[offset : offset + g.numel()] / total).to(p.dtype).reshape(p.shape)
+                offset += g.numel()
+        if not self.manager.should_commit():
+            return False
+        self.optimizer.step()
+        if b > 0 and len(self._measured) < self.measure and math.isfinite(took):
+            self._measured.append((b, took))
+        return True
+
+    def save(self) -> None:
+        """Write :attr:`checkpoint` after a committed step: written aside and renamed, so a fault leaves the old one."""
+        if self.checkpoint is None:
+            raise ValueError("save() needs checkpoint= (a file path) given to ElasticGroup")
+        tmp = f"{self.checkpoint}.tmp{os.getpid()}"
+        torch.save({"user": self._state(), "torchft": self.manager.state_dict()}, tmp)
+        os.replace(tmp, self.checkpoint)
+
+    def shutdown(self) -> None:
+        """Leave the run: stop torchft's servers (the others go on without this group)."""
+        self.manager.shutdown(wait=False)
+
+
+def lighthouse(min_groups: int = 1, *, bind: str = "127.0.0.1:0", join_ms: int = 200, heartbeat_ms: int = 1000) -> Any:
+    """Start a torchft lighthouse in this process (tests, benchmarks, one-machine runs).
+
+    Returns:
+        The ``LighthouseServer``; its ``address()`` is what each :class:`ElasticGroup` is given.
+    """
+    from torchft.coordination import LighthouseServer
+
+    return LighthouseServer(
+        bind=bind, min_replicas=min_groups, join_timeout_ms=join_ms, heartbeat_timeout_ms=heartbeat_ms
+    )
