@@ -294,8 +294,12 @@ class ElasticGroup:
         self.manager.shutdown(wait=False)
 
 
-def lighthouse(min_groups: int = 1, *, bind: str = "127.0.0.1:0", join_ms: int = 200, heartbeat_ms: int = 1000) -> Any:
+def lighthouse(min_groups: int = 1, *, bind: str = "127.0.0.1:0", join_ms: int = 10000, heartbeat_ms: int = 1000) -> Any:
     """Start a torchft lighthouse in this process (tests, benchmarks, one-machine runs).
+
+    ``heartbeat_ms`` is how soon a dead group is dropped. ``join_ms`` is how long a quorum waits
+    for a live group that is late to ask (more than half may form one without it): a short wait
+    drops a slow group now and then on a loaded machine, to heal again a step later.
 
     Returns:
         The ``LighthouseServer``; its ``address()`` is what each :class:`ElasticGroup` is given.

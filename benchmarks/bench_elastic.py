@@ -1,0 +1,229 @@
+"""Benchmark elastic training on torchft: a group leaves and joins again; steps lost, seconds to recover, throughput.
+
+Run: python benchmarks/bench_elastic.py --engine torchft --devices cpu,cpu@0.5,cpu@0.25 --steps 40
+     --leave 2@12 --join 2@26 [--json OUT]
+
+The benchmark starts the torchft lighthouse itself (over gloo, on this machine) and one
+process per device, each an ``ElasticGroup`` training a float64 MLP on synthetic global
+batches. ``--leave G@K``: group G is killed by its process id (SIGKILL) once step K has
+committed. ``--join G@M``: a new process for group G, started earlier and waiting with
+its imports done (an interpreter's start is not torchft's to pay), is told to join once
+step M has committed. The profile the groups plan from is measured before the run (the
+``cpu`` step at two batch sizes, each emulated device's declared speed applied), as a
+stored profile would be: nothing is measured on the hot path.
+
+Reported (``--json``): each committed step's members and shares; ``steps_lost`` (global
+batches never committed: the goal is 0) and ``steps_rerun`` (discarded attempts run again
+on the same global batch); the seconds from the kill, and from the join signal, to the
+first committed step after it (heartbeat timeout included); throughput (samples/s over the
+steady committed steps of each phase, the step after an event left out) beside
+``ideal_during``: the throughput before the leave scaled by the present groups' summed
+speed over all groups'; ``max_param_diff_vs_plain``: group 0's parameters against one plain
+process over the same global batches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+IN, HIDDEN, CLASSES, BATCH = 256, 1024, 10, 384
+
+
+def _model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(IN, HIDDEN), torch.nn.Tanh(), torch.nn.Linear(HIDDEN, HIDDEN), torch.nn.Tanh(),
+        torch.nn.Linear(HIDDEN, CLASSES),
+    ).double()
+    return model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+
+def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Synthetic global batch ``step`` (the same on every group and in the plain run)."""
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(BATCH, IN, generator=g, dtype=torch.float64), torch.randint(0, CLASSES, (BATCH,), generator=g)
+
+
+def _step(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
+    F.cross_entropy(model(x), y).backward()
+
+
+def _profile(devices: list[str]) -> dict[str, list[tuple[int, float]]]:
+    """The ``cpu`` step timed at two sizes here, each device's curve its declared speed's share of it."""
+    from hetsplit.devices import parse_device
+
+    torch.set_num_threads(1)  # as each group runs (OMP_NUM_THREADS=1)
+    model, _ = _model()
+    times = {}
+    for b in (16, BATCH):
+        x, y = _batch(0)
+        for _ in range(3):
+            _step(model, x[:b], y[:b])
+        start = time.perf_counter()
+        for _ in range(10):
+            _step(model, x[:b], y[:b])
+        times[b] = (time.perf_counter() - start) / 10
+    return {d: [(b, t / parse_device(d).speed) for b, t in times.items()] for d in dict.fromkeys(devices)}
+
+
+def worker(a: argparse.Namespace) -> None:
+    """One replica group: wait for ``--go`` if given, then train, logging each committed step as a JSON line."""
+    from hetsplit.devices import parse_device
+    from hetsplit.distributed.elastic import ElasticGroup
+    from hetsplit.planning import Profile
+
+    devices = a.devices.split(",")
+    dev = parse_device(devices[a.group])
+    model, opt = _model()
+    prof = Profile.from_measurements(json.loads(Path(a.profile).read_text()))
+    while a.go and not os.path.exists(a.go):  # the joiner: imports done, told when to join
+        time.sleep(0.01)
+    joined = time.time()
+    group = ElasticGroup(model, opt, batch_size=BATCH, devices=devices, group=a.group, lighthouse=a.lighthouse,
+                         profile=prof, timeout=30, quorum_timeout=120)
+    if not a.go:  # the first groups start together: every one is in step 0's quorum
+        Path(f"{a.log}.ready").touch()
+        while len(list(Path(a.log).parent.glob("*.ready"))) < len(devices):
+            time.sleep(0.01)
+    log = open(a.log, "a", buffering=1)
+    log.write(json.dumps({"joined": joined}) + "\n")
+    tries = 0
+    while group.step < a.steps:
+        step = group.begin()
+        x, y = group.local_batch(_batch(step))
+        with dev.throttle():
+            _step(model, x, y)
+        tries += 1
+        if group.commit():
+            log.write(json.dumps({"step": step, "t": time.time(), "members": group.members,
+                                  "sizes": list(group.plan.sizes), "tries": tries}) + "\n")
+    torch.save([p.detach() for p in model.parameters()], a.log + ".pt")
+    group.shutdown()
+
+
+def _read(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def _event(text: str) -> tuple[int, int]:
+    g, _, k = text.partition("@")
+    return int(g), int(k)
+
+
+def _throughput(steps: list[dict], lo: int, hi: int) -> float:
+    """Samples per second over committed steps lo+1..hi (their commit times; the step at lo starts the clock)."""
+    t = {s["step"]: s["t"] for s in steps}
+    if lo not in t or hi not in t or hi <= lo:
+        return float("nan")
+    return BATCH * (hi - lo) / (t[hi] - t[lo])
+
+
+def run_torchft(a: argparse.Namespace, out: Path) -> dict:
+    from hetsplit.distributed.elastic import lighthouse
+
+    devices = a.devices.split(",")
+    (out / "profile.json").write_text(json.dumps(_profile(devices)))
+    (leave_g, leave_k), (join_g, join_m) = _event(a.leave), _event(a.join)
+    env = {**os.environ, "RUST_LOG": "warn", "OMP_NUM_THREADS": "1"}
+    lh = lighthouse(1, heartbeat_ms=a.heartbeat_ms)
+
+    def start(g: int, tag: str, go: str | None = None) -> subprocess.Popen:
+        cmd = [sys.executable, __file__, "--worker", "--group", str(g), "--devices", a.devices, "--steps",
+               str(a.steps), "--lighthouse", lh.address(), "--profile", str(out / "profile.json"),
+               "--log", str(out / f"{tag}.jsonl")] + (["--go", go] if go else [])
+        return subprocess.Popen(cmd, env=env)
+
+    procs = {g: start(g, f"g{g}") for g in range(len(devices))}
+    joiner = start(join_g, f"g{join_g}b", str(out / "join"))  # waits, imports done
+    main = out / "g0.jsonl"
+
+    def committed() -> int:
+        steps = [s for s in _read(main) if "step" in s]
+        return steps[-1]["step"] if steps else -1
+
+    while committed() < leave_k:
+        time.sleep(0.01)
+    os.kill(procs[leave_g].pid, signal.SIGKILL)
+    t_leave = time.time()
+    while committed() < join_m:
+        time.sleep(0.01)
+    t_join = time.time()
+    (out / "join").touch()
+    for p in [*procs.values(), joiner]:
+        if p.pid != procs[leave_g].pid:
+            p.wait(timeout=600)
+    lh.shutdown()
+    procs[leave_g].wait()
+
+    steps = [s for s in _read(main) if "step" in s]
+    every = {s["step"] for f in out.glob("*.jsonl") for s in _read(f) if "step" in s}  # committed by any group
+    after_leave = next(s for s in steps if s["t"] > t_leave)
+    after_join = next(s for s in steps if join_g in s["members"] and s["t"] > t_join)
+    model, opt = _model()
+    for k in range(a.steps):
+        opt.zero_grad()
+        _step(model, *_batch(k))
+        opt.step()
+    got = torch.load(str(main) + ".pt")
+    diff = max(float((p.detach() - q).abs().max()) for p, q in zip(model.parameters(), got))
+    speeds = {d: __import__("hetsplit.devices", fromlist=["x"]).parse_device(d).speed for d in devices}
+    before = _throughput(steps, 2, leave_k)
+    present = sum(speeds[d] for i, d in enumerate(devices) if i != leave_g) / sum(speeds.values())
+    return {
+        "steps": [{"step": s["step"], "members": s["members"], "sizes": s["sizes"], "global_batch": sum(s["sizes"])}
+                  for s in steps],
+        "steps_lost": a.steps - len(every),
+        "steps_rerun": steps[-1]["tries"] - len(steps),
+        "seconds_to_first_commit_after_leave": round(after_leave["t"] - t_leave, 3),
+        "seconds_to_first_commit_after_join": round(after_join["t"] - t_join, 3),
+        "max_param_diff_vs_plain": diff,
+        "throughput": {
+            "before": before,
+            "during": _throughput(steps, after_leave["step"] + 1, join_m),
+            "after": _throughput(steps, after_join["step"] + 1, a.steps - 1),
+            "ideal_during": before * present,
+        },
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--engine", choices=["torchft"], default="torchft")
+    ap.add_argument("--devices", default="cpu,cpu@0.5,cpu@0.25")
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--leave", default="2@12")
+    ap.add_argument("--join", default="2@26")
+    ap.add_argument("--heartbeat-ms", type=int, default=1000, help="the lighthouse's heartbeat timeout")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--out", default=None, help="a folder for the groups' logs (default: a temporary one)")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    for name in ("--group", "--lighthouse", "--profile", "--log", "--go"):
+        ap.add_argument(name, type=int if name == "--group" else str, help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.worker:
+        return worker(a)
+    import tempfile
+
+    out = Path(a.out or tempfile.mkdtemp(prefix="bench_elastic_"))
+    out.mkdir(parents=True, exist_ok=True)
+    result = {"engine": a.engine, "devices": a.devices, "batch": BATCH, "host": platform.node(),
+              "load": os.getloadavg(), **run_torchft(a, out)}
+    text = json.dumps(result, indent=1)
+    print(json.dumps({k: v for k, v in result.items() if k != "steps"}, indent=1))
+    if a.json:
+        Path(a.json).write_text(text)
+
+
+if __name__ == "__main__":
+    main()
