@@ -43,7 +43,10 @@ IN, HIDDEN, CLASSES, BATCH = 256, 1024, 10, 384
 def _model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(0)
     model = torch.nn.Sequential(
-        torch.nn.Linear(IN, HIDDEN), torch.nn.Tanh(), torch.nn.Linear(HIDDEN, HIDDEN), torch.nn.Tanh(),
+        torch.nn.Linear(IN, HIDDEN),
+        torch.nn.Tanh(),
+        torch.nn.Linear(HIDDEN, HIDDEN),
+        torch.nn.Tanh(),
         torch.nn.Linear(HIDDEN, CLASSES),
     ).double()
     return model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
@@ -90,24 +93,43 @@ def worker(a: argparse.Namespace) -> None:
     while a.go and not os.path.exists(a.go):  # the joiner: imports done, told when to join
         time.sleep(0.01)
     joined = time.time()
-    group = ElasticGroup(model, opt, batch_size=BATCH, devices=devices, group=a.group, lighthouse=a.lighthouse,
-                         profile=prof, timeout=30, quorum_timeout=120)
+    group = ElasticGroup(
+        model,
+        opt,
+        batch_size=BATCH,
+        devices=devices,
+        group=a.group,
+        lighthouse=a.lighthouse,
+        profile=prof,
+        timeout=30,
+        quorum_timeout=120,
+    )
     if not a.go:  # the first groups start together: every one is in step 0's quorum
         Path(f"{a.log}.ready").touch()
         while len(list(Path(a.log).parent.glob("*.ready"))) < len(devices):
             time.sleep(0.01)
-    log = open(a.log, "a", buffering=1)
-    log.write(json.dumps({"joined": joined}) + "\n")
-    tries = 0
-    while group.step < a.steps:
-        step = group.begin()
-        x, y = group.local_batch(_batch(step))
-        with dev.throttle():
-            _step(model, x, y)
-        tries += 1
-        if group.commit():
-            log.write(json.dumps({"step": step, "t": time.time(), "members": group.members,
-                                  "sizes": list(group.plan.sizes), "tries": tries}) + "\n")
+    with open(a.log, "a", buffering=1) as log:  # a line per step: the benchmark reads it while we run
+        log.write(json.dumps({"joined": joined}) + "\n")
+        tries = 0
+        while group.step < a.steps:
+            step = group.begin()
+            x, y = group.local_batch(_batch(step))
+            with dev.throttle():
+                _step(model, x, y)
+            tries += 1
+            if group.commit():
+                log.write(
+                    json.dumps(
+                        {
+                            "step": step,
+                            "t": time.time(),
+                            "members": group.members,
+                            "sizes": list(group.plan.sizes),
+                            "tries": tries,
+                        }
+                    )
+                    + "\n"
+                )
     torch.save([p.detach() for p in model.parameters()], a.log + ".pt")
     group.shutdown()
 
@@ -139,9 +161,23 @@ def run_torchft(a: argparse.Namespace, out: Path) -> dict:
     lh = lighthouse(1, heartbeat_ms=a.heartbeat_ms)
 
     def start(g: int, tag: str, go: str | None = None) -> subprocess.Popen:
-        cmd = [sys.executable, __file__, "--worker", "--group", str(g), "--devices", a.devices, "--steps",
-               str(a.steps), "--lighthouse", lh.address(), "--profile", str(out / "profile.json"),
-               "--log", str(out / f"{tag}.jsonl")] + (["--go", go] if go else [])
+        cmd = [
+            sys.executable,
+            __file__,
+            "--worker",
+            "--group",
+            str(g),
+            "--devices",
+            a.devices,
+            "--steps",
+            str(a.steps),
+            "--lighthouse",
+            lh.address(),
+            "--profile",
+            str(out / "profile.json"),
+            "--log",
+            str(out / f"{tag}.jsonl"),
+        ] + (["--go", go] if go else [])
         return subprocess.Popen(cmd, env=env)
 
     procs = {g: start(g, f"g{g}") for g in range(len(devices))}
@@ -181,8 +217,10 @@ def run_torchft(a: argparse.Namespace, out: Path) -> dict:
     before = _throughput(steps, 2, leave_k)
     present = sum(speeds[d] for i, d in enumerate(devices) if i != leave_g) / sum(speeds.values())
     return {
-        "steps": [{"step": s["step"], "members": s["members"], "sizes": s["sizes"], "global_batch": sum(s["sizes"])}
-                  for s in steps],
+        "steps": [
+            {"step": s["step"], "members": s["members"], "sizes": s["sizes"], "global_batch": sum(s["sizes"])}
+            for s in steps
+        ],
         "steps_lost": a.steps - len(every),
         "steps_rerun": steps[-1]["tries"] - len(steps),
         "seconds_to_first_commit_after_leave": round(after_leave["t"] - t_leave, 3),
@@ -217,8 +255,14 @@ def main() -> None:
 
     out = Path(a.out or tempfile.mkdtemp(prefix="bench_elastic_"))
     out.mkdir(parents=True, exist_ok=True)
-    result = {"engine": a.engine, "devices": a.devices, "batch": BATCH, "host": platform.node(),
-              "load": os.getloadavg(), **run_torchft(a, out)}
+    result = {
+        "engine": a.engine,
+        "devices": a.devices,
+        "batch": BATCH,
+        "host": platform.node(),
+        "load": os.getloadavg(),
+        **run_torchft(a, out),
+    }
     text = json.dumps(result, indent=1)
     print(json.dumps({k: v for k, v in result.items() if k != "steps"}, indent=1))
     if a.json:

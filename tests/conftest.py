@@ -29,6 +29,7 @@ _SLOW_FIRST = (
     "test_hf_trainer.py",
     "test_accelerate.py",
     "test_launch.py",
+    "test_elastic.py",
     "test_cli.py",
     "test_fsdp.py",
     "test_faults.py",

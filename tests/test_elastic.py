@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-
 from helpers import ROOT, subprocess_env
 
 torchft = pytest.importorskip("torchft", reason="the elastic extra: pip install 'hetsplit[elastic]'")
@@ -57,10 +56,25 @@ def test_a_group_leaves_mid_step_and_rejoins_exactly(tmp_path, optim, mode):
     lh = lighthouse(1)
     try:
         up0, up1, back = (str(tmp_path / n) for n in ("up0", "up1", "back"))  # both start together
-        g0 = _group(tmp_path, "g0", 0, lh.address(), optim, *flags, "--ready", up0, "--wait-at", "0", up1,
-                    "--wait-at", "8", back)
-        g1 = _group(tmp_path, "g1", 1, lh.address(), optim, *flags, "--ready", up1, "--wait-at", "0", up0,
-                    "--die-at", "4")
+        g0 = _group(
+            tmp_path,
+            "g0",
+            0,
+            lh.address(),
+            optim,
+            *flags,
+            "--ready",
+            up0,
+            "--wait-at",
+            "0",
+            up1,
+            "--wait-at",
+            "8",
+            back,
+        )
+        g1 = _group(
+            tmp_path, "g1", 1, lh.address(), optim, *flags, "--ready", up1, "--wait-at", "0", up0, "--die-at", "4"
+        )
         g1.communicate(timeout=240)  # gone inside step 4, after its backward
         rejoin = _group(tmp_path, "g1b", 1, lh.address(), optim, *flags, "--ready", back)
         _finish(g0), _finish(rejoin)
@@ -108,10 +122,38 @@ def test_every_group_gone_leaves_the_checkpoint_and_says_how_to_resume(tmp_path)
     ckpt = tmp_path / "ckpt.pt"
     try:
         up0, up1 = str(tmp_path / "up0"), str(tmp_path / "up1")
-        g0 = _group(tmp_path, "g0", 0, lh.address(), "sgd", "--checkpoint", str(ckpt), "--ready", up0,
-                    "--wait-at", "0", up1, "--die-at", "6")
-        g1 = _group(tmp_path, "g1", 1, lh.address(), "sgd", "--checkpoint", str(tmp_path / "c1.pt"), "--ready", up1,
-                    "--wait-at", "0", up0, "--quorum-timeout", "3")
+        g0 = _group(
+            tmp_path,
+            "g0",
+            0,
+            lh.address(),
+            "sgd",
+            "--checkpoint",
+            str(ckpt),
+            "--ready",
+            up0,
+            "--wait-at",
+            "0",
+            up1,
+            "--die-at",
+            "6",
+        )
+        g1 = _group(
+            tmp_path,
+            "g1",
+            1,
+            lh.address(),
+            "sgd",
+            "--checkpoint",
+            str(tmp_path / "c1.pt"),
+            "--ready",
+            up1,
+            "--wait-at",
+            "0",
+            up0,
+            "--quorum-timeout",
+            "3",
+        )
         g0.communicate(timeout=240)
         lh.shutdown()  # the lighthouse goes too: no quorum can form
         _, err = g1.communicate(timeout=240)

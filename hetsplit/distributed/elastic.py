@@ -26,7 +26,7 @@ from ..devices import canonical_name
 from ..planning.plan import Plan, sizes_from_weights
 from ..planning.profile import Profile, fingerprint
 from ..planning.solver import plan_from_sizes, solve
-from .sampler import local_batch
+from .sampler import _epoch_order, local_batch
 
 # Per group, in the membership vector: present, then its own measurement (batch, seconds; 0
 # until taken) for a device the profile lacks. Each slot is written by one group only, so
@@ -99,6 +99,7 @@ class ElasticGroup:
         checkpoint: str | os.PathLike[str] | None = None,
     ) -> None:
         try:
+            from torch.distributed import TCPStore  # type: ignore[attr-defined]
             from torchft import Manager, ProcessGroupGloo
         except ImportError:
             raise ImportError("hetsplit's elastic groups run on torchft: pip install 'hetsplit[elastic]'") from None
@@ -119,7 +120,7 @@ class ElasticGroup:
         self._started, self.min_groups, self.checkpoint = 0.0, min_groups, checkpoint
         _check_reachable(lighthouse, min(timeout, 10.0))
         # Each replica group owns a TCPStore (torchft's process groups meet through it).
-        self._store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        self._store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
         self.manager = Manager(
             pg=ProcessGroupGloo(timeout=timedelta(seconds=timeout)),
             load_state_dict=self._load,
@@ -233,12 +234,26 @@ class ElasticGroup:
         entries = [self.profile.entry(n) for n in dict.fromkeys(known)] if self.profile else []
         if curves:
             entries += Profile.from_measurements(curves).entries
-        return solve(Profile(entries, model=dict(self.profile.model) if self.profile else {}), self.batch_size,
-                     devices=labels)
+        return solve(
+            Profile(entries, model=dict(self.profile.model) if self.profile else {}), self.batch_size, devices=labels
+        )
 
     def local_batch(self, batch: Any, dim: int = 0) -> Any:
         """This group's rows of the step's global batch (the same on every group), as :func:`local_batch` cuts it."""
         return local_batch(batch, self.plan, rank=self.members.index(self.group), dim=dim, check=False)
+
+    def global_indices(self, n: int, *, shuffle: bool = True, seed: int = 0) -> list[int]:
+        """The dataset indices of global batch :attr:`step`: epochs of ``n // batch_size`` whole batches.
+
+        Each epoch is shuffled as :class:`~.sampler.HeteroDistributedSampler` shuffles it
+        (``seed + epoch``); the last incomplete batch is dropped, so every step is ``batch_size``.
+        """
+        per_epoch = n // self.batch_size
+        if per_epoch < 1:
+            raise ValueError(f"a dataset of {n} samples holds no global batch of {self.batch_size}")
+        epoch, k = divmod(self.step, per_epoch)
+        order = _epoch_order(n, per_epoch * self.batch_size, shuffle, seed + epoch)
+        return order[k * self.batch_size : (k + 1) * self.batch_size]
 
     @property
     def samples(self) -> int:
@@ -294,7 +309,9 @@ class ElasticGroup:
         self.manager.shutdown(wait=False)
 
 
-def lighthouse(min_groups: int = 1, *, bind: str = "127.0.0.1:0", join_ms: int = 10000, heartbeat_ms: int = 1000) -> Any:
+def lighthouse(
+    min_groups: int = 1, *, bind: str = "127.0.0.1:0", join_ms: int = 10000, heartbeat_ms: int = 1000
+) -> Any:
     """Start a torchft lighthouse in this process (tests, benchmarks, one-machine runs).
 
     ``heartbeat_ms`` is how soon a dead group is dropped. ``join_ms`` is how long a quorum waits
