@@ -88,6 +88,7 @@ def run(a: argparse.Namespace) -> None:
     log, tries = [], 0
     while group.step < int(a.steps):
         for at, path in [w for w in a.wait_at if int(w[0]) == group.step]:
+            Path(f"{path}.waiting").touch()  # the test may now start the group it waits for
             while not os.path.exists(path):
                 time.sleep(0.05)
             a.wait_at.remove([at, path])

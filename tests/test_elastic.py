@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -41,6 +42,11 @@ def _plain(optim: str) -> list[torch.Tensor]:
         F.cross_entropy(model(x), y).backward()
         opt.step()
     return [p.detach() for p in model.parameters()]
+
+
+def _wait_for(path: Path) -> None:
+    while not path.exists():
+        time.sleep(0.05)
 
 
 def _finish(proc: subprocess.Popen, timeout: float = 240) -> str:
@@ -106,6 +112,7 @@ def test_a_joiner_of_another_global_batch_is_refused_at_the_quorum(tmp_path):
     lh = lighthouse(1)
     try:
         g0 = _group(tmp_path, "g0", 0, lh.address(), "sgd", "--wait-at", "2", str(tmp_path / "back"))
+        _wait_for(tmp_path / "back.waiting")  # g0 is running: the odd group joins it
         odd = _group(tmp_path, "odd", 1, lh.address(), "sgd", "--batch", "32", "--ready", str(tmp_path / "back"))
         _, err = odd.communicate(timeout=240)
         _finish(g0)  # the running group goes on
@@ -175,3 +182,50 @@ def test_every_group_gone_leaves_the_checkpoint_and_says_how_to_resume(tmp_path)
         opt.step()
     for a, b in zip(model.parameters(), _plain("sgd")):
         torch.testing.assert_close(a.detach(), b, rtol=1e-12, atol=1e-14)
+
+
+def test_global_indices_cover_each_epoch_once_in_whole_batches():
+    lh = lighthouse(1)
+    model, opt = elastic_job.model_and_opt("sgd")
+    group = ElasticGroup(model, opt, batch_size=8, devices=["cpu"], group=0, lighthouse=lh.address())
+    try:
+        seen = []
+        for step in range(6):  # 50 samples: 6 whole batches an epoch, 2 left out
+            group.manager.load_state_dict({"step": step, "batches_committed": step})
+            seen += group.global_indices(50)
+        assert len(seen) == 48 == len(set(seen))
+        group.manager.load_state_dict({"step": 6, "batches_committed": 6})
+        assert group.global_indices(50) != seen[:8]  # the next epoch, shuffled anew
+    finally:
+        group.shutdown()
+        lh.shutdown()
+
+
+def test_the_example_trains_two_groups(tmp_path):
+    lh = lighthouse(1)
+    try:
+        cmd = [
+            sys.executable,
+            str(ROOT / "examples" / "elastic_torchft.py"),
+            "--lighthouse",
+            lh.address(),
+            "--steps",
+            "3",
+        ]
+        procs = [
+            subprocess.Popen(
+                [*cmd, "--group", str(g)],
+                env=ENV,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                cwd=tmp_path,
+            )
+            for g in (0, 1)
+        ]
+        outs = [p.communicate(timeout=240) for p in procs]
+    finally:
+        lh.shutdown()
+    for p, (_, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-2000:]
+    assert "step 0: loss" in outs[0][0] + outs[1][0]  # a group that joined late was healed past step 0
