@@ -4,7 +4,7 @@
 [--ready FILE] [--batch B] [--hidden H]`` trains until ``STEPS`` steps are committed, then writes
 ``OUT`` (its parameters and one record per committed step: step, members, sizes). ``--die-at K``
 exits mid-step (after the backward of step K, before the all-reduce), as a killed process does;
-``--checkpoint F`` resumes from F and saves it after every committed step;
+``--go FILE`` waits for FILE before joining; ``--checkpoint F`` resumes from F and saves it after every committed step;
 ``--wait-at M FILE`` waits before step M until FILE exists (a rejoiner's ``--ready``), so the
 rejoin lands inside the run on a loaded machine.
 """
@@ -55,6 +55,7 @@ def main() -> None:
     ap.add_argument("--die-at", type=int, default=-1)
     ap.add_argument("--wait-at", nargs=2, action="append", default=[])
     ap.add_argument("--ready", default=None)
+    ap.add_argument("--go", default=None)
     ap.add_argument("--batch", type=int, default=24)
     ap.add_argument("--hidden", type=int, default=16)
     ap.add_argument("--async-quorum", action="store_true")
@@ -70,6 +71,8 @@ def main() -> None:
 
 def run(a: argparse.Namespace) -> None:
     model, opt = model_and_opt(a.optim, a.hidden)
+    while a.go and not os.path.exists(a.go):  # started early, imports done: joins when told
+        time.sleep(0.05)
     group = ElasticGroup(
         model,
         opt,
@@ -99,7 +102,9 @@ def run(a: argparse.Namespace) -> None:
             os._exit(0)  # gone mid-step, as a killed process
         tries += 1
         if group.commit():
-            log.append({"step": step, "members": list(group.members), "sizes": list(group.plan.sizes)})
+            log.append(
+                {"step": step, "members": list(group.members), "sizes": list(group.plan.sizes), "t": time.time()}
+            )
             if a.checkpoint:
                 group.save()
     torch.save({"params": [p.detach() for p in model.parameters()], "log": log, "tries": tries}, a.out)
