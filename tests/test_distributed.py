@@ -480,6 +480,25 @@ def test_the_predicted_step_is_the_calibration_steps_scaled_to_the_new_shares():
     assert _stepwise(plan, [0.010, 0.020], steps) == pytest.approx(0.030 + 0.001)
 
 
+def test_what_a_step_took_beyond_compute_ignores_the_busiest_rank_s_head_start():
+    from hetsplit.distributed.step_time import exposed
+
+    # A controlled step: rank r leaves the barrier at start[r], computes compute[r], then
+    # spends 2 ms of its own (hooks, zero_grad); the step ends for every rank 3 ms after the
+    # last of them (the all-reduce no compute hid). The busiest rank (1) left the barrier first.
+    start, compute, own, tail = [0.004, 0.0], [0.018, 0.022], 0.002, 0.003
+    end = max(s + c + own for s, c in zip(start, compute)) + tail
+    walls = [end - s for s in start]
+    assert exposed(walls, compute) == pytest.approx(own + tail)  # the shortest wall less 22 ms: 1 ms
+    # The steady loop's step (no barrier: every rank starts together) is what the rule predicts.
+    steady = max(c + own for c in compute) + tail
+    assert max(compute) + exposed(walls, compute) == pytest.approx(steady)
+    # Equal computes: every rank's wall less its compute is at least the one that held the step up.
+    start, compute = [0.0, 0.001], [0.020, 0.020]
+    end = max(s + c + own for s, c in zip(start, compute)) + tail
+    assert exposed([end - s for s in start], compute) == pytest.approx(own + tail)
+
+
 def test_a_batchnorm_model_s_plan_hands_no_rank_a_single_sample(ranks):
     for r in ranks["batchnorm_plan"]:
         assert r == {"batchnorm": [8, 0], "plain": [7, 1]}, r
