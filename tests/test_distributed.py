@@ -91,7 +91,17 @@ def plan(ctx):
     with contextlib.redirect_stdout(io.StringIO()) as said:
         solved = hd.plan(_net(), x, 40, device=_device(ctx), profile=given, calibrate=0).to_dict()
         hd.plan(_net(), x, 40, device=_device(ctx), profile=given, calibrate=0, quiet=True)
-    return {"measured": measured, "given": solved, "said": said.getvalue().splitlines()}
+    # Rank 1's emulated quarter-speed CPU measured only 2x slower than rank 0's real one: the plan
+    # carries the note, and an integration's own report of the quietly made plan says it.
+    twice = 2.0 if ctx.rank else 1.0
+    off = Profile.from_measurements({"cpu": [(2, 0.002 * twice), (32, 0.032 * twice)]})
+    off.entries[0].info = dataclasses.replace(off.entries[0].info, name=_device(ctx), emulated=ctx.rank == 1,
+                                              speed=0.25 if ctx.rank else 1.0)  # fmt: skip
+    flagged = hd.plan(_net(), x, 40, device=_device(ctx), profile=off, calibrate=0, quiet=True)
+    with contextlib.redirect_stdout(io.StringIO()) as integration:
+        hd.SplitReport("HeteroDDPStrategy", ctx.rank).step(flagged)
+    return {"measured": measured, "given": solved, "said": said.getvalue().splitlines(), "notes": flagged.notes,
+            "integration": integration.getvalue().splitlines()}  # fmt: skip
 
 
 def batchnorm_plan(ctx):
@@ -433,6 +443,15 @@ def test_all_ranks_agree_on_the_plan(ranks):
     assert plans[0]["emulated"] == ["rank1:cpu@0.25"]
     given = [r["given"] for r in ranks["plan"]]
     assert given[0] == given[1] and given[0]["sizes"] == [32, 8]  # the quarter-speed rank gets a fifth
+
+
+def test_a_plan_on_flagged_measurements_carries_the_note_into_an_integration_s_line(ranks):
+    notes = [r["notes"] for r in ranks["plan"]]
+    assert notes[0] == notes[1] and len(notes[0]) == 1, notes  # the same plan on every rank
+    assert notes[0][0].startswith("emulation unreliable: rank1:cpu@0.25 measured 2.0x slower than cpu, not 4x")
+    said = ranks["plan"][0]["integration"]
+    assert len(said) == 1 and said[0].startswith("hetsplit: HeteroDDPStrategy: global batch 40 split"), said
+    assert said[0].endswith("; " + notes[0][0]) and ranks["plan"][1]["integration"] == []
 
 
 def test_the_plan_is_said_once_on_rank_0_unless_quiet(ranks):
