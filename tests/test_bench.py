@@ -325,6 +325,12 @@ def test_the_demo_s_split_line_gives_each_share_its_time_and_says_an_emulation_m
         "emulation unreliable: cpu@0.25 measured 2.0x slower than cpu, not 4x, planned at 4x"
     ), lines[0]
     assert any(line.startswith("the plan (from each device timed alone) predicted a balanced step") for line in lines)
+    # Every configuration's steps' own ± is measured, and the error is said beside it.
+    assert set(r.meta["step_noise"]) == set(r.step_times)
+    r.meta["step_noise"] = {"balanced": 0.04, "single:cpu": 0.02}
+    said = next(line for line in verdict(r).splitlines() if "predicted a balanced step" in line)
+    error = r.predicted["balanced"] / r.step_times["balanced"] - 1
+    assert f"(error {error:+.0%}, noise ±4%)" in said, said
     noisy = dataclasses.replace(r, plan=dataclasses.replace(r.plan, noise=0.4))
     said = [line for line in verdict(noisy).splitlines() if "balanced step" in line]
     assert said == [
