@@ -610,7 +610,8 @@ def table(rows: Sequence[dict[str, Any]], summary: dict[str, dict[str, float]], 
                        _pct(s.get("fastest_again_p95_abs", math.nan))])  # fmt: skip
     heads = ["engine", "configurations", "median abs error", "95th percentile abs error", "median error",
              "noise floor: median abs again", "95th percentile abs again",
-             "fastest 5 of 25: median abs error", "95th percentile", "its noise: median", "95th percentile"]  # fmt: skip
+             "fastest 5 of 25: median abs error", "95th percentile", "its noise: median",
+             "95th percentile"]  # fmt: skip
     return _render(head, body, markdown) + "\n\n" + _render(heads, totals, markdown)
 
 

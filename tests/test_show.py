@@ -161,7 +161,8 @@ def test_a_plan_split_by_the_quick_calibration_says_whose_step_it_predicts(tmp_p
     from hetsplit.apps.show import plot_plan, step_words
 
     plan = dataclasses.replace(solve(_profile(), 100), stand_in="calibration-mlp")
-    assert step_words(plan) == f"predicted step of calibration-mlp {plan.slowest * 1e3:.2f} ms (a stand-in, not your model)"
+    ms = f"{plan.slowest * 1e3:.2f} ms"
+    assert step_words(plan) == f"predicted step of calibration-mlp {ms} (a stand-in, not your model)"
     assert "nan" not in step_words(plan)  # was: "predicted step nan ms"
     assert step_words(solve(_profile(), 100)) == f"predicted step {solve(_profile(), 100).step_time * 1e3:.2f} ms"
     assert _is_png(plot_plan(plan, tmp_path / "p.png"))
