@@ -276,7 +276,7 @@ class ElasticGroup:
         self.manager.allreduce(flat, reduce_op=torch.distributed.ReduceOp.SUM).wait()
         n = len(flat) - sum(t.numel() for t in tail)
         total = float(flat[n])
-        if self._async:
+        if self._async and self.manager.errored() is None:  # a failed all-reduce says nothing of who is here
             said = flat[n + 1 :].reshape(self._shared.shape)
             used = list(self.members)
             self._replan(said)
