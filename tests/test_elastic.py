@@ -78,11 +78,13 @@ def test_a_group_leaves_mid_step_and_rejoins_exactly(tmp_path, optim, mode):
             )
         g1.communicate(timeout=240)  # gone inside step 4, after its backward
         if mode == "sync":
+            _wait_for(Path(f["odd"] + ".waiting"))  # group 0 ran steps 4 and 5 alone
             Path(f["go-odd"]).touch()
             _, err = odd.communicate(timeout=240)
             assert odd.returncode == 1, err[-2000:]
             line = err.strip().splitlines()[-1]
             assert "refused at the quorum" in line and "global batches of 24" in line and "on 32" in line, line
+        _wait_for(Path(f["back"] + ".waiting"))  # and steps up to 7
         Path(f["go-back"]).touch()
         _finish(g0), _finish(rejoin)
     finally:

@@ -172,7 +172,9 @@ class ElasticGroup:
         """Start a step: the quorum, the groups present and this group's share.
 
         Returns:
-            The index of the global batch to train on (:attr:`step`).
+            The index of the global batch to train on (:attr:`step`). With
+            ``use_async_quorum`` a joiner learns its step only once healed, after its first
+            step, whose contribution torchft zeroes: that first index is stale and harmless.
 
         Raises:
             TimeoutError: No quorum of ``min_groups`` within ``quorum_timeout``, in one line.
