@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -22,7 +22,7 @@ from hetsplit.distributed.setup import ENV_DEVICES, rank_devices
 from hetsplit.distributed.sharded import kind, micro_for_rows
 from hetsplit.distributed.zero_share import stand_in_items
 from hetsplit.parallel.reduce import shard_weight
-from hetsplit.planning import Plan, Profile, Rebalancer
+from hetsplit.planning import Plan
 from hetsplit.tree import flatten, narrow, samples_in
 
 from . import core
@@ -81,23 +81,11 @@ class HeteroTrainer(transformers.Trainer):
 
     Args:
         *args: As for ``transformers.Trainer``.
-        devices: One device per process (a string or a list; default: ``$HETSPLIT_DEVICES``,
-            else the Trainer's).
-        plan: A :class:`~hetsplit.Plan` with one share per process.
-        profile: This process's :class:`~hetsplit.Profile`, instead of timing the model.
-        global_batch_size: Samples per step over all processes (default: the Trainer's,
-            processes × ``per_device_train_batch_size``).
-        rebalance: Re-solve the shares every this many training steps (0: never), or a
-            :class:`hetsplit.Rebalancer`; each ``training_step`` is one step the rebalancer
-            times (:class:`hetsplit.distributed.DistributedRebalancer`). Not with a plan
-            with micro-batches.
-        plan_kwargs: Passed to :func:`hetsplit.distributed.plan` (see :class:`HeteroAccelerator`);
-            ``{"accumulate": True}`` lets a device with a memory cap run its share as micro-batches.
-        quiet: Say nothing about the split (else rank 0 prints the split and its predicted
-            step when training starts, the measured step when it ends; ``HETSPLIT_QUIET=1`` too).
         options: ``devices``, ``plan``, ``profile``, ``global_batch_size``, ``rebalance``,
-            ``plan_kwargs`` and ``quiet`` as one :class:`~hetsplit.integrations.options.HeteroOptions`
-            (not with those keywords).
+            ``plan_kwargs``, ``quiet``: the arguments every integration shares, as keywords
+            or one :class:`~hetsplit.integrations.options.HeteroOptions`. With ``rebalance``
+            each ``training_step`` is one step; ``plan_kwargs={"accumulate": True}`` lets a
+            device with a memory cap run its share as micro-batches.
         **trainer_kwargs: As for ``transformers.Trainer``.
 
     The gradients are not weighted by samples (there is no ``weighting`` argument): the
@@ -117,23 +105,8 @@ class HeteroTrainer(transformers.Trainer):
         >>> trainer.train()
     """
 
-    def __init__(
-        self,
-        *args: Any,
-        devices: str | Sequence[Any] | None = None,
-        plan: Plan | None = None,
-        profile: Profile | None = None,
-        global_batch_size: int | None = None,
-        rebalance: int | Rebalancer = 0,
-        plan_kwargs: Mapping[str, Any] | None = None,
-        quiet: bool = False,
-        options: HeteroOptions | None = None,
-        **trainer_kwargs: Any,
-    ) -> None:
-        given = HeteroOptions.given(
-            "HeteroTrainer", options, devices=devices, plan=plan, profile=profile,
-            global_batch_size=global_batch_size, rebalance=rebalance, plan_kwargs=plan_kwargs, quiet=quiet,
-        )  # fmt: skip
+    def __init__(self, *args: Any, options: HeteroOptions | None = None, **trainer_kwargs: Any) -> None:
+        given = HeteroOptions.take("HeteroTrainer", options, trainer_kwargs)
         given.check("HeteroTrainer", weighting="none")
         given = dataclasses.replace(given, devices=given.device_list)  # one string, as every process reads it
         training_args = trainer_kwargs.get("args", args[1] if len(args) > 1 else None)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from lightning.pytorch.strategies import DDPStrategy
@@ -12,7 +12,6 @@ from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from hetsplit.distributed.dtypes import verify_dtypes
-from hetsplit.planning import Plan, Profile, Rebalancer
 
 from ..options import HeteroOptions
 from .checks import check_comm_hook
@@ -124,22 +123,12 @@ class HeteroDDPStrategy(HeteroStrategy, DDPStrategy):
       pass the same ``plan``/``profile`` to resume on the same shares).
 
     Args:
-        devices: One device per rank: ``"cuda:0,cuda:1"``, ``"cpu,cpu@0.25"`` or a list.
-            The strategy's ``rank_device`` is this rank's hetsplit device, and ``plan`` the
-            plan in force (the rebalancer's current one when rebalancing).
-        plan: The plan for all ranks (``plan.sizes[rank]`` samples per step).
-        profile: A profile to solve the plan from instead of timing the model.
-        global_batch_size: Samples per step over all ranks (default: world × loader batch size).
         weighting: ``"hook"`` (a DDP comm hook) or ``"outputs"`` (scales the step's output;
             leaves the comm hook free; automatic optimization only).
-        rebalance: Re-solve the shares every this many steps (0: never), or a
-            :class:`hetsplit.Rebalancer` to set the policy (``every``, ``threshold``, ...).
-        plan_kwargs: Passed to :func:`hetsplit.distributed.plan` (``time_budget``,
-            ``calibrate``, ``batch_sizes``, ``weights``, ``accumulate``, ...), over the
-            defaults ``{"time_budget": 10.0, "calibrate": 4}`` (the same in every
-            integration).
-        quiet: Say nothing about the split (else rank 0 prints the split and its predicted
-            step when training starts, the measured step when it ends; ``HETSPLIT_QUIET=1`` too).
+        options: ``devices``, ``plan``, ``profile``, ``global_batch_size``, ``rebalance``,
+            ``plan_kwargs``, ``quiet``: the arguments every integration shares, as keywords
+            or one :class:`~hetsplit.integrations.options.HeteroOptions`. ``rank_device`` is
+            then this rank's hetsplit device, ``plan`` the plan in force.
         **ddp_kwargs: Passed to ``DDPStrategy`` (``timeout``, ``find_unused_parameters``, ...).
 
     Raises:
@@ -150,29 +139,14 @@ class HeteroDDPStrategy(HeteroStrategy, DDPStrategy):
 
     who = "HeteroDDPStrategy"
 
-    def __init__(
-        self,
-        devices: str | Sequence[Any] | None = None,
-        plan: Plan | None = None,
-        profile: Profile | None = None,
-        global_batch_size: int | None = None,
-        weighting: str = "hook",
-        rebalance: int | Rebalancer = 0,
-        *,
-        plan_kwargs: dict[str, Any] | None = None,
-        quiet: bool = False,
-        options: HeteroOptions | None = None,
-        **ddp_kwargs: Any,
-    ) -> None:
+    def __init__(self, *, weighting: str = "hook", options: HeteroOptions | None = None, **ddp_kwargs: Any) -> None:
         if "profile_kwargs" in ddp_kwargs:  # else DDP itself would refuse it, late and without the new name
             raise TypeError("HeteroDDPStrategy: profile_kwargs= was removed: use plan_kwargs=")
-        given = HeteroOptions.given(
-            self.who, options, devices=devices, plan=plan, profile=profile, global_batch_size=global_batch_size,
-            rebalance=rebalance, plan_kwargs=plan_kwargs, quiet=quiet,
-        )  # fmt: skip
-        given.check(self.who, weighting, ("hook", "outputs"))
-        check_comm_hook(weighting, ddp_kwargs)
-        super().__init__(given, weighting, **ddp_kwargs)
+        super().__init__(weighting=weighting, options=options, **ddp_kwargs)
+
+    @override
+    def check_arguments(self, weighting: str, strategy_kwargs: dict[str, Any]) -> None:
+        check_comm_hook(weighting, strategy_kwargs)
 
     @override
     def _setup_model(self, model: nn.Module) -> DistributedDataParallel:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import lightning.pytorch as pl
@@ -11,7 +10,6 @@ from torch import nn
 from typing_extensions import override
 
 from hetsplit.distributed.sharded import kind
-from hetsplit.planning import Plan, Profile, Rebalancer
 
 from ..options import HeteroOptions
 from .strategy import HeteroStrategy
@@ -60,10 +58,8 @@ class HeteroModelParallelStrategy(HeteroStrategy, ModelParallelStrategy):
       uninterrupted fit: the same shares, epoch order, parameters and optimizer state.
 
     Args:
-        devices, plan, profile, global_batch_size, rebalance, plan_kwargs, quiet: As for
-            :class:`~hetsplit.lightning.HeteroDDPStrategy`.
         weighting: ``"outputs"`` only (FSDP2 has no comm hook to weight).
-        options: As for :class:`~hetsplit.lightning.HeteroDDPStrategy`.
+        options: The shared arguments, as for :class:`~hetsplit.lightning.HeteroDDPStrategy`.
         data_parallel_size: ``"auto"`` (the world size) or the world size.
         tensor_parallel_size: 1.
         **kwargs: Passed to ``ModelParallelStrategy`` (``save_distributed_checkpoint``,
@@ -76,18 +72,12 @@ class HeteroModelParallelStrategy(HeteroStrategy, ModelParallelStrategy):
     """
 
     who = _WHO
+    weightings = ("outputs",)  # FSDP2 has no comm hook to weight
 
     def __init__(
         self,
-        devices: str | Sequence[Any] | None = None,
-        plan: Plan | None = None,
-        profile: Profile | None = None,
-        global_batch_size: int | None = None,
-        weighting: str = "outputs",
-        rebalance: int | Rebalancer = 0,
         *,
-        plan_kwargs: dict[str, Any] | None = None,
-        quiet: bool = False,
+        weighting: str = "outputs",
         options: HeteroOptions | None = None,
         data_parallel_size: int | str = "auto",
         tensor_parallel_size: int = 1,
@@ -106,12 +96,10 @@ class HeteroModelParallelStrategy(HeteroStrategy, ModelParallelStrategy):
                 f"{_WHO}(data_parallel_size={data_parallel_size!r}): leave it out ('auto': every process is one "
                 "data-parallel rank) or give the number of processes"
             )
-        given = HeteroOptions.given(
-            _WHO, options, devices=devices, plan=plan, profile=profile, global_batch_size=global_batch_size,
-            rebalance=rebalance, plan_kwargs=plan_kwargs, quiet=quiet,
+        super().__init__(
+            weighting=weighting, options=options, data_parallel_size=data_parallel_size, tensor_parallel_size=1,
+            **kwargs,
         )  # fmt: skip
-        given.check(_WHO, weighting, ("outputs",))
-        super().__init__(given, weighting, data_parallel_size=data_parallel_size, tensor_parallel_size=1, **kwargs)
         self._root: nn.Module | None = None
 
     @override
