@@ -41,23 +41,16 @@ from .shares_loader import SharesLoader, load_epochs, save_epochs, shuffle_seed
 class HeteroAccelerator(accelerate.Accelerator):  # type: ignore[misc]
     """``accelerate.Accelerator`` whose prepared loaders give each process its share of one hetsplit plan.
 
-    A one-line change for an accelerate script: ``prepare(model, optimizer, loader)``
-    replaces accelerate's even sharding (``BatchSamplerShard``) with this process's share
-    of every global batch, wraps the model as accelerate does (DDP) and weights its
-    gradients by shard, so an optimizer step equals a full-batch step. The plan is
-    profiled on every process's device at ``prepare`` (each times the model on the
-    first batch; rank 0 solves; :func:`hetsplit.distributed.plan`), or given.
-
-    Semantics kept from accelerate: the global batch is processes × the loader's
-    ``batch_size`` (``split_batches=True``: the loader's ``batch_size``); across
-    processes a last incomplete global batch is completed by wrapping around
-    (``drop_last=False``, ``even_batches``) and :meth:`gather_for_metrics` drops those
-    duplicates, so metrics see every sample once (one process, or ``even_batches=False``
-    with ``weighting="none"``, keeps it short);
-    ``accumulate()`` and ``backward()`` work unchanged and stay exact. :meth:`gather`
-    concatenates uneven shards; :meth:`reduce` with ``"mean"`` weights each process by
-    its samples in the current batch (the mean over the global batch). A plan with
-    micro-batches (``solve(..., accumulate=True)``) is followed with :meth:`micro_batches`.
+    A one-line change for an accelerate script (docs/integrations.md, accelerate):
+    ``prepare(model, optimizer, loader)`` gives each process its share of every global
+    batch instead of accelerate's even sharding, wraps the model as accelerate does (DDP,
+    or FSDP2) and weights its gradients by shard, so an optimizer step equals a full-batch
+    step. The plan is profiled on every process's device at ``prepare``, or given. As
+    with accelerate: the global batch is processes × the loader's ``batch_size`` (its
+    ``batch_size`` with ``split_batches=True``), a last incomplete global batch is completed
+    by wrapping around and :meth:`gather_for_metrics` drops the duplicates; ``accumulate()``
+    and ``backward()`` stay exact. :meth:`gather` and :meth:`reduce` take uneven shards; a
+    plan with micro-batches is followed with :meth:`micro_batches`.
 
     Attributes:
         plan: The plan in force (``None`` until the first loader is prepared without

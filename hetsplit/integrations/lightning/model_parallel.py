@@ -24,16 +24,11 @@ _HOW = (
 class HeteroModelParallelStrategy(HeteroStrategy, ModelParallelStrategy):
     """Lightning's ``ModelParallelStrategy`` (FSDP2) with uneven per-rank batches from one hetsplit plan.
 
-    For a model larger than the smallest device: the LightningModule shards itself with
-    ``fully_shard`` in ``configure_model`` as for ``ModelParallelStrategy``, and every rank
-    trains on its own share of each global batch. The one-line change from a Lightning
-    FSDP2 script: ``strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)``
-    becomes ``strategy=HeteroModelParallelStrategy(devices="cpu,cpu@0.25")`` (with
-    ``accelerator="cpu", devices=2``; ``HeteroModelParallelStrategy()`` with ``accelerator="gpu"``
-    on unequal GPUs). Everything :class:`~hetsplit.lightning.HeteroDDPStrategy` does for the
-    device list, the plan (``plan``, ``profile``, ``plan_kwargs``, ``global_batch_size``),
-    the re-cut training and evaluation loaders, the weighted metrics, ``rebalance`` and
-    emulated speed and memory it does here too, with these differences:
+    For a model larger than the smallest device (docs/integrations.md, FSDP2):
+    ``ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)`` becomes
+    ``HeteroModelParallelStrategy(devices="cpu,cpu@0.25")``; the LightningModule shards
+    itself in ``configure_model``. Everything :class:`~hetsplit.lightning.HeteroDDPStrategy`
+    does it does here too, with these differences:
 
     - **Mesh**: data parallelism only, over a 1-D mesh of every process:
       ``self.device_mesh["data_parallel"]`` (``data_parallel_size`` is the world size,

@@ -459,7 +459,17 @@ class HeteroStrategy(ParallelStrategy):
 
     @override
     def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
-        """Reduce across ranks; inside a ``*_step``, a mean is weighted by each rank's samples (see the class).
+        """Reduce across ranks; inside a ``*_step``, a mean is weighted by each rank's samples.
+
+        ``self.log(..., sync_dist=True)`` reduces through here. An ``on_epoch`` mean is exact
+        as Lightning keeps it (``sum(value * batch_size)`` and ``sum(batch_size)`` per rank,
+        divided after the all-reduce: ``_ResultMetric`` in Lightning's ``result.py``); an
+        ``on_step`` value is synced alone with ``"mean"``, a plain mean of the ranks' values,
+        so here it is weighted by the step's samples (the first tensor's length, as Lightning
+        counts ``batch_size``). ``sum``/``max``/``min`` stay plain; a rank without samples adds
+        nothing. Not weighted: means reduced in other hooks, a ``batch_size=`` given to
+        ``self.log``; a rank whose share moves between 0 and more within an epoch
+        (rebalancing) makes such an epoch mean NaN (``NaN * 0`` in Lightning's sum).
 
         Args:
             tensor: The value to reduce (anything else is returned unchanged).
