@@ -340,7 +340,7 @@ def _job(out: Path) -> None:
 
     class Plain(Net):  # without Net's own questions to the sampler
         def training_step(self, batch, batch_idx):
-            idx, x, y = batch
+            _, x, y = batch
             loss = F.mse_loss(self(x), y)
             self.log("train_loss", loss, sync_dist=True)
             return loss

@@ -32,7 +32,6 @@ from hetsplit.devices import Device
 # What each integration says about its split is hetsplit.distributed's report (hd.plan says it too).
 from hetsplit.distributed.report import QUIET_ENV as QUIET_ENV
 from hetsplit.distributed.report import SplitReport as SplitReport
-from hetsplit.distributed.report import is_quiet as is_quiet
 from hetsplit.distributed.setup import ENV_DEVICES, launch_env, rank_devices
 from hetsplit.planning import Plan, Profile, Rebalancer
 from hetsplit.planning.rebalance import rebalanced_caps
@@ -198,11 +197,6 @@ def throttler(device: Device | None) -> Callable[[], contextlib.AbstractContextM
     if device is None or not device.emulated:
         return contextlib.nullcontext
     return functools.partial(emulation.throttle, device)
-
-
-def throttle(device: Device | None) -> contextlib.AbstractContextManager[Any]:
-    """Run the block at ``device``'s emulated speed (:func:`throttler`, for one block)."""
-    return throttler(device)()
 
 
 _FORWARDS_PAUSED = threading.local()
