@@ -742,3 +742,47 @@ def test_count_tokens_with_a_shard_without_labelled_tokens_reports_the_plain_los
     assert torch.isfinite(loss) and dp.plan.sizes == [6, 2]
     assert_close(loss.detach(), loss_ref.detach(), "loss")
     assert_same_grads(net, ref)
+
+
+def _files_entered(work):
+    """The hetsplit/ files whose Python functions run during ``work()``, in any thread (sys.setprofile)."""
+    import os
+    import sys
+
+    root = os.path.dirname(hetsplit.__file__)
+    seen = set()
+
+    def profile(frame, event, arg):
+        if event == "call" and frame.f_code.co_filename.startswith(root):
+            seen.add(os.path.relpath(frame.f_code.co_filename, root))
+
+    sys.setprofile(profile)
+    threading.setprofile(profile)
+    try:
+        work()
+    finally:
+        sys.setprofile(None)
+        threading.setprofile(None)
+    return sorted(seen)
+
+
+def test_a_step_enters_few_files():
+    # Per-step questions (the plan of this batch size, the pay check once decided, the
+    # devices' names and clocks, an emulated device's throttle) are answered once, not at
+    # every step: a step enters only the files that do its work.
+    net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    dp = HeteroDataParallel(net, ["cpu", "cpu"], weights=[2, 1])
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+
+    def step(n):
+        x, y = torch.randn(n, 8), torch.randint(0, 4, (n,))
+        opt.zero_grad()
+        F.cross_entropy(dp(x), y).backward()
+        opt.step()
+
+    for _ in range(8):  # past the pay check's steps of this plan
+        step(12)
+    steady = _files_entered(lambda: step(12))
+    assert len(steady) <= 10, steady
+    again = _files_entered(lambda: step(9))  # a new batch size adds only its plan
+    assert len(again) <= len(steady) + 3, again

@@ -21,7 +21,7 @@ from ..planning.rebalance import Rebalancer
 from ..store import is_quiet, warn_at_caller
 from ..timing import BusyLog, Lap
 from ..tree import batch_length, flatten, move, to_device
-from .apply import parallel_apply, run_parallel
+from .apply import as_devices, parallel_apply, run_parallel
 from .grads import Grads, StepGrads
 from .inputs import InputWrites, Upstream, batch_of, call_on, cut_upstream, scatter_inputs
 from .local import local_fns, local_inputs, shard_loss
@@ -225,7 +225,7 @@ class HeteroDataParallel(nn.Module):
         devices); called on its own, the batch is split over ``device_ids`` (all of
         :attr:`devices`) as :meth:`sizes_for` says, empty shards included.
         """
-        devices = parse_devices(device_ids)
+        devices = as_devices(device_ids)
         if self._step is not None:
             return scatter_inputs(inputs, kwargs, devices, self._step.sizes, self.dim)
         if [d.name for d in devices] != self.device_names:
@@ -242,7 +242,7 @@ class HeteroDataParallel(nn.Module):
         Their parameters come from ``module``'s through autograd (see
         :func:`hetsplit.parallel.replicate`); their buffers start from ``module``'s.
         """
-        devices = parse_devices(device_ids)
+        devices = as_devices(device_ids)
         if self._replicator is None or self._replicator.module is not module:
             self._replicator = _Replicator(module)
         step = self._step
@@ -538,21 +538,32 @@ class HeteroDataParallel(nn.Module):
         stray, self.__dict__["_stray"] = self._stray, None
         if stray is not None:  # a backward of the last step's activations outside the wrapper's output
             stray()
-        self._plans.observe(self._log.readable() if self.rebalancer is not None else ())
-        unpaid = self._pay.take()
-        if unpaid is not None and not is_quiet(self.quiet):
-            warn_at_caller(f"hetsplit: {unpaid}")
-        self._plans.trace(*call, self.dim)
-        plan = self._plans.for_batch(batch_length(batch_tree, self.dim))
+        plans = self._plans
+        if self.rebalancer is not None:
+            plans.observe(self._log.readable())
+        if self._pay.unread:
+            unpaid = self._pay.take()
+            if unpaid is not None and not is_quiet(self.quiet):
+                warn_at_caller(f"hetsplit: {unpaid}")
+        if plans.batchnorm:
+            plans.trace(*call, self.dim)
+        batch = batch_length(batch_tree, self.dim)
+        plan = plans.current
+        if plan is None or plan.batch_size != batch or plans.minimum > 1:  # else for_batch would hand it out again
+            plan = plans.for_batch(batch)
         active = [i for i, s in enumerate(plan.sizes) if s > 0]
         step = self.__dict__["_step"] = Step(plan, active, [self.devices[i] for i in active])  # not nn.Module's setattr
         self._log.start()
         home = direct_device(step, self.module, self.rebalancer is not None)
         if home is not None:  # no busy times: step_times must not repeat the last split step's
             self._log.end(step.plan, keep=False)
-        else:
+        elif self._paying(plan):
             self._pay.start(step)
         return step, home
+
+    def _paying(self, plan: Plan) -> bool:
+        """Whether the pay check still reads steps of ``plan``: not once it has spoken, nor for a plan it settled."""
+        return not self._pay.said and plan is not self._pay.settled
 
     def _run(
         self, fns: Sequence[Callable[[], Any]], what: str, active: Sequence[int], inline: int | None = 0
@@ -570,7 +581,7 @@ class HeteroDataParallel(nn.Module):
         """End a step whose backward has run: its busy times logged, and timed against its fastest device alone."""
         self._log.end(step.plan, keep=self.rebalancer is not None)
         settled = self.rebalancer is None or self.rebalancer.steps >= self.rebalancer.every  # it re-solved once
-        if settled:
+        if settled and self._paying(step.plan):
             self._pay.end(step, step.plan, self._log.last)
 
     @property

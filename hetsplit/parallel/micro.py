@@ -101,7 +101,7 @@ class MemoryLog:
     def watch(self, i: int, size: int, fn: Callable[[], T], device: Device | None = None) -> T:
         """``fn()``, work on ``size`` samples on device position ``i`` (a forward when ``device`` is given)."""
         try:
-            if device is not None:
+            if device is not None and device.max_batch is not None:  # an emulated memory
                 device.check_batch(size)
             return fn()
         except BaseException as e:

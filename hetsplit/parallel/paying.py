@@ -41,6 +41,12 @@ class PayCheck:
         who: Who speaks, at the start of the line.
         clock: Seconds from a fixed point (default ``time.perf_counter``, looked up at each
             call); a test sets its own.
+
+    Attributes:
+        said: Whether the line was said (nothing more is read).
+        unread: Ended steps not yet read (:meth:`take` has work only while there are some).
+        settled: The last plan whose steps decided: a caller need not time its steps (nor
+            call :meth:`start`, :meth:`end`) again.
     """
 
     WARMUP = 1  # a plan's first steps (allocations, lazy initialisation): not timed
@@ -52,7 +58,8 @@ class PayCheck:
         self.who, self.clock = who, clock
         self.said = False
         self._started: tuple[object, float] | None = None
-        self._unread: deque[tuple[Plan, float, Mapping[str, Sequence[_Timed]]]] = deque()
+        self.unread: deque[tuple[Plan, float, Mapping[str, Sequence[_Timed]]]] = deque()
+        self.settled: Plan | None = None
         self._seen: dict[tuple[int, ...], list[tuple[float, dict[str, float]]]] = {}
         self._done: set[tuple[int, ...]] = set()
 
@@ -73,15 +80,16 @@ class PayCheck:
         if self.said or started is None or started[0] is not step or not laps:
             return
         if len(set(plan.devices)) != len(plan.devices):  # one device twice: its laps are summed under one name
+            self.settled = plan  # never read
             return
-        self._unread.append((plan, self._now() - started[1], laps))
+        self.unread.append((plan, self._now() - started[1], laps))
 
     def take(self) -> str | None:
         """The line saying that the split does not pay, once, when the steps read now show it; else ``None``."""
         while (
-            not self.said and self._unread and all(lap.ready() for laps in self._unread[0][2].values() for lap in laps)
+            not self.said and self.unread and all(lap.ready() for laps in self.unread[0][2].values() for lap in laps)
         ):
-            plan, wall, laps = self._unread.popleft()
+            plan, wall, laps = self.unread.popleft()
             key = (plan.batch_size, *plan.sizes)
             if key in self._done:
                 continue
@@ -93,10 +101,11 @@ class PayCheck:
                 continue
             self._done.add(key)
             del self._seen[key]
+            self.settled = plan  # its steps still unread are passed over (_done)
             line = unpaid_line(self.who, plan, steps[self.WARMUP :], self.MARGIN)
             if line is not None:
                 self.said = True
-                self._unread.clear()
+                self.unread.clear()
                 self._seen.clear()
                 return line
         return None
