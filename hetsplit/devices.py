@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import difflib
 import re
 import warnings
@@ -71,12 +70,12 @@ class Device:
             )
         emulation.check_max_batch(self.max_batch, self.base)
 
-    @functools.cached_property  # read at every step: computed once
+    @property
     def base(self) -> str:
         """The real device's name, without the emulation suffix (``"cuda:0"``)."""
         return self.type if self.index is None else f"{self.type}:{self.index}"
 
-    @functools.cached_property  # read at every step: computed once
+    @property
     def name(self) -> str:
         """The canonical spelling: ``"cpu"``, ``"cuda:1"``, ``"cpu@0.25"``, ``"cpu@0.25:max64"``, ``"cpu:max64"``."""
         if not self.emulated:
@@ -84,7 +83,7 @@ class Device:
         speed = "" if self.speed == 1.0 and self.max_batch is not None else f"@{self.speed:g}"
         return f"{self.base}{speed}" + ("" if self.max_batch is None else f":max{self.max_batch}")
 
-    @functools.cached_property  # read at every step: computed once
+    @property
     def torch_device(self) -> torch.device:
         """The :class:`torch.device` the work actually runs on."""
         return torch.device(self.base)

@@ -31,6 +31,7 @@ from .micro import (
     StepOutOfMemory,
     backward_fn,
     backward_oom,
+    cut,
     forward_fns,
     lower_cap,
     recoverable,
@@ -265,7 +266,8 @@ class HeteroDataParallel(nn.Module):
         if step is None:
             return parallel_apply(replicas, list(inputs), list(kwargs), self.devices[: len(replicas)])
         shards = list(zip(inputs, kwargs))
-        fns, step.pieces = forward_fns(replicas, shards, step.micro, step.active, self.devices, self._mem, self.dim)
+        step.pieces = cut(shards, step.micro, self.dim)
+        fns = forward_fns(replicas, step, self._mem)
         before = _generators(step.devices)
         outs = self._run(fns, "", step.active)
         if len(step.built) == len(replicas):
@@ -375,7 +377,8 @@ class HeteroDataParallel(nn.Module):
         step.writes = InputWrites(batch, step.upstream.shards, step.sizes, self.dim)
         shards = step.writes.shards
         replicas = self.replicate(self.module, step.devices)
-        step.pieces, make = local_fns(replicas, shards, step.micro, step.active, self.devices, self._mem, self.dim)
+        step.pieces = cut(shards, step.micro, self.dim)
+        make = local_fns(replicas, step, self._mem, self.dim)
         flat = [(tuple(a), dict(k)) for parts in step.pieces for (a, k), _ in parts]
         weights = policy_weights(reduction, [m for sizes in step.micro for m in sizes], flat)
         assert weights is not None
