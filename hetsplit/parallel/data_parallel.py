@@ -49,23 +49,12 @@ _RUNTIME = ("_replicator", "_step", "_log", "_lock", "_mem", "_stray", "_pay")
 class HeteroDataParallel(nn.Module):
     """Data parallelism over mixed devices with uneven shards: a drop-in for ``nn.DataParallel``.
 
-    ``forward`` scatters the batch into shards sized by the plan (any devices, the CPU
-    too), runs the replicas concurrently and gathers the outputs on ``output_device``;
-    ``loss.backward()`` runs each replica's backward in its own thread and sums their
-    gradients into the module: the full-batch gradient. ``forward`` only chains
-    :meth:`scatter`, :meth:`replicate`, :meth:`parallel_apply` and :meth:`gather`, with
-    ``nn.DataParallel``'s signatures, so its subclasses still override them.
-
-    Outputs: tensors are concatenated along ``dim``; 0-dim floating ones follow
-    ``scalar_outputs``; other 0-dim tensors are stacked; other objects come back as a
-    list, one entry per replica that ran. The module itself never runs: replicas share
-    its parameter storage (copies on other devices), start each step from its buffers,
-    and the buffers a step changed are merged back (floating ones shard-weighted,
-    integer ones by the sum of increments; docs/one-process.md: "Buffers"). :attr:`step_times` holds
-    each device's busy seconds in the last step; with ``rebalance`` they feed the
-    rebalancer at the next step. After a few steps of one split, a warning says once
-    when its fastest device alone would have been faster, beyond the steps' noise
-    (predicted from that device's busy time on its share; :class:`~hetsplit.parallel.paying.PayCheck`).
+    ``forward`` scatters the batch into shards sized by the plan, runs the replicas
+    concurrently and gathers the outputs on ``output_device``; ``loss.backward()`` runs each
+    replica's backward in its own thread and hands the sum of their gradients to the module:
+    the full-batch gradient. ``forward`` only chains :meth:`scatter`, :meth:`replicate`,
+    :meth:`parallel_apply` and :meth:`gather`, with ``nn.DataParallel``'s signatures.
+    Outputs, buffers and the warning when the split does not pay: docs/one-process.md.
 
     Args:
         module: The model; all its parameters and buffers on one device.
