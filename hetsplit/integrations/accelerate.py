@@ -20,7 +20,7 @@ from hetsplit.distributed.comm_hooks import WeightingState
 from hetsplit.distributed.dtypes import verify_dtypes
 from hetsplit.distributed.sharded import kind
 from hetsplit.planning import Plan, Profile, Rebalancer
-from hetsplit.planning.sizes import even_plan, resolve_plan, scaled_plan
+from hetsplit.planning.sizes import even_plan, scaled_plan
 from hetsplit.tree import tree_map
 
 from . import core

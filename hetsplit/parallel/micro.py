@@ -1,14 +1,9 @@
 """Micro-batches in one process: a device's shard run as micro-batches in its worker, and recovery from out of memory.
 
-A device whose plan lists several micro-batches (``plan.micro_batches``) runs them one
-after another in its own worker thread. In local-loss mode each micro-batch does its
-forward, weighted loss and backward before the next starts, so the device holds one
-micro-batch's activations. In gather mode the outputs must all exist before the loss;
-each micro-batch's forward then runs under activation checkpointing (only its inputs
-and outputs are kept) and is recomputed, one micro-batch at a time, during backward.
-Every forward passes :meth:`~hetsplit.devices.Device.check_batch` first (an emulated
-memory raises there) and records the sizes that ran, which :class:`MemoryLog` turns
-into a lower cap when a device runs out of memory.
+How each mode runs them (local-loss: forward, loss and backward per micro-batch; gather:
+checkpointed forwards, recomputed in backward): docs/memory.md. Every forward passes
+:meth:`~hetsplit.devices.Device.check_batch` first and records the sizes that ran, which
+:class:`MemoryLog` turns into a lower cap when a device runs out of memory.
 """
 
 from __future__ import annotations

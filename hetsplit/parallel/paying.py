@@ -23,19 +23,14 @@ class _Timed(Protocol):
 class PayCheck:
     """Whether the split pays: each step's measured time against its fastest device alone, predicted.
 
-    The wrapper times each split step from the start of its forward to the end of its
-    backward (:attr:`clock`), and each device's busy time in it. The fastest device alone
-    is not run: its time for the whole batch is predicted from its busy time on its share,
-    scaled by its curve (the plan's, when it has them) from its share to the batch, else
-    in proportion. After :attr:`WARMUP` steps of a plan, its next :attr:`STEPS` decide,
-    once: when the median predicted time alone is shorter than the median step by more
-    than the steps' own noise (half the interquartile range over the median, of the step
-    times and of the predictions, the larger) and more than :attr:`MARGIN`, one line says
-    so (:meth:`take`), and nothing more is said. The prediction leaves out what a step
-    alone still spends beyond its device's work (the loss, the output's copy), which is
-    small beside a model's compute; on a GPU the step ends when the host has queued its
-    backward, so a split step can look shorter than it was, never longer: in doubt the
-    check stays quiet.
+    Each split step is timed from the start of its forward to the end of its backward
+    (:attr:`clock`), with each device's busy time in it. The fastest device alone is not
+    run: its time for the whole batch is predicted from its busy time on its share
+    (:func:`alone_times`). After :attr:`WARMUP` steps of a plan its next :attr:`STEPS`
+    decide, once (:func:`unpaid_line`). The prediction leaves out what a step alone still
+    spends beyond its device's work (the loss, the output's copy), and on a GPU a step ends
+    when the host has queued its backward: a split step can look shorter than it was,
+    never longer, so in doubt the check stays quiet.
 
     Args:
         who: Who speaks, at the start of the line.
@@ -134,6 +129,10 @@ def alone_times(plan: Plan, busy: Mapping[str, float]) -> dict[str, float]:
 
 def unpaid_line(who: str, plan: Plan, steps: Sequence[tuple[float, Mapping[str, float]]], margin: float) -> str | None:
     """One line when the fastest device alone beats the measured steps of ``plan`` beyond their noise, else ``None``.
+
+    Beyond: the median predicted time alone is shorter than the median step by more than
+    the steps' noise (half the interquartile range over the median, of the step times and
+    of the predictions, the larger) and more than ``margin``.
 
     Args:
         who: Who speaks, at the start of the line.
