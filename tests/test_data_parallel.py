@@ -749,7 +749,11 @@ def test_count_tokens_with_a_shard_without_labelled_tokens_reports_the_plain_los
 
 
 def _files_entered(work):
-    """The hetsplit/ files whose Python functions run during ``work()``, in any thread (sys.setprofile).
+    """The hetsplit/ files whose Python functions run during ``work()`` (sys.setprofile).
+
+    The calling thread runs the first replica's work itself, so it enters every file a
+    worker thread does (threads started meanwhile are traced too; the persistent workers,
+    started at an earlier step, are not).
 
     Left out: ``_torch.py`` and ``tree.py``, the door to torch's internals and the walk of
     nested batches that every layer calls, as issue 45 counted (12 files before, 16 at a new
