@@ -35,7 +35,7 @@ from hetsplit.distributed.report import SplitReport as SplitReport
 from hetsplit.distributed.setup import ENV_DEVICES, launch_env, rank_devices
 from hetsplit.planning import Plan, Profile, Rebalancer
 from hetsplit.planning.rebalance import rebalanced_caps
-from hetsplit.planning.sizes import resolve_plan, scaled_plan
+from hetsplit.planning.sizes import even_plan, scaled_plan
 
 
 def renamed(owner: object, old: str, new: str) -> AttributeError:
@@ -137,7 +137,7 @@ def shares_for(plan: Plan | None, batch_size: int, names: Sequence[str]) -> Plan
         names: The labels of a plan made here, one per process.
     """
     if plan is None:
-        return resolve_plan(batch_size, list(names), weights=[1.0] * len(names))
+        return even_plan(batch_size, list(names))
     return plan if batch_size == plan.batch_size else scaled_plan(plan, batch_size, list(names))
 
 

@@ -1,17 +1,14 @@
 """Parallel: one process, many devices — scatter, run, combine, reduce.
 
-``sizes`` (a batch's shares) → ``scatter_gather`` (moving shards) → ``replicas`` (the
-module per device, its parameters through autograd) → ``apply`` (running them
-concurrently) → ``outputs`` (combining what they return, with backward fanned out) →
-``grads`` (each replica's gradients, handed to the module through autograd) →
-``data_parallel`` (``HeteroDataParallel``, chaining those steps); ``writes`` gives each
-shard a version counter of its own and passes writes into the inputs back, ``compiled``
-carries a module's ``torch.compile`` over to its replicas. ``reduce`` is the weighted
-all-reduce for hand-written loops.
+``sizes`` (a batch's shares) → ``inputs`` (each replica's shard) → ``replicas`` (the
+module per device) → ``apply`` (running them concurrently) → ``outputs`` (combining what
+they return) → ``grads`` (their gradients, handed to the module through autograd), chained
+by ``data_parallel`` (``HeteroDataParallel``); ``micro`` and ``local`` run a device's
+share as micro-batches, ``paying`` says when the split does not pay. ``scatter_gather``
+and ``reduce`` are the verbs of a hand-written loop.
 
-The public names below are torch's ``torch.nn.parallel`` verbs for any devices and uneven
-shards (``scatter``, ``replicate``, ``parallel_apply``, ``gather``), the module wrapper and
-the pieces of a hand-written loop; ``hetsplit`` re-exports the latter.
+The public names are torch's ``torch.nn.parallel`` verbs for any devices and uneven
+shards, the module wrapper and the pieces of a hand-written loop.
 """
 
 from .apply import parallel_apply, run_parallel
