@@ -7,7 +7,11 @@ not by another package's. The package map in docs/how-it-works.md names every mo
 
 import ast
 import importlib
+import json
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -237,3 +241,48 @@ def test_the_public_names_are_one_list():
     }
     assert typed == hetsplit._PUBLIC
     assert hetsplit.__all__ == ["__version__", *hetsplit._PUBLIC]
+
+
+# One step of HeteroDataParallel in a fresh process (the package's worker threads start there,
+# under the profiler): the hetsplit modules the second step enters, the first having set up.
+_TRACE = """
+import json, sys, threading
+import torch, torch.nn.functional as F
+import hetsplit
+
+entered, on = set(), [False]
+
+def seen(frame, event, arg):
+    if on[0] and event == "call" and frame.f_globals.get("__name__", "").startswith("hetsplit"):
+        entered.add(frame.f_globals["__name__"])
+
+threading.setprofile(seen)
+sys.setprofile(seen)
+torch.manual_seed(0)
+net = torch.nn.Sequential(torch.nn.Linear(5, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+dp = hetsplit.HeteroDataParallel(net, ["cpu", "cpu@0.5"], weights=[2, 1])
+x, y = torch.randn(12, 5), torch.randint(0, 3, (12,))
+for on[0] in (False, True):
+    F.cross_entropy(dp(x), y).backward()
+on[0] = False
+sys.setprofile(None)
+threading.setprofile(None)
+print(json.dumps(sorted(entered)))
+"""
+# What a step passes through that the walk leaves to the package map: plumbing, not a stage.
+PLUMBING = {"_torch", "devices", "tree"}
+
+
+def test_the_walk_of_a_step_names_the_modules_a_traced_step_enters():
+    """docs/how-it-works.md's walk of a step, checked against a traced step so that it cannot go stale."""
+    doc = (PACKAGE.parent / "docs" / "how-it-works.md").read_text(encoding="utf-8")
+    walk = doc.split("**A step of `HeteroDataParallel`**", 1)[1].split("\n\n", 1)[0]
+    named = {n for n in re.findall(r"`([a-z_]+)`", walk)}  # a plain lowercase name in backticks is a module
+    env = {**os.environ, "PYTHONPATH": str(PACKAGE.parent), "HETSPLIT_QUIET": "1", "HETSPLIT_PIN_CPU": "0"}
+    out = subprocess.run([sys.executable, "-c", _TRACE], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr
+    entered = {m.rpartition(".")[2] for m in json.loads(out.stdout.splitlines()[-1])}
+    assert named <= entered, f"the walk names modules a step does not enter: {sorted(named - entered)}"
+    assert entered - PLUMBING <= named, (
+        f"the walk leaves out modules a step enters: {sorted(entered - PLUMBING - named)}"
+    )
