@@ -41,13 +41,9 @@ _MAX_CALIBRATION_STEPS = 200
 def keep_freed_memory() -> bool:
     """Keep memory freed by torch inside the process (glibc only); True if applied.
 
-    By default glibc serves large blocks (activations) with mmap and returns them to the
-    OS on free, so every training step faults its activations in again. On virtual
-    machines that report free pages to the host this makes CPU step times erratic
-    (the same LeNet step varies 2.4-9 ms here). Benchmarks call this so that every
-    configuration runs under the same, steady allocator; for your own CPU training the
-    environment variables ``MALLOC_MMAP_THRESHOLD_=33554432 MALLOC_TRIM_THRESHOLD_=4294967296``
-    (or jemalloc/tcmalloc, as PyTorch's tuning guide suggests) do the same.
+    glibc returns large blocks (activations) to the OS on free, so every step faults them in
+    again, which made the same LeNet step vary 2.4-9 ms on a VM; docs/how-it-works.md gives
+    the environment variables that do the same for your own training.
     """
     import ctypes
     import ctypes.util
@@ -127,15 +123,10 @@ def bench(
         warmup: Untimed steps first.
         mode: ``"gather"`` or ``"local"`` (see :class:`HeteroDataParallel`).
         profile_budget: Seconds for the profile behind the balanced split.
-        calibrate: Balanced steps run before timing to calibrate the plan inside the
-            split (0: off): each device's busy time there over its profile's prediction
-            scales its curve, the split is solved again, and the predicted step adds the
-            measured time outside the devices' work. A profile times each device alone;
-            inside the split the devices share the host (cores, memory bandwidth, the
-            interpreter), which is what these steps see.
-        calibrate_seconds: Go on calibrating, ``calibrate`` steps at a time, until the
-            calibration steps took this long (fewer steps leave more noise in the factors
-            and the prediction; 0: exactly ``calibrate`` steps).
+        calibrate: Balanced steps that calibrate the plan inside the split before timing
+            (:func:`calibrate_plan`; 0: off).
+        calibrate_seconds: Go on calibrating, ``calibrate`` steps at a time, until they took
+            this long (0: exactly ``calibrate`` steps).
         seed: Seed of the model and the synthetic data.
         log: Called with a line of progress per configuration.
         progress: Show progress bars (tqdm) while profiling and training.
@@ -330,18 +321,10 @@ def calibrate_plan(
 ) -> tuple[Plan, dict[str, Any]]:
     """Run ``step`` (balanced, on ``plan``) and re-solve from each device's busy time inside the split.
 
-    The factors are the :class:`~hetsplit.Rebalancer`'s (the median over the steps of busy
-    over predicted seconds, per device). The plan moves only when the rebalancer's rule
-    says so: when the predicted gain beats both 1 % and twice the factors' own
-    uncertainty, since a move inside the noise makes the step no faster while its
-    prediction, taken from the luckiest steps, looks better than it is. ``rest`` is the
-    median of each step's wall time beyond its busiest device (loss, gather, the optimizer,
-    hand-offs), which the plan's curves do not hold.
-
-    The predicted step is taken step by step: each calibration step's busy times, scaled
-    to the new shares by the profile's curves, their longest, plus that step's rest; the
-    median over the steps. A step lasts as long as its slowest device, and the slowest
-    of several noisy devices is slower on average than the slowest of their medians.
+    The factors and the rule for moving are the :class:`~hetsplit.Rebalancer`'s (a gain past
+    1 % and twice the factors' uncertainty); ``rest`` is the median of each step's wall time
+    beyond its busiest device. The predicted step is the median over the steps of each
+    step's scaled busy times, their longest, plus its rest (docs/cli.md says why).
 
     Args:
         prof: The devices' profile, which ``plan`` was solved from.
@@ -355,13 +338,10 @@ def calibrate_plan(
             (the factors' noise falls with the number of steps; 0: exactly ``steps``).
         minimum: The fewest samples a share may hold (a BatchNorm model's:
             :func:`~hetsplit.planning.sizes.batchnorm_minimum`); none smaller in the result.
-        set_plan: Makes ``step`` run another plan. Given, a calibrated plan that runs
-            another set of devices than the calibration steps did (a device dropped to 0,
-            or one device left alone: the module's own step) is run for a second round of
-            calibration steps, and predicted from those: with a device fewer, the others
-            no longer share the cores with it (emulated devices on one CPU), and one
-            device alone skips the scatter and gather, which scaling the first round's
-            busy times cannot show (measured: +22 %, +52 % and -27 % off without it).
+        set_plan: Makes ``step`` run another plan. Given, a calibrated plan that runs another
+            set of devices (a device dropped to 0, or one left alone) is predicted from a
+            second round of its own steps, since scaling the first round's busy times missed
+            by +22 %, +52 % and -27 %.
 
     Returns:
         The calibrated plan and what was measured (see ``BenchResult.calibration``).
