@@ -24,8 +24,9 @@ step, no data loading. Threads: the wrapper's scatter, replicas, gather, the los
 backward that sums the devices' gradients into the module. Processes: the steps run back
 to back after one barrier, as a training loop runs them, each from the end of the previous
 one to the end of its last backward (DDP: the gradient all-reduce inside it; FSDP2: its
-all-gathers and reduce-scatters); the step is the slowest rank's. (A barrier before every
-step would add its exit skew to the slowest rank's wall, a span no training loop has.)
+all-gathers and reduce-scatters); the step is the ranks' mean, the period they all run at.
+(A barrier before every step would add its exit skew to the slowest rank's wall, a span no
+training loop has; the slowest rank's back-to-back step would add its end's jitter.)
 Measured: the median of ``--steps`` timed steps after warm-up, taken after the prediction;
 beside it NeuSight's noise-suppressed truth, the mean of the fastest 5 of the first 25 steps.
 Error = (predicted - measured) / measured. Then the same steps are measured once more: "again"
@@ -359,18 +360,27 @@ def run_threads(work: Workload, devices: str, args: argparse.Namespace) -> dict[
 # -- processes: one torchrun rank per device ---------------------------------------------
 
 
-def _slowest(times: list[float]) -> list[float]:
-    """Each step's slowest rank's time (every rank calls this)."""
+def _slowest_median(times: list[float]) -> float:
+    """The median over steps of the slowest rank's time (every rank calls this)."""
     import torch.distributed as dist
 
     slowest = torch.tensor(times, dtype=torch.float64)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    return slowest.tolist()
+    return statistics.median(slowest.tolist())
 
 
-def _slowest_median(times: list[float]) -> float:
-    """The median over steps of the slowest rank's time (every rank calls this)."""
-    return statistics.median(_slowest(times))
+def _periods(times: list[float]) -> list[float]:
+    """Each back-to-back step's period: the ranks' mean (every rank calls this).
+
+    Every rank runs at the step's period (the gradients' all-reduce ends each step on all
+    of them), each rank's step end jittering around it; the slowest rank's of each step
+    would add that jitter to every step (+1-2 ms on 15-30 ms steps here), the mean cancels it.
+    """
+    import torch.distributed as dist
+
+    total = torch.tensor(times, dtype=torch.float64)
+    dist.all_reduce(total)
+    return (total / dist.get_world_size()).tolist()
 
 
 def _timed_steps(
@@ -449,8 +459,8 @@ def _rank_case(engine: str, work: Workload, dev: Any, args: argparse.Namespace) 
         torch.cuda.synchronize(dev.torch_device)
         torch.cuda.reset_peak_memory_stats(dev.torch_device)
     walls, computes, largest = _timed_steps(runner, mine, plan, dev, work, args.steps)
-    slowest, compute = _slowest(walls), _slowest_median(computes)
-    slowest_again = _slowest(_timed_steps(runner, mine, plan, dev, work, args.steps)[0])  # once more: the noise
+    periods, compute = _periods(walls), _slowest_median(computes)
+    periods_again = _periods(_timed_steps(runner, mine, plan, dev, work, args.steps)[0])  # once more: the noise
     by_rank: list[float] = [0.0] * world
     dist.all_gather_object(by_rank, statistics.median(computes))
     memory = None
@@ -469,10 +479,10 @@ def _rank_case(engine: str, work: Workload, dev: Any, args: argparse.Namespace) 
         "sizes": list(plan.sizes),
         "micro_batches": [list(m) for m in plan.micro_batches],
         "predicted_s": plan.step_time,
-        "measured_s": statistics.median(slowest),
-        "measured_again_s": statistics.median(slowest_again),
-        "fastest_s": fastest(slowest),
-        "fastest_again_s": fastest(slowest_again),
+        "measured_s": statistics.median(periods),
+        "measured_again_s": statistics.median(periods_again),
+        "fastest_s": fastest(periods),
+        "fastest_again_s": fastest(periods_again),
         "work_s": compute,
         "work_by_rank_s": by_rank,
         "predicted_by_rank_s": list(plan.times),  # each rank's compute on its share, as the plan predicts it
