@@ -444,6 +444,17 @@ def canonical_name(device: DeviceLike) -> str:
     return parse_device(device, check=False).name
 
 
+def rank_label(rank: int, device: object = "") -> str:
+    """A torchrun rank's name in a plan: ``rank1:cpu@0.25`` (``rank1`` for a share set by hand, with no device)."""
+    return f"rank{rank}:{device}" if device else f"rank{rank}"
+
+
+def label_device(name: str) -> str:
+    """The device a rank's name stands for (``cpu@0.25`` of ``rank1:cpu@0.25``); any other name as it is."""
+    head, _, rest = name.partition(":")
+    return rest if head.startswith("rank") and head[4:].isdigit() and rest else name
+
+
 def local_gpus() -> dict[str, str]:
     """``{uuid: "cuda:N"}`` for the GPUs visible to this process (empty without CUDA)."""
     if not torch.cuda.is_available():

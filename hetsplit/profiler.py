@@ -115,35 +115,86 @@ def train_step(
     return loss
 
 
-class _Runner:
-    """Runs timed training steps of one replica on one device."""
+class DeviceSteps:
+    """One device's timed training steps over a ladder of batch sizes, and what they measured.
 
-    def __init__(self, model: nn.Module, dev: Device, sample: Any, target: Any, loss_fn: LossFn | None) -> None:
-        self.dev, self.device = dev, dev.torch_device
-        self.replica = copy.deepcopy(model).to(self.device).train()
-        self.n = batch_length(sample)
-        self.sample, self.target, self.loss_fn = sample, target, loss_fn
-        self.refused = False  # a probing step failed for another reason than memory (warned once)
+    The one-process profile (:func:`profile`, a copy of the model per device) and the
+    sharded one (:func:`hetsplit.distributed.sharded_profile.profile_sharded`, the model in
+    place, every rank in the same steps) climb their ladders with these steps.
+
+    Args:
+        model: The model the steps train (a copy of the user's, or a sharded model in place).
+        dev: The device.
+        sample, target, loss_fn: As for :func:`profile`; a batch of ``b`` takes ``b`` rows, cycled.
+        timer: Times a step's compute (``timer.step()``; the sharded profile's leaves out the
+            waits in its collectives); default: :func:`hetsplit.timing.lap`.
+    """
+
+    def __init__(
+        self, model: nn.Module, dev: Device, sample: Any, target: Any, loss_fn: LossFn | None, timer: Any = None
+    ) -> None:
+        self.model, self.dev, self.sample, self.target, self.loss_fn = model, dev, sample, target, loss_fn
+        self.timer = timer
+        self.times: dict[int, list[float]] = {}  # the timed steps of each batch size
         self.peaks: dict[int, int] = {}  # CUDA: peak bytes allocated by a step of each batch size
+        self.cap: int | None = None  # the largest batch that fits (None: no limit found)
 
-    def step(self, batch: int, *, throttled: bool = True) -> float:
-        self.dev.check_batch(batch)  # an emulated memory runs out here, as a GPU's would in the step
+    def step(self, batch: int, *, throttled: bool = True, record: bool = False) -> float:
+        """One training step of ``batch`` rows (forward, loss, backward): its compute in seconds.
+
+        ``record`` keeps the time as a measurement of ``batch``; unthrottled (warm-up) steps
+        run an emulated device at its real speed.
+        """
+        device = self.dev.torch_device
         index = torch.arange(batch)
-        inputs = move(take_rows(self.sample, index), self.device)
-        target = move(take_rows(self.target, index), self.device) if self.target is not None else None
-        self.replica.zero_grad(set_to_none=True)
+        inputs = move(take_rows(self.sample, index), device)
+        target = move(take_rows(self.target, index), device) if self.target is not None else None
+        self.model.zero_grad(set_to_none=True)
         self.dev.synchronize()
-        cuda = self.device.type == "cuda"
+        cuda = device.type == "cuda"
         if cuda:
-            torch.cuda.reset_peak_memory_stats(self.device)
+            torch.cuda.reset_peak_memory_stats(device)
         # The device's compute time (timing.lap): on a loaded machine the wait for a core
         # counts, as it slows the real work, but nothing blocked (a lock, a sleep) does.
-        with timing.lap(self.dev) as work:
-            train_step(self.replica, inputs, target, self.loss_fn, self.dev if throttled else None)
+        with self.timer.step() if self.timer is not None else timing.lap(self.dev) as work:
+            train_step(self.model, inputs, target, self.loss_fn, self.dev if throttled else None)
             self.dev.synchronize()
         if cuda:
-            self.peaks[batch] = max(self.peaks.get(batch, 0), int(torch.cuda.max_memory_allocated(self.device)))
-        return work.seconds()
+            self.peaks[batch] = max(self.peaks.get(batch, 0), int(torch.cuda.max_memory_allocated(device)))
+        seconds = work.seconds()
+        if record:
+            self.times.setdefault(batch, []).append(seconds)
+        return seconds
+
+    def affordable(self, batch: int, budget: float, steps: int) -> bool:
+        """Whether the profile, with ``batch`` added to the sizes timed so far, still fits ``budget`` seconds.
+
+        Each size is run ``steps`` times; the new one is priced at the largest size's time per sample.
+        """
+        if len(self.times) < 2:
+            return True
+        last = max(self.times)
+        per_sample = statistics.median(self.times[last]) / last
+        projected = sum(statistics.median(t) for t in self.times.values()) + per_sample * batch
+        return projected * steps <= budget
+
+    def entry(self, probed_to: int | None = None) -> DeviceProfile:
+        """The device's profile: its measurements, the curve fitted to them, its :attr:`cap` and memory fit."""
+        measured = [Measurement(b, ts) for b, ts in sorted(self.times.items())]
+        memory = MemoryModel.fit(sorted(self.peaks.items())) if self.peaks else None
+        curve = Curve.fit([(m.batch, m.median) for m in measured], self.cap)
+        probed = measured[-1].batch if probed_to is None else probed_to
+        return DeviceProfile(
+            describe(self.dev), measured, curve, memory_cap=self.cap, memory_probed_to=probed, memory=memory
+        )
+
+
+class _Runner(DeviceSteps):
+    """The one-process profile's steps on one device: a copy of the model, probed for its largest batch."""
+
+    def __init__(self, model: nn.Module, dev: Device, sample: Any, target: Any, loss_fn: LossFn | None) -> None:
+        super().__init__(copy.deepcopy(model).to(dev.torch_device).train(), dev, sample, target, loss_fn)
+        self.refused = False  # a probing step failed for another reason than memory (warned once)
 
     def try_step(self, batch: int, *, probing: bool = False) -> bool:
         """Run one untimed step; False if it ran out of memory.
@@ -154,6 +205,7 @@ class _Runner:
         (measured on an H200: PyTorch's efficient attention above 65,535 sequences).
         """
         try:
+            self.dev.check_batch(batch)  # an emulated memory runs out here, as a GPU's would in the step
             self.step(batch, throttled=False)
         except Exception as e:
             if probing and not is_out_of_memory(e):
@@ -166,16 +218,16 @@ class _Runner:
                 self.refused = True
             elif not is_out_of_memory(e):
                 hint = "check the model runs on this sample and the loss fits its output"
-                if batch < 2 and any("BatchNorm" in type(m).__name__ for m in self.replica.modules()):
+                if batch < 2 and any("BatchNorm" in type(m).__name__ for m in self.model.modules()):
                     hint = "BatchNorm needs batches of 2 or more"  # only then: it misled a loss error
                 raise RuntimeError(
                     f"a training step of batch {batch} failed on {self.dev.name}: {type(e).__name__}: {e}; {hint}"
                 ) from e
         else:
-            if self.device.type == "cuda":
+            if self.dev.type == "cuda":
                 torch.cuda.empty_cache()  # the next, larger size meets the memory a fresh process would
             return True
-        self.replica.zero_grad(set_to_none=True)
+        self.model.zero_grad(set_to_none=True)
         release_after_oom([self.dev])
         return False
 
@@ -426,29 +478,21 @@ def _measure(
     job, clock changes) is shared by all points instead of distorting one.
     """
     runners = [_Runner(model, dev, sample, target, loss_fn) for dev in devs]
-    times: list[dict[int, list[float]]] = [{} for _ in devs]
-    caps: list[int | None] = [None] * len(devs)
     active = list(range(len(devs)))
     for b in ladder:
         bar.set_postfix_str(f"batch {b}")
         climbing = []
         for i in active:
-            sizes = times[i]
-            if len(sizes) >= 2:
-                # Projected cost of the whole profile if this size is added (each point is
-                # timed `repeats` times, plus warm-up): stop climbing once it exceeds the budget.
-                last = max(sizes)
-                per_step = statistics.median(sizes[last]) / last
-                projected = sum(statistics.median(t) for t in sizes.values()) + per_step * b
-                if projected * (repeats + warmup) > budget:
-                    continue
-            if not runners[i].try_step(b):  # warm-up and memory check in one
-                ok = max(sizes) if sizes else 0
-                caps[i] = _bisect(runners[i], ok, b, time.perf_counter() + budget / 4) if ok else 0
+            runner = runners[i]
+            if not runner.affordable(b, budget, repeats + warmup):
+                continue
+            if not runner.try_step(b):  # warm-up and memory check in one
+                ok = max(runner.times) if runner.times else 0
+                runner.cap = _bisect(runner, ok, b, time.perf_counter() + budget / 4) if ok else 0
                 continue
             for _ in range(max(warmup - 1, 0)):
-                runners[i].step(b, throttled=False)
-            sizes[b] = [runners[i].step(b)]
+                runner.step(b, throttled=False)
+            runner.step(b, record=True)
             climbing.append(i)
         bar.update(len(devs))
         active = climbing
@@ -456,22 +500,17 @@ def _measure(
             break
     for _ in range(repeats - 1):
         for b in ladder:
-            for i, runner in enumerate(runners):
-                if b in times[i]:
-                    times[i][b].append(runner.step(b))
+            for runner in runners:
+                if b in runner.times:
+                    runner.step(b, record=True)
     entries = []
-    for i, (dev, runner) in enumerate(zip(devs, runners)):
-        if not times[i]:
+    for dev, runner in zip(devs, runners):
+        if not runner.times:
             raise RuntimeError(f"device {dev.name} cannot run even batch {ladder[0]}: out of memory")
-        measured = [Measurement(b, ts) for b, ts in sorted(times[i].items())]
-        probed = measured[-1].batch
-        if caps[i] is None and find_cap and (dev.type == "cuda" or dev.max_batch is not None):
-            caps[i], probed = _probe_cap(runner, probed, max_probe, time.perf_counter() + budget)
-        curve = Curve.fit([(m.batch, m.median) for m in measured], caps[i])
-        memory = MemoryModel.fit(sorted(runner.peaks.items())) if runner.peaks else None
-        entries.append(
-            DeviceProfile(describe(dev), measured, curve, memory_cap=caps[i], memory_probed_to=probed, memory=memory)
-        )
+        probed = max(runner.times)
+        if runner.cap is None and find_cap and (dev.type == "cuda" or dev.max_batch is not None):
+            runner.cap, probed = _probe_cap(runner, probed, max_probe, time.perf_counter() + budget)
+        entries.append(runner.entry(probed))
     del runners  # their replicas; a GPU's cached blocks go with the next empty_cache
     return entries
 

@@ -10,15 +10,14 @@ from typing import Any
 
 from torch import nn
 
-from ..devices import Device, DeviceLike, parse_device
+from ..devices import Device, DeviceLike, label_device, parse_device
 from ..planning.plan import Plan
 from ..planning.rebalance import PlanChange, Rebalancer
 from ..planning.solver import plan_from_sizes
-from ..timing import Lap, PausableLap
+from ..timing import Lap, PausableLap, StepTimer, exposed
 from ._group import all_gather, group_info, guard, verify_plan
 from .comm_hooks import WeightingState
 from .sampler import HeteroDistributedSampler, plan_at
-from .step_time import StepTimer, exposed
 from .zero_share import STAND_IN
 
 
@@ -27,7 +26,7 @@ class DistributedRebalancer:
 
     Wrap each training step's work in :meth:`step`. The rank's compute is measured apart from
     its waits for the other ranks, without a device synchronisation
-    (:class:`~hetsplit.distributed.step_time.StepTimer`): on the CPU the thread's compute
+    (:class:`~hetsplit.timing.StepTimer`): on the CPU the thread's compute
     counter, blind to time blocked in DDP's all-reduce or FSDP2's all-gathers and
     reduce-scatters; on CUDA events on the compute stream, which end at the step's last gradient
     under DDP and pause at FSDP2's waits (pass ``model``; without it, wrap only the
@@ -189,8 +188,7 @@ class DistributedRebalancer:
 
 def _device_from_label(label: str) -> Device:
     """``rank1:cuda:0`` → ``cuda:0``; a label without a device gives the CPU."""
-    head, _, rest = label.partition(":")
     try:
-        return parse_device(rest if head.startswith("rank") and rest else label)
+        return parse_device(label_device(label))
     except ValueError:
         return parse_device("cpu")

@@ -15,7 +15,7 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 
-from ..devices import parse_device
+from ..devices import label_device, parse_device
 from ..planning.plan import Plan
 from ..store import QUIET_ENV as QUIET_ENV  # the variable that silences every line here, as quiet=True does
 from ..store import is_quiet as is_quiet
@@ -194,7 +194,7 @@ class SplitReport:
             if math.isfinite(predicted) and predicted > 0
             else f"; no predicted step ({_unpredicted(plan)})"
         )
-        emulated = sorted({_bare(n) for n in names if _emulated(n)} | {_bare(n) for n in plan.emulated})
+        emulated = sorted({label_device(n) for n in names if _emulated(n)} | {label_device(n) for n in plan.emulated})
         if emulated:
             line += f"; emulated (a real device slowed down or capped, not real hardware): {', '.join(emulated)}"
         for note in plan.notes:  # shares the planner changed after solving, and why
@@ -292,15 +292,9 @@ def _unpredicted(plan: Plan | None) -> str:
     return "shares set by hand, nothing profiled"
 
 
-def _bare(name: str) -> str:
-    """``cpu@0.25`` for a plan's label ``rank1:cpu@0.25`` (a hand-set plan's ``rank1`` stays)."""
-    head, _, rest = name.partition(":")
-    return rest if head.startswith("rank") and head[4:].isdigit() and rest else name
-
-
 def _emulated(name: str) -> bool:
     try:
-        return parse_device(_bare(name), check=False).emulated
+        return parse_device(label_device(name), check=False).emulated
     except ValueError:  # a free-form label of a hand-set plan
         return False
 

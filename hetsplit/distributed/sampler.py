@@ -9,7 +9,8 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler, default_collate
 
-from ..planning.plan import Plan, sizes_from_weights
+from ..planning.plan import Plan
+from ..planning.sizes import scaled_plan
 from ..tree import batch_length, narrow, tree_map
 from ._group import group_info
 from .same_batch import check_same_batch
@@ -164,7 +165,7 @@ class HeteroDistributedSampler(Sampler[list[int]]):
         order = _epoch_order(n, self._served(n), self.shuffle, self.seed + self.epoch)
         self.epoch_start = self.yielded
         for step in range(self.steps):
-            start, count, _ = self._cut(step, self.plan_at(self.yielded).sizes)
+            start, count, _ = self._cut(step, self.plan_at(self.yielded))
             self.yielded += 1
             if count == 0 and self.zero_share == "sample":
                 # Real samples of this global batch, which the weighting counts as 0 (the
@@ -177,24 +178,23 @@ class HeteroDistributedSampler(Sampler[list[int]]):
         """The indices an epoch serves: whole global batches, or every sample once (``pad=False``)."""
         return n if not self.pad and not self.drop_last else self.steps * self.batch_size
 
-    def _cut(self, step: int, sizes: Sequence[int]) -> tuple[int, int, int]:
-        """This rank's ``(start, count, real)`` in the epoch's order at epoch step ``step`` with ``sizes``.
+    def _cut(self, step: int, plan: Plan) -> tuple[int, int, int]:
+        """This rank's ``(start, count, real)`` in the epoch's order at epoch step ``step`` under ``plan``.
 
         ``real`` counts the rows that are data seen once: not the wrap-around padding of a
         last global batch. A last global batch short of ``B`` (``pad=False``) is cut in the
-        proportions of ``sizes``.
+        proportions of the plan.
         """
         n = len(self.dataset)  # type: ignore[arg-type]
-        cut = self._sizes(step, sizes)
+        cut = self._sizes(step, plan)
         start = step * self.batch_size + sum(cut[: self.rank])
         count = cut[self.rank]
         return start, count, max(0, min(count, n - start))
 
-    def _sizes(self, step: int, sizes: Sequence[int]) -> list[int]:
-        """Every rank's rows at epoch step ``step``: ``sizes``, or a short last global batch cut in proportion."""
-        b = self.batch_size
-        here = min(b, self._served(len(self.dataset)) - step * b)  # type: ignore[arg-type]
-        return list(sizes) if here == b else sizes_from_weights(here, sizes)
+    def _sizes(self, step: int, plan: Plan) -> list[int]:
+        """Every rank's rows at epoch step ``step``: the plan's sizes, or a short last global batch's in proportion."""
+        here = min(self.batch_size, self._served(len(self.dataset)) - step * self.batch_size)  # type: ignore[arg-type]
+        return list(scaled_plan(plan, here).sizes)
 
     def step_sizes(self, step: int) -> list[int]:
         """Every rank's rows in batch ``step`` (from the epoch's first): what the gradients must be weighted by.
@@ -202,7 +202,7 @@ class HeteroDistributedSampler(Sampler[list[int]]):
         The plan's sizes, except for a last global batch short of ``B`` (``pad=False``),
         which is cut in their proportions (a 0 there is served as :attr:`zero_share` says).
         """
-        return self._sizes(step, self.plan_at(self.epoch_start + step).sizes)
+        return self._sizes(step, self.plan_at(self.epoch_start + step))
 
     def short_sizes(self, step: int) -> list[int] | None:
         """Every rank's rows of batch ``step`` (from the epoch's first) if it is short of ``B``, else ``None``.
@@ -215,7 +215,7 @@ class HeteroDistributedSampler(Sampler[list[int]]):
 
     def is_filler(self, step: int) -> bool:
         """Whether batch ``step`` (from the epoch's first) is the stand-in a share of 0 is served."""
-        return self.zero_share == "sample" and self._cut(step, self.plan_at(self.epoch_start + step).sizes)[1] == 0
+        return self.zero_share == "sample" and self._cut(step, self.plan_at(self.epoch_start + step))[1] == 0
 
     def real_rows(self, step: int) -> int:
         """This rank's rows of batch ``step`` (counted from the epoch's first) that are data counted once.
@@ -224,7 +224,7 @@ class HeteroDistributedSampler(Sampler[list[int]]):
         batch's rows where a last global batch is completed by wrapping around: what
         metrics should weight this rank's batch by.
         """
-        return self._cut(step, self.plan_at(self.epoch_start + step).sizes)[2]
+        return self._cut(step, self.plan_at(self.epoch_start + step))[2]
 
     def padded(self, step: int) -> bool:
         """Whether global batch ``step`` (from the epoch's first) is completed by wrapping around on some rank."""
@@ -336,7 +336,7 @@ def local_batch(
         )
     if check:
         check_same_batch(batch, group)
-    sizes = list(plan.sizes) if n == plan.batch_size else sizes_from_weights(n, plan.sizes)
+    sizes = list(scaled_plan(plan, n).sizes) if n else [0] * len(plan.sizes)
     start, count = sum(sizes[:rank]), sizes[rank]
     stand_in = count == 0 and n > 0
     IN_HAND.hand(stand_in, sizes if 0 < n < plan.batch_size else None)

@@ -39,17 +39,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..devices import Device, DeviceLike, describe, parse_device
-from ..planning.curve import Curve
+from ..devices import Device, DeviceLike, parse_device
 from ..planning.profile import Profile
-from ..planning.records import DeviceProfile, Measurement, MemoryModel
+from ..planning.records import DeviceProfile, MemoryModel
 from ..planning.sizes import has_batchnorm
-from ..profiler import MAX_PROBE, check_ladder, check_settings, default_ladder, model_record, train_step
-from ..timing import threads_for
-from ..tree import move, take_rows
+from ..profiler import MAX_PROBE, DeviceSteps, check_ladder, check_settings, default_ladder, model_record
+from ..timing import StepTimer, threads_for
 from ._group import DistributedError, all_gather, group_info, guard
 from .comm_hooks import paused
-from .step_time import StepTimer
 from .zero_share import STAND_IN
 
 
@@ -220,8 +217,8 @@ def _decided(decide: Callable[[], bool], what: str, group: Any) -> list[bool]:
     return answers
 
 
-class _Turn:
-    """This rank's steps of the profile, and what they measured."""
+class _Turn(DeviceSteps):
+    """This rank's steps of the sharded profile (the model in place), and when it stops climbing."""
 
     def __init__(
         self,
@@ -233,13 +230,10 @@ class _Turn:
         find_memory_cap: bool,
         memory_fraction: float,
     ) -> None:
-        self.model, self.dev, self.sample, self.target, self.loss_fn = model, dev, sample, target, loss_fn
-        self.times: dict[int, list[float]] = {}
-        self.peaks: dict[int, int] = {}
+        super().__init__(model, dev, sample, target, loss_fn)
         self.cap: int | None = dev.max_batch if find_memory_cap else None
         self.limit: float | None = None
         self.even = 0  # sizes up to this one are measured whatever the budget
-        self.timer = StepTimer(dev)  # profile_sharded gives it the model's (its hooks, on CUDA)
         if dev.type == "cuda" and find_memory_cap:
             self.limit = memory_fraction * torch.cuda.get_device_properties(dev.torch_device).total_memory
 
@@ -251,21 +245,12 @@ class _Turn:
         if fits is not None and b > fits:
             self.cap = fits
             return False
-        if len(self.times) >= 2 and b > self.even and not self.flat():
-            last = max(self.times)  # the projected cost with b added, as the profiler climbs
-            per_sample = statistics.median(self.times[last]) / last
-            projected = sum(statistics.median(t) for t in self.times.values()) + per_sample * b
-            return projected * steps <= budget
-        return True
+        return b <= self.even or self.flat() or self.affordable(b, budget, steps)
 
     def flat(self) -> bool:
-        """Whether the last doubling of the batch added less than half as much time: the floor still dominates.
-
-        FSDP2's fixed work per step (its hooks, copying every layer's shards in and out of
-        the collectives) sets the time of small batches: a curve through them would
-        extrapolate that floor to the large shares the plan will give this rank, so the
-        rank climbs on (up to the global batch) until its own work shows.
-        """
+        """Whether the last doubling of the batch added less than half as much time: FSDP2's fixed work still rules."""
+        if len(self.times) < 2:
+            return False
         (small, t_small), (large, t_large) = [(b, statistics.median(t)) for b, t in sorted(self.times.items())[-2:]]
         return t_large - t_small < 0.5 * t_small * (large / small - 1)
 
@@ -278,43 +263,11 @@ class _Turn:
             return None
         return max(1, math.floor((self.limit - memory.base) / memory.per_sample))
 
-    def step(self, b: int, record: bool = False) -> float:
-        """One sharded training step of ``b`` samples (forward, loss, backward), timed; its gradients dropped.
-
-        With ``record`` its time is kept as a measurement of ``b``.
-        """
-        index = torch.arange(b)
-        inputs = move(take_rows(self.sample, index), self.dev.torch_device)
-        target = move(take_rows(self.target, index), self.dev.torch_device) if self.target is not None else None
-        cuda = self.dev.type == "cuda"
-        self.dev.synchronize()
-        if cuda:
-            torch.cuda.reset_peak_memory_stats(self.dev.torch_device)
-        with self.timer.step() as work:  # this rank's compute: its waits for the others are theirs
-            train_step(self.model, inputs, target, self.loss_fn, self.dev)  # waiting is not slowed
-        self.dev.synchronize()
-        seconds = work.seconds()
-        if cuda:
-            peak = int(torch.cuda.max_memory_allocated(self.dev.torch_device))
-            self.peaks[b] = max(self.peaks.get(b, 0), peak)
-        self.model.zero_grad(set_to_none=True)
-        if record:
-            self.times.setdefault(b, []).append(seconds)
-        return seconds
-
-    def entry(self) -> DeviceProfile:
-        measured = [Measurement(b, ts) for b, ts in sorted(self.times.items())]
-        memory = MemoryModel.fit(sorted(self.peaks.items())) if self.peaks else None
-        if self.cap is None:  # a ladder the budget stopped still knows where the memory fit meets the limit
+    def entry(self, probed_to: int | None = None) -> DeviceProfile:
+        """This rank's profile; a ladder the budget stopped still has its cap where the memory fit meets the limit."""
+        if self.cap is None:
             self.cap = self.memory_cap()
-        return DeviceProfile(
-            describe(self.dev),
-            measured,
-            Curve.fit([(m.batch, m.median) for m in measured], self.cap),
-            memory_cap=self.cap,
-            memory_probed_to=measured[-1].batch,
-            memory=memory,
-        )
+        return super().entry(probed_to)
 
 
 # Parameter-sized tensors of state per parameter, before an optimizer's first step has made them.

@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from typing_extensions import override
 
 import hetsplit.distributed as hd
-from hetsplit.devices import Device, parse_device
+from hetsplit.devices import Device, parse_device, rank_label
 from hetsplit.distributed.comm_hooks import WeightingState
 from hetsplit.distributed.sampler import HeteroDistributedSampler
 from hetsplit.distributed.setup import ENV_DEVICES
@@ -181,7 +181,7 @@ class HeteroStrategy(ParallelStrategy):
                 f"{self.world_size} processes; solve a plan with one share per process"
             )
         self._rank_device = parse_device(names[self.global_rank])
-        self._labels = [f"rank{r}:{n}" for r, n in enumerate(names)]
+        self._labels = [rank_label(r, n) for r, n in enumerate(names)]
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
