@@ -32,11 +32,7 @@ LossFn = Callable[..., torch.Tensor]
 
 
 def default_ladder(max_batch: int = 256) -> list[int]:
-    """Powers of two from 2 up to ``max_batch`` (and ``max_batch`` itself).
-
-    It starts at 2, not 1: BatchNorm cannot train on a single sample, and the fixed
-    per-step cost shows as well at 2.
-    """
+    """Powers of two from 2 up to ``max_batch`` (and ``max_batch`` itself): BatchNorm cannot train on one sample."""
     ladder, b = [], 2
     while b < max_batch:
         ladder.append(b)
@@ -47,8 +43,8 @@ def default_ladder(max_batch: int = 256) -> list[int]:
 def check_ladder(batch_sizes: Sequence[int] | None, max_probe: int = MAX_PROBE) -> list[int]:
     """The ladder a profile climbs: ``batch_sizes`` sorted and deduplicated (default :func:`default_ladder`).
 
-    Checked before any device work: whole numbers of samples, at least one, none above
-    ``max_probe`` (a batch of a billion would take minutes and gigabytes before failing).
+    Checked before any device work: none above ``max_probe`` (a batch of a billion would
+    take minutes and gigabytes before failing).
 
     Raises:
         ValueError: Naming the bad size and the bound.
@@ -97,11 +93,9 @@ def train_step(
     """One training step without the optimizer: forward, loss, backward. Returns the loss.
 
     ``inputs`` is passed as ``model(inputs)``, ``model(*inputs)`` for a tuple/list, or
-    ``model(**inputs)`` for a dict. The loss is ``loss_fn(output, target)`` when a
-    target is given, ``loss_fn(output)`` otherwise, and by default the sum of the
-    output's floating-point tensors. With an emulated ``device``, forward and backward
-    are each throttled, as :class:`hetsplit.HeteroDataParallel` runs them (a DDP rank's
-    wait for the others inside its backward is not slowed: :meth:`Device.throttle`).
+    ``model(**inputs)`` for a dict. The loss is ``loss_fn(output, target)`` (``loss_fn(output)``
+    without a target), by default the sum of the output's floating-point tensors. With an
+    emulated ``device``, forward and backward are each throttled, as the engines run them.
     """
     throttle = device.throttle if device is not None else contextlib.nullcontext
     with throttle():
@@ -252,15 +246,10 @@ def profile(
 ) -> Profile:
     """Measure a full training step (forward, loss, backward) of ``model`` on each device.
 
-    For each device a copy of the model is timed over a ladder of batch sizes, with
-    warm-up steps, device synchronisation and ``repeats`` timed steps whose median is
-    kept. The ladder is climbed while the device's projected cost fits its share of
-    ``time_budget`` (at least two sizes are measured). Repeats are taken in passes over
-    all devices and sizes, so that a slow phase of the machine is spread over every
-    point rather than distorting one. On CUDA the largest batch that fits in memory is
-    found by probing with out-of-memory errors caught and memory released. The model
-    itself is not touched: parameters, gradients, buffers, mode, device and the global
-    RNG state are as they were.
+    A copy of the model per device is timed over a ladder of batch sizes (the median of
+    ``repeats`` steps), climbed while the device's projected cost fits its share of
+    ``time_budget`` (at least two sizes). The model itself and the RNG state are left as
+    they were. docs/how-it-works.md says how the ladder is climbed and why.
 
     Args:
         model: The model to profile.
@@ -277,17 +266,15 @@ def profile(
         warmup: Untimed steps before timing each batch size.
         time_budget: Seconds for the whole profile, shared equally by the devices.
         find_memory_cap: Probe CUDA devices (and emulated memories, ``cpu:max64``) for their
-            largest batch: the batch doubles until out of memory (caught, memory released),
-            then bisects to within 1/16. On CUDA each step's peak memory is recorded and
-            fitted as ``m(b) = base + per_sample * b`` (``DeviceProfile.memory``).
+            largest batch: doubled until out of memory (caught), then bisected to within
+            1/16; on CUDA each step's peak memory is fitted too (``DeviceProfile.memory``).
         max_probe: Largest batch tried when probing for the memory cap.
         progress: Show a progress bar (default: when stderr is a terminal).
         model_name: Name recorded in the profile (default: the model's class name).
         threads: Torch CPU threads while timing, restored afterwards (default: 1 when every
             device is the CPU, as ``hetsplit profile`` does; :func:`hetsplit.timing.cpu_threads`).
         check_emulation: Warn in one line (:func:`emulation_warning`) when an emulated device
-            measured more than 1.3x off ``1/speed`` times its real device profiled beside it
-            (``False``: the caller says it, e.g. with the factors of a calibration).
+            measured more than 1.3x off its speed (``False``: the caller says it).
 
     Returns:
         The :class:`Profile`, with raw measurements and fitted curves.
@@ -364,15 +351,12 @@ def emulation_faults(prof: Profile, factors: Mapping[str, float] | None = None) 
 def emulation_warning(prof: Profile, factors: Mapping[str, float] | None = None) -> str | None:
     """One line if an emulated device in ``prof`` was not ``1/speed`` times slower than its real device.
 
-    Compares each slowed device (``cpu@0.25``) with its real device profiled beside it, at
-    the batch sizes both measured (median of the ratios). With ``factors`` (each device's
-    measured time over its profiled time while the devices ran *together*: a calibration's
-    :meth:`~hetsplit.Rebalancer.factors`), the ratio while they ran together too: the
-    emulated device's own work then shares the cores with its real twin's, and on a loaded
-    machine the scheduler can slow one more than the other (measured beside two busy
-    processes: 1.6x, which gave the demo's ``cpu@0.25`` 11 % of the batch, not 17 %).
-    ``None`` when every emulated device measured within a factor 1.3 of its speed, or has
-    no real device to compare with.
+    Each slowed device (``cpu@0.25``) against its real device profiled beside it (median of
+    the ratios at the sizes both measured). With ``factors`` (a calibration's
+    :meth:`~hetsplit.Rebalancer.factors`: measured over profiled time, the devices running
+    *together*) the ratio side by side too: on a loaded machine the scheduler can slow one
+    more than the other (measured beside two busy processes: 1.6x, which gave the demo's
+    ``cpu@0.25`` 11 % of the batch, not 17 %). ``None`` when every one is within 1.3x.
     """
     return describe_faults(emulation_faults(prof, factors))
 
@@ -395,10 +379,8 @@ def describe_faults(faults: Sequence[EmulationFault]) -> str | None:
 def held_to_declared_speed(prof: Profile, faults: Sequence[EmulationFault]) -> Profile:
     """``prof`` with each emulated device that measured faster than its declared speed slowed to it.
 
-    The rule every plan solved from a profile follows: an emulated device whose profile
-    beat ``1/speed`` times its real device (``faults`` with ``ratio < want``, measured
-    alone) has its curve scaled by ``want / ratio``, so it never gets more than its
-    declared speed's share. One measured slower than declared keeps its measured curve.
+    Its curve is scaled by ``want / ratio`` (``faults`` measured alone), so it never gets
+    more than its declared speed's share; one measured slower keeps its measured curve.
     """
     scale = {f.name: f.want / f.ratio for f in faults if not f.together and 0 < f.ratio < f.want}
     if not scale:
@@ -412,8 +394,7 @@ def held_to_declared_speed(prof: Profile, faults: Sequence[EmulationFault]) -> P
 def fault_note(faults: Sequence[EmulationFault], calibrated: bool = False) -> str:
     """What a plan line says of ``faults`` (``""`` for none): ``emulation unreliable: ...``, and how it was planned.
 
-    ``calibrated``: a calibration inside the split re-solved the plan from its own steps,
-    whose shares then stand over the declared speeds (:func:`held_to_declared_speed`).
+    ``calibrated``: the plan was solved again from its own steps, over the declared speeds.
     """
     held = ", then calibrated in the split" if calibrated else ""
     parts = [f"{f}, planned at {f.want:g}x{held}" if not f.together and f.ratio < f.want else str(f) for f in faults]
@@ -471,11 +452,9 @@ def _measure(
 ) -> list[DeviceProfile]:
     """Time every (device, batch size) point in interleaved passes.
 
-    A first pass climbs the ladder on all devices (warm-up, memory check, one timed
-    step) while each device's projected cost fits its budget; then ``repeats - 1``
-    more passes time every point once each. Spreading a point's repeats over the whole
-    profile, and taking devices in turn, means a slow phase of a shared machine (another
-    job, clock changes) is shared by all points instead of distorting one.
+    A first pass climbs the ladder on all devices (warm-up, memory check, one timed step)
+    while each fits its budget; ``repeats - 1`` more passes time every point once each, so
+    a slow phase of a shared machine is spread over all points instead of distorting one.
     """
     runners = [_Runner(model, dev, sample, target, loss_fn) for dev in devs]
     active = list(range(len(devs)))
@@ -518,9 +497,8 @@ def _measure(
 def _probe_cap(runner: _Runner, ok: int, max_probe: int, deadline: float) -> tuple[int | None, int]:
     """Double the batch until out of memory, then bisect; returns (cap or None, largest tried).
 
-    ``None`` only when every batch up to ``max_probe`` fit. Out of time before an
-    out-of-memory error (a loaded machine, a slow device), the largest batch that fit is
-    the cap: a plan must never hand a device more than it was seen to hold.
+    ``None`` only when every batch up to ``max_probe`` fit. Out of time first, the largest
+    batch that fit is the cap: a plan never hands a device more than it was seen to hold.
     """
     bad = None
     b = ok * 2

@@ -1,9 +1,9 @@
 """Timing: how every engine measures a device's compute time, apart from waiting, without a synchronisation.
 
 The one rule: on the CPU (one intra-op thread) a lap reads the thread's compute counter
-(:func:`hetsplit.emulation.compute_counter`: time on a core or waiting for one, plus the
-emulated slow-down), so time blocked in a collective, on the interpreter lock or asleep is
-not counted; on CUDA two events on the current stream; elsewhere wall time.
+(:func:`hetsplit.emulation.compute_counter`), so time blocked in a collective, on the
+interpreter lock or asleep is not counted; on CUDA two events on the current stream;
+elsewhere wall time. Every clock but that counter is here.
 """
 
 from __future__ import annotations
@@ -25,14 +25,11 @@ if TYPE_CHECKING:  # a type only: planning sits above timing in the pipeline
 
 
 class Lap:
-    """An interval of work on a device, read later without forcing a synchronisation.
+    """An interval of work on a device, read later without forcing a synchronisation (build one with :func:`lap`).
 
-    On a CUDA device the interval is a pair of CUDA events recorded on the current
-    stream, so measuring adds no synchronisation to the step; reading it waits only for
-    the end event, which is normally long done by then (see :meth:`ready`). Elsewhere
-    the interval is the device's compute counter (:func:`hetsplit.emulation.compute_counter`)
-    read at both ends: the thread's compute, emulated slow-down included, without its
-    waits. It must end in the thread it began in. Build one with :func:`lap`.
+    On CUDA two events on the current stream (reading waits only for the end event,
+    normally long done: :meth:`ready`); elsewhere the compute counter read at both ends,
+    so it must end in the thread it began in.
     """
 
     def __init__(self, device: Device) -> None:
@@ -73,13 +70,10 @@ class Lap:
 
 
 class PausableLap:
-    """A lap that can be paused: the work of one step without the waits inside it.
+    """A lap that can be paused: the work of one step without the waits inside it (FSDP2's on CUDA).
 
-    A CUDA stream that waits for another stream (FSDP2's compute stream for each layer's
-    all-gather, which waits for the other ranks) stalls between two events on it, so a
-    :class:`Lap` counts the wait; pausing around it leaves it out. The intervals between
-    :meth:`resume` and :meth:`pause` are :class:`Lap`\\ s (CUDA events, or the CPU's compute
-    counter, whose waits are out already), summed when read. Both calls are idempotent.
+    The intervals between :meth:`resume` and :meth:`pause` (both idempotent) are
+    laps (:class:`Lap`), summed when read.
     """
 
     def __init__(self, device: Device) -> None:
@@ -113,11 +107,7 @@ class PausableLap:
 
 @contextlib.contextmanager
 def lap(device: Device) -> Iterator[Lap]:
-    """Measure the enclosed work on ``device`` without synchronising it.
-
-    Yields a :class:`Lap` whose :meth:`Lap.seconds` is read later: on a CUDA device
-    from two events on the current stream, elsewhere from a monotonic clock.
-    """
+    """Measure the enclosed work on ``device`` without synchronising it: yields a :class:`Lap` to read later."""
     timed = Lap(device)
     try:
         yield timed
@@ -247,9 +237,8 @@ def exposed(walls: Sequence[float], computes: Sequence[float]) -> float:
 class BusyLog:
     """The laps of every device in each step, and the finished steps not read yet.
 
-    On the CPU a lap is known when it ends; on a GPU it is known once the device has
-    run the step. Finished steps queue here until all their laps can be read, so a
-    rebalancer reading them (:meth:`readable`) never makes training wait.
+    Finished steps queue until all their laps can be read (a GPU's once it ran the step),
+    so a rebalancer reading them (:meth:`readable`) never makes training wait.
     """
 
     def __init__(self) -> None:
@@ -285,9 +274,8 @@ class BusyLog:
 def cpu_threads(devices: Sequence[Device], requested: int | None = None) -> int:
     """Torch's intra-op threads for timing ``devices``: the one rule of ``profile``, ``bench`` and ``demo``.
 
-    ``requested`` if given; else 1 when every device is the CPU, real or emulated (they
-    train side by side on its cores, and with several threads a busy machine times a
-    step erratically); else torch's own setting.
+    ``requested`` if given; else 1 when every device is the CPU, real or emulated (with
+    several threads a busy machine times a step erratically); else torch's own setting.
 
     Raises:
         ValueError: If ``requested`` is not a whole number >= 1.

@@ -5,20 +5,14 @@ outputs, the step's sizes exchanged when there is no plan), ``accumulate`` (the
 micro-batches every rank runs), ``rank_plan`` (profiled in place: ``sharded_profile``).
 Only torch's public FSDP2 API is used.
 
-Why every rank runs the same number of micro-batches. FSDP2 all-gathers each
-group's parameters in every forward (and again in backward) and reduce-scatters its
-gradients in every backward, so ranks running different numbers of forwards would
-wait for each other forever. Two ways out: keep the parameters gathered across a
-rank's micro-batches with gradient sync only in the last (``unshard()``,
-``set_reshard_after_forward(False)``, ``set_requires_gradient_sync(False)``), or give
-every rank the same number of micro-batches. The first holds the whole model's
-parameters *and* unsharded gradients on every rank for the whole step — what a model
-larger than the smallest device cannot afford (measured: docs/benchmarks.md). The
-second keeps everything sharded: a rank whose plan has fewer micro-batches runs its
-share as that many smaller ones (less activation memory, no more samples), and a rank
-with fewer samples than micro-batches runs two real samples weighted 0 for each
-missing one. Each micro-batch reduce-scatters (its gradient weighted by its share),
-and FSDP2 accumulates the sharded gradients: the sum is the full-batch gradient.
+Every rank runs the same number of micro-batches: FSDP2's forwards and backwards are
+collective, so different counts would wait forever. Keeping the parameters gathered
+across a rank's micro-batches instead (``unshard()``, ``set_requires_gradient_sync``)
+would hold the whole model's parameters and unsharded gradients on every rank, what a
+model larger than the smallest device cannot afford (measured: docs/benchmarks.md). So a
+rank with fewer micro-batches runs its share as that many smaller ones, and one with too
+few samples adds two real samples weighted 0 for each missing one; FSDP2 accumulates the
+weighted, sharded gradients: their sum is the full-batch gradient.
 """
 
 from __future__ import annotations

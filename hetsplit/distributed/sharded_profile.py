@@ -1,31 +1,14 @@
 """Sharded profile: each rank's step-time curve measured on the FSDP2 model as the user sharded it.
 
-Why in place. A model is sharded because it may not fit whole on the smallest device, so
-a profile of an unsharded copy would need the very memory the user does not have, and
-would time none of the work a sharded step adds (copying each layer's shards in and out
-of its all-gather). But an FSDP2 forward is collective: no rank can run its device
-alone. So every rank climbs the same ladder of batch sizes at once, each on its own
-device, and each is timed by its own compute in those steps
-(:class:`~hetsplit.distributed.step_time.StepTimer`): without its waits in the
-all-gathers and reduce-scatters, which are the other ranks' time (by the wall every
-rank's step lasts as long as the slowest's, and the ranks look equally busy). Measured
-in the same steps, the ranks see the same load on a busy machine: timed in turns, a load
-that changed between one rank's turn and the next would tilt the plan. A rank past its
-memory cap or its budget runs the least any rank runs in a sharded step (a zero share's
-stand-in, :data:`~hetsplit.distributed.zero_share.STAND_IN` samples) while the others climb
-on. The collectives themselves are timed apart and added to the plan's step
-(:func:`~hetsplit.distributed.step_time.communication`).
-
-Memory is the sharded step's own: an emulated memory (``cpu@0.25:max8``) is a cap in
-samples, as everywhere; on CUDA each step's peak is recorded and fitted as
-``base + per_sample * b`` (the rank's shards of the parameters and gradients, the layers
-gathered at once, and each sample's activations), and the ladder stops before a step
-predicted to pass 90 % of the device, whose cap is where the fit reaches it. There is no
-out-of-memory probe: a rank that ran out inside a collective would leave the others
-waiting. The optimizer's state is not in the step (it is allocated at the first
-``optimizer.step()``): given the ``optimizer``, the room its state takes on this rank is
-kept free — the state it holds, or before its first step the usual count of
-parameter-sized tensors per parameter shard (Adam 2, SGD with momentum 1, ...).
+In place, because a sharded model may not fit whole on the smallest device. An FSDP2
+forward is collective, so every rank climbs the same ladder at once, each timed by its
+own compute (:class:`~hetsplit.timing.StepTimer`: its waits in the collectives are the
+other ranks' time); measured in the same steps, the ranks see the same load. A rank past
+its memory cap or its budget runs the stand-in (:data:`~hetsplit.distributed.zero_share.STAND_IN`)
+while the others climb on. There is no out-of-memory probe (a rank that ran out inside a
+collective would leave the others waiting): on CUDA each step's peak is fitted as
+``base + per_sample * b`` and the ladder stops before a step predicted to pass 90 % of the
+device, less the room the optimizer's state will take (docs/torchrun.md).
 """
 
 from __future__ import annotations
@@ -73,16 +56,12 @@ def profile_sharded(
 ) -> Profile:
     """This rank's profile of a sharded model, every rank timed in the same steps (collective: every rank calls it).
 
-    The arguments are :func:`hetsplit.profile`'s for one device (``progress`` is
-    accepted and ignored); ``time_budget`` is the whole profile's. The model is left as
-    it was: parameters, gradients (none), buffers and the RNG state.
-
-    Every step of a sharded model pays FSDP2's own fixed work (copying shards in and out
-    of the collectives, its hooks), so the smallest sizes of a ladder time mostly that: a
-    curve fitted to them alone would extrapolate that floor to the shares the plan needs. So a
-    rank measures every size of its ladder up to an even share of ``batch_size`` whatever the
-    budget, and beyond it while the time still grows less than half as fast as the batch
-    (the budget stops it climbing only once its own work shows).
+    The arguments are :func:`hetsplit.profile`'s for one device (``progress`` is ignored).
+    The model is left as it was. FSDP2's fixed work per step (its hooks, copying shards in
+    and out of the collectives) sets the time of small batches, and a curve through them
+    alone would extrapolate that floor: so a rank measures every size up to an even share
+    of ``batch_size`` whatever the budget, and beyond it while the time grows less than half
+    as fast as the batch (:meth:`_Turn.flat`).
 
     Args:
         memory_fraction: On CUDA, the share of the device's memory a step may be
@@ -162,12 +141,9 @@ def sharded_steps(
     *,
     group: Any = None,
 ) -> Iterator[Callable[[], float]]:
-    """Training steps of ``size`` samples of ``sample`` on the sharded ``model`` in place (collective).
+    """Training steps of ``size`` samples on the sharded ``model`` in place (collective): ``hd.plan``'s calibration.
 
-    Yields ``step()``: one step (forward, loss, backward; its gradients dropped), returning
-    this rank's compute in it (:class:`~hetsplit.distributed.step_time.StepTimer`: its
-    waits in the collectives are the other ranks' time). The model is left as it was, as by
-    :func:`profile_sharded`: ``hd.plan`` calibrates a sharded plan with these steps.
+    Yields ``step()``: one step, returning this rank's compute in it. The model is left as it was.
     """
     dev = parse_device(device)
     turn = _Turn(model, dev, sample, target, loss_fn, find_memory_cap=False, memory_fraction=1.0)
@@ -277,11 +253,9 @@ _STATE_PER_PARAMETER = {"Adam": 2, "AdamW": 2, "Adamax": 2, "NAdam": 2, "RAdam":
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     """The bytes ``optimizer``'s state takes on this rank: what it holds, else what its first step will make.
 
-    Before the first step, torch's optimizers hold nothing; their state is then a known
-    number of tensors the size of each (local) parameter shard: Adam's two moments, SGD's
-    momentum buffer (none without momentum), RMSprop's square average (and momentum
-    buffer, and centred mean). An optimizer of another class is counted as Adam (2), which
-    errs towards a smaller cap, never a larger one.
+    Before its first step the state is a known number of tensors the size of each local
+    parameter shard (Adam 2, SGD with momentum 1, RMSprop 1 to 3); another class counts as
+    Adam's 2, erring towards a smaller cap, never a larger one.
     """
     held = [t for state in optimizer.state.values() for t in state.values() if torch.is_tensor(t)]
     if held:  # FSDP2's state is sharded as its parameters are: count this rank's part
