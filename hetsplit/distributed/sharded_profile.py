@@ -14,9 +14,11 @@ device, less the room the optimizer's state will take (docs/torchrun.md).
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
 import statistics
-from collections.abc import Callable, Iterator, Sequence
+import types
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -26,7 +28,7 @@ from ..devices import Device, DeviceLike, parse_device
 from ..planning.profile import Profile
 from ..planning.records import DeviceProfile, MemoryModel
 from ..planning.sizes import has_batchnorm
-from ..profiler import MAX_PROBE, DeviceSteps, check_ladder, check_settings, default_ladder, model_record
+from ..profiler import DeviceSteps, check_ladder, check_settings, default_ladder, model_record, profile
 from ..timing import StepTimer, threads_for
 from ._group import DistributedError, all_gather, group_info, guard
 from .comm_hooks import paused
@@ -38,25 +40,15 @@ def profile_sharded(
     sample: Any,
     device: DeviceLike,
     loss_fn: Callable[..., torch.Tensor] | None = None,
-    batch_sizes: Sequence[int] | None = None,
     *,
-    target: Any = None,
-    repeats: int = 5,
-    warmup: int = 2,
-    time_budget: float = 60.0,
-    find_memory_cap: bool = True,
-    max_probe: int = MAX_PROBE,
     memory_fraction: float = 0.9,
     optimizer: torch.optim.Optimizer | None = None,
     batch_size: int | None = None,
-    model_name: str | None = None,
-    threads: int | None = None,
-    progress: bool | None = None,
     group: Any = None,
+    **settings: Any,
 ) -> Profile:
     """This rank's profile of a sharded model, every rank timed in the same steps (collective: every rank calls it).
 
-    The arguments are :func:`hetsplit.profile`'s for one device (``progress`` is ignored).
     The model is left as it was. FSDP2's fixed work per step (its hooks, copying shards in
     and out of the collectives) sets the time of small batches, and a curve through them
     alone would extrapolate that floor: so a rank measures every size up to an even share
@@ -71,6 +63,9 @@ def profile_sharded(
         batch_size: The global batch the plan will split (``hd.plan`` passes it): the
             default ladder runs from 2 up to it, and every size up to ``batch_size / world``
             is measured.
+        group: The process group (default: the world).
+        **settings: :func:`hetsplit.profile`'s, with its defaults (``batch_sizes``, ``target``,
+            ``repeats``, ``time_budget``, ...; ``progress`` is ignored).
 
     Raises:
         ValueError: On bad settings, before any device work (the same on every rank).
@@ -79,11 +74,16 @@ def profile_sharded(
             if a step fails on one rank only (the others are inside FSDP2's collectives),
             or a rank dies or hangs.
     """
-    del progress  # the steps are collective: no bar
+    # The profile's own signature: its defaults, and a TypeError for a name it does not take.
+    bound = inspect.signature(profile).bind(model, sample, [device], loss_fn, **settings)
+    bound.apply_defaults()
+    given = types.SimpleNamespace(**bound.arguments)  # its progress is ignored: the steps are collective
+    target, repeats, warmup, time_budget = given.target, given.repeats, given.warmup, given.time_budget
     dev = parse_device(device)
+    batch_sizes = given.batch_sizes
     if batch_sizes is None and batch_size is not None:
         batch_sizes = default_ladder(max(batch_size, 2))
-    ladder = check_ladder(batch_sizes, max_probe)
+    ladder = check_ladder(batch_sizes, given.max_probe)
     check_settings(sample, target, repeats, warmup, time_budget)
     if not (isinstance(memory_fraction, int | float) and 0 < memory_fraction <= 1):
         raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction!r}")
@@ -91,13 +91,13 @@ def profile_sharded(
     floor = STAND_IN  # what a rank that stopped climbing runs: the least any rank runs in a sharded step
     if has_batchnorm(model):  # BatchNorm cannot train on one sample (its maps are not traced: rank_plan)
         ladder = [b for b in ladder if b >= 2] or [2]
-    turn = _Turn(model, dev, sample, target, loss_fn, find_memory_cap, memory_fraction)
+    turn = _Turn(model, dev, sample, target, loss_fn, given.find_memory_cap, memory_fraction)
     timer = turn.timer = StepTimer(dev, model)
     if turn.limit is not None and optimizer is not None and not optimizer.state:
         turn.limit -= optimizer_state_bytes(optimizer)  # state it holds already is in the steps' peaks
     turn.even = math.ceil(batch_size / world) if batch_size else 0
     what = "profiling the sharded model"
-    with _untouched(model, dev, threads, what, group):
+    with _untouched(model, dev, given.threads, what, group):
         try:
             # The first pass climbs the ladder (warm-up steps, then one timed step of each size); the
             # other repeats pass over the sizes it reached again, in rounds: a load that changes while
@@ -127,7 +127,7 @@ def profile_sharded(
     failed = {r: e for r, e in enumerate(all_gather(empty, what, group)) if e}
     if failed:
         raise DistributedError(f"{what}: {failed}; give every rank a device that holds a batch of {ladder[0]}")
-    return Profile([turn.entry()], model=model_record(model, sample, model_name), source="measured")
+    return Profile([turn.entry()], model=model_record(model, sample, given.model_name), source="measured")
 
 
 @contextlib.contextmanager
