@@ -24,6 +24,7 @@ from .planning import checks
 from .planning.curve import Curve
 from .planning.profile import Profile, fingerprint
 from .planning.records import DeviceProfile, Measurement, MemoryModel
+from .planning.sizes import model_call
 from .tree import batch_length, flatten, move, take_rows
 
 MAX_PROBE = 1 << 16  # the largest batch a profile tries (the default max_probe, the sharded profile's too)
@@ -64,15 +65,6 @@ def check_ladder(batch_sizes: Sequence[int] | None, max_probe: int = MAX_PROBE) 
     return ladder
 
 
-def _call_model(model: nn.Module, inputs: Any) -> Any:
-    """``model(inputs)``; ``model(*inputs)`` for a tuple or list; ``model(**inputs)`` for a dict."""
-    if isinstance(inputs, dict):
-        return model(**inputs)
-    if isinstance(inputs, (tuple, list)) and not hasattr(inputs, "_fields"):
-        return model(*inputs)
-    return model(inputs)
-
-
 def _default_loss(output: Any) -> torch.Tensor:
     leaves, _ = flatten(output)
     parts = [
@@ -99,7 +91,8 @@ def train_step(
     """
     throttle = device.throttle if device is not None else contextlib.nullcontext
     with throttle():
-        output = _call_model(model, inputs)
+        args, kwargs = model_call(inputs)
+        output = model(*args, **kwargs)
         if loss_fn is None:
             loss = _default_loss(output)
         else:

@@ -239,18 +239,6 @@ def is_failure(error: BaseException) -> bool:
     return bool(_WRAPPED.search(text)) or (bool(_COMM.search(text)) and bool(_DEAD.search(text) or _HUNG.search(text)))
 
 
-def failure_message(
-    error: BaseException, *, step: int | None = None, what: str = "training step", group: Any = None
-) -> str:
-    """``error`` (a dead or hung peer) as one line naming this rank, the step, the failed rank and the timeout.
-
-    For code that catches torch.distributed's errors itself; :class:`guard` raises the
-    same line as a :class:`DistributedError`.
-    """
-    rank, world = group_info(group) if dist.is_available() and dist.is_initialized() else (None, None)
-    return str(as_error(error, rank=rank, world=world, step=step, what=what, timeout=group_timeout(group)))
-
-
 def as_error(
     error: BaseException,
     *,
@@ -260,7 +248,7 @@ def as_error(
     what: str = "training step",
     timeout: float | None = None,
 ) -> DistributedError:
-    """``error`` as a :class:`DistributedError` with one line (see :func:`failure_message`)."""
+    """``error`` (a dead or hung peer) as one line naming this rank, the step, the failed rank and the timeout."""
     others = [r for r in range(world) if r != rank] if world else []
     ranks = others if len(others) == 1 else None
     notes = failure_notes(rank, world)
