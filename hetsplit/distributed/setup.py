@@ -36,8 +36,8 @@ def launch_env(*, required: bool = False) -> LaunchEnv:
         ValueError: If a value is not an integer (naming it), or, with ``required``,
             ``RANK`` or ``WORLD_SIZE`` is not set.
     """
-    if required and not all(name in os.environ for name in ("RANK", "WORLD_SIZE")):
-        missing = [name for name in ("RANK", "WORLD_SIZE") if name not in os.environ]
+    missing = [name for name in ("RANK", "WORLD_SIZE") if name not in os.environ]
+    if required and missing:
         raise ValueError(
             f"RANK and WORLD_SIZE are not set (missing: {', '.join(missing)}); start the script with "
             "'hetsplit launch' or torchrun"
@@ -119,17 +119,15 @@ def init(
 ) -> Device:
     """Join the job started by ``hetsplit launch`` (or torchrun) on this rank's own device.
 
-    Reads the per-rank device list (``devices``, else ``$HETSPLIT_DEVICES``, which
-    ``hetsplit launch --devices ...`` sets) and this rank from torchrun's environment,
-    checks that the device exists here, selects it (``torch.cuda.set_device`` on a GPU),
-    and initialises the default process group with NCCL when every rank is a GPU, else
-    gloo. Emulated devices (``cpu@0.25``) come back as such: run each step's work under
-    ``device.throttle()`` to give the rank that speed.
+    Checks this rank's device exists here, selects it and starts the default process
+    group (:func:`choose_backend`). An emulated device comes back as such: run each step's
+    work under ``device.throttle()``.
 
     Args:
         timeout: Seconds before a collective waiting for a dead or hung rank fails
             (default: torch's).
-        devices: The per-rank device list (a string or a list), overriding ``$HETSPLIT_DEVICES``.
+        devices: The per-rank device list (a string or a list), overriding ``$HETSPLIT_DEVICES``
+            (which ``hetsplit launch --devices`` sets).
         backend: Force a backend (``"gloo"``, ``"nccl"``) instead of choosing by the mix.
 
     Returns:
