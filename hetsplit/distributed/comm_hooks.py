@@ -324,6 +324,9 @@ def weight_gradients(
         )
     owner = weakref.ref(inner)
 
+    def training(module: nn.Module) -> bool:  # a training forward of the weighted module, not paused
+        return torch.is_grad_enabled() and module is owner() and id(module) not in _PAUSED
+
     def record(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         first = args[0] if args else None
         if isinstance(first, torch.Tensor) and first.dim() > 0 and not kwargs:
@@ -346,12 +349,12 @@ def weight_gradients(
         _note_out_of_memory_in_forward(inner, state, counted_before=True)
 
         def before(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-            if torch.is_grad_enabled() and module is owner() and id(module) not in _PAUSED:
+            if training(module):
                 record(args, kwargs)
 
         def part(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
             # Micro-batches: each one's gradient counts by its share of the rank's samples.
-            if not torch.is_grad_enabled() or module is not owner() or id(module) in _PAUSED:
+            if not training(module):
                 return None
             _watch_for_a_sum(state, output)
             return None if state.micro is None else _scaled(output, state.part)
@@ -363,7 +366,7 @@ def weight_gradients(
         return state
 
     def after(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
-        if not torch.is_grad_enabled() or module is not owner() or id(module) in _PAUSED:
+        if not training(module):
             return None
         record(args, kwargs)  # after the forward: one Python call per step; an off-plan step still raises
         if state.now is None:  # FSDP2 without a plan: B from this step's counts

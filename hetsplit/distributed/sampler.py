@@ -211,10 +211,7 @@ class HeteroDistributedSampler(Sampler[list[int]]):
 
     def collate(self, batch: list[Any]) -> Any:
         """``default_collate``, with an empty share collated to empty tensors of the right shape."""
-        if batch:
-            return default_collate(batch)
-        one = default_collate([self.dataset[0]])
-        return tree_map(lambda t: t[:0] if isinstance(t, torch.Tensor) else t, one)
+        return _Collate(self, None)(batch)
 
 
 class _SharesLoader(DataLoader[Any]):
@@ -248,13 +245,12 @@ class _Collate:
         self.sampler, self.user = sampler, user
 
     def __call__(self, batch: list[Any]) -> Any:
-        if self.user is None:
-            return self.sampler.collate(batch)
+        collate = self.user if self.user is not None else default_collate
         if batch:
-            return self.user(batch)
+            return collate(batch)
         # An empty share has the keys and shapes the user's collate gives (labels a collator
         # adds, say): a framework that looks for them then does the same on every rank.
-        one = self.user([self.sampler.dataset[0]])
+        one = collate([self.sampler.dataset[0]])
         return tree_map(lambda t: t[:0] if isinstance(t, torch.Tensor) else t, one)
 
 
