@@ -18,7 +18,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from . import _torch, emulation, timing
-from .devices import Device, DeviceLike, describe, parse_devices
+from .devices import Device, DeviceLike, describe, label_device, parse_device, parse_devices
 from .emulation import is_out_of_memory, release_after_oom
 from .planning import checks
 from .planning.curve import Curve
@@ -317,14 +317,18 @@ class EmulationFault(NamedTuple):
 
 
 def emulation_faults(prof: Profile, factors: Mapping[str, float] | None = None) -> list[EmulationFault]:
-    """Each emulated device in ``prof`` off ``1/speed`` times its real device's time (:func:`emulation_warning`)."""
+    """Each emulated device in ``prof`` off ``1/speed`` times its real device's time (:func:`emulation_warning`).
+
+    Devices may be a torchrun plan's ranks (``rank1:cpu@0.25``): each is checked against the
+    first rank of its real device.
+    """
     faults = []
     for e in prof.entries:
         info = e.info
         if not info.emulated or info.speed >= 1.0:
             continue
-        base = parse_devices([info.name])[0].base
-        real = next((r for r in prof.entries if r.name == base), None)
+        base = parse_device(label_device(info.name), check=False).base
+        real = next((r for r in prof.entries if label_device(r.name) == base), None)
         if real is None:
             continue
         theirs = {m.batch: m.median for m in real.measurements}

@@ -448,7 +448,7 @@ def test_the_plan_is_said_once_on_rank_0_unless_quiet(ranks):
 
 
 def test_an_emulated_rank_off_its_speed_against_a_real_rank_is_named_in_one_line():
-    from hetsplit.distributed.rank_plan import _emulation_warning
+    from hetsplit.profiler import emulation_warning as _emulation_warning
 
     def gathered(slower):  # as hd.plan gathers the ranks' profiles: labelled rank{r}:{device}
         prof = Profile.from_measurements(

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..devices import Device, DeviceLike, label_device, parse_device, rank_label
+from ..devices import Device, DeviceLike, parse_device, rank_label
 from ..planning import checks
 from ..planning.memory import micro_batched
 from ..planning.plan import Plan
@@ -29,7 +29,7 @@ from ..planning.sizes import (
     with_minimum_shares,
 )
 from ..planning.solver import solve_lockstep
-from ..profiler import EmulationFault, describe_faults, emulation_faults, fault_note, held_to_declared_speed
+from ..profiler import describe_faults, emulation_faults, fault_note, held_to_declared_speed
 from ..profiler import profile as run_profile
 from ..tree import batch_length
 from ..version import __version__
@@ -136,7 +136,7 @@ def plan(
     # weighting hook, the buckets' copies), which its profile does not, and a quarter-speed
     # rank with 2 samples of 32 spends much of its step there; compared as the thread engine's
     # factors are, 7 of 14 quiet plans said "unreliable", a gap that DDP's own work explains.
-    faults = _emulation_faults(gathered) if gathered is not None else []
+    faults = emulation_faults(gathered) if gathered is not None else []
     # An emulated rank faster than declared is planned at its declared speed (rank 0 holds the profiles).
     combined = held_to_declared_speed(gathered, faults) if gathered is not None else None
     solve = functools.partial(_solve, batch_size=batch_size, sharded=sharded, accumulate=accumulate, minimum=minimum)
@@ -221,37 +221,6 @@ def _solve(prof: Profile, *, batch_size: int, sharded: bool, accumulate: bool, m
         resolve_plan(batch_size, prof.devices, profile=prof, accumulate=accumulate),
         profile=prof, accumulate=accumulate, minimum=minimum,
     )  # fmt: skip
-
-
-def _emulation_faults(prof: Profile) -> list[EmulationFault]:
-    """:func:`hetsplit.profiler.emulation_faults` across ranks: each emulated rank against a real twin rank.
-
-    The profiles' devices are labelled ``rank{r}:{device}``; the profiler's check pairs a
-    ``cpu@0.25`` with a ``cpu`` by name, so each emulated rank is checked in a profile of two:
-    it and the first rank of its real device, both without their rank labels. Each fault
-    names the emulated rank by its label.
-    """
-
-    def bare(e: DeviceProfile) -> DeviceProfile:
-        name = label_device(e.info.name)
-        return dataclasses.replace(e, info=dataclasses.replace(e.info, name=name))
-
-    faults = []
-    for e in prof.entries:
-        if not e.info.emulated:
-            continue
-        mine = bare(e)
-        base = parse_device(mine.name, check=False).base
-        twin = next((bare(r) for r in prof.entries if not r.info.emulated and bare(r).name == base), None)
-        if twin is None:
-            continue
-        faults += [f._replace(name=e.name) for f in emulation_faults(dataclasses.replace(prof, entries=[twin, mine]))]
-    return faults
-
-
-def _emulation_warning(prof: Profile) -> str | None:
-    """The warning line of :func:`_emulation_faults` (``None``: every emulated rank near its speed)."""
-    return describe_faults(_emulation_faults(prof))
 
 
 def _minimum_share(model: Any, sample: Any) -> int:
