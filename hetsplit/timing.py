@@ -227,11 +227,14 @@ def _fsdp2_modules(model: nn.Module) -> list[nn.Module]:
 def exposed(walls: Sequence[float], computes: Sequence[float]) -> float:
     """Seconds of one step beyond its slowest rank's compute: the communication no computing hid.
 
-    ``walls`` and ``computes``: every rank's wall time and compute for the same step. The
-    rank that started the step last waited least, so the shortest wall is the step's
-    length from the moment every rank was in it.
+    ``walls`` and ``computes``: every rank's wall time and compute for the same step, each
+    wall from the rank's own start. The step ends at one moment on every rank (its last
+    collective), so a rank's wall less its compute is its waits plus what no compute hid;
+    the rank that held the step up waited for nobody, and its difference is the smallest.
+    Not the shortest wall less the longest compute: when the busiest rank started first,
+    that subtracts its head start and predicted DDP steps 6-8 % short (bench_predict).
     """
-    return max(0.0, min(walls) - max(computes))
+    return max(0.0, min(w - c for w, c in zip(walls, computes, strict=True)))
 
 
 class BusyLog:

@@ -75,11 +75,18 @@ def test_parse_change_rejects_bad_text(text, fragment):
     assert parse_change("cpu@0.5=0.25@30") == ("cpu@0.5", 0.25, 30)
 
 
-def test_bench_reports_predictions_beside_measurements():
-    # LeNet, not the tiny MLP: its plan splits (the MLP's may give one device all 32, whose
-    # direct steps report no busy times and so no factors; CI saw it once).
+def test_bench_reports_predictions_beside_measurements(monkeypatch):
+    # The profile is the test's (two equal devices, three sizes), so the plan calibrated starts split
+    # whatever the machine's load: a measured one, beside busy processes, once gave cpu nothing
+    # ([0, 64]), and a device with no share reports no busy times, so no factor.
+    import hetsplit
+    from hetsplit.apps import bench as bench_module
+
+    points = [(8, 0.004), (32, 0.012), (64, 0.022)]
+    prof = hetsplit.Profile.from_measurements({"cpu": points, "cpu@1": points})
+    monkeypatch.setattr(bench_module, "run_profile", lambda *a, **k: prof)
     r = bench("lenet", "cpu,cpu@1", batch_size=64, steps=2, warmup=1, profile_budget=2.0, calibrate_seconds=0.3)
-    assert all(r.plan.sizes)
+    assert r.calibration["sizes"] == [32, 32]
     assert set(r.predicted) >= {"even", "balanced", "single:cpu", "single:cpu@1"}
     # The plan is calibrated inside the split first, 5 steps at a time until 0.3 s of them;
     # its prediction is taken from those steps, the even split's adds their time outside
@@ -325,6 +332,12 @@ def test_the_demo_s_split_line_gives_each_share_its_time_and_says_an_emulation_m
         "emulation unreliable: cpu@0.25 measured 2.0x slower than cpu, not 4x, planned at 4x"
     ), lines[0]
     assert any(line.startswith("the plan (from each device timed alone) predicted a balanced step") for line in lines)
+    # Every configuration's steps' own ± is measured, and the error is said beside it.
+    assert set(r.meta["step_noise"]) == set(r.step_times)
+    r.meta["step_noise"] = {"balanced": 0.04, "single:cpu": 0.02}
+    said = next(line for line in verdict(r).splitlines() if "predicted a balanced step" in line)
+    error = r.predicted["balanced"] / r.step_times["balanced"] - 1
+    assert f"(error {error:+.0%}, noise ±4%)" in said, said
     noisy = dataclasses.replace(r, plan=dataclasses.replace(r.plan, noise=0.4))
     said = [line for line in verdict(noisy).splitlines() if "balanced step" in line]
     assert said == [

@@ -97,3 +97,20 @@ def test_the_noise_floor_is_each_configuration_measured_again_against_its_first_
     assert s["all"]["again_median_abs"] == pytest.approx((0.2 + 0.1 / 0.095 - 1) / 2)
     assert s["threads"]["again_p95_abs"] == pytest.approx(0.2) and math.isnan(s["fsdp2"]["again_median_abs"])
     assert "noise floor" in bp.table(rows, s) and "-20.0 %" in bp.table(rows, s)
+
+
+def test_the_neusight_figure_is_the_mean_of_the_fastest_5_of_the_first_25_steps():
+    steps = [0.2] * 20 + [0.1, 0.11, 0.12, 0.13, 0.14] + [0.01] * 5  # the last 5 are past the 25th: left out
+    assert bp.fastest(steps) == pytest.approx(0.12)
+    assert bp.fastest([0.3, 0.1]) == pytest.approx(0.2) and math.isnan(bp.fastest([]))
+    rows = [
+        {**_row("ddp", 0.090, 0.100), "fastest_s": 0.09, "fastest_again_s": 0.0936},  # 0 %, again -3.8 %
+        {**_row("ddp", 0.090, 0.100), "fastest_s": 0.1, "fastest_again_s": 0.1},  # -10 %, again 0
+        _row("threads", 0.1, 0.1),  # no fastest figure: left out of it
+    ]
+    rows = [bp._finish(dict(r), r["devices"]) for r in rows]
+    s = bp.summarise(rows)
+    assert s["ddp"]["fastest_median_abs"] == pytest.approx(0.05)
+    assert s["ddp"]["fastest_again_median_abs"] == pytest.approx((0.09 / 0.0936 - 1) / -2)
+    assert math.isnan(s["threads"]["fastest_median_abs"])
+    assert "fastest 5 of 25" in bp.table(rows, s)

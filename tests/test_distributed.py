@@ -91,7 +91,17 @@ def plan(ctx):
     with contextlib.redirect_stdout(io.StringIO()) as said:
         solved = hd.plan(_net(), x, 40, device=_device(ctx), profile=given, calibrate=0).to_dict()
         hd.plan(_net(), x, 40, device=_device(ctx), profile=given, calibrate=0, quiet=True)
-    return {"measured": measured, "given": solved, "said": said.getvalue().splitlines()}
+    # Rank 1's emulated quarter-speed CPU measured only 2x slower than rank 0's real one: the plan
+    # carries the note, and an integration's own report of the quietly made plan says it.
+    twice = 2.0 if ctx.rank else 1.0
+    off = Profile.from_measurements({"cpu": [(2, 0.002 * twice), (32, 0.032 * twice)]})
+    off.entries[0].info = dataclasses.replace(off.entries[0].info, name=_device(ctx), emulated=ctx.rank == 1,
+                                              speed=0.25 if ctx.rank else 1.0)  # fmt: skip
+    flagged = hd.plan(_net(), x, 40, device=_device(ctx), profile=off, calibrate=0, quiet=True)
+    with contextlib.redirect_stdout(io.StringIO()) as integration:
+        hd.SplitReport("HeteroDDPStrategy", ctx.rank).step(flagged)
+    return {"measured": measured, "given": solved, "said": said.getvalue().splitlines(), "notes": flagged.notes,
+            "integration": integration.getvalue().splitlines()}  # fmt: skip
 
 
 def batchnorm_plan(ctx):
@@ -435,6 +445,15 @@ def test_all_ranks_agree_on_the_plan(ranks):
     assert given[0] == given[1] and given[0]["sizes"] == [32, 8]  # the quarter-speed rank gets a fifth
 
 
+def test_a_plan_on_flagged_measurements_carries_the_note_into_an_integration_s_line(ranks):
+    notes = [r["notes"] for r in ranks["plan"]]
+    assert notes[0] == notes[1] and len(notes[0]) == 1, notes  # the same plan on every rank
+    assert notes[0][0].startswith("emulation unreliable: rank1:cpu@0.25 measured 2.0x slower than cpu, not 4x")
+    said = ranks["plan"][0]["integration"]
+    assert len(said) == 1 and said[0].startswith("hetsplit: HeteroDDPStrategy: global batch 40 split"), said
+    assert said[0].endswith("; " + notes[0][0]) and ranks["plan"][1]["integration"] == []
+
+
 def test_the_plan_is_said_once_on_rank_0_unless_quiet(ranks):
     said, other = (r["said"] for r in ranks["plan"])
     assert other == [] and len(said) == 1, said  # once: not on rank 1, nor with quiet=True
@@ -478,6 +497,25 @@ def test_the_predicted_step_is_the_calibration_steps_scaled_to_the_new_shares():
     steps = [([0.021, 0.021], [0.010, 0.020])] * 3
     plan = dataclasses.replace(plan, times=[0.030, 0.010])
     assert _stepwise(plan, [0.010, 0.020], steps) == pytest.approx(0.030 + 0.001)
+
+
+def test_what_a_step_took_beyond_compute_ignores_the_busiest_rank_s_head_start():
+    from hetsplit.timing import exposed
+
+    # A controlled step: rank r leaves the barrier at start[r], computes compute[r], then
+    # spends 2 ms of its own (hooks, zero_grad); the step ends for every rank 3 ms after the
+    # last of them (the all-reduce no compute hid). The busiest rank (1) left the barrier first.
+    start, compute, own, tail = [0.004, 0.0], [0.018, 0.022], 0.002, 0.003
+    end = max(s + c + own for s, c in zip(start, compute)) + tail
+    walls = [end - s for s in start]
+    assert exposed(walls, compute) == pytest.approx(own + tail)  # the shortest wall less 22 ms: 1 ms
+    # The steady loop's step (no barrier: every rank starts together) is what the rule predicts.
+    steady = max(c + own for c in compute) + tail
+    assert max(compute) + exposed(walls, compute) == pytest.approx(steady)
+    # Equal computes: every rank's wall less its compute is at least the one that held the step up.
+    start, compute = [0.0, 0.001], [0.020, 0.020]
+    end = max(s + c + own for s, c in zip(start, compute)) + tail
+    assert exposed([end - s for s in start], compute) == pytest.approx(own + tail)
 
 
 def test_a_batchnorm_model_s_plan_hands_no_rank_a_single_sample(ranks):

@@ -351,7 +351,7 @@ def test_the_split_report_says_each_line_once_per_run_and_times_the_steps_after_
     # Timed: 2 steps an epoch (the last one's end is the evaluation's start), less the first.
     assert lines[1] == (
         "hetsplit: HeteroAccelerator: measured step 12.0 ms (median of 5 after 1 warm-up, rank 0, start to start), "
-        "predicted 10.0 ms (error -17%)"
+        "predicted 10.0 ms (error -17%, noise ±0%)"
     ), lines
     # One step timed: nothing to leave out, and the line says so.
     report.step(plan)  # a new run says its split again

@@ -153,3 +153,16 @@ def test_a_balanced_split_that_is_one_device_alone_says_so():
 
     assert timeline_title(r).endswith("balanced is 3.17x the even split, the balanced split is cuda:0 alone (nothing "
                                       "split at this batch)")  # fmt: skip
+
+
+def test_a_plan_split_by_the_quick_calibration_says_whose_step_it_predicts(tmp_path):
+    import dataclasses
+
+    from hetsplit.apps.show import plot_plan, step_words
+
+    plan = dataclasses.replace(solve(_profile(), 100), stand_in="calibration-mlp")
+    ms = f"{plan.slowest * 1e3:.2f} ms"
+    assert step_words(plan) == f"predicted step of calibration-mlp {ms} (a stand-in, not your model)"
+    assert "nan" not in step_words(plan)  # was: "predicted step nan ms"
+    assert step_words(solve(_profile(), 100)) == f"predicted step {solve(_profile(), 100).step_time * 1e3:.2f} ms"
+    assert _is_png(plot_plan(plan, tmp_path / "p.png"))

@@ -17,6 +17,7 @@ from .. import timing
 from ..devices import Device, DeviceLike, parse_devices
 from ..parallel.data_parallel import HeteroDataParallel
 from ..planning.curve import holdout_error
+from ..planning.records import Measurement
 from ..planning.sizes import batchnorm_minimum, with_minimum_shares
 from ..planning.solver import solve
 from ..profiler import emulation_faults, emulation_warning, fault_note, held_to_declared_speed
@@ -200,7 +201,8 @@ def bench(
         one = HeteroDataParallel(copy.deepcopy(base).to(home), [real[0]], weights=[1], quiet=True)
         configs["one-device"] = dp_step(one, x, y, mode)
     say(f"timing {len(configs)} configurations round-robin, {steps} steps each (balanced split {plan.sizes}) ...")
-    step_times = time_steps(configs, devs, steps, warmup, progress=progress)
+    samples: dict[str, list[float]] = {}
+    step_times = time_steps(configs, devs, steps, warmup, progress=progress, samples=samples)
     single = {d.name: batch_size / step_times[f"single:{d.name}"] for d in devs}
     timeline = {
         name: {d.name: statistics.median(b.get(d.name, 0.0) for b in busy[name]) for d in devs}
@@ -245,6 +247,9 @@ def bench(
                 calibrated=bool(calibration) and calibration["sizes"] != list(plan.sizes),
             ),
             "noise": noise,
+            # Each configuration's steps' own ± (half their interquartile range over the median, as a
+            # profile's): what an error of a prediction against their median is to be read beside.
+            "step_noise": {name: Measurement(batch_size, times).spread for name, times in samples.items()},
             "allocator_kept_memory": tuned,
         },
     )

@@ -233,11 +233,15 @@ def verdict(result: BenchResult) -> str:
             f"the plan's ({how}) balanced step: {unreliable}; measured {bal * 1e3:.1f} ms"
             if unreliable
             else f"the plan ({how}) predicted a balanced step of {guess * 1e3:.1f} ms; measured {bal * 1e3:.1f} ms "
-            f"({guess / bal - 1:+.0%})"
+            f"(error {guess / bal - 1:+.0%}{_noise(result, 'balanced')})"
         )
         alone = result.predicted.get(f"single:{fastest}")
         if alone and not unreliable:  # how far the machine itself drifted from its profile while these steps ran
-            line += f"; {fastest} alone, in the same run: {alone / result.step_times[f'single:{fastest}'] - 1:+.0%}"
+            single = f"single:{fastest}"
+            line += (
+                f"; {fastest} alone, in the same run: {alone / result.step_times[single] - 1:+.0%}"
+                f"{_noise(result, single)}"
+            )
         lines.append(line)
     idle = []
     for name in ("even", "balanced"):
@@ -301,3 +305,9 @@ def _failure(output: str) -> str:
     lines = [line.strip() for line in output.splitlines() if line.strip().strip("=-*").strip()]
     errors = [line for line in lines if "Error" in line or "error:" in line or "Exception" in line]
     return (errors or lines or [""])[-1][:300]
+
+
+def _noise(result: Any, name: str) -> str:
+    """``, noise ±4%``: the measured steps' own ± beside an error against their median (``""``: not measured)."""
+    noise = result.meta.get("step_noise", {}).get(name)
+    return f", noise ±{noise:.0%}" if noise is not None else ""

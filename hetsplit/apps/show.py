@@ -172,7 +172,7 @@ def _draw_split(ax_split: Any, ax_pred: Any, plan: Plan) -> None:
         [f"{_label(d, d in emulated)}\n{s} samples" for d, s in zip(plan.devices, plan.sizes)],
         fontsize=8,
     )
-    ax_pred.axhline(plan.step_time * 1e3, color="black", ls=":", lw=1, label=f"step {plan.step_time * 1e3:.2f} ms")
+    ax_pred.axhline(plan.slowest * 1e3, color="black", ls=":", lw=1, label=step_words(plan).removeprefix("predicted "))
     if math.isfinite(plan.even_time):
         ax_pred.axhline(
             plan.even_time * 1e3, color="grey", ls="--", lw=1, label=f"even split {plan.even_time * 1e3:.2f} ms"
@@ -180,6 +180,17 @@ def _draw_split(ax_split: Any, ax_pred: Any, plan: Plan) -> None:
     ax_pred.set_ylabel("predicted time (ms)")
     ax_pred.set_title("Predicted time per device at its share")
     ax_pred.legend(fontsize=8)
+
+
+def step_words(plan: Plan) -> str:
+    """``predicted step 1.20 ms``, or whose step it is when the plan's times are a stand-in's (:attr:`Plan.stand_in`).
+
+    A plan split by the quick calibration times the calibration's model, not the user's:
+    its :attr:`Plan.step_time` is NaN, and its slowest time is said as that model's.
+    """
+    if plan.stand_in:
+        return f"predicted step of {plan.stand_in} {plan.slowest * 1e3:.2f} ms (a stand-in, not your model)"
+    return f"predicted step {plan.step_time * 1e3:.2f} ms"
 
 
 def plot_plan(plan: Plan, out: str | Path) -> Path:
@@ -199,8 +210,7 @@ def plot_plan(plan: Plan, out: str | Path) -> Path:
     fig, (ax_split, ax_pred) = plt.subplots(1, 2, figsize=(12, 3.8))
     _draw_split(ax_split, ax_pred, plan)
     fig.suptitle(
-        f"Split of a batch of {plan.batch_size}: predicted step {plan.step_time * 1e3:.2f} ms "
-        "(predictions from the profile's fitted curves)",
+        f"Split of a batch of {plan.batch_size}: {step_words(plan)} (predictions from the profile's fitted curves)",
         fontsize=11,
     )
     fig.tight_layout()

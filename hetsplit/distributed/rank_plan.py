@@ -161,8 +161,13 @@ def plan(
         seconds = communication(model, dev.torch_device, group) * (micro if sharded else 1)
     result = with_communication(result, seconds)
 
+    # The plan carries rank 0's note on flagged measurements, so every line that says it (the
+    # integrations' own reports too, which plan quietly) says it; every rank holds the same plan.
+    note = all_gather(fault_note(faults, calibrated), "gathering the plan's notes", group)[0]
+    if note:
+        result = dataclasses.replace(result, notes=[*result.notes, note])
     report = SplitReport("hd.plan", rank, quiet)  # weight_gradients times the run on it; its end is said at exit
-    report.announce(result, follow=True, note=fault_note(faults, calibrated))
+    report.announce(result, follow=True)
     unreliable = describe_faults(faults)
     if unreliable:
         report.note(unreliable)

@@ -255,7 +255,9 @@ def _against(plan: Plan | None, measured: float, first: Plan | None, batches: in
         predicted = one * batches
         # The error as every output states it: (predicted - measured) / measured, negative when
         # the step took longer than planned (the demo, bench, docs/benchmarks.md).
-        error = f" (error {predicted / measured - 1:+.0%})" if measured > 0 else ""
+        # Beside it the measured steps' own step-to-step noise: an error inside it says nothing.
+        spread = f", noise ±{noise:.0%}" if math.isfinite(noise) else ""
+        error = f" (error {predicted / measured - 1:+.0%}{spread})" if measured > 0 else ""
         times = f"{batches} x {_ms(one)} = " if batches > 1 else ""
         line = f", predicted {times}{_ms(predicted)}{error}"
     else:
