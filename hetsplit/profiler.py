@@ -118,7 +118,13 @@ class DeviceSteps:
     """
 
     def __init__(
-        self, model: nn.Module, dev: Device, sample: Any, target: Any, loss_fn: LossFn | None, timer: Any = None
+        self,
+        model: nn.Module,
+        dev: Device,
+        sample: Any,
+        target: Any,
+        loss_fn: LossFn | None,
+        timer: timing.StepTimer | None = None,
     ) -> None:
         self.model, self.dev, self.sample, self.target, self.loss_fn = model, dev, sample, target, loss_fn
         self.timer = timer
