@@ -171,9 +171,20 @@ def _stepwise(plan: Plan, work: Sequence[float], steps: Steps) -> float:
     return scaled_step([(computes, exposed(walls, computes)) for walls, computes in steps], scales, plan.times)
 
 
-def beyond_compute(plan: Plan, work: Sequence[float], steps: Steps) -> float:
-    """What a calibrated step adds to ``plan``'s slowest rank's compute: the communication and the steps' spread."""
-    return _stepwise(plan, work, steps) - max(plan.times)
+def beyond_compute(
+    plan: Plan, measured: tuple[list[float], Steps] | None, model: nn.Module, dev: Device, group: Any, *, sharded: bool
+) -> float:
+    """What a step of ``plan`` adds to its slowest rank's compute: the communication, and the steps' spread.
+
+    The shares are solved on compute. Calibrated (``measured``: :func:`calibration_steps`'
+    work and steps), the calibration steps scaled to the new shares; not calibrated, or
+    solved again into micro-batches (a step the calibration did not run), the step's
+    collectives timed once at their real sizes (:func:`communication`; FSDP2's once per micro-batch).
+    """
+    micro = max(map(len, plan.micro_batches))
+    if measured is not None and micro == 1:
+        return _stepwise(plan, *measured) - max(plan.times)
+    return communication(model, dev.torch_device, group) * (micro if sharded else 1)
 
 
 def communication(model: nn.Module, device: torch.device, group: Any = None, *, repeats: int = 3) -> float:

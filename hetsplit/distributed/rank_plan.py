@@ -35,7 +35,7 @@ from ..tree import batch_length
 from ..version import __version__
 from . import sharded as _sharded
 from ._group import DistributedError, all_gather, collective, group_info
-from .calibrate import beyond_compute, calibration_steps, communication, through_measured
+from .calibrate import beyond_compute, calibration_steps, through_measured
 from .comm_hooks import weight_gradients
 from .dtypes import verify_dtypes
 from .report import SplitReport
@@ -143,23 +143,15 @@ def plan(
     result = _broadcast_plan(solve, group, rank, world, combined, minimum)
 
     calibrated = bool(calibrate and min(result.sizes) > 0 and max(map(len, result.micro_batches)) == 1)
+    measured = None
     if calibrated:
-        work, steps = calibration_steps(
+        measured = calibration_steps(
             model, sample, target, loss_fn, dev, result, sharded=sharded, steps=calibrate,
             seconds=calibrate_seconds, group=group, rank=rank,
         )  # fmt: skip
-        combined = through_measured(combined, result.sizes, work) if combined is not None else None
+        combined = through_measured(combined, result.sizes, measured[0]) if combined is not None else None
         result = _broadcast_plan(solve, group, rank, world, combined, minimum)
-    micro = max(map(len, result.micro_batches))
-    if calibrated and micro == 1:
-        # The shares are solved on compute; the predicted step is the calibration steps',
-        # each scaled to the new shares.
-        seconds = beyond_compute(result, work, steps)
-    else:
-        # Not calibrated, or solved again into micro-batches (a step the calibration did not
-        # run): the step's collectives timed once at their real sizes; FSDP2's once per micro-batch.
-        seconds = communication(model, dev.torch_device, group) * (micro if sharded else 1)
-    result = with_communication(result, seconds)
+    result = with_communication(result, beyond_compute(result, measured, model, dev, group, sharded=sharded))
 
     # The plan carries rank 0's note on flagged measurements, so every line that says it (the
     # integrations' own reports too, which plan quietly) says it; every rank holds the same plan.
