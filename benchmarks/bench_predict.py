@@ -9,7 +9,7 @@ after another, never two at once:
 
 - **threads** (``HeteroDataParallel``, one process): predicted as ``hetsplit bench`` predicts
   its balanced step (``hetsplit.profile`` of the devices, ``solve``, then
-  ``bench_timing.calibrate_plan``: balanced steps inside the split, each device's busy time
+  ``hetsplit.apps.bench.calibrate_plan``: balanced steps inside the split, each device's busy time
   against its curve, the step's time outside the devices' work added).
 - **ddp** (one torchrun rank per device through ``hetsplit launch``, gloo): predicted by
   ``hd.plan`` (each rank's profile, then DDP calibration steps: 16, or more until 1 s of
@@ -293,7 +293,7 @@ def run_threads(work: Workload, devices: str, args: argparse.Namespace) -> dict[
     from hetsplit import HeteroDataParallel, timing
     from hetsplit import profile as run_profile
     from hetsplit.apps.bench import home_device
-    from hetsplit.apps.bench_timing import calibrate_plan, time_steps
+    from hetsplit.apps.bench import calibrate_plan, time_steps
     from hetsplit.devices import parse_devices
     from hetsplit.planning.sizes import batchnorm_minimum, model_call, with_minimum_shares
     from hetsplit.planning.solver import solve

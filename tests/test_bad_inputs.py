@@ -174,8 +174,8 @@ API_ROWS = [
      "(did you mean 'cuda:1@0.5'?)"),
     ("36 removed hetsplit.parse_device", lambda: hetsplit.parse_device, AttributeError,
      "it was removed: use hetsplit.parse_devices('cpu@0.25')[0]"),
-    ("36 removed hetsplit.split_sizes", lambda: hetsplit.split_sizes, AttributeError,
-     "it was removed: use hetsplit.solve(profile, batch_size).sizes"),
+    ("36 removed hetsplit.solver", lambda: hetsplit.solver, AttributeError,
+     "it was removed: use hetsplit.solve(profile, batch_size)"),
     ("36 removed hd.rank_device", lambda: hetsplit.distributed.rank_device, AttributeError,
      "it was removed: use dev = hd.init()"),
     # 44: a model on the meta device (shapes, no data) is refused in hetsplit's words, not torch's

@@ -48,7 +48,7 @@ def test_keep_freed_memory_is_a_flag():
 
 
 def test_bench_rebalance_follows_a_slowdown_and_reports_it():
-    from hetsplit.apps.bench_rebalance import bench_rebalance
+    from hetsplit.apps.bench import bench_rebalance
 
     r = bench_rebalance(
         "mlp", "cpu,cpu@1", batch_size=64, steps=24, every=3, change=("cpu@1", 0.2, 6), settle=12, sweep_steps=2
@@ -68,7 +68,7 @@ def test_bench_rebalance_follows_a_slowdown_and_reports_it():
     [("cpu=0.5@3", "real device"), ("cpu@1=2@3", "0 < SPEED <= 1"), ("cpu@1:0.5", "DEVICE=SPEED@STEP")],
 )
 def test_parse_change_rejects_bad_text(text, fragment):
-    from hetsplit.apps.bench_rebalance import parse_change
+    from hetsplit.apps.bench import parse_change
 
     with pytest.raises(ValueError, match=fragment):
         parse_change(text)
@@ -234,10 +234,10 @@ def test_a_calibrated_plan_on_another_set_of_devices_is_predicted_from_its_own_s
     import types
 
     import hetsplit
-    from hetsplit.apps import bench_timing
+    from hetsplit.apps import bench as bench_module
 
     now = [0.0]
-    monkeypatch.setattr(bench_timing, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+    monkeypatch.setattr(bench_module, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
     prof = hetsplit.Profile.from_measurements({"a": [(10, 0.01), (100, 0.1)], "b": [(10, 0.01), (100, 0.1)]})
     plan = hetsplit.solve(prof, 100)
     running, busy, set_to = [plan], [], []
@@ -252,11 +252,11 @@ def test_a_calibrated_plan_on_another_set_of_devices_is_predicted_from_its_own_s
         set_to.append(p.sizes)
         running.append(p)
 
-    new, info = bench_timing.calibrate_plan(prof, plan, step, busy, [], steps=4, warmup=1, set_plan=set_plan)
+    new, info = bench_module.calibrate_plan(prof, plan, step, busy, [], steps=4, warmup=1, set_plan=set_plan)
     assert new.sizes == [100, 0] and set_to == [[100, 0]] and info["rounds"] == 2 and info["steps"] == 8
     assert info["step"] == pytest.approx(0.1)
     running.append(plan)
-    _, alone = bench_timing.calibrate_plan(prof, plan, step, busy, [], steps=4, warmup=1)  # no second round
+    _, alone = bench_module.calibrate_plan(prof, plan, step, busy, [], steps=4, warmup=1)  # no second round
     assert alone["rounds"] == 1 and alone["step"] > 0.14
 
 

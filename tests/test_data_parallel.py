@@ -1,4 +1,6 @@
 import copy
+import os
+import sys
 import threading
 
 import pytest
@@ -742,3 +744,56 @@ def test_count_tokens_with_a_shard_without_labelled_tokens_reports_the_plain_los
     assert torch.isfinite(loss) and dp.plan.sizes == [6, 2]
     assert_close(loss.detach(), loss_ref.detach(), "loss")
     assert_same_grads(net, ref)
+
+
+def _files_entered(work):
+    """The hetsplit/ files whose Python functions run during ``work()`` (sys.setprofile).
+
+    The calling thread runs the first replica's work itself, so it enters every file a
+    worker thread does (threads started meanwhile are traced too; the persistent workers,
+    started at an earlier step, are not).
+
+    Left out: ``_torch.py`` and ``tree.py``, the door to torch's internals and the walk of
+    nested batches that every layer calls, as issue 45 counted (12 files before, 16 at a new
+    batch size; 14 and 18 with those two).
+    """
+    root = os.path.dirname(hetsplit.__file__)
+    seen = set()
+
+    def profile(frame, event, arg):
+        if event == "call" and frame.f_code.co_filename.startswith(root):
+            seen.add(os.path.relpath(frame.f_code.co_filename, root))
+
+    sys.setprofile(profile)
+    threading.setprofile(profile)
+    try:
+        work()
+    finally:
+        sys.setprofile(None)
+        threading.setprofile(None)
+    return sorted(seen - {"_torch.py", "tree.py"})
+
+
+def test_a_step_enters_few_files():
+    # Per-step questions (the plan of this batch size, the pay check once settled, the
+    # devices' names, a real device's throttle and memory check) are answered once, not at
+    # every step: a step enters only the files that do its work.
+    net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    dp = HeteroDataParallel(net, ["cpu", "cpu"], weights=[2, 1])
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+
+    def step(n):
+        x, y = torch.randn(n, 8), torch.randint(0, 4, (n,))
+        opt.zero_grad()
+        F.cross_entropy(dp(x), y).backward()
+        opt.step()
+
+    for _ in range(8):  # past the pay check's steps of this plan
+        step(12)
+    steady = _files_entered(lambda: step(12))
+    assert len(steady) <= 10, steady
+    # A new batch size adds the making of its plan (and the pay check, which times its steps).
+    again = _files_entered(lambda: step(9))
+    added = [f for f in again if f not in steady and not f.startswith("planning/")]
+    assert set(added) <= {"parallel/sizes.py", "parallel/paying.py"}, added
+    # The guide's walk of this step is checked against a traced step in tests/test_layout.py.

@@ -650,6 +650,20 @@ def test_no_guide_paragraph_runs_past_250_words():
     assert not long, long
 
 
+# Docs a user reads: every word counted as `wc -w` counts it, code and tables included. The README
+# stays short (its budget is its own); docs/ as a whole, and benchmarks.md, a current report of the
+# newest figures whose history stays in git, within theirs.
+WORD_BUDGETS = {"README.md": 1_150, "docs/benchmarks.md": 2_500, "docs/": 13_800}
+
+
+def test_the_docs_stay_within_their_word_budgets():
+    words = {p.relative_to(ROOT).as_posix(): len(p.read_text(encoding="utf-8").split()) for p in ROOT.glob("docs/*.md")}
+    words["README.md"] = len((ROOT / "README.md").read_text(encoding="utf-8").split())
+    words["docs/"] = sum(n for name, n in words.items() if name.startswith("docs/"))
+    over = {name: f"{words[name]} > {budget}" for name, budget in WORD_BUDGETS.items() if words[name] > budget}
+    assert not over, f"over their word budgets (cut repetition, link the one place instead): {over}"
+
+
 def test_every_setup_and_check_named_in_a_guide_exists():
     for b in ALL:
         assert b.setup is None or b.setup in SETUPS, f"{b.id}: no setup {b.setup!r}"

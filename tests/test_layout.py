@@ -1,4 +1,4 @@
-"""The package's shape: no import cycles, one tree walker, a purpose line in every module, a small public API.
+"""The package's shape: no import cycles or upward imports, a purpose line in every module, one small public API.
 
 These read the source with ``ast``. A module's size follows its job, so it is not policed
 here; a private name may be imported by the package's own modules (as torch does), but
@@ -7,7 +7,11 @@ not by another package's. The package map in docs/how-it-works.md names every mo
 
 import ast
 import importlib
+import json
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -75,16 +79,67 @@ def test_no_import_cycle():
             visit(node, [node])
 
 
-def test_pytree_is_used_in_one_module():
-    users = [_name(p) for p in MODULES if "_pytree" in p.read_text()]
-    assert users == ["hetsplit.tree"]
+# The pipeline's layers, bottom up; a module imports only from its own layer or those below
+# (a type named under ``if TYPE_CHECKING:`` aside: it runs nothing). Profiles and plans are data
+# the profiler fills, so ``planning`` sits below ``profiler``; ``quick`` is the profile of last
+# resort the engines fall back on.
+LAYERS = [
+    {"version", "_torch", "tree", "files", "hardware"},  # the package's own plumbing
+    {"emulation", "devices", "timing"},  # what runs, slowed down, and its clock
+    {"store", "planning"},  # profiles and plans as data, on disk
+    {"profiler", "quick"},  # measuring the devices
+    {"parallel", "distributed"},  # the engines: one process, torchrun ranks
+    {"integrations", "lightning", "accelerate", "transformers"},  # the frameworks' doors
+    {"apps"},  # what users run: the CLI, bench, demo, pictures
+]
+
+
+def _layer(module: str) -> int:
+    top = module.split(".")[1] if "." in module else ""
+    found = [i for i, layer in enumerate(LAYERS) if top in layer]
+    assert found, f"{module} is in no layer of tests/test_layout.py's LAYERS: add it where it belongs"
+    return found[0]
+
+
+def _runtime_imports(path: Path) -> list[str]:
+    """Every hetsplit module ``path`` imports when it runs (types under ``if TYPE_CHECKING:`` left out)."""
+    names = {_name(p) for p in MODULES}
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    typing_only = {
+        id(inner)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If) and getattr(node.test, "id", "") == "TYPE_CHECKING"
+        for inner in ast.walk(node)
+    }
+    found = []
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
+        if isinstance(node, ast.ImportFrom):
+            target = _resolve(_name(path), path, node)
+            subs = [f"{target}.{a.name}" for a in node.names if f"{target}.{a.name}" in names]
+            found += subs or ([target] if target.startswith("hetsplit.") else [])
+        elif isinstance(node, ast.Import):
+            found += [a.name for a in node.names if a.name.startswith("hetsplit.")]
+    return found
+
+
+def test_no_import_runs_back_up_the_pipeline():
+    upward = [
+        f"{_name(path)} imports {target}"
+        for path in MODULES
+        if _name(path) != "hetsplit"  # the package's front door names every layer's public API
+        for target in _runtime_imports(path)
+        if _layer(target) > _layer(_name(path))
+    ]
+    assert not upward, upward
 
 
 # The modules users import from; every other module is the package's own and declares no
 # ``__all__``, so the public surface is these lists and nothing else.
 PUBLIC = {
     "hetsplit": 14,
-    "hetsplit.parallel": 10,  # torch.nn.parallel's verbs for any devices, and what hetsplit re-exports
+    "hetsplit.parallel": 4,  # torch.nn.parallel's verbs for any devices
     "hetsplit.planning": 6,  # plans and profiles as data
     "hetsplit.distributed": 13,
     "hetsplit.lightning": 3,
@@ -169,3 +224,65 @@ def test_the_package_map_names_every_module():
         elif not re.search(rf"(?<![\w.]){re.escape(path.stem)}\b", entries.get(parts[0] + "/", "")):
             missing.append("/".join(parts))
     assert not missing, f"docs/how-it-works.md's package map does not name {missing}"
+
+
+def test_the_public_names_are_one_list():
+    """``hetsplit.__all__`` is made from ``_PUBLIC``; static tools must see the same names from the same homes."""
+    import hetsplit
+
+    init = ast.parse((PACKAGE / "__init__.py").read_text(encoding="utf-8"))
+    guarded = next(n for n in init.body if isinstance(n, ast.If) and getattr(n.test, "id", "") == "TYPE_CHECKING")
+    typed = {
+        alias.name: f".{node.module}"
+        for node in guarded.body
+        if isinstance(node, ast.ImportFrom)
+        for alias in node.names
+        if alias.name != "models"  # a module reachable as an attribute, not a public name
+    }
+    assert typed == hetsplit._PUBLIC
+    assert hetsplit.__all__ == ["__version__", *hetsplit._PUBLIC]
+
+
+# One step of HeteroDataParallel in a fresh process (the package's worker threads start there,
+# under the profiler): the hetsplit modules the second step enters, the first having set up.
+_TRACE = """
+import json, sys, threading
+import torch, torch.nn.functional as F
+import hetsplit
+
+entered, on = set(), [False]
+
+def seen(frame, event, arg):
+    if on[0] and event == "call" and frame.f_globals.get("__name__", "").startswith("hetsplit"):
+        entered.add(frame.f_globals["__name__"])
+
+threading.setprofile(seen)
+sys.setprofile(seen)
+torch.manual_seed(0)
+net = torch.nn.Sequential(torch.nn.Linear(5, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+dp = hetsplit.HeteroDataParallel(net, ["cpu", "cpu@0.5"], weights=[2, 1])
+x, y = torch.randn(12, 5), torch.randint(0, 3, (12,))
+for on[0] in (False, True):
+    F.cross_entropy(dp(x), y).backward()
+on[0] = False
+sys.setprofile(None)
+threading.setprofile(None)
+print(json.dumps(sorted(entered)))
+"""
+# What a step passes through that the walk leaves to the package map: plumbing, not a stage.
+PLUMBING = {"_torch", "devices", "tree"}
+
+
+def test_the_walk_of_a_step_names_the_modules_a_traced_step_enters():
+    """docs/how-it-works.md's walk of a step, checked against a traced step so that it cannot go stale."""
+    doc = (PACKAGE.parent / "docs" / "how-it-works.md").read_text(encoding="utf-8")
+    walk = doc.split("**A step of `HeteroDataParallel`**", 1)[1].split("\n\n", 1)[0]
+    named = {n for n in re.findall(r"`([a-z_]+)`", walk)}  # a plain lowercase name in backticks is a module
+    env = {**os.environ, "PYTHONPATH": str(PACKAGE.parent), "HETSPLIT_QUIET": "1", "HETSPLIT_PIN_CPU": "0"}
+    out = subprocess.run([sys.executable, "-c", _TRACE], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr
+    entered = {m.rpartition(".")[2] for m in json.loads(out.stdout.splitlines()[-1])}
+    assert named <= entered, f"the walk names modules a step does not enter: {sorted(named - entered)}"
+    assert entered - PLUMBING <= named, (
+        f"the walk leaves out modules a step enters: {sorted(entered - PLUMBING - named)}"
+    )

@@ -50,7 +50,7 @@ def test_every_name_an_error_message_gives_is_public(where, name):
 
 def test_the_out_of_memory_error_users_catch_and_the_device_are_public():
     assert issubclass(hetsplit.StepOutOfMemory, torch.OutOfMemoryError)
-    assert hetsplit.StepOutOfMemory is hetsplit.parallel.StepOutOfMemory
+    assert hetsplit.StepOutOfMemory is importlib.import_module("hetsplit.parallel.micro").StepOutOfMemory
     assert hetsplit.Device is importlib.import_module("hetsplit.devices").Device
     assert hetsplit.planning.plan_from_sizes(None, ["rank0", "rank1"], [6, 2]).sizes == [6, 2]
 
@@ -58,6 +58,7 @@ def test_the_out_of_memory_error_users_catch_and_the_device_are_public():
 @pytest.mark.parametrize("verb", ["scatter", "gather", "replicate", "parallel_apply"])
 def test_torch_mirror_verbs_live_in_hetsplit_parallel_as_torch_keeps_its_own(verb):
     assert verb in hetsplit.parallel.__all__ and verb not in hetsplit.__all__
+    assert not set(hetsplit.__all__) & set(hetsplit.parallel.__all__)  # each public name has one home
     with pytest.raises(
         AttributeError, match=rf"no attribute '{verb}'; it was removed: use hetsplit\.parallel\.{verb}\("
     ):

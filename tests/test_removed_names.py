@@ -49,10 +49,10 @@ def test_hetero_data_parallel_sync_is_ignored_with_a_warning_and_trains_the_same
     [
         (hd, "init_timeout", "hd.init(timeout=120)"),
         (hd, "failure_message", "hd.guard()"),
-        (hd, "is_failure", "hd.DistributedError"),
         (hd, "verify_plan", "every rank holds the same plan"),
-        (hd, "ENV_DEVICES", "'HETSPLIT_DEVICES'"),
-        (hetsplit.planning, "even_sizes", "tensor_split(n)"),
+        (hd, "scale_loss", "hd.weight_gradients(ddp, plan)"),
+        (hd, "HeteroBatchSampler", "hd.data_loader(dataset, plan)"),
+        (hetsplit, "parse_device", "hetsplit.parse_devices('cpu@0.25')[0]"),
         (hetsplit.planning, "DeviceProfile", "hetsplit.planning.records.DeviceProfile"),
         (hetsplit.planning, "resolve_plan", "plan_from_sizes(None, devices, sizes)"),
         (hetsplit, "solver", "hetsplit.planning.plan_from_sizes"),
@@ -68,6 +68,14 @@ def test_a_removed_module_name_says_what_replaced_it_in_one_line(module, name, r
 def test_a_misspelt_name_is_still_a_plain_attribute_error():
     with pytest.raises(AttributeError, match=r"has no attribute 'even_size'$"):
         hetsplit.planning.even_size  # noqa: B018
+
+
+@pytest.mark.parametrize(
+    ("module", "name"), [(hetsplit, "split_sizes"), (hd, "ENV_DEVICES"), (hetsplit.planning, "Curve")]
+)
+def test_a_name_removed_before_any_docs_named_it_keeps_no_tombstone(module, name):
+    with pytest.raises(AttributeError, match=rf"has no attribute '{name}'$"):
+        getattr(module, name)
 
 
 def test_the_bench_sync_flag_is_refused_naming_what_to_do(capsys):

@@ -83,7 +83,7 @@ def test_show_draws_a_rebalance_run(tmp_path, capsys):
     import matplotlib  # noqa: F401  (a test extra: missing, fail; never skip)
 
     from hetsplit import store
-    from hetsplit.apps.bench_rebalance import RebalanceResult
+    from hetsplit.apps.bench_result import RebalanceResult
     from hetsplit.apps.cli import main
 
     result = RebalanceResult(

@@ -1,11 +1,19 @@
-"""Bench: measure training throughput of single device vs even split vs balanced split."""
+"""Bench: what ``hetsplit bench`` runs: each device alone vs the even and the balanced split, and online rebalancing.
+
+The configurations take turns step by step (:func:`time_steps`); the balanced plan is
+calibrated inside the split first (:func:`calibrate_plan`); ``bench --rebalance`` trains
+from the even split with a rebalancer (:func:`bench_rebalance`). The results and their
+tables are in :mod:`~hetsplit.apps.bench_result`.
+"""
 
 from __future__ import annotations
 
 import copy
 import datetime as _dt
+import json
 import platform
 import statistics
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -13,39 +21,30 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import timing
-from ..devices import Device, DeviceLike, parse_devices
+from ..devices import Device, DeviceLike, parse_device, parse_devices
+from ..emulation import check_speed
 from ..parallel.data_parallel import HeteroDataParallel
 from ..planning.curve import holdout_error
+from ..planning.plan import Plan, even_sizes, scaled_step
+from ..planning.rebalance import Rebalancer
 from ..planning.records import Measurement
 from ..planning.sizes import batchnorm_minimum, with_minimum_shares
-from ..planning.solver import solve
+from ..planning.solver import plan_from_sizes, solve
 from ..profiler import emulation_faults, emulation_warning, fault_note, held_to_declared_speed
 from ..profiler import profile as run_profile
-from .bench_result import BenchResult
-from .bench_timing import calibrate_plan, time_steps
+from .bench_result import BenchResult, RebalanceResult
 from .models import ModelSpec, build_model, load_model, synthetic_batch
 
-
-def cpu_threads(devices: Sequence[Device], requested: int | None = None) -> int:
-    """Torch's intra-op threads for a run on ``devices``: the one rule of profile, bench and demo.
-
-    See :func:`hetsplit.timing.cpu_threads` (``requested`` if given; else 1 when every
-    device is the CPU, real or emulated; else torch's own choice).
-    """
-    return timing.cpu_threads(devices, requested or None)
+# Calibration steps at most, however short a step is.
+_MAX_CALIBRATION_STEPS = 200
 
 
 def keep_freed_memory() -> bool:
     """Keep memory freed by torch inside the process (glibc only); True if applied.
 
-    By default glibc serves large blocks (activations) with mmap and returns them to the
-    OS on free, so every training step faults its activations in again. On virtual
-    machines that report free pages to the host this makes CPU step times erratic
-    (the same LeNet step varies 2.4-9 ms here). Benchmarks call this so that every
-    configuration runs under the same, steady allocator; for your own CPU training the
-    environment variables ``MALLOC_MMAP_THRESHOLD_=33554432 MALLOC_TRIM_THRESHOLD_=4294967296``
-    (or jemalloc/tcmalloc, as PyTorch's tuning guide suggests) do the same.
+    glibc returns large blocks (activations) to the OS on free, so every step faults them in
+    again, which made the same LeNet step vary 2.4-9 ms on a VM; docs/how-it-works.md gives
+    the environment variables that do the same for your own training.
     """
     import ctypes
     import ctypes.util
@@ -125,15 +124,10 @@ def bench(
         warmup: Untimed steps first.
         mode: ``"gather"`` or ``"local"`` (see :class:`HeteroDataParallel`).
         profile_budget: Seconds for the profile behind the balanced split.
-        calibrate: Balanced steps run before timing to calibrate the plan inside the
-            split (0: off): each device's busy time there over its profile's prediction
-            scales its curve, the split is solved again, and the predicted step adds the
-            measured time outside the devices' work. A profile times each device alone;
-            inside the split the devices share the host (cores, memory bandwidth, the
-            interpreter), which is what these steps see.
-        calibrate_seconds: Go on calibrating, ``calibrate`` steps at a time, until the
-            calibration steps took this long (fewer steps leave more noise in the factors
-            and the prediction; 0: exactly ``calibrate`` steps).
+        calibrate: Balanced steps that calibrate the plan inside the split before timing
+            (:func:`calibrate_plan`; 0: off).
+        calibrate_seconds: Go on calibrating, ``calibrate`` steps at a time, until they took
+            this long (0: exactly ``calibrate`` steps).
         seed: Seed of the model and the synthetic data.
         log: Called with a line of progress per configuration.
         progress: Show progress bars (tqdm) while profiling and training.
@@ -271,3 +265,308 @@ def home_device(devs: Sequence[Device]) -> torch.device:
         if d.type == "cuda" and not d.emulated:
             return d.torch_device
     return devs[0].torch_device
+
+
+def time_steps(
+    steps_by_name: dict[str, Callable[[], None]],
+    devices: Sequence[Device],
+    steps: int,
+    warmup: int,
+    *,
+    progress: bool = False,
+    samples: dict[str, list[float]] | None = None,
+) -> dict[str, float]:
+    """Median seconds per call of each step function, timed round-robin.
+
+    The configurations take turns step by step, so a machine whose speed drifts (a
+    shared VM, thermal throttling) slows them all alike instead of whichever ran last.
+
+    Args:
+        steps_by_name: One zero-argument step function per configuration.
+        devices: Devices to synchronise after each step, so it is timed whole.
+        steps: Timed steps per configuration.
+        warmup: Untimed steps per configuration first.
+        progress: Show a progress bar (tqdm).
+        samples: If given, receives every step's seconds per configuration.
+    """
+    from tqdm.auto import tqdm
+
+    total = (warmup + steps) * len(steps_by_name)
+    with tqdm(total=total, disable=not progress, desc="training", unit="step", leave=False) as bar:
+        for fn in steps_by_name.values():
+            for _ in range(warmup):
+                fn()
+                bar.update()
+        times: dict[str, list[float]] = {name: [] for name in steps_by_name}
+        for _ in range(steps):
+            for name, fn in steps_by_name.items():
+                start = time.perf_counter()
+                fn()
+                for d in devices:
+                    d.synchronize()
+                times[name].append(time.perf_counter() - start)
+                bar.update()
+    if samples is not None:
+        samples.update(times)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def calibrate_plan(
+    prof: Any,
+    plan: Plan,
+    step: Callable[[], None],
+    busy: list[dict[str, float]],
+    devs: Sequence[Device],
+    steps: int,
+    warmup: int,
+    *,
+    seconds: float = 0.0,
+    minimum: int = 1,
+    set_plan: Callable[[Plan], None] | None = None,
+) -> tuple[Plan, dict[str, Any]]:
+    """Run ``step`` (balanced, on ``plan``) and re-solve from each device's busy time inside the split.
+
+    The factors and the rule for moving are the :class:`~hetsplit.Rebalancer`'s (a gain past
+    1 % and twice the factors' uncertainty); ``rest`` is the median of each step's wall time
+    beyond its busiest device. The predicted step is the median over the steps of each
+    step's scaled busy times, their longest, plus its rest (docs/cli.md says why).
+
+    Args:
+        prof: The devices' profile, which ``plan`` was solved from.
+        plan: The plan ``step`` runs.
+        step: One balanced training step; appends the devices' busy seconds to ``busy``.
+        busy: Filled by ``step``, one dict per step (left holding the calibration steps').
+        devs: Devices to synchronise after each step, so it is timed whole.
+        steps: Calibration steps (at least).
+        warmup: Untimed steps first.
+        seconds: Keep calibrating, ``steps`` at a time, until the steps took this long
+            (the factors' noise falls with the number of steps; 0: exactly ``steps``).
+        minimum: The fewest samples a share may hold (a BatchNorm model's:
+            :func:`~hetsplit.planning.sizes.batchnorm_minimum`); none smaller in the result.
+        set_plan: Makes ``step`` run another plan. Given, a calibrated plan that runs another
+            set of devices (a device dropped to 0, or one left alone) is predicted from a
+            second round of its own steps, since scaling the first round's busy times missed
+            by +22 %, +52 % and -27 %.
+
+    Returns:
+        The calibrated plan and what was measured (see ``BenchResult.calibration``).
+    """
+    if steps < 1:
+        raise ValueError(f"calibration needs at least one step, got steps={steps!r}")
+    walls = _calibration_steps(step, busy, devs, steps, warmup, seconds)
+    rebalancer = Rebalancer(prof, every=1, threshold=0.01, max_move=1.0, window=max(1, len(busy)))
+    # A plan that runs a share as micro-batches (a memory cap) is re-solved and re-cut alike.
+    rebalancer.accumulate = any(len(m) > 1 for m in plan.micro_batches)
+    for seen in busy:
+        rebalancer.record(plan, seen)
+    moved = rebalancer.propose(plan)
+    corrected = moved or plan_from_sizes(
+        rebalancer.corrected(plan.devices), plan.devices, plan.sizes, accumulate=rebalancer.accumulate
+    )
+    if minimum > 1:  # as HeteroDataParallel would for a plan it solved (planning.sizes)
+        corrected = with_minimum_shares(
+            corrected,
+            minimum,
+            profile=rebalancer.corrected(plan.devices),
+            accumulate=rebalancer.accumulate,
+        )
+    ran, taken = plan, len(walls)
+    if set_plan is not None and [s > 0 for s in corrected.sizes] != [s > 0 for s in plan.sizes]:
+        set_plan(corrected)  # the steps that predict it run its own set of devices
+        walls, ran = _calibration_steps(step, busy, devs, steps, warmup, seconds), corrected
+        taken += len(walls)
+    rests = [max(0.0, w - max(b.values(), default=w)) for w, b in zip(walls, busy)]
+    info = {
+        "steps": taken,
+        "rounds": 1 if ran is plan else 2,
+        "factors": rebalancer.factors(),
+        "uncertainty": rebalancer.uncertainty(list(rebalancer.factors())),
+        "rest": statistics.median(rests),
+        "step": _predicted_step(prof, ran, corrected, busy, walls, rests),
+        "sizes": list(plan.sizes),
+        "predicted": plan.step_time,
+    }
+    return corrected, info
+
+
+def _calibration_steps(
+    step: Callable[[], None],
+    busy: list[dict[str, float]],
+    devs: Sequence[Device],
+    steps: int,
+    warmup: int,
+    seconds: float,
+) -> list[float]:
+    """Warm up, then run ``step`` ``steps`` at a time until they took ``seconds``: their walls (``busy``: theirs)."""
+    for _ in range(warmup):
+        step()
+    busy.clear()  # the warm-up steps' busy times are not calibration
+    samples: dict[str, list[float]] = {}
+    walls: list[float] = []
+    while not walls or (sum(walls) < seconds and len(walls) < _MAX_CALIBRATION_STEPS):
+        time_steps({"balanced": step}, devs, steps, 0, samples=samples)
+        walls += samples["balanced"]
+    return walls
+
+
+def _predicted_step(
+    prof: Any, plan: Plan, new: Plan, busy: list[dict[str, float]], walls: list[float], rests: list[float]
+) -> float:
+    """The calibration steps' wall time had they run ``new`` (:func:`~hetsplit.planning.plan.scaled_step`)."""
+    if not any(busy):  # the module's own step (one active device): no busy times, the wall is the work
+        return float(statistics.median(walls))
+    # Per device, once: its profiled time on the old and the new share, micro-batch by micro-batch.
+    scales = []
+    for name, was, now in zip(plan.devices, plan.micro_batches, new.micro_batches):
+        curve = prof.entry(name).curve
+        before = sum(map(curve, was))
+        scales.append(sum(map(curve, now)) / before if before > 0 else None)
+    steps = [([seen.get(name) for name in plan.devices], rest) for seen, rest in zip(busy, rests)]
+    return scaled_step(steps, scales, new.times)
+
+
+def parse_change(text: str) -> tuple[str, float, int]:
+    """Parse a speed change ``DEVICE=SPEED@STEP``: ``"cpu@1=0.25@30"`` slows ``cpu@1`` to 0.25x at step 30.
+
+    Raises:
+        ValueError: Naming the text, if it is not of that form or names a real device.
+    """
+    name, eq, rest = text.rpartition("=")
+    speed, at, step = rest.partition("@")
+    try:
+        value, when = float(speed), int(step)
+    except ValueError:
+        raise ValueError(f"bad speed change {text!r}; write DEVICE=SPEED@STEP, e.g. cpu@1=0.25@30") from None
+    if not eq or not at or not 0 < value <= 1 or when < 0:
+        raise ValueError(f"bad speed change {text!r}; write DEVICE=SPEED@STEP with 0 < SPEED <= 1, e.g. cpu@1=0.25@30")
+    check_speed(value, text)  # the emulation's own bound: a speed of 1e-7 would never finish a step
+    dev = parse_device(name)
+    if not dev.emulated:
+        raise ValueError(f"{dev.name!r} in {text!r} is a real device; only emulated ones (e.g. cpu@1) change speed")
+    return dev.name, value, when
+
+
+def bench_rebalance(
+    model: str | ModelSpec = "lenet",
+    devices: str | Sequence[DeviceLike] = "cpu,cpu@0.25",
+    *,
+    batch_size: int = 256,
+    steps: int = 120,
+    every: int = 5,
+    change: tuple[str, float, int] | None = None,
+    settle: int = 40,
+    sweep_steps: int = 8,
+    seed: int = 0,
+    log: Callable[[str], None] | None = None,
+) -> RebalanceResult:
+    """Train with online rebalancing from an even split; optionally change a device's speed mid-run.
+
+    ``HeteroDataParallel(..., rebalance=Rebalancer(every=every))`` starts from the even
+    split (a deliberately wrong plan on unequal devices) without a profile. At the end,
+    the final split and its neighbours (2.5-10 % of the batch moved between each pair of
+    devices) are timed round-robin; the fastest is the optimum the run is judged against.
+
+    Args:
+        model: A built-in model name, ``package.module:factory``, or a :class:`ModelSpec`.
+        devices: The devices (two or more).
+        batch_size: Samples per step.
+        steps: Training steps.
+        every: Steps between re-solves.
+        change: ``(device, speed, step)``: the emulated ``device`` runs at ``speed`` from
+            ``step`` on (see :func:`parse_change`).
+        settle: Steps after the start (or the change) counted as converging.
+        sweep_steps: Timed steps per split in the final sweep.
+        seed: Seed of the model and the synthetic data.
+        log: Called with a line of progress now and then.
+
+    Returns:
+        The :class:`RebalanceResult`.
+    """
+    devs = parse_devices(devices)
+    if len(devs) < 2:
+        raise ValueError(f"rebalancing needs two or more devices; got {[d.name for d in devs]}")
+    names = [d.name for d in devs]
+    changed = None  # (the device, its new speed, the step it changes at)
+    if change is not None:
+        if change[0] not in names:
+            raise ValueError(f"the speed change names {change[0]!r}, which is not among the devices {names}")
+        changed = (devs[names.index(change[0])], change[1], change[2])
+    tuned = keep_freed_memory()
+    spec = load_model(model) if isinstance(model, str) else model
+    say = log or (lambda line: None)
+    torch.manual_seed(seed)
+    x, y = synthetic_batch(spec, batch_size, seed=seed)
+    home = home_device(devs)
+    reb = Rebalancer(every=every, on_change=lambda c: say(f"plan change at {c}"))
+    dp = HeteroDataParallel(spec.factory().to(home), devs, weights=[1] * len(devs), quiet=True)
+    step = dp_step(dp, x, y, "gather")
+    times: list[float] = []
+    sizes: list[list[int]] = []
+    try:
+        step()  # warm up, unobserved
+        dp.rebalancer = reb
+        for k in range(steps):
+            if changed is not None and k == changed[2]:
+                device, speed, _ = changed
+                device.set_speed(speed)
+                say(f"step {k}: {device.name} now runs at {speed:g}x")
+            sizes.append(list(dp.sizes_for(batch_size)))
+            start = time.perf_counter()
+            step()
+            for d in devs:
+                d.synchronize()
+            times.append(time.perf_counter() - start)
+        settled = dp.plan
+        if settled is None:  # the wrapper has run steps, so it holds the plan they ran
+            raise RuntimeError("the rebalanced wrapper holds no plan after its steps")
+        say(f"sweeping splits around {settled.sizes} for the optimum ...")
+        candidates = _neighbours(settled.sizes, batch_size)
+        sweep = {}
+        for cand in candidates:
+            fixed = HeteroDataParallel(spec.factory().to(home), devs, weights=cand, quiet=True)
+            sweep[str(cand)] = dp_step(fixed, x, y, "gather")
+        medians = time_steps(sweep, devs, sweep_steps, 1)
+    finally:
+        if changed is not None:
+            changed[0].set_speed(None)
+    best = min(medians, key=medians.__getitem__)
+    return RebalanceResult(
+        devices=names,
+        model=spec.name,
+        batch_size=batch_size,
+        every=every,
+        change=None if change is None else {"device": change[0], "speed": change[1], "step": change[2]},
+        step_times=times,
+        sizes=sizes,
+        changes=[c.to_dict() for c in reb.history],
+        optimum=medians[best],
+        optimum_sizes=json.loads(best),
+        settle=settle,
+        rebalancer_seconds=reb.seconds,
+        meta={
+            "date": _dt.date.today().isoformat(),
+            "host": platform.node(),
+            "torch": torch.__version__,
+            "threads": torch.get_num_threads(),
+            "data": "synthetic",
+            "emulated": [d.name for d in devs if d.emulated],
+            "allocator_kept_memory": tuned,
+            "start": even_sizes(batch_size, len(devs)),
+        },
+    )
+
+
+def _neighbours(sizes: Sequence[int], batch: int) -> list[list[int]]:
+    """``sizes`` and the splits moving 2.5, 5 or 10 % of the batch between any two devices."""
+    out = [list(sizes)]
+    for frac in (0.025, 0.05, 0.1):
+        k = max(1, round(frac * batch))
+        for i in range(len(sizes)):
+            for j in range(len(sizes)):
+                if i != j and sizes[i] >= k:
+                    cand = list(sizes)
+                    cand[i] -= k
+                    cand[j] += k
+                    if cand not in out:
+                        out.append(cand)
+    return out

@@ -1,16 +1,44 @@
-"""Bench results: measured throughput of each way to train on the devices, and how to show it."""
+"""Bench results: what ``hetsplit bench`` (and ``bench --rebalance``) measured, as data and as a table."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import statistics
 from collections import Counter
-from typing import Any
+from typing import Any, ClassVar, TypeVar, cast
 
 from ..planning.plan import Plan
+from ..planning.rebalance import PlanChange
+
+
+class _Result:
+    """What both results share: to and from a JSON-ready dict, their derived figures (``_DERIVED``) included."""
+
+    _DERIVED: ClassVar[tuple[str, ...]] = ()
+
+    @classmethod
+    def from_dict(cls: type[_R], data: dict[str, Any]) -> _R:
+        """Build the result from :meth:`to_dict` output (derived figures are recomputed, unknown keys ignored)."""
+        fields = {k: v for k, v in data.items() if k in {f.name for f in dataclasses.fields(cast(Any, cls))}}
+        if "plan" in fields:
+            fields["plan"] = Plan.from_dict(fields["plan"])
+        return cls(**fields)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Return the result as a JSON-ready dict, derived figures included."""
+        data = {f.name: getattr(self, f.name) for f in dataclasses.fields(cast(Any, self))}
+        if isinstance(data.get("plan"), Plan):
+            data["plan"] = data["plan"].to_dict()
+        data.update({name: getattr(self, name) for name in self._DERIVED})
+        return copy.deepcopy(data)
+
+
+_R = TypeVar("_R", bound=_Result)
 
 
 @dataclasses.dataclass
-class BenchResult:
+class BenchResult(_Result):
     """Measured throughput of each way to train on the devices.
 
     Attributes:
@@ -63,13 +91,7 @@ class BenchResult:
     processes: dict[str, Any] = dataclasses.field(default_factory=dict)
     calibration: dict[str, Any] = dataclasses.field(default_factory=dict)
 
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> BenchResult:
-        """Build the result from :meth:`to_dict` output (derived figures are recomputed)."""
-        known = {f.name for f in dataclasses.fields(cls)}
-        fields = {k: v for k, v in data.items() if k in known}
-        fields["plan"] = Plan.from_dict(fields["plan"])
-        return cls(**fields)
+    _DERIVED = ("fastest", "ideal", "speedup_vs_single", "speedup_vs_even", "efficiency", "ideal_in_split")
 
     @property
     def fastest(self) -> str:
@@ -108,20 +130,6 @@ class BenchResult:
     def efficiency(self) -> float:
         """Balanced throughput as a fraction of the ideal."""
         return self.balanced / self.ideal
-
-    def to_dict(self) -> dict[str, Any]:
-        """Return the result as a JSON-ready dict, derived figures included."""
-        data = dataclasses.asdict(self)
-        data["plan"] = self.plan.to_dict()
-        data.update(
-            fastest=self.fastest,
-            ideal=self.ideal,
-            speedup_vs_single=self.speedup_vs_single,
-            speedup_vs_even=self.speedup_vs_even,
-            efficiency=self.efficiency,
-            ideal_in_split=self.ideal_in_split,
-        )
-        return data
 
     def table(self) -> str:
         """A plain-text table of the results."""
@@ -189,4 +197,90 @@ class BenchResult:
             )
         if self.overhead is not None:
             lines.append(f"HeteroDataParallel overhead on one device at the same batch: {self.overhead:+.1%}")
+        return "\n".join(lines)
+
+
+@dataclasses.dataclass
+class RebalanceResult(_Result):
+    """What online rebalancing did in a run, and how close it came to the best split.
+
+    Attributes:
+        devices: The devices.
+        model: The model's name.
+        batch_size: Samples per step.
+        every: Steps between re-solves.
+        change: ``{"device", "speed", "step"}`` of the mid-run speed change, or ``None``.
+        step_times: Seconds of every step.
+        sizes: The split each step ran with.
+        changes: The plan changes (:meth:`PlanChange.to_dict`).
+        optimum: Median step time of the best split found by a sweep at the end.
+        optimum_sizes: That split.
+        settle: Steps counted as converging (from the start, or from the change).
+        rebalancer_seconds: Time spent in the rebalancer's own code.
+        meta: Date, host, torch version, threads.
+    """
+
+    devices: list[str]
+    model: str
+    batch_size: int
+    every: int
+    change: dict[str, Any] | None
+    step_times: list[float]
+    sizes: list[list[int]]
+    changes: list[dict[str, Any]]
+    optimum: float
+    optimum_sizes: list[int]
+    settle: int
+    rebalancer_seconds: float
+    meta: dict[str, Any]
+
+    _DERIVED = ("recovered_after", "late_changes", "late_steps", "overhead")
+
+    @property
+    def recovered_after(self) -> int | None:
+        """Steps after the change (or the start) until 5 steps' median is within 10 % of the optimum."""
+        start = self.change["step"] if self.change else 0
+        times = self.step_times
+        for k in range(start, len(times) - 4):
+            if statistics.median(times[k : k + 5]) <= 1.1 * self.optimum:
+                return k - start
+        return None
+
+    @property
+    def late_changes(self) -> int:
+        """Plan changes after the settling steps (after the change, when there is one)."""
+        start = (self.change["step"] if self.change else 0) + self.settle
+        return sum(1 for c in self.changes if c["step"] >= start)
+
+    @property
+    def late_steps(self) -> int:
+        """Steps after the settling steps."""
+        return max(0, len(self.step_times) - (self.change["step"] if self.change else 0) - self.settle)
+
+    @property
+    def overhead(self) -> float:
+        """The rebalancer's own time as a fraction of the run's step time."""
+        return self.rebalancer_seconds / sum(self.step_times)
+
+    def table(self) -> str:
+        """Plan changes, step times per stretch of 10 steps, and the verdict, as text."""
+        lines = ["plan changes:"]
+        lines += [f"  {PlanChange(**c)}" for c in self.changes] or ["  none"]
+        lines.append("")
+        lines.append("steps      median step (ms)  split")
+        for a in range(0, len(self.step_times), 10):
+            block = self.step_times[a : a + 10]
+            lines.append(
+                f"{a:4d}-{a + len(block) - 1:<4d}  {1e3 * statistics.median(block):16.2f}  "
+                f"{self.sizes[a + len(block) - 1]}"
+            )
+        lines.append("")
+        lines.append(f"best split found by a sweep at the end: {self.optimum_sizes}, {1e3 * self.optimum:.2f} ms/step")
+        rec = self.recovered_after
+        what = f"the change at step {self.change['step']}" if self.change else "the start"
+        lines.append("within 10% of it " + (f"{rec} steps after {what}" if rec is not None else f"never after {what}"))
+        lines.append(
+            f"plan changes after settling ({self.settle} steps): {self.late_changes} in {self.late_steps} steps; "
+            f"rebalancer cost {self.overhead:.3%} of step time"
+        )
         return "\n".join(lines)

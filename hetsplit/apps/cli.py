@@ -61,6 +61,26 @@ def _budget(parser: argparse.ArgumentParser, default: float, *, removed: str | N
         _removed(parser, removed, "use --budget SECONDS")
 
 
+def _model(parser: argparse.ArgumentParser, default: str) -> None:
+    """``--model`` and ``--input-shape``, as ``demo``, ``profile`` and ``bench`` take them."""
+    parser.add_argument(
+        "--model",
+        default=default,
+        help=f"built-in model (cnn, lenet, resnet18, mlp) or package.module:factory (default {default})",
+    )
+    parser.add_argument("--input-shape", type=_ints, help="shape of one sample, e.g. 3,32,32 (for your own model)")
+
+
+def _threads(parser: argparse.ArgumentParser) -> None:
+    """``--threads``, the one CPU-thread rule of ``demo``, ``profile`` and ``bench`` (``timing.cpu_threads``)."""
+    parser.add_argument(
+        "--threads",
+        type=_positive_int,
+        help="torch intra-op CPU threads (default: 1 when every device is the CPU, real or emulated, "
+        "the steadiest for emulated CPUs; else torch's choice)",
+    )
+
+
 def _removed(parser: argparse.ArgumentParser, option: str, instead: str) -> None:
     """A former option: refused in one line saying what replaced it (argparse's own error would not)."""
     parser.add_argument(option, action=_Removed, nargs="?", help=argparse.SUPPRESS, const=instead, default=None)
@@ -92,16 +112,11 @@ def build_parser() -> argparse.ArgumentParser:
         "Synthetic data.",
     )
     p.add_argument("--devices", help="comma-separated devices (default: every local device, plus cpu@0.25 if only one)")
-    p.add_argument(
-        "--model",
-        default="cnn",
-        help="built-in model (cnn, lenet, resnet18, mlp) or package.module:factory (default cnn)",
-    )
-    p.add_argument("--input-shape", type=_ints, help="shape of one sample, e.g. 3,32,32 (needed for your own model)")
+    _model(p, "cnn")
     p.add_argument("--batch-size", type=_positive_int, default=128, help="samples per step (default 128)")
     p.add_argument("--steps", type=_positive_int, default=15, help="timed steps per configuration (default 15)")
     _budget(p, 10.0)
-    p.add_argument("--threads", type=_positive_int, help="torch CPU threads (default 1 when every device is the CPU)")
+    _threads(p)
     p.add_argument("--json", type=Path, help="also write the results to this JSON file (for 'hetsplit show')")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.add_argument("--threads-only", action="store_true", help="skip the process engine (torchrun ranks)")
@@ -125,12 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="comma-separated devices, e.g. cuda:0,cpu or cpu,cpu@0.25 "
         "(default: every local device, plus an emulated cpu@0.25 when there is only one)",
     )
-    p.add_argument(
-        "--model",
-        default="lenet",
-        help="built-in model (cnn, lenet, resnet18, mlp) or package.module:factory (default lenet)",
-    )
-    p.add_argument("--input-shape", type=_ints, help="shape of one sample, e.g. 3,32,32 (needed for your own model)")
+    _model(p, "lenet")
     p.add_argument("--dtype", choices=DTYPES, default="float32", help="parameter and input dtype (default float32)")
     p.add_argument(
         "--vocab-size",
@@ -143,12 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=_positive_int, default=5, help="timed steps per batch size (default 5)")
     p.add_argument("--out", type=Path, help="profile file to write (default: a new file in the profile directory)")
     p.add_argument("--profile-dir", type=Path, help="profile directory (default $HETSPLIT_PROFILE_DIR or ./profiles)")
-    p.add_argument(
-        "--threads",
-        type=_positive_int,
-        help="torch intra-op CPU threads (default: 1 when every device is the CPU, "
-        "real or emulated; else torch's choice)",
-    )
+    _threads(p)
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
     p = sub.add_parser(
@@ -161,12 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--devices",
         help="two or more devices (default cpu,cpu@0.25; with --change DEV=..., cpu and DEV)",
     )
-    p.add_argument(
-        "--model",
-        default="lenet",
-        help="built-in model (cnn, lenet, resnet18, mlp) or package.module:factory (default lenet)",
-    )
-    p.add_argument("--input-shape", type=_ints, help="shape of one sample, for your own model")
+    _model(p, "lenet")
     p.add_argument("--batch-size", type=_positive_int, default=256, help="samples per step (default 256)")
     p.add_argument(
         "--steps", type=_positive_int, help="timed steps per configuration (default 20; 120 with --rebalance)"
@@ -191,12 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=2.0,
         help="calibrate on, --calibrate steps at a time, until they took this long (default 2; 0: just --calibrate)",
     )
-    p.add_argument(
-        "--threads",
-        type=_positive_int,
-        help="torch intra-op CPU threads (default: 1 when every device is the CPU, real or emulated; else torch's "
-        "choice; 1 is steadiest for emulated CPUs)",
-    )
+    _threads(p)
     p.add_argument("--json", type=Path, help="also write the results to this JSON file")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     p.add_argument(

@@ -116,7 +116,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
     from .. import files, profiler, store
     from ..devices import parse_devices
     from ..planning import solver
-    from .bench import cpu_threads
+    from ..timing import cpu_threads
     from .models import BUILTIN_MODELS, build_model, load_model, synthetic_batch
 
     listed = parse_devices(args.devices) if args.devices is not None else parse_devices(default_devices())
@@ -248,8 +248,7 @@ def _shown_file(path: Any) -> dict[str, Any]:
 def cmd_show(args: argparse.Namespace) -> int:
     from .. import files
     from ..planning import Profile
-    from .bench_rebalance import RebalanceResult
-    from .bench_result import BenchResult
+    from .bench_result import BenchResult, RebalanceResult
     from .show import plot_plan, plot_profile, plot_rebalance, plot_timeline
 
     doc = _shown_file(args.file)
@@ -316,8 +315,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     from .. import files
     from ..devices import parse_devices
-    from .bench import bench, cpu_threads
-    from .bench_rebalance import bench_rebalance, parse_change
+    from ..timing import cpu_threads
+    from .bench import bench, bench_rebalance, parse_change
     from .models import load_model
 
     if args.change and not args.rebalance:

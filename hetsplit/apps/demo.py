@@ -14,7 +14,8 @@ from typing import Any
 import torch
 
 from ..devices import DeviceLike, discover, parse_devices
-from .bench import bench, cpu_threads
+from ..timing import cpu_threads
+from .bench import bench
 from .bench_result import BenchResult
 from .models import ModelSpec
 

@@ -10,6 +10,7 @@ import signal
 import socket
 from collections.abc import MutableMapping, Sequence
 from pathlib import Path
+from typing import Any
 
 _LOOPBACK = "127.0.0.1"
 
@@ -149,21 +150,11 @@ def _failure_line(error: BaseException) -> str:
     return f"rank {rank} failed with {how}{tail}; the other ranks were stopped"
 
 
-def launch(
-    devices: str,
-    script: str,
-    script_args: Sequence[str] = (),
-    *,
-    nnodes: int = 1,
-    node_rank: int = 0,
-    rdzv_endpoint: str | None = None,
-    rdzv_backend: str = "c10d",
-    max_restarts: int = 0,
-) -> None:
+def launch(devices: str, script: str, script_args: Sequence[str] = (), **options: Any) -> None:
     """Run ``script`` in one process per device of ``devices``, through torchrun.
 
-    Every process finds its device with :func:`hetsplit.distributed.init`. The keyword
-    arguments are :func:`torchrun_args`'s.
+    Every process finds its device with :func:`hetsplit.distributed.init`. ``options`` are
+    :func:`torchrun_args`'s keywords (``nnodes``, ``node_rank``, ``rdzv_endpoint``, ...).
 
     Raises:
         ValueError: On a missing script, bad devices or options, before any process starts.
@@ -180,16 +171,7 @@ def launch(
 
     if not os.path.exists(script):  # else every rank starts, each ending in the same traceback
         raise ValueError(f"no such script: {script} (looked in {os.getcwd()}); give the path of the training script")
-    argv, _ = torchrun_args(
-        devices,
-        script,
-        script_args,
-        nnodes=nnodes,
-        node_rank=node_rank,
-        rdzv_endpoint=rdzv_endpoint,
-        rdzv_backend=rdzv_backend,
-        max_restarts=max_restarts,
-    )
+    argv, _ = torchrun_args(devices, script, script_args, **options)
     # The ranks inherit this process's environment (torchrun's agent starts them); it is put back
     # after, so a caller that launches in-process (a notebook, a test) keeps its own.
     saved = dict(os.environ)

@@ -14,8 +14,7 @@ from ..planning import Plan, Profile, solve
 from ..planning.plan import even_sizes
 
 if TYPE_CHECKING:
-    from .bench_rebalance import RebalanceResult
-    from .bench_result import BenchResult
+    from .bench_result import BenchResult, RebalanceResult
 
 _COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf"]
 
@@ -249,21 +248,12 @@ def plot_timeline(result: BenchResult, out: str | Path) -> Path:
         slowest = min(max(busy.values(), default=0.0), step)
         for row, d in enumerate(result.devices):
             b = min(busy[d], step)
-            ax.barh(row, b, color="#2ca02c", label="compute (forward + backward)" if row == 0 else None)
-            ax.barh(
-                row,
-                slowest - b,
-                left=b,
-                color="#d9d9d9",
-                label="idle, waiting for the slowest device" if row == 0 else None,
-            )
-            ax.barh(
-                row,
-                step - slowest,
-                left=slowest,
-                color="#ff7f0e",
-                label="scatter, gather, loss, optimizer (outside the replicas)" if row == 0 else None,
-            )
+            for left, right, color, label in (
+                (0.0, b, "#2ca02c", "compute (forward + backward)"),
+                (b, slowest, "#d9d9d9", "idle, waiting for the slowest device"),
+                (slowest, step, "#ff7f0e", "scatter, gather, loss, optimizer (outside the replicas)"),
+            ):
+                ax.barh(row, right - left, left=left, color=color, label=label if row == 0 else None)
             ax.text(step + longest * 0.01, row, f"{b:.1f} ms busy of {step:.1f}", va="center", fontsize=8)
         labels = [f"{_label(d, d in emulated)}\n{s} samples" for d, s in zip(result.devices, sizes)]
         ax.set_yticks(range(len(result.devices)), labels, fontsize=8)
@@ -304,7 +294,7 @@ def plot_rebalance(result: RebalanceResult, out: str | Path) -> Path:
     """Draw a ``bench --rebalance`` run: step times, each device's share, and every plan change.
 
     Args:
-        result: A :class:`~hetsplit.apps.bench_rebalance.RebalanceResult`.
+        result: A :class:`~hetsplit.apps.bench_result.RebalanceResult`.
         out: The PNG to write.
 
     Returns:

@@ -37,7 +37,7 @@ __all__ = [
     "drain_at_exit",
 ]
 
-# Names removed before the first release, and what replaces each: their AttributeError says so.
+# Documented names removed before the first release, and what replaces each: their AttributeError says so.
 _REMOVED = {
     "rank_device": "dev = hd.init(), which returns this rank's device",
     "scale_loss": "hd.weight_gradients(ddp, plan), which weights each rank's gradients by its share",
@@ -45,9 +45,7 @@ _REMOVED = {
     "init_timeout": "dev = hd.init(timeout=120), which starts the process group with that timeout",
     "failure_message": "hd.guard() around the training loop, which ends a failed rank with one line naming the rank "
     "that failed (its error is hd.DistributedError)",
-    "is_failure": "except hd.DistributedError inside hd.guard()",
     "verify_plan": "nothing: hd.weight_gradients and hd.DistributedRebalancer check every rank holds the same plan",
-    "ENV_DEVICES": "the string 'HETSPLIT_DEVICES' (hd.init() reads it)",
 }
 
 

@@ -20,7 +20,7 @@ from hetsplit.distributed.comm_hooks import WeightingState
 from hetsplit.distributed.dtypes import verify_dtypes
 from hetsplit.distributed.sharded import kind
 from hetsplit.planning import Plan, Profile, Rebalancer
-from hetsplit.planning.sizes import resolve_plan, scaled_plan
+from hetsplit.planning.sizes import even_plan, scaled_plan
 from hetsplit.tree import tree_map
 
 from . import core
@@ -301,7 +301,7 @@ class HeteroAccelerator(accelerate.Accelerator):  # type: ignore[misc]
         self._planned_loader = loader
         batch = self._global_batch(loader)
         if self.num_processes == 1:
-            return resolve_plan(batch, ["rank0"], weights=[1.0])
+            return even_plan(batch, ["rank0"])
         given = self._profile is not None or self.plan_kwargs.get("weights") is not None  # nothing to time
         if model is None and self._models:  # prepare(model, optimizer), then the loader: that model
             model = self._models[-1]
@@ -312,7 +312,7 @@ class HeteroAccelerator(accelerate.Accelerator):  # type: ignore[misc]
             # Trainer's order under FSDP2, where profiling the model whole would need each device
             # to hold it): even shares until the model is prepared, profiled then (_adopt).
             self._provisional = True
-            return resolve_plan(batch, _ranks(self.num_processes), weights=[1.0] * self.num_processes)
+            return even_plan(batch, _ranks(self.num_processes))
         if model is None:
             raise ValueError(
                 "HeteroAccelerator.prepare needs the model to plan the training loader (it is checked for "

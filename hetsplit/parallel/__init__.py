@@ -10,28 +10,12 @@ carries a module's ``torch.compile`` over to its replicas. ``reduce`` is the wei
 all-reduce for hand-written loops.
 
 The public names below are torch's ``torch.nn.parallel`` verbs for any devices and uneven
-shards (``scatter``, ``replicate``, ``parallel_apply``, ``gather``), the module wrapper and
-the pieces of a hand-written loop; ``hetsplit`` re-exports the latter.
+shards; the module wrapper and the pieces of a hand-written loop are ``hetsplit``'s own
+(``hetsplit.HeteroDataParallel``, ``hetsplit.run_parallel``, ...).
 """
 
-from .apply import parallel_apply, run_parallel
-from .data_parallel import HeteroDataParallel
-from .micro import StepOutOfMemory
-from .outputs import count_tokens
-from .reduce import reduce_gradients
+from .apply import parallel_apply
 from .replicas import replicate
 from .scatter_gather import gather, scatter
-from .sizes import balanced_split
 
-__all__ = [
-    "HeteroDataParallel",
-    "StepOutOfMemory",
-    "balanced_split",
-    "count_tokens",
-    "gather",
-    "parallel_apply",
-    "reduce_gradients",
-    "replicate",
-    "run_parallel",
-    "scatter",
-]
+__all__ = ["gather", "parallel_apply", "replicate", "scatter"]

@@ -247,6 +247,13 @@ def _reraise(e: BaseException, where: str) -> None:
     raise e
 
 
+def as_devices(devices: str | Sequence[DeviceLike]) -> list[Device]:
+    """``devices`` parsed, unless they are parsed already (a step's: parsed once, when its wrapper was built)."""
+    if not isinstance(devices, str) and all(isinstance(d, Device) for d in devices):
+        return list(devices)  # type: ignore[arg-type]
+    return parse_devices(devices)
+
+
 def run_parallel(
     fns: Sequence[Callable[[], Any]],
     devices: Sequence[DeviceLike],
@@ -278,10 +285,7 @@ def run_parallel(
         >>> run_parallel([lambda: 1, lambda: 2], parse_devices("cpu,cpu@0.5"))
         [1, 2]
     """
-    parsed = [d for d in devices if isinstance(d, Device)]
-    if len(parsed) != len(devices):  # parsed once, by the caller, in a step's hot path
-        parsed = parse_devices(devices)
-    devices = parsed
+    devices = as_devices(devices)
     if len(devices) != len(fns):
         raise ValueError(f"got {len(fns)} callables and {len(devices)} devices; give one device per callable")
     ctx = _Context()

@@ -21,7 +21,7 @@ from ..planning.rebalance import Rebalancer
 from ..store import is_quiet, warn_at_caller
 from ..timing import BusyLog, Lap
 from ..tree import batch_length, flatten, move, to_device
-from .apply import parallel_apply, run_parallel
+from .apply import as_devices, parallel_apply, run_parallel
 from .grads import Grads, StepGrads
 from .inputs import InputWrites, Upstream, batch_of, call_on, cut_upstream, scatter_inputs
 from .local import local_fns, local_inputs, shard_loss
@@ -31,6 +31,7 @@ from .micro import (
     StepOutOfMemory,
     backward_fn,
     backward_oom,
+    cut,
     forward_fns,
     lower_cap,
     recoverable,
@@ -48,23 +49,12 @@ _RUNTIME = ("_replicator", "_step", "_log", "_lock", "_mem", "_stray", "_pay")
 class HeteroDataParallel(nn.Module):
     """Data parallelism over mixed devices with uneven shards: a drop-in for ``nn.DataParallel``.
 
-    ``forward`` scatters the batch into shards sized by the plan (any devices, the CPU
-    too), runs the replicas concurrently and gathers the outputs on ``output_device``;
-    ``loss.backward()`` runs each replica's backward in its own thread and sums their
-    gradients into the module: the full-batch gradient. ``forward`` only chains
-    :meth:`scatter`, :meth:`replicate`, :meth:`parallel_apply` and :meth:`gather`, with
-    ``nn.DataParallel``'s signatures, so its subclasses still override them.
-
-    Outputs: tensors are concatenated along ``dim``; 0-dim floating ones follow
-    ``scalar_outputs``; other 0-dim tensors are stacked; other objects come back as a
-    list, one entry per replica that ran. The module itself never runs: replicas share
-    its parameter storage (copies on other devices), start each step from its buffers,
-    and the buffers a step changed are merged back (floating ones shard-weighted,
-    integer ones by the sum of increments; docs/one-process.md: "Buffers"). :attr:`step_times` holds
-    each device's busy seconds in the last step; with ``rebalance`` they feed the
-    rebalancer at the next step. After a few steps of one split, a warning says once
-    when its fastest device alone would have been faster, beyond the steps' noise
-    (predicted from that device's busy time on its share; :class:`~hetsplit.parallel.paying.PayCheck`).
+    ``forward`` scatters the batch into shards sized by the plan, runs the replicas
+    concurrently and gathers the outputs on ``output_device``; ``loss.backward()`` runs each
+    replica's backward in its own thread and hands the sum of their gradients to the module:
+    the full-batch gradient. ``forward`` only chains :meth:`scatter`, :meth:`replicate`,
+    :meth:`parallel_apply` and :meth:`gather`, with ``nn.DataParallel``'s signatures.
+    Outputs, buffers and the warning when the split does not pay: docs/one-process.md.
 
     Args:
         module: The model; all its parameters and buffers on one device.
@@ -225,7 +215,7 @@ class HeteroDataParallel(nn.Module):
         devices); called on its own, the batch is split over ``device_ids`` (all of
         :attr:`devices`) as :meth:`sizes_for` says, empty shards included.
         """
-        devices = parse_devices(device_ids)
+        devices = as_devices(device_ids)
         if self._step is not None:
             return scatter_inputs(inputs, kwargs, devices, self._step.sizes, self.dim)
         if [d.name for d in devices] != self.device_names:
@@ -242,7 +232,7 @@ class HeteroDataParallel(nn.Module):
         Their parameters come from ``module``'s through autograd (see
         :func:`hetsplit.parallel.replicate`); their buffers start from ``module``'s.
         """
-        devices = parse_devices(device_ids)
+        devices = as_devices(device_ids)
         if self._replicator is None or self._replicator.module is not module:
             self._replicator = _Replicator(module)
         step = self._step
@@ -265,7 +255,8 @@ class HeteroDataParallel(nn.Module):
         if step is None:
             return parallel_apply(replicas, list(inputs), list(kwargs), self.devices[: len(replicas)])
         shards = list(zip(inputs, kwargs))
-        fns, step.pieces = forward_fns(replicas, shards, step.micro, step.active, self.devices, self._mem, self.dim)
+        step.pieces = cut(shards, step.micro, self.dim)
+        fns = forward_fns(replicas, step, self._mem)
         before = _generators(step.devices)
         outs = self._run(fns, "", step.active)
         if len(step.built) == len(replicas):
@@ -375,7 +366,8 @@ class HeteroDataParallel(nn.Module):
         step.writes = InputWrites(batch, step.upstream.shards, step.sizes, self.dim)
         shards = step.writes.shards
         replicas = self.replicate(self.module, step.devices)
-        step.pieces, make = local_fns(replicas, shards, step.micro, step.active, self.devices, self._mem, self.dim)
+        step.pieces = cut(shards, step.micro, self.dim)
+        make = local_fns(replicas, step, self._mem, self.dim)
         flat = [(tuple(a), dict(k)) for parts in step.pieces for (a, k), _ in parts]
         weights = policy_weights(reduction, [m for sizes in step.micro for m in sizes], flat)
         assert weights is not None
@@ -538,21 +530,32 @@ class HeteroDataParallel(nn.Module):
         stray, self.__dict__["_stray"] = self._stray, None
         if stray is not None:  # a backward of the last step's activations outside the wrapper's output
             stray()
-        self._plans.observe(self._log.readable() if self.rebalancer is not None else ())
-        unpaid = self._pay.take()
-        if unpaid is not None and not is_quiet(self.quiet):
-            warn_at_caller(f"hetsplit: {unpaid}")
-        self._plans.trace(*call, self.dim)
-        plan = self._plans.for_batch(batch_length(batch_tree, self.dim))
+        plans = self._plans
+        if self.rebalancer is not None:
+            plans.observe(self._log.readable())
+        if self._pay.unread:
+            unpaid = self._pay.take()
+            if unpaid is not None and not is_quiet(self.quiet):
+                warn_at_caller(f"hetsplit: {unpaid}")
+        if plans.batchnorm:
+            plans.trace(*call, self.dim)
+        batch = batch_length(batch_tree, self.dim)
+        plan = plans.current
+        if plan is None or plan.batch_size != batch or plans.minimum > 1:  # else for_batch would hand it out again
+            plan = plans.for_batch(batch)
         active = [i for i, s in enumerate(plan.sizes) if s > 0]
         step = self.__dict__["_step"] = Step(plan, active, [self.devices[i] for i in active])  # not nn.Module's setattr
         self._log.start()
         home = direct_device(step, self.module, self.rebalancer is not None)
         if home is not None:  # no busy times: step_times must not repeat the last split step's
             self._log.end(step.plan, keep=False)
-        else:
+        elif self._paying(plan):
             self._pay.start(step)
         return step, home
+
+    def _paying(self, plan: Plan) -> bool:
+        """Whether the pay check still reads steps of ``plan``: not once it has spoken, nor for a plan it settled."""
+        return not self._pay.said and plan is not self._pay.settled
 
     def _run(
         self, fns: Sequence[Callable[[], Any]], what: str, active: Sequence[int], inline: int | None = 0
@@ -570,7 +573,7 @@ class HeteroDataParallel(nn.Module):
         """End a step whose backward has run: its busy times logged, and timed against its fastest device alone."""
         self._log.end(step.plan, keep=self.rebalancer is not None)
         settled = self.rebalancer is None or self.rebalancer.steps >= self.rebalancer.every  # it re-solved once
-        if settled:
+        if settled and self._paying(step.plan):
             self._pay.end(step, step.plan, self._log.last)
 
     @property

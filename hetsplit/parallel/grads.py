@@ -1,16 +1,10 @@
 """Grads: the replicas' gradients, computed concurrently, handed to the module through autograd.
 
 A step differentiates the module's parameters and the inputs that require grad (its
-*targets*). Each replica stands for them with tensors of its own (an alias or copy of
-each parameter, its piece of each input), and its backward *captures* the gradient at
-those with ``torch.autograd.grad``: nothing is written into any ``.grad`` while the
-replicas work, so a step that fails in any replica leaves nothing behind. The captured
-gradients are summed per target (concatenated, for a split input) and handed to the
-targets by torch's engine: returned from the gather's backward in gather mode, or given
-to ``torch.autograd.backward`` in local-loss mode. Either way parameter hooks fire once
-with the full-batch gradient, and ``autograd.grad`` sees exactly the plain module's. A
-reentrant checkpoint's own backward cannot stop at stand-ins: it accumulates into the
-replica's parameters, leaves of the replica's own, and is read from there.
+*targets*). Each replica's backward *captures* the gradient at its own stand-ins for them
+with ``torch.autograd.grad``: nothing is written into any ``.grad`` while the replicas
+work, so a failed step leaves nothing behind. The sums per target are handed to the
+targets by torch's engine, so parameter hooks fire once with the full-batch gradient.
 """
 
 from __future__ import annotations

@@ -1,30 +1,8 @@
 """Inputs: each replica's shard of the caller's inputs, and what flows back to them.
 
-The scatter of a step (:func:`scatter_inputs`, :func:`cut_upstream`) and the direct path's
-call (:func:`call_on`), a lone tensor ``model(x)`` handled without walking a tree.
-
-Two kinds of input tensor, two ways of cutting them:
-
-**Inputs that require grad** (:class:`Upstream`).
-An input that requires grad (a leaf the user differentiates by, or the output of a layer
-in front of the wrapper) is cut into one piece per replica. Each piece stays connected to
-the input through autograd (a differentiable split and copy), so a gradient of a gradient
-(``create_graph=True``) still reaches the input. The replicas' backward captures the
-gradient at its own piece, and the engine hands the pieces' gradients, concatenated on
-the input's device, to the input through autograd once: the caller's graph in front of
-the wrapper is walked once, by torch's engine, as for the plain module.
-
-**Every other tensor of the batch** (:class:`InputWrites`).
-A shard on the batch's own device is a view of the caller's tensor, and views share their
-base's version counter: a model that writes into its input in place (``x.div_(255)``,
-``nn.ReLU(inplace=True)`` on the input) moved, from one replica, the version of every
-other replica's shard, and those that had saved theirs for backward failed with torch's
-"modified by an inplace operation" — intermittently, as the threads interleaved. Each
-shard is instead an alias with a counter of its own (same storage: the write still lands
-in the caller's batch, as the plain module's does). After the forward a shard whose
-version moved is passed back to the caller's tensor: copied into its rows when it lives on
-another device, and the caller's version moved as the plain module's write moves it, so a
-graph of the caller's that saved the batch refuses its backward as torch's would.
+An input that requires grad is cut into pieces connected to it through autograd
+(:class:`Upstream`); every other tensor of the batch into aliases with version counters of
+their own, whose in-place writes pass back to the caller's batch (:class:`InputWrites`).
 """
 
 from __future__ import annotations
@@ -47,9 +25,7 @@ def shard_leaves(
     """The batch's leaves, its structure, the tensor leaves ``keep`` selects, and each shard's leaves.
 
     ``None`` when no leaf is kept, or when a shard's structure is not the batch's (an
-    overridden scatter with its own structure: its shards run as they are). The one walk
-    both :class:`Upstream` and :class:`InputWrites` replace
-    shard leaves by.
+    overridden scatter with its own structure: its shards run as they are).
     """
     leaves, spec = flatten(batch)
     keys = [k for k, x in enumerate(leaves) if isinstance(x, torch.Tensor) and keep(x)]
@@ -63,6 +39,11 @@ def shard_leaves(
 
 class Upstream:
     """The differentiable inputs of one step and each shard's own piece of them.
+
+    Each piece stays connected to its input through autograd (a differentiable split and
+    copy), so a gradient of a gradient still reaches the input; the pieces' gradients,
+    concatenated on the input's device, are handed to the input by torch's engine once, so
+    the caller's graph in front of the wrapper is walked once, as for the plain module.
 
     Args:
         batch: The step's whole input (any nest), as given to the wrapper.
@@ -136,8 +117,12 @@ class InputWrites:
 
     After construction :attr:`shards` holds the shards to run: the same, except that a
     tensor sharing the caller's version counter (a view on the batch's device) is replaced
-    by an alias with a counter of its own. An input that requires grad is left to
-    :class:`Upstream`, which gives each replica a copy.
+    by an alias with a counter of its own. Views share their base's counter: a model that
+    wrote into its input in place (``x.div_(255)``) moved every other replica's version,
+    and those that saved theirs for backward failed with torch's "modified by an inplace
+    operation", intermittently, as the threads interleaved. The alias's write still lands
+    in the caller's batch; :meth:`pass_back` moves the caller's version as the plain
+    module's write does. An input that requires grad is left to :class:`Upstream`.
     """
 
     def __init__(self, batch: Any, shards: Sequence[Any], sizes: Sequence[int], dim: int) -> None:

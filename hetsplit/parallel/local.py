@@ -11,7 +11,7 @@ from torch import nn
 
 from ..devices import Device
 from .grads import add_into
-from .micro import MemoryLog, cut
+from .micro import MemoryLog, Step
 from .outputs import ScalarPolicy, check_policy, check_sums
 
 LossFn = Callable[..., torch.Tensor]
@@ -91,25 +91,15 @@ def _run_pieces(
     return losses, total if total is not None else []
 
 
-def local_fns(
-    replicas: Sequence[nn.Module],
-    shards: Sequence[Any],
-    micro: Sequence[Sequence[int]],
-    active: Sequence[int],
-    devices: Sequence[Device],
-    log: MemoryLog,
-    dim: int,
-) -> tuple[list[list[Any]], _Make]:
-    """The micro-shards of each active device, and a maker of its work given each micro-batch's weight.
+def local_fns(replicas: Sequence[nn.Module], step: Step, log: MemoryLog, dim: int) -> _Make:
+    """A maker of each active device's work on its micro-shards (``step.pieces``), given each micro-batch's weight.
 
     Returns:
-        ``(pieces, make)``: ``pieces[j]`` are device ``j``'s micro-batches
-        ``((args, kwargs), target)``; ``make(weights, loss_fn, has_target, captures, refuse_sums)``
-        gives one callable per device (``weights`` flat, one per micro-batch in order;
-        ``captures`` one per device, see :func:`_run_pieces`; ``refuse_sums``: the default
-        weighting), returning its losses and gradients.
+        ``make(weights, loss_fn, has_target, captures, refuse_sums)``: one callable per
+        device (``weights`` flat, one per micro-batch in order; ``captures`` one per device,
+        see :func:`_run_pieces`; ``refuse_sums``: the default weighting), returning its
+        losses and gradients. A micro-shard is ``((args, kwargs), target)``.
     """
-    pieces = [cut(shard, sizes, devices[i], dim) for shard, sizes, i in zip(shards, micro, active)]
 
     def make(
         weights: Sequence[float], loss_fn: LossFn, has_target: bool, captures: Sequence[_Capture], refuse_sums: bool
@@ -118,10 +108,10 @@ def local_fns(
         sums = dim if refuse_sums and len(weights) > 1 else None  # one piece: its weight is 1 either way
         fns: list[Callable[[], Any]] = []
         pos = 0
-        for r, parts, sizes, i, c in zip(replicas, pieces, micro, active, captures):
+        for r, parts, sizes, i, dev, c in zip(replicas, step.pieces, step.micro, step.active, step.devices, captures):
             ws = list(weights[pos : pos + len(parts)])
             pos += len(parts)
-            fns.append(functools.partial(_run_pieces, r, parts, sizes, ws, i, devices[i], log, loss_of, c, sums))
+            fns.append(functools.partial(_run_pieces, r, parts, sizes, ws, i, dev, log, loss_of, c, sums))
         return fns
 
-    return pieces, make
+    return make

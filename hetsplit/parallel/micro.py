@@ -1,14 +1,9 @@
 """Micro-batches in one process: a device's shard run as micro-batches in its worker, and recovery from out of memory.
 
-A device whose plan lists several micro-batches (``plan.micro_batches``) runs them one
-after another in its own worker thread. In local-loss mode each micro-batch does its
-forward, weighted loss and backward before the next starts, so the device holds one
-micro-batch's activations. In gather mode the outputs must all exist before the loss;
-each micro-batch's forward then runs under activation checkpointing (only its inputs
-and outputs are kept) and is recomputed, one micro-batch at a time, during backward.
-Every forward passes :meth:`~hetsplit.devices.Device.check_batch` first (an emulated
-memory raises there) and records the sizes that ran, which :class:`MemoryLog` turns
-into a lower cap when a device runs out of memory.
+How each mode runs them (local-loss: forward, loss and backward per micro-batch; gather:
+checkpointed forwards, recomputed in backward): docs/memory.md. Every forward passes
+:meth:`~hetsplit.devices.Device.check_batch` first and records the sizes that ran, which
+:class:`MemoryLog` turns into a lower cap when a device runs out of memory.
 """
 
 from __future__ import annotations
@@ -117,9 +112,9 @@ class MemoryLog:
                 self.ran[i] = max(size, self.ran.get(i, 0))
 
 
-def cut(shard: Any, sizes: Sequence[int], device: Device, dim: int) -> list[Any]:
-    """``shard`` (already on ``device``) cut into micro-batches of ``sizes`` along ``dim`` (views)."""
-    return split_rows(shard, sizes, dim=dim) if len(sizes) > 1 else [shard]
+def cut(shards: Sequence[Any], micro: Sequence[Sequence[int]], dim: int) -> list[list[Any]]:
+    """Each active device's shard cut into its micro-batches along ``dim`` (views; one micro-batch: the shard)."""
+    return [split_rows(shard, sizes, dim=dim) if len(sizes) > 1 else [shard] for shard, sizes in zip(shards, micro)]
 
 
 def _generator_state(device: torch.device) -> torch.Tensor:
@@ -171,26 +166,13 @@ def _forward_pieces(
     return outs
 
 
-def forward_fns(
-    replicas: Sequence[nn.Module],
-    shards: Sequence[Shard],
-    micro: Sequence[Sequence[int]],
-    active: Sequence[int],
-    devices: Sequence[Device],
-    log: MemoryLog,
-    dim: int,
-) -> tuple[list[Callable[[], list[Any]]], list[list[Shard]]]:
-    """Per active device, the work of its forward (a list of outputs, one per micro-batch) and its micro-shards."""
-    fns: list[Callable[[], list[Any]]] = []
-    pieces: list[list[Shard]] = []
-    generators = [_generator_key(devices[i].torch_device) for i in active]
-    for r, shard, sizes, i, key in zip(replicas, shards, micro, active, generators):
-        dev = devices[i]
-        parts = cut(shard, sizes, dev, dim)
-        pieces.append(parts)
-        shared = generators.count(key) > 1
-        fns.append(functools.partial(_forward_pieces, r, parts, sizes, i, dev, log, shared=shared))
-    return fns, pieces
+def forward_fns(replicas: Sequence[nn.Module], step: Step, log: MemoryLog) -> list[Callable[[], list[Any]]]:
+    """Per active device, the work of its forward on its micro-shards (``step.pieces``): one output per micro-batch."""
+    keys = [_generator_key(d.torch_device) for d in step.devices]
+    return [
+        functools.partial(_forward_pieces, r, parts, sizes, i, dev, log, shared=keys.count(key) > 1)
+        for r, parts, sizes, i, dev, key in zip(replicas, step.pieces, step.micro, step.active, step.devices, keys)
+    ]
 
 
 def _generator_key(device: torch.device) -> tuple[str, int]:

@@ -23,24 +23,25 @@ class _Timed(Protocol):
 class PayCheck:
     """Whether the split pays: each step's measured time against its fastest device alone, predicted.
 
-    The wrapper times each split step from the start of its forward to the end of its
-    backward (:attr:`clock`), and each device's busy time in it. The fastest device alone
-    is not run: its time for the whole batch is predicted from its busy time on its share,
-    scaled by its curve (the plan's, when it has them) from its share to the batch, else
-    in proportion. After :attr:`WARMUP` steps of a plan, its next :attr:`STEPS` decide,
-    once: when the median predicted time alone is shorter than the median step by more
-    than the steps' own noise (half the interquartile range over the median, of the step
-    times and of the predictions, the larger) and more than :attr:`MARGIN`, one line says
-    so (:meth:`take`), and nothing more is said. The prediction leaves out what a step
-    alone still spends beyond its device's work (the loss, the output's copy), which is
-    small beside a model's compute; on a GPU the step ends when the host has queued its
-    backward, so a split step can look shorter than it was, never longer: in doubt the
-    check stays quiet.
+    Each split step is timed from the start of its forward to the end of its backward
+    (:attr:`clock`), with each device's busy time in it. The fastest device alone is not
+    run: its time for the whole batch is predicted from its busy time on its share
+    (:func:`alone_times`). After :attr:`WARMUP` steps of a plan its next :attr:`STEPS`
+    decide, once (:func:`unpaid_line`). The prediction leaves out what a step alone still
+    spends beyond its device's work (the loss, the output's copy), and on a GPU a step ends
+    when the host has queued its backward: a split step can look shorter than it was,
+    never longer, so in doubt the check stays quiet.
 
     Args:
         who: Who speaks, at the start of the line.
         clock: Seconds from a fixed point (default ``time.perf_counter``, looked up at each
             call); a test sets its own.
+
+    Attributes:
+        said: Whether the line was said (nothing more is read).
+        unread: Ended steps not yet read (:meth:`take` has work only while there are some).
+        settled: The last plan whose steps decided: a caller need not time its steps (nor
+            call :meth:`start`, :meth:`end`) again.
     """
 
     WARMUP = 1  # a plan's first steps (allocations, lazy initialisation): not timed
@@ -52,7 +53,8 @@ class PayCheck:
         self.who, self.clock = who, clock
         self.said = False
         self._started: tuple[object, float] | None = None
-        self._unread: deque[tuple[Plan, float, Mapping[str, Sequence[_Timed]]]] = deque()
+        self.unread: deque[tuple[Plan, float, Mapping[str, Sequence[_Timed]]]] = deque()
+        self.settled: Plan | None = None
         self._seen: dict[tuple[int, ...], list[tuple[float, dict[str, float]]]] = {}
         self._done: set[tuple[int, ...]] = set()
 
@@ -73,15 +75,16 @@ class PayCheck:
         if self.said or started is None or started[0] is not step or not laps:
             return
         if len(set(plan.devices)) != len(plan.devices):  # one device twice: its laps are summed under one name
+            self.settled = plan  # never read
             return
-        self._unread.append((plan, self._now() - started[1], laps))
+        self.unread.append((plan, self._now() - started[1], laps))
 
     def take(self) -> str | None:
         """The line saying that the split does not pay, once, when the steps read now show it; else ``None``."""
         while (
-            not self.said and self._unread and all(lap.ready() for laps in self._unread[0][2].values() for lap in laps)
+            not self.said and self.unread and all(lap.ready() for laps in self.unread[0][2].values() for lap in laps)
         ):
-            plan, wall, laps = self._unread.popleft()
+            plan, wall, laps = self.unread.popleft()
             key = (plan.batch_size, *plan.sizes)
             if key in self._done:
                 continue
@@ -93,10 +96,11 @@ class PayCheck:
                 continue
             self._done.add(key)
             del self._seen[key]
+            self.settled = plan  # its steps still unread are passed over (_done)
             line = unpaid_line(self.who, plan, steps[self.WARMUP :], self.MARGIN)
             if line is not None:
                 self.said = True
-                self._unread.clear()
+                self.unread.clear()
                 self._seen.clear()
                 return line
         return None
@@ -125,6 +129,10 @@ def alone_times(plan: Plan, busy: Mapping[str, float]) -> dict[str, float]:
 
 def unpaid_line(who: str, plan: Plan, steps: Sequence[tuple[float, Mapping[str, float]]], margin: float) -> str | None:
     """One line when the fastest device alone beats the measured steps of ``plan`` beyond their noise, else ``None``.
+
+    Beyond: the median predicted time alone is shorter than the median step by more than
+    the steps' noise (half the interquartile range over the median, of the step times and
+    of the predictions, the larger) and more than ``margin``.
 
     Args:
         who: Who speaks, at the start of the line.

@@ -1,24 +1,12 @@
 """Replicas: the module on each device for one step, its parameters taken through autograd, its buffers merged back.
 
-Each step builds the replicas afresh, as ``torch.nn.parallel.replicate`` does: shallow
-copies of every submodule (``_replicate_for_data_parallel``, so a class's own rule, an
-RNN's weight list say, is kept) that share the module's hook dictionaries and
-attributes, so a hook or attribute set at any time is seen by the next step. In a
-``HeteroDataParallel`` step a replica's parameters are leaves of its own (sharing the
-module's storage on its device, copies on another): the engine captures each replica's
-gradient there and hands the sum to the module's parameters through autograd (hooks,
-``autograd.grad``), never by writing ``.grad`` behind autograd's back. Replicas built on
-their own (:func:`replicate`, and a backward that builds a graph of the gradients) take
-their parameters from the module's *through autograd* instead: an alias or a
-differentiable copy, so a loss on them back-propagates into the module.
-
-A compiled module (``torch.compile(module)``, ``module.compile()``) is compiled again on
-each replica (see :mod:`hetsplit.parallel.compiled`), and a step whose forward wrote
-into a parameter is refused (:meth:`_Replicator.check_unwritten`).
-
-Buffers are each replica's own copies, taken afresh every step, so replicas running at
-once never write into one another's (BatchNorm updates its statistics in place) and a
-graph that saved a copy (two forwards before one backward) keeps the values it saved.
+Built afresh each step, as ``torch.nn.parallel.replicate`` does: shallow copies of every
+submodule (``_replicate_for_data_parallel``, so a class's own rule is kept) sharing the
+module's hooks and attributes. In a ``HeteroDataParallel`` step a replica's parameters are
+leaves of its own, whose gradients the engine hands to the module's through autograd;
+replicas built on their own (:func:`replicate`) take their parameters from the module's
+through autograd. Buffers are each replica's own copies, taken afresh every step, so
+replicas running at once never write into one another's.
 """
 
 from __future__ import annotations

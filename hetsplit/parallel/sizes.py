@@ -36,19 +36,14 @@ def split_sizes(
 ) -> list[int]:
     """The per-device sizes :func:`balanced_split` uses for a batch of ``batch`` samples.
 
-    Sources, in order (see :func:`hetsplit.planning.sizes.resolve_plan`): a :class:`Plan`
-    (its sizes, which must match the batch) or a :class:`Profile` (solved for this
-    batch); ``weights`` (relative throughputs, largest-remainder rounding); else the
-    newest stored profile covering the devices; else a quick built-in calibration.
-
-    Devices may repeat (several replicas on one device); each copy gets its own share.
+    The sources and their order are :func:`~hetsplit.planning.sizes.resolve_plan`'s, with the
+    newest stored profile of the devices (else a quick calibration) as its fallback. A
+    device listed twice gets a share for each copy.
 
     Raises:
         TypeError: If ``profile`` is neither a :class:`Profile` nor a :class:`Plan` (a
             file name, say), or ``weights`` is not a list of numbers (``"41"``).
-        ValueError: If ``weights`` has the wrong length or invalid values, both weights
-            and a profile are given, a plan does not match the devices or batch, or a
-            profile lacks some of the devices.
+        ValueError: As :func:`~hetsplit.planning.sizes.resolve_plan`.
     """
     devs = parse_devices(devices)
     check_source("profile", profile, (Profile, Plan))  # a Plan too: balanced_split follows one
@@ -108,6 +103,9 @@ class BatchPlans:
     Attributes:
         caps: Memory caps learned from out-of-memory errors, by device name; every plan
             handed out respects them.
+        current: The plan :meth:`for_batch` handed out last. While :attr:`minimum` is 1 it
+            is what ``for_batch(current.batch_size)`` would hand out again, so a step of that
+            size need not ask.
     """
 
     def __init__(
@@ -184,12 +182,9 @@ class BatchPlans:
     def for_batch(self, batch: int) -> Plan:
         """The plan for a batch of ``batch`` samples, which becomes :attr:`current`.
 
-        The given plan serves its own batch size; any other size is solved from the
-        profile (the rebalancer's corrected one once it has learned, else the given one),
-        else split in proportion to the weights; with neither, a plan given for another
-        size is an error (naming ``profile=`` and ``weights=``), and with nothing given at
-        all the stored profile of these devices (or a quick calibration) is found once and
-        solved for every size.
+        Made once per size (:func:`~hetsplit.planning.sizes.resolve_plan`'s order; the
+        rebalancer's corrected profile once it has learned; with nothing given, the stored
+        profile of these devices or a quick calibration, found once for every size).
         """
         plan = self.by_batch.get(batch)
         if plan is None:

@@ -26,16 +26,10 @@ __all__ = [
     "solve",
 ]
 
-# Names removed before the first release, and what replaces each: their AttributeError says so.
+# Documented names removed before the first release, and what replaces each: their AttributeError says so.
 _REMOVED = {
-    "even_sizes": "[len(p) for p in torch.arange(batch).tensor_split(n)], or "
-    "hetsplit.planning.plan_from_sizes(None, devices, sizes) for a plan of them",
     "DeviceProfile": "hetsplit.planning.records.DeviceProfile (a Profile's entries: profile.entry(device))",
-    "Curve": "hetsplit.planning.curve.Curve (a device's curve: profile.entry(device).curve)",
-    "Measurement": "hetsplit.planning.records.Measurement",
-    "latest_profile": "hetsplit.planning.profile.latest_profile",
     "resolve_plan": "hetsplit.planning.plan_from_sizes(None, devices, sizes), or hetsplit.solve(profile, batch_size)",
-    "allreduce_time": "the command 'hetsplit plan PROFILE --use ...', which predicts the step with its all-reduce",
 }
 
 

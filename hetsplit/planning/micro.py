@@ -1,18 +1,10 @@
 """Micro-batches: a device's time for a share run as near-equal micro-batches under its memory cap.
 
-With gradient accumulation a device with a memory cap ``c`` can still take ``b > c``
-samples: it runs them as ``k >= ceil(b / c)`` micro-batches one after another. Sizes
-differ by at most one (``b = q k + r``: ``r`` of ``q + 1`` and ``k - r`` of ``q``), so
-the device's time is ``T(b) = min_k (k - r) t(q) + r t(q + 1)``. :class:`MicroTable`
-evaluates and inverts ``T`` for many devices at once, exactly, so the solver's min-max
-over it stays exact; a device without a cap runs its share as one batch (``T = t``).
-
-Why a handful of candidate ``k`` suffice: ``t`` is piecewise linear, so while both
-micro sizes ``q`` and ``q + 1`` lie on one linear piece ``t(x) = a + s x``, the time is
-``k a + s b`` (linear in ``k``) and the capacity ``floor((T - k a) / s)`` (linear in
-``k`` under the floor). The optimum over ``k`` is then at the end of such a run: where
-the micro size crosses a knot, reaches the cap, or reaches 1. Those ends are computed
-per device from its knots, and the minimum (or maximum) taken over them.
+A device with a memory cap ``c`` runs ``b > c`` samples as ``k >= ceil(b / c)``
+micro-batches differing by at most one (``b = q k + r``), in time
+``T(b) = min_k (k - r) t(q) + r t(q + 1)``. :class:`MicroTable` evaluates and inverts ``T``
+for many devices at once, exactly, so the solver's min-max stays exact; why a handful of
+candidate ``k`` per device suffice (the ends of ``t``'s linear pieces): docs/how-it-works.md.
 """
 
 from __future__ import annotations

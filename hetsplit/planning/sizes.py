@@ -417,6 +417,17 @@ def scaled_plan(plan: Plan, batch: int, devices: Sequence[DeviceLike] | None = N
     return resolve_plan(batch, names, weights=plan.sizes)
 
 
+def even_plan(batch: int, devices: Sequence[DeviceLike]) -> Plan:
+    """The even split of ``batch`` samples over ``devices`` (:func:`~hetsplit.planning.plan.even_sizes`), no times.
+
+    What an engine follows before it has a plan (an evaluation loader prepared first).
+
+    Raises:
+        ValueError: If ``batch`` is not a positive number of samples.
+    """
+    return resolve_plan(batch, devices, weights=[1.0] * len(devices))
+
+
 def priced_stand_ins(plan: Plan, prof: Profile | None, stand_in: int) -> Plan:
     """``plan`` with each zero share's predicted time: its rank runs ``stand_in`` samples weighted 0.
 

@@ -28,8 +28,7 @@ from hetsplit.distributed.comm_hooks import WeightingState
 from hetsplit.distributed.sampler import HeteroDistributedSampler
 from hetsplit.distributed.setup import ENV_DEVICES
 from hetsplit.planning import Plan, plan_from_sizes
-from hetsplit.planning.plan import sizes_from_weights
-from hetsplit.planning.sizes import scaled_plan
+from hetsplit.planning.sizes import even_plan, scaled_plan
 from hetsplit.tree import samples_in
 
 from .. import core
@@ -302,7 +301,7 @@ class HeteroStrategy(ParallelStrategy):
         """Shares of an evaluation batch of ``total`` in the plan's proportions (even without a plan)."""
         plan = self.plan
         if plan is None:
-            return plan_from_sizes(None, self._labels, sizes_from_weights(total, [1] * self.world_size))
+            return even_plan(total, self._labels)
         return scaled_plan(plan, total, self._labels)
 
     def _step_sampler(self) -> HeteroDistributedSampler | None:
