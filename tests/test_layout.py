@@ -243,8 +243,8 @@ def test_the_public_names_are_one_list():
     assert hetsplit.__all__ == ["__version__", *hetsplit._PUBLIC]
 
 
-# One step of HeteroDataParallel in a fresh process (the package's worker threads start there,
-# under the profiler): the hetsplit modules the second step enters, the first having set up.
+# The first two steps of HeteroDataParallel in a fresh process (the package's worker threads start
+# there, under the profiler): the hetsplit modules they enter, the first making its batch size's plan.
 _TRACE = """
 import json, sys, threading
 import torch, torch.nn.functional as F
@@ -262,7 +262,7 @@ torch.manual_seed(0)
 net = torch.nn.Sequential(torch.nn.Linear(5, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
 dp = hetsplit.HeteroDataParallel(net, ["cpu", "cpu@0.5"], weights=[2, 1])
 x, y = torch.randn(12, 5), torch.randint(0, 3, (12,))
-for on[0] in (False, True):
+for on[0] in (True, True):
     F.cross_entropy(dp(x), y).backward()
 on[0] = False
 sys.setprofile(None)
