@@ -113,21 +113,11 @@ class DeviceSteps:
         model: The model the steps train (a copy of the user's, or a sharded model in place).
         dev: The device.
         sample, target, loss_fn: As for :func:`profile`; a batch of ``b`` takes ``b`` rows, cycled.
-        timer: Times a step's compute (``timer.step()``; the sharded profile's leaves out the
-            waits in its collectives); default: :func:`hetsplit.timing.lap`.
     """
 
-    def __init__(
-        self,
-        model: nn.Module,
-        dev: Device,
-        sample: Any,
-        target: Any,
-        loss_fn: LossFn | None,
-        timer: timing.StepTimer | None = None,
-    ) -> None:
+    def __init__(self, model: nn.Module, dev: Device, sample: Any, target: Any, loss_fn: LossFn | None) -> None:
         self.model, self.dev, self.sample, self.target, self.loss_fn = model, dev, sample, target, loss_fn
-        self.timer = timer
+        self.timer: timing.StepTimer | None = None  # None: timing.lap (the sharded profile sets its own)
         self.times: dict[int, list[float]] = {}  # the timed steps of each batch size
         self.peaks: dict[int, int] = {}  # CUDA: peak bytes allocated by a step of each batch size
         self.cap: int | None = None  # the largest batch that fits (None: no limit found)
