@@ -65,7 +65,7 @@ def profile_sharded(
             is measured.
         group: The process group (default: the world).
         **settings: :func:`hetsplit.profile`'s, with its defaults (``batch_sizes``, ``target``,
-            ``repeats``, ``time_budget``, ...; ``progress`` is ignored).
+            ``repeats``, ``time_budget``: the whole profile's, ...; ``progress`` is ignored).
 
     Raises:
         ValueError: On bad settings, before any device work (the same on every rank).
