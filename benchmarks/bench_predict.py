@@ -292,8 +292,7 @@ def run_threads(work: Workload, devices: str, args: argparse.Namespace) -> dict[
     """One configuration on the thread engine, predicted as ``hetsplit bench`` predicts its balanced step."""
     from hetsplit import HeteroDataParallel, timing
     from hetsplit import profile as run_profile
-    from hetsplit.apps.bench import home_device
-    from hetsplit.apps.bench import calibrate_plan, time_steps
+    from hetsplit.apps.bench import calibrate_plan, home_device, time_steps
     from hetsplit.devices import parse_devices
     from hetsplit.planning.sizes import batchnorm_minimum, model_call, with_minimum_shares
     from hetsplit.planning.solver import solve

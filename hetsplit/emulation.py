@@ -127,7 +127,10 @@ def release_after_oom(devices: Iterable[_Placed]) -> None:
 
 def current_speed(device: _Emulated) -> float:
     """The speed factor in force now for ``device`` (1.0 for a real device)."""
-    return _SPEED_OVERRIDES.get(device.name, device.speed) if device.emulated else 1.0
+    if not device.emulated:
+        return 1.0
+    # Asked at every throttled step: the name is spelled out only when some speed was changed.
+    return _SPEED_OVERRIDES.get(device.name, device.speed) if _SPEED_OVERRIDES else device.speed
 
 
 def set_speed(device: _Emulated, speed: float | None) -> None:

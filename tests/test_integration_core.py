@@ -377,3 +377,20 @@ def test_a_profile_file_name_is_refused_with_the_way_to_load_it_in_every_integra
     # The one source check (planning.sizes.check_source): the integrations used to lose its hint.
     with pytest.raises(TypeError, match=r"HeteroTrainer\(profile=...\) must be a hetsplit Profile.*Profile\.load"):
         options.HeteroOptions(profile="cpu.json").check("HeteroTrainer")
+
+
+def test_what_rebalancing_may_move_is_one_rule_for_the_integrations_and_torchrun():
+    from hetsplit.planning.rebalance import rebalanced_caps
+
+    whole = plan_from_sizes(None, ["rank0", "rank1"], [6, 2])
+    assert rebalanced_caps(whole, None) is None  # whole shares move whole
+    core.check_plan("HeteroTrainer", whole, 2, rebalance=3)
+    # A plan with micro-batches: the integrations refuse it (they do not follow re-cut micro-batches mid-run),
+    # hetsplit.distributed re-solves with them only where every split share's memory cap is known.
+    with pytest.raises(ValueError, match=r"^HeteroTrainer\(rebalance=3\) with a plan with micro-batches"):
+        core.check_plan("HeteroTrainer", MICRO, 2, rebalance=3)
+    with pytest.raises(ValueError, match=r"knows no memory cap for them"):
+        rebalanced_caps(MICRO, None)
+    # The plan against the world, one message wherever it is checked.
+    with pytest.raises(ValueError, match=r"^HeteroAccelerator\(plan=...\) has 2 shares \[6, 2\] but 3 processes run"):
+        core.check_plan("HeteroAccelerator", whole, 3)

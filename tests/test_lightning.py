@@ -319,6 +319,38 @@ def _job(out: Path) -> None:
     with contextlib.redirect_stdout(io.StringIO()) as said:
         trainer(HeteroDDPStrategy(devices="cpu,cpu@1", plan=two), max_epochs=2).fit(Net(), *loaders())
     res["report"] = [line for line in said.getvalue().splitlines() if line.startswith("hetsplit:")]
+    # The package's files one training step enters (hooks, training_step, backward, optimizer step), traced
+    # after warm-up (the second epoch's second step): per-step questions are answered at setup, not here.
+    package = str(Path(hetsplit.__file__).parent)
+
+    class StepFiles(L.Callback):
+        def __init__(self) -> None:
+            self.files: set[str] = set()
+
+        def _enter(self, frame, event, arg) -> None:
+            if event == "call" and frame.f_code.co_filename.startswith(package):
+                self.files.add(os.path.relpath(frame.f_code.co_filename, package))
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if trainer.current_epoch == 1 and batch_idx == 1:
+                sys.setprofile(self._enter)
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            sys.setprofile(None)
+
+    class Plain(Net):  # without Net's own questions to the sampler
+        def training_step(self, batch, batch_idx):
+            _, x, y = batch
+            loss = F.mse_loss(self(x), y)
+            self.log("train_loss", loss, sync_dist=True)
+            return loss
+
+    L.seed_everything(0)
+    traced = StepFiles()
+    trainer(HeteroDDPStrategy(devices="cpu,cpu@1", plan=two, quiet=True), max_epochs=2, callbacks=[traced]).fit(
+        Plain(), loaders()[0]
+    )
+    res["step_files"] = sorted(traced.files)
     # Micro-batched shares within emulated memory caps (a forward on more samples runs out of memory).
     mlp = lambda: torch.nn.Sequential(
         torch.nn.Linear(3, 16), torch.nn.Dropout(0.5), torch.nn.Tanh(), torch.nn.Linear(16, 1)
@@ -468,6 +500,12 @@ def test_the_split_is_said_once_and_the_measured_step_leaves_out_warm_up_and_epo
     assert len(lines) == 2 and "HeteroDDPStrategy: global batch 8 split rank0:cpu 6 (75%" in lines[0], lines
     assert "measured step" in lines[1] and "(median of 3 after 1 warm-up, rank 0, start to start)" in lines[1], lines
     assert job[1]["report"] == [], job[1]["report"]
+
+
+def test_a_training_step_enters_at_most_ten_of_the_package_files(job):
+    # rank 0 runs on "cpu", rank 1 on an emulated "cpu@1" (its throttle enters hetsplit.emulation too).
+    for r in job:
+        assert r["step_files"] and len(r["step_files"]) <= 10, r["step_files"]
 
 
 def test_checkpoint_resumes_for_a_second_epoch(job):

@@ -12,7 +12,7 @@ from torch import nn
 
 from ..devices import Device, DeviceLike, label_device, parse_device
 from ..planning.plan import Plan
-from ..planning.rebalance import PlanChange, Rebalancer
+from ..planning.rebalance import PlanChange, Rebalancer, rebalanced_caps
 from ..planning.solver import plan_from_sizes
 from ..timing import Lap, PausableLap, StepTimer, exposed
 from ._group import all_gather, group_info, guard, verify_plan
@@ -79,25 +79,7 @@ class DistributedRebalancer:
             )
         self.rebalancer = rebalancer if rebalancer is not None else Rebalancer()
         self.rebalancer.stand_in = STAND_IN  # a rank with no share runs these (hetsplit.distributed.zero_share)
-        split = [r for r, parts in enumerate(plan.micro_batches) if len(parts) > 1]
-        if split:
-            # A plan run as micro-batches (a memory cap) is re-solved with them: one re-solved
-            # without would hand a capped rank a share it cannot hold, mid-training. That
-            # needs the caps: the profile's, else those of the curves the plan was solved from
-            # (which the rebalancer starts from: Rebalancer._make_entry).
-            profile = self.rebalancer.profile
-            if profile is not None:
-                caps = profile.memory_caps()
-            else:
-                caps = {d: c.memory_cap for d, c in zip(plan.devices, plan.curves) if c.intercept > 0}
-            blind = [plan.devices[r] for r in split if caps.get(plan.devices[r]) is None]
-            if blind:
-                raise ValueError(
-                    f"the plan runs the shares of {blind} as micro-batches {[plan.micro_batches[r] for r in split]}, "
-                    "but the rebalancer knows no memory cap for them and would hand them whole shares: give it "
-                    "the profile the plan was solved from (hetsplit.Rebalancer(profile)), or a plan without "
-                    "micro-batches"
-                )
+        if rebalanced_caps(plan, self.rebalancer.profile) is not None:  # what rebalancing may move: one rule
             self.rebalancer.accumulate = True  # as HeteroDataParallel sets it from its own
         self.sampler, self.gradients, self.group = sampler, gradients, group
         self.device = parse_device(device) if device is not None else _device_from_label(plan.devices[self.rank])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, ClassVar
@@ -19,20 +20,18 @@ from hetsplit.devices import Device, device_name, parse_device, rank_label
 from hetsplit.distributed.comm_hooks import WeightingState
 from hetsplit.distributed.dtypes import verify_dtypes
 from hetsplit.distributed.sharded import kind
-from hetsplit.planning import Plan, Profile, Rebalancer
-from hetsplit.planning.sizes import even_plan, scaled_plan
+from hetsplit.planning import Plan
 from hetsplit.tree import tree_map
 
 from . import core
 from .accelerate_checks import (
     check_arguments,
     check_even_batches,
-    check_whole_shares,
     shard_on_cpu,
     wants_fsdp2,
 )
 from .collectives import all_tensors, first_rows, uneven_gather, weighted_reduce
-from .core import is_cpu_job, launched_world, throttle, throttle_forward
+from .core import is_cpu_job, launched_world, throttle_forward
 from .loaders import carried_settings, check_loader, rebuilt_loader
 from .options import HeteroOptions
 from .shares_loader import SharesLoader, load_epochs, save_epochs, shuffle_seed
@@ -42,23 +41,16 @@ from .shares_loader import SharesLoader, load_epochs, save_epochs, shuffle_seed
 class HeteroAccelerator(accelerate.Accelerator):  # type: ignore[misc]
     """``accelerate.Accelerator`` whose prepared loaders give each process its share of one hetsplit plan.
 
-    A one-line change for an accelerate script: ``prepare(model, optimizer, loader)``
-    replaces accelerate's even sharding (``BatchSamplerShard``) with this process's share
-    of every global batch, wraps the model as accelerate does (DDP) and weights its
-    gradients by shard, so an optimizer step equals a full-batch step. The plan is
-    profiled on every process's device at ``prepare`` (each times the model on the
-    first batch; rank 0 solves; :func:`hetsplit.distributed.plan`), or given.
-
-    Semantics kept from accelerate: the global batch is processes × the loader's
-    ``batch_size`` (``split_batches=True``: the loader's ``batch_size``); across
-    processes a last incomplete global batch is completed by wrapping around
-    (``drop_last=False``, ``even_batches``) and :meth:`gather_for_metrics` drops those
-    duplicates, so metrics see every sample once (one process, or ``even_batches=False``
-    with ``weighting="none"``, keeps it short);
-    ``accumulate()`` and ``backward()`` work unchanged and stay exact. :meth:`gather`
-    concatenates uneven shards; :meth:`reduce` with ``"mean"`` weights each process by
-    its samples in the current batch (the mean over the global batch). A plan with
-    micro-batches (``solve(..., accumulate=True)``) is followed with :meth:`micro_batches`.
+    A one-line change for an accelerate script (docs/integrations.md, accelerate):
+    ``prepare(model, optimizer, loader)`` gives each process its share of every global
+    batch instead of accelerate's even sharding, wraps the model as accelerate does (DDP,
+    or FSDP2) and weights its gradients by shard, so an optimizer step equals a full-batch
+    step. The plan is profiled on every process's device at ``prepare``, or given. As
+    with accelerate: the global batch is processes × the loader's ``batch_size`` (its
+    ``batch_size`` with ``split_batches=True``), a last incomplete global batch is completed
+    by wrapping around and :meth:`gather_for_metrics` drops the duplicates; ``accumulate()``
+    and ``backward()`` stay exact. :meth:`gather` and :meth:`reduce` take uneven shards; a
+    plan with micro-batches is followed with :meth:`micro_batches`.
 
     Attributes:
         plan: The plan in force (``None`` until the first loader is prepared without
@@ -69,13 +61,6 @@ class HeteroAccelerator(accelerate.Accelerator):  # type: ignore[misc]
             ``rebalance``, made at the training loader's first batch.
 
     Args:
-        devices: One device per process (``"cuda:0,cpu"``, ``"cpu,cpu@0.25"`` or a list);
-            default ``$HETSPLIT_DEVICES`` (set by ``hetsplit launch``), else accelerate's
-            choice. Emulated devices run at their speed (forward and backward throttled).
-        plan: A :class:`~hetsplit.Plan` with one share per process; else one is made at
-            ``prepare``.
-        profile: This process's :class:`~hetsplit.Profile`, used instead of timing the model.
-        global_batch_size: Samples per step over all processes (default: as accelerate).
         weighting: ``"hook"`` (a DDP comm hook weights every gradient by ``b_r / B``),
             ``"outputs"`` (the gradient into the model's outputs is scaled; no comm hook),
             or ``"none"`` (DDP's plain mean). The first two are exact for a loss that is
@@ -83,23 +68,14 @@ class HeteroAccelerator(accelerate.Accelerator):  # type: ignore[misc]
             language-model loss) would be weighted by samples: normalise it over the
             global batch's tokens yourself (``loss_sum / global_tokens * processes``) and
             use ``"none"``, or use :class:`~hetsplit.transformers.HeteroTrainer`.
-        rebalance: Re-solve the shares every this many steps (0: never), or a
-            :class:`hetsplit.Rebalancer` to set the policy: each batch of the training
-            loader (from its yield to the next) is one step, timed and exchanged
-            (:class:`hetsplit.distributed.DistributedRebalancer`). Not with a plan with
-            micro-batches.
         loss_fn: ``loss_fn(output, target)`` for profiling a ``(input, target, ...)``
             batch; default: ``output.loss`` for dict batches (Hugging Face models), the
             sum of the outputs otherwise.
-        plan_kwargs: Passed to :func:`hetsplit.distributed.plan` (``time_budget``,
-            ``calibrate``, ``batch_sizes``, ``weights``, ``accumulate``), over the defaults
-            ``{"time_budget": 10.0, "calibrate": 4}`` (the same in every integration).
-        quiet: Say nothing about the split (else rank 0 prints the split and its predicted
-            step at the first training step, and the measured step at :meth:`end_training`,
-            or at exit for a script that does not call it; ``HETSPLIT_QUIET=1`` too).
         options: ``devices``, ``plan``, ``profile``, ``global_batch_size``, ``rebalance``,
-            ``plan_kwargs`` and ``quiet`` as one :class:`~hetsplit.integrations.options.HeteroOptions`
-            (not with those keywords).
+            ``plan_kwargs``, ``quiet``: the arguments every integration shares, as keywords
+            or one :class:`~hetsplit.integrations.options.HeteroOptions`. With ``rebalance``
+            each batch of the training loader (from its yield to the next) is one step;
+            the measured step is said at :meth:`end_training` (or at exit).
         **accelerator_kwargs: Passed to ``accelerate.Accelerator``.
 
     Raises:
@@ -127,25 +103,17 @@ class HeteroAccelerator(accelerate.Accelerator):  # type: ignore[misc]
     def __init__(
         self,
         *,
-        devices: str | Sequence[Any] | None = None,
-        plan: Plan | None = None,
-        profile: Profile | None = None,
-        global_batch_size: int | None = None,
         weighting: str = "hook",
-        rebalance: int | Rebalancer = 0,
         loss_fn: Any = None,
-        plan_kwargs: Mapping[str, Any] | None = None,
-        quiet: bool = False,
         options: HeteroOptions | None = None,
         **accelerator_kwargs: Any,
     ) -> None:
         rank, world = launched_world()
-        given = HeteroOptions.given(
-            self.who, options, devices=devices, plan=plan, profile=profile, global_batch_size=global_batch_size,
-            rebalance=rebalance, plan_kwargs=plan_kwargs, quiet=quiet,
-        )  # fmt: skip
+        given = HeteroOptions.take(self.who, options, accelerator_kwargs)
         own_loss = self.loss_weights_micro_batches
-        names = check_arguments(given, weighting, accelerator_kwargs, world, loss_weights_micro_batches=own_loss)
+        names = check_arguments(
+            given, weighting, accelerator_kwargs, world, who=self.who, loss_weights_micro_batches=own_loss
+        )
         self.rank_device: Device | None = None
         if names is not None:
             self.rank_device = parse_device(names[rank])  # this machine must have it
@@ -185,7 +153,8 @@ class HeteroAccelerator(accelerate.Accelerator):  # type: ignore[misc]
         self._weightings: list[WeightingState] = []
         self._adopted: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()  # weighted and throttled
         self._provisional = False  # an FSDP2 plan made before the model was sharded: profiled once it is
-        self.device_names = [rank_label(r, n) for r, n in enumerate(names)] if names is not None else None
+        self.device_names = core.labels(names) if names is not None else None
+        self._throttle = core.throttler(self.rank_device)
         self.report = core.SplitReport(self.who, self.process_index, given.quiet)
         self._pass_batches = 0  # the training loader's batches handed out in this pass
         # accelerate has no end of training but end_training(), which a script may not call:
@@ -275,14 +244,11 @@ class HeteroAccelerator(accelerate.Accelerator):  # type: ignore[misc]
         """
         if not isinstance(plan, Plan):
             raise TypeError(f"plan must be a hetsplit Plan, got {type(plan).__name__}: {plan!r}")
-        if len(plan.sizes) != self.num_processes:
-            raise ValueError(
-                f"the plan has {len(plan.sizes)} shares {list(plan.sizes)} but {self.num_processes} processes run: "
-                "give a plan with one share per process"
-            )
-        if self.weighting == "none" and not self.loss_weights_micro_batches:
-            check_whole_shares(plan, 'HeteroAccelerator(weighting="none")')
-        core.check_rebalance("HeteroAccelerator", plan, self.rebalance)
+        whole = self.weighting == "none" and not self.loss_weights_micro_batches
+        core.check_plan(
+            self.who, plan, self.num_processes, rebalance=self.rebalance,
+            whole_shares=f'{self.who}(weighting="none")' if whole else None,
+        )  # fmt: skip
         if self.rebalancer is not None:
             raise ValueError("set_plan while rebalancing: the rebalancer owns the plan; pass rebalance=0 to set plans")
         self._plan = plan
@@ -301,7 +267,7 @@ class HeteroAccelerator(accelerate.Accelerator):  # type: ignore[misc]
         self._planned_loader = loader
         batch = self._global_batch(loader)
         if self.num_processes == 1:
-            return even_plan(batch, ["rank0"])
+            return core.shares_for(None, batch, _ranks(1))
         given = self._profile is not None or self.plan_kwargs.get("weights") is not None  # nothing to time
         if model is None and self._models:  # prepare(model, optimizer), then the loader: that model
             model = self._models[-1]
@@ -312,7 +278,7 @@ class HeteroAccelerator(accelerate.Accelerator):  # type: ignore[misc]
             # Trainer's order under FSDP2, where profiling the model whole would need each device
             # to hold it): even shares until the model is prepared, profiled then (_adopt).
             self._provisional = True
-            return even_plan(batch, _ranks(self.num_processes))
+            return core.shares_for(None, batch, _ranks(self.num_processes))
         if model is None:
             raise ValueError(
                 "HeteroAccelerator.prepare needs the model to plan the training loader (it is checked for "
@@ -322,12 +288,10 @@ class HeteroAccelerator(accelerate.Accelerator):  # type: ignore[misc]
             model = self.unwrap_model(model)  # the module inside DDP: profiled (and copied) bare
         device = device_name(self.rank_device if self.rank_device is not None else self.device)
         cuda = [self.device] if self.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=cuda):  # drawing the sample shuffles: the run must not see it
-            sample, target, loss_fn = _profiling_inputs(next(iter(loader)), self.loss_fn)
         with core.forwards_unthrottled():  # a model prepared already (FSDP2): the profile throttles its steps
             return core.profiled_plan(
-                "HeteroAccelerator", "the model", model, sample, batch, device=device, profile=self._profile,
-                plan_kwargs=self.plan_kwargs, cuda=cuda, loss_fn=loss_fn, target=target,
+                self.who, "the model", model, loader, batch, device=device, profile=self._profile,
+                plan_kwargs=self.plan_kwargs, cuda=cuda, inputs=lambda b: _profiling_inputs(b, self.loss_fn),
                 hint="it calls model(**batch).loss for a dict batch and loss_fn(model(batch[0]), batch[1]) for a "
                 "tuple: pass loss_fn=, or plan= (or profile=) to skip profiling",
             )  # fmt: skip
@@ -339,7 +303,7 @@ class HeteroAccelerator(accelerate.Accelerator):  # type: ignore[misc]
         if self._planned_loader is None:  # a given plan: it is for the first loader prepared
             self._planned_loader = loader
         batch = self._global_batch(loader) if loader is not self._planned_loader else plan.batch_size
-        return plan if batch == plan.batch_size else scaled_plan(plan, batch, _ranks(self.num_processes))
+        return core.shares_for(plan, batch, _ranks(self.num_processes))
 
     def prepare_data_loader(
         self, data_loader: DataLoader[Any], device_placement: Any = None, slice_fn_for_dispatch: Any = None
@@ -352,31 +316,24 @@ class HeteroAccelerator(accelerate.Accelerator):  # type: ignore[misc]
             check_even_batches(self.weighting)
         if self._plan is None:  # called directly rather than through prepare()
             self.set_plan(self._make_plan(self.model_to_profile, data_loader))
-        plan = self._loader_plan(data_loader)
-        carried = carried_settings(data_loader)
-        seed = shuffle_seed(data_loader, self.dataloader_config.data_seed, self.num_processes)
-        inner = rebuilt_loader(
+        placement = self.device_placement if device_placement is None else device_placement
+        loader = rebuilt_loader(
             data_loader,
-            plan,
+            self._loader_plan(data_loader),
             shuffle=isinstance(data_loader.sampler, RandomSampler),
-            seed=seed,
+            seed=shuffle_seed(data_loader, self.dataloader_config.data_seed, self.num_processes),
             # accelerate completes a last short global batch by wrapping around (even_batches) only
             # across processes: one process, or even_batches=False, keeps it short, every sample once.
             pad=self.num_processes > 1 and self.even_batches,
             num_replicas=self.num_processes,
             rank=self.process_index,
             zero_share=self.zero_share,
-        )
-        placement = self.device_placement if device_placement is None else device_placement
-        loader = SharesLoader(
-            inner.dataset,
-            device=self.device if placement else None,
-            batch_sampler=inner.batch_sampler,
-            collate_fn=inner.collate_fn,
-            _drop_last=data_loader.drop_last,
-            _non_blocking=self.non_blocking,
-            **carried,
-        )
+            make=functools.partial(
+                SharesLoader, device=self.device if placement else None, _drop_last=data_loader.drop_last,
+                _non_blocking=self.non_blocking,
+            ),
+        )  # fmt: skip
+        assert isinstance(loader, SharesLoader)
         loader._is_accelerate_prepared = True
         if data_loader is self._planned_loader:
             self._planned_shares = loader
@@ -495,9 +452,7 @@ class HeteroAccelerator(accelerate.Accelerator):  # type: ignore[misc]
         for loader in self._dataloaders:
             if isinstance(loader, SharesLoader):
                 sampler = loader.batch_sampler
-                n = sampler.batch_size
-                new = plan if n == plan.batch_size else scaled_plan(plan, n, _ranks(self.num_processes))
-                sampler.set_plan(new, sampler.yielded)
+                sampler.set_plan(core.shares_for(plan, sampler.batch_size, _ranks(self.num_processes)), sampler.yielded)
 
     # -- steps and collectives ------------------------------------------------------------
 
@@ -539,7 +494,7 @@ class HeteroAccelerator(accelerate.Accelerator):  # type: ignore[misc]
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """``loss.backward()`` as accelerate does, at this process's emulated speed (waiting is not slowed)."""
-        with throttle(self.rank_device):
+        with self._throttle():
             super().backward(loss, **kwargs)
 
     def gather(self, tensor: Any) -> Any:
@@ -589,15 +544,16 @@ def _results(result: Any, args: Sequence[Any]) -> tuple[Any, ...]:
     return tuple(result) if len(args) > 1 else (result,)
 
 
-def _profiling_inputs(batch: Any, loss_fn: Any) -> tuple[Any, Any, Any]:
-    """(sample, target, loss) to profile the model on a batch as the training loop will call it."""
+def _profiling_inputs(batch: Any, loss_fn: Any) -> tuple[Any, dict[str, Any]]:
+    """(sample, {target, loss_fn}) to profile the model on a batch as the training loop will call it."""
     if isinstance(batch, Mapping):  # Hugging Face style: model(**batch).loss
-        return dict(batch), None, loss_fn or (lambda out: out["loss"] if isinstance(out, Mapping) else out.loss)
+        loss = loss_fn or (lambda out: out["loss"] if isinstance(out, Mapping) else out.loss)
+        return dict(batch), {"target": None, "loss_fn": loss}
     if isinstance(batch, (list, tuple)) and len(batch) >= 2 and loss_fn is not None:
-        return batch[0], batch[1], loss_fn
+        return batch[0], {"target": batch[1], "loss_fn": loss_fn}
     if isinstance(batch, (list, tuple)) and batch:
-        return batch[0], None, None
-    return batch, None, None
+        return batch[0], {"target": None, "loss_fn": None}
+    return batch, {"target": None, "loss_fn": None}
 
 
 def _ranks(n: int) -> list[str]:

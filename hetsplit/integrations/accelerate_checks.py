@@ -7,9 +7,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from hetsplit.devices import device_list, parse_device
-from hetsplit.distributed.setup import ENV_DEVICES, rank_devices
-from hetsplit.planning import Plan
+from hetsplit.distributed.setup import ENV_DEVICES
 
+from .core import check_plan, device_names
 from .options import HeteroOptions
 
 
@@ -28,6 +28,7 @@ def check_arguments(
     accelerator_kwargs: Mapping[str, Any],
     world: int,
     *,
+    who: str = "HeteroAccelerator",
     loss_weights_micro_batches: bool = False,
 ) -> list[str] | None:
     """Every argument checked before accelerate or a process group starts; the per-process device names.
@@ -37,18 +38,13 @@ def check_arguments(
         weighting: How its gradients are weighted.
         accelerator_kwargs: Those for ``accelerate.Accelerator``.
         world: The number of processes launched.
+        who: The class the user made (named in every message).
         loss_weights_micro_batches: The caller's loss weights each micro-batch itself
             (HeteroTrainer's), so ``weighting="none"`` takes a plan with micro-batches.
     """
-    options.check("HeteroAccelerator", weighting)
-    plan = options.plan
-    if plan is not None and weighting == "none" and not loss_weights_micro_batches:
-        check_whole_shares(plan, 'HeteroAccelerator(weighting="none")')
-    if plan is not None and len(plan.sizes) != world:
-        raise ValueError(
-            f"the plan has {len(plan.sizes)} shares {list(plan.sizes)} but {world} processes run: "
-            "give a plan with one share per process"
-        )
+    options.check(who, weighting)
+    whole = f'{who}(weighting="none")' if weighting == "none" and not loss_weights_micro_batches else None
+    check_plan(who, options.plan, world, whole_shares=whole)
     # FSDP2 is weighted at the root's outputs (hetsplit.distributed.sharded); DeepSpeed, Megatron-LM
     # and FSDP1 shard in ways whose per-rank gradients hetsplit cannot weight.
     fsdp2 = wants_fsdp2(accelerator_kwargs)
@@ -85,8 +81,7 @@ def check_arguments(
             "dispatch_batches=True sends every batch from process 0; HeteroAccelerator gives each process its "
             "own share instead: leave dispatch_batches unset"
         )
-    devices = options.device_list
-    spec = devices if devices is not None else os.environ.get(ENV_DEVICES)
+    spec = options.device_list if options.device_list is not None else os.environ.get(ENV_DEVICES)
     if not spec:
         return None
     items = device_list(spec)
@@ -97,7 +92,8 @@ def check_arguments(
             f"'accelerate launch --multi_gpu --num_processes {len(items)} ...' (also on a CPU-only machine), "
             f"'hetsplit launch --devices {spec} ...' or torchrun"
         )
-    names = rank_devices(spec, world)
+    names = device_names(spec, world)
+    assert names is not None  # spec is set
     kinds = sorted({parse_device(name, check=False).type for name in names})
     if fsdp2 and len(kinds) > 1:
         raise ValueError(
@@ -147,25 +143,3 @@ def check_even_batches(weighting: str) -> None:
             f"{weighting!r}) cannot weight by the plan: leave even_batches at its default (the last batch "
             "completed by wrapping around, as accelerate does), or weight your own loss with weighting='none'"
         )
-
-
-def check_whole_shares(plan: Plan, who: str) -> None:
-    """Refuse a plan that runs some process's share as several micro-batches where they are not followed.
-
-    Micro-batches are exact only when each one is weighted by its part of the share:
-    hetsplit's gradient weighting (:func:`hetsplit.distributed.weight_gradients`) weights
-    it by its samples, HeteroTrainer's loss by its items. Without either (a loss the
-    user normalises over the global batch, ``weighting="none"``) the share must run as
-    one batch.
-
-    Raises:
-        ValueError: Naming the process, its micro-batches and what to do instead.
-    """
-    for rank, parts in enumerate(plan.micro_batches):
-        if len(parts) > 1:
-            raise ValueError(
-                f"{who} runs each process's share as one batch, but the plan splits process {rank}'s share "
-                f"{plan.sizes[rank]} into micro-batches {parts}; solve without accumulate (a batch within the "
-                "memory caps), use HeteroAccelerator's micro_batches with a weighting (or "
-                "hetsplit.distributed.micro_batches in a torchrun loop), or HeteroTrainer, which follows them"
-            )

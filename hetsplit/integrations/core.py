@@ -1,32 +1,41 @@
-"""Core: the decisions every integration (Lightning, accelerate, the HF Trainer) shares, made in one place.
+"""Core: the building block every integration composes, one function per piece, in the order they run.
 
-Each framework keeps only its own wiring; the launched world, whether a multi-process
-job runs on the CPU, how an emulated device is throttled, how the model is profiled for
-the plan, how ``rebalance`` becomes a rebalancer and what each says about its split
-(:class:`SplitReport`) are decided here, so the three cannot drift apart. Their shared
-arguments are :mod:`.options`, their rebuilt loaders :mod:`.loaders`; a rank's
-micro-batches are cut in :mod:`hetsplit.distributed.accumulate`.
+1. the rank's device: :func:`launched_world`, :func:`device_names`, :func:`labels`, :func:`is_cpu_job`;
+2. the plan: :func:`profiled_plan`, and :func:`shares_for` another global batch;
+3. the loader re-cut: :func:`hetsplit.integrations.loaders.rebuilt_loader`;
+4. the weighting: :func:`check_plan` (the plan against the world and the weighting), then
+   :func:`hetsplit.distributed.weight_gradients`;
+5. the throttle: :func:`throttler` (or :func:`throttle_forward` for a framework that calls the model);
+6. the report: :class:`SplitReport`;
+7. the rebalancer: :func:`rebalancer`.
+
+Each framework keeps only its own wiring (docs/integrations.md, "Adding an integration or
+an engine"); the shared arguments are :mod:`.options`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import os
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
 import hetsplit.distributed as hd
-from hetsplit.devices import Device
+from hetsplit import emulation
+from hetsplit.devices import Device, rank_label
 
 # What each integration says about its split is hetsplit.distributed's report (hd.plan says it too).
 from hetsplit.distributed.report import QUIET_ENV as QUIET_ENV
 from hetsplit.distributed.report import SplitReport as SplitReport
-from hetsplit.distributed.report import is_quiet as is_quiet
-from hetsplit.distributed.setup import launch_env
+from hetsplit.distributed.setup import ENV_DEVICES, launch_env, rank_devices
 from hetsplit.planning import Plan, Profile, Rebalancer
+from hetsplit.planning.rebalance import rebalanced_caps
+from hetsplit.planning.sizes import even_plan, scaled_plan
 
 
 def renamed(owner: object, old: str, new: str) -> AttributeError:
@@ -34,6 +43,7 @@ def renamed(owner: object, old: str, new: str) -> AttributeError:
     return AttributeError(f"{type(owner).__name__!r} object has no attribute {old!r}; it was removed: use .{new}")
 
 
+# ---------------------------------------------------------------------- 1. the rank's device
 def launched_world() -> tuple[int, int]:
     """``(rank, world)`` of the job the launcher started (torchrun's ``RANK``/``WORLD_SIZE``; 0, 1 alone).
 
@@ -42,6 +52,21 @@ def launched_world() -> tuple[int, int]:
     """
     env = launch_env()
     return env.rank, env.world
+
+
+def device_names(devices: str | None, world: int) -> list[str] | None:
+    """Every process's device name from ``devices``, else ``$HETSPLIT_DEVICES`` (``None``: neither is set).
+
+    Raises:
+        ValueError: As :func:`hetsplit.distributed.setup.rank_devices` (a list of another length).
+    """
+    spec = devices if devices is not None else os.environ.get(ENV_DEVICES)
+    return rank_devices(spec, world) if spec else None
+
+
+def labels(names: Sequence[str]) -> list[str]:
+    """The plan's labels for every process's device: ``rank0:cuda:0``, ``rank1:cpu@0.25``."""
+    return [rank_label(r, n) for r, n in enumerate(names)]
 
 
 def is_cpu_job(device: Device | None, world: int) -> bool:
@@ -57,15 +82,121 @@ def is_cpu_job(device: Device | None, world: int) -> bool:
     return device.type == "cpu" if device is not None else not torch.cuda.is_available()
 
 
-def throttle(device: Device | None) -> contextlib.AbstractContextManager[Any]:
-    """Run the block at ``device``'s emulated speed (a real device: no change).
+# ---------------------------------------------------------------------- 2. the plan
+def profiled_plan(
+    who: str,
+    what: str,
+    model: nn.Module,
+    loader: Any,
+    batch_size: int,
+    *,
+    device: Any,
+    profile: Profile | None,
+    plan_kwargs: Mapping[str, Any],
+    hint: str,
+    inputs: Callable[[Any], tuple[Any, dict[str, Any]]] = lambda batch: ((batch,), {}),
+    cuda: Sequence[torch.device] = (),
+) -> Plan:
+    """The plan for every rank, each profiling ``model`` on a batch of ``loader`` on its own device.
+
+    Drawing the batch and profiling draw random numbers: the training run must not see
+    that, so the random state (the CPU's and ``cuda``'s) is put back after. A failure other
+    than a peer's (:class:`~hetsplit.distributed.DistributedError`) becomes one
+    ``RuntimeError`` naming ``who``, ``what`` was profiled, the device and the cause, then ``hint``.
+
+    Args:
+        who: The class the user made.
+        what: What was profiled (``"the model"``, ``"training_step"``).
+        model: The model (or a module whose forward is the loss) to time.
+        loader: The user's training loader (its first batch, on the CPU, is the sample).
+        batch_size, device, profile: As for :func:`hetsplit.distributed.plan`.
+        plan_kwargs: The other arguments of :func:`hetsplit.distributed.plan` (``HeteroOptions.plan_arguments``).
+        hint: What the user can do instead.
+        inputs: ``(sample, keywords)`` for :func:`hetsplit.distributed.plan` from a batch
+            (``loss_fn``, ``target``); default: the batch itself.
+        cuda: The GPUs whose random state to keep.
+    """
+    try:
+        with torch.random.fork_rng(devices=list(cuda)):
+            sample, keywords = inputs(next(iter(loader)))
+            # quiet: the integration's own SplitReport says the split, under the class the user made.
+            options = {"quiet": True, **keywords, **plan_kwargs}
+            return hd.plan(model, sample, batch_size, device=device, profile=profile, **options)
+    except (ValueError, TypeError, RuntimeError) as e:
+        if isinstance(e, hd.DistributedError):
+            raise
+        raise RuntimeError(f"{who} could not profile {what} on {device} ({type(e).__name__}: {e}); {hint}") from e
+
+
+def shares_for(plan: Plan | None, batch_size: int, names: Sequence[str]) -> Plan:
+    """``plan``'s shares of a global batch of ``batch_size``: the plan, its proportions, or even shares without one.
+
+    Args:
+        plan: The plan in force (``None``: none yet).
+        batch_size: The global batch to split (an evaluation loader's, a loader prepared later).
+        names: The labels of a plan made here, one per process.
+    """
+    if plan is None:
+        return even_plan(batch_size, list(names))
+    return plan if batch_size == plan.batch_size else scaled_plan(plan, batch_size, list(names))
+
+
+# ---------------------------------------------------------------------- 4. the weighting
+def check_plan(
+    who: str,
+    plan: Plan | None,
+    world: int | None,
+    *,
+    rebalance: int | Rebalancer = 0,
+    whole_shares: str | None = None,
+) -> None:
+    """The one check of a plan against what runs it, one message in every integration (every rank, before any step).
+
+    Args:
+        who: The class the user made.
+        plan: The plan given or made (``None``: nothing to check).
+        world: The number of processes (``None``: not known yet).
+        rebalance: The ``rebalance`` argument: refused with a plan with micro-batches
+            (:func:`hetsplit.planning.rebalance.rebalanced_caps`: the integrations do
+            not follow re-cut micro-batches mid-run).
+        whole_shares: Where each share runs as one batch (a loss the user normalises,
+            ``weighting="none"``): its name, for the message refusing micro-batches.
+
+    Raises:
+        ValueError: A plan for another number of processes; micro-batches with
+            ``rebalance`` or ``whole_shares`` (naming the process and its micro-batches).
+    """
+    if plan is None:
+        return
+    if world is not None and len(plan.sizes) != world:
+        raise ValueError(
+            f"{who}(plan=...) has {len(plan.sizes)} shares {list(plan.sizes)} but {world} processes run: "
+            "give a plan with one share per process"
+        )
+    if rebalance:
+        given = f"Rebalancer(every={rebalance.every})" if isinstance(rebalance, Rebalancer) else rebalance
+        rebalanced_caps(plan, None, refuse=f"{who}(rebalance={given})")
+    split = [(r, parts) for r, parts in enumerate(plan.micro_batches) if len(parts) > 1]
+    if whole_shares is not None and split:
+        r, parts = split[0]
+        raise ValueError(
+            f"{whole_shares} runs each process's share as one batch, but the plan splits process {r}'s share "
+            f"{plan.sizes[r]} into micro-batches {parts}; solve without accumulate (a batch within the "
+            "memory caps), use HeteroAccelerator's micro_batches with a weighting (or "
+            "hetsplit.distributed.micro_batches in a torchrun loop), or HeteroTrainer, which follows them"
+        )
+
+
+# ---------------------------------------------------------------------- 5. the throttle
+def throttler(device: Device | None) -> Callable[[], contextlib.AbstractContextManager[Any]]:
+    """What runs a block at ``device``'s emulated speed, decided once (a real device, or none: nothing).
 
     Waiting for the other ranks in a collective is not work, so it is not slowed down as
     if it were (:func:`hetsplit.emulation.throttle`).
     """
     if device is None or not device.emulated:
-        return contextlib.nullcontext()
-    return device.throttle()
+        return contextlib.nullcontext
+    return functools.partial(emulation.throttle, device)
 
 
 _FORWARDS_PAUSED = threading.local()
@@ -88,18 +219,18 @@ def forwards_unthrottled() -> Iterator[None]:
 
 
 def throttle_forward(model: nn.Module, device: Device | None) -> None:
-    """Run every forward of ``model`` at ``device``'s emulated speed, by :func:`throttle`'s rule.
+    """Run every forward of ``model`` at ``device``'s emulated speed, by :func:`throttler`'s rule.
 
     For a framework that calls the model itself (accelerate): its backward is throttled
     where the framework runs it. Not inside :func:`forwards_unthrottled`.
     """
     if device is None or not device.emulated:
         return
+    slowed = throttler(device)
     open_: list[contextlib.AbstractContextManager[Any]] = []
 
     def before(module: nn.Module, args: Any) -> None:
-        paused = getattr(_FORWARDS_PAUSED, "on", False)
-        ctx = contextlib.nullcontext() if paused else throttle(device)
+        ctx = contextlib.nullcontext() if getattr(_FORWARDS_PAUSED, "on", False) else slowed()
         ctx.__enter__()
         open_.append(ctx)
 
@@ -111,66 +242,7 @@ def throttle_forward(model: nn.Module, device: Device | None) -> None:
     model.register_forward_hook(after)
 
 
-def profiled_plan(
-    who: str,
-    what: str,
-    model: nn.Module,
-    sample: Any,
-    batch_size: int,
-    *,
-    device: Any,
-    profile: Profile | None,
-    plan_kwargs: Mapping[str, Any],
-    hint: str,
-    cuda: Sequence[torch.device] = (),
-    **kwargs: Any,
-) -> Plan:
-    """The plan for every rank, each profiling ``model`` on its own device (:func:`hetsplit.distributed.plan`).
-
-    Profiling draws batches and random numbers: the training run must not see that, so the
-    random state (the CPU's and ``cuda``'s) is put back after. A failure other than a
-    peer's (:class:`~hetsplit.distributed.DistributedError`) becomes one ``RuntimeError``
-    naming ``who``, ``what`` was profiled, the device and the cause, then ``hint``.
-
-    Args:
-        who: The class the user made.
-        what: What was profiled (``"the model"``, ``"training_step"``).
-        model, sample, batch_size, device, profile: As for :func:`hetsplit.distributed.plan`.
-        plan_kwargs: The other arguments of :func:`hetsplit.distributed.plan` (``HeteroOptions.plan_arguments``).
-        hint: What the user can do instead.
-        cuda: The GPUs whose random state to keep.
-        **kwargs: ``loss_fn``, ``target``: as for :func:`hetsplit.distributed.plan`.
-    """
-    try:
-        with torch.random.fork_rng(devices=list(cuda)):
-            # quiet: the integration's own SplitReport says the split, under the class the user made.
-            options = {"quiet": True, **kwargs, **plan_kwargs}
-            return hd.plan(model, sample, batch_size, device=device, profile=profile, **options)
-    except (ValueError, TypeError, RuntimeError) as e:
-        if isinstance(e, hd.DistributedError):
-            raise
-        raise RuntimeError(f"{who} could not profile {what} on {device} ({type(e).__name__}: {e}); {hint}") from e
-
-
-def check_rebalance(who: str, plan: Plan | None, rebalance: int | Rebalancer) -> None:
-    """Refuse ``rebalance`` with a plan that runs some rank's share as micro-batches (every rank, before any step).
-
-    Raises:
-        ValueError: Naming the rank, its micro-batches and the two ways out.
-    """
-    if not rebalance or plan is None or all(len(parts) <= 1 for parts in plan.micro_batches):
-        return
-    r = next(r for r, parts in enumerate(plan.micro_batches) if len(parts) > 1)
-    given = f"Rebalancer(every={rebalance.every})" if isinstance(rebalance, Rebalancer) else rebalance
-    raise ValueError(
-        f"{who}(rebalance={given}) with a plan with micro-batches: the plan splits rank {r}'s share "
-        f"{plan.sizes[r]} into micro-batches {plan.micro_batches[r]}, but the rebalancer re-solves and records "
-        "whole shares (its first new plan would run a share over a device's memory cap whole, out of memory; "
-        "with a capped profile the shares would never move). Pass rebalance=0 to keep these micro-batches, or "
-        "solve the plan without accumulate (shares within the memory caps) to rebalance"
-    )
-
-
+# ---------------------------------------------------------------------- 7. the rebalancer
 def rebalancer(plan: Plan, rebalance: int | Rebalancer, **kwargs: Any) -> hd.DistributedRebalancer | None:
     """The :class:`~hetsplit.distributed.DistributedRebalancer` that ``rebalance`` asks for (``None`` for 0).
 

@@ -9,6 +9,7 @@ Trainer's loaders are rebuilt by its accelerator (``HeteroAccelerator.prepare_da
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any
 
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler, SequentialSampler
@@ -52,8 +53,9 @@ def rebuilt_loader(
     num_replicas: int,
     rank: int,
     zero_share: str = "sample",
+    make: Callable[..., DataLoader[Any]] | None = None,
 ) -> DataLoader[Any]:
-    """``loader`` rebuilt on this rank's shares of ``plan`` (:func:`hetsplit.distributed.data_loader`).
+    """``loader`` rebuilt on this rank's shares of ``plan`` (:func:`hetsplit.distributed.data_loader`): the one re-cut.
 
     The same dataset, ``collate_fn``, ``drop_last`` and :func:`carried_settings`; the
     order is ``shuffle`` with ``seed``, every rank cutting the same global batches.
@@ -62,8 +64,11 @@ def rebuilt_loader(
         loader: The user's loader (checked by :func:`check_loader` or :func:`lightning_order`).
         plan: The shares of its global batch.
         shuffle, seed, pad, num_replicas, rank, zero_share: As for :func:`hetsplit.distributed.data_loader`.
+        make: The framework's loader class over the shares (accelerate's ``SharesLoader``),
+            called with the dataset, ``batch_sampler``, ``collate_fn`` and the carried
+            settings; default: hetsplit's own.
     """
-    return hd.data_loader(
+    shares = hd.data_loader(
         loader.dataset,
         plan,
         shuffle=shuffle,
@@ -75,6 +80,11 @@ def rebuilt_loader(
         rank=rank,
         collate_fn=loader.collate_fn,
         **carried_settings(loader),
+    )
+    if make is None:
+        return shares
+    return make(
+        shares.dataset, batch_sampler=shares.batch_sampler, collate_fn=shares.collate_fn, **carried_settings(loader)
     )
 
 

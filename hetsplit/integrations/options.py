@@ -1,11 +1,10 @@
 """Options: the arguments every integration shares, carried in one object and checked one way.
 
 ``HeteroDDPStrategy``, ``HeteroModelParallelStrategy``, ``HeteroAccelerator`` and
-``HeteroTrainer`` each take ``devices``, ``plan``, ``profile``, ``global_batch_size``,
-``rebalance``, ``plan_kwargs`` and ``quiet`` as keywords, or a :class:`HeteroOptions`
-whole (``options=``); inside, they carry the object. How gradients are weighted
-(``weighting``) is each integration's own: the Trainer weights its loss instead, FSDP2
-only at its outputs.
+``HeteroTrainer`` take the fields of :class:`HeteroOptions` as keywords, or the object
+whole (``options=``), through one helper (:meth:`HeteroOptions.take`); inside, they carry
+the object. How gradients are weighted (``weighting``) is each integration's own: the
+Trainer weights its loss instead, FSDP2 only at its outputs.
 """
 
 from __future__ import annotations
@@ -18,7 +17,7 @@ from typing import Any
 from hetsplit.planning import Plan, Profile, Rebalancer
 from hetsplit.planning.sizes import check_source
 
-from .core import check_rebalance
+from .core import check_plan
 
 # How gradients are weighted: "hook" (a DDP comm hook), "outputs" (the gradient into the
 # model's outputs is scaled), "none" (DDP's plain mean, for a loss already normalised over
@@ -32,18 +31,27 @@ PLAN_KWARGS: Mapping[str, Any] = {"time_budget": 10.0, "calibrate": 4}
 
 @dataclass(frozen=True)
 class HeteroOptions:
-    """The arguments every hetsplit integration shares (each is described in the integration's docstring).
+    """The arguments every hetsplit integration shares, as keywords of each or this object whole (``options=``).
 
     Args:
         devices: One device per process: ``"cuda:0,cpu@0.25"`` or a list (default
-            ``$HETSPLIT_DEVICES``, else the framework's own devices).
-        plan: The plan for every process (``plan.sizes[rank]`` samples per step).
+            ``$HETSPLIT_DEVICES``, set by ``hetsplit launch``, else the framework's own
+            devices). Emulated devices run at their speed and memory.
+        plan: The plan for every process (``plan.sizes[rank]`` samples per step); else one
+            is profiled on every process's device at the first training loader (rank 0
+            solves; :func:`hetsplit.distributed.plan`).
         profile: A profile to solve the plan from instead of timing the model.
-        global_batch_size: Samples per step over all processes (default: the framework's).
-        rebalance: Re-solve the shares every this many steps (0: never), or a
-            :class:`~hetsplit.Rebalancer` policy.
-        plan_kwargs: Passed to :func:`hetsplit.distributed.plan`, over :data:`PLAN_KWARGS`.
-        quiet: Say nothing about the split (``HETSPLIT_QUIET=1`` too).
+        global_batch_size: Samples per step over all processes (default: the framework's,
+            processes × the loader's ``batch_size``).
+        rebalance: Re-solve the shares from measured step times every this many steps (0:
+            never), or a :class:`~hetsplit.Rebalancer` policy
+            (:class:`hetsplit.distributed.DistributedRebalancer`). Not with a plan with
+            micro-batches.
+        plan_kwargs: Passed to :func:`hetsplit.distributed.plan` (``time_budget``,
+            ``calibrate``, ``batch_sizes``, ``weights``, ``accumulate``, ...), over
+            :data:`PLAN_KWARGS`.
+        quiet: Say nothing about the split (else rank 0 prints the split and its predicted
+            step when training starts, the measured step when it ends; ``HETSPLIT_QUIET=1`` too).
 
     Example:
         >>> options = HeteroOptions(devices="cpu,cpu@0.25", rebalance=20)
@@ -57,6 +65,18 @@ class HeteroOptions:
     rebalance: int | Rebalancer = 0
     plan_kwargs: Mapping[str, Any] | None = None
     quiet: bool = False
+
+    @classmethod
+    def take(cls, who: str, options: HeteroOptions | None, kwargs: dict[str, Any]) -> HeteroOptions:
+        """The options of an integration made with ``options=`` or with the fields as keywords in ``kwargs``.
+
+        The fields are popped from ``kwargs``; what is left is the framework's own.
+
+        Raises:
+            TypeError: As :meth:`given`.
+        """
+        keywords = {name: kwargs.pop(name) for name in _FIELDS if name in kwargs}
+        return cls.given(who, options, **keywords)
 
     @classmethod
     def given(cls, who: str, options: HeteroOptions | None, **keywords: Any) -> HeteroOptions:
@@ -144,7 +164,10 @@ class HeteroOptions:
                 f"{who}(rebalance={rebalance!r}): give a number of steps >= 1, 0 for no rebalancing, "
                 "or a hetsplit.Rebalancer"
             )
-        check_rebalance(who, plan, rebalance)
+        check_plan(who, plan, None, rebalance=rebalance)
+
+
+_FIELDS = tuple(f.name for f in dataclasses.fields(HeteroOptions))
 
 
 def _is_default(value: Any, default: Any) -> bool:

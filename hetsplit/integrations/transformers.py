@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -18,11 +18,10 @@ from hetsplit.devices import Device, parse_device
 from hetsplit.distributed.accumulate import all_reduce_once as _all_reduce_once
 from hetsplit.distributed.accumulate import micro_sizes_for as _micro_sizes
 from hetsplit.distributed.accumulate import row_pieces as _pieces
-from hetsplit.distributed.setup import ENV_DEVICES, rank_devices
 from hetsplit.distributed.sharded import kind, micro_for_rows
 from hetsplit.distributed.zero_share import stand_in_items
 from hetsplit.parallel.reduce import shard_weight
-from hetsplit.planning import Plan, Profile, Rebalancer
+from hetsplit.planning import Plan
 from hetsplit.tree import flatten, narrow, samples_in
 
 from . import core
@@ -32,11 +31,57 @@ from .loss_items import items_in, piece_items, zero_gradients
 from .options import HeteroOptions
 
 
-class HeteroTrainer(transformers.Trainer):
+class _TrainerPrivates(transformers.Trainer):
+    """HeteroTrainer's overrides of ``transformers.Trainer``'s private methods, all here: its version risk.
+
+    A transformers release that renames or changes one of these breaks ``HeteroTrainer``
+    here first (docs/compatibility.md; the floor is in :mod:`.versions`, tested in CI).
+    Also read, not overridden, with a fallback where a release lacks them:
+    ``_get_num_items_in_batch``, ``_prepare_inputs``, ``_loss_shifts_labels``,
+    ``loss_is_scaled_for_ga`` and ``_tr_loss``; ``TrainingArguments._setup_devices``.
+    """
+
+    accelerator: Any
+    _accelerator_args: dict[str, Any]
+
+    def _build_accelerator_args(self, **kwargs: Any) -> dict[str, Any]:
+        # Kept to build the HeteroAccelerator with exactly the Trainer's own settings.
+        self._accelerator_args = super()._build_accelerator_args(**kwargs)
+        return self._accelerator_args
+
+    def _finalize_training(self, *args: Any, **kwargs: Any) -> Any:
+        """The Trainer's end of training, with the loss it has not logged yet averaged over the processes.
+
+        Each process's loss is its part of the global loss (``world * S_r / N``): only their
+        mean is the global batch's. The Trainer averages the losses it logs so, but adds
+        what is left since the last log (all of it without logging steps) as this
+        process's own to ``train_loss``: 0 on a process whose share is 0.
+        """
+        rest = getattr(self, "_tr_loss", None)
+        if torch.is_tensor(rest) and self.accelerator.num_processes > 1:
+            total = rest.detach().clone()
+            dist.all_reduce(total)
+            self._tr_loss = total / self.accelerator.num_processes
+        # transformers leaves _finalize_training unannotated.
+        return super()._finalize_training(*args, **kwargs)  # type: ignore[no-untyped-call]
+
+    def _save(self, output_dir: str | None = None, state_dict: dict[str, Any] | None = None) -> None:
+        """The Trainer's save; a gathered ``state_dict``'s tied weights are one tensor again, saved once.
+
+        ``save_pretrained`` drops a tied weight (GPT-2's ``lm_head.weight``) by finding the
+        tensors that share storage. The whole state dict FSDP2 gathers (``accelerator.get_state_dict``)
+        holds a copy per name, so both were saved, where the plain Trainer saves one.
+        """
+        if state_dict is not None and self.model is not None:
+            state_dict = _tied_as_one(self.accelerator.unwrap_model(self.model), state_dict)
+        super()._save(output_dir, state_dict=state_dict)
+
+
+class HeteroTrainer(_TrainerPrivates):
     """``transformers.Trainer`` whose processes each train on their own share of every global batch.
 
-    A one-line change for a Trainer script: ``HeteroTrainer(...)`` instead of
-    ``Trainer(...)``. The global batch is kept (processes × ``per_device_train_batch_size``,
+    A one-line change for a Trainer script (docs/integrations.md, Trainer): ``HeteroTrainer(...)``
+    instead of ``Trainer(...)``. The global batch is kept (processes × ``per_device_train_batch_size``,
     as the Trainer counts it); each process gets the share one hetsplit plan gives its
     device (``plan=``, or profiled on every process at the first loader), and every
     step equals a step of the plain model on the whole global batch:
@@ -60,44 +105,20 @@ class HeteroTrainer(transformers.Trainer):
       run a batch of 0 rows; DDP needs every process in every backward); one whose share
       has no items runs its last micro-batch so. Their gradients are held at exact zeros:
       a mean over no items, ``(l * mask).sum() / mask.sum()``, backpropagates NaN.
-    - A plan with micro-batches (``plan_kwargs={"accumulate": True}`` with memory caps,
-      or ``plan=`` from ``solve(..., accumulate=True)``) is followed: ``training_step``
-      runs this process's share as its ``plan.micro_batches[rank]``, one after another
-      (all but the last under ``no_sync``), each weighted by its own items, so the step is
-      unchanged; with the Trainer's gradient accumulation too. A micro-batch without
-      items adds nothing and is not run. An emulated memory (``cpu:max4``) raises
-      ``torch.OutOfMemoryError`` for a training forward above it.
-
-    - The Trainer's FSDP2 settings (``TrainingArguments(fsdp=True, fsdp_config={"version": 2,
-      ...})``) shard as accelerate does, on CPU processes too (:class:`HeteroAccelerator`);
-      the loss weighting stays exact, the plan is profiled on the sharded model, and a
-      process (or micro-batch) without items adds exact zeros through its outputs. A
-      plan with micro-batches runs as many on every process (FSDP2's forwards are
-      collective): the plan's largest count, a smaller share in smaller pieces, fillers
-      where a share has fewer samples than pieces.
+    - A plan with micro-batches is followed, each weighted by its own items
+      (:meth:`training_step`); the Trainer's FSDP2 settings shard as accelerate does, on CPU
+      processes too, with the weighting exact and the plan profiled on the sharded model.
 
     Launch one process per device: ``hetsplit launch --devices cpu,cpu@0.25 train.py``,
     torchrun, or ``accelerate launch --multi_gpu --num_processes N``.
 
     Args:
         *args: As for ``transformers.Trainer``.
-        devices: One device per process (a string or a list; default: ``$HETSPLIT_DEVICES``,
-            else the Trainer's).
-        plan: A :class:`~hetsplit.Plan` with one share per process.
-        profile: This process's :class:`~hetsplit.Profile`, instead of timing the model.
-        global_batch_size: Samples per step over all processes (default: the Trainer's,
-            processes × ``per_device_train_batch_size``).
-        rebalance: Re-solve the shares every this many training steps (0: never), or a
-            :class:`hetsplit.Rebalancer`; each ``training_step`` is one step the rebalancer
-            times (:class:`hetsplit.distributed.DistributedRebalancer`). Not with a plan
-            with micro-batches.
-        plan_kwargs: Passed to :func:`hetsplit.distributed.plan` (see :class:`HeteroAccelerator`);
-            ``{"accumulate": True}`` lets a device with a memory cap run its share as micro-batches.
-        quiet: Say nothing about the split (else rank 0 prints the split and its predicted
-            step when training starts, the measured step when it ends; ``HETSPLIT_QUIET=1`` too).
         options: ``devices``, ``plan``, ``profile``, ``global_batch_size``, ``rebalance``,
-            ``plan_kwargs`` and ``quiet`` as one :class:`~hetsplit.integrations.options.HeteroOptions`
-            (not with those keywords).
+            ``plan_kwargs``, ``quiet``: the arguments every integration shares, as keywords
+            or one :class:`~hetsplit.integrations.options.HeteroOptions`. With ``rebalance``
+            each ``training_step`` is one step; ``plan_kwargs={"accumulate": True}`` lets a
+            device with a memory cap run its share as micro-batches.
         **trainer_kwargs: As for ``transformers.Trainer``.
 
     The gradients are not weighted by samples (there is no ``weighting`` argument): the
@@ -107,33 +128,17 @@ class HeteroTrainer(transformers.Trainer):
     Raises:
         TypeError, ValueError: As :meth:`~hetsplit.integrations.options.HeteroOptions.check` (the
             same for every integration), before the Trainer starts.
-        ValueError: With the Trainer's FSDP1 or DeepSpeed (not supported; the message names
-            FSDP2, which runs: see below), if a process would run
-            several GPUs (``nn.DataParallel``), or this process's device is not where the
-            Trainer puts the model.
+        ValueError: With the Trainer's FSDP1 or DeepSpeed (the message names FSDP2, which
+            runs), if a process would run several GPUs (``nn.DataParallel``), or this
+            process's device is not where the Trainer puts the model.
 
     Example:
         >>> trainer = HeteroTrainer(model=model, args=args, train_dataset=train)  # was: Trainer(...)
         >>> trainer.train()
     """
 
-    def __init__(
-        self,
-        *args: Any,
-        devices: str | Sequence[Any] | None = None,
-        plan: Plan | None = None,
-        profile: Profile | None = None,
-        global_batch_size: int | None = None,
-        rebalance: int | Rebalancer = 0,
-        plan_kwargs: Mapping[str, Any] | None = None,
-        quiet: bool = False,
-        options: HeteroOptions | None = None,
-        **trainer_kwargs: Any,
-    ) -> None:
-        given = HeteroOptions.given(
-            "HeteroTrainer", options, devices=devices, plan=plan, profile=profile,
-            global_batch_size=global_batch_size, rebalance=rebalance, plan_kwargs=plan_kwargs, quiet=quiet,
-        )  # fmt: skip
+    def __init__(self, *args: Any, options: HeteroOptions | None = None, **trainer_kwargs: Any) -> None:
+        given = HeteroOptions.take("HeteroTrainer", options, trainer_kwargs)
         given.check("HeteroTrainer", weighting="none")
         given = dataclasses.replace(given, devices=given.device_list)  # one string, as every process reads it
         training_args = trainer_kwargs.get("args", args[1] if len(args) > 1 else None)
@@ -176,11 +181,6 @@ class HeteroTrainer(transformers.Trainer):
     def rank_device(self) -> Device | None:
         """This process's hetsplit device (``None`` without a device list)."""
         return getattr(self.accelerator, "rank_device", None)
-
-    def _build_accelerator_args(self, **kwargs: Any) -> dict[str, Any]:
-        # Kept to build the HeteroAccelerator with exactly the Trainer's own settings.
-        self._accelerator_args = super()._build_accelerator_args(**kwargs)
-        return self._accelerator_args
 
     def create_accelerator_and_postprocess(self) -> None:
         """The Trainer's accelerator set-up, with a :class:`HeteroAccelerator` in place of ``Accelerator``."""
@@ -238,33 +238,6 @@ class HeteroTrainer(transformers.Trainer):
             self._window_items, self._piece_items = None, {}  # the last window's count is not a later step's
         self.accelerator.report.end(self.plan)  # the measured step beside the predicted one (process 0)
         return result
-
-    def _finalize_training(self, *args: Any, **kwargs: Any) -> Any:
-        """The Trainer's end of training, with the loss it has not logged yet averaged over the processes.
-
-        Each process's loss is its part of the global loss (``world * S_r / N``): only their
-        mean is the global batch's. The Trainer averages the losses it logs so, but adds
-        what is left since the last log (all of it without logging steps) as this
-        process's own to ``train_loss``: 0 on a process whose share is 0.
-        """
-        rest = getattr(self, "_tr_loss", None)
-        if torch.is_tensor(rest) and self.accelerator.num_processes > 1:
-            total = rest.detach().clone()
-            dist.all_reduce(total)
-            self._tr_loss = total / self.accelerator.num_processes
-        # transformers leaves _finalize_training unannotated.
-        return super()._finalize_training(*args, **kwargs)  # type: ignore[no-untyped-call]
-
-    def _save(self, output_dir: str | None = None, state_dict: dict[str, Any] | None = None) -> None:
-        """The Trainer's save; a gathered ``state_dict``'s tied weights are one tensor again, saved once.
-
-        ``save_pretrained`` drops a tied weight (GPT-2's ``lm_head.weight``) by finding the
-        tensors that share storage. The whole state dict FSDP2 gathers (``accelerator.get_state_dict``)
-        holds a copy per name, so both were saved, where the plain Trainer saves one.
-        """
-        if state_dict is not None and self.model is not None:
-            state_dict = _tied_as_one(self.accelerator.unwrap_model(self.model), state_dict)
-        super()._save(output_dir, state_dict=state_dict)
 
     def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: torch.device) -> Any:
         """The Trainer's next accumulation window, and the items of the global batch over it (one all-reduce)."""
@@ -610,9 +583,9 @@ def _launched_cpu_job(devices: str | None) -> bool:
         rank, world = launched_world()
     except ValueError:
         return False  # reported, naming the variable, where the accelerator is made
-    spec = devices if devices is not None else os.environ.get(ENV_DEVICES)
     try:
-        device = parse_device(rank_devices(spec, world)[rank], check=False) if spec else None
+        names = core.device_names(devices, world)
+        device = parse_device(names[rank], check=False) if names is not None else None
     except ValueError:
         device = None  # a bad list is reported, naming it, where the accelerator is made
     return is_cpu_job(device, world)

@@ -81,9 +81,7 @@ class PayCheck:
 
     def take(self) -> str | None:
         """The line saying that the split does not pay, once, when the steps read now show it; else ``None``."""
-        while (
-            not self.said and self.unread and all(lap.ready() for laps in self.unread[0][2].values() for lap in laps)
-        ):
+        while not self.said and self.unread and all(lap.ready() for laps in self.unread[0][2].values() for lap in laps):
             plan, wall, laps = self.unread.popleft()
             key = (plan.batch_size, *plan.sizes)
             if key in self._done:

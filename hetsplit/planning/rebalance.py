@@ -394,6 +394,51 @@ class Rebalancer:
         return with_communication(new, self.communication)
 
 
+def rebalanced_caps(plan: Plan, profile: Profile | None, *, refuse: str | None = None) -> dict[str, int] | None:
+    """What rebalancing may move under ``plan``, decided once for every engine.
+
+    A plan without micro-batches: whole shares (``None``). A plan that runs some share as
+    micro-batches (a memory cap) is re-solved with them, within the caps returned: the
+    profile's, else those of the curves the plan was solved from (which the rebalancer
+    starts from); re-solved without, a capped device would be handed a share it cannot
+    hold, mid-training.
+
+    Args:
+        plan: The starting plan.
+        profile: The rebalancer's profile (``Rebalancer(profile)``), if any.
+        refuse: The engine and argument (``"HeteroTrainer(rebalance=2)"``) when the engine
+            does not follow re-cut micro-batches mid-run (the integrations): refused then.
+
+    Raises:
+        ValueError: With ``refuse``, or with no cap known for a device whose share is split.
+    """
+    split = [r for r, parts in enumerate(plan.micro_batches) if len(parts) > 1]
+    if not split:
+        return None
+    r = split[0]
+    if refuse is not None:
+        raise ValueError(
+            f"{refuse} with a plan with micro-batches: the plan splits rank {r}'s share "
+            f"{plan.sizes[r]} into micro-batches {plan.micro_batches[r]}, but the rebalancer re-solves and records "
+            "whole shares (its first new plan would run a share over a device's memory cap whole, out of memory; "
+            "with a capped profile the shares would never move). Pass rebalance=0 to keep these micro-batches, or "
+            "solve the plan without accumulate (shares within the memory caps) to rebalance"
+        )
+    if profile is not None:
+        caps = profile.memory_caps()
+    else:
+        caps = {d: c.memory_cap for d, c in zip(plan.devices, plan.curves) if c.intercept > 0}
+    blind = [plan.devices[r] for r in split if caps.get(plan.devices[r]) is None]
+    if blind:
+        raise ValueError(
+            f"the plan runs the shares of {blind} as micro-batches {[plan.micro_batches[r] for r in split]}, "
+            "but the rebalancer knows no memory cap for them and would hand them whole shares: give it "
+            "the profile the plan was solved from (hetsplit.Rebalancer(profile)), or a plan without "
+            "micro-batches"
+        )
+    return {d: c for d, c in caps.items() if c is not None}
+
+
 def _spread(values: Sequence[float] | deque[float]) -> float:
     """A robust standard deviation: 1.4826 times the median absolute deviation."""
     mid = statistics.median(values)

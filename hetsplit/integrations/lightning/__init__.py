@@ -4,7 +4,7 @@
   rebuilt loaders, step weights, weighted metrics, emulated speed), its hooks marked ``@override``;
 - :mod:`.ddp`: ``HeteroDDPStrategy``; :mod:`.model_parallel`: ``HeteroModelParallelStrategy`` (FSDP2);
 - :mod:`.micro_batches`: a share run as the plan's micro-batches inside one step;
-- :mod:`.callback`, :mod:`.checks`, :mod:`.logs`, :mod:`.profiling`: the pieces they use.
+- :mod:`.checks`, :mod:`.logs`, :mod:`.profiling`: the pieces they use (the callback lives with the strategy).
 
 Users import the strategies from :mod:`hetsplit.lightning`.
 """

@@ -40,11 +40,11 @@ def check_micro_plan(
 
     Raises:
         ValueError: If the plan splits some rank's share and ``rebalance`` is set
-            (:func:`~hetsplit.integrations.core.check_rebalance`), or ranks run different
+            (:func:`~hetsplit.integrations.core.check_plan`), or ranks run different
             numbers of micro-batches and ``module`` holds a ``torch.nn.SyncBatchNorm`` (its
             collectives would not match across ranks).
     """
-    core.check_rebalance(who, plan, rebalance)
+    core.check_plan(who, plan, None, rebalance=rebalance)
     if plan is None or all(len(parts) <= 1 for parts in plan.micro_batches):
         return
     r = next(r for r, parts in enumerate(plan.micro_batches) if len(parts) > 1)

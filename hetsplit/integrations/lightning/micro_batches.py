@@ -1,22 +1,13 @@
 """Lightning micro-batches: a rank's share run as the plan's micro-batches inside one training step.
 
-A plan solved with ``accumulate=True`` may split a rank's share (``plan.micro_batches[rank]``,
-e.g. ``[64, 64, 63]`` on a device with little memory). Lightning's automatic optimization
-calls the strategy's ``training_step`` once with the whole share, then ``zero_grad`` (at
-the first batch of an accumulation window), then one backward on the loss it returned.
-HeteroDDPStrategy cuts the share with :func:`hetsplit.distributed.micro_batches` (all but
-the last micro-batch under ``no_sync()``, so DDP all-reduces once) and runs every
-micro-batch's ``training_step`` through DDP once: all but the last run their backward at
-once, inside the step; their gradients are set aside where ``zero_grad`` cannot wipe them
-(:class:`GradientsAside`) and put back before Lightning's one backward, which runs the last
-micro-batch's and all-reduces the sum. The rank holds one micro-batch's activations at a
-time; every forward runs once, so buffers (BatchNorm's running statistics), random draws
-and other side effects are those of one process running the micro-batches in turn.
-
-Under FSDP2 (``HeteroModelParallelStrategy``) the same runs with the ``fully_shard`` root in
-DDP's place: every rank runs the plan's largest number of micro-batches (FSDP2's gathers
-and reduce-scatters are collective; :mod:`hetsplit.distributed.sharded`), each
-reduce-scatters its weighted gradient, and FSDP2 adds them into the sharded gradients.
+Lightning's automatic optimization calls ``training_step`` once, then ``zero_grad``, then
+one backward. A share the plan splits (``plan.micro_batches[rank]``) is cut with
+:func:`hetsplit.distributed.micro_batches` (all but the last under ``no_sync()``) and each
+micro-batch's ``training_step`` runs through DDP once (under FSDP2 through the
+``fully_shard`` root, as many on every rank); all but the last run their backward inside
+the step, their gradients kept from ``zero_grad`` (:class:`GradientsAside`) until
+Lightning's one backward runs the last and all-reduces the sum. Every forward runs once,
+so buffers and random draws are those of one process running the micro-batches in turn.
 """
 
 from __future__ import annotations

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import lightning.pytorch as pl
@@ -11,7 +10,6 @@ from torch import nn
 from typing_extensions import override
 
 from hetsplit.distributed.sharded import kind
-from hetsplit.planning import Plan, Profile, Rebalancer
 
 from ..options import HeteroOptions
 from .strategy import HeteroStrategy
@@ -26,16 +24,11 @@ _HOW = (
 class HeteroModelParallelStrategy(HeteroStrategy, ModelParallelStrategy):
     """Lightning's ``ModelParallelStrategy`` (FSDP2) with uneven per-rank batches from one hetsplit plan.
 
-    For a model larger than the smallest device: the LightningModule shards itself with
-    ``fully_shard`` in ``configure_model`` as for ``ModelParallelStrategy``, and every rank
-    trains on its own share of each global batch. The one-line change from a Lightning
-    FSDP2 script: ``strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)``
-    becomes ``strategy=HeteroModelParallelStrategy(devices="cpu,cpu@0.25")`` (with
-    ``accelerator="cpu", devices=2``; ``HeteroModelParallelStrategy()`` with ``accelerator="gpu"``
-    on unequal GPUs). Everything :class:`~hetsplit.lightning.HeteroDDPStrategy` does for the
-    device list, the plan (``plan``, ``profile``, ``plan_kwargs``, ``global_batch_size``),
-    the re-cut training and evaluation loaders, the weighted metrics, ``rebalance`` and
-    emulated speed and memory it does here too, with these differences:
+    For a model larger than the smallest device (docs/integrations.md, FSDP2):
+    ``ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)`` becomes
+    ``HeteroModelParallelStrategy(devices="cpu,cpu@0.25")``; the LightningModule shards
+    itself in ``configure_model``. Everything :class:`~hetsplit.lightning.HeteroDDPStrategy`
+    does it does here too, with these differences:
 
     - **Mesh**: data parallelism only, over a 1-D mesh of every process:
       ``self.device_mesh["data_parallel"]`` (``data_parallel_size`` is the world size,
@@ -60,10 +53,8 @@ class HeteroModelParallelStrategy(HeteroStrategy, ModelParallelStrategy):
       uninterrupted fit: the same shares, epoch order, parameters and optimizer state.
 
     Args:
-        devices, plan, profile, global_batch_size, rebalance, plan_kwargs, quiet: As for
-            :class:`~hetsplit.lightning.HeteroDDPStrategy`.
         weighting: ``"outputs"`` only (FSDP2 has no comm hook to weight).
-        options: As for :class:`~hetsplit.lightning.HeteroDDPStrategy`.
+        options: The shared arguments, as for :class:`~hetsplit.lightning.HeteroDDPStrategy`.
         data_parallel_size: ``"auto"`` (the world size) or the world size.
         tensor_parallel_size: 1.
         **kwargs: Passed to ``ModelParallelStrategy`` (``save_distributed_checkpoint``,
@@ -76,18 +67,12 @@ class HeteroModelParallelStrategy(HeteroStrategy, ModelParallelStrategy):
     """
 
     who = _WHO
+    weightings = ("outputs",)  # FSDP2 has no comm hook to weight
 
     def __init__(
         self,
-        devices: str | Sequence[Any] | None = None,
-        plan: Plan | None = None,
-        profile: Profile | None = None,
-        global_batch_size: int | None = None,
-        weighting: str = "outputs",
-        rebalance: int | Rebalancer = 0,
         *,
-        plan_kwargs: dict[str, Any] | None = None,
-        quiet: bool = False,
+        weighting: str = "outputs",
         options: HeteroOptions | None = None,
         data_parallel_size: int | str = "auto",
         tensor_parallel_size: int = 1,
@@ -106,12 +91,10 @@ class HeteroModelParallelStrategy(HeteroStrategy, ModelParallelStrategy):
                 f"{_WHO}(data_parallel_size={data_parallel_size!r}): leave it out ('auto': every process is one "
                 "data-parallel rank) or give the number of processes"
             )
-        given = HeteroOptions.given(
-            _WHO, options, devices=devices, plan=plan, profile=profile, global_batch_size=global_batch_size,
-            rebalance=rebalance, plan_kwargs=plan_kwargs, quiet=quiet,
+        super().__init__(
+            weighting=weighting, options=options, data_parallel_size=data_parallel_size, tensor_parallel_size=1,
+            **kwargs,
         )  # fmt: skip
-        given.check(_WHO, weighting, ("outputs",))
-        super().__init__(given, weighting, data_parallel_size=data_parallel_size, tensor_parallel_size=1, **kwargs)
         self._root: nn.Module | None = None
 
     @override

@@ -112,14 +112,13 @@ def profiled_plan(
     Raises:
         RuntimeError: If ``training_step`` cannot be profiled (naming the device and the cause).
     """
-    cuda = [root] if root.type == "cuda" else []
-    with torch.random.fork_rng(devices=cuda):  # drawing the sample shuffles: the run must not see it
-        sample = next(iter(loader))  # as the loader gives it (on the CPU): the profiler moves rows itself
 
     def profiled(model: nn.Module) -> Plan:
+        # The batch as the loader gives it (on the CPU): the profiler moves rows itself.
         return core.profiled_plan(
-            who, "training_step", model, (sample,), batch_size, device=device, profile=profile,
-            plan_kwargs=plan_kwargs, cuda=cuda, hint="fix the step, or pass plan= (or profile=) to skip profiling",
+            who, "training_step", model, loader, batch_size, device=device, profile=profile,
+            plan_kwargs=plan_kwargs, cuda=[root] if root.type == "cuda" else [],
+            hint="fix the step, or pass plan= (or profile=) to skip profiling",
         )  # fmt: skip
 
     if not holds_sharded(module):

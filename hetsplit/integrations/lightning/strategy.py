@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import lightning.pytorch as pl
@@ -23,22 +23,21 @@ from torch import Tensor, nn
 from typing_extensions import override
 
 import hetsplit.distributed as hd
-from hetsplit.devices import Device, parse_device, rank_label
+from hetsplit.devices import Device, parse_device
 from hetsplit.distributed.comm_hooks import WeightingState
 from hetsplit.distributed.sampler import HeteroDistributedSampler
 from hetsplit.distributed.setup import ENV_DEVICES
+from hetsplit.distributed.sharded import is_sharded
 from hetsplit.planning import Plan, plan_from_sizes
-from hetsplit.planning.sizes import even_plan, scaled_plan
 from hetsplit.tree import samples_in
 
 from .. import core
 from ..collectives import op_name, weighted_reduce
 from ..loaders import lightning_order, rebuilt_loader, shares_sampler
 from ..options import HeteroOptions
-from .callback import HeteroCallback
 from .checks import check_micro_plan, rank_devices
 from .logs import stand_in_logging
-from .micro_batches import GradientsAside, run_training_step
+from .micro_batches import GradientsAside, run_training_step, share_micro_batches
 from .profiling import profiled_plan
 
 
@@ -52,12 +51,17 @@ class HeteroStrategy(ParallelStrategy):
     :class:`~.ddp.HeteroDDPStrategy` describes the behaviour.
 
     Args:
-        options: The arguments every integration shares (checked by the subclass).
-        weighting: How the gradients are weighted (``"hook"`` or ``"outputs"``).
+        weighting: How the gradients are weighted (one of :attr:`weightings`).
+        options: The arguments every integration shares (:class:`~..options.HeteroOptions`),
+            or its fields as keywords in ``strategy_kwargs``.
         **strategy_kwargs: Passed to the Lightning strategy.
+
+    Raises:
+        TypeError, ValueError: As :meth:`~..options.HeteroOptions.check`.
     """
 
     who: ClassVar[str] = "HeteroStrategy"  # the class the user made, named in every message
+    weightings: ClassVar[tuple[str, ...]] = ("hook", "outputs")  # the weightings the subclass offers
 
     if TYPE_CHECKING:  # what DDPStrategy and ModelParallelStrategy both have, and ParallelStrategy not
         num_nodes: int
@@ -67,7 +71,10 @@ class HeteroStrategy(ParallelStrategy):
 
         def set_world_ranks(self) -> None: ...
 
-    def __init__(self, options: HeteroOptions, weighting: str, **strategy_kwargs: Any) -> None:
+    def __init__(self, *, weighting: str, options: HeteroOptions | None = None, **strategy_kwargs: Any) -> None:
+        options = HeteroOptions.take(self.who, options, strategy_kwargs)
+        options.check(self.who, weighting, self.weightings)
+        self.check_arguments(weighting, strategy_kwargs)
         self._rank_device: Device | None = None  # before super(): root_device reads it
         super().__init__(**strategy_kwargs)
         self.options = options
@@ -90,6 +97,12 @@ class HeteroStrategy(ParallelStrategy):
         self._callback = HeteroCallback(self)
         self._report: core.SplitReport | None = None  # made with the ranks known (setup)
         self.aside = GradientsAside()  # a micro-batched step's gradients, until Lightning's backward
+        # Per-step questions, answered once: the throttle (with the device), whether the memory is capped,
+        # the micro-batches of the plan in force, and the epoch's stand-ins and short batches (_EpochSteps).
+        self._throttled: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext
+        self._memory_capped = False
+        self._micro: tuple[Plan | None, list[int] | None] = (None, None)
+        self._epoch = _EpochSteps()
 
     @override
     def __getstate__(self) -> dict[str, Any]:
@@ -111,10 +124,6 @@ class HeteroStrategy(ParallelStrategy):
     def rank_device(self) -> Device | None:
         """This rank's hetsplit device (known once the environment is set up)."""
         return self._rank_device
-
-    def _throttled(self) -> contextlib.AbstractContextManager[Any]:
-        """The block at this rank's emulated speed (a real device, or none yet: as it is); waits are not slowed."""
-        return self._rank_device.throttle() if self._rank_device is not None else contextlib.nullcontext()
 
     @property
     def module(self) -> pl.LightningModule:
@@ -140,6 +149,9 @@ class HeteroStrategy(ParallelStrategy):
         return device
 
     # ------------------------------------------------------------------ what a subclass says
+    def check_arguments(self, weighting: str, strategy_kwargs: dict[str, Any]) -> None:
+        """Refuse the Lightning strategy's arguments that cannot run with ``weighting`` (before any work)."""
+
     def weighted_model(self) -> nn.Module | None:
         """The module whose gradients :func:`hetsplit.distributed.weight_gradients` weights (``None``: not yet)."""
         raise NotImplementedError
@@ -174,13 +186,11 @@ class HeteroStrategy(ParallelStrategy):
         first = self.node_rank * self.num_processes
         here = range(first, first + self.num_processes)
         names = rank_devices(spec, self.world_size, self._lightning_root_device().type, here, who=self.who)
-        if self._plan is not None and len(self._plan.sizes) != self.world_size:
-            raise ValueError(
-                f"{self.who}(plan=...) has {len(self._plan.sizes)} shares {list(self._plan.sizes)} for "
-                f"{self.world_size} processes; solve a plan with one share per process"
-            )
-        self._rank_device = parse_device(names[self.global_rank])
-        self._labels = [rank_label(r, n) for r, n in enumerate(names)]
+        core.check_plan(self.who, self._plan, self.world_size)
+        self._rank_device = device = parse_device(names[self.global_rank])
+        self._labels = core.labels(names)
+        self._throttled = core.throttler(device)  # waits for other ranks are not slowed
+        self._memory_capped = device.max_batch is not None
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -232,7 +242,8 @@ class HeteroStrategy(ParallelStrategy):
         # The fit loop makes the loader's iterator before on_train_epoch_start (the callback's
         # set_epoch), and with workers the iterator already draws the first indices: a fit
         # resumed at epoch e must start from e's order.
-        self.train_sampler.set_epoch(self.module.trainer.current_epoch)
+        self.epoch_started(self.module.trainer.current_epoch)
+        self._micro = (None, None)
         self.weight()
         policy = self.rebalancer.rebalancer if self.rebalancer is not None else self.rebalance  # a reloaded loader
         self.rebalancer = core.rebalancer(
@@ -299,10 +310,7 @@ class HeteroStrategy(ParallelStrategy):
 
     def _eval_plan(self, total: int) -> Plan:
         """Shares of an evaluation batch of ``total`` in the plan's proportions (even without a plan)."""
-        plan = self.plan
-        if plan is None:
-            return even_plan(total, self._labels)
-        return scaled_plan(plan, total, self._labels)
+        return core.shares_for(self.plan, total, self._labels)
 
     def _step_sampler(self) -> HeteroDistributedSampler | None:
         """The hetsplit sampler of the loader the running step's batch comes from, if it has one.
@@ -359,7 +367,7 @@ class HeteroStrategy(ParallelStrategy):
         sampler, gradients, plan, index = self.train_sampler, self.gradients, self.plan, self._batch_index
         if sampler is None or gradients is None or plan is None or self.rebalancer is not None:
             return
-        sizes = sampler.step_sizes(index) if isinstance(index, int) else list(plan.sizes)
+        sizes = self._epoch.short.get(index, list(plan.sizes)) if isinstance(index, int) else list(plan.sizes)
         if sizes != self._weighted:
             gradients.set_plan(plan if sizes == list(plan.sizes) else plan_from_sizes(None, self._labels, sizes))
             self._weighted = sizes
@@ -371,7 +379,7 @@ class HeteroStrategy(ParallelStrategy):
         index = self._batch_index
         sampler = self._step_sampler()
         # A zero share's stand-in samples count for nothing, as in its gradient (evaluation adds no padding).
-        stand_in = bool(rows) and isinstance(index, int) and sampler is not None and sampler.is_filler(index)
+        stand_in = bool(rows) and isinstance(index, int) and sampler is not None and self._is_filler(sampler, index)
         self._samples = 0 if stand_in else rows
         module = self.module
         if self._samples is not None:
@@ -391,6 +399,27 @@ class HeteroStrategy(ParallelStrategy):
         finally:
             self._samples = None
 
+    def _is_filler(self, sampler: HeteroDistributedSampler, index: int) -> bool:
+        """Whether batch ``index`` of ``sampler`` is a zero share's stand-in (the training sampler: asked per epoch)."""
+        if sampler is self.train_sampler and self.rebalancer is None:
+            return index in self._epoch.fillers
+        return sampler.is_filler(index)
+
+    def epoch_started(self, epoch: int) -> None:
+        """A training epoch starts: its shuffle for the shares, and its stand-ins and short batches asked once."""
+        sampler = self.train_sampler
+        if sampler is not None:
+            sampler.set_epoch(epoch)
+            self._epoch = _EpochSteps.of(sampler)
+
+    def _micro_batches(self) -> list[int] | None:
+        """This rank's micro-batches under the plan in force (``None``: one batch), asked once a plan."""
+        plan = self.plan
+        if plan is not self._micro[0]:
+            sharded = is_sharded(self.micro_model())
+            self._micro = (plan, share_micro_batches(plan, self.global_rank, self.module, sharded=sharded))
+        return self._micro[1]
+
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         """The LightningModule's ``training_step`` at the rank's emulated speed and memory (means weighted by samples).
@@ -399,6 +428,8 @@ class HeteroStrategy(ParallelStrategy):
         """
         self._weigh_step()
         with self._step(args, kwargs):
+            if self._micro_batches() is None and not self._memory_capped:  # the plain step: nothing to cut or check
+                return super().training_step(*args, **kwargs)
             return run_training_step(self, super().training_step, args, kwargs)
 
     @override
@@ -420,14 +451,25 @@ class HeteroStrategy(ParallelStrategy):
         A micro-batched step's first micro-batches' gradients are put back first
         (:class:`~.micro_batches.GradientsAside`).
         """
-        self.aside.restore()
+        if self.aside.held is not None:
+            self.aside.restore()
         with self._throttled():
             loss: Tensor = super().backward(closure_loss, optimizer, *args, **kwargs)
         return loss
 
     @override
     def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
-        """Reduce across ranks; inside a ``*_step``, a mean is weighted by each rank's samples (see the class).
+        """Reduce across ranks; inside a ``*_step``, a mean is weighted by each rank's samples.
+
+        ``self.log(..., sync_dist=True)`` reduces through here. An ``on_epoch`` mean is exact
+        as Lightning keeps it (``sum(value * batch_size)`` and ``sum(batch_size)`` per rank,
+        divided after the all-reduce: ``_ResultMetric`` in Lightning's ``result.py``); an
+        ``on_step`` value is synced alone with ``"mean"``, a plain mean of the ranks' values,
+        so here it is weighted by the step's samples (the first tensor's length, as Lightning
+        counts ``batch_size``). ``sum``/``max``/``min`` stay plain; a rank without samples adds
+        nothing. Not weighted: means reduced in other hooks, a ``batch_size=`` given to
+        ``self.log``; a rank whose share moves between 0 and more within an epoch
+        (rebalancing) makes such an epoch mean NaN (``NaN * 0`` in Lightning's sum).
 
         Args:
             tensor: The value to reduce (anything else is returned unchanged).
@@ -462,3 +504,91 @@ class HeteroStrategy(ParallelStrategy):
             return self._seen.get(self.module.trainer.state.stage)
         except (AttributeError, RuntimeError):  # no module, or not attached to a trainer
             return None
+
+
+class _EpochSteps:
+    """A training epoch's steps that differ from the plan, asked of its sampler once (without rebalancing).
+
+    Attributes:
+        fillers: The steps whose batch is a zero share's stand-in on this rank.
+        short: Every rank's rows at the steps whose global batch is short of the plan's.
+    """
+
+    def __init__(self, fillers: frozenset[int] = frozenset(), short: dict[int, list[int]] | None = None) -> None:
+        self.fillers, self.short = fillers, short or {}
+
+    @classmethod
+    def of(cls, sampler: HeteroDistributedSampler) -> _EpochSteps:
+        """The epoch ``sampler`` is set to."""
+        steps = range(len(sampler))
+        short = {i: sizes for i in steps if (sizes := sampler.short_sizes(i)) is not None}
+        return cls(frozenset(i for i in steps if sampler.is_filler(i)), short)
+
+
+class HeteroCallback(pl.Callback):
+    """Installed by every hetsplit strategy: each epoch's shuffle for the shares, and the rebalancer around each batch.
+
+    Lightning calls ``set_epoch`` on a loader's ``sampler`` and ``batch_sampler.sampler``
+    only, not on a batch sampler itself, so the strategy's batch sampler gets its epoch
+    here. With ``rebalance=K`` every training batch (forward, backward, optimizer step)
+    runs inside :meth:`hetsplit.distributed.DistributedRebalancer.step`. It lives beside
+    the strategy it drives: a step enters one file for both.
+
+    Args:
+        strategy: The strategy whose sampler and rebalancer to drive.
+    """
+
+    def __init__(self, strategy: HeteroStrategy) -> None:
+        self.strategy = strategy
+        self._steps = contextlib.ExitStack()
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Say the measured step beside the predicted one (rank 0)."""
+        self.strategy.training_ended()
+
+    @override
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """An epoch ended: the time until the next epoch's first step is no step's (the split report)."""
+        self.strategy.training_paused()
+
+    @override
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Shuffle the shares of this epoch (the same order on every rank); count its samples afresh."""
+        self.strategy.count_samples()
+        self.strategy.epoch_started(trainer.current_epoch)
+
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        """Tell the strategy which batch runs; open the rebalancer's step."""
+        self.strategy.batch_started(batch_idx)
+        if self.strategy.rebalancer is not None:
+            self._steps.enter_context(self.strategy.rebalancer.step())
+
+    @override
+    def on_validation_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
+        """Tell the strategy which batch of which loader runs (a step may take no ``batch_idx``)."""
+        self.strategy.batch_started(batch_idx, dataloader_idx)
+
+    @override
+    def on_test_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
+        """As :meth:`on_validation_batch_start`."""
+        self.strategy.batch_started(batch_idx, dataloader_idx)
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        """Close the step: its time is recorded; every K steps the ranks exchange times."""
+        self._steps.close()
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        """Drop an open step without exchanging (a failed rank must not wait for the others)."""
+        self._steps.pop_all()
