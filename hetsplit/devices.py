@@ -29,17 +29,16 @@ _SPEC = re.compile(
 class Device:
     """A device a shard can run on, possibly emulated at a fraction of its real speed.
 
-    ``Device("cpu", None, 0.25, True)`` is the CPU at a quarter speed: after each
-    piece of work it sleeps three times the work's measured duration. With
-    ``max_batch=64`` it also emulates a small memory: a forward on more than 64 samples
-    raises ``torch.OutOfMemoryError``, as a small GPU would. Build one with
-    :func:`parse_device` (``"cpu@0.25:max64"``) or :func:`emulate` rather than by hand.
+    ``Device("cpu", None, 0.25, True)`` is the CPU at a quarter speed; ``max_batch=64``
+    also emulates a small memory (a forward on more samples raises
+    ``torch.OutOfMemoryError``). Build one with :func:`parse_device` (``"cpu@0.25:max64"``)
+    or :func:`emulate`.
 
     Attributes:
         type: ``"cpu"``, ``"cuda"`` or ``"mps"``.
         index: The device index (``None`` for the CPU).
         speed: The emulated speed factor in ``(0, 1]``; ``1.0`` for a real device.
-        emulated: Whether the device was asked for with ``@speed`` (even ``@1.0``) or ``#max_batch``.
+        emulated: Whether the device was asked for with ``@speed`` (even ``@1.0``) or ``:maxN``.
         max_batch: The emulated memory: the most samples one forward may take (``None``: no limit).
     """
 
@@ -131,11 +130,7 @@ class Device:
         return emulation.copy_to(data, self.torch_device, requires_grad=requires_grad)
 
     def check_batch(self, batch: int) -> None:
-        """Raise ``torch.OutOfMemoryError`` if this device's emulated memory cannot take ``batch`` samples.
-
-        The one place emulated memory is enforced: the profiler, ``HeteroDataParallel``
-        and the torchrun recipe call it before each forward (a no-op for other devices).
-        """
+        """Raise ``torch.OutOfMemoryError`` if this device's emulated memory cannot take ``batch`` samples."""
         emulation.check_batch(self, batch)
 
     def __str__(self) -> str:
@@ -190,10 +185,9 @@ class DeviceInfo:
 def parse_device(spec: DeviceLike, *, check: bool = True) -> Device:
     """Parse one device string into a :class:`Device`.
 
-    Accepted forms: ``cpu`` (``cpu:0`` is the same), ``cuda``, ``cuda:N``, ``mps``, each optionally followed
-    by ``@SPEED`` with ``0 < SPEED <= 1`` for an emulated slower device, then by
-    ``:maxN`` for an emulated memory that holds a forward of at most ``N`` samples
-    (``cpu@0.25:max64``; ``cpu:max64`` at full speed). A bare ``cuda`` means the current CUDA device.
+    ``cpu`` (``cpu:0``), ``cuda`` (the current CUDA device), ``cuda:N`` or ``mps``, then
+    optionally ``@SPEED`` (``0 < SPEED <= 1``: an emulated slower device) and ``:maxN`` (an
+    emulated memory of ``N`` samples a forward): ``cpu@0.25:max64``, ``cpu:max64``.
 
     Args:
         spec: A string, a :class:`torch.device` or a :class:`Device`.
@@ -252,11 +246,7 @@ _ALIASES = {"gpu": "cuda", "nvidia": "cuda", "metal": "mps"}
 
 
 def _did_you_mean(text: str) -> str:
-    """``" (did you mean 'cuda:0'?)"`` for a near miss such as ``cuda0``, ``gpu:1`` or ``cdua``; else ``""``.
-
-    The type word is matched to cpu, cuda or mps (a known alias, else the closest
-    spelling), the index joined with ``:``; a guess is offered only if it parses.
-    """
+    """``" (did you mean 'cuda:0'?)"`` for a near miss such as ``cuda0``, ``gpu:1`` or ``cdua``; else ``""``."""
     found = re.fullmatch(r"([a-z]+)[:_\-#.]*(\d*)(.*)", text.replace(" ", ""))
     if found is None:
         return ""
@@ -271,10 +261,7 @@ def _did_you_mean(text: str) -> str:
 
 
 def emulate(base: DeviceLike, *, speed: float = 1.0, max_batch: int | None = None) -> Device:
-    """An emulated device: ``base`` slowed to ``speed`` and, with ``max_batch``, with a small memory.
-
-    The string form ``"cpu@0.25:max64"`` (``"cpu:max64"`` at full speed) works in every ``--devices``
-    list. A forward of over ``max_batch`` samples raises ``torch.OutOfMemoryError``.
+    """An emulated device: ``base`` slowed to ``speed`` and, with ``max_batch``, a small memory (``cpu@0.25:max64``).
 
     Args:
         base: The real device, e.g. ``"cpu"`` or ``"cuda:0"``.
@@ -317,9 +304,8 @@ def _check_available(dev: Device, spec: Any) -> None:
 def device_list(spec: str) -> list[str]:
     """The entries of a comma-separated device list, stripped, empty ones dropped; not parsed.
 
-    The one place a device list is split (``--devices``, ``HETSPLIT_DEVICES``, ``devices=``):
-    ``"cuda:0, cpu@0.25,"`` is ``["cuda:0", "cpu@0.25"]``. Entries are not checked here,
-    so a profile's free-form labels (``"v100"``) pass too; :func:`parse_devices` parses them.
+    The one place a device list is split: ``"cuda:0, cpu@0.25,"`` is ``["cuda:0", "cpu@0.25"]``
+    (free-form labels such as ``"v100"`` pass too).
     """
     return [s.strip() for s in spec.split(",") if s.strip()]
 
@@ -331,13 +317,9 @@ _CPU_INDEX = re.compile(r"^cpu:\d+(?=$|[@:])")
 
 
 def device_name(device: Any) -> str:
-    """hetsplit's name for a device as a framework writes it: ``cpu:0`` is ``cpu``, ``cuda:1`` stays.
+    """hetsplit's name for a device as a framework writes it (a ``torch.device``, a ``Device`` or a name).
 
-    Args:
-        device: A ``torch.device``, a hetsplit ``Device`` or a name (``"cpu:0@0.25"``).
-
-    Returns:
-        The name :func:`parse_device` takes.
+    ``cpu:0`` is ``cpu`` (``cpu:0@0.25`` is ``cpu@0.25``); ``cuda:1`` stays.
     """
     if isinstance(device, Device):
         return device.name
@@ -416,11 +398,7 @@ def describe(device: DeviceLike) -> DeviceInfo:
 
 
 def discover() -> list[DeviceInfo]:
-    """List every usable real device on this machine: the CPU, each CUDA GPU, MPS.
-
-    Returns:
-        One :class:`DeviceInfo` per device, the CPU last.
-    """
+    """Every usable real device on this machine: each CUDA GPU, MPS, the CPU last."""
     found: list[DeviceInfo] = []
     if torch.cuda.is_available():
         found.extend(describe(f"cuda:{i}") for i in range(torch.cuda.device_count()))
@@ -431,17 +409,24 @@ def discover() -> list[DeviceInfo]:
 
 
 def canonical_name(device: DeviceLike) -> str:
-    """A device's canonical name (``"cuda:0"``, ``"cpu@0.25"``); a free-form label is kept as it is.
-
-    Labels such as ``"v100"`` or ``"rank1:cuda:0"`` name devices in profiles of hardware
-    measured elsewhere; they are returned unchanged.
-    """
+    """A device's canonical name (``"cuda:0"``, ``"cpu@0.25"``); a label (``"v100"``, ``"rank1:cuda:0"``) as it is."""
     if isinstance(device, str):
         try:
             return parse_device(device, check=False).name
         except ValueError:
             return device
     return parse_device(device, check=False).name
+
+
+def rank_label(rank: int, device: object = "") -> str:
+    """A torchrun rank's name in a plan: ``rank1:cpu@0.25`` (``rank1`` for a share set by hand, with no device)."""
+    return f"rank{rank}:{device}" if device else f"rank{rank}"
+
+
+def label_device(name: str) -> str:
+    """The device a rank's name stands for (``cpu@0.25`` of ``rank1:cpu@0.25``); any other name as it is."""
+    head, _, rest = name.partition(":")
+    return rest if head.startswith("rank") and head[4:].isdigit() and rest else name
 
 
 def local_gpus() -> dict[str, str]:

@@ -112,10 +112,8 @@ class _Placed(Protocol):
 def release_after_oom(devices: Iterable[_Placed]) -> None:
     """Free what a step that ran out of memory left: its graph (collected garbage) and cached GPU memory.
 
-    Only after a failure: a step that ran through freed its graph as it went, and a full
-    collection costs tens of milliseconds (hundreds beside a framework's imports), more
-    than a small model's whole profile. Call it outside the ``except`` block, once the
-    error and the frames it holds are gone.
+    Only after a failure (a full collection costs tens of milliseconds, more than a small
+    model's whole profile), outside the ``except`` block, once the error's frames are gone.
     """
     import gc
 
@@ -166,14 +164,11 @@ _STAT = threading.local()  # per thread: its schedstat file, open (see _runnable
 def _runnable_time() -> float:
     """This thread's seconds on a core plus its seconds waiting in the run queue for one.
 
-    That is the time the thread's work took at the machine's present load, without the
-    time it was blocked (a lock, a collective, a sleep): on a machine where other
-    processes take the cores, the real device's work is slowed by exactly the run-queue
-    wait, so an emulated device that counts it stays ``1/speed`` times slower in the same
-    conditions. The time on a core is the thread's CPU clock (exact; schedstat's own
-    figure moves only at scheduler ticks); the run-queue wait is schedstat's second field,
-    brought up to date each time the thread gets a core. Without Linux's schedstat: the
-    thread's CPU time alone.
+    The work's time at the machine's present load, without the time it was blocked (a
+    lock, a collective, a sleep): a loaded machine slows the real device's work by exactly
+    the run-queue wait, so an emulated device that counts it stays ``1/speed`` times
+    slower. The CPU clock is exact (schedstat's own figure moves only at scheduler ticks);
+    the wait is schedstat's second field. Without Linux's schedstat: the CPU time alone.
     """
     global _HAS_SCHEDSTAT
     if _HAS_SCHEDSTAT is not False:
@@ -213,11 +208,7 @@ def _wall_time() -> float:
 
 
 def measures_load() -> bool:
-    """Whether the work clock counts the time a thread waits for a core (Linux schedstat).
-
-    Without it an emulated CPU, timed by CPU time alone, is less than ``1/speed`` times
-    slower than the real one on a loaded machine; outputs that rest on emulation say so.
-    """
+    """Whether the work clock counts the time a thread waits for a core (Linux schedstat); outputs say if not."""
     _runnable_time()
     return bool(_HAS_SCHEDSTAT)
 
@@ -225,11 +216,8 @@ def measures_load() -> bool:
 def work_clock(device: _Emulated) -> Callable[[], float]:
     """The clock a device's work is measured by: its compute time, apart from waiting.
 
-    On the CPU with one intra-op thread the work runs in the calling thread, so the
-    thread's runnable time (:func:`_runnable_time`: on a core or waiting for one) is the
-    work itself at the machine's present load; time blocked on the interpreter lock, on
-    another rank's collective or asleep is not work. Otherwise (several intra-op threads,
-    a GPU after synchronising) wall time.
+    On the CPU with one intra-op thread the work runs in the calling thread: its runnable
+    time (:func:`_runnable_time`). Otherwise (several threads, a GPU after synchronising) wall time.
     """
     if device.type == "cpu":
         import torch  # emulation is imported before torch is needed; this is called per piece of work
@@ -242,10 +230,8 @@ def work_clock(device: _Emulated) -> Callable[[], float]:
 def compute_counter(device: _Emulated) -> Callable[[], float]:
     """A counter of this thread's compute seconds on ``device``, emulated slow-down included.
 
-    The difference of two readings is the work done in between as the (emulated) device
-    would have done it: :func:`work_clock`'s reading plus the compute that throttles in this
-    thread stood in for by sleeping. Waits (a collective, the interpreter lock) do not
-    count. With a wall clock (:func:`work_clock`), the sleeps are in its reading already.
+    :func:`work_clock`'s reading plus the compute that throttles in this thread stood in
+    for by sleeping (a wall clock has the sleeps in it already); waits do not count.
     """
     clock = work_clock(device)
     if clock is _wall_time:
@@ -257,13 +243,10 @@ def compute_counter(device: _Emulated) -> Callable[[], float]:
 def throttle(device: _Emulated) -> Iterator[None]:
     """Run the enclosed work at ``device``'s emulated speed (nothing for a real device).
 
-    Measures the enclosed work by :func:`work_clock` and sleeps until the piece has taken
-    ``work / speed`` in all. With a compute clock (one CPU thread) the work counts the
-    machine's load (the run-queue wait), so a loaded machine slows the emulated device as
-    much as the real one, and the piece's own waits (a collective with other ranks, the
-    interpreter lock) overlap the emulated slow-down as a slow GPU computes while its peers
-    wait; they are never slowed. With a wall clock the piece sleeps ``(1/speed - 1)``
-    times its duration.
+    Sleeps until the piece has taken ``work / speed`` in all, the work measured by
+    :func:`work_clock`: its own waits (a collective, the interpreter lock) overlap the
+    slow-down, as a slow GPU computes while its peers wait, and are never slowed. With a
+    wall clock it sleeps ``(1/speed - 1)`` times the piece's duration.
     """
     speed = current_speed(device)
     if speed >= 1.0:
@@ -299,11 +282,9 @@ def _sleep(seconds: float) -> None:
 def copy_to(data: Any, device: torch.device, *, requires_grad: bool = False) -> Any:
     """A copy of ``data`` (a tensor or a nest of them) on ``device``, never sharing storage with it.
 
-    An emulated device does its work in its real device's memory, so ``cpu`` and
-    ``cpu@0.25`` are one memory: the course's ``get_params`` (``p.to(device)``, which
-    returns ``p`` itself when it is already there) would give both the *same*
-    parameters, and every update would be applied twice. (``p.to("cpu@0.25")`` is no
-    torch device string at all.) This always copies.
+    ``cpu`` and ``cpu@0.25`` are one memory: ``p.to(device)`` returns ``p`` itself when it
+    is already there, so both would get the *same* parameters and every update would be
+    applied twice. This always copies.
 
     Args:
         data: Tensors to copy; other leaves are kept as they are.

@@ -7,6 +7,7 @@ import os
 import stat
 import tempfile
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,9 @@ class ProfileFileError(ValueError):
     """A profile or plan file is missing, damaged, or of another schema version."""
 
 
-def write_json(path: str | Path, kind: str, payload: dict[str, Any]) -> Path:
+def write_json(
+    path: str | Path, kind: str, payload: dict[str, Any], *, publish: Callable[[Path, Path], Path] | None = None
+) -> Path:
     """Write ``payload`` with a schema header to ``path`` atomically.
 
     The JSON goes to a temporary file in the same directory, is flushed to disk, then
@@ -32,6 +35,8 @@ def write_json(path: str | Path, kind: str, payload: dict[str, Any]) -> Path:
         path: Target file; parent directories are created.
         kind: What the file holds (``"profile"``, ``"plan"``, ``"bench"``).
         payload: JSON-ready data.
+        publish: Gives the finished temporary file its name, ``publish(tmp, path)``, and
+            returns it (default: renamed over ``path``).
 
     Returns:
         The path written.
@@ -43,14 +48,14 @@ def write_json(path: str | Path, kind: str, payload: dict[str, Any]) -> Path:
         raise _write_error(path, e) from e
     tmp = _write_temp(path, kind, payload)
     try:
+        if publish is not None:
+            return publish(tmp, path)
         os.replace(tmp, path)
-    except BaseException as e:
-        # Ctrl-C or a full disk: drop the temporary file, leave the target untouched.
-        tmp.unlink(missing_ok=True)
-        if isinstance(e, OSError):
-            raise _write_error(path, e) from e
-        raise
-    return path
+        return path
+    except OSError as e:
+        raise _write_error(path, e) from e
+    finally:
+        tmp.unlink(missing_ok=True)  # Ctrl-C or a full disk: no temporary file left, the target untouched
 
 
 def _write_temp(path: Path, kind: str, payload: dict[str, Any]) -> Path:

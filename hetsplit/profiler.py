@@ -18,12 +18,13 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from . import _torch, emulation, timing
-from .devices import Device, DeviceLike, describe, parse_devices
+from .devices import Device, DeviceLike, describe, label_device, parse_device, parse_devices
 from .emulation import is_out_of_memory, release_after_oom
 from .planning import checks
 from .planning.curve import Curve
 from .planning.profile import Profile, fingerprint
 from .planning.records import DeviceProfile, Measurement, MemoryModel
+from .planning.sizes import model_call
 from .tree import batch_length, flatten, move, take_rows
 
 MAX_PROBE = 1 << 16  # the largest batch a profile tries (the default max_probe, the sharded profile's too)
@@ -32,11 +33,7 @@ LossFn = Callable[..., torch.Tensor]
 
 
 def default_ladder(max_batch: int = 256) -> list[int]:
-    """Powers of two from 2 up to ``max_batch`` (and ``max_batch`` itself).
-
-    It starts at 2, not 1: BatchNorm cannot train on a single sample, and the fixed
-    per-step cost shows as well at 2.
-    """
+    """Powers of two from 2 up to ``max_batch`` (and ``max_batch`` itself): BatchNorm cannot train on one sample."""
     ladder, b = [], 2
     while b < max_batch:
         ladder.append(b)
@@ -47,8 +44,8 @@ def default_ladder(max_batch: int = 256) -> list[int]:
 def check_ladder(batch_sizes: Sequence[int] | None, max_probe: int = MAX_PROBE) -> list[int]:
     """The ladder a profile climbs: ``batch_sizes`` sorted and deduplicated (default :func:`default_ladder`).
 
-    Checked before any device work: whole numbers of samples, at least one, none above
-    ``max_probe`` (a batch of a billion would take minutes and gigabytes before failing).
+    Checked before any device work: none above ``max_probe`` (a batch of a billion would
+    take minutes and gigabytes before failing).
 
     Raises:
         ValueError: Naming the bad size and the bound.
@@ -66,15 +63,6 @@ def check_ladder(batch_sizes: Sequence[int] | None, max_probe: int = MAX_PROBE) 
             "profile at the shard sizes you will use (raise max_probe for larger ones)"
         )
     return ladder
-
-
-def _call_model(model: nn.Module, inputs: Any) -> Any:
-    """``model(inputs)``; ``model(*inputs)`` for a tuple or list; ``model(**inputs)`` for a dict."""
-    if isinstance(inputs, dict):
-        return model(**inputs)
-    if isinstance(inputs, (tuple, list)) and not hasattr(inputs, "_fields"):
-        return model(*inputs)
-    return model(inputs)
 
 
 def _default_loss(output: Any) -> torch.Tensor:
@@ -97,15 +85,14 @@ def train_step(
     """One training step without the optimizer: forward, loss, backward. Returns the loss.
 
     ``inputs`` is passed as ``model(inputs)``, ``model(*inputs)`` for a tuple/list, or
-    ``model(**inputs)`` for a dict. The loss is ``loss_fn(output, target)`` when a
-    target is given, ``loss_fn(output)`` otherwise, and by default the sum of the
-    output's floating-point tensors. With an emulated ``device``, forward and backward
-    are each throttled, as :class:`hetsplit.HeteroDataParallel` runs them (a DDP rank's
-    wait for the others inside its backward is not slowed: :meth:`Device.throttle`).
+    ``model(**inputs)`` for a dict. The loss is ``loss_fn(output, target)`` (``loss_fn(output)``
+    without a target), by default the sum of the output's floating-point tensors. With an
+    emulated ``device``, forward and backward are each throttled, as the engines run them.
     """
     throttle = device.throttle if device is not None else contextlib.nullcontext
     with throttle():
-        output = _call_model(model, inputs)
+        args, kwargs = model_call(inputs)
+        output = model(*args, **kwargs)
         if loss_fn is None:
             loss = _default_loss(output)
         else:
@@ -115,35 +102,82 @@ def train_step(
     return loss
 
 
-class _Runner:
-    """Runs timed training steps of one replica on one device."""
+class DeviceSteps:
+    """One device's timed training steps over a ladder of batch sizes, and what they measured.
+
+    The one-process profile (:func:`profile`, a copy of the model per device) and the
+    sharded one (:func:`hetsplit.distributed.sharded_profile.profile_sharded`, the model in
+    place, every rank in the same steps) climb their ladders with these steps.
+
+    Args:
+        model: The model the steps train (a copy of the user's, or a sharded model in place).
+        dev: The device.
+        sample, target, loss_fn: As for :func:`profile`; a batch of ``b`` takes ``b`` rows, cycled.
+    """
 
     def __init__(self, model: nn.Module, dev: Device, sample: Any, target: Any, loss_fn: LossFn | None) -> None:
-        self.dev, self.device = dev, dev.torch_device
-        self.replica = copy.deepcopy(model).to(self.device).train()
-        self.n = batch_length(sample)
-        self.sample, self.target, self.loss_fn = sample, target, loss_fn
-        self.refused = False  # a probing step failed for another reason than memory (warned once)
+        self.model, self.dev, self.sample, self.target, self.loss_fn = model, dev, sample, target, loss_fn
+        self.timer: timing.StepTimer | None = None  # None: timing.lap (the sharded profile sets its own)
+        self.times: dict[int, list[float]] = {}  # the timed steps of each batch size
         self.peaks: dict[int, int] = {}  # CUDA: peak bytes allocated by a step of each batch size
+        self.cap: int | None = None  # the largest batch that fits (None: no limit found)
 
-    def step(self, batch: int, *, throttled: bool = True) -> float:
-        self.dev.check_batch(batch)  # an emulated memory runs out here, as a GPU's would in the step
+    def step(self, batch: int, *, throttled: bool = True, record: bool = False) -> float:
+        """One training step of ``batch`` rows (forward, loss, backward): its compute in seconds.
+
+        ``record`` keeps the time as a measurement of ``batch``; unthrottled (warm-up) steps
+        run an emulated device at its real speed.
+        """
+        device = self.dev.torch_device
         index = torch.arange(batch)
-        inputs = move(take_rows(self.sample, index), self.device)
-        target = move(take_rows(self.target, index), self.device) if self.target is not None else None
-        self.replica.zero_grad(set_to_none=True)
+        inputs = move(take_rows(self.sample, index), device)
+        target = move(take_rows(self.target, index), device) if self.target is not None else None
+        self.model.zero_grad(set_to_none=True)
         self.dev.synchronize()
-        cuda = self.device.type == "cuda"
+        cuda = device.type == "cuda"
         if cuda:
-            torch.cuda.reset_peak_memory_stats(self.device)
+            torch.cuda.reset_peak_memory_stats(device)
         # The device's compute time (timing.lap): on a loaded machine the wait for a core
         # counts, as it slows the real work, but nothing blocked (a lock, a sleep) does.
-        with timing.lap(self.dev) as work:
-            train_step(self.replica, inputs, target, self.loss_fn, self.dev if throttled else None)
+        with self.timer.step() if self.timer is not None else timing.lap(self.dev) as work:
+            train_step(self.model, inputs, target, self.loss_fn, self.dev if throttled else None)
             self.dev.synchronize()
         if cuda:
-            self.peaks[batch] = max(self.peaks.get(batch, 0), int(torch.cuda.max_memory_allocated(self.device)))
-        return work.seconds()
+            self.peaks[batch] = max(self.peaks.get(batch, 0), int(torch.cuda.max_memory_allocated(device)))
+        seconds = work.seconds()
+        if record:
+            self.times.setdefault(batch, []).append(seconds)
+        return seconds
+
+    def affordable(self, batch: int, budget: float, steps: int) -> bool:
+        """Whether the profile, with ``batch`` added to the sizes timed so far, still fits ``budget`` seconds.
+
+        Each size is run ``steps`` times; the new one is priced at the largest size's time per sample.
+        """
+        if len(self.times) < 2:
+            return True
+        last = max(self.times)
+        per_sample = statistics.median(self.times[last]) / last
+        projected = sum(statistics.median(t) for t in self.times.values()) + per_sample * batch
+        return projected * steps <= budget
+
+    def entry(self, probed_to: int | None = None) -> DeviceProfile:
+        """The device's profile: its measurements, the curve fitted to them, its :attr:`cap` and memory fit."""
+        measured = [Measurement(b, ts) for b, ts in sorted(self.times.items())]
+        memory = MemoryModel.fit(sorted(self.peaks.items())) if self.peaks else None
+        curve = Curve.fit([(m.batch, m.median) for m in measured], self.cap)
+        probed = measured[-1].batch if probed_to is None else probed_to
+        return DeviceProfile(
+            describe(self.dev), measured, curve, memory_cap=self.cap, memory_probed_to=probed, memory=memory
+        )
+
+
+class _Runner(DeviceSteps):
+    """The one-process profile's steps on one device: a copy of the model, probed for its largest batch."""
+
+    def __init__(self, model: nn.Module, dev: Device, sample: Any, target: Any, loss_fn: LossFn | None) -> None:
+        super().__init__(copy.deepcopy(model).to(dev.torch_device).train(), dev, sample, target, loss_fn)
+        self.refused = False  # a probing step failed for another reason than memory (warned once)
 
     def try_step(self, batch: int, *, probing: bool = False) -> bool:
         """Run one untimed step; False if it ran out of memory.
@@ -154,6 +188,7 @@ class _Runner:
         (measured on an H200: PyTorch's efficient attention above 65,535 sequences).
         """
         try:
+            self.dev.check_batch(batch)  # an emulated memory runs out here, as a GPU's would in the step
             self.step(batch, throttled=False)
         except Exception as e:
             if probing and not is_out_of_memory(e):
@@ -166,16 +201,16 @@ class _Runner:
                 self.refused = True
             elif not is_out_of_memory(e):
                 hint = "check the model runs on this sample and the loss fits its output"
-                if batch < 2 and any("BatchNorm" in type(m).__name__ for m in self.replica.modules()):
+                if batch < 2 and any("BatchNorm" in type(m).__name__ for m in self.model.modules()):
                     hint = "BatchNorm needs batches of 2 or more"  # only then: it misled a loss error
                 raise RuntimeError(
                     f"a training step of batch {batch} failed on {self.dev.name}: {type(e).__name__}: {e}; {hint}"
                 ) from e
         else:
-            if self.device.type == "cuda":
+            if self.dev.type == "cuda":
                 torch.cuda.empty_cache()  # the next, larger size meets the memory a fresh process would
             return True
-        self.replica.zero_grad(set_to_none=True)
+        self.model.zero_grad(set_to_none=True)
         release_after_oom([self.dev])
         return False
 
@@ -200,15 +235,10 @@ def profile(
 ) -> Profile:
     """Measure a full training step (forward, loss, backward) of ``model`` on each device.
 
-    For each device a copy of the model is timed over a ladder of batch sizes, with
-    warm-up steps, device synchronisation and ``repeats`` timed steps whose median is
-    kept. The ladder is climbed while the device's projected cost fits its share of
-    ``time_budget`` (at least two sizes are measured). Repeats are taken in passes over
-    all devices and sizes, so that a slow phase of the machine is spread over every
-    point rather than distorting one. On CUDA the largest batch that fits in memory is
-    found by probing with out-of-memory errors caught and memory released. The model
-    itself is not touched: parameters, gradients, buffers, mode, device and the global
-    RNG state are as they were.
+    A copy of the model per device is timed over a ladder of batch sizes (the median of
+    ``repeats`` steps), climbed while the device's projected cost fits its share of
+    ``time_budget`` (at least two sizes). The model itself and the RNG state are left as
+    they were. docs/how-it-works.md says how the ladder is climbed and why.
 
     Args:
         model: The model to profile.
@@ -225,17 +255,15 @@ def profile(
         warmup: Untimed steps before timing each batch size.
         time_budget: Seconds for the whole profile, shared equally by the devices.
         find_memory_cap: Probe CUDA devices (and emulated memories, ``cpu:max64``) for their
-            largest batch: the batch doubles until out of memory (caught, memory released),
-            then bisects to within 1/16. On CUDA each step's peak memory is recorded and
-            fitted as ``m(b) = base + per_sample * b`` (``DeviceProfile.memory``).
+            largest batch: doubled until out of memory (caught), then bisected to within
+            1/16; on CUDA each step's peak memory is fitted too (``DeviceProfile.memory``).
         max_probe: Largest batch tried when probing for the memory cap.
         progress: Show a progress bar (default: when stderr is a terminal).
         model_name: Name recorded in the profile (default: the model's class name).
         threads: Torch CPU threads while timing, restored afterwards (default: 1 when every
             device is the CPU, as ``hetsplit profile`` does; :func:`hetsplit.timing.cpu_threads`).
         check_emulation: Warn in one line (:func:`emulation_warning`) when an emulated device
-            measured more than 1.3x off ``1/speed`` times its real device profiled beside it
-            (``False``: the caller says it, e.g. with the factors of a calibration).
+            measured more than 1.3x off its speed (``False``: the caller says it).
 
     Returns:
         The :class:`Profile`, with raw measurements and fitted curves.
@@ -285,14 +313,18 @@ class EmulationFault(NamedTuple):
 
 
 def emulation_faults(prof: Profile, factors: Mapping[str, float] | None = None) -> list[EmulationFault]:
-    """Each emulated device in ``prof`` off ``1/speed`` times its real device's time (:func:`emulation_warning`)."""
+    """Each emulated device in ``prof`` off ``1/speed`` times its real device's time (:func:`emulation_warning`).
+
+    Devices may be a torchrun plan's ranks (``rank1:cpu@0.25``): each is checked against the
+    first rank of its real device.
+    """
     faults = []
     for e in prof.entries:
         info = e.info
         if not info.emulated or info.speed >= 1.0:
             continue
-        base = parse_devices([info.name])[0].base
-        real = next((r for r in prof.entries if r.name == base), None)
+        base = parse_device(label_device(info.name), check=False).base
+        real = next((r for r in prof.entries if label_device(r.name) == base), None)
         if real is None:
             continue
         theirs = {m.batch: m.median for m in real.measurements}
@@ -312,15 +344,12 @@ def emulation_faults(prof: Profile, factors: Mapping[str, float] | None = None) 
 def emulation_warning(prof: Profile, factors: Mapping[str, float] | None = None) -> str | None:
     """One line if an emulated device in ``prof`` was not ``1/speed`` times slower than its real device.
 
-    Compares each slowed device (``cpu@0.25``) with its real device profiled beside it, at
-    the batch sizes both measured (median of the ratios). With ``factors`` (each device's
-    measured time over its profiled time while the devices ran *together*: a calibration's
-    :meth:`~hetsplit.Rebalancer.factors`), the ratio while they ran together too: the
-    emulated device's own work then shares the cores with its real twin's, and on a loaded
-    machine the scheduler can slow one more than the other (measured beside two busy
-    processes: 1.6x, which gave the demo's ``cpu@0.25`` 11 % of the batch, not 17 %).
-    ``None`` when every emulated device measured within a factor 1.3 of its speed, or has
-    no real device to compare with.
+    Each slowed device (``cpu@0.25``) against its real device profiled beside it (median of
+    the ratios at the sizes both measured). With ``factors`` (a calibration's
+    :meth:`~hetsplit.Rebalancer.factors`: measured over profiled time, the devices running
+    *together*) the ratio side by side too: on a loaded machine the scheduler can slow one
+    more than the other (measured beside two busy processes: 1.6x, which gave the demo's
+    ``cpu@0.25`` 11 % of the batch, not 17 %). ``None`` when every one is within 1.3x.
     """
     return describe_faults(emulation_faults(prof, factors))
 
@@ -343,10 +372,8 @@ def describe_faults(faults: Sequence[EmulationFault]) -> str | None:
 def held_to_declared_speed(prof: Profile, faults: Sequence[EmulationFault]) -> Profile:
     """``prof`` with each emulated device that measured faster than its declared speed slowed to it.
 
-    The rule every plan solved from a profile follows: an emulated device whose profile
-    beat ``1/speed`` times its real device (``faults`` with ``ratio < want``, measured
-    alone) has its curve scaled by ``want / ratio``, so it never gets more than its
-    declared speed's share. One measured slower than declared keeps its measured curve.
+    Its curve is scaled by ``want / ratio`` (``faults`` measured alone), so it never gets
+    more than its declared speed's share; one measured slower keeps its measured curve.
     """
     scale = {f.name: f.want / f.ratio for f in faults if not f.together and 0 < f.ratio < f.want}
     if not scale:
@@ -360,8 +387,7 @@ def held_to_declared_speed(prof: Profile, faults: Sequence[EmulationFault]) -> P
 def fault_note(faults: Sequence[EmulationFault], calibrated: bool = False) -> str:
     """What a plan line says of ``faults`` (``""`` for none): ``emulation unreliable: ...``, and how it was planned.
 
-    ``calibrated``: a calibration inside the split re-solved the plan from its own steps,
-    whose shares then stand over the declared speeds (:func:`held_to_declared_speed`).
+    ``calibrated``: the plan was solved again from its own steps, over the declared speeds.
     """
     held = ", then calibrated in the split" if calibrated else ""
     parts = [f"{f}, planned at {f.want:g}x{held}" if not f.together and f.ratio < f.want else str(f) for f in faults]
@@ -419,36 +445,26 @@ def _measure(
 ) -> list[DeviceProfile]:
     """Time every (device, batch size) point in interleaved passes.
 
-    A first pass climbs the ladder on all devices (warm-up, memory check, one timed
-    step) while each device's projected cost fits its budget; then ``repeats - 1``
-    more passes time every point once each. Spreading a point's repeats over the whole
-    profile, and taking devices in turn, means a slow phase of a shared machine (another
-    job, clock changes) is shared by all points instead of distorting one.
+    A first pass climbs the ladder on all devices (warm-up, memory check, one timed step)
+    while each fits its budget; ``repeats - 1`` more passes time every point once each, so
+    a slow phase of a shared machine is spread over all points instead of distorting one.
     """
     runners = [_Runner(model, dev, sample, target, loss_fn) for dev in devs]
-    times: list[dict[int, list[float]]] = [{} for _ in devs]
-    caps: list[int | None] = [None] * len(devs)
     active = list(range(len(devs)))
     for b in ladder:
         bar.set_postfix_str(f"batch {b}")
         climbing = []
         for i in active:
-            sizes = times[i]
-            if len(sizes) >= 2:
-                # Projected cost of the whole profile if this size is added (each point is
-                # timed `repeats` times, plus warm-up): stop climbing once it exceeds the budget.
-                last = max(sizes)
-                per_step = statistics.median(sizes[last]) / last
-                projected = sum(statistics.median(t) for t in sizes.values()) + per_step * b
-                if projected * (repeats + warmup) > budget:
-                    continue
-            if not runners[i].try_step(b):  # warm-up and memory check in one
-                ok = max(sizes) if sizes else 0
-                caps[i] = _bisect(runners[i], ok, b, time.perf_counter() + budget / 4) if ok else 0
+            runner = runners[i]
+            if not runner.affordable(b, budget, repeats + warmup):
+                continue
+            if not runner.try_step(b):  # warm-up and memory check in one
+                ok = max(runner.times) if runner.times else 0
+                runner.cap = _bisect(runner, ok, b, time.perf_counter() + budget / 4) if ok else 0
                 continue
             for _ in range(max(warmup - 1, 0)):
-                runners[i].step(b, throttled=False)
-            sizes[b] = [runners[i].step(b)]
+                runner.step(b, throttled=False)
+            runner.step(b, record=True)
             climbing.append(i)
         bar.update(len(devs))
         active = climbing
@@ -456,22 +472,17 @@ def _measure(
             break
     for _ in range(repeats - 1):
         for b in ladder:
-            for i, runner in enumerate(runners):
-                if b in times[i]:
-                    times[i][b].append(runner.step(b))
+            for runner in runners:
+                if b in runner.times:
+                    runner.step(b, record=True)
     entries = []
-    for i, (dev, runner) in enumerate(zip(devs, runners)):
-        if not times[i]:
+    for dev, runner in zip(devs, runners):
+        if not runner.times:
             raise RuntimeError(f"device {dev.name} cannot run even batch {ladder[0]}: out of memory")
-        measured = [Measurement(b, ts) for b, ts in sorted(times[i].items())]
-        probed = measured[-1].batch
-        if caps[i] is None and find_cap and (dev.type == "cuda" or dev.max_batch is not None):
-            caps[i], probed = _probe_cap(runner, probed, max_probe, time.perf_counter() + budget)
-        curve = Curve.fit([(m.batch, m.median) for m in measured], caps[i])
-        memory = MemoryModel.fit(sorted(runner.peaks.items())) if runner.peaks else None
-        entries.append(
-            DeviceProfile(describe(dev), measured, curve, memory_cap=caps[i], memory_probed_to=probed, memory=memory)
-        )
+        probed = max(runner.times)
+        if runner.cap is None and find_cap and (dev.type == "cuda" or dev.max_batch is not None):
+            runner.cap, probed = _probe_cap(runner, probed, max_probe, time.perf_counter() + budget)
+        entries.append(runner.entry(probed))
     del runners  # their replicas; a GPU's cached blocks go with the next empty_cache
     return entries
 
@@ -479,9 +490,8 @@ def _measure(
 def _probe_cap(runner: _Runner, ok: int, max_probe: int, deadline: float) -> tuple[int | None, int]:
     """Double the batch until out of memory, then bisect; returns (cap or None, largest tried).
 
-    ``None`` only when every batch up to ``max_probe`` fit. Out of time before an
-    out-of-memory error (a loaded machine, a slow device), the largest batch that fit is
-    the cap: a plan must never hand a device more than it was seen to hold.
+    ``None`` only when every batch up to ``max_probe`` fit. Out of time first, the largest
+    batch that fit is the cap: a plan never hands a device more than it was seen to hold.
     """
     bad = None
     b = ok * 2

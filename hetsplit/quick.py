@@ -30,11 +30,9 @@ _ROUNDS = 3  # calibrations at most, their repeats pooled, before the split is c
 def default_profile(devices: str | Sequence[DeviceLike], model: nn.Module | str | None = None) -> Profile:
     """The profile used when nothing else says how to split: the newest stored one, else a quick one.
 
-    The stored profile is the newest in the profile directory measured on this host that
-    covers the devices and, when ``model`` is given, measured that model (its
-    :func:`~hetsplit.profiler.fingerprint`; see :func:`hetsplit.planning.profile.latest_profile`):
-    a profile of LeNet does not decide an MLP's split. Otherwise the quick calibration
-    (:func:`quick_profile`), whose notice says why no stored profile applied.
+    The newest stored profile of this host and these devices, of ``model`` when given (a
+    profile of LeNet does not decide an MLP's split: :func:`hetsplit.planning.profile.latest_profile`);
+    else :func:`quick_profile`, whose notice says why no stored profile applied.
 
     Args:
         devices: The devices to split over.
@@ -65,26 +63,17 @@ def default_profile(devices: str | Sequence[DeviceLike], model: nn.Module | str 
 def quick_profile(devices: str | Sequence[DeviceLike], *, reason: str | None = None) -> Profile:
     """A quick, model-agnostic profile of each device (a small MLP), cached for the process.
 
-    Used by :func:`hetsplit.balanced_split` when neither weights nor a profile is given
-    and no stored profile covers the devices. Only real devices are timed; an emulated
-    one (``cpu@0.25``) gets its real device's curve slowed by its speed, which is what
-    emulation does, without the noise of timing sleeps. Threads follow
-    :func:`hetsplit.profile`'s rule: one intra-op thread when every device is the CPU,
-    real or emulated (such devices share the cores, and several threads on a busy machine
-    time a step's fixed cost erratically, which would leave an emulated device nothing);
-    torch's setting is restored afterwards. Each curve is proportional to the batch, at
-    the device's best seconds per sample (the fastest repeat, not the median; the
-    measurements keep every repeat): a model-agnostic calibration knows throughput, not
-    the user's model's fixed cost per step, so every device gets a share by its speed and
-    the faster one the larger. A busy machine can still leave every repeat of a point slow: the
-    calibration is repeated (at most three times, repeats pooled) until each point's two
-    fastest repeats agree within 25%; if they never do, a warning says the split is
-    uncertain and the profile's ``source`` is ``"calibration (noisy)"``. An emulated device
-    is timed once beside its real one (one batch size, three repeats); if it did not run
-    ``1/speed`` times slower (a machine too loaded to emulate), one warning line says so
-    and ``source`` adds ``"(emulation unreliable)"``. The first call
-    warns once, at the caller's line, that a profile of the real model is more accurate
-    (and, with ``reason``, why no stored profile applied; once per reason).
+    Used by :func:`hetsplit.balanced_split` when neither weights nor a profile is given and
+    no stored profile covers the devices (docs/how-it-works.md). Only real devices are
+    timed, with :func:`hetsplit.profile`'s thread rule; an emulated one gets its real
+    device's curve slowed by its speed. Each curve is proportional to the batch at the
+    device's best seconds per sample: a calibration knows throughput, not the model's fixed
+    cost. A busy machine is met by calibrating again (at most three times, repeats pooled)
+    until each point's two fastest repeats agree within 25 %; else a warning says the split
+    is uncertain (``source`` ``"calibration (noisy)"``). An emulated device is timed once
+    beside its real one, and one warning says if it did not run ``1/speed`` times slower
+    (``source`` adds ``"(emulation unreliable)"``). The first call warns once that a
+    profile of the real model is more accurate (with ``reason``: why none applied).
     """
     global _NOTICE_SHOWN
     devs = parse_devices(devices)

@@ -57,17 +57,8 @@ def save_profile(profile: _Saveable, path: str | Path | None = None, *, director
     stamp = re.sub(r"[^0-9]", "", profile.created)[:14]
     base = f"{_slug(profile.host)}_{_slug(model)}_{_slug('+'.join(profile.devices))}_{stamp}"[:200]
     folder = profile_dir(directory)
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise files._write_error(folder, e) from e
-    tmp = files._write_temp(folder / f"{base}.json", "profile", profile.to_dict())
-    try:
-        return _publish_new(tmp, folder, base)
-    except OSError as e:
-        raise files._write_error(folder / f"{base}.json", e) from e
-    finally:
-        tmp.unlink(missing_ok=True)  # Ctrl-C or an error: nothing left behind
+    publish = lambda tmp, _path: _publish_new(tmp, folder, base)
+    return write_json(folder / f"{base}.json", "profile", profile.to_dict(), publish=publish)
 
 
 def _publish_new(tmp: Path, folder: Path, base: str) -> Path:

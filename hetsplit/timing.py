@@ -1,9 +1,9 @@
 """Timing: how every engine measures a device's compute time, apart from waiting, without a synchronisation.
 
 The one rule: on the CPU (one intra-op thread) a lap reads the thread's compute counter
-(:func:`hetsplit.emulation.compute_counter`: time on a core or waiting for one, plus the
-emulated slow-down), so time blocked in a collective, on the interpreter lock or asleep is
-not counted; on CUDA two events on the current stream; elsewhere wall time.
+(:func:`hetsplit.emulation.compute_counter`), so time blocked in a collective, on the
+interpreter lock or asleep is not counted; on CUDA two events on the current stream;
+elsewhere wall time. Every clock but that counter is here.
 """
 
 from __future__ import annotations
@@ -18,20 +18,18 @@ from torch import nn
 
 from . import emulation
 from .devices import Device
+from .tree import flatten
 
 if TYPE_CHECKING:  # a type only: planning sits above timing in the pipeline
     from .planning.plan import Plan
 
 
 class Lap:
-    """An interval of work on a device, read later without forcing a synchronisation.
+    """An interval of work on a device, read later without forcing a synchronisation (build one with :func:`lap`).
 
-    On a CUDA device the interval is a pair of CUDA events recorded on the current
-    stream, so measuring adds no synchronisation to the step; reading it waits only for
-    the end event, which is normally long done by then (see :meth:`ready`). Elsewhere
-    the interval is the device's compute counter (:func:`hetsplit.emulation.compute_counter`)
-    read at both ends: the thread's compute, emulated slow-down included, without its
-    waits. It must end in the thread it began in. Build one with :func:`lap`.
+    On CUDA two events on the current stream (reading waits only for the end event,
+    normally long done: :meth:`ready`); elsewhere the compute counter read at both ends,
+    so it must end in the thread it began in.
     """
 
     def __init__(self, device: Device) -> None:
@@ -72,13 +70,10 @@ class Lap:
 
 
 class PausableLap:
-    """A lap that can be paused: the work of one step without the waits inside it.
+    """A lap that can be paused: the work of one step without the waits inside it (FSDP2's on CUDA).
 
-    A CUDA stream that waits for another stream (FSDP2's compute stream for each layer's
-    all-gather, which waits for the other ranks) stalls between two events on it, so a
-    :class:`Lap` counts the wait; pausing around it leaves it out. The intervals between
-    :meth:`resume` and :meth:`pause` are :class:`Lap`\\ s (CUDA events, or the CPU's compute
-    counter, whose waits are out already), summed when read. Both calls are idempotent.
+    The intervals between :meth:`resume` and :meth:`pause` (both idempotent) are
+    laps (:class:`Lap`), summed when read.
     """
 
     def __init__(self, device: Device) -> None:
@@ -112,11 +107,7 @@ class PausableLap:
 
 @contextlib.contextmanager
 def lap(device: Device) -> Iterator[Lap]:
-    """Measure the enclosed work on ``device`` without synchronising it.
-
-    Yields a :class:`Lap` whose :meth:`Lap.seconds` is read later: on a CUDA device
-    from two events on the current stream, elsewhere from a monotonic clock.
-    """
+    """Measure the enclosed work on ``device`` without synchronising it: yields a :class:`Lap` to read later."""
     timed = Lap(device)
     try:
         yield timed
@@ -124,32 +115,57 @@ def lap(device: Device) -> Iterator[Lap]:
         timed.stop()
 
 
-class WorkTimer:
-    """A step's work on one device, without its waits for other ranks.
+class StepTimer:
+    """A training step's compute on one device, without its waits for other ranks (docs/torchrun.md).
 
-    In a DDP step a rank's backward also waits for the other ranks' gradients; that
-    wait is not this rank's work. On the CPU a lap counts compute only (:class:`Lap`),
-    so the whole step is timed. On CUDA, with ``model`` given, the lap of :meth:`step`
-    ends when the last parameter gradient of the step is accumulated (a post-accumulate
-    hook on every trainable parameter), and the emulated delay spent after that gradient
-    is added back, since it stands for work. Without ``model`` (or if no gradient
-    arrives) the lap covers the whole enclosed block.
+    On the CPU a lap counts compute only (:class:`Lap`), so the whole step is timed. On
+    CUDA a lap is two events on the compute stream, which stalls while the rank waits:
+    under DDP the lap ends when the step's last parameter gradient is accumulated (DDP
+    then waits for its all-reduce), and the emulated delay spent after that gradient is
+    added back, since it stands for work; under FSDP2 the lap pauses around FSDP2's waits
+    for its all-gathers (its forward pre-hook, its pre-backward gradient hook). That FSDP2
+    path is untested on a GPU; it still counts the end of the backward, where FSDP2 waits
+    for its last reduce-scatter.
 
     Args:
         device: The device doing the work.
-        model: The model whose last gradient ends the work (CUDA).
+        model: The model (DDP's module, FSDP2, or a module holding FSDP2 modules); ``None``:
+            time the enclosed block as it is.
+        pause_at_waits: Pause the lap around FSDP2's waits (default: on CUDA, for a sharded model).
     """
 
-    def __init__(self, device: Device, model: nn.Module | None = None) -> None:
+    def __init__(self, device: Device, model: nn.Module | None = None, *, pause_at_waits: bool | None = None) -> None:
+        sharded = _fsdp2_modules(model) if model is not None else []
+        if pause_at_waits is None:
+            pause_at_waits = bool(sharded) and device.type == "cuda"
         self.device = device
-        self._lap: Lap | None = None
+        self._lap: Any = None  # the step's lap while it runs
         self._marked = False
         self._delay_at_mark = 0.0
-        self._handles: list[Any] = []
-        if model is not None and device.type == "cuda":
-            self._handles = [
+        self._pending: dict[int, list[torch.Tensor]] = {}
+        self._handles: list[Any] = []  # FSDP2's waits: the lap pauses there
+        self._gradient_hooks: list[Any] = []  # DDP on CUDA: the lap ends at the last gradient
+        if pause_at_waits:
+            for m in sharded:
+                self._hook(m)
+        elif model is not None and not sharded and device.type == "cuda":
+            # FSDP2 sets its sharded parameters' gradients itself: these hooks would never fire there.
+            self._gradient_hooks = [
                 p.register_post_accumulate_grad_hook(self._mark) for p in model.parameters() if p.requires_grad
             ]
+
+    def _hook(self, m: nn.Module) -> None:
+        # FSDP2's pre-forward hook (all-gather, wait) was registered with prepend=True at
+        # fully_shard: a later prepend runs before it, a plain one after it. Its post-forward
+        # hook registers its pre-backward hook (all-gather, wait) on the outputs; gradient
+        # hooks of a tensor run in the order they were registered, so one registered before
+        # FSDP2's post-forward pauses and one registered after it resumes.
+        self._handles += [
+            m.register_forward_pre_hook(lambda *_: self._pause(), prepend=True),
+            m.register_forward_pre_hook(lambda *_: self._resume()),
+            m.register_forward_hook(self._before_post_forward, prepend=True),
+            m.register_forward_hook(self._after_post_forward),
+        ]
 
     def _mark(self, _param: torch.Tensor) -> None:
         if self._lap is not None:
@@ -157,33 +173,75 @@ class WorkTimer:
             self._delay_at_mark = self.device.delayed
             self._marked = True
 
+    def _pause(self) -> None:
+        if self._lap is not None:
+            self._lap.pause()
+
+    def _resume(self) -> None:
+        if self._lap is not None:
+            self._lap.resume()
+
+    def _before_post_forward(self, module: nn.Module, _args: Any, output: Any) -> None:
+        if self._lap is None or not torch.is_grad_enabled():
+            return
+        tensors = [t for t in flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+        for t in tensors:
+            t.register_hook(lambda _grad: self._pause())
+        self._pending[id(module)] = tensors
+
+    def _after_post_forward(self, module: nn.Module, _args: Any, _output: Any) -> None:
+        for t in self._pending.pop(id(module), []):  # the same tensors FSDP2 hooked
+            t.register_hook(lambda _grad: self._resume())
+
     @contextlib.contextmanager
-    def step(self) -> Iterator[Lap]:
-        """Time one step's work; yields its :class:`Lap` (read it later, without waiting)."""
-        self._marked = False
-        current = self._lap = Lap(self.device)
+    def step(self) -> Iterator[Lap | PausableLap]:
+        """Time one step's compute; yields its lap (read ``seconds()`` later, without waiting)."""
+        current: Lap | PausableLap = PausableLap(self.device) if self._handles else Lap(self.device)
+        self._marked, self._lap = False, current
         try:
             yield current
         finally:
             self._lap = None
-        if self._marked:  # the work ended at the last gradient; emulated delay after it still counts
-            current.extra = self.device.delayed - self._delay_at_mark
-        else:
-            current.stop()
+            self._pending.clear()
+            if self._marked and isinstance(current, Lap):  # the work ended at the last gradient: delay after it counts
+                current.extra = self.device.delayed - self._delay_at_mark
+            else:
+                current.stop()
 
     def remove(self) -> None:
-        """Remove the gradient hooks from the model."""
-        for handle in self._handles:
+        """Remove the hooks from the model."""
+        for handle in self._handles + self._gradient_hooks:
             handle.remove()
-        self._handles = []
+        self._handles, self._gradient_hooks = [], []
+
+
+def _fsdp2_modules(model: nn.Module) -> list[nn.Module]:
+    """The modules of ``model`` that FSDP2's ``fully_shard`` made (none in a torch without FSDP2)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return []
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+def exposed(walls: Sequence[float], computes: Sequence[float]) -> float:
+    """Seconds of one step beyond its slowest rank's compute: the communication no computing hid.
+
+    ``walls`` and ``computes``: every rank's wall time and compute for the same step, each
+    wall from the rank's own start. The step ends at one moment on every rank (its last
+    collective), so a rank's wall less its compute is its waits plus what no compute hid;
+    the rank that held the step up waited for nobody, and its difference is the smallest.
+    Not the shortest wall less the longest compute: when the busiest rank started first,
+    that subtracts its head start and predicted DDP steps 6-8 % short (bench_predict).
+    """
+    return max(0.0, min(w - c for w, c in zip(walls, computes, strict=True)))
 
 
 class BusyLog:
     """The laps of every device in each step, and the finished steps not read yet.
 
-    On the CPU a lap is known when it ends; on a GPU it is known once the device has
-    run the step. Finished steps queue here until all their laps can be read, so a
-    rebalancer reading them (:meth:`readable`) never makes training wait.
+    Finished steps queue until all their laps can be read (a GPU's once it ran the step),
+    so a rebalancer reading them (:meth:`readable`) never makes training wait.
     """
 
     def __init__(self) -> None:
@@ -219,9 +277,8 @@ class BusyLog:
 def cpu_threads(devices: Sequence[Device], requested: int | None = None) -> int:
     """Torch's intra-op threads for timing ``devices``: the one rule of ``profile``, ``bench`` and ``demo``.
 
-    ``requested`` if given; else 1 when every device is the CPU, real or emulated (they
-    train side by side on its cores, and with several threads a busy machine times a
-    step erratically); else torch's own setting.
+    ``requested`` if given; else 1 when every device is the CPU, real or emulated (with
+    several threads a busy machine times a step erratically); else torch's own setting.
 
     Raises:
         ValueError: If ``requested`` is not a whole number >= 1.

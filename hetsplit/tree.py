@@ -131,10 +131,8 @@ def _walk(tree: Any, is_leaf: Callable[[Any], bool] | None = None) -> tuple[Any,
 def flatten(tree: Any, is_leaf: Callable[[Any], bool] | None = None) -> tuple[list[Any], _TreeSpec]:
     """Flatten a nested batch into leaves and a spec, like ``torch.utils._pytree.tree_flatten``.
 
-    Tuples, lists, dicts, namedtuples and anything torch registers are containers; so are
-    dataclass instances and any other ``Mapping`` (a tokenizer's ``BatchEncoding``, a
-    ``UserDict``, a dict subclass), which :func:`unflatten` rebuilds with its type
-    (:func:`rebuilt`). ``is_leaf`` keeps what it accepts whole.
+    Dataclasses and any ``Mapping`` (a tokenizer's ``BatchEncoding``) are containers too,
+    rebuilt with their types (:func:`rebuilt`); ``is_leaf`` keeps what it accepts whole.
     """
     _, leaves, spec = _walk(tree, is_leaf)
     return leaves, spec
@@ -215,18 +213,19 @@ def take_rows(tree: Any, index: torch.Tensor) -> Any:
     return tree_map(lambda x: x.index_select(0, index % n) if isinstance(x, torch.Tensor) and x.dim() > 0 else x, tree)
 
 
-def narrow(tree: Any, start: int, length: int, *, dim: int = 0, rows: int | None = None) -> Any:
-    """Rows ``start`` to ``start + length`` along ``dim`` of a nested batch (views, no copy).
+def _batched(x: Any, dim: int, rows: int | None) -> bool:
+    """Whether ``x`` is cut with the batch: a tensor that has ``dim``, of length ``rows`` there when given.
 
-    Every tensor that has ``dim`` is cut, or with ``rows`` only those whose length there
-    is ``rows`` (the batch's): other values (a 0-dim tensor, ``position_ids`` of one row
-    shared by the batch, a string) go whole. Containers keep their types (:func:`flatten`).
+    Other values (a 0-dim tensor, ``position_ids`` of one row shared by the batch, a string) go whole.
     """
+    return isinstance(x, torch.Tensor) and -x.dim() <= dim < x.dim() and (rows is None or x.shape[dim] == rows)
+
+
+def narrow(tree: Any, start: int, length: int, *, dim: int = 0, rows: int | None = None) -> Any:
+    """Rows ``start`` to ``start + length`` along ``dim`` of a nested batch (views, no copy; :func:`_batched`)."""
 
     def cut(x: Any) -> Any:
-        if isinstance(x, torch.Tensor) and -x.dim() <= dim < x.dim() and (rows is None or x.shape[dim] == rows):
-            return x.narrow(dim, start, length)
-        return x
+        return x.narrow(dim, start, length) if _batched(x, dim, rows) else x
 
     return cut(tree) if isinstance(tree, torch.Tensor) else tree_map(cut, tree)
 
@@ -239,22 +238,15 @@ def split_rows(
     rows: int | None = None,
     devices: Sequence[torch.device] | None = None,
 ) -> list[Any]:
-    """``tree`` cut into consecutive pieces of ``sizes`` rows along ``dim`` (views, no copy).
+    """``tree`` cut into consecutive pieces of ``sizes`` rows along ``dim`` (views, no copy; :func:`_batched`).
 
-    The one cutter of a batch into shards or micro-batches: every tensor that has ``dim``
-    is cut, or with ``rows`` only those whose length there is ``rows`` (the batch's);
-    other values (a 0-dim tensor, ``position_ids`` of one row, a string) go whole to
-    every piece. Containers keep their types (:func:`flatten`). With ``devices`` (one per
-    piece) each piece's tensors are moved to its device (:func:`to_device`) in the same walk.
+    The one cutter of a batch into shards or micro-batches; containers keep their types.
+    With ``devices`` (one per piece) each piece's tensors are moved to its device
+    (:func:`to_device`) in the same walk.
     """
     leaves, spec = flatten(tree)
     counts = list(sizes)
-    columns = [
-        torch.split(x, counts, dim=dim)
-        if isinstance(x, torch.Tensor) and -x.dim() <= dim < x.dim() and (rows is None or x.shape[dim] == rows)
-        else None
-        for x in leaves
-    ]
+    columns = [torch.split(x, counts, dim=dim) if _batched(x, dim, rows) else None for x in leaves]
     if devices is None:
         return [
             unflatten([x if c is None else c[j] for x, c in zip(leaves, columns)], spec) for j in range(len(counts))

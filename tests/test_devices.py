@@ -106,3 +106,12 @@ def test_a_device_list_is_split_in_one_place():
     assert device_list("v100,rank1:cuda:0") == ["v100", "rank1:cuda:0"]  # labels pass unparsed
     assert device_list(" , ") == []
     assert [d.name for d in parse_devices(" cpu , cpu:0@0.5 ,")] == ["cpu", "cpu@0.5"]
+
+
+def test_a_rank_s_name_in_a_plan_is_written_and_read_by_one_rule():
+    from hetsplit.devices import label_device, rank_label
+
+    assert rank_label(1, "cpu@0.25") == "rank1:cpu@0.25" and rank_label(0) == "rank0"
+    assert label_device(rank_label(12, "cuda:0")) == "cuda:0" and label_device("rank1:cpu@0.25:max8") == "cpu@0.25:max8"
+    assert label_device("rank1") == "rank1" and label_device("cpu@0.25") == "cpu@0.25"  # a hand-set label, a device
+    assert label_device("ranked:cpu") == "ranked:cpu"  # no rank number: not a rank's label

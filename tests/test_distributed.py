@@ -158,16 +158,16 @@ def calibration(ctx):
     )
     # The calibration's DDP steps are the steps training runs: with the shard weighting's comm hook,
     # whose Python hook is a fifth or more of a small model's step (calibrated without, plans ran short).
-    from hetsplit.distributed import rank_plan
+    from hetsplit.distributed import calibrate
 
-    seen, real = [], rank_plan.weight_gradients
-    rank_plan.weight_gradients = lambda ddp, plan, **kw: (
+    seen, real = [], calibrate.weight_gradients
+    calibrate.weight_gradients = lambda ddp, plan, **kw: (
         seen.append((type(ddp).__name__, plan.sizes)) or real(ddp, plan, **kw)
     )
     try:
         hd.plan(net, x, 40, device=device, loss_fn=F.cross_entropy, target=y, profile=ctx.profile, calibrate=2)
     finally:
-        rank_plan.weight_gradients = real
+        calibrate.weight_gradients = real
     res["calibrated_with_the_hook"] = seen
     # What the calibration steps lasted beyond their slowest rank's work is in the predicted step:
     # here a 100 ms wait in every forward, not compute, which timing the bare all-reduce leaves out.
@@ -180,8 +180,8 @@ def calibration(ctx):
     waiting = _net()
     waiting.register_forward_pre_hook(lambda *_: time.sleep(0.03))
     # The calibration runs more steps than `calibrate` until they took `calibrate_seconds`.
-    counted, real_step = [], rank_plan.train_step
-    rank_plan.train_step = lambda *a, **kw: counted.append(1) or real_step(*a, **kw)
+    counted, real_step = [], calibrate.train_step
+    calibrate.train_step = lambda *a, **kw: counted.append(1) or real_step(*a, **kw)
     try:
         for seconds in (0, 0.5):
             counted.clear()
@@ -189,7 +189,7 @@ def calibration(ctx):
                     calibrate=3, calibrate_seconds=seconds, quiet=True)  # fmt: skip
             res[f"calibration_steps_{seconds}"] = len(counted) - 3  # less the lone step and 2 warm-up steps
     finally:
-        rank_plan.train_step = real_step
+        calibrate.train_step = real_step
     return res
 
 
@@ -467,7 +467,7 @@ def test_the_plan_is_said_once_on_rank_0_unless_quiet(ranks):
 
 
 def test_an_emulated_rank_off_its_speed_against_a_real_rank_is_named_in_one_line():
-    from hetsplit.distributed.rank_plan import _emulation_warning
+    from hetsplit.profiler import emulation_warning as _emulation_warning
 
     def gathered(slower):  # as hd.plan gathers the ranks' profiles: labelled rank{r}:{device}
         prof = Profile.from_measurements(
@@ -485,7 +485,7 @@ def test_an_emulated_rank_off_its_speed_against_a_real_rank_is_named_in_one_line
 
 
 def test_the_predicted_step_is_the_calibration_steps_scaled_to_the_new_shares():
-    from hetsplit.distributed.rank_plan import _stepwise
+    from hetsplit.distributed.calibrate import _stepwise
 
     # Two ranks, each the slower one in every other step: their medians are equal (15 ms), but
     # every step took 20 ms plus 1 ms beyond its slowest rank's compute (walls from a barrier).
@@ -500,7 +500,7 @@ def test_the_predicted_step_is_the_calibration_steps_scaled_to_the_new_shares():
 
 
 def test_what_a_step_took_beyond_compute_ignores_the_busiest_rank_s_head_start():
-    from hetsplit.distributed.step_time import exposed
+    from hetsplit.timing import exposed
 
     # A controlled step: rank r leaves the barrier at start[r], computes compute[r], then
     # spends 2 ms of its own (hooks, zero_grad); the step ends for every rank 3 ms after the

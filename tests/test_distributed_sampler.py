@@ -172,7 +172,7 @@ def test_plan_rejects_a_negative_calibration_before_any_collective():
 
 
 def test_calibration_correction_passes_the_curve_through_the_measurement():
-    from hetsplit.distributed.rank_plan import _through
+    from hetsplit.distributed.calibrate import _through
     from hetsplit.planning.curve import Curve
 
     c = Curve.fit([(4, 0.02), (16, 0.05), (64, 0.2)])

@@ -19,7 +19,7 @@ from helpers import ROOT, subprocess_env
 
 import hetsplit.distributed as hd
 from hetsplit.distributed._group import as_error, is_failure
-from hetsplit.distributed.rank_plan import rank_device
+from hetsplit.distributed.setup import rank_device
 
 EXAMPLE = ROOT / "examples" / "torchrun_ddp.py"
 TIMEOUT = 5  # the process group's timeout in these jobs, seconds

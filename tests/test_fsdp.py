@@ -364,7 +364,7 @@ def _waits(rank):
 
     from hetsplit import emulation
     from hetsplit.distributed.sharded_profile import profile_sharded
-    from hetsplit.distributed.step_time import StepTimer
+    from hetsplit.timing import StepTimer
 
     model = _sharded()
     x, y, _ = _data()[:4]

@@ -244,7 +244,7 @@ def test_a_device_list_joins_the_job_through_hetsplit_init(monkeypatch):
     monkeypatch.setattr(hd, "init", init)
     with pytest.raises(RuntimeError, match="joined"):
         HeteroAccelerator(devices="cpu,cpu@0.25")
-    assert joined == ["cpu,cpu@0.25"]
+    assert joined == [["cpu", "cpu@0.25"]]  # the checked names, as a list: not joined to be split again
 
 
 def test_even_batches_false_is_refused_where_the_plan_weights_the_gradients(monkeypatch):

@@ -164,6 +164,13 @@ def test_backend_follows_the_device_mix():
     assert rank_devices(" cuda:0, cuda:1 ", 2) == ["cuda:0", "cuda:1"]
 
 
+def test_a_per_rank_device_list_is_one_rule_for_a_string_and_a_list():
+    # A list is parsed as it is (accelerate hands hd.init its checked names), never joined to be split again.
+    assert rank_devices(["cpu:0", " cpu@0.25 "], 2) == rank_devices("cpu:0, cpu@0.25", 2) == ["cpu", "cpu@0.25"]
+    with pytest.raises(ValueError, match=r"1 device \['cpu'\] for 2 processes"):
+        rank_devices(["cpu"], 2)
+
+
 def test_the_torchrun_example_runs_under_hetsplit_launch(tmp_path):
     # The example under hetsplit launch (torchrun underneath), with online rebalancing and the
     # outputs weighting: one run covers the launcher and the example's distributed features.

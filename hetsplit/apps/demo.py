@@ -186,7 +186,7 @@ def _rank_env(devices: Sequence[str], threads: int) -> dict[str, str]:
     from ..distributed.setup import ENV_DEVICES, rank_devices
     from .launch import local_env
 
-    env = {**os.environ, ENV_DEVICES: ",".join(rank_devices(",".join(devices), len(devices)))}
+    env = {**os.environ, ENV_DEVICES: ",".join(rank_devices(devices, len(devices)))}
     env.setdefault("OMP_NUM_THREADS", str(threads))  # torchrun would print a warning and set 1
     root = str(Path(__file__).resolve().parents[2])  # this hetsplit, also when run from a checkout
     # An installed hetsplit is found without it; site-packages named on PYTHONPATH as well

@@ -22,6 +22,7 @@ def main() -> None:
 
     import hetsplit.distributed as hd
     from hetsplit.apps.models import build_model, load_model, synthetic_batch
+    from hetsplit.devices import rank_label
     from hetsplit.planning import plan_from_sizes
     from hetsplit.profiler import train_step
 
@@ -46,7 +47,7 @@ def main() -> None:
     x, y = synthetic_batch(spec, sum(sizes), seed=args.seed)
     start = sum(sizes[:rank])
     x, y = x[start : start + sizes[rank]].to(dev.torch_device), y[start : start + sizes[rank]].to(dev.torch_device)
-    names = [f"rank{r}" for r in range(world)]
+    names = [rank_label(r) for r in range(world)]
     ddp = DDP(model, device_ids=[dev.index] if dev.type == "cuda" else None)
     hd.weight_gradients(ddp, plan_from_sizes(None, names, sizes))  # shard-weighted: exact full-batch gradients
     opt = torch.optim.SGD(ddp.parameters(), lr=1e-3)

@@ -2,12 +2,11 @@
 
 ``setup`` (the launcher's environment, this rank's device, the process group) → ``_group``
 (ranks, collectives that fail with one clear error) → ``rank_plan`` (each rank profiles its
-device, rank 0 solves, DDP steps calibrate; ``report`` says the split and its predicted
+device, rank 0 solves, ``calibrate`` runs real steps; ``report`` says the split and its predicted
 step) → ``sampler`` (each rank's share of every global batch, from a dataset or from a
 global batch in hand; ``same_batch`` checks that batch is the same on every rank; ``zero_share`` what
 a rank with a share of 0 runs; ``accumulate`` its micro-batches) → ``comm_hooks`` (gradients
-weighted by shard) → ``rebalance`` (online rebalancing across ranks; ``step_time`` times a
-rank's compute apart from its waits and the step's collectives); ``teardown`` waits at exit for gloo's workers.
+weighted by shard) → ``rebalance`` (online rebalancing across ranks); ``teardown`` waits at exit for gloo's workers.
 """
 
 from ..version import no_attribute

@@ -51,6 +51,13 @@ def group_info(group: Any) -> tuple[int, int]:
     return dist.get_rank(group), dist.get_world_size(group)
 
 
+def _place(group: Any = None) -> tuple[int | None, int | None]:
+    """This rank and the world size, ``(None, None)`` outside a process group (unlike :func:`group_info`, no error)."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(group), dist.get_world_size(group)
+    return None, None
+
+
 # -- a rank that failed first tells the others why -----------------------------------------------
 # A rank that runs out of memory, catches the error and carries on (or ends) leaves its peers
 # in a collective it never joins: they see only gloo's "Connection closed by peer" or a timeout.
@@ -170,10 +177,10 @@ def _one_line_for_uncaught_failures() -> None:
     previous = sys.excepthook
 
     def hook(kind: type[BaseException], error: BaseException, tb: TracebackType | None) -> None:
-        if not is_failure(error) or not (dist.is_available() and dist.is_initialized()):
+        rank, world = _place()
+        if not is_failure(error) or rank is None:
             previous(kind, error, tb)
             return
-        rank, world = dist.get_rank(), dist.get_world_size()
         line = as_error(error, rank=rank, world=world, step=_current_step(), timeout=group_timeout())
         print(f"hetsplit: {line}", file=sys.stderr, flush=True)
 
@@ -239,18 +246,6 @@ def is_failure(error: BaseException) -> bool:
     return bool(_WRAPPED.search(text)) or (bool(_COMM.search(text)) and bool(_DEAD.search(text) or _HUNG.search(text)))
 
 
-def failure_message(
-    error: BaseException, *, step: int | None = None, what: str = "training step", group: Any = None
-) -> str:
-    """``error`` (a dead or hung peer) as one line naming this rank, the step, the failed rank and the timeout.
-
-    For code that catches torch.distributed's errors itself; :class:`guard` raises the
-    same line as a :class:`DistributedError`.
-    """
-    rank, world = group_info(group) if dist.is_available() and dist.is_initialized() else (None, None)
-    return str(as_error(error, rank=rank, world=world, step=step, what=what, timeout=group_timeout(group)))
-
-
 def as_error(
     error: BaseException,
     *,
@@ -260,7 +255,7 @@ def as_error(
     what: str = "training step",
     timeout: float | None = None,
 ) -> DistributedError:
-    """``error`` as a :class:`DistributedError` with one line (see :func:`failure_message`)."""
+    """``error`` (a dead or hung peer) as one line naming this rank, the step, the failed rank and the timeout."""
     others = [r for r in range(world) if r != rank] if world else []
     ranks = others if len(others) == 1 else None
     notes = failure_notes(rank, world)
@@ -333,9 +328,7 @@ class guard:  # lower case: used like a function, `with hd.guard(step=i):`
             raise _oom_error(error, step, self.group) from error
         if error is None or not is_failure(error):
             return False
-        rank = world = None
-        if dist.is_available() and dist.is_initialized():
-            rank, world = dist.get_rank(self.group), dist.get_world_size(self.group)
+        rank, world = _place(self.group)
         step = self.step if self.step is not None else _current_step()
         raise as_error(
             error, rank=rank, world=world, step=step, what=self.what, timeout=group_timeout(self.group)
@@ -344,7 +337,7 @@ class guard:  # lower case: used like a function, `with hd.guard(step=i):`
 
 def _oom_error(error: BaseException, step: int | None, group: Any) -> DistributedError:
     """Out of memory on this rank: one line; the other ranks stop at their next collective, naming this rank."""
-    rank = dist.get_rank(group) if dist.is_available() and dist.is_initialized() else None
+    rank = _place(group)[0]
     where = ", ".join(
         x for x in (f"rank {rank}" if rank is not None else "", f"step {step}" if step is not None else "") if x
     )

@@ -35,24 +35,13 @@ def micro_batches(
 ) -> Iterator[Any]:
     """This rank's batch cut into ``plan.micro_batches[rank]``; all but the last yielded under ``no_sync()``.
 
-    Run forward and backward of each micro-batch in the loop body: gradients accumulate
-    locally and DDP all-reduces once, in the last micro-batch's backward. With
-    :func:`~hetsplit.distributed.weight_gradients` and the same ``plan``, each
-    micro-batch's gradient is weighted by its share of the rank's samples, so a mean
-    loss per micro-batch still gives the full-batch gradient. A share that runs whole
-    (one micro-batch, or the two stand-in samples a share of 0 is served, or an empty
-    batch) is yielded once, as it is, so the rank still takes part in the all-reduce.
-
-    An FSDP2 model (``fully_shard``) gathers parameters in every forward and
-    reduce-scatters in every backward, so every rank runs the same number of
-    micro-batches, the plan's largest ``K``, each synchronising its (weighted)
-    gradient: a rank with fewer runs its share as ``K`` smaller ones, a rank with fewer
-    than ``K`` samples adds two real samples weighted 0 for each missing one. Nothing
-    is kept gathered, so a rank holds its shards plus one micro-batch's activations and
-    a layer or two gathered, as in a plain FSDP2 step; the price is ``K`` gathers and
-    reduce-scatters per step instead of one (measurements: docs/benchmarks.md). Leaving
-    the loop early leaves the other ranks waiting in their next collective, as with
-    DDP.
+    Run forward and backward of each in the loop body: DDP all-reduces once, in the last
+    one's backward, and :func:`~hetsplit.distributed.weight_gradients` with the same
+    ``plan`` weights each by its share of the rank's samples (a mean loss per micro-batch
+    still gives the full-batch gradient). A share that runs whole is yielded once, as it
+    is. An FSDP2 model runs the plan's largest count ``K`` on every rank (its forwards and
+    backwards are collective): fewer samples are cut smaller, too few padded with
+    stand-ins weighted 0 (:mod:`.sharded`).
 
     Args:
         ddp_model: The ``DistributedDataParallel`` model (anything with ``no_sync()``),

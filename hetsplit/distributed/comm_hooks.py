@@ -162,11 +162,9 @@ def _weighted_allreduce(state, bucket):  # type: ignore[no-untyped-def]
     # annotations would be strings. (state: WeightingState, bucket: GradBucket) -> Future[Tensor]
     """The comm hook: each bucket becomes ``sum_r b_r * g_r / B`` on every rank.
 
-    With a plan the weights ``b_r / B`` are constants. Without one, ``[b_r * g_r, b_r]``
-    is all-reduced in one collective and divided by the summed count: the count travels
-    with the gradients, so no extra round trip is needed and every step (a short last
-    one, a rank with 0 samples) is weighted by what really ran. A rank with 0 samples
-    sends zeros, whatever its (empty-batch, possibly NaN) gradient holds.
+    Without a plan the count travels with the gradients (``[b_r * g_r, b_r]``, one
+    collective), so every step is weighted by what really ran; a rank with 0 samples sends
+    zeros, whatever its (possibly NaN) gradient holds.
     """
     grads = bucket.buffer()
     if state.now is not None:
@@ -245,61 +243,27 @@ def weight_gradients(
 ) -> WeightingState:
     """Make DDP average gradients weighted by each rank's shard: ``sum_r b_r * g_r / B``.
 
-    DDP's own average is the plain mean over ranks, biased when shards differ. With a
-    per-rank loss that is a mean over the rank's samples, the weighted average equals
-    the full-batch gradient; with ``reduction="sum"`` gradients are summed. Every rank
-    takes part in every step, also with 0 samples. A forward hook records each step's
-    local batch size (the length of the inputs along ``dim``).
-
-    Two ways to weight:
-
-    - ``method="hook"`` (the default for DDP) registers a DDP comm hook. With a ``plan``, each
-      bucket is scaled in place by the constant ``b_r / B`` and summed: the cost of any
-      Python comm hook. Without a plan, steps may have any sizes: each bucket travels
-      as ``[b_r * g_r, b_r]`` in one message and is divided by the summed count. Every
-      gradient DDP reduces is weighted, whatever path it took.
-    - ``method="outputs"`` (needs a ``plan``) registers no comm hook: the gradient
-      flowing back into the module's outputs is multiplied by ``world * b_r / B``, and
-      DDP's built-in C++ mean does the rest. No Python runs per bucket, the scaling
-      touches the outputs rather than every gradient, and any comm hook of the user's
-      own that averages (compression, PowerSGD) can still be registered. Exact when
-      every per-sample loss term reaches the parameters through the module's outputs,
-      as in ``loss_fn(model(x), y)`` (a penalty on the parameters themselves is fine
-      too); a loss term built from activations stored elsewhere would not be weighted:
-      use the hook then.
-
-    An FSDP2 model (``fully_shard`` per layer and at the root, on a 1-D mesh, the same
-    on every rank) is weighted at the outputs, with or without a plan (FSDP2 has no
-    comm hook; ``method="hook"`` is refused). FSDP2 reduce-scatters a plain mean over
-    ranks, so the gradient flowing into the root's outputs is scaled by
-    ``world * b_r / B``: one multiplication of the outputs' gradient, exact (the mean
-    divides by ``world`` again). ``set_gradient_divide_factor`` cannot do it alone (its
-    factor is one for all ranks; the weights differ per rank). Without a plan, each
-    training forward all-reduces this rank's sample count (one tiny collective per
-    step, met on every rank since the forward is collective) to learn ``B``. The
-    sharding is compared across ranks first (one all-gather): FSDP1, hybrid sharding
-    (a 2-D mesh) and a model sharded differently on different ranks are refused on
-    every rank. With :func:`micro_batches`, every rank runs the same number of
-    micro-batches (see :func:`micro_batches`).
-
-    With a ``plan``, every step must follow it (as :class:`HeteroDistributedSampler`
-    gives; a step of another size raises on that rank rather than being weighted
-    wrongly). A rank the plan gives 0 runs the two real samples :func:`data_loader`
-    serves it, weighted 0; without a plan too, as that loader marks the batch it hands
-    out as the stand-in (a stand-in from a loader of another kind would count as one
-    sample: use :func:`data_loader`, or pass the plan).
+    DDP's own average is the plain mean over ranks, biased when shards differ; with a
+    per-rank mean loss the weighted average is the full-batch gradient. ``method="hook"``
+    (DDP's default) registers a comm hook: with a ``plan`` each bucket is scaled by the
+    constant ``b_r / B`` and summed; without one each bucket travels as ``[b_r * g_r, b_r]``
+    and is divided by the summed count. ``method="outputs"`` (needs a ``plan``) scales the
+    gradient flowing into the outputs by ``world * b_r / B`` and leaves DDP's C++ mean the
+    rest: exact when every per-sample loss term reaches the parameters through the outputs.
+    An FSDP2 model (no comm hook) is weighted at the outputs, with or without a plan
+    (``set_gradient_divide_factor`` is one factor for all ranks; the weights differ per
+    rank). With a ``plan`` every step must follow it; a rank given 0 runs the stand-in
+    :func:`data_loader` serves, weighted 0. docs/torchrun.md says more.
 
     Args:
         ddp_model: The DistributedDataParallel model, or the FSDP2 root module (call
             before the first backward).
         plan: The plan every rank holds (checked to be the same everywhere), or ``None``
             for steps of any size (``method="hook"`` for DDP; FSDP2 too).
-        method: ``"hook"`` or ``"outputs"``, as above (default: ``"hook"`` for DDP,
-            ``"outputs"`` for FSDP2).
-        reduction: ``"mean"`` or ``"sum"``: how each rank's loss reduces its samples. A
-            loss summed over the batch (``model(x).sum()``) needs ``"sum"``; under
-            ``"mean"`` the first steps warn once where the outputs' gradient shows a sum
-            (the same 1, or ``1/k`` for ``k`` elements a sample, in every element).
+        method: ``"hook"`` or ``"outputs"`` (default: ``"hook"`` for DDP, ``"outputs"`` for FSDP2).
+        reduction: ``"mean"`` or ``"sum"``: how each rank's loss reduces its samples
+            (``model(x).sum()`` needs ``"sum"``; under ``"mean"`` the first steps warn once
+            where the outputs' gradient shows a sum).
         dim: The batch dimension of the inputs.
         group: The process group DDP uses (default: the world).
 
@@ -360,6 +324,9 @@ def weight_gradients(
         )
     owner = weakref.ref(inner)
 
+    def training(module: nn.Module) -> bool:  # a training forward of the weighted module, not paused
+        return torch.is_grad_enabled() and module is owner() and id(module) not in _PAUSED
+
     def record(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         first = args[0] if args else None
         if isinstance(first, torch.Tensor) and first.dim() > 0 and not kwargs:
@@ -382,12 +349,12 @@ def weight_gradients(
         _note_out_of_memory_in_forward(inner, state, counted_before=True)
 
         def before(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-            if torch.is_grad_enabled() and module is owner() and id(module) not in _PAUSED:
+            if training(module):
                 record(args, kwargs)
 
         def part(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
             # Micro-batches: each one's gradient counts by its share of the rank's samples.
-            if not torch.is_grad_enabled() or module is not owner() or id(module) in _PAUSED:
+            if not training(module):
                 return None
             _watch_for_a_sum(state, output)
             return None if state.micro is None else _scaled(output, state.part)
@@ -399,7 +366,7 @@ def weight_gradients(
         return state
 
     def after(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
-        if not torch.is_grad_enabled() or module is not owner() or id(module) in _PAUSED:
+        if not training(module):
             return None
         record(args, kwargs)  # after the forward: one Python call per step; an off-plan step still raises
         if state.now is None:  # FSDP2 without a plan: B from this step's counts

@@ -10,36 +10,28 @@ from typing import Any
 
 from torch import nn
 
-from ..devices import Device, DeviceLike, parse_device
+from ..devices import Device, DeviceLike, label_device, parse_device
 from ..planning.plan import Plan
 from ..planning.rebalance import PlanChange, Rebalancer, rebalanced_caps
 from ..planning.solver import plan_from_sizes
-from ..timing import Lap, PausableLap
+from ..timing import Lap, PausableLap, StepTimer, exposed
 from ._group import all_gather, group_info, guard, verify_plan
 from .comm_hooks import WeightingState
 from .sampler import HeteroDistributedSampler, plan_at
-from .step_time import StepTimer, exposed
 from .zero_share import STAND_IN
 
 
 class DistributedRebalancer:
     """Online rebalancing for a torchrun job: all ranks' step times pooled, one switch step for all.
 
-    Wrap each training step's work in :meth:`step`. The rank's compute is measured apart from
-    its waits for the other ranks, without a device synchronisation
-    (:class:`~hetsplit.distributed.step_time.StepTimer`): on the CPU the thread's compute
-    counter, blind to time blocked in DDP's all-reduce or FSDP2's all-gathers and
-    reduce-scatters; on CUDA events on the compute stream, which end at the step's last gradient
-    under DDP and pause at FSDP2's waits (pass ``model``; without it, wrap only the
-    compute). By the wall every rank would be as slow as the slowest, and nothing would
-    move. The step's wall time beyond its slowest rank's compute is the communication
-    (:attr:`Rebalancer.communication`, the least of the last ``window`` steps': load only
-    adds to it), added to both plans' predicted steps. Every ``rebalancer.every`` steps the
-    timings are all-gathered and every rank feeds the same
-    :class:`~hetsplit.planning.Rebalancer` the same data, so all reach the same decision. A
-    new plan starts at the first step no rank's sampler has handed out yet: ``sampler`` (a
-    :class:`HeteroDistributedSampler`) and ``gradients`` (the state returned by
-    :func:`weight_gradients`) follow it from that step on, on every rank at once.
+    Wrap each training step's work in :meth:`step`: the rank's compute is timed apart from
+    its waits for the others (:class:`~hetsplit.timing.StepTimer`; by the wall every rank
+    would be as slow as the slowest, and nothing would move), and the step's wall time
+    beyond its slowest rank's compute is the communication (the least of the last
+    ``window`` steps': load only adds to it). Every ``rebalancer.every`` steps the timings
+    are all-gathered, so every rank reaches the same decision; a new plan starts at the
+    first step no rank's sampler has handed out yet, followed by ``sampler`` and
+    ``gradients`` on every rank at once (docs/torchrun.md).
 
     Args:
         plan: The starting plan, the same on every rank (e.g. from :func:`plan`).
@@ -171,8 +163,7 @@ class DistributedRebalancer:
 
 def _device_from_label(label: str) -> Device:
     """``rank1:cuda:0`` → ``cuda:0``; a label without a device gives the CPU."""
-    head, _, rest = label.partition(":")
     try:
-        return parse_device(rest if head.startswith("rank") and rest else label)
+        return parse_device(label_device(label))
     except ValueError:
         return parse_device("cpu")

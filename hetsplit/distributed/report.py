@@ -15,7 +15,7 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 
-from ..devices import parse_device
+from ..devices import label_device, parse_device
 from ..planning.plan import Plan
 from ..store import QUIET_ENV as QUIET_ENV  # the variable that silences every line here, as quiet=True does
 from ..store import is_quiet as is_quiet
@@ -27,29 +27,18 @@ WARMUP_STEPS = 1
 class SplitReport:
     """What hetsplit says about a split: one line when training starts, one when it ends (rank 0).
 
-    A step is an optimizer step: one synchronisation of the gradients, however many global
-    batches were accumulated into it (micro-batches, each counted by :meth:`batch`). At the
-    run's first training step, the split in force with its predicted step (the plan's
-    slowest share, for one global batch) and which devices are emulated; at the end
-    (:meth:`end`), the measured step beside the prediction (times the global batches a step
-    accumulates, said as such): the median time from the start of one optimizer
-    step to the next on rank 0, over every step of the run but the first (warm-up:
-    allocations, lazy initialisation), where each step ends in the gradients' all-reduce
-    every rank waits for, so rank 0's period is the job's. Each line is said once per
-    run, however many epochs it has: between epochs, :meth:`pause` keeps an evaluation
-    or an epoch's end out of the steps timed. A framework that says where each step ends
-    (the HF Trainer's ``on_step_end``, before it evaluates or saves) calls
-    :meth:`step_end` there: each step is then timed from its start to its end, and what
-    runs between two steps (evaluation, checkpoints) is no step's time. Nothing with
-    ``quiet`` (:func:`is_quiet`) or on another rank.
+    A step is an optimizer step, however many global batches it accumulates (each counted
+    by :meth:`batch`). At the first step: the split, its predicted step and the emulated
+    devices; at :meth:`end`: the measured step beside the prediction, the median period
+    from one step's start to the next on rank 0 (every rank waits in the gradients'
+    all-reduce, so rank 0's period is the job's), the first step left out (warm-up).
+    :meth:`pause` keeps an evaluation out of the steps timed; a framework that says where a
+    step ends (the HF Trainer's ``on_step_end``) calls :meth:`step_end` there. Each line is
+    said once per run, and nothing with ``quiet`` (:func:`is_quiet`) or on another rank.
 
-    In a torchrun script: ``report = hd.SplitReport("train.py", dist.get_rank())``, then
-    ``report.step(plan)`` at the start of every optimizer step (``report.batch()`` at each
-    global batch it accumulates, when several), ``report.pause()`` where
-    training stops for a while (evaluation), and ``report.end(plan)`` after the last (or
-    ``report.end(plan, measured=seconds)`` with a step time of your own).
-    :func:`hetsplit.distributed.plan` says the split when it is made, so the first
-    :meth:`step` of a plan already said does not repeat it.
+    In a script: ``report = hd.SplitReport("train.py", rank)``, ``report.step(plan)`` at
+    the start of every optimizer step, ``report.end(plan)`` after the last (or
+    ``report.end(plan, measured=seconds)``).
 
     Args:
         who: The class or script the user runs (each line starts with it).
@@ -75,10 +64,8 @@ class SplitReport:
     ) -> None:
         """Say the split of ``plan`` and its predicted step now (a plan just made).
 
-        ``follow``: this report also says the end of the run that trains on ``plan``
-        (:meth:`following`), as :func:`hetsplit.distributed.plan` asks for a torchrun script.
-        ``note``: said at the end of the line (``emulation unreliable: ...``, when the
-        measurements the plan rests on were flagged: :func:`hetsplit.profiler.fault_note`).
+        ``follow``: also say the end of the run that trains on ``plan`` (:meth:`following`).
+        ``note``: said at the end of the line (:func:`hetsplit.profiler.fault_note`).
         """
         if self.on:
             self._said = plan
@@ -91,11 +78,8 @@ class SplitReport:
     def following(plan: Plan | None) -> SplitReport | None:
         """The report that said ``plan`` to follow its run (``announce(follow=True)``), else ``None``.
 
-        :func:`~hetsplit.distributed.weight_gradients` times each training step of such a plan
-        with it, and the measured step is said beside the prediction when the process exits:
-        a torchrun script that trains on :func:`~hetsplit.distributed.plan`'s plan gets both
-        lines without a call of its own. Plans made with ``quiet`` (the integrations', which
-        report themselves) have none.
+        :func:`~hetsplit.distributed.weight_gradients` times each step of such a plan with it,
+        and the measured step is said at exit: a torchrun script gets both lines by itself.
         """
         return next((report for said, report in reversed(_FOLLOWED) if said is plan), None)
 
@@ -139,11 +123,7 @@ class SplitReport:
         self.batches.append(max(batches, 1))  # a script that never calls batch(): one each
 
     def pause(self) -> None:
-        """Training stops for a while (a pass over the loader ended, an evaluation runs): the run goes on.
-
-        The time until the next :meth:`step` is no step's, so it is not timed; the split
-        is not said again.
-        """
+        """Training stops for a while (an evaluation runs): the time until the next :meth:`step` is not timed."""
         self._last = None
 
     def end(self, plan: Plan | None = None, measured: float | None = None) -> None:
@@ -194,7 +174,7 @@ class SplitReport:
             if math.isfinite(predicted) and predicted > 0
             else f"; no predicted step ({_unpredicted(plan)})"
         )
-        emulated = sorted({_bare(n) for n in names if _emulated(n)} | {_bare(n) for n in plan.emulated})
+        emulated = sorted({label_device(n) for n in names if _emulated(n)} | {label_device(n) for n in plan.emulated})
         if emulated:
             line += f"; emulated (a real device slowed down or capped, not real hardware): {', '.join(emulated)}"
         for note in plan.notes:  # shares the planner changed after solving, and why
@@ -294,15 +274,9 @@ def _unpredicted(plan: Plan | None) -> str:
     return "shares set by hand, nothing profiled"
 
 
-def _bare(name: str) -> str:
-    """``cpu@0.25`` for a plan's label ``rank1:cpu@0.25`` (a hand-set plan's ``rank1`` stays)."""
-    head, _, rest = name.partition(":")
-    return rest if head.startswith("rank") and head[4:].isdigit() and rest else name
-
-
 def _emulated(name: str) -> bool:
     try:
-        return parse_device(_bare(name), check=False).emulated
+        return parse_device(label_device(name), check=False).emulated
     except ValueError:  # a free-form label of a hand-set plan
         return False
 

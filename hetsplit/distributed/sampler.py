@@ -9,7 +9,8 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler, default_collate
 
-from ..planning.plan import Plan, sizes_from_weights
+from ..planning.plan import Plan
+from ..planning.sizes import scaled_plan
 from ..tree import batch_length, narrow, tree_map
 from ._group import group_info
 from .same_batch import check_same_batch
@@ -61,24 +62,13 @@ def plan_at(schedule: Sequence[tuple[int, Plan]], step: int) -> Plan:
 class HeteroDistributedSampler(Sampler[list[int]]):
     """This rank's share of every global batch, one step at a time (the uneven ``DistributedSampler``).
 
-    Each epoch's indices (shuffled with ``seed + epoch`` when ``shuffle``) are cut into
-    global batches of ``plan.batch_size``; each yielded list is one step's indices for
-    this rank: the ``plan.sizes[rank]`` indices at its offset in that global batch, cut
-    by the plan in force *for that step*. Every rank runs :attr:`steps` steps an epoch,
-    so no rank waits for another at the end of an epoch. It is a batch sampler::
-
-        loader = DataLoader(dataset, batch_sampler=sampler, collate_fn=sampler.collate)
-
-    (:func:`data_loader` builds that loader; :meth:`collate` also turns an empty share
-    into an empty batch). :meth:`set_plan` schedules a new plan from a given step on
-    (``DistributedRebalancer`` does this on every rank with the same step), so the ranks'
-    shares stay disjoint and cover each global batch while the sizes change, even with a
-    ``DataLoader`` that prefetches. Steps are counted across epochs (:attr:`yielded`).
-
-    With ``drop_last=True`` a last, incomplete global batch is dropped; with
-    ``drop_last=False`` it is completed with indices from the start of the epoch, as
-    ``DistributedSampler`` pads, so every sample is seen (or cut in the plan's
-    proportions with ``pad=False``).
+    A batch sampler: each epoch's indices (shuffled with ``seed + epoch``) are cut into
+    global batches of ``plan.batch_size``, and each yielded list is this rank's
+    ``plan.sizes[rank]`` indices of one, cut by the plan in force *for that step*
+    (:meth:`set_plan`), so the shares stay disjoint while sizes change, even with a
+    prefetching ``DataLoader``. Every rank runs :attr:`steps` steps an epoch. Use it as
+    ``DataLoader(dataset, batch_sampler=sampler, collate_fn=sampler.collate)``
+    (:func:`data_loader`); docs/torchrun.md.
 
     Args:
         dataset: The dataset (its length; :meth:`collate` also reads one item).
@@ -87,16 +77,14 @@ class HeteroDistributedSampler(Sampler[list[int]]):
         rank: This rank (default: the process group's).
         shuffle: Shuffle each epoch.
         seed: Seed of the shuffle, the same on every rank.
-        drop_last: Drop the last incomplete global batch instead of padding it.
+        drop_last: Drop the last incomplete global batch instead of completing it.
         pad: Complete a last incomplete global batch by wrapping around (``True``, as
-            ``DistributedSampler`` and accelerate pad), or cut what is left in the plan's
-            proportions (``False``: every sample once, none added; evaluation).
-        zero_share: What a rank the plan gives 0 samples gets each step: ``"sample"``
-            (default), two real samples of the global batch (:data:`~.zero_share.STAND_IN`; one if the
-            global batch is one), which the plan's gradient weighting counts as 0 and
-            :meth:`real_rows` reports as 0 (models that cannot run a batch of 0 rows,
-            ``x.view(x.size(0), -1)``, still run, and BatchNorm, which cannot train on one
-            sample); or ``"empty"``, an empty batch.
+            ``DistributedSampler`` pads), or cut what is left in the plan's proportions
+            (``False``: every sample once; evaluation).
+        zero_share: What a rank the plan gives 0 samples gets each step: ``"sample"``,
+            two real samples of the global batch (:data:`~.zero_share.STAND_IN`), weighted 0
+            and counted 0 by :meth:`real_rows` (a model that cannot run 0 rows, or
+            BatchNorm, still runs); or ``"empty"``, an empty batch.
 
     Raises:
         ValueError: If the plan's device count differs from ``num_replicas`` or ``rank``
@@ -141,7 +129,7 @@ class HeteroDistributedSampler(Sampler[list[int]]):
 
         Raises:
             ValueError: If the plan changes the global batch or the number of ranks, or
-                ``from_step`` is a step already handed out.
+                ``from_step`` was handed out already.
         """
         if plan.batch_size != self.batch_size or len(plan.sizes) != self.num_replicas:
             raise ValueError(
@@ -164,7 +152,7 @@ class HeteroDistributedSampler(Sampler[list[int]]):
         order = _epoch_order(n, self._served(n), self.shuffle, self.seed + self.epoch)
         self.epoch_start = self.yielded
         for step in range(self.steps):
-            start, count, _ = self._cut(step, self.plan_at(self.yielded).sizes)
+            start, count, _ = self._cut(step, self.plan_at(self.yielded))
             self.yielded += 1
             if count == 0 and self.zero_share == "sample":
                 # Real samples of this global batch, which the weighting counts as 0 (the
@@ -177,54 +165,41 @@ class HeteroDistributedSampler(Sampler[list[int]]):
         """The indices an epoch serves: whole global batches, or every sample once (``pad=False``)."""
         return n if not self.pad and not self.drop_last else self.steps * self.batch_size
 
-    def _cut(self, step: int, sizes: Sequence[int]) -> tuple[int, int, int]:
-        """This rank's ``(start, count, real)`` in the epoch's order at epoch step ``step`` with ``sizes``.
+    def _cut(self, step: int, plan: Plan) -> tuple[int, int, int]:
+        """This rank's ``(start, count, real)`` in the epoch's order at epoch step ``step`` under ``plan``.
 
-        ``real`` counts the rows that are data seen once: not the wrap-around padding of a
-        last global batch. A last global batch short of ``B`` (``pad=False``) is cut in the
-        proportions of ``sizes``.
+        ``real`` counts the rows seen once: not the wrap-around padding of a last global batch.
         """
         n = len(self.dataset)  # type: ignore[arg-type]
-        cut = self._sizes(step, sizes)
+        cut = self._sizes(step, plan)
         start = step * self.batch_size + sum(cut[: self.rank])
         count = cut[self.rank]
         return start, count, max(0, min(count, n - start))
 
-    def _sizes(self, step: int, sizes: Sequence[int]) -> list[int]:
-        """Every rank's rows at epoch step ``step``: ``sizes``, or a short last global batch cut in proportion."""
-        b = self.batch_size
-        here = min(b, self._served(len(self.dataset)) - step * b)  # type: ignore[arg-type]
-        return list(sizes) if here == b else sizes_from_weights(here, sizes)
+    def _sizes(self, step: int, plan: Plan) -> list[int]:
+        """Every rank's rows at epoch step ``step``: the plan's sizes, or a short last global batch's in proportion."""
+        here = min(self.batch_size, self._served(len(self.dataset)) - step * self.batch_size)  # type: ignore[arg-type]
+        return list(scaled_plan(plan, here).sizes)
 
     def step_sizes(self, step: int) -> list[int]:
-        """Every rank's rows in batch ``step`` (from the epoch's first): what the gradients must be weighted by.
-
-        The plan's sizes, except for a last global batch short of ``B`` (``pad=False``),
-        which is cut in their proportions (a 0 there is served as :attr:`zero_share` says).
-        """
-        return self._sizes(step, self.plan_at(self.epoch_start + step).sizes)
+        """Every rank's rows in batch ``step`` (from the epoch's first): what the gradients must be weighted by."""
+        return self._sizes(step, self.plan_at(self.epoch_start + step))
 
     def short_sizes(self, step: int) -> list[int] | None:
-        """Every rank's rows of batch ``step`` (from the epoch's first) if it is short of ``B``, else ``None``.
-
-        Only a last global batch cut in proportion (``pad=False``) is short: the gradient
-        weighting with a plan weights it by these sizes (see :func:`weight_gradients`).
-        """
+        """Every rank's rows of batch ``step`` (from the epoch's first) if it is short of ``B`` (``pad=False``)."""
         sizes = self.step_sizes(step)
         return sizes if sum(sizes) < self.batch_size else None
 
     def is_filler(self, step: int) -> bool:
         """Whether batch ``step`` (from the epoch's first) is the stand-in a share of 0 is served."""
-        return self.zero_share == "sample" and self._cut(step, self.plan_at(self.epoch_start + step).sizes)[1] == 0
+        return self.zero_share == "sample" and self._cut(step, self.plan_at(self.epoch_start + step))[1] == 0
 
     def real_rows(self, step: int) -> int:
-        """This rank's rows of batch ``step`` (counted from the epoch's first) that are data counted once.
+        """This rank's rows of batch ``step`` (from the epoch's first) that are data counted once: weight metrics by it.
 
-        0 for the stand-in a zero share is served (:attr:`zero_share`), fewer than the
-        batch's rows where a last global batch is completed by wrapping around: what
-        metrics should weight this rank's batch by.
+        0 for a zero share's stand-in; fewer than the batch's rows where wrapping around completed it.
         """
-        return self._cut(step, self.plan_at(self.epoch_start + step).sizes)[2]
+        return self._cut(step, self.plan_at(self.epoch_start + step))[2]
 
     def padded(self, step: int) -> bool:
         """Whether global batch ``step`` (from the epoch's first) is completed by wrapping around on some rank."""
@@ -236,10 +211,7 @@ class HeteroDistributedSampler(Sampler[list[int]]):
 
     def collate(self, batch: list[Any]) -> Any:
         """``default_collate``, with an empty share collated to empty tensors of the right shape."""
-        if batch:
-            return default_collate(batch)
-        one = default_collate([self.dataset[0]])
-        return tree_map(lambda t: t[:0] if isinstance(t, torch.Tensor) else t, one)
+        return _Collate(self, None)(batch)
 
 
 class _SharesLoader(DataLoader[Any]):
@@ -273,13 +245,12 @@ class _Collate:
         self.sampler, self.user = sampler, user
 
     def __call__(self, batch: list[Any]) -> Any:
-        if self.user is None:
-            return self.sampler.collate(batch)
+        collate = self.user if self.user is not None else default_collate
         if batch:
-            return self.user(batch)
+            return collate(batch)
         # An empty share has the keys and shapes the user's collate gives (labels a collator
         # adds, say): a framework that looks for them then does the same on every rank.
-        one = self.user([self.sampler.dataset[0]])
+        one = collate([self.sampler.dataset[0]])
         return tree_map(lambda t: t[:0] if isinstance(t, torch.Tensor) else t, one)
 
 
@@ -288,21 +259,13 @@ def local_batch(
 ) -> Any:
     """This rank's rows of a global batch, cut as :func:`data_loader` cuts it: for scripts that make their own batches.
 
-    Rank ``r`` takes the ``plan.sizes[r]`` rows at its offset (the shares of the ranks
-    before it). A rank the plan gives 0 takes the batch's first two rows (:mod:`.zero_share`),
-    real samples that :func:`weight_gradients` counts as 0, with the plan or without it
-    (the stand-in is marked as :func:`data_loader` marks it), so the model never meets an
-    empty batch. A shorter global batch (an epoch's last) is cut in the plan's
-    proportions, every row once (``data_loader(pad=False)``), and
-    ``weight_gradients(model, plan)`` weights that step by those sizes (the cut is
-    handed to it, as by :func:`data_loader`).
-    Every tensor whose length along ``dim`` is the batch's is cut, in any nest (a
-    ``BatchEncoding`` keeps its type); other values go whole.
-
-    Every rank must hold the same global batch: in a process group, the first
-    ``CHECK_FIRST`` (10) global batches and every ``CHECK_EVERY``-th (100) after are
-    compared across ranks by a fingerprint (their shapes and 4096 sampled values, one small
-    all-gather; :mod:`.same_batch`), so every rank must call this for every global batch.
+    Rank ``r`` takes the ``plan.sizes[r]`` rows at its offset; a rank given 0 takes the
+    batch's first two rows, weighted 0 (:mod:`.zero_share`); a shorter global batch (an
+    epoch's last) is cut in the plan's proportions, and :func:`weight_gradients` weights
+    that step by them. Every tensor whose length along ``dim`` is the batch's is cut, in
+    any nest. The first ``CHECK_FIRST`` (10) global batches and every ``CHECK_EVERY``-th
+    (100) are compared across ranks (:mod:`.same_batch`), so every rank calls this for
+    every global batch.
 
     Args:
         batch: The global batch, the same on every rank (a tensor or a nest).
@@ -310,8 +273,8 @@ def local_batch(
         rank: This rank (default: the process group's).
         dim: The batch dimension.
         group: The process group (for the rank).
-        check: Compare the batch across ranks as above; ``False`` for a call that not
-            every rank makes (an evaluation on rank 0).
+        check: Compare the batch across ranks; ``False`` for a call that not every rank
+            makes (an evaluation on rank 0).
 
     Returns:
         This rank's rows (views of ``batch``).
@@ -336,7 +299,7 @@ def local_batch(
         )
     if check:
         check_same_batch(batch, group)
-    sizes = list(plan.sizes) if n == plan.batch_size else sizes_from_weights(n, plan.sizes)
+    sizes = list(scaled_plan(plan, n).sizes) if n else [0] * len(plan.sizes)
     start, count = sum(sizes[:rank]), sizes[rank]
     stand_in = count == 0 and n > 0
     IN_HAND.hand(stand_in, sizes if 0 < n < plan.batch_size else None)
@@ -360,22 +323,17 @@ def data_loader(
 ) -> DataLoader[Any]:
     """This rank's ``DataLoader`` over its shares of every global batch, a share of 0 included.
 
-    ``DataLoader(batch_size=0)`` is refused by torch, so a rank the plan gives nothing
-    would fail; this loader serves that rank two real samples each step instead (or an
-    empty batch with ``zero_share="empty"``), so it still takes part in every
-    collective. The gradient weighting (:func:`weight_gradients`, with the plan or
-    without: the loader marks the batch in hand as that stand-in) counts that sample as
-    0, and ``loader.batch_sampler.real_rows(step)`` says 0 for it (weight metrics by that). The batch sampler
-    (``loader.batch_sampler``, a :class:`HeteroDistributedSampler`) follows plan changes and
-    needs ``loader.batch_sampler.set_epoch(epoch)`` before each epoch.
+    ``DataLoader(batch_size=0)`` is refused by torch, so a rank the plan gives nothing is
+    served two real samples each step instead, weighted 0 (``zero_share``). Its
+    ``batch_sampler`` is a :class:`HeteroDistributedSampler`: call
+    ``loader.batch_sampler.set_epoch(epoch)`` before each epoch.
 
     Args:
         dataset: A map-style dataset.
         plan: The plan every rank holds.
         shuffle, seed, drop_last, pad, zero_share, num_replicas, rank: As for
             :class:`HeteroDistributedSampler`.
-        **loader_kwargs: Passed to ``DataLoader`` (``num_workers``, ``pin_memory``,
-            ``collate_fn``, ...); ``batch_size``, ``sampler`` and ``shuffle`` are the plan's.
+        **loader_kwargs: Passed to ``DataLoader`` (``num_workers``, ``collate_fn``, ...).
 
     Raises:
         ValueError: If ``loader_kwargs`` sets the batch size or a sampler.
@@ -400,21 +358,17 @@ def shared_batch(
 ) -> Any:
     """``draw(*args)``, the global batch, drawn from a random stream every rank shares; this rank's rows of it.
 
-    While ``draw`` runs, torch's CPU generator (``torch.randint``, ``torch.randperm``, ...
-    without ``generator=`` or a CUDA ``device=``) is swapped for a stream seeded with ``seed``
-    that only these calls advance: every rank draws the same global batch, whatever else
-    draws random numbers on some ranks only (an evaluation on rank 0, dropout). The
-    generator is given back as it was. Then :func:`~hetsplit.distributed.local_batch` cuts
-    this rank's rows and checks that every rank drew the same batch. A draw that uses
-    another generator (NumPy's, Python's ``random``, a CUDA one) is not covered: the check
-    then names the batch where the ranks differ. Without a plan (a one-process run) the
-    whole batch comes back, drawn from the same stream, so a run of one process draws the
-    batches a run of several does.
+    While ``draw`` runs, torch's CPU generator is swapped for a stream seeded with ``seed``
+    that only these calls advance, so every rank draws the same batch whatever else draws
+    on some ranks only (an evaluation on rank 0, dropout); then :func:`local_batch` cuts
+    and checks it. Another generator (NumPy's, a CUDA one) is not covered: the check then
+    names the batch where the ranks differ.
 
     Args:
         draw: Makes one global batch of ``plan.batch_size`` rows (nanoGPT's ``get_batch``).
         *args: Passed to ``draw`` (``"train"``).
-        plan: The plan every rank holds, or ``None`` (one process: nothing cut, nothing checked).
+        plan: The plan every rank holds, or ``None`` (one process: the whole batch, from
+            the same stream, nothing checked).
         seed: The stream's seed, the same on every rank.
         dim: The batch dimension.
         group: The process group.
@@ -424,7 +378,7 @@ def shared_batch(
 
     Raises:
         DistributedError: On every rank, if the ranks drew different batches (a checked batch).
-        ValueError: As :func:`~hetsplit.distributed.local_batch`.
+        ValueError: As :func:`local_batch`.
 
     Example:
         >>> X, Y = hd.shared_batch(get_batch, "train", plan=plan)

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
-from ..devices import Device, device_list, device_name, parse_device
-from ._group import init_timeout
+from ..devices import Device, DeviceLike, device_list, device_name, parse_device
+from ._group import group_info, init_timeout
 from .teardown import drain_at_exit
 
 # `hetsplit launch` puts the job's device list here, one device per global rank.
@@ -35,8 +36,8 @@ def launch_env(*, required: bool = False) -> LaunchEnv:
         ValueError: If a value is not an integer (naming it), or, with ``required``,
             ``RANK`` or ``WORLD_SIZE`` is not set.
     """
-    if required and not all(name in os.environ for name in ("RANK", "WORLD_SIZE")):
-        missing = [name for name in ("RANK", "WORLD_SIZE") if name not in os.environ]
+    missing = [name for name in ("RANK", "WORLD_SIZE") if name not in os.environ]
+    if required and missing:
         raise ValueError(
             f"RANK and WORLD_SIZE are not set (missing: {', '.join(missing)}); start the script with "
             "'hetsplit launch' or torchrun"
@@ -51,8 +52,8 @@ def launch_env(*, required: bool = False) -> LaunchEnv:
     return LaunchEnv(values["RANK"], values["WORLD_SIZE"], values["LOCAL_RANK"])
 
 
-def rank_devices(spec: str, world: int) -> list[str]:
-    """The per-rank device list ``spec`` (``"cuda:0,cuda:1,cpu"``), checked against the world size.
+def rank_devices(devices: str | Sequence[DeviceLike], world: int) -> list[str]:
+    """The per-rank device list (``"cuda:0,cuda:1,cpu"`` or a list), one canonical name per rank: the one rule.
 
     Every entry's syntax is checked here; whether a device exists is checked by the
     rank that uses it.
@@ -60,10 +61,10 @@ def rank_devices(spec: str, world: int) -> list[str]:
     Raises:
         ValueError: If the list is empty, malformed, or its length is not ``world``.
     """
-    items = [device_name(s) for s in device_list(spec)]
-    if not items:
-        raise ValueError(f"no devices in {spec!r}; list one device per process, e.g. 'cuda:0,cuda:1,cpu'")
-    names = [parse_device(s, check=False).name for s in items]
+    items = device_list(devices) if isinstance(devices, str) else list(devices)
+    names = [parse_device(device_name(s), check=False).name for s in items]
+    if not names:
+        raise ValueError(f"no devices in {devices!r}; list one device per process, e.g. 'cuda:0,cuda:1,cpu'")
     if len(names) != world:
         raise ValueError(
             f"{len(names)} device{'' if len(names) == 1 else 's'} {names} for {world} processes; "
@@ -71,6 +72,31 @@ def rank_devices(spec: str, world: int) -> list[str]:
             "(repeat a device to run several processes on it, e.g. 'cpu,cpu@0.25')"
         )
     return names
+
+
+def rank_device(devices: str | Sequence[DeviceLike], rank: int | None = None, *, world: int | None = None) -> str:
+    """This rank's device of :func:`rank_devices` (``"cuda:0,cpu@0.25"`` gives rank 1 ``cpu@0.25``).
+
+    Call it before ``init_process_group`` to fail before any rendezvous: ``rank`` and
+    ``world`` default to the process group's, else to torchrun's ``RANK`` and ``WORLD_SIZE``.
+
+    Raises:
+        ValueError: As :func:`rank_devices`, or if the rank or world size cannot be found.
+    """
+    if rank is None or world is None:
+        if dist.is_available() and dist.is_initialized():
+            here, size = group_info(None)
+        else:
+            try:
+                here, size, _ = launch_env(required=True)
+            except ValueError as e:
+                raise ValueError(f"no process group: {e}, or pass rank= and world=") from e
+        rank = here if rank is None else rank
+        world = size if world is None else world
+    names = rank_devices(devices, world)
+    if not 0 <= rank < world:
+        raise ValueError(f"rank {rank} is out of range for {world} ranks")
+    return names[rank]
 
 
 def choose_backend(devices: list[str]) -> str:
@@ -88,20 +114,20 @@ def choose_backend(devices: list[str]) -> str:
     return "nccl" if all_gpu and not shared and dist.is_available() and dist.is_nccl_available() else "gloo"
 
 
-def init(timeout: float | None = None, *, devices: str | None = None, backend: str | None = None) -> Device:
+def init(
+    timeout: float | None = None, *, devices: str | Sequence[DeviceLike] | None = None, backend: str | None = None
+) -> Device:
     """Join the job started by ``hetsplit launch`` (or torchrun) on this rank's own device.
 
-    Reads the per-rank device list (``devices``, else ``$HETSPLIT_DEVICES``, which
-    ``hetsplit launch --devices ...`` sets) and this rank from torchrun's environment,
-    checks that the device exists here, selects it (``torch.cuda.set_device`` on a GPU),
-    and initialises the default process group with NCCL when every rank is a GPU, else
-    gloo. Emulated devices (``cpu@0.25``) come back as such: run each step's work under
-    ``device.throttle()`` to give the rank that speed.
+    Checks this rank's device exists here, selects it and starts the default process
+    group (:func:`choose_backend`). An emulated device comes back as such: run each step's
+    work under ``device.throttle()``.
 
     Args:
         timeout: Seconds before a collective waiting for a dead or hung rank fails
             (default: torch's).
-        devices: The per-rank device list, overriding ``$HETSPLIT_DEVICES``.
+        devices: The per-rank device list (a string or a list), overriding ``$HETSPLIT_DEVICES``
+            (which ``hetsplit launch --devices`` sets).
         backend: Force a backend (``"gloo"``, ``"nccl"``) instead of choosing by the mix.
 
     Returns:

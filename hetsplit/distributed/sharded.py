@@ -5,20 +5,14 @@ outputs, the step's sizes exchanged when there is no plan), ``accumulate`` (the
 micro-batches every rank runs), ``rank_plan`` (profiled in place: ``sharded_profile``).
 Only torch's public FSDP2 API is used.
 
-Why every rank runs the same number of micro-batches. FSDP2 all-gathers each
-group's parameters in every forward (and again in backward) and reduce-scatters its
-gradients in every backward, so ranks running different numbers of forwards would
-wait for each other forever. Two ways out: keep the parameters gathered across a
-rank's micro-batches with gradient sync only in the last (``unshard()``,
-``set_reshard_after_forward(False)``, ``set_requires_gradient_sync(False)``), or give
-every rank the same number of micro-batches. The first holds the whole model's
-parameters *and* unsharded gradients on every rank for the whole step — what a model
-larger than the smallest device cannot afford (measured: docs/benchmarks.md). The
-second keeps everything sharded: a rank whose plan has fewer micro-batches runs its
-share as that many smaller ones (less activation memory, no more samples), and a rank
-with fewer samples than micro-batches runs two real samples weighted 0 for each
-missing one. Each micro-batch reduce-scatters (its gradient weighted by its share),
-and FSDP2 accumulates the sharded gradients: the sum is the full-batch gradient.
+Every rank runs the same number of micro-batches: FSDP2's forwards and backwards are
+collective, so different counts would wait forever. Keeping the parameters gathered
+across a rank's micro-batches instead (``unshard()``, ``set_requires_gradient_sync``)
+would hold the whole model's parameters and unsharded gradients on every rank, what a
+model larger than the smallest device cannot afford (measured: docs/benchmarks.md). So a
+rank with fewer micro-batches runs its share as that many smaller ones, and one with too
+few samples adds two real samples weighted 0 for each missing one; FSDP2 accumulates the
+weighted, sharded gradients: their sum is the full-batch gradient.
 """
 
 from __future__ import annotations
@@ -129,38 +123,35 @@ def rank_micro(plan: Plan, rank: int, sharded: bool) -> list[int]:
 def micro_for_rows(plan: Plan, rank: int, rows: int) -> list[int]:
     """Rank ``rank``'s micro-batches for a batch of ``rows`` rows of a sharded model: as many as every rank runs.
 
-    Its share: :func:`_even_micro`'s. Another number of rows (a last global batch kept
-    short, cut in the plan's proportions): the same count ``K`` of near-equal pieces, or
-    a row each then a ``0`` (a filler) for each missing one.
+    Its share: :func:`_even_micro`'s; another number of rows (a last global batch kept
+    short, cut in the plan's proportions): :func:`_cut_into` the same count.
     """
     if rows == plan.sizes[rank]:
         return _even_micro(plan)[rank]
-    count = max([1, *map(len, plan.micro_batches)])
-    if count == 1:
-        return [rows]
-    return micro_sizes(rows, count) if rows >= count else [1] * rows + [0] * (count - rows)
+    return _cut_into(rows, max([1, *map(len, plan.micro_batches)]))
 
 
 def _even_micro(plan: Plan) -> list[list[int]]:
     """Every rank's micro-batches for a sharded model: the same count on every rank (see the module's doc).
 
-    The count is the plan's largest, ``K``; a rank whose plan has ``K`` keeps them, one
-    with fewer runs its share as ``K`` near-equal ones (each no larger than before, so
-    under any cap), and one with fewer than ``K`` samples runs them one at a time, then
-    a ``0`` for each missing micro-batch: two real samples weighted 0 (:func:`micro_pieces`).
+    The count is the plan's largest, ``K``; a rank whose plan has ``K`` keeps them, any
+    other runs its share :func:`_cut_into` ``K`` (each no larger than before, so under any cap).
     """
     count = max([1, *map(len, plan.micro_batches)])
-    out = []
-    for size, own in zip(plan.sizes, plan.micro_batches):
-        if count == 1:
-            out.append([size])
-        elif len(own) == count:
-            out.append(list(own))
-        elif size >= count:
-            out.append(micro_sizes(size, count))
-        else:
-            out.append([1] * size + [0] * (count - size))
-    return out
+    return [
+        list(own) if count > 1 and len(own) == count else _cut_into(size, count)
+        for size, own in zip(plan.sizes, plan.micro_batches)
+    ]
+
+
+def _cut_into(rows: int, count: int) -> list[int]:
+    """``rows`` as ``count`` near-equal micro-batches, or (fewer rows) one row each, then a ``0`` per missing one.
+
+    A ``0`` is a filler: two real samples weighted 0 (:func:`micro_pieces`).
+    """
+    if count == 1:
+        return [rows]
+    return micro_sizes(rows, count) if rows >= count else [1] * rows + [0] * (count - rows)
 
 
 def micro_pieces(batch: Any, sizes: Sequence[int], dim: int) -> Iterator[tuple[Any, int]]:

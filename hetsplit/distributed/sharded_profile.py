@@ -1,55 +1,37 @@
 """Sharded profile: each rank's step-time curve measured on the FSDP2 model as the user sharded it.
 
-Why in place. A model is sharded because it may not fit whole on the smallest device, so
-a profile of an unsharded copy would need the very memory the user does not have, and
-would time none of the work a sharded step adds (copying each layer's shards in and out
-of its all-gather). But an FSDP2 forward is collective: no rank can run its device
-alone. So every rank climbs the same ladder of batch sizes at once, each on its own
-device, and each is timed by its own compute in those steps
-(:class:`~hetsplit.distributed.step_time.StepTimer`): without its waits in the
-all-gathers and reduce-scatters, which are the other ranks' time (by the wall every
-rank's step lasts as long as the slowest's, and the ranks look equally busy). Measured
-in the same steps, the ranks see the same load on a busy machine: timed in turns, a load
-that changed between one rank's turn and the next would tilt the plan. A rank past its
-memory cap or its budget runs the least any rank runs in a sharded step (a zero share's
-stand-in, :data:`~hetsplit.distributed.zero_share.STAND_IN` samples) while the others climb
-on. The collectives themselves are timed apart and added to the plan's step
-(:func:`~hetsplit.distributed.step_time.communication`).
-
-Memory is the sharded step's own: an emulated memory (``cpu@0.25:max8``) is a cap in
-samples, as everywhere; on CUDA each step's peak is recorded and fitted as
-``base + per_sample * b`` (the rank's shards of the parameters and gradients, the layers
-gathered at once, and each sample's activations), and the ladder stops before a step
-predicted to pass 90 % of the device, whose cap is where the fit reaches it. There is no
-out-of-memory probe: a rank that ran out inside a collective would leave the others
-waiting. The optimizer's state is not in the step (it is allocated at the first
-``optimizer.step()``): given the ``optimizer``, the room its state takes on this rank is
-kept free — the state it holds, or before its first step the usual count of
-parameter-sized tensors per parameter shard (Adam 2, SGD with momentum 1, ...).
+In place, because a sharded model may not fit whole on the smallest device. An FSDP2
+forward is collective, so every rank climbs the same ladder at once, each timed by its
+own compute (:class:`~hetsplit.timing.StepTimer`: its waits in the collectives are the
+other ranks' time); measured in the same steps, the ranks see the same load. A rank past
+its memory cap or its budget runs the stand-in (:data:`~hetsplit.distributed.zero_share.STAND_IN`)
+while the others climb on. There is no out-of-memory probe (a rank that ran out inside a
+collective would leave the others waiting): on CUDA each step's peak is fitted as
+``base + per_sample * b`` and the ladder stops before a step predicted to pass 90 % of the
+device, less the room the optimizer's state will take (docs/torchrun.md).
 """
 
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
 import statistics
-from collections.abc import Callable, Iterator, Sequence
+import types
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
-from ..devices import Device, DeviceLike, describe, parse_device
-from ..planning.curve import Curve
+from ..devices import Device, DeviceLike, parse_device
 from ..planning.profile import Profile
-from ..planning.records import DeviceProfile, Measurement, MemoryModel
+from ..planning.records import DeviceProfile, MemoryModel
 from ..planning.sizes import has_batchnorm
-from ..profiler import MAX_PROBE, check_ladder, check_settings, default_ladder, model_record, train_step
-from ..timing import threads_for
-from ..tree import move, take_rows
+from ..profiler import DeviceSteps, check_ladder, check_settings, default_ladder, model_record, profile
+from ..timing import StepTimer, threads_for
 from ._group import DistributedError, all_gather, group_info, guard
 from .comm_hooks import paused
-from .step_time import StepTimer
 from .zero_share import STAND_IN
 
 
@@ -58,34 +40,20 @@ def profile_sharded(
     sample: Any,
     device: DeviceLike,
     loss_fn: Callable[..., torch.Tensor] | None = None,
-    batch_sizes: Sequence[int] | None = None,
     *,
-    target: Any = None,
-    repeats: int = 5,
-    warmup: int = 2,
-    time_budget: float = 60.0,
-    find_memory_cap: bool = True,
-    max_probe: int = MAX_PROBE,
     memory_fraction: float = 0.9,
     optimizer: torch.optim.Optimizer | None = None,
     batch_size: int | None = None,
-    model_name: str | None = None,
-    threads: int | None = None,
-    progress: bool | None = None,
     group: Any = None,
+    **settings: Any,
 ) -> Profile:
     """This rank's profile of a sharded model, every rank timed in the same steps (collective: every rank calls it).
 
-    The arguments are :func:`hetsplit.profile`'s for one device (``progress`` is
-    accepted and ignored); ``time_budget`` is the whole profile's. The model is left as
-    it was: parameters, gradients (none), buffers and the RNG state.
-
-    Every step of a sharded model pays FSDP2's own fixed work (copying shards in and out
-    of the collectives, its hooks), so the smallest sizes of a ladder time mostly that: a
-    curve fitted to them alone would extrapolate that floor to the shares the plan needs. So a
-    rank measures every size of its ladder up to an even share of ``batch_size`` whatever the
-    budget, and beyond it while the time still grows less than half as fast as the batch
-    (the budget stops it climbing only once its own work shows).
+    The model is left as it was. FSDP2's fixed work per step (its hooks, copying shards in
+    and out of the collectives) sets the time of small batches, and a curve through them
+    alone would extrapolate that floor: so a rank measures every size up to an even share
+    of ``batch_size`` whatever the budget, and beyond it while the time grows less than half
+    as fast as the batch (:meth:`_Turn.flat`).
 
     Args:
         memory_fraction: On CUDA, the share of the device's memory a step may be
@@ -95,6 +63,9 @@ def profile_sharded(
         batch_size: The global batch the plan will split (``hd.plan`` passes it): the
             default ladder runs from 2 up to it, and every size up to ``batch_size / world``
             is measured.
+        group: The process group (default: the world).
+        **settings: :func:`hetsplit.profile`'s, with its defaults (``batch_sizes``, ``target``,
+            ``repeats``, ``time_budget``: the whole profile's, ...; ``progress`` is ignored).
 
     Raises:
         ValueError: On bad settings, before any device work (the same on every rank).
@@ -103,11 +74,16 @@ def profile_sharded(
             if a step fails on one rank only (the others are inside FSDP2's collectives),
             or a rank dies or hangs.
     """
-    del progress  # the steps are collective: no bar
+    # The profile's own signature: its defaults, and a TypeError for a name it does not take.
+    bound = inspect.signature(profile).bind(model, sample, [device], loss_fn, **settings)
+    bound.apply_defaults()
+    given = types.SimpleNamespace(**bound.arguments)  # its progress is ignored: the steps are collective
+    target, repeats, warmup, time_budget = given.target, given.repeats, given.warmup, given.time_budget
     dev = parse_device(device)
+    batch_sizes = given.batch_sizes
     if batch_sizes is None and batch_size is not None:
         batch_sizes = default_ladder(max(batch_size, 2))
-    ladder = check_ladder(batch_sizes, max_probe)
+    ladder = check_ladder(batch_sizes, given.max_probe)
     check_settings(sample, target, repeats, warmup, time_budget)
     if not (isinstance(memory_fraction, int | float) and 0 < memory_fraction <= 1):
         raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction!r}")
@@ -115,13 +91,13 @@ def profile_sharded(
     floor = STAND_IN  # what a rank that stopped climbing runs: the least any rank runs in a sharded step
     if has_batchnorm(model):  # BatchNorm cannot train on one sample (its maps are not traced: rank_plan)
         ladder = [b for b in ladder if b >= 2] or [2]
-    turn = _Turn(model, dev, sample, target, loss_fn, find_memory_cap, memory_fraction)
+    turn = _Turn(model, dev, sample, target, loss_fn, given.find_memory_cap, memory_fraction)
     timer = turn.timer = StepTimer(dev, model)
     if turn.limit is not None and optimizer is not None and not optimizer.state:
         turn.limit -= optimizer_state_bytes(optimizer)  # state it holds already is in the steps' peaks
     turn.even = math.ceil(batch_size / world) if batch_size else 0
     what = "profiling the sharded model"
-    with _untouched(model, dev, threads, what, group):
+    with _untouched(model, dev, given.threads, what, group):
         try:
             # The first pass climbs the ladder (warm-up steps, then one timed step of each size); the
             # other repeats pass over the sizes it reached again, in rounds: a load that changes while
@@ -151,7 +127,7 @@ def profile_sharded(
     failed = {r: e for r, e in enumerate(all_gather(empty, what, group)) if e}
     if failed:
         raise DistributedError(f"{what}: {failed}; give every rank a device that holds a batch of {ladder[0]}")
-    return Profile([turn.entry()], model=model_record(model, sample, model_name), source="measured")
+    return Profile([turn.entry()], model=model_record(model, sample, given.model_name), source="measured")
 
 
 @contextlib.contextmanager
@@ -165,12 +141,9 @@ def sharded_steps(
     *,
     group: Any = None,
 ) -> Iterator[Callable[[], float]]:
-    """Training steps of ``size`` samples of ``sample`` on the sharded ``model`` in place (collective).
+    """Training steps of ``size`` samples on the sharded ``model`` in place (collective): ``hd.plan``'s calibration.
 
-    Yields ``step()``: one step (forward, loss, backward; its gradients dropped), returning
-    this rank's compute in it (:class:`~hetsplit.distributed.step_time.StepTimer`: its
-    waits in the collectives are the other ranks' time). The model is left as it was, as by
-    :func:`profile_sharded`: ``hd.plan`` calibrates a sharded plan with these steps.
+    Yields ``step()``: one step, returning this rank's compute in it. The model is left as it was.
     """
     dev = parse_device(device)
     turn = _Turn(model, dev, sample, target, loss_fn, find_memory_cap=False, memory_fraction=1.0)
@@ -220,8 +193,8 @@ def _decided(decide: Callable[[], bool], what: str, group: Any) -> list[bool]:
     return answers
 
 
-class _Turn:
-    """This rank's steps of the profile, and what they measured."""
+class _Turn(DeviceSteps):
+    """This rank's steps of the sharded profile (the model in place), and when it stops climbing."""
 
     def __init__(
         self,
@@ -233,13 +206,10 @@ class _Turn:
         find_memory_cap: bool,
         memory_fraction: float,
     ) -> None:
-        self.model, self.dev, self.sample, self.target, self.loss_fn = model, dev, sample, target, loss_fn
-        self.times: dict[int, list[float]] = {}
-        self.peaks: dict[int, int] = {}
+        super().__init__(model, dev, sample, target, loss_fn)
         self.cap: int | None = dev.max_batch if find_memory_cap else None
         self.limit: float | None = None
         self.even = 0  # sizes up to this one are measured whatever the budget
-        self.timer = StepTimer(dev)  # profile_sharded gives it the model's (its hooks, on CUDA)
         if dev.type == "cuda" and find_memory_cap:
             self.limit = memory_fraction * torch.cuda.get_device_properties(dev.torch_device).total_memory
 
@@ -251,21 +221,12 @@ class _Turn:
         if fits is not None and b > fits:
             self.cap = fits
             return False
-        if len(self.times) >= 2 and b > self.even and not self.flat():
-            last = max(self.times)  # the projected cost with b added, as the profiler climbs
-            per_sample = statistics.median(self.times[last]) / last
-            projected = sum(statistics.median(t) for t in self.times.values()) + per_sample * b
-            return projected * steps <= budget
-        return True
+        return b <= self.even or self.flat() or self.affordable(b, budget, steps)
 
     def flat(self) -> bool:
-        """Whether the last doubling of the batch added less than half as much time: the floor still dominates.
-
-        FSDP2's fixed work per step (its hooks, copying every layer's shards in and out of
-        the collectives) sets the time of small batches: a curve through them would
-        extrapolate that floor to the large shares the plan will give this rank, so the
-        rank climbs on (up to the global batch) until its own work shows.
-        """
+        """Whether the last doubling of the batch added less than half as much time: FSDP2's fixed work still rules."""
+        if len(self.times) < 2:
+            return False
         (small, t_small), (large, t_large) = [(b, statistics.median(t)) for b, t in sorted(self.times.items())[-2:]]
         return t_large - t_small < 0.5 * t_small * (large / small - 1)
 
@@ -278,43 +239,11 @@ class _Turn:
             return None
         return max(1, math.floor((self.limit - memory.base) / memory.per_sample))
 
-    def step(self, b: int, record: bool = False) -> float:
-        """One sharded training step of ``b`` samples (forward, loss, backward), timed; its gradients dropped.
-
-        With ``record`` its time is kept as a measurement of ``b``.
-        """
-        index = torch.arange(b)
-        inputs = move(take_rows(self.sample, index), self.dev.torch_device)
-        target = move(take_rows(self.target, index), self.dev.torch_device) if self.target is not None else None
-        cuda = self.dev.type == "cuda"
-        self.dev.synchronize()
-        if cuda:
-            torch.cuda.reset_peak_memory_stats(self.dev.torch_device)
-        with self.timer.step() as work:  # this rank's compute: its waits for the others are theirs
-            train_step(self.model, inputs, target, self.loss_fn, self.dev)  # waiting is not slowed
-        self.dev.synchronize()
-        seconds = work.seconds()
-        if cuda:
-            peak = int(torch.cuda.max_memory_allocated(self.dev.torch_device))
-            self.peaks[b] = max(self.peaks.get(b, 0), peak)
-        self.model.zero_grad(set_to_none=True)
-        if record:
-            self.times.setdefault(b, []).append(seconds)
-        return seconds
-
-    def entry(self) -> DeviceProfile:
-        measured = [Measurement(b, ts) for b, ts in sorted(self.times.items())]
-        memory = MemoryModel.fit(sorted(self.peaks.items())) if self.peaks else None
-        if self.cap is None:  # a ladder the budget stopped still knows where the memory fit meets the limit
+    def entry(self, probed_to: int | None = None) -> DeviceProfile:
+        """This rank's profile; a ladder the budget stopped still has its cap where the memory fit meets the limit."""
+        if self.cap is None:
             self.cap = self.memory_cap()
-        return DeviceProfile(
-            describe(self.dev),
-            measured,
-            Curve.fit([(m.batch, m.median) for m in measured], self.cap),
-            memory_cap=self.cap,
-            memory_probed_to=measured[-1].batch,
-            memory=memory,
-        )
+        return super().entry(probed_to)
 
 
 # Parameter-sized tensors of state per parameter, before an optimizer's first step has made them.
@@ -324,11 +253,9 @@ _STATE_PER_PARAMETER = {"Adam": 2, "AdamW": 2, "Adamax": 2, "NAdam": 2, "RAdam":
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     """The bytes ``optimizer``'s state takes on this rank: what it holds, else what its first step will make.
 
-    Before the first step, torch's optimizers hold nothing; their state is then a known
-    number of tensors the size of each (local) parameter shard: Adam's two moments, SGD's
-    momentum buffer (none without momentum), RMSprop's square average (and momentum
-    buffer, and centred mean). An optimizer of another class is counted as Adam (2), which
-    errs towards a smaller cap, never a larger one.
+    Before its first step the state is a known number of tensors the size of each local
+    parameter shard (Adam 2, SGD with momentum 1, RMSprop 1 to 3); another class counts as
+    Adam's 2, erring towards a smaller cap, never a larger one.
     """
     held = [t for state in optimizer.state.values() for t in state.values() if torch.is_tensor(t)]
     if held:  # FSDP2's state is sharded as its parameters are: count this rank's part

@@ -1,20 +1,14 @@
 """Teardown: at exit, let gloo's worker threads finish with their last collective before the interpreter goes.
 
-Why this exists: a rank whose script ends right after a collective can abort at exit
-(SIGABRT, "terminate called without an active exception"). Gloo runs each collective
-on a worker thread (``pt_gloo_runloop``) that drops the collective's tensors *after*
-the caller has seen it complete; dropping a tensor Python knows takes the GIL, and a
-thread that takes the GIL once the interpreter has begun finalizing is ended with
-``pthread_exit``, which unwinds through a ``noexcept`` destructor (pytorch/pytorch#190489).
-``destroy_process_group`` does not help: it leaves the threads running while anything
-(a DDP model, an ``Accelerator``) still holds the group. Measured on the 2-core VM under
-load: a two-rank job exiting right after an all-reduce aborted in 22 of 30 runs.
-
-So every rank that uses hetsplit's distributed pieces registers (once) an ``atexit``
-handler, which runs while the interpreter is still whole: it releases the GIL in short
-sleeps until no gloo worker thread has run or is runnable across one sleep, at most
-:data:`_EXIT_WAIT_SECONDS`. Worker threads blocked on a peer (a collective still
-pending) count as settled, so a rank that fails never waits on the others.
+A rank whose script ends right after a collective can abort at exit (SIGABRT): gloo's
+worker thread drops the collective's tensors after the caller saw it complete, taking the
+GIL, and a thread that takes it once the interpreter is finalizing is ended through a
+``noexcept`` destructor (pytorch/pytorch#190489); ``destroy_process_group`` leaves the
+threads running while anything holds the group. Measured on the 2-core VM under load: a
+two-rank job exiting right after an all-reduce aborted in 22 of 30 runs. So an ``atexit``
+handler releases the GIL in short sleeps until no gloo worker has run or is runnable
+across one sleep (at most :data:`_EXIT_WAIT_SECONDS`); a worker blocked on a peer counts
+as settled, so a failed rank never waits on the others.
 """
 
 from __future__ import annotations
@@ -43,16 +37,9 @@ def drain_at_exit(names: tuple[str, ...] = _WORKER_THREAD_NAMES) -> None:
 
 
 def thread_states(names: tuple[str, ...] = _WORKER_THREAD_NAMES) -> dict[int, tuple[str, int]] | None:
-    """This process's threads called one of ``names``, with their state and context switches.
+    """This process's threads called one of ``names`` (Linux ``comm``): thread id -> (state letter, context switches).
 
-    Args:
-        names: Native thread names (Linux ``comm``) to look for.
-
-    Returns:
-        Thread id -> (state letter, context switches): the kernel's state (``R`` running
-        or runnable, ``S`` sleeping, ``D`` in I/O) and the voluntary plus involuntary
-        switches, which change whenever the thread ran. ``None`` where ``/proc`` is not
-        there (not Linux).
+    ``None`` where ``/proc`` is not there (not Linux).
     """
     try:
         tids = os.listdir("/proc/self/task")
@@ -74,15 +61,10 @@ def thread_states(names: tuple[str, ...] = _WORKER_THREAD_NAMES) -> dict[int, tu
 
 
 def wait_for_workers(timeout: float = _EXIT_WAIT_SECONDS, names: tuple[str, ...] = _WORKER_THREAD_NAMES) -> bool:
-    """Let the GIL go until the worker threads stay still across one short sleep.
+    """Let the GIL go until the threads ``names`` stay still across one short sleep (at most ``timeout`` seconds).
 
-    Still means: none is running, runnable or in I/O, and none was scheduled during the
-    sleep. A thread waiting for the GIL would take it during the sleep (and so not be
-    still), which is why looking at the state alone is not enough.
-
-    Args:
-        timeout: Seconds to wait at most.
-        names: Native names of the threads to wait for.
+    Still: none running, runnable or in I/O, and none scheduled during the sleep (a thread
+    waiting for the GIL takes it then: the state alone is not enough).
 
     Returns:
         ``True`` if they went still in time (or there are none); ``False`` at the timeout,

@@ -1,21 +1,11 @@
 """Zero share: what a rank the plan gives 0 samples runs each step, and how that stand-in is recognised.
 
-``DataLoader(batch_size=0)`` is refused by torch and many models cannot run a batch of 0
-rows (``x.view(x.size(0), -1)``), yet every rank must take part in every collective. So
-a rank with a share of 0 runs :data:`STAND_IN` real samples — the first rows of the
-global batch — which the gradient weighting counts as 0 and metrics count as none.
-Every piece that serves, cuts or weights such a batch asks this module: the samplers
-(:mod:`.sampler`), a global batch cut by hand (:func:`~hetsplit.distributed.local_batch`),
-FSDP2's filler micro-batches (:mod:`.sharded`), the weighting (:mod:`.comm_hooks`), the
-plan's prediction of the step (:mod:`.rank_plan`) and the integrations.
-
-How the weighting learns that the batch in hand is a stand-in without a plan: whoever
-hands the batch out says so to :data:`IN_HAND` (a :class:`HandOff`), and the weighting,
-given that hand-off when it is made, reads it in the forward. The sampler cannot say it
-(a loader with workers draws indices ahead of the batch in hand); the loader's iterator
-and :func:`~hetsplit.distributed.local_batch` can, as they give the batch to the
-training loop. It is kept per thread: the batch a thread holds is the one its next
-forward runs.
+``DataLoader(batch_size=0)`` is refused by torch and many models cannot run 0 rows
+(``x.view(x.size(0), -1)``), yet every rank takes part in every collective: a rank with a
+share of 0 runs :data:`STAND_IN` real samples (the global batch's first rows), weighted 0
+and counted as none. Whoever hands a batch out (the loader's iterator, ``local_batch``;
+not the sampler, which a loader's workers run ahead) says to :data:`IN_HAND` whether it is
+that stand-in, per thread; the weighting reads it in the forward.
 """
 
 from __future__ import annotations

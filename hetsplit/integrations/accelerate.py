@@ -16,7 +16,7 @@ from accelerate.utils import reduce as accelerate_reduce
 from torch.utils.data import DataLoader, RandomSampler
 
 import hetsplit.distributed as hd
-from hetsplit.devices import Device, device_name, parse_device
+from hetsplit.devices import Device, device_name, parse_device, rank_label
 from hetsplit.distributed.comm_hooks import WeightingState
 from hetsplit.distributed.dtypes import verify_dtypes
 from hetsplit.distributed.sharded import kind
@@ -118,7 +118,7 @@ class HeteroAccelerator(accelerate.Accelerator):  # type: ignore[misc]
         if names is not None:
             self.rank_device = parse_device(names[rank])  # this machine must have it
             if world > 1 and not dist.is_initialized():  # NCCL only when every process is a GPU
-                self.rank_device = hd.init(devices=",".join(names))
+                self.rank_device = hd.init(devices=names)
         fsdp2 = wants_fsdp2(accelerator_kwargs) and world > 1
         if fsdp2 and accelerator_kwargs.get("fsdp_plugin") is None:  # from accelerate launch's environment,
             accelerator_kwargs["fsdp_plugin"] = accelerate.utils.FullyShardedDataParallelPlugin()  # as accelerate
@@ -557,4 +557,4 @@ def _profiling_inputs(batch: Any, loss_fn: Any) -> tuple[Any, dict[str, Any]]:
 
 
 def _ranks(n: int) -> list[str]:
-    return [f"rank{r}" for r in range(n)]
+    return [rank_label(r) for r in range(n)]

@@ -27,7 +27,7 @@ from torch import nn
 
 import hetsplit.distributed as hd
 from hetsplit import emulation
-from hetsplit.devices import Device
+from hetsplit.devices import Device, rank_label
 
 # What each integration says about its split is hetsplit.distributed's report (hd.plan says it too).
 from hetsplit.distributed.report import QUIET_ENV as QUIET_ENV
@@ -66,7 +66,7 @@ def device_names(devices: str | None, world: int) -> list[str] | None:
 
 def labels(names: Sequence[str]) -> list[str]:
     """The plan's labels for every process's device: ``rank0:cuda:0``, ``rank1:cpu@0.25``."""
-    return [f"rank{r}:{n}" for r, n in enumerate(names)]
+    return [rank_label(r, n) for r, n in enumerate(names)]
 
 
 def is_cpu_job(device: Device | None, world: int) -> bool:

@@ -8,7 +8,7 @@ from typing import Any
 from torch import nn
 
 from hetsplit.devices import parse_device
-from hetsplit.distributed.rank_plan import rank_device
+from hetsplit.distributed.setup import rank_devices as _rank_devices
 from hetsplit.planning import Plan, Rebalancer
 
 from .. import core
@@ -83,7 +83,7 @@ def rank_devices(
             accelerator's (a CPU with ``accelerator="gpu"``), or one this node lacks.
     """
     try:
-        names = [rank_device(spec, r, world=world) for r in range(world)]
+        names = _rank_devices(spec, world)
     except ValueError as e:
         raise ValueError(f"{who}(devices={spec!r}) with {world} processes (Trainer devices × num_nodes): {e}") from None
     wrong = [f"rank {r}: {n}" for r, n in enumerate(names) if parse_device(n, check=False).type != accelerator]
