@@ -171,7 +171,7 @@ class Plan:
 
 
 def scaled_step(
-    steps: Iterable[tuple[Sequence[float | None], float]],
+    steps: Iterable[tuple[Sequence[float | None], float | Sequence[float]]],
     scales: Sequence[float | None],
     planned: Sequence[float],
 ) -> float:
@@ -183,7 +183,8 @@ def scaled_step(
     over its time on the measured one, from the curves (``None``: unknown). A device counts
     at its compute times its scale, or at its ``planned`` time on the new plan where either
     is missing; one with nothing planned (no share) not at all. Each step: its slowest
-    device plus its own rest.
+    device plus the step's rest, or, where the rest is given per device (a torchrun rank's
+    wall less its compute), each device plus its own.
 
     Taken step by step, not from the medians: a step lasts as long as its slowest device
     *in that step*, and the slowest of several noisy devices is slower on average than the
@@ -193,11 +194,12 @@ def scaled_step(
     """
     out = []
     for computes, rest in steps:
+        own = list(rest) if isinstance(rest, Sequence) else [0.0] * len(planned)
         longest = 0.0
-        for seen, scale, plan_s in zip(computes, scales, planned, strict=True):
+        for seen, scale, plan_s, extra in zip(computes, scales, planned, own, strict=True):
             if plan_s > 0:
-                longest = max(longest, seen * scale if seen and scale is not None else plan_s)
-        out.append(longest + rest)
+                longest = max(longest, (seen * scale if seen and scale is not None else plan_s) + extra)
+        out.append(longest + (0.0 if isinstance(rest, Sequence) else rest))
     if not out:
         raise ValueError("scaled_step needs at least one measured step")
     return float(statistics.median(out))
