@@ -132,6 +132,31 @@ def weighted_caps(ctx):
     return {**out, "error": None}
 
 
+def zero_share_calibration(ctx):
+    # Rank 1 profiled 1000x slower gets 0 of 40: it still calibrates, on the two stand-in samples it
+    # runs in training, and its curve then passes through that step (uncalibrated, its stand-in step
+    # under DDP's all-reduce ran 1.4-2x its profile: ResNet-18 on cpu@0.25).
+    import hetsplit.distributed.rank_plan as rank_plan
+
+    ran, real = [], rank_plan.calibration_steps
+
+    def spy(*args, **kwargs):
+        ran.append(args[5].sizes)  # the plan calibrated
+        return real(*args, **kwargs)
+
+    x, y = _batch(8)
+    slow = 1000.0 if ctx.rank else 1.0
+    given = Profile.from_measurements({_device(ctx): [(2, 0.002 * slow), (32, 0.032 * slow)]})
+    rank_plan.calibration_steps = spy
+    try:
+        # A BatchNorm model: no share under 8 samples, so the stand-ins are not made a share of 2.
+        planned = hd.plan(mlp(6, 5, 3, batch_norm=True), x, 40, device=_device(ctx), loss_fn=F.cross_entropy,
+                          target=y, profile=given, calibrate=2, calibrate_seconds=0, quiet=True)  # fmt: skip
+    finally:
+        rank_plan.calibration_steps = real
+    return {"sizes": planned.sizes, "calibrated": ran, "stand_in_time": planned.times[1]}
+
+
 def calibration(ctx):
     # Both ranks plan from rank 0's profile of the real CPU, as if equally fast; the DDP steps
     # show rank 1 is emulated at a quarter speed and the plan moves off it.
@@ -411,6 +436,7 @@ SCENARIOS = {
     "batchnorm_plan": batchnorm_plan,
     "weighted_caps": weighted_caps,
     "calibration": calibration,
+    "zero_share_calibration": zero_share_calibration,
     "calibration_failure": calibration_failure,
     **{name: step for name, (step, _) in EXACT.items()},
     "plain_uneven_shares": plain_uneven_shares,
@@ -532,6 +558,12 @@ def test_what_a_step_took_beyond_compute_ignores_the_busiest_rank_s_head_start()
     start, compute = [0.0, 0.001], [0.020, 0.020]
     end = max(s + c + own for s, c in zip(start, compute)) + tail
     assert exposed([end - s for s in start], compute) == pytest.approx(own + tail)
+
+
+def test_a_rank_given_no_share_calibrates_on_its_stand_ins(ranks):
+    for r in ranks["zero_share_calibration"]:
+        assert r["sizes"] == [40, 0] and r["calibrated"] == [[40, 0]], r  # was: not calibrated at all
+        assert 0 < r["stand_in_time"] < 1.0, r  # its measured stand-in step, not the profile's 2 s
 
 
 def test_a_batchnorm_model_s_plan_hands_no_rank_a_single_sample(ranks):

@@ -33,6 +33,7 @@ from . import sharded as _sharded
 from ._group import DistributedError, all_gather, collective, guard
 from .comm_hooks import weight_gradients
 from .sharded_profile import sharded_steps
+from .zero_share import STAND_IN
 
 # Every rank's wall seconds and compute in one calibration step (all-gathered).
 Steps = list[tuple[list[float], list[float]]]
@@ -68,7 +69,7 @@ def calibration_steps(
         DistributedError: On every rank, if a step fails on some rank (a sharded model's
             steps are collective: then at the group's timeout).
     """
-    size = plan.sizes[rank]
+    size = plan.sizes[rank] or STAND_IN  # a rank given 0 runs its stand-ins, weighted 0, as in training
     if sharded:
         with sharded_steps(model, sample, target, loss_fn, dev, size, group=group) as one:
             return _timed_steps(lambda _i: one(), dev, steps, seconds, group, rank)
