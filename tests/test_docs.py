@@ -653,7 +653,8 @@ def test_no_guide_paragraph_runs_past_250_words():
 # Docs a user reads: every word counted as `wc -w` counts it, code and tables included. The README
 # stays short (its budget is its own); docs/ as a whole, and benchmarks.md, a current report of the
 # newest figures whose history stays in git, within theirs.
-WORD_BUDGETS = {"README.md": 1_150, "docs/benchmarks.md": 2_500, "docs/": 14_360}  # +560: docs/elastic.md (issue 46)
+# Issue 45 sets docs/ at 15,000 words at most; today's 14,5xx hold the elastic guide (issue 46).
+WORD_BUDGETS = {"README.md": 1_150, "docs/benchmarks.md": 2_500, "docs/": 14_600}
 
 
 def test_the_docs_stay_within_their_word_budgets():
