@@ -6,20 +6,29 @@
 exits mid-step (after the backward of step K, before the all-reduce), as a killed process does;
 ``--go FILE`` waits for FILE before joining; ``--checkpoint F`` resumes from F and saves it after every committed step;
 ``--wait-at M FILE`` waits before step M until FILE exists (a rejoiner's ``--ready``), so the
-rejoin lands inside the run on a loaded machine.
+rejoin lands inside the run on a loaded machine. A group of several ranks (``DEVICES`` as
+``cpu+cpu@0.5,cpu@0.25``: ranks joined by ``+``) is one process per rank, started with
+torch.distributed's ``RANK``/``WORLD_SIZE``/``MASTER_PORT``; ``--fsdp`` shards it with FSDP2, and
+``--die-in-reduce-scatter K`` exits as this rank enters FSDP2's reduce-scatter at step K. Each
+committed step is also appended to ``OUT.log`` (what a group that dies later leaves).
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import init_device_mesh
 
 from hetsplit.distributed.elastic import ElasticGroup
 from hetsplit.planning import Profile
@@ -27,10 +36,14 @@ from hetsplit.planning import Profile
 IN, OUT_F, CLASSES = 6, 3, 3
 
 
-def model_and_opt(optim: str, hidden: int = 16) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+def model_and_opt(optim: str, hidden: int = 16, fsdp: bool = False) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(IN, hidden), torch.nn.Tanh(), torch.nn.Linear(hidden, CLASSES))
     model = model.double()
+    if fsdp:  # FSDP2 over this group's ranks, each layer and the root
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        for layer in (model[0], model[2], model):
+            fully_shard(layer, mesh=mesh)
     if optim == "sgd":
         return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     return model, torch.optim.AdamW(model.parameters(), lr=0.01)
@@ -45,7 +58,8 @@ def global_batch(step: int, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def profile() -> Profile:
     """Synthetic timings: ``cpu@0.5`` half as fast as ``cpu`` (the shares 2:1, so a mean by groups would show)."""
-    return Profile.from_measurements({"cpu": [(8, 0.008), (32, 0.032)], "cpu@0.5": [(8, 0.016), (32, 0.064)]})
+    curves = {"cpu": [(8, 0.008), (32, 0.032)], "cpu@0.5": [(8, 0.016), (32, 0.064)]}
+    return Profile.from_measurements({**curves, "cpu@0.25": [(8, 0.032), (32, 0.128)]})
 
 
 def main() -> None:
@@ -62,6 +76,8 @@ def main() -> None:
     ap.add_argument("--checkpoint", default=None)
     ap.add_argument("--no-profile", action="store_true")
     ap.add_argument("--quorum-timeout", type=float, default=60)
+    ap.add_argument("--fsdp", action="store_true")
+    ap.add_argument("--die-in-reduce-scatter", type=int, default=-1)
     a = ap.parse_args()
     try:
         run(a)
@@ -70,14 +86,16 @@ def main() -> None:
 
 
 def run(a: argparse.Namespace) -> None:
-    model, opt = model_and_opt(a.optim, a.hidden)
     while a.go and not os.path.exists(a.go):  # started early, imports done: joins when told
         time.sleep(0.05)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    model, opt = model_and_opt(a.optim, a.hidden, a.fsdp)
     group = ElasticGroup(
         model,
         opt,
         batch_size=a.batch,
-        devices=a.devices.split(","),
+        devices=[d.split("+") for d in a.devices.split(",")],
         group=int(a.group),
         lighthouse=a.lighthouse,
         profile=None if a.no_profile else profile(),
@@ -86,8 +104,17 @@ def run(a: argparse.Namespace) -> None:
         use_async_quorum=a.async_quorum,
         checkpoint=a.checkpoint,
     )
-    if a.ready:
+    if a.ready and group.rank == 0:  # rank 0 holds the group's place in torchft's quorum
         Path(a.ready).touch()
+    if a.die_in_reduce_scatter >= 0:  # gone as this rank enters the reduce-scatter: its peers are inside it
+        reduce_scatter = dist.reduce_scatter_single
+
+        def dying(*args, **kwargs):
+            if group.step == a.die_in_reduce_scatter:
+                os._exit(0)
+            return reduce_scatter(*args, **kwargs)
+
+        dist.reduce_scatter_single = dying
     log, tries = [], 0
     while group.step < int(a.steps):
         for at, path in [w for w in a.wait_at if int(w[0]) == group.step]:
@@ -101,15 +128,35 @@ def run(a: argparse.Namespace) -> None:
         if step == a.die_at:
             os._exit(0)  # gone mid-step, as a killed process
         tries += 1
+        before = copy.deepcopy((model.state_dict(), opt.state_dict()))
         if group.commit():
             log.append(
                 {"step": step, "members": list(group.members), "sizes": list(group.plan.sizes), "t": time.time()}
             )
+            if group.rank == 0:
+                with open(f"{a.out}.log", "a") as f:
+                    print(json.dumps(log[-1]), file=f)
             if a.checkpoint:
                 group.save()
-    torch.save({"params": [p.detach() for p in model.parameters()], "log": log, "tries": tries}, a.out)
+        elif not _same(before, (model.state_dict(), opt.state_dict())):
+            raise RuntimeError(f"step {step} was discarded but the model or optimizer changed")
+    params = [p.full_tensor() if hasattr(p, "full_tensor") else p.detach() for p in model.parameters()]
+    if group.rank == 0:
+        torch.save({"params": params, "log": log, "tries": tries}, a.out)
     group.shutdown()
     print(json.dumps({"group": a.group, "steps": len(log)}), file=sys.stderr)
+
+
+def _same(a, b) -> bool:
+    """Whether two nests of tensors (sharded ones compared by their local part) hold the same values."""
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, torch.Tensor):
+        local = (lambda t: t.to_local()) if hasattr(a, "to_local") else (lambda t: t)
+        return torch.equal(local(a), local(b))
+    return a == b
 
 
 if __name__ == "__main__":

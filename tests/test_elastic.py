@@ -7,6 +7,8 @@ on wall time: rendezvous timeouts are generous for a loaded 2-core machine.
 
 from __future__ import annotations
 
+import json
+import socket
 import subprocess
 import sys
 import time
@@ -20,6 +22,7 @@ from helpers import ROOT, subprocess_env
 torchft = pytest.importorskip("torchft", reason="the elastic extra: pip install 'hetsplit[elastic]'")
 
 from hetsplit.distributed.elastic import ElasticGroup, lighthouse  # noqa: E402
+from hetsplit.planning.solver import solve  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "tests"))
 import elastic_job  # noqa: E402
@@ -102,6 +105,66 @@ def test_a_group_leaves_mid_step_and_rejoins_exactly(tmp_path, optim, mode):
     expected = _plain(optim)
     for got in (first["params"], back["params"]):
         for a, b in zip(got, expected):
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
+
+
+def _ranks(tmp: Path, name: str, group: int, address: str, world: int, *extra: str, last: tuple = ()) -> list:
+    """One group of ``world`` ranks on FSDP2 (their own torch.distributed world); ``last``: the last rank's flags."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, str(JOB), str(tmp / f"{name}.pt"), str(group), "cpu+cpu@0.5,cpu@0.25", address, str(STEPS)]
+    procs = []
+    for r in range(world):
+        env = {**ENV, "RANK": str(r), "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        flags = [*extra, *(last if r == world - 1 else ())]
+        procs.append(subprocess.Popen([*cmd, "adamw", *flags], env=env, stderr=subprocess.PIPE, text=True, cwd=tmp))
+    return procs
+
+
+def test_a_group_of_two_fsdp2_ranks_and_a_group_of_one_leave_and_rejoin_exactly(tmp_path):
+    """Group 0 is two ranks (FSDP2, ``cpu+cpu@0.5``), group 1 one (``cpu@0.25``): every rank's share is solved.
+
+    Group 1 dies inside step 3 (group 0 is in the cross-group all-reduce): both ranks of group 0
+    discard it and re-run it alone. Group 1 rejoins at 5, healed from group 0's whole copy. Group
+    0's second rank dies entering FSDP2's reduce-scatter of step 7: its first rank fails inside it,
+    group 1 discards the step and re-runs it alone; group 0 rejoins at 9, healed and sharded anew.
+    Each job checks a discarded step left its model and optimizer as they were.
+    """
+    f = {n: str(tmp_path / n) for n in ("up0", "up1", "back1", "back0", "go1", "go0")}
+    lh = lighthouse(1)
+    try:
+        g0 = _ranks(tmp_path, "g0", 0, lh.address(), 2, "--fsdp", "--ready", f["up0"], "--wait-at", "0", f["up1"],
+                    "--wait-at", "5", f["back1"], last=("--die-in-reduce-scatter", "7"))  # fmt: skip
+        g1 = _ranks(
+            tmp_path, "g1", 1, lh.address(), 1, "--ready", f["up1"], "--wait-at", "0", f["up0"], "--die-at", "3"
+        )
+        back1 = _ranks(tmp_path, "g1b", 1, lh.address(), 1, "--ready", f["back1"], "--go", f["go1"],
+                       "--wait-at", "9", f["back0"])  # fmt: skip
+        back0 = _ranks(tmp_path, "g0b", 0, lh.address(), 2, "--fsdp", "--ready", f["back0"], "--go", f["go0"])
+        g1[0].communicate(timeout=240)
+        _wait_for(Path(f["back1"] + ".waiting"))  # group 0 ran steps 3 and 4 alone
+        Path(f["go1"]).touch()
+        for p in g0:
+            p.communicate(timeout=240)
+        assert g0[0].returncode != 0  # its collective failed: the group is gone
+        _wait_for(Path(f["back0"] + ".waiting"))
+        Path(f["go0"]).touch()
+        for p in back1 + back0:
+            _finish(p)
+    finally:
+        lh.shutdown()
+    first = [json.loads(line) for line in (tmp_path / "g0.pt.log").read_text().splitlines()]
+    assert [r["step"] for r in first] == list(range(7))
+    assert [r["members"] for r in first] == [[0, 1]] * 3 + [[0]] * 2 + [[0, 1]] * 2
+    back = torch.load(tmp_path / "g1b.pt")["log"]
+    assert [r["step"] for r in back] == list(range(5, STEPS))
+    assert [r["members"] for r in back] == [[0, 1]] * 2 + [[1]] * 2 + [[0, 1]] * 3
+    three = solve(elastic_job.profile(), BATCH, devices=["cpu", "cpu@0.5", "cpu@0.25"]).sizes
+    assert {tuple(r["sizes"]) for r in first + back} == {tuple(three), (16, 8), (24,)}, three
+    expected = _plain("adamw")
+    for name in ("g1b", "g0b"):
+        for a, b in zip(torch.load(tmp_path / f"{name}.pt")["params"], expected):
             torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
 
 
