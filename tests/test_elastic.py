@@ -47,8 +47,11 @@ def _plain(optim: str) -> list[torch.Tensor]:
     return [p.detach() for p in model.parameters()]
 
 
-def _wait_for(path: Path) -> None:
+def _wait_for(path: Path, *alive: subprocess.Popen) -> None:
+    """Until ``path`` exists; a process of ``alive`` that ends first fails the test with its error."""
     while not path.exists():
+        for proc in alive:
+            assert proc.poll() is None, f"{proc.args[2:4]} ended first:\n{proc.communicate()[1][-2000:]}"
         time.sleep(0.05)
 
 
@@ -108,8 +111,10 @@ def test_a_group_leaves_mid_step_and_rejoins_exactly(tmp_path, optim, mode):
             torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
 
 
-def _ranks(tmp: Path, name: str, group: int, address: str, world: int, *extra: str, last: tuple = ()) -> list:
-    """One group of ``world`` ranks on FSDP2 (their own torch.distributed world); ``last``: the last rank's flags."""
+def _ranks(
+    tmp: Path, name: str, group: int, address: str, world: int, *extra: str, optim: str = "adamw", last: tuple = ()
+) -> list:
+    """One group of ``world`` ranks (their own torch.distributed world); ``last``: the last rank's flags."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -118,8 +123,37 @@ def _ranks(tmp: Path, name: str, group: int, address: str, world: int, *extra: s
     for r in range(world):
         env = {**ENV, "RANK": str(r), "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
         flags = [*extra, *(last if r == world - 1 else ())]
-        procs.append(subprocess.Popen([*cmd, "adamw", *flags], env=env, stderr=subprocess.PIPE, text=True, cwd=tmp))
+        procs.append(subprocess.Popen([*cmd, optim, *flags], env=env, stderr=subprocess.PIPE, text=True, cwd=tmp))
     return procs
+
+
+def _kill(procs: list) -> None:
+    """End the processes still running (a failed test leaves none waiting)."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+
+
+def test_a_group_of_two_replicated_ranks_trains_exactly_beside_a_group_of_one(tmp_path):
+    """Without FSDP2 a group's ranks hold the whole model; their weighted gradients meet on rank 0."""
+    up0, up1 = str(tmp_path / "up0"), str(tmp_path / "up1")
+    lh = lighthouse(1)
+    procs = []
+    try:
+        procs = _ranks(tmp_path, "g0", 0, lh.address(), 2, "--ready", up0, "--wait-at", "0", up1, optim="sgd")
+        procs += _ranks(tmp_path, "g1", 1, lh.address(), 1, "--ready", up1, "--wait-at", "0", up0, optim="sgd")
+        for p in procs:
+            _finish(p)
+    finally:
+        _kill(procs)
+        lh.shutdown()
+    three = solve(elastic_job.profile(), BATCH, devices=["cpu", "cpu@0.5", "cpu@0.25"]).sizes
+    for name in ("g0", "g1"):
+        got = torch.load(tmp_path / f"{name}.pt")
+        assert [(r["members"], r["sizes"]) for r in got["log"]] == [([0, 1], three)] * STEPS
+        for a, b in zip(got["params"], _plain("sgd")):
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
 
 
 def test_a_group_of_two_fsdp2_ranks_and_a_group_of_one_leave_and_rejoin_exactly(tmp_path):
@@ -133,6 +167,7 @@ def test_a_group_of_two_fsdp2_ranks_and_a_group_of_one_leave_and_rejoin_exactly(
     """
     f = {n: str(tmp_path / n) for n in ("up0", "up1", "back1", "back0", "go1", "go0")}
     lh = lighthouse(1)
+    g0 = g1 = back1 = back0 = []
     try:
         g0 = _ranks(tmp_path, "g0", 0, lh.address(), 2, "--fsdp", "--ready", f["up0"], "--wait-at", "0", f["up1"],
                     "--wait-at", "5", f["back1"], last=("--die-in-reduce-scatter", "7"))  # fmt: skip
@@ -143,16 +178,17 @@ def test_a_group_of_two_fsdp2_ranks_and_a_group_of_one_leave_and_rejoin_exactly(
                        "--wait-at", "9", f["back0"])  # fmt: skip
         back0 = _ranks(tmp_path, "g0b", 0, lh.address(), 2, "--fsdp", "--ready", f["back0"], "--go", f["go0"])
         g1[0].communicate(timeout=240)
-        _wait_for(Path(f["back1"] + ".waiting"))  # group 0 ran steps 3 and 4 alone
+        _wait_for(Path(f["back1"] + ".waiting"), *g0)  # group 0 ran steps 3 and 4 alone
         Path(f["go1"]).touch()
         for p in g0:
             p.communicate(timeout=240)
         assert g0[0].returncode != 0  # its collective failed: the group is gone
-        _wait_for(Path(f["back0"] + ".waiting"))
+        _wait_for(Path(f["back0"] + ".waiting"), *back1)
         Path(f["go0"]).touch()
         for p in back1 + back0:
             _finish(p)
     finally:
+        _kill(g0 + g1 + back1 + back0)
         lh.shutdown()
     first = [json.loads(line) for line in (tmp_path / "g0.pt.log").read_text().splitlines()]
     assert [r["step"] for r in first] == list(range(7))
