@@ -1,10 +1,6 @@
 """Options: the arguments every integration shares, carried in one object and checked one way.
 
-``HeteroDDPStrategy``, ``HeteroModelParallelStrategy``, ``HeteroAccelerator`` and
-``HeteroTrainer`` take the fields of :class:`HeteroOptions` as keywords, or the object
-whole (``options=``), through one helper (:meth:`HeteroOptions.take`); inside, they carry
-the object. How gradients are weighted (``weighting``) is each integration's own: the
-Trainer weights its loss instead, FSDP2 only at its outputs.
+``weighting`` stays each integration's own: the Trainer weights its loss instead, FSDP2 only at its outputs.
 """
 
 from __future__ import annotations
@@ -68,9 +64,7 @@ class HeteroOptions:
 
     @classmethod
     def take(cls, who: str, options: HeteroOptions | None, kwargs: dict[str, Any]) -> HeteroOptions:
-        """The options of an integration made with ``options=`` or with the fields as keywords in ``kwargs``.
-
-        The fields are popped from ``kwargs``; what is left is the framework's own.
+        """The options of an integration made with ``options=`` or with the fields as keywords (popped from ``kwargs``).
 
         Raises:
             TypeError: As :meth:`given`.
@@ -116,7 +110,6 @@ class HeteroOptions:
 
         Args:
             who: The class the user made (named in every message).
-            weighting: The weighting the user gave.
             weightings: The weightings ``who`` offers.
 
         Raises:

@@ -1,8 +1,6 @@
 """The loader HeteroAccelerator prepares: accelerate's DataLoaderShard over hetsplit's shares, and its epochs.
 
-Each prepared loader knows what its current batch holds (the samples the weighting
-counts, the real rows ``gather_for_metrics`` keeps) and keeps its epoch in a checkpoint,
-so a resumed run draws the orders the uninterrupted one would.
+Its epoch is kept in a checkpoint, so a resumed run draws the orders the uninterrupted one would.
 """
 
 from __future__ import annotations
@@ -70,11 +68,7 @@ class SharesLoader(DataLoaderShard):  # type: ignore[misc]
             self.pass_ended()
 
     def real_rows(self) -> int:
-        """This process's rows of the current batch that are data counted once.
-
-        Not the padding that completes a last global batch, nor the one sample a share of
-        0 is served (:meth:`HeteroDistributedSampler.real_rows`).
-        """
+        """This process's rows of the current batch that are data counted once (no padding, no zero-share stand-in)."""
         return min(self._rows, self.shares.real_rows(self._index))
 
     def padded(self) -> bool:
@@ -104,11 +98,7 @@ class SharesLoader(DataLoaderShard):  # type: ignore[misc]
 
 
 def shuffle_seed(loader: DataLoader[Any], data_seed: int | None, processes: int) -> int:
-    """The seed every process shuffles with: ``data_seed``, else process 0's (its loader's generator or torch's).
-
-    So ``set_seed`` and a loader's ``generator`` change the order as they would with
-    accelerate, and all processes cut the same order.
-    """
+    """The seed every process shuffles with: ``data_seed``, else process 0's (its loader's generator or torch's)."""
     if data_seed is not None:
         return int(data_seed)
     generator = getattr(loader, "generator", None) or getattr(loader.sampler, "generator", None)
