@@ -378,7 +378,7 @@ class HeteroTrainer(_TrainerPrivates):
                 real = self._real_rows(inputs)
                 whole = real == samples_in(inputs)
                 mean = loss if whole and not together else self._real_mean(model, inputs, real, together)
-                rows = inputs if whole else narrow(inputs, 0, real)
+                rows = inputs if whole else _rows(inputs, real)
                 real_items = items_in(rows, shifted)  # what the model's own mean averages over
                 counted = self._counted_items(model, rows)  # what the plain Trainer divides the batch's sum by
                 self._eval_rows[-1] += _eval_row(mean, real_items, counted, real, self.args.device)
@@ -386,7 +386,7 @@ class HeteroTrainer(_TrainerPrivates):
                 self._real_mean(model, self._filler_inputs(inputs), 0, together)
         if empty:
             loss = _part(loss, 0.0)
-            outputs = narrow(outputs, 0, 0) if outputs is not None else None
+            outputs = _rows(outputs, 0) if outputs is not None else None
         return (loss, outputs) if return_outputs else loss
 
     def evaluation_loop(self, *args: Any, **kwargs: Any) -> Any:
@@ -448,7 +448,7 @@ class HeteroTrainer(_TrainerPrivates):
         if real == 0 and not together:
             return torch.zeros(())
         with torch.no_grad():
-            mean = super().compute_loss(model, narrow(inputs, 0, real) if real else inputs)
+            mean = super().compute_loss(model, _rows(inputs, real) if real else inputs)
         assert isinstance(mean, torch.Tensor), "compute_loss without return_outputs returns the loss"
         return mean if real else torch.zeros(())
 
@@ -488,6 +488,11 @@ def _mean_over_batches(rows: torch.Tensor, drop_not_finite: bool) -> float | Non
     if drop_not_finite and finite.any():
         losses, samples = losses[finite], samples[finite]
     return float((losses * samples).sum() / samples.sum())
+
+
+def _rows(tree: Any, n: int) -> Any:
+    """The first ``n`` rows of every tensor with a batch dimension in ``tree`` (a dict, a model output)."""
+    return narrow(tree, 0, n)
 
 
 def _check_sampling(args: Any) -> None:
