@@ -262,13 +262,7 @@ class HeteroTrainer(_TrainerPrivates):
         batch without any runs its last piece with every gradient held at an exact 0 (DDP needs a
         backward on every process).
 
-        Args:
-            model: The model being trained (DDP-wrapped when several processes run).
-            inputs: This process's collated batch.
-            num_items_in_batch: As for ``transformers.Trainer.training_step``.
-
-        Returns:
-            The detached loss: the sum of the micro-batches' losses.
+        Returns the detached loss: the sum of the micro-batches' losses.
 
         Raises:
             torch.OutOfMemoryError: If a micro-batch (or an unsplit share) exceeds this

@@ -45,14 +45,7 @@ class HeteroStrategy(ParallelStrategy):
     their ``super()`` calls reach the Lightning strategy's; a subclass defines :meth:`weighted_model`,
     :meth:`micro_model` and :meth:`run_micro_batch`.
 
-    Args:
-        weighting: How the gradients are weighted (one of :attr:`weightings`).
-        options: The arguments every integration shares (:class:`~..options.HeteroOptions`),
-            or its fields as keywords in ``strategy_kwargs``.
-        **strategy_kwargs: Passed to the Lightning strategy.
-
-    Raises:
-        TypeError, ValueError: As :meth:`~..options.HeteroOptions.check`.
+    Its arguments are the subclasses' (:class:`~.ddp.HeteroDDPStrategy`).
     """
 
     who: ClassVar[str] = "HeteroStrategy"  # the class the user made, named in every message
@@ -445,14 +438,6 @@ class HeteroStrategy(ParallelStrategy):
         ``self.log(..., sync_dist=True)`` reduces through here: an ``on_epoch`` mean is exact as Lightning
         keeps it, an ``on_step`` mean (a plain mean of the ranks' values) is weighted by the step's samples.
         Not weighted: means reduced in other hooks, a ``batch_size=`` given to ``self.log``.
-
-        Args:
-            tensor: The value to reduce (anything else is returned unchanged).
-            group: The process group (default: the world).
-            reduce_op: ``"mean"`` (default), ``"sum"``, ``"max"``, ``"min"`` or a ``ReduceOp``.
-
-        Returns:
-            The reduced tensor, the same on every rank.
         """
         # super() reaches the Lightning strategy's reduce (DDPStrategy's, ModelParallelStrategy's),
         # after this class in the MRO; mypy sees only Strategy's abstract one.
