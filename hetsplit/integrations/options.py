@@ -34,20 +34,16 @@ class HeteroOptions:
             ``$HETSPLIT_DEVICES``, set by ``hetsplit launch``, else the framework's own
             devices). Emulated devices run at their speed and memory.
         plan: The plan for every process (``plan.sizes[rank]`` samples per step); else one
-            is profiled on every process's device at the first training loader (rank 0
-            solves; :func:`hetsplit.distributed.plan`).
+            is profiled on every process's device at the first training loader.
         profile: A profile to solve the plan from instead of timing the model.
         global_batch_size: Samples per step over all processes (default: the framework's,
             processes × the loader's ``batch_size``).
         rebalance: Re-solve the shares from measured step times every this many steps (0:
-            never), or a :class:`~hetsplit.Rebalancer` policy
-            (:class:`hetsplit.distributed.DistributedRebalancer`). Not with a plan with
-            micro-batches.
+            never), or a :class:`~hetsplit.Rebalancer` policy; not with a plan with micro-batches.
         plan_kwargs: Passed to :func:`hetsplit.distributed.plan` (``time_budget``,
             ``calibrate``, ``batch_sizes``, ``weights``, ``accumulate``, ...), over
             :data:`PLAN_KWARGS`.
-        quiet: Say nothing about the split (else rank 0 prints the split and its predicted
-            step when training starts, the measured step when it ends; ``HETSPLIT_QUIET=1`` too).
+        quiet: Rank 0 says nothing about the split and its steps (``HETSPLIT_QUIET=1`` too).
 
     Example:
         >>> options = HeteroOptions(devices="cpu,cpu@0.25", rebalance=20)

@@ -26,12 +26,11 @@ class SharesLoader(DataLoaderShard):  # type: ignore[misc]
 
     Attributes:
         current_samples: The samples of the current batch the gradient weighting counts
-            (0 for the stand-in a share of 0 is served), ``None`` outside a loop.
+            (0 for a zero share's stand-in), ``None`` outside a loop.
         origin: The loader this one was cut from by ``skip_first_batches``: its epoch
             counter moves on with this one's, so the next epoch draws the next order.
-        step_context: Makes the context each batch is handed out in, from its yield to the
-            next (the accelerator's rebalancer times it as one step); ``None``: none.
-        pass_ended: Called when a pass over the loader ends (the accelerator's split report).
+        step_context: Makes the context each batch is handed out in, from its yield to the next.
+        pass_ended: Called when a pass over the loader ends.
     """
 
     current_samples: int | None = None
