@@ -30,7 +30,7 @@ def solve(
     """Find the integer split that minimises the predicted step time ``max_i t_i(b_i)``.
 
     Exactly optimal for the profile's curves under their memory caps
-    (docs/how-it-works.md#solver); a device that would only slow the step gets 0.
+    (docs/how-it-works.md, "Solver"); a device that would only slow the step gets 0.
 
     Args:
         profile: Step-time curves of the devices.
