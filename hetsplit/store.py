@@ -105,19 +105,12 @@ def find_profiles(
     host: str | None = None,
     fingerprint: str | None = None,
 ) -> list[Path]:
-    """Profile files in the profile directory, newest first: readable ones of the current schema.
+    """Profile files in the profile directory (:func:`profile_dir`), newest first: readable ones of this schema.
 
-    Only regular ``*.json`` files of at most :data:`~hetsplit.files.MAX_FILE_BYTES` are read,
-    a link only to a file inside the directory; anything else is skipped, with one warning
-    naming the files skipped for the first time. Files are read again only when they change.
-
-    Args:
-        devices: If given, keep only profiles that cover all these devices (by name,
-            including the emulation suffix).
-        directory: Where to look (see :func:`profile_dir`).
-        host: Keep only profiles measured on this host (default: this machine; ``"*"``: any).
-        fingerprint: Keep only profiles of the model with this fingerprint
-            (:func:`hetsplit.profiler.fingerprint`); default: any model.
+    Kept: those covering all ``devices`` (by name), measured on ``host`` (default: this
+    machine; ``"*"``: any), of the model with ``fingerprint`` (default: any). Only regular
+    ``*.json`` files of at most :data:`~hetsplit.files.MAX_FILE_BYTES` are read, a link only
+    inside the directory; anything else is skipped with one warning the first time.
     """
     return [s.path for s in _stored_profiles(devices, directory, host=host, fingerprint=fingerprint)]
 

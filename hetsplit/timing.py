@@ -114,14 +114,8 @@ class StepTimer:
     On CUDA a lap is two events on the compute stream, which stalls while the rank waits:
     under DDP the lap ends at the step's last parameter gradient (the emulated delay after it
     added back, since it stands for work); under FSDP2 it pauses around the all-gather waits
-    (untested on a GPU; it still counts the backward's last reduce-scatter). On the CPU a
-    lap counts compute only, so the whole step is timed.
-
-    Args:
-        device: The device doing the work.
-        model: The model (DDP's module, FSDP2, or a module holding FSDP2 modules); ``None``:
-            time the enclosed block as it is.
-        pause_at_waits: Pause the lap around FSDP2's waits (default: on CUDA, for a sharded model).
+    (``pause_at_waits``, default on CUDA for a sharded ``model``; untested on a GPU). On the
+    CPU a lap counts compute only, so the whole step (or, with no ``model``, the block) is timed.
     """
 
     def __init__(self, device: Device, model: nn.Module | None = None, *, pause_at_waits: bool | None = None) -> None:
