@@ -3,7 +3,6 @@
 The public names are torch's ``torch.nn.parallel`` verbs for any devices and uneven shards.
 """
 
-
 from .apply import parallel_apply
 from .replicas import replicate
 from .scatter_gather import gather, scatter

@@ -90,7 +90,6 @@ def local_fns(replicas: Sequence[nn.Module], step: Step, log: MemoryLog, dim: in
     ``weights`` is flat, one per micro-batch; each callable returns its device's losses and gradients.
     """
 
-
     def make(
         weights: Sequence[float], loss_fn: LossFn, has_target: bool, captures: Sequence[_Capture], refuse_sums: bool
     ) -> list[Callable[[], Any]]:

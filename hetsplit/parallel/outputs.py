@@ -48,7 +48,10 @@ def check_policy(policy: ScalarPolicy, what: str = "scalar_outputs") -> ScalarPo
 def policy_weights(
     policy: ScalarPolicy, sizes: Sequence[int], shards: Sequence[tuple[tuple[Any, ...], dict[str, Any]]]
 ) -> list[float] | None:
-    """Each active replica's weight: ``b_i / B`` for ``"mean"``, 1 for ``"sum"``, a callable's normalised; ``"stack"``: None.
+    """Each active replica's weight: ``b_i / B`` for ``"mean"``, 1 for ``"sum"``, a callable's normalised.
+
+    ``None`` for ``"stack"``.
+
 
     Raises:
         ValueError: If a callable returns a negative or non-finite weight, or all zero.
@@ -107,7 +110,7 @@ def sums_over_batch(value: torch.Tensor, size: int, dim: int) -> bool:
 
 
 def check_sums(values: Sequence[torch.Tensor], sizes: Sequence[int], dim: int, what: str, setting: str) -> None:
-    """Refuse (``ValueError``) per-shard ``values`` that are all sums over their shards, about to be weighed as means."""
+    """Refuse (``ValueError``) per-shard ``values`` that are all sums over their shards, to be weighed as means."""
     if values and all(sums_over_batch(v, n, dim) for v, n in zip(values, sizes)):
         kind = type(values[0].grad_fn).__name__
         raise ValueError(

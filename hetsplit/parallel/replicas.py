@@ -121,7 +121,7 @@ class _Replicator:
         return out
 
     def check_unwritten(self, replica: _Replica) -> None:
-        """Refuse (``RuntimeError``) a forward that wrote into a parameter: no replica can reproduce the plain module's."""
+        """Refuse (``RuntimeError``) a forward that wrote into a parameter: no replica reproduces the module's."""
         for name, t, seen in zip(self.names, replica.params, replica.versions):
             if _torch.version(t) != seen:
                 raise RuntimeError(
