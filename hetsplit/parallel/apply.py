@@ -321,7 +321,6 @@ def parallel_apply(
     """``torch.nn.parallel.parallel_apply`` for any devices, emulated ones included.
 
     Args:
-
         modules: One module per device.
         inputs: One input (a tuple of positional arguments, or a single object) per module.
         kwargs_tup: Keyword arguments per module (default: none).

@@ -48,10 +48,7 @@ def check_policy(policy: ScalarPolicy, what: str = "scalar_outputs") -> ScalarPo
 def policy_weights(
     policy: ScalarPolicy, sizes: Sequence[int], shards: Sequence[tuple[tuple[Any, ...], dict[str, Any]]]
 ) -> list[float] | None:
-    """Each active replica's weight: ``b_i / B`` for ``"mean"``, 1 for ``"sum"``, a callable's normalised.
-
-    ``None`` for ``"stack"``.
-
+    """Each replica's weight: ``b_i / B`` (``"mean"``), 1 (``"sum"``), a callable's normalised; None for ``"stack"``.
 
     Raises:
         ValueError: If a callable returns a negative or non-finite weight, or all zero.
@@ -243,7 +240,6 @@ def combine(
     Tensors are concatenated along ``dim``; 0-dim floating ones combined with ``weights()`` (stacked
     for ``None``), other 0-dim ones stacked; other objects come back as a list per replica. ``sums``:
     each replica's samples, when sums over them must be refused (:func:`check_sums`).
-
 
     Raises:
         ValueError: If the replicas' outputs differ in structure or cannot be

@@ -88,7 +88,6 @@ def reduce_gradients(
     Every device's ``.grad`` gets ``sum_i w_i * grad_i`` (:func:`shard_weights`), so one optimizer
     step per device keeps the copies equal.
 
-
     Args:
         per_device_params: One list of parameters per device, in the same order; each
             device holds its own copy (shared tensors are refused).

@@ -75,7 +75,6 @@ def gather(outputs: Sequence[Any], target_device: DeviceLike, dim: int = 0) -> A
     0-dim tensors are stacked as ``nn.DataParallel`` does; other objects come back as a list of
     every output's value. Autograd flows through.
 
-
     Args:
         outputs: One output per device, all with the same structure.
         target_device: Where the result lives (any device, the CPU too).
