@@ -226,21 +226,16 @@ def weight_gradients(
     ``set_gradient_divide_factor`` is one factor for all ranks). docs/torchrun.md.
 
     Args:
-        ddp_model: The DistributedDataParallel model, or the FSDP2 root module (call
-            before the first backward).
-        plan: The plan every rank holds (checked to be the same everywhere), or ``None``
-            for steps of any size (``method="hook"`` for DDP; FSDP2 too).
+        ddp_model: The DDP model, or the FSDP2 root module (call before the first backward).
+        plan: The plan every rank holds, or ``None`` for steps of any size (not ``"outputs"`` for DDP).
         method: ``"hook"`` or ``"outputs"`` (default: ``"hook"`` for DDP, ``"outputs"`` for FSDP2).
-        reduction: ``"mean"`` or ``"sum"``: how each rank's loss reduces its samples
-            (``model(x).sum()`` needs ``"sum"``; under ``"mean"`` the first steps warn once
-            where the outputs' gradient shows a sum).
+        reduction: ``"mean"`` or ``"sum"``: how each rank's loss reduces its samples (a summed loss
+            under ``"mean"`` is warned about once).
         dim: The batch dimension of the inputs.
         group: The process group DDP uses (default: the world).
 
     Returns:
-        The weighting's state; ``state.local`` is the last step's local batch size and
-        ``state.set_plan(plan)`` weights the following steps by another plan (what
-        :class:`DistributedRebalancer` does).
+        The weighting's state; its ``set_plan(plan)`` weights the following steps by another plan.
 
     Raises:
         ValueError: On an unknown ``reduction`` or ``method``, ``method="outputs"``

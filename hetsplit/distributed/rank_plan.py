@@ -74,16 +74,12 @@ def plan(
         device: This rank's device (default: ``cuda:LOCAL_RANK`` if CUDA is available, else ``cpu``).
         loss_fn, target: As for :func:`hetsplit.profile`.
         profile: This rank's profile, to skip profiling (one device, or the device named by ``device``).
-        weights: Hand-set shares instead of profiling: one relative throughput per rank, the
-            same on every rank (``[4, 1]``: 80 % to rank 0); nothing is profiled or calibrated.
+        weights: Hand-set relative throughputs, one per rank (``[4, 1]``: 80 % to rank 0): nothing profiled.
         calibrate: Training steps to calibrate with (after 2 warm-up steps); 0 skips it.
-        calibrate_seconds: More steps than ``calibrate`` until they took this long (at most
-            400); 0: exactly ``calibrate`` steps.
-        accumulate: Let a rank with a memory cap run its share as micro-batches
-            (``plan.micro_batches``; :func:`micro_batches`); such a plan is not calibrated.
+        calibrate_seconds: More steps until they took this long (at most 400); 0: exactly ``calibrate``.
+        accumulate: Let a rank with a memory cap run its share as micro-batches (not calibrated).
         group: The process group (default: the world).
-        quiet: Say nothing; otherwise rank 0 says the split and its predicted step in one
-            line (:class:`~hetsplit.distributed.report.SplitReport`; also ``$HETSPLIT_QUIET``).
+        quiet: Say nothing; otherwise rank 0 says the split and its predicted step in one line.
         **profile_kwargs: Passed to :func:`hetsplit.profile` (``time_budget``, ...; a sharded
             model's also ``memory_fraction`` and ``optimizer``).
 

@@ -74,15 +74,13 @@ class HeteroDistributedSampler(Sampler[list[int]]):
         shuffle: Shuffle each epoch.
         seed: Seed of the shuffle, the same on every rank.
         drop_last: Drop the last incomplete global batch instead of completing it.
-        pad: Complete a last incomplete global batch by wrapping around (``True``, as
-            ``DistributedSampler`` pads), or cut what is left in the plan's proportions
-            (``False``: every sample once; evaluation).
+        pad: Complete a last incomplete global batch by wrapping around (as ``DistributedSampler``),
+            or (``False``: every sample once) cut what is left in the plan's proportions.
         zero_share: What a rank given 0 samples gets each step: ``"sample"``, two real samples
             of the global batch weighted 0 (:meth:`real_rows` counts 0), or ``"empty"``.
 
     Raises:
-        ValueError: If the plan's device count differs from ``num_replicas`` or ``rank``
-            is out of range.
+        ValueError: If the plan's device count differs from ``num_replicas`` or ``rank`` is out of range.
     """
 
     def __init__(
@@ -344,8 +342,7 @@ def shared_batch(
     Args:
         draw: Makes one global batch of ``plan.batch_size`` rows (nanoGPT's ``get_batch``).
         *args: Passed to ``draw`` (``"train"``).
-        plan: The plan every rank holds, or ``None`` (one process: the whole batch, from
-            the same stream, nothing checked).
+        plan: The plan every rank holds, or ``None`` (one process: the whole batch, unchecked).
         seed: The stream's seed, the same on every rank.
         dim: The batch dimension.
         group: The process group.

@@ -110,10 +110,8 @@ def init(
     Starts the default process group; run each step's work under ``device.throttle()``.
 
     Args:
-        timeout: Seconds before a collective waiting for a dead or hung rank fails
-            (default: torch's).
-        devices: The per-rank device list (a string or a list), overriding ``$HETSPLIT_DEVICES``
-            (which ``hetsplit launch --devices`` sets).
+        timeout: Seconds before a collective waiting for a dead or hung rank fails (default: torch's).
+        devices: The per-rank device list, overriding ``$HETSPLIT_DEVICES`` (``hetsplit launch`` sets it).
         backend: Force a backend (``"gloo"``, ``"nccl"``) instead of choosing by the mix.
 
     Returns:

@@ -62,14 +62,11 @@ class HeteroDataParallel(nn.Module):
         output_device: Where outputs are gathered (default: the module's device).
         dim: The batch dimension.
         rebalance: ``True`` or a :class:`~hetsplit.Rebalancer`: re-solve while training.
-        scalar_outputs: ``"mean"`` (shard-size weights: a mean loss stays the full-batch
-            mean), ``"sum"``, ``"stack"`` (a vector), or ``(args, kwargs) -> weight`` of a
-            shard, e.g. :func:`hetsplit.count_tokens`. ``None`` (the default): ``"mean"``,
-            and a value that is a sum over each shard (``.sum()``, a torch loss with
-            ``reduction="sum"``) is refused, naming ``"sum"``.
-        accumulate: Let a device with a memory cap run its share as micro-batches
-            (``plan.micro_batches``); after an out-of-memory error the device's cap is
-            lowered, the step re-planned and run again (docs/memory.md).
+        scalar_outputs: ``"mean"`` (shard-size weights), ``"sum"``, ``"stack"`` (a vector), or
+            ``(args, kwargs) -> weight`` (:func:`hetsplit.count_tokens`). ``None``: ``"mean"``,
+            refusing a value that is a sum over each shard.
+        accumulate: Let a device with a memory cap run its share as micro-batches; after an
+            out-of-memory error its cap is lowered and the step run again (docs/memory.md).
         quiet: Say nothing about whether the split pays (``HETSPLIT_QUIET=1`` too).
         sync: Deprecated and ignored; removed in hetsplit 0.2.
 
@@ -312,10 +309,7 @@ class HeteroDataParallel(nn.Module):
             inputs: A tensor, a tuple of positional inputs, or a dict of keyword inputs.
             target: The targets, split like ``inputs`` (``None``: ``loss_fn(output)``).
             loss_fn: ``loss_fn(output[, target]) -> 0-dim tensor``, e.g. ``F.cross_entropy``.
-            reduction: Each loss's weight: ``"mean"`` (``b_i / B``), ``"sum"`` (1) or a
-                callable as ``scalar_outputs``; the gradients are the full-batch ones.
-                ``None`` (the default): ``"mean"``, refusing a loss that is a sum over its
-                shard (``reduction="sum"``), as ``scalar_outputs`` does.
+            reduction: Each loss's weight, as ``scalar_outputs`` (``"stack"`` aside).
             **kwargs: More keyword inputs of the model, split like the batch.
 
         Returns:
