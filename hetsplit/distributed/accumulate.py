@@ -37,14 +37,12 @@ def micro_batches(
     (its steps are collective), padded with stand-ins weighted 0 (:mod:`.sharded`).
 
     Args:
-        ddp_model: The ``DistributedDataParallel`` model (anything with ``no_sync()``),
-            or the FSDP2 root module.
+        ddp_model: The DDP model (anything with ``no_sync()``), or the FSDP2 root module.
         batch: This rank's batch of ``plan.sizes[rank]`` samples (a tensor or a nest).
         plan: The plan every rank holds.
         rank: This rank (default: the process group's).
         dim: The batch dimension.
-        device: This rank's device: an emulated memory (``cpu:max64``) raises
-            ``torch.OutOfMemoryError`` for a micro-batch it cannot hold, as a GPU would.
+        device: This rank's device: an emulated memory (``cpu:max64``) raises OOM as a GPU would.
         group: The process group (for the rank).
 
     Raises:

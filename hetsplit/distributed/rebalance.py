@@ -29,15 +29,11 @@ class DistributedRebalancer:
 
     Args:
         plan: The starting plan, the same on every rank (e.g. from :func:`plan`).
-        rebalancer: The policy (default: ``Rebalancer()``: every 10 steps, 5 %
-            threshold, at most half the batch moved at once).
+        rebalancer: The policy (default: ``Rebalancer()``).
         sampler: This rank's :class:`HeteroDistributedSampler`, to follow plan changes.
-        gradients: The state from :func:`weight_gradients` with a plan, to weight each
-            step by the plan in force (without a plan the hook weights by real sizes).
-        model: The model (DDP or FSDP2) whose step is timed: on CUDA its hooks mark where
-            the compute ends (DDP) or pauses (FSDP2).
-        device: This rank's device (default: parsed from the plan's ``rank{r}:DEVICE``
-            label, else the CPU).
+        gradients: The state from :func:`weight_gradients` with a plan, to follow plan changes.
+        model: The model (DDP or FSDP2) whose step is timed: on CUDA its hooks mark the compute's end.
+        device: This rank's device (default: from the plan's ``rank{r}:DEVICE`` label, else the CPU).
         group: The process group (default: the world).
 
     Attributes:
