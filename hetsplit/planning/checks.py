@@ -33,6 +33,20 @@ def batch_count(value: Any, what: str, *, minimum: int = 1) -> int:
     return count
 
 
+def batch_size(value: Any, what: str) -> int:
+    """``value`` as the batch a plan splits: an integer (no bool, no 16.0) from 1 to :data:`MAX_BATCH`.
+
+    Raises:
+        TypeError: On a value that is not an integer.
+        ValueError: On an empty batch, or one beyond any machine.
+    """
+    if isinstance(value, bool) or not isinstance(value, int | np.integer):
+        raise TypeError(f"{what} must be an integer, got {type(value).__name__}: {value!r}")
+    if value < 1:
+        raise ValueError(f"{what} must be >= 1, got {value}; an empty batch has nothing to split")
+    return batch_count(value, what)
+
+
 def seconds(value: Any, what: str) -> float:
     """``value`` as a measured time: a positive, finite number of seconds."""
     if isinstance(value, bool) or not isinstance(value, int | float | np.integer | np.floating):

@@ -99,11 +99,7 @@ def resolve_plan(
     error; else ``fallback()`` (a stored profile or a quick calibration), solved.
     """
     names = [canonical_name(d) for d in devices]
-    if isinstance(batch, bool) or not isinstance(batch, int | np.integer):
-        raise TypeError(f"the batch size must be an integer, got {type(batch).__name__}: {batch!r}")
-    if batch < 1:
-        raise ValueError(f"the batch is empty (0 samples); nothing to split across {names}")
-    checks.batch_count(batch, "the batch size")
+    checks.batch_size(batch, "the batch size")
     check_source("plan", plan, (Plan,))
     check_source("profile", profile, (Profile,))
     if weights is not None and (plan is not None or profile is not None):

@@ -52,11 +52,7 @@ def solve(
         >>> solve(p, 100).sizes
         [80, 20]
     """
-    if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)):
-        raise TypeError(f"batch_size must be an integer, got {type(batch_size).__name__}: {batch_size!r}")
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}; an empty batch has nothing to split")
-    checks.batch_count(batch_size, "batch_size")  # bounded: an absurd size is a typo, not hours of solving
+    checks.batch_size(batch_size, "batch_size")  # bounded: an absurd size is a typo, not hours of solving
     entries = profile.entries if devices is None else [profile.entry(d) for d in devices]
     if not entries:
         raise ValueError("no devices to split across; give at least one")
