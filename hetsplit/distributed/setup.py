@@ -127,7 +127,8 @@ def init(
         timeout: Seconds before a collective waiting for a dead or hung rank fails
             (default: torch's).
         devices: The per-rank device list (a string or a list), overriding ``$HETSPLIT_DEVICES``
-            (which ``hetsplit launch --devices`` sets).
+            (which ``hetsplit launch --devices`` sets); or this node's, one per local rank
+            (``--nnodes MIN:MAX``: the backend is then chosen by this node's devices).
         backend: Force a backend (``"gloo"``, ``"nccl"``) instead of choosing by the mix.
 
     Returns:
@@ -144,9 +145,12 @@ def init(
             f"no device list: start the job with 'hetsplit launch --devices ...', or pass devices= "
             f"(or set ${ENV_DEVICES}) to list one device per rank"
         )
-    rank, world, _ = launch_env(required=True)
-    names = rank_devices(spec, world)
-    device = parse_device(names[rank])  # this machine must have it
+    rank, world, local_rank = launch_env(required=True)
+    # Under torchrun's --nnodes MIN:MAX the world is whichever nodes are present: each node lists its own devices.
+    count = len(device_list(spec) if isinstance(spec, str) else spec)
+    node = count == int(os.environ.get("LOCAL_WORLD_SIZE", world)) != world
+    names = rank_devices(spec, count if node else world)
+    device = parse_device(names[local_rank if node else rank])  # this machine must have it
     if device.type == "cuda":
         torch.cuda.set_device(device.index)
     backend = backend or choose_backend(names)
