@@ -9,8 +9,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from ..devices import Device, DeviceInfo, label_device
 from ..files import read_json, write_json
@@ -18,7 +19,7 @@ from ..planning.curve import Curve
 from ..planning.plan import Plan
 from ..planning.profile import Profile
 from ..planning.records import DeviceProfile, Measurement
-from ._group import all_gather, group_info
+from ._group import _place, all_gather, group_info
 from .rank_plan import plan as solve_plan
 from .sampler import HeteroDistributedSampler
 
@@ -67,7 +68,7 @@ class Checkpoint:
         self.stored = all(all_gather(mine is not None, "looking up the stored curves", group))
         if self.stored:
             info = DeviceInfo(name=device.name, kind=device.type, description="stored curve")
-            curve = Curve.from_dict(mine)
+            curve = Curve.from_dict(stored[device.name])
             knots = [Measurement(int(b), [t]) for b, t in zip(curve.batch, curve.seconds)]
             entry = DeviceProfile(info, knots, curve, memory_cap=curve.memory_cap)
             kwargs = {**kwargs, "profile": Profile([entry], source="stored"), "calibrate": 0}
@@ -89,10 +90,10 @@ class Checkpoint:
         msd, osd = get_state_dict(model, optimizer)
         final = self.directory / f"step-{step}"
         tmp = self.directory / f".step-{step}.tmp"
-        rank = group_info(group)[0]
+        rank = _place(group)[0] or 0  # one process without a group: rank 0
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)  # a save that died before
-        dcp.save({"model": msd, "optim": osd, "step": step}, checkpoint_id=tmp, process_group=group)
+        dcp_save({"model": msd, "optim": osd, "step": step}, checkpoint_id=tmp, process_group=group)
         if rank == 0:
             shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)
@@ -120,7 +121,7 @@ class Checkpoint:
             return 0
         msd, osd = get_state_dict(model, optimizer)
         state: dict[str, Any] = {"model": msd, "optim": osd, "step": 0}
-        dcp.load(state, checkpoint_id=latest, process_group=group)
+        dcp_load(state, checkpoint_id=latest, process_group=group)
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         step = int(state["step"])
         if sampler is not None:
