@@ -181,3 +181,16 @@ def test_a_resumed_sampler_serves_the_global_batches_the_run_had_left(world):
                 step += 1
         want = [sorted(data[idx][0].sum(1).tolist()) for idx in expected[start:]]
         assert got == want
+
+
+def test_the_example_resumes_on_another_world_from_the_stored_curves(tmp_path):
+    from helpers import launch
+
+    script, ckpt = ROOT / "examples" / "elastic_torchrun.py", str(tmp_path / "ckpt")
+    first = launch("cpu,cpu@0.5", script, "--checkpoint", ckpt, "--steps", "3", "--budget", "0.3", cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-2000:]
+    assert "2 ranks, plan profiled" in first.stdout and "resuming at step 0" in first.stdout
+    again = launch("cpu", script, "--checkpoint", ckpt, "--steps", "5", cwd=tmp_path)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "1 ranks, plan from stored curves: [64]; resuming at step 3" in again.stdout, again.stdout
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["curves.json", "step-5"]
