@@ -13,8 +13,9 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
-from ..devices import Device, DeviceInfo, label_device
+from ..devices import Device, DeviceInfo
 from ..files import read_json, write_json
+from ..hardware import cpu_name
 from ..planning.curve import Curve
 from ..planning.plan import Plan
 from ..planning.profile import Profile
@@ -24,6 +25,11 @@ from .rank_plan import plan as solve_plan
 from .sampler import HeteroDistributedSampler
 
 _CURVES = "curves.json"
+
+
+def _key(device: Device) -> str:
+    """A device's curve's name: the device and its hardware (``cuda:0`` is another GPU on another node)."""
+    return f"{device.name} {torch.cuda.get_device_name(device.index) if device.type == 'cuda' else cpu_name()}"
 
 
 class Checkpoint:
@@ -64,17 +70,17 @@ class Checkpoint:
         group = kwargs.get("group")
         path = self.directory / _CURVES
         stored = read_json(path, "curves")["curves"] if path.exists() else {}
-        mine = stored.get(device.name)
-        self.stored = all(all_gather(mine is not None, "looking up the stored curves", group))
+        keys = all_gather(_key(device), "looking up the stored curves", group)  # every rank's, in rank order
+        self.stored = all(k in stored for k in keys)
         if self.stored:
-            info = DeviceInfo(name=device.name, kind=device.type, description="stored curve")
-            curve = Curve.from_dict(stored[device.name])
+            curve = Curve.from_dict(stored[_key(device)])
             knots = [Measurement(int(b), [t]) for b, t in zip(curve.batch, curve.seconds)]
+            info = DeviceInfo(name=device.name, kind=device.type, description="stored curve")
             entry = DeviceProfile(info, knots, curve, memory_cap=curve.memory_cap)
             kwargs = {**kwargs, "profile": Profile([entry], source="stored"), "calibrate": 0}
         result = solve_plan(model, sample, batch_size, device=device, **kwargs)
         if group_info(group)[0] == 0 and result.curves:
-            stored.update({label_device(d): c.to_dict() for d, c in zip(result.devices, result.curves)})
+            stored.update({k: c.to_dict() for k, c in zip(keys, result.curves)})
             write_json(path, "curves", {"curves": stored})
         return result
 
