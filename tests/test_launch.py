@@ -293,3 +293,13 @@ def test_torchrun_arguments_for_nodes_that_join_and_leave():
     for nnodes, fragment in (("3:1", "1 <= MIN <= MAX"), ("a", "give a number of nodes"), ("1:2", "--rdzv-endpoint")):
         with pytest.raises(ValueError, match=fragment):
             torchrun_args("cpu", "t.py", nnodes=nnodes)
+
+
+def test_init_takes_a_nodes_own_devices_under_nnodes_min_max(monkeypatch):
+    # Three ranks on two nodes of torchrun --nnodes 1:4: this node lists its 2 devices, rank 0 is its local rank 1.
+    for name, value in {"RANK": "0", "WORLD_SIZE": "3", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match="'cuda:7' is not available"):  # the local rank's device, checked here
+        init(devices="cpu,cuda:7")
+    with pytest.raises(ValueError, match="'cuda:7' is not available"):
+        init(devices="cuda:7,cpu,cpu")  # a list of the world's length is the world's: global rank 0's
