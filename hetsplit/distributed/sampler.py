@@ -103,6 +103,7 @@ class HeteroDistributedSampler(Sampler[list[int]]):
         self.epoch = 0
         self.yielded = 0  # steps handed out so far, across epochs
         self.epoch_start = 0  # the global step of the current epoch's first batch
+        self.skip = 0  # batches of the next epoch already trained (a resumed run's)
         self.schedule: list[tuple[int, Plan]] = [(0, plan)]
         n, b = len(dataset), plan.batch_size  # type: ignore[arg-type]
         self.steps = n // b if drop_last else math.ceil(n / b)
@@ -139,11 +140,20 @@ class HeteroDistributedSampler(Sampler[list[int]]):
         """Shuffle differently for ``epoch`` (call it on every rank before each epoch)."""
         self.epoch = epoch
 
+    def resume(self, step: int) -> None:
+        """Go on from global batch ``step`` (a checkpoint's), whatever world trained the batches before.
+
+        The next iteration serves epoch ``step // len(self)`` from its ``step % len(self)``-th batch.
+        """
+        self.epoch, self.skip = divmod(step, self.steps)
+        self.yielded = step
+
     def __iter__(self) -> Iterator[list[int]]:
         n = len(self.dataset)  # type: ignore[arg-type]
         order = _epoch_order(n, self._served(n), self.shuffle, self.seed + self.epoch)
-        self.epoch_start = self.yielded
-        for step in range(self.steps):
+        first, self.skip = self.skip, 0
+        self.epoch_start = self.yielded - first
+        for step in range(first, self.steps):
             start, count, _ = self._cut(step, self.plan_at(self.yielded))
             self.yielded += 1
             if count == 0 and self.zero_share == "sample":
@@ -213,11 +223,12 @@ class _SharesLoader(DataLoader[Any]):
     # the global generator, and a framework that calls iter() before its hooks (Lightning's fit
     # loop, before on_train_start) must leave the same random stream to them as a plain loader.
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
-        return self._handed(super().__iter__())
+        first = self.shares.skip  # read before torch's iterator runs the sampler (a worker's prefetch)
+        return self._handed(super().__iter__(), first)
 
-    def _handed(self, batches: Iterator[Any]) -> Iterator[Any]:
+    def _handed(self, batches: Iterator[Any], first: int) -> Iterator[Any]:
         try:
-            for step, batch in enumerate(batches):
+            for step, batch in enumerate(batches, first):
                 IN_HAND.hand(self.shares.is_filler(step), self.shares.short_sizes(step))
                 yield batch
         finally:

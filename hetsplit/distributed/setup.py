@@ -111,7 +111,8 @@ def init(
 
     Args:
         timeout: Seconds before a collective waiting for a dead or hung rank fails (default: torch's).
-        devices: The per-rank device list, overriding ``$HETSPLIT_DEVICES`` (``hetsplit launch`` sets it).
+        devices: The per-rank device list, overriding ``$HETSPLIT_DEVICES`` (``hetsplit launch`` sets it);
+            or this node's, one per local rank (``--nnodes MIN:MAX``; the backend then goes by them).
         backend: Force a backend (``"gloo"``, ``"nccl"``) instead of choosing by the mix.
 
     Returns:
@@ -128,9 +129,12 @@ def init(
             f"no device list: start the job with 'hetsplit launch --devices ...', or pass devices= "
             f"(or set ${ENV_DEVICES}) to list one device per rank"
         )
-    rank, world, _ = launch_env(required=True)
-    names = rank_devices(spec, world)
-    device = parse_device(names[rank])  # this machine must have it
+    rank, world, local_rank = launch_env(required=True)
+    # Under torchrun's --nnodes MIN:MAX the world is whichever nodes are present: each node lists its own devices.
+    count = len(device_list(spec) if isinstance(spec, str) else spec)
+    node = count == int(os.environ.get("LOCAL_WORLD_SIZE", world)) != world
+    names = rank_devices(spec, count if node else world)
+    device = parse_device(names[local_rank if node else rank])  # this machine must have it
     if device.type == "cuda":
         torch.cuda.set_device(device.index)
     backend = backend or choose_backend(names)
