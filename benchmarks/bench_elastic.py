@@ -1,7 +1,15 @@
-"""Benchmark elastic training on torchft: a group leaves and joins again; steps lost, seconds to recover, throughput.
+"""Benchmark elastic training (torchft, or torchrun's restarts): a device leaves and joins again; steps lost, recovery.
 
 Run: python benchmarks/bench_elastic.py --engine torchft --devices cpu,cpu@0.5,cpu@0.25 --steps 40
-     --leave 2@12 --join 2@26 [--json OUT]
+     --leave 2@12 --join 2@26 [--json OUT]        (--engine torchrun: the same events, the same JSON)
+
+``--engine torchrun``: one ``hetsplit launch --nnodes 1:N`` agent per device (a node each) at a
+rendezvous store this process hosts; each start re-plans with ``hd.Checkpoint`` from the stored
+curves (its ``replan_seconds`` reported), resumes from the checkpoint written after every step
+(``checkpoint_load_seconds``) and trains on; a leave kills the node's agent and rank by process
+id once step K has committed, a join starts a new agent once step M has. The seconds to the
+first commit include the whole restart: the dead node's heartbeats missed, the rendezvous, the
+ranks' interpreter and imports, the re-plan and the checkpoint loaded.
 
 The benchmark starts the torchft lighthouse itself (over gloo, on this machine) and one
 process per device, each an ``ElasticGroup`` training a float64 MLP on synthetic global
@@ -235,9 +243,150 @@ def run_torchft(a: argparse.Namespace, out: Path) -> dict:
     }
 
 
+def rank_worker(a: argparse.Namespace) -> None:
+    """One torchrun rank (``--engine torchrun``): re-plan from stored curves, resume, train, checkpoint each step."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    import hetsplit.distributed as hd
+    from hetsplit.planning import Profile
+
+    started = time.time()
+    dev = hd.init(timeout=30)
+    rank = dist.get_rank()
+    members = [None] * dist.get_world_size()
+    dist.all_gather_object(members, a.group)
+    model, opt = _model()
+    ddp = DistributedDataParallel(model)
+    ckpt = hd.Checkpoint(Path(a.log).parent / "ckpt")
+    t0 = time.perf_counter()
+    prof = Profile.from_measurements(json.loads(Path(a.profile).read_text()))  # the first start's stored profile
+    x, y = _batch(0)
+    plan = ckpt.plan(ddp, x[:8], BATCH, device=dev, target=y[:8], profile=prof, calibrate=0, quiet=True)
+    t1 = time.perf_counter()
+    step = ckpt.load(ddp, opt)
+    t2 = time.perf_counter()
+    with open(a.log, "a", buffering=1) as log:
+        pids = _gathered(os.getpid())
+        if rank == 0:
+            started = {"start": started, "from": step, "stored": ckpt.stored, "replan": t1 - t0, "load": t2 - t1}
+            log.write(json.dumps({**started, "members": members, "pids": pids}) + "\n")
+        while step < a.steps:
+            opt.zero_grad()
+            xb, yb = hd.local_batch(_batch(step), plan, check=False)
+            with dev.throttle():
+                _step(ddp, xb, yb)
+            opt.step()
+            step += 1
+            ckpt.save(step, ddp, opt)
+            if rank == 0:
+                record = {"step": step - 1, "t": time.time(), "members": members, "sizes": list(plan.sizes)}
+                log.write(json.dumps(record) + "\n")
+    if rank == 0:
+        torch.save([p.detach() for p in model.parameters()], a.log + ".pt")
+    dist.destroy_process_group()
+
+
+def _gathered(value: object) -> list:
+    import torch.distributed as dist
+
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
+
+
+def run_torchrun(a: argparse.Namespace, out: Path) -> dict:
+    """Agents of ``hetsplit launch --nnodes 1:N`` (one device each) at a rendezvous store hosted here."""
+    from torch.distributed import TCPStore
+
+    from hetsplit.devices import parse_device
+
+    devices = a.devices.split(",")
+    (out / "profile.json").write_text(json.dumps(_profile(devices)))
+    (leave_g, leave_k), (join_g, join_m) = _event(a.leave), _event(a.join)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, multi_tenant=True)
+    log = out / "steps.jsonl"
+
+    def start(g: int, go: str = "") -> subprocess.Popen:
+        # Not --log: torchrun's parser refuses an abbreviation of its own --log-dir among the script's arguments.
+        cmd = [
+            sys.executable, __file__, "--agent", go, "launch", "--nnodes", f"1:{len(devices)}",
+            "--max-restarts", "10", "--devices", devices[g], "--rdzv-endpoint", f"127.0.0.1:{store.port}",
+            "--rdzv-conf", "is_host=false", __file__, "--rank-worker", "--group", str(g), "--steps", str(a.steps),
+            "--profile", str(out / "profile.json"), "--jsonl", str(log),
+        ]  # fmt: skip
+        with open(out / f"agent{g}-{time.time_ns()}.out", "w") as sink:
+            return subprocess.Popen(cmd, env=env, stdout=sink, stderr=subprocess.STDOUT)
+
+    def committed() -> int:
+        failed = [g for g, p in agents.items() if p.poll() not in (None, 0) and g not in gone]
+        if failed:
+            raise RuntimeError(f"agent {failed[0]} failed: see {out}/agent{failed[0]}-*.out")
+        steps = [s for s in _read(log) if "step" in s]
+        return steps[-1]["step"] if steps else -1
+
+    gone: set[int] = set()
+    agents = {g: start(g) for g in range(len(devices))}
+    agents[len(devices)] = start(join_g, str(out / "join"))  # waits, imports done (as torchft's joiner)
+    while committed() < leave_k:
+        time.sleep(0.01)
+    rank_pid = [s for s in _read(log) if "pids" in s][-1]
+    worker = rank_pid["pids"][rank_pid["members"].index(leave_g)]
+    for pid in (agents[leave_g].pid, worker):  # the node goes: its agent and its rank
+        os.kill(pid, signal.SIGKILL)
+    t_leave = time.time()
+    gone.add(leave_g)
+    agents[leave_g].wait()
+    while committed() < join_m:
+        time.sleep(0.01)
+    t_join = time.time()
+    (out / "join").touch()
+    codes = [p.wait(timeout=900) for g, p in agents.items() if g != leave_g]
+
+    lines = _read(log)
+    last = {s["step"]: s for s in lines if "step" in s}  # a step run again after a restart: its last commit
+    steps = [last[k] for k in sorted(last)]
+    after_leave = next(s for s in steps if s["t"] > t_leave and leave_g not in s["members"])
+    after_join = next(s for s in steps if s["t"] > t_join and join_g in s["members"])
+    model, opt = _model()
+    for k in range(a.steps):
+        opt.zero_grad()
+        _step(model, *_batch(k))
+        opt.step()
+    got = torch.load(str(log) + ".pt")
+    diff = max(float((p.detach() - q).abs().max()) for p, q in zip(model.parameters(), got))
+    speeds = {d: parse_device(d).speed for d in devices}
+    full = next(s["step"] for s in steps if len(s["members"]) == len(devices))  # every node has met
+    before = _throughput(steps, full + 2, leave_k)
+    present = sum(speeds[d] for i, d in enumerate(devices) if i != leave_g) / sum(speeds.values())
+    starts = [s for s in lines if "start" in s and s["from"] > 0]
+    return {
+        "steps": [
+            {"step": s["step"], "members": s["members"], "sizes": s["sizes"], "global_batch": sum(s["sizes"])}
+            for s in steps
+        ],
+        "steps_lost": a.steps - len(steps),
+        "steps_rerun": sum("step" in s for s in lines) - len(steps),
+        "agents_exit_codes": codes,
+        "seconds_to_first_commit_after_leave": round(after_leave["t"] - t_leave, 3),
+        "seconds_to_first_commit_after_join": round(after_join["t"] - t_join, 3),
+        "replan_seconds": [round(s["replan"], 3) for s in starts],
+        "replanned_from_stored_curves": all(s["stored"] for s in starts),
+        "checkpoint_load_seconds": [round(s["load"], 3) for s in starts],
+        "max_param_diff_vs_plain": diff,
+        "throughput": {
+            "before": before,
+            "during": _throughput(steps, after_leave["step"] + 1, join_m),
+            "after": _throughput(steps, after_join["step"] + 1, a.steps - 1),
+            "ideal_during": before * present,
+        },
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--engine", choices=["torchft"], default="torchft")
+    ap.add_argument("--engine", choices=["torchft", "torchrun"], default="torchft")
     ap.add_argument("--devices", default="cpu,cpu@0.5,cpu@0.25")
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--leave", default="2@12")
@@ -246,11 +395,24 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     ap.add_argument("--out", default=None, help="a folder for the groups' logs (default: a temporary one)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--rank-worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--jsonl", help=argparse.SUPPRESS)
     for name in ("--group", "--lighthouse", "--profile", "--log", "--go"):
         ap.add_argument(name, type=int if name == "--group" else str, help=argparse.SUPPRESS)
+    ap.add_argument("--agent", metavar="GO", help=argparse.SUPPRESS)
+    ap.add_argument("launch", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.worker:
         return worker(a)
+    if a.agent is not None:  # an agent: hetsplit launch, once the file named exists (if one is)
+        from hetsplit.apps import cli, launch  # noqa: F401 -- imported before the wait, as a standby joiner would be
+
+        while a.agent and not os.path.exists(a.agent):
+            time.sleep(0.01)
+        raise SystemExit(cli.main(a.launch))
+    if a.rank_worker:
+        a.log = a.jsonl
+        return rank_worker(a)
     import tempfile
 
     out = Path(a.out or tempfile.mkdtemp(prefix="bench_elastic_"))
@@ -261,7 +423,7 @@ def main() -> None:
         "batch": BATCH,
         "host": platform.node(),
         "load": os.getloadavg(),
-        **run_torchft(a, out),
+        **(run_torchft(a, out) if a.engine == "torchft" else run_torchrun(a, out)),
     }
     text = json.dumps(result, indent=1)
     print(json.dumps({k: v for k, v in result.items() if k != "steps"}, indent=1))

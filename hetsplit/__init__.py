@@ -1,19 +1,8 @@
 """hetsplit: uneven data parallelism across mixed devices (GPUs of different speeds and the CPU).
 
-The package reads top to bottom as the pipeline: :mod:`~hetsplit.devices` (what runs;
-:mod:`~hetsplit.emulation` slows devices down; :mod:`~hetsplit.timing` measures them)
-→ :mod:`~hetsplit.profiler` (how fast; :mod:`~hetsplit.store` keeps it on disk) →
-:mod:`~hetsplit.planning` (curves, the exact split, rebalancing) →
-:mod:`~hetsplit.parallel` (one process: scatter, replicas, gather, gradients) and
-:mod:`~hetsplit.distributed` (torchrun ranks) → :mod:`~hetsplit.apps` (the CLI, bench,
-demo, pictures, built-in models). :mod:`~hetsplit.tree` walks nested batches for all.
-
-The public API is ``__all__`` below, that of :mod:`hetsplit.parallel` (torch's
-``nn.parallel`` verbs: ``scatter``, ``replicate``, ``parallel_apply``, ``gather``), of
-:mod:`hetsplit.planning` (plans and profiles as data) and of :mod:`hetsplit.distributed`,
-the integrations' classes (``hetsplit.lightning``, ``hetsplit.accelerate``,
-``hetsplit.transformers``) and the built-in models (``hetsplit.models``); the other modules
-are the package's own layers.
+The public API is ``__all__`` below and those of :mod:`hetsplit.parallel`, :mod:`hetsplit.planning`,
+:mod:`hetsplit.distributed`, the integrations (``hetsplit.lightning``, ``hetsplit.accelerate``,
+``hetsplit.transformers``) and ``hetsplit.models``; the package map is in docs/how-it-works.md.
 """
 
 import importlib
@@ -22,12 +11,10 @@ from typing import TYPE_CHECKING, Any
 from .version import __version__
 from .version import no_attribute as _no_attribute
 
-# The public API, each name with the module it lives in: one process (the module wrapper, the
-# hand-written loop's pieces, the error a step that runs out of memory raises), profiling and
-# planning, and naming devices. This is the one list: ``__all__`` is made from it, and
-# tests/test_layout.py checks the TYPE_CHECKING imports below against it. The names are imported
-# on first use (PEP 562), so `import hetsplit` and the CLI's start are instant: torch loads when a
-# name that needs it is touched, after the CLI has set up its one-line handling of errors and Ctrl-C.
+# The public API, each name with the module it lives in: the one list (``__all__`` is made from it;
+# tests/test_layout.py checks the TYPE_CHECKING imports below against it). Names are imported on
+# first use (PEP 562), so `import hetsplit` and the CLI's start are instant: torch loads when a name
+# that needs it is touched, after the CLI has set up its one-line handling of errors and Ctrl-C.
 _PUBLIC = {
     "HeteroDataParallel": ".parallel.data_parallel",
     "StepOutOfMemory": ".parallel.micro",

@@ -1,16 +1,9 @@
 """torch's private internals, behind one door.
 
-Everywhere else hetsplit uses torch's public API. Where torch has no public route for
-what a step must do exactly — the caller's saved-tensor hooks in a worker thread, whether
-a backward keeps its graph, a compiled module's context, nn.Module's own storage when a
-replica is built as ``torch.nn.parallel.replicate`` builds it — the private name is
-reached here and nowhere else, detected by what the installed torch offers (never by
-its version string). Each entry of :data:`PRIVATE` says what hetsplit uses it for and
-what happens where torch lacks it: hetsplit refuses the feature in one line naming the
-torch it needs, or goes on without it where that stays exact.
-``tests/test_torch_door.py`` checks every entry against the installed torch and that no
-other module reaches a private torch name (``tree.py``'s use of torch's pytree utilities aside:
-it is what torch's own libraries use).
+Where torch has no public route for what a step must do exactly, the private name is reached
+here and nowhere else, detected by what the installed torch offers (never its version
+string). Each entry of :data:`PRIVATE` says what hetsplit uses it for and what happens where
+torch lacks it; ``tests/test_torch_door.py`` checks them and that no other module reaches one.
 """
 
 from __future__ import annotations
@@ -34,11 +27,7 @@ MIN_TORCH = (2, 8)
 
 
 def check_version(version: str) -> None:
-    """Refuse a torch older than :data:`MIN_TORCH` in one line, before any of its internals is touched.
-
-    Raises:
-        ImportError: Naming the installed and the needed version.
-    """
+    """Refuse a torch older than :data:`MIN_TORCH` in one line, before any of its internals is touched."""
     found = release(version, 2)
     if found and found < MIN_TORCH:
         need = ".".join(map(str, MIN_TORCH))
@@ -55,14 +44,9 @@ check_version(torch.__version__)
 class Private:
     """One private torch name hetsplit reaches, and what it costs where torch lacks it.
 
-    Attributes:
-        owner: The module that holds it (``"torch._C._autograd"``), or a class as
-            ``"module:Class"``; an instance attribute is checked on a fresh instance.
-        name: The attribute.
-        used_for: What hetsplit does with it.
-        missing: What happens where the installed torch lacks it.
-        required: Whether hetsplit refuses a feature without it (else it goes on, exactly).
-        since: The first torch that has it, where that is newer than hetsplit's floor.
+    ``owner`` is a module, or a class as ``"module:Class"`` (an instance attribute is checked on
+    a fresh instance); ``required``: a feature is refused without it (else it goes on, exactly);
+    ``since``: the first torch that has it, where newer than hetsplit's floor.
     """
 
     owner: str
@@ -203,11 +187,9 @@ def saved_tensors_state() -> tuple[Hooks | None, str | None]:
 def user_saved_tensors_hooks(hooks: Hooks | None) -> Hooks | None:
     """The (pack, unpack) pair of the user's among ``hooks`` (the calling thread's top pair), or ``None``.
 
-    A non-reentrant checkpoint around the wrapper has its own hooks on top (torch 2.14 and
-    newer mark them), recording the saves of the calling thread in order to match them on
-    recompute; a worker's saves must not join that record (their order across threads is not
-    repeatable), so they get the user's hooks beneath it instead, as torch's nested
-    checkpoints do. An older torch has no such hooks on top: ``hooks`` are the user's.
+    A non-reentrant checkpoint around the wrapper has its own hooks on top (marked from torch
+    2.14), matching the calling thread's saves on recompute; a worker's saves must not join
+    that record (their order across threads is not repeatable), so they get the user's beneath.
     """
     while hooks is not None and getattr(hooks[0], "_checkpoint_internal", False):
         hooks = getattr(hooks[0], "_user_hooks", None)
@@ -217,12 +199,10 @@ def user_saved_tensors_hooks(hooks: Hooks | None) -> Hooks | None:
 def checkpoint(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """``torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, **kwargs)``, leaving no hooks behind.
 
-    torch before 2.13 leaves a failed checkpointed forward's saved-tensor hooks pushed in
-    the thread that ran it: its generator is closed only when collected, maybe in another
-    thread, whose hooks it then pops. In HeteroDataParallel's persistent worker threads the
-    stale hooks then packed the next steps' activations and recomputed the failed forward in
-    their backward (found on torch 2.8 by tests/test_journeys.py). The generator is closed
-    here, in this thread, as torch 2.13 does itself (where this is a no-op).
+    torch before 2.13 leaves a failed checkpointed forward's saved-tensor hooks pushed in the
+    thread that ran it (its generator is closed when collected, maybe in another thread): in
+    HeteroDataParallel's persistent workers they packed the next steps' activations (found on
+    torch 2.8 by tests/test_journeys.py). The generator is closed here, as torch 2.13 does.
     """
     from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
@@ -285,8 +265,8 @@ def backward_hook_owner(module: nn.Module, modules: list[nn.Module]) -> str | No
 def shallow_replica(m: nn.Module) -> nn.Module:
     """``m._replicate_for_data_parallel()``: a copy sharing ``m``'s attributes and hook dictionaries.
 
-    Done directly for classes that keep torch's rule (a step builds one per submodule and
-    device: nn.Module's setattr made it 20 us each); a class's own rule is kept.
+    Done directly for classes that keep torch's rule (nn.Module's setattr made it 20 us per
+    submodule and device); a class's own rule is kept.
     """
     if type(m)._replicate_for_data_parallel is not nn.Module._replicate_for_data_parallel:
         own_rule: nn.Module = m._replicate_for_data_parallel()
@@ -320,10 +300,7 @@ def set_own_parameters(m: nn.Module, slots: dict[str, Any]) -> None:
 
 
 def held(m: nn.Module, name: str) -> Any:
-    """What ``m`` holds directly as ``name`` (a submodule, parameter or buffer), or ``None``.
-
-    Read from ``m``'s own tables, never through ``nn.Module.__getattr__`` (safe inside one).
-    """
+    """What ``m`` holds directly as ``name`` (from its own tables, never ``nn.Module.__getattr__``), or ``None``."""
     for table in ("_modules", "_parameters", "_buffers"):
         slots = m.__dict__.get(table, {})
         if name in slots:
@@ -347,10 +324,7 @@ def is_view(t: torch.Tensor) -> bool:
 
 
 def sum_reduction(node: Any) -> tuple[int | None, tuple[int, ...] | None]:
-    """What a loss node says of its reduction: (torch's reduction code, the summed input's sizes).
-
-    Either is ``None`` where ``node`` does not record it.
-    """
+    """What a loss node says of its reduction: (torch's reduction code, the summed input's sizes), ``None`` if not."""
     reduction = getattr(node, "_saved_reduction", None)
     sizes = getattr(node, "_saved_self_sym_sizes", None)
     return (reduction if isinstance(reduction, int) else None), (tuple(sizes) if sizes is not None else None)
@@ -393,12 +367,8 @@ def is_compiled(m: nn.Module) -> bool:
 def uncompiled(m: Any) -> Any:
     """The module ``torch.compile(m)`` compiled (its ``_orig_mod``, through any nesting); ``m`` if not compiled.
 
-    Args:
-        m: Any object; only a ``torch.compile``'d module (an ``OptimizedModule``) is unwrapped.
-
-    Returns:
-        The original module, which holds the parameters and defines the model; ``m`` itself
-        when it is no ``OptimizedModule`` or this torch cannot say what it wraps.
+    That module holds the parameters and defines the model; ``m`` itself when this torch
+    cannot say what it wraps.
     """
     found = dynamo()
     while found is not None and isinstance(m, found[0]) and isinstance(m, nn.Module):
@@ -500,11 +470,9 @@ _MARK = "_hetsplit_on_backward_error"  # on the wrapper: wrapped once, whoever a
 def on_backward_error(note: Callable[[BaseException], None]) -> bool:
     """Call ``note(error)`` for every error a backward in this process raises, then raise it unchanged.
 
-    The one place an error from autograd's engine passes through Python on its way to the
-    caller is torch's ``_engine_run_backward``, which ``Tensor.backward``,
-    ``torch.autograd.backward`` and ``torch.autograd.grad`` all call; nothing of a module or
-    a tensor runs while the error unwinds. It is wrapped once per process; a successful
-    backward runs through the wrapper unchanged (bit-equal, ``tests/test_torch_door.py``).
+    torch's ``_engine_run_backward`` is the one place an autograd error passes through Python
+    (``Tensor.backward``, ``torch.autograd.backward`` and ``grad`` all call it); it is wrapped
+    once per process, and a successful backward runs through unchanged (bit-equal).
 
     Returns:
         Whether the note is on: ``False`` where torch lacks the function.

@@ -29,10 +29,9 @@ _SPEC = re.compile(
 class Device:
     """A device a shard can run on, possibly emulated at a fraction of its real speed.
 
-    ``Device("cpu", None, 0.25, True)`` is the CPU at a quarter speed; ``max_batch=64``
-    also emulates a small memory (a forward on more samples raises
-    ``torch.OutOfMemoryError``). Build one with :func:`parse_device` (``"cpu@0.25:max64"``)
-    or :func:`emulate`.
+    ``Device("cpu", None, 0.25, True)`` is the CPU at a quarter speed; ``max_batch=64`` also
+    emulates a small memory. Usually made by :func:`parse_devices` (``"cpu@0.25:max64"``) or
+    :func:`emulate`.
 
     Attributes:
         type: ``"cpu"``, ``"cuda"`` or ``"mps"``.
@@ -183,25 +182,11 @@ class DeviceInfo:
 
 
 def parse_device(spec: DeviceLike, *, check: bool = True) -> Device:
-    """Parse one device string into a :class:`Device`.
+    """Parse one device string (or ``torch.device``, or :class:`Device`) into a :class:`Device`.
 
-    ``cpu`` (``cpu:0``), ``cuda`` (the current CUDA device), ``cuda:N`` or ``mps``, then
-    optionally ``@SPEED`` (``0 < SPEED <= 1``: an emulated slower device) and ``:maxN`` (an
-    emulated memory of ``N`` samples a forward): ``cpu@0.25:max64``, ``cpu:max64``.
-
-    Args:
-        spec: A string, a :class:`torch.device` or a :class:`Device`.
-        check: Also check that the device exists on this machine.
-
-    Returns:
-        The parsed device.
-
-    Raises:
-        TypeError, ValueError: If ``spec`` is not a device string or the device is not available.
-
-    Example:
-        >>> parse_device("cpu@0.25").speed
-        0.25
+    ``cpu``, ``cuda`` (the current CUDA device), ``cuda:N`` or ``mps``, then optionally
+    ``@SPEED`` (an emulated slower device) and ``:maxN`` (an emulated memory of ``N`` samples a
+    forward). ``check`` also checks that the device exists on this machine.
     """
     if isinstance(spec, Device):
         dev = spec
@@ -302,11 +287,7 @@ def _check_available(dev: Device, spec: Any) -> None:
 
 
 def device_list(spec: str) -> list[str]:
-    """The entries of a comma-separated device list, stripped, empty ones dropped; not parsed.
-
-    The one place a device list is split: ``"cuda:0, cpu@0.25,"`` is ``["cuda:0", "cpu@0.25"]``
-    (free-form labels such as ``"v100"`` pass too).
-    """
+    """The entries of a comma-separated device list, stripped, empty ones dropped, not parsed: the one split."""
     return [s.strip() for s in spec.split(",") if s.strip()]
 
 
@@ -317,10 +298,7 @@ _CPU_INDEX = re.compile(r"^cpu:\d+(?=$|[@:])")
 
 
 def device_name(device: Any) -> str:
-    """hetsplit's name for a device as a framework writes it (a ``torch.device``, a ``Device`` or a name).
-
-    ``cpu:0`` is ``cpu`` (``cpu:0@0.25`` is ``cpu@0.25``); ``cuda:1`` stays.
-    """
+    """hetsplit's name for a device as a framework writes it: ``cpu:0`` is ``cpu`` (``cpu:0@0.25``: ``cpu@0.25``)."""
     if isinstance(device, Device):
         return device.name
     return _CPU_INDEX.sub("cpu", str(device).strip())

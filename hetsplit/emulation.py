@@ -1,8 +1,7 @@
 """Emulation: slowed devices (``cpu@0.25``), so mixed hardware can be shown and tested on one machine.
 
-An emulated device does its real work on the real device, then sleeps so that the work
-appears to run at a fraction of the real speed. The state here (speed changes, sleep
-debt, time slept) is keyed by the device's name, so every copy of a device value sees it.
+The real work runs on the real device, then sleeps; the state (speed changes, sleep debt,
+time slept) is keyed by the device's name, so every copy of a device value sees it.
 """
 
 from __future__ import annotations
@@ -45,12 +44,7 @@ class _Emulated(Protocol):
 
 
 def check_speed(speed: float, spec: str) -> None:
-    """Raise unless ``speed`` is a usable emulated speed factor.
-
-    Raises:
-        TypeError: If ``speed`` is not a number (a string, a bool).
-        ValueError: If ``speed`` is not finite or not in ``[MIN_SPEED, 1]``.
-    """
+    """Raise unless ``speed`` is a usable emulated speed factor (TypeError: not a number; ValueError: out of range)."""
     if isinstance(speed, bool) or not isinstance(speed, int | float):
         raise TypeError(f"emulated speed for {spec!r} must be a number in [{MIN_SPEED:g}, 1], got {speed!r}")
     if not (math.isfinite(speed) and MIN_SPEED <= speed <= 1.0):
@@ -61,12 +55,7 @@ def check_speed(speed: float, spec: str) -> None:
 
 
 def check_max_batch(max_batch: object, spec: str) -> None:
-    """Raise unless ``max_batch`` is ``None`` or a whole number of samples from 1 to :data:`_MAX_EMULATED_BATCH`.
-
-    Raises:
-        TypeError: If it is not an integer (a float, a string, a bool).
-        ValueError: If it is below 1 or absurdly large.
-    """
+    """Raise unless ``max_batch`` is ``None`` or a whole number of samples from 1 to :data:`_MAX_EMULATED_BATCH`."""
     if max_batch is None:
         return
     if isinstance(max_batch, bool) or not isinstance(max_batch, int):
@@ -138,8 +127,7 @@ def set_speed(device: _Emulated, speed: float | None) -> None:
 
     Raises:
         TypeError: If the speed is not a number.
-        ValueError: If the device is real or the speed is out of range (at least
-            :data:`MIN_SPEED`: below it a step would take over 1000 times its real duration).
+        ValueError: If the device is real or the speed is out of range.
     """
     if speed is None:  # restoring is harmless for any device
         _SPEED_OVERRIDES.pop(device.name, None)
@@ -164,11 +152,10 @@ _STAT = threading.local()  # per thread: its schedstat file, open (see _runnable
 def _runnable_time() -> float:
     """This thread's seconds on a core plus its seconds waiting in the run queue for one.
 
-    The work's time at the machine's present load, without the time it was blocked (a
-    lock, a collective, a sleep): a loaded machine slows the real device's work by exactly
-    the run-queue wait, so an emulated device that counts it stays ``1/speed`` times
-    slower. The CPU clock is exact (schedstat's own figure moves only at scheduler ticks);
-    the wait is schedstat's second field. Without Linux's schedstat: the CPU time alone.
+    A loaded machine slows the real work by exactly the run-queue wait, so an emulated device
+    that counts it stays ``1/speed`` times slower; blocked time (a lock, a collective) is not
+    counted. The CPU clock is exact (schedstat's own figure moves only at scheduler ticks); the
+    wait is schedstat's second field. Without Linux's schedstat: the CPU time alone.
     """
     global _HAS_SCHEDSTAT
     if _HAS_SCHEDSTAT is not False:
@@ -214,11 +201,7 @@ def measures_load() -> bool:
 
 
 def work_clock(device: _Emulated) -> Callable[[], float]:
-    """The clock a device's work is measured by: its compute time, apart from waiting.
-
-    On the CPU with one intra-op thread the work runs in the calling thread: its runnable
-    time (:func:`_runnable_time`). Otherwise (several threads, a GPU after synchronising) wall time.
-    """
+    """The clock a device's work is measured by: :func:`_runnable_time` on a one-thread CPU, else wall time."""
     if device.type == "cpu":
         import torch  # emulation is imported before torch is needed; this is called per piece of work
 
@@ -228,11 +211,7 @@ def work_clock(device: _Emulated) -> Callable[[], float]:
 
 
 def compute_counter(device: _Emulated) -> Callable[[], float]:
-    """A counter of this thread's compute seconds on ``device``, emulated slow-down included.
-
-    :func:`work_clock`'s reading plus the compute that throttles in this thread stood in
-    for by sleeping (a wall clock has the sleeps in it already); waits do not count.
-    """
+    """A counter of this thread's compute seconds on ``device``, plus the compute its throttles slept for."""
     clock = work_clock(device)
     if clock is _wall_time:
         return clock
@@ -245,8 +224,7 @@ def throttle(device: _Emulated) -> Iterator[None]:
 
     Sleeps until the piece has taken ``work / speed`` in all, the work measured by
     :func:`work_clock`: its own waits (a collective, the interpreter lock) overlap the
-    slow-down, as a slow GPU computes while its peers wait, and are never slowed. With a
-    wall clock it sleeps ``(1/speed - 1)`` times the piece's duration.
+    slow-down, as a slow GPU computes while its peers wait.
     """
     speed = current_speed(device)
     if speed >= 1.0:
@@ -282,21 +260,9 @@ def _sleep(seconds: float) -> None:
 def copy_to(data: Any, device: torch.device, *, requires_grad: bool = False) -> Any:
     """A copy of ``data`` (a tensor or a nest of them) on ``device``, never sharing storage with it.
 
-    ``cpu`` and ``cpu@0.25`` are one memory: ``p.to(device)`` returns ``p`` itself when it
-    is already there, so both would get the *same* parameters and every update would be
-    applied twice. This always copies.
-
-    Args:
-        data: Tensors to copy; other leaves are kept as they are.
-        device: The real device (``Device.torch_device``).
-        requires_grad: Make each floating-point copy a leaf that records gradients.
-
-    Example:
-        >>> import torch
-        >>> params = [torch.zeros(3)]
-        >>> copies = [copy_to(params, torch.device("cpu"), requires_grad=True) for _ in range(2)]
-        >>> copies[0][0].data_ptr() != copies[1][0].data_ptr() != params[0].data_ptr()
-        True
+    ``cpu`` and ``cpu@0.25`` are one memory: ``p.to(device)`` would return ``p`` itself and
+    both replicas would apply every update to the same parameters. ``requires_grad`` makes
+    each floating-point copy a leaf that records gradients.
     """
 
     import torch  # here, not at the top: the CLI may import this module before torch

@@ -25,21 +25,11 @@ class ProfileFileError(ValueError):
 def write_json(
     path: str | Path, kind: str, payload: dict[str, Any], *, publish: Callable[[Path, Path], Path] | None = None
 ) -> Path:
-    """Write ``payload`` with a schema header to ``path`` atomically.
+    """Write ``payload`` with a schema header to ``path`` (parents created) atomically; return the path.
 
-    The JSON goes to a temporary file in the same directory, is flushed to disk, then
-    renamed over ``path``: an interrupted write leaves the old file (or none), never a
-    half-written one.
-
-    Args:
-        path: Target file; parent directories are created.
-        kind: What the file holds (``"profile"``, ``"plan"``, ``"bench"``).
-        payload: JSON-ready data.
-        publish: Gives the finished temporary file its name, ``publish(tmp, path)``, and
-            returns it (default: renamed over ``path``).
-
-    Returns:
-        The path written.
+    Written to a temporary file beside it, flushed, then renamed: an interrupted write leaves
+    the old file (or none), never a half-written one. ``kind`` is what it holds (``"profile"``);
+    ``publish(tmp, path)``, if given, names the finished file instead of the rename.
     """
     path = Path(path)
     try:
@@ -91,10 +81,9 @@ def _write_error(path: Path, error: OSError) -> ProfileFileError:
 def umask() -> int:
     """The process umask, read without changing it.
 
-    ``os.umask`` can only be read by setting it: another thread creating a file in that
-    moment would get mode 0666, and two threads doing it at once could leave the umask
-    at 0 for good. Linux reports it in ``/proc/self/status``; elsewhere a lock keeps our
-    own readers from racing each other.
+    ``os.umask`` can only be read by setting it: another thread creating a file in that moment
+    would get mode 0666, and two at once could leave the umask at 0. Linux reports it in
+    ``/proc/self/status``; elsewhere a lock keeps our own readers from racing each other.
     """
     try:
         with open("/proc/self/status", encoding="ascii", errors="replace") as fh:
@@ -113,11 +102,7 @@ _UMASK_LOCK = threading.Lock()
 
 
 def check_writable(path: str | Path, *, directory: bool = False) -> Path:
-    """Raise now, before any work, if ``path`` (a file, or with ``directory`` a folder) cannot be written.
-
-    Raises:
-        ProfileFileError: Naming the path and what is wrong.
-    """
+    """Raise now, before any work, if ``path`` (a file, or with ``directory`` a folder) cannot be written."""
     path = Path(path)
     folder = path if directory else path.parent
     if not directory and path.is_dir():
@@ -142,8 +127,8 @@ def read_json(path: str | Path, kind: str | tuple[str, ...]) -> dict[str, Any]:
     """Read a file written by :func:`write_json`, checking its kind and schema version.
 
     Raises:
-        ProfileFileError: If the file is missing, not valid JSON, not a hetsplit file of
-            this ``kind``, or of another schema version; the message names the file.
+        ProfileFileError: If the file is missing, damaged, not of this ``kind``, or of another
+            schema version; the message names the file.
     """
     path = Path(path)
     text = _read_text(path)
@@ -187,12 +172,8 @@ def read_json(path: str | Path, kind: str | tuple[str, ...]) -> dict[str, Any]:
 def _read_text(path: Path) -> str:
     """The text of ``path`` if it is a regular file of at most :data:`MAX_FILE_BYTES`.
 
-    The file is opened without blocking and checked on the open descriptor, so a FIFO
-    (which would wait for a writer forever), a device such as ``/dev/zero`` (endless) or
-    a file swapped in since it was listed is refused, never read.
-
-    Raises:
-        ProfileFileError: Naming the path and what it is instead.
+    Checked on the open descriptor (opened without blocking), so a FIFO (which would wait
+    forever), ``/dev/zero`` (endless) or a file swapped in since it was listed is never read.
     """
     flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
     try:

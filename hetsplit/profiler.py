@@ -44,11 +44,8 @@ def default_ladder(max_batch: int = 256) -> list[int]:
 def check_ladder(batch_sizes: Sequence[int] | None, max_probe: int = MAX_PROBE) -> list[int]:
     """The ladder a profile climbs: ``batch_sizes`` sorted and deduplicated (default :func:`default_ladder`).
 
-    Checked before any device work: none above ``max_probe`` (a batch of a billion would
-    take minutes and gigabytes before failing).
-
-    Raises:
-        ValueError: Naming the bad size and the bound.
+    None above ``max_probe``, checked before any device work: a batch of a billion would take
+    minutes and gigabytes before failing.
     """
     if batch_sizes is None:
         return default_ladder()
@@ -84,10 +81,9 @@ def train_step(
 ) -> torch.Tensor:
     """One training step without the optimizer: forward, loss, backward. Returns the loss.
 
-    ``inputs`` is passed as ``model(inputs)``, ``model(*inputs)`` for a tuple/list, or
-    ``model(**inputs)`` for a dict. The loss is ``loss_fn(output, target)`` (``loss_fn(output)``
-    without a target), by default the sum of the output's floating-point tensors. With an
-    emulated ``device``, forward and backward are each throttled, as the engines run them.
+    ``inputs`` as :func:`~hetsplit.planning.sizes.model_call` spreads them; the loss is
+    ``loss_fn(output, target)`` (``loss_fn(output)`` without a target), by default the sum of
+    the output's floating-point tensors. An emulated ``device`` throttles forward and backward.
     """
     throttle = device.throttle if device is not None else contextlib.nullcontext
     with throttle():
@@ -105,14 +101,9 @@ def train_step(
 class DeviceSteps:
     """One device's timed training steps over a ladder of batch sizes, and what they measured.
 
-    The one-process profile (:func:`profile`, a copy of the model per device) and the
-    sharded one (:func:`hetsplit.distributed.sharded_profile.profile_sharded`, the model in
-    place, every rank in the same steps) climb their ladders with these steps.
-
-    Args:
-        model: The model the steps train (a copy of the user's, or a sharded model in place).
-        dev: The device.
-        sample, target, loss_fn: As for :func:`profile`; a batch of ``b`` takes ``b`` rows, cycled.
+    Both the one-process :func:`profile` (a copy of the model per device) and the sharded one
+    (the model in place) climb their ladders with these steps; a batch of ``b`` takes ``b``
+    rows of ``sample``, cycled.
     """
 
     def __init__(self, model: nn.Module, dev: Device, sample: Any, target: Any, loss_fn: LossFn | None) -> None:
@@ -123,10 +114,9 @@ class DeviceSteps:
         self.cap: int | None = None  # the largest batch that fits (None: no limit found)
 
     def step(self, batch: int, *, throttled: bool = True, record: bool = False) -> float:
-        """One training step of ``batch`` rows (forward, loss, backward): its compute in seconds.
+        """One training step of ``batch`` rows: its compute in seconds, kept as a measurement with ``record``.
 
-        ``record`` keeps the time as a measurement of ``batch``; unthrottled (warm-up) steps
-        run an emulated device at its real speed.
+        Unthrottled (warm-up) steps run an emulated device at its real speed.
         """
         device = self.dev.torch_device
         index = torch.arange(batch)
@@ -150,10 +140,7 @@ class DeviceSteps:
         return seconds
 
     def affordable(self, batch: int, budget: float, steps: int) -> bool:
-        """Whether the profile, with ``batch`` added to the sizes timed so far, still fits ``budget`` seconds.
-
-        Each size is run ``steps`` times; the new one is priced at the largest size's time per sample.
-        """
+        """Whether the profile, with ``batch`` added (priced at the largest size's time per sample), fits ``budget``."""
         if len(self.times) < 2:
             return True
         last = max(self.times)
@@ -182,9 +169,8 @@ class _Runner(DeviceSteps):
     def try_step(self, batch: int, *, probing: bool = False) -> bool:
         """Run one untimed step; False if it ran out of memory.
 
-        ``probing``: a size past the ladder, tried only to find the largest batch. There any
-        error after a smaller batch ran marks the device's limit as running out of memory
-        does, said in one warning: a kernel can refuse a batch that memory would hold
+        ``probing`` (a size past the ladder): any error after a smaller batch ran marks the
+        device's limit, in one warning, as a kernel can refuse a batch that memory would hold
         (measured on an H200: PyTorch's efficient attention above 65,535 sequences).
         """
         try:
@@ -235,18 +221,16 @@ def profile(
 ) -> Profile:
     """Measure a full training step (forward, loss, backward) of ``model`` on each device.
 
-    A copy of the model per device is timed over a ladder of batch sizes (the median of
-    ``repeats`` steps), climbed while the device's projected cost fits its share of
-    ``time_budget`` (at least two sizes). The model itself and the RNG state are left as
-    they were. docs/how-it-works.md says how the ladder is climbed and why.
+    A copy of the model per device is timed over a ladder of batch sizes, climbed while the
+    device's projected cost fits its share of ``time_budget``; the model and the RNG state are
+    left as they were. How and why: docs/how-it-works.md, "Profiler".
 
     Args:
         model: The model to profile.
         sample: Example input: a tensor or a nest of tensors with the batch on dim 0
             (one row or many; rows are cycled to build larger batches).
-        devices: Devices to profile, e.g. ``"cuda:0,cpu"`` or ``["cpu", "cpu@0.25"]``. A
-            device listed twice is profiled once: a profile holds each device once, and
-            ``balanced_split``/``HeteroDataParallel`` use its curve for every copy.
+        devices: Devices to profile, e.g. ``"cuda:0,cpu"`` or ``["cpu", "cpu@0.25"]``; a
+            device listed twice is profiled once (its curve serves every copy).
         loss_fn: ``loss_fn(output, target)`` (or ``loss_fn(output)`` without a target);
             default: the sum of the output's floating-point tensors.
         batch_sizes: The ladder (default: 2, 4, 8, ..., 256).
@@ -255,13 +239,12 @@ def profile(
         warmup: Untimed steps before timing each batch size.
         time_budget: Seconds for the whole profile, shared equally by the devices.
         find_memory_cap: Probe CUDA devices (and emulated memories, ``cpu:max64``) for their
-            largest batch: doubled until out of memory (caught), then bisected to within
-            1/16; on CUDA each step's peak memory is fitted too (``DeviceProfile.memory``).
+            largest batch, and fit CUDA's peak memory (``DeviceProfile.memory``).
         max_probe: Largest batch tried when probing for the memory cap.
         progress: Show a progress bar (default: when stderr is a terminal).
         model_name: Name recorded in the profile (default: the model's class name).
         threads: Torch CPU threads while timing, restored afterwards (default: 1 when every
-            device is the CPU, as ``hetsplit profile`` does; :func:`hetsplit.timing.cpu_threads`).
+            device is the CPU; :func:`hetsplit.timing.cpu_threads`).
         check_emulation: Warn in one line (:func:`emulation_warning`) when an emulated device
             measured more than 1.3x off its speed (``False``: the caller says it).
 
@@ -313,11 +296,7 @@ class EmulationFault(NamedTuple):
 
 
 def emulation_faults(prof: Profile, factors: Mapping[str, float] | None = None) -> list[EmulationFault]:
-    """Each emulated device in ``prof`` off ``1/speed`` times its real device's time (:func:`emulation_warning`).
-
-    Devices may be a torchrun plan's ranks (``rank1:cpu@0.25``): each is checked against the
-    first rank of its real device.
-    """
+    """Each emulated device in ``prof`` off ``1/speed`` times its real device's time (its first rank's, on torchrun)."""
     faults = []
     for e in prof.entries:
         info = e.info
@@ -344,12 +323,10 @@ def emulation_faults(prof: Profile, factors: Mapping[str, float] | None = None) 
 def emulation_warning(prof: Profile, factors: Mapping[str, float] | None = None) -> str | None:
     """One line if an emulated device in ``prof`` was not ``1/speed`` times slower than its real device.
 
-    Each slowed device (``cpu@0.25``) against its real device profiled beside it (median of
-    the ratios at the sizes both measured). With ``factors`` (a calibration's
-    :meth:`~hetsplit.Rebalancer.factors`: measured over profiled time, the devices running
-    *together*) the ratio side by side too: on a loaded machine the scheduler can slow one
-    more than the other (measured beside two busy processes: 1.6x, which gave the demo's
-    ``cpu@0.25`` 11 % of the batch, not 17 %). ``None`` when every one is within 1.3x.
+    Compared by the median ratio at the sizes both measured, and with ``factors`` (a
+    calibration's, the devices running *together*) side by side too: on a loaded machine the
+    scheduler can slow one more than the other (beside two busy processes: 1.6x, which gave
+    the demo's ``cpu@0.25`` 11 % of the batch, not 17 %). ``None`` when every one is within 1.3x.
     """
     return describe_faults(emulation_faults(prof, factors))
 
@@ -372,8 +349,7 @@ def describe_faults(faults: Sequence[EmulationFault]) -> str | None:
 def held_to_declared_speed(prof: Profile, faults: Sequence[EmulationFault]) -> Profile:
     """``prof`` with each emulated device that measured faster than its declared speed slowed to it.
 
-    Its curve is scaled by ``want / ratio`` (``faults`` measured alone), so it never gets
-    more than its declared speed's share; one measured slower keeps its measured curve.
+    So it never gets more than its declared speed's share; one measured slower keeps its curve.
     """
     scale = {f.name: f.want / f.ratio for f in faults if not f.together and 0 < f.ratio < f.want}
     if not scale:
@@ -385,10 +361,7 @@ def held_to_declared_speed(prof: Profile, faults: Sequence[EmulationFault]) -> P
 
 
 def fault_note(faults: Sequence[EmulationFault], calibrated: bool = False) -> str:
-    """What a plan line says of ``faults`` (``""`` for none): ``emulation unreliable: ...``, and how it was planned.
-
-    ``calibrated``: the plan was solved again from its own steps, over the declared speeds.
-    """
+    """What a plan line says of ``faults`` (``""`` for none); ``calibrated``: re-solved from its own steps."""
     held = ", then calibrated in the split" if calibrated else ""
     parts = [f"{f}, planned at {f.want:g}x{held}" if not f.together and f.ratio < f.want else str(f) for f in faults]
     return "emulation unreliable: " + "; ".join(parts) if parts else ""
@@ -399,11 +372,7 @@ def _near(ratio: float, want: float) -> bool:
 
 
 def check_settings(sample: Any, target: Any, repeats: Any, warmup: Any, time_budget: Any) -> None:
-    """Check a profile's settings and sample before any device work.
-
-    Raises:
-        ValueError: Naming the bad value.
-    """
+    """Check a profile's settings and sample before any device work (a ValueError names the bad value)."""
     kinds = ((repeats, int), (warmup, int), (time_budget, int | float))
     if any(isinstance(v, bool) or not isinstance(v, kind) for v, kind in kinds):
         raise ValueError(f"repeats and warmup must be integers and time_budget a number, got {repeats!r}, "
@@ -445,9 +414,9 @@ def _measure(
 ) -> list[DeviceProfile]:
     """Time every (device, batch size) point in interleaved passes.
 
-    A first pass climbs the ladder on all devices (warm-up, memory check, one timed step)
-    while each fits its budget; ``repeats - 1`` more passes time every point once each, so
-    a slow phase of a shared machine is spread over all points instead of distorting one.
+    A first pass climbs the ladder on all devices while each fits its budget; ``repeats - 1``
+    more passes time every point once each, so a slow phase of a shared machine is spread over
+    all points instead of distorting one.
     """
     runners = [_Runner(model, dev, sample, target, loss_fn) for dev in devs]
     active = list(range(len(devs)))
@@ -490,8 +459,8 @@ def _measure(
 def _probe_cap(runner: _Runner, ok: int, max_probe: int, deadline: float) -> tuple[int | None, int]:
     """Double the batch until out of memory, then bisect; returns (cap or None, largest tried).
 
-    ``None`` only when every batch up to ``max_probe`` fit. Out of time first, the largest
-    batch that fit is the cap: a plan never hands a device more than it was seen to hold.
+    ``None`` only when every batch up to ``max_probe`` fit. Out of time first, the largest batch
+    that fit is the cap: a plan never hands a device more than it was seen to hold.
     """
     bad = None
     b = ok * 2

@@ -30,14 +30,9 @@ _ROUNDS = 3  # calibrations at most, their repeats pooled, before the split is c
 def default_profile(devices: str | Sequence[DeviceLike], model: nn.Module | str | None = None) -> Profile:
     """The profile used when nothing else says how to split: the newest stored one, else a quick one.
 
-    The newest stored profile of this host and these devices, of ``model`` when given (a
-    profile of LeNet does not decide an MLP's split: :func:`hetsplit.planning.profile.latest_profile`);
-    else :func:`quick_profile`, whose notice says why no stored profile applied.
-
-    Args:
-        devices: The devices to split over.
-        model: The model being trained (an ``nn.Module`` or its fingerprint), or ``None``
-            to accept a stored profile of any model.
+    A stored profile of this host and these devices, of ``model`` (an ``nn.Module`` or its
+    fingerprint) when given: a profile of LeNet does not decide an MLP's split. Else
+    :func:`quick_profile`, whose notice says why no stored profile applied.
     """
     devs = parse_devices(devices)
     names = [d.name for d in devs]
@@ -61,19 +56,13 @@ def default_profile(devices: str | Sequence[DeviceLike], model: nn.Module | str 
 
 
 def quick_profile(devices: str | Sequence[DeviceLike], *, reason: str | None = None) -> Profile:
-    """A quick, model-agnostic profile of each device (a small MLP), cached for the process.
+    """A quick, model-agnostic profile of each device (a small MLP), cached for the process (docs/cli.md).
 
-    Used by :func:`hetsplit.balanced_split` when neither weights nor a profile is given and
-    no stored profile covers the devices (docs/how-it-works.md). Only real devices are
-    timed, with :func:`hetsplit.profile`'s thread rule; an emulated one gets its real
-    device's curve slowed by its speed. Each curve is proportional to the batch at the
-    device's best seconds per sample: a calibration knows throughput, not the model's fixed
-    cost. A busy machine is met by calibrating again (at most three times, repeats pooled)
-    until each point's two fastest repeats agree within 25 %; else a warning says the split
-    is uncertain (``source`` ``"calibration (noisy)"``). An emulated device is timed once
-    beside its real one, and one warning says if it did not run ``1/speed`` times slower
-    (``source`` adds ``"(emulation unreliable)"``). The first call warns once that a
-    profile of the real model is more accurate (with ``reason``: why none applied).
+    Only real devices are timed; an emulated one gets its real device's curve slowed by its
+    speed, and is timed once beside it to warn if it did not run ``1/speed`` slower. A busy
+    machine is calibrated again (at most three times) until each point's two fastest repeats
+    agree within 25 %, else a warning says the split is uncertain. The first call warns once
+    that a profile of the real model is more accurate (with ``reason``: why none applied).
     """
     global _NOTICE_SHOWN
     devs = parse_devices(devices)
@@ -140,10 +129,8 @@ def _workload() -> tuple[nn.Module, torch.Tensor]:
 def _check_emulation(devices: Sequence[Device]) -> None:
     """Time each emulated device beside its real one for a moment; warn once if it is not 1/speed slower.
 
-    The calibration gives an emulated device its real device's curve slowed by its speed;
-    training then runs it throttled. On a machine too loaded for that throttle to hold
-    (:func:`hetsplit.profiler.emulation_warning`), the split still follows the speeds but
-    the steps will not balance: one line says so rather than a silent mismatch.
+    On a machine too loaded for the throttle to hold, the split still follows the declared
+    speeds but the steps will not balance: one line says so rather than a silent mismatch.
     """
     workload, sample = _workload()
     real = list(dict.fromkeys(parse_devices([d.base])[0] for d in devices))
@@ -192,15 +179,10 @@ def _noise(entry: DeviceProfile) -> str:
 def _throughput_fit(entry: DeviceProfile) -> DeviceProfile:
     """``entry`` with a curve proportional to the batch, at the device's best measured seconds per sample.
 
-    A model-agnostic calibration knows each device's throughput, not the user's model's
-    fixed cost per step: that cost is the model's (a small CNN's per-sample work is
-    several times the calibration MLP's, so its fixed cost weighs far less) and, timed at
-    small batches, the noisiest number of all. Fitted with it, the curve's low end decided
-    small batches alone: [50, 0] for a newcomer's CNN on cpu,cpu@0.25 whose own profile
-    says [45, 5], [256, 0] in CI, and a GPU's launch overhead could leave the fastest
-    device nothing. In proportion, every device gets a share by its throughput and the
-    faster one the larger. The best seconds per sample over sizes and repeats: timing
-    noise only ever adds time.
+    A calibration knows each device's throughput, not the user's model's fixed cost per step
+    (the noisiest number of all): fitted with it, small batches went by the curve's low end
+    alone ([50, 0] for a CNN on cpu,cpu@0.25 whose own profile says [45, 5]). The best seconds
+    per sample over sizes and repeats, as timing noise only ever adds time.
     """
     rate = min(min(m.times) / m.batch for m in entry.measurements)
     sizes = [float(m.batch) for m in entry.measurements]

@@ -22,12 +22,7 @@ _ENV_PROFILE_DIR = "HETSPLIT_PROFILE_DIR"
 
 
 def profile_dir(directory: str | Path | None = None) -> Path:
-    """Where profiles are stored and looked up.
-
-    Lookup order: the ``directory`` argument (``--profile-dir`` on the CLI), then the
-    ``HETSPLIT_PROFILE_DIR`` environment variable, then ``./profiles`` in the current
-    working directory.
-    """
+    """Where profiles are stored and looked up: ``directory``, else ``$HETSPLIT_PROFILE_DIR``, else ``./profiles``."""
     if directory is not None:
         return Path(directory)
     env = os.environ.get(_ENV_PROFILE_DIR)
@@ -64,9 +59,8 @@ def save_profile(profile: _Saveable, path: str | Path | None = None, *, director
 def _publish_new(tmp: Path, folder: Path, base: str) -> Path:
     """Give the finished file ``tmp`` a name no other file has: ``base.json``, else ``base-2.json``, ...
 
-    A hard link fails if the name exists, so two runs saving in the same second never
-    share a name and never overwrite each other, and readers never see a partial file.
-    Where links are not supported, the name is reserved with ``O_EXCL`` and replaced.
+    A hard link fails if the name exists, so two runs saving in the same second never share a
+    name, and readers never see a partial file; without links, the name is reserved with ``O_EXCL``.
     """
     for k in range(1, 10_000):
         path = folder / (f"{base}.json" if k == 1 else f"{base}-{k}.json")
@@ -111,23 +105,12 @@ def find_profiles(
     host: str | None = None,
     fingerprint: str | None = None,
 ) -> list[Path]:
-    """Profile files in the profile directory, newest first.
+    """Profile files in the profile directory (:func:`profile_dir`), newest first: readable ones of this schema.
 
-    Only regular ``*.json`` files of at most :data:`MAX_FILE_BYTES` are read; a link is
-    followed only to a file inside the directory. Anything else (a FIFO, a device, a link
-    out of the directory, a damaged file) is skipped, with one warning per lookup naming
-    the files skipped for the first time. Files are read again only when they change.
-
-    Args:
-        devices: If given, keep only profiles that cover all these devices (by name,
-            including the emulation suffix).
-        directory: Where to look (see :func:`profile_dir`).
-        host: Keep only profiles measured on this host (default: this machine; ``"*"``: any).
-        fingerprint: Keep only profiles of the model with this fingerprint
-            (:func:`hetsplit.profiler.fingerprint`); default: any model.
-
-    Returns:
-        Paths of readable profiles of the current schema.
+    Kept: those covering all ``devices`` (by name), measured on ``host`` (default: this
+    machine; ``"*"``: any), of the model with ``fingerprint`` (default: any). Only regular
+    ``*.json`` files of at most :data:`~hetsplit.files.MAX_FILE_BYTES` are read, a link only
+    inside the directory; anything else is skipped with one warning the first time.
     """
     return [s.path for s in _stored_profiles(devices, directory, host=host, fingerprint=fingerprint)]
 
@@ -242,8 +225,7 @@ def warn_at_caller(message: str, category: type[Warning] = UserWarning) -> None:
     """``warnings.warn(message)`` reported at the first line outside hetsplit and torch: the user's call.
 
     torch's frames are skipped too: ``dp(x)`` reaches hetsplit through ``nn.Module.__call__``,
-    whose line the user never wrote. Python 3.12+ skips the frames itself
-    (``skip_file_prefixes``); before that the ``stacklevel`` is counted by walking the stack.
+    whose line the user never wrote.
     """
     torch = sys.modules.get("torch")
     torch_file = None if torch is None else torch.__file__

@@ -1,9 +1,8 @@
 """Timing: how every engine measures a device's compute time, apart from waiting, without a synchronisation.
 
-The one rule: on the CPU (one intra-op thread) a lap reads the thread's compute counter
-(:func:`hetsplit.emulation.compute_counter`), so time blocked in a collective, on the
-interpreter lock or asleep is not counted; on CUDA two events on the current stream;
-elsewhere wall time. Every clock but that counter is here.
+On the CPU (one intra-op thread) a lap reads the thread's compute counter
+(:func:`hetsplit.emulation.compute_counter`); on CUDA two events on the current stream;
+elsewhere wall time.
 """
 
 from __future__ import annotations
@@ -27,9 +26,7 @@ if TYPE_CHECKING:  # a type only: planning sits above timing in the pipeline
 class Lap:
     """An interval of work on a device, read later without forcing a synchronisation (build one with :func:`lap`).
 
-    On CUDA two events on the current stream (reading waits only for the end event,
-    normally long done: :meth:`ready`); elsewhere the compute counter read at both ends,
-    so it must end in the thread it began in.
+    Off CUDA the compute counter is read at both ends, so it must end in the thread it began in.
     """
 
     def __init__(self, device: Device) -> None:
@@ -45,10 +42,7 @@ class Lap:
         self._start = self._counter()
 
     def stop(self) -> None:
-        """Mark the end of the interval (on CUDA: record the end event; no wait).
-
-        It may be called again before the lap is read: the last call marks the end.
-        """
+        """Mark the end of the interval (on CUDA: record the end event; no wait); the last call counts."""
         if self._events is not None:
             self._events[1].record()
         else:
@@ -72,8 +66,7 @@ class Lap:
 class PausableLap:
     """A lap that can be paused: the work of one step without the waits inside it (FSDP2's on CUDA).
 
-    The intervals between :meth:`resume` and :meth:`pause` (both idempotent) are
-    laps (:class:`Lap`), summed when read.
+    The intervals between :meth:`resume` and :meth:`pause` (both idempotent) are summed when read.
     """
 
     def __init__(self, device: Device) -> None:
@@ -116,22 +109,13 @@ def lap(device: Device) -> Iterator[Lap]:
 
 
 class StepTimer:
-    """A training step's compute on one device, without its waits for other ranks (docs/torchrun.md).
+    """A training step's compute on one device, without its waits for other ranks.
 
-    On the CPU a lap counts compute only (:class:`Lap`), so the whole step is timed. On
-    CUDA a lap is two events on the compute stream, which stalls while the rank waits:
-    under DDP the lap ends when the step's last parameter gradient is accumulated (DDP
-    then waits for its all-reduce), and the emulated delay spent after that gradient is
-    added back, since it stands for work; under FSDP2 the lap pauses around FSDP2's waits
-    for its all-gathers (its forward pre-hook, its pre-backward gradient hook). That FSDP2
-    path is untested on a GPU; it still counts the end of the backward, where FSDP2 waits
-    for its last reduce-scatter.
-
-    Args:
-        device: The device doing the work.
-        model: The model (DDP's module, FSDP2, or a module holding FSDP2 modules); ``None``:
-            time the enclosed block as it is.
-        pause_at_waits: Pause the lap around FSDP2's waits (default: on CUDA, for a sharded model).
+    On CUDA a lap is two events on the compute stream, which stalls while the rank waits:
+    under DDP the lap ends at the step's last parameter gradient (the emulated delay after it
+    added back, since it stands for work); under FSDP2 it pauses around the all-gather waits
+    (``pause_at_waits``, default on CUDA for a sharded ``model``; untested on a GPU). On the
+    CPU a lap counts compute only, so the whole step (or, with no ``model``, the block) is timed.
     """
 
     def __init__(self, device: Device, model: nn.Module | None = None, *, pause_at_waits: bool | None = None) -> None:
@@ -227,21 +211,17 @@ def _fsdp2_modules(model: nn.Module) -> list[nn.Module]:
 def exposed(walls: Sequence[float], computes: Sequence[float]) -> float:
     """Seconds of one step beyond its slowest rank's compute: the communication no computing hid.
 
-    ``walls`` and ``computes``: every rank's wall time and compute for the same step, each
-    wall from the rank's own start. The step ends at one moment on every rank (its last
-    collective), so a rank's wall less its compute is its waits plus what no compute hid;
-    the rank that held the step up waited for nobody, and its difference is the smallest.
-    Not the shortest wall less the longest compute: when the busiest rank started first,
-    that subtracts its head start and predicted DDP steps 6-8 % short (bench_predict).
+    ``walls`` and ``computes`` are every rank's, each wall from the rank's own start. The rank
+    that held the step up waited for nobody: its wall less compute is the smallest. (The
+    shortest wall less the longest compute subtracts a head start: DDP steps predicted 6-8 % short.)
     """
     return max(0.0, min(w - c for w, c in zip(walls, computes, strict=True)))
 
 
 class BusyLog:
-    """The laps of every device in each step, and the finished steps not read yet.
+    """The laps of every device in each step; finished steps queue until all their laps can be read.
 
-    Finished steps queue until all their laps can be read (a GPU's once it ran the step),
-    so a rebalancer reading them (:meth:`readable`) never makes training wait.
+    So a rebalancer reading them (:meth:`readable`) never makes training wait for a GPU.
     """
 
     def __init__(self) -> None:
@@ -277,11 +257,8 @@ class BusyLog:
 def cpu_threads(devices: Sequence[Device], requested: int | None = None) -> int:
     """Torch's intra-op threads for timing ``devices``: the one rule of ``profile``, ``bench`` and ``demo``.
 
-    ``requested`` if given; else 1 when every device is the CPU, real or emulated (with
-    several threads a busy machine times a step erratically); else torch's own setting.
-
-    Raises:
-        ValueError: If ``requested`` is not a whole number >= 1.
+    ``requested`` (a whole number >= 1) if given; else 1 when every device is the CPU, real or
+    emulated (with several threads a busy machine times a step erratically); else torch's own.
     """
     if requested is not None:
         if isinstance(requested, bool) or not isinstance(requested, int) or requested < 1:

@@ -1,7 +1,6 @@
 """Tree: nested batches (tuples, lists, dicts, any Mapping, namedtuples, dataclasses) walked in one place.
 
-This module is hetsplit's only user of ``torch.utils._pytree``: every other module
-flattens, maps, cuts rows of and rebuilds batches and outputs through the functions here.
+hetsplit's only user of ``torch.utils._pytree``: every other module walks batches through here.
 """
 
 from __future__ import annotations
@@ -47,10 +46,7 @@ class _Keys:
 
 
 class _Walked:
-    """A Mapping pytree does not walk, stood in for while a batch is flattened (see :func:`flatten`).
-
-    It holds the mapping (to rebuild its type) and its values, themselves stood in for.
-    """
+    """A Mapping pytree does not walk, stood in for while a batch is flattened: the mapping and its values."""
 
     __slots__ = ("like", "values")
 
@@ -80,9 +76,8 @@ pytree.register_pytree_node(_Walked, _walked_flatten, _walked_unflatten, flatten
 def rebuilt(like: Mapping[Any, Any], values: dict[Any, Any]) -> Mapping[Any, Any]:
     """A mapping of ``like``'s type holding ``values``: the one way hetsplit rebuilds a Mapping.
 
-    ``type(like)(values)`` (a dict subclass, a ``UserDict``, a ``BatchEncoding``, whose
-    per-row extras such as a tokenizer's encodings would no longer match cut rows); a type
-    whose constructor takes no dict is copied and its items replaced; else a plain dict.
+    ``type(like)(values)`` (a ``BatchEncoding``'s per-row extras would no longer match cut
+    rows); a type whose constructor takes no dict is copied and its items replaced; else a dict.
     """
     if type(like) is dict:
         return values
@@ -169,10 +164,9 @@ def _spec_paths(spec: _TreeSpec) -> list[str]:
 
 
 def samples_in(tree: Any) -> int | None:
-    """The samples in a batch as trainers count them for logging: its first tensor's length.
+    """The samples in a batch as Lightning and accelerate count them for logging: its first tensor's length.
 
-    Lightning's and accelerate's rule (not :func:`batch_length`'s, which wants every tensor
-    to agree): 1 for a 0-dim tensor, ``None`` when the batch holds no tensor.
+    1 for a 0-dim tensor, ``None`` when the batch holds no tensor (:func:`batch_length` wants all to agree).
     """
     if not isinstance(tree, torch.Tensor):
         tree = next((x for x in flatten(tree)[0] if isinstance(x, torch.Tensor)), None)
@@ -182,12 +176,7 @@ def samples_in(tree: Any) -> int | None:
 
 
 def batch_length(tree: Any, dim: int = 0) -> int:
-    """The common length along ``dim`` of every tensor in a nested batch.
-
-    Raises:
-        ValueError: If there is no tensor, ``dim`` is out of range for a tensor, or the
-            tensors' lengths differ (the message lists them).
-    """
+    """The common length along ``dim`` of every tensor in a nested batch (a ValueError lists differing ones)."""
     if isinstance(tree, torch.Tensor) and -tree.dim() <= dim < tree.dim():
         return tree.shape[dim]  # the common case, without walking a tree
     leaves, _ = flatten(tree)
@@ -214,10 +203,7 @@ def take_rows(tree: Any, index: torch.Tensor) -> Any:
 
 
 def _batched(x: Any, dim: int, rows: int | None) -> bool:
-    """Whether ``x`` is cut with the batch: a tensor that has ``dim``, of length ``rows`` there when given.
-
-    Other values (a 0-dim tensor, ``position_ids`` of one row shared by the batch, a string) go whole.
-    """
+    """Whether ``x`` is cut with the batch: a tensor with ``dim``, of length ``rows`` there when given (else whole)."""
     return isinstance(x, torch.Tensor) and -x.dim() <= dim < x.dim() and (rows is None or x.shape[dim] == rows)
 
 
@@ -240,9 +226,8 @@ def split_rows(
 ) -> list[Any]:
     """``tree`` cut into consecutive pieces of ``sizes`` rows along ``dim`` (views, no copy; :func:`_batched`).
 
-    The one cutter of a batch into shards or micro-batches; containers keep their types.
-    With ``devices`` (one per piece) each piece's tensors are moved to its device
-    (:func:`to_device`) in the same walk.
+    The one cutter of a batch into shards or micro-batches; with ``devices`` (one per piece)
+    each piece is moved to its device in the same walk.
     """
     leaves, spec = flatten(tree)
     counts = list(sizes)

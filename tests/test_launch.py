@@ -280,3 +280,26 @@ def test_ctrl_c_during_a_launch_prints_one_line_and_no_rank_traceback(tmp_path):
     text = err.read_text()
     assert code == 130 and text.strip().splitlines()[-1] == "hetsplit: interrupted", text[-2000:]
     assert "Traceback" not in text and "KeyboardInterrupt" not in text, text[-3000:]
+
+
+def test_torchrun_arguments_for_nodes_that_join_and_leave():
+    argv, local = torchrun_args("cpu@0.5", "t.py", nnodes="1:3", rdzv_endpoint="h:29500", max_restarts=4)
+    assert local == ["cpu@0.5"] and argv[argv.index("--nnodes") + 1] == "1:3"  # this node's devices
+    assert argv[argv.index("--nproc-per-node") + 1] == "1" and argv[argv.index("--max-restarts") + 1] == "4"
+    conf = argv[argv.index("--rdzv-conf") + 1]
+    assert conf == "keep_alive_interval=1,last_call_timeout=2" and "--node-rank" not in argv
+    argv, _ = torchrun_args("cpu", "t.py", nnodes="2:2", rdzv_endpoint="h:1", rdzv_conf="last_call_timeout=9")
+    assert argv[argv.index("--rdzv-conf") + 1].endswith(",last_call_timeout=9")  # the user's last: it wins
+    for nnodes, fragment in (("3:1", "1 <= MIN <= MAX"), ("a", "give a number of nodes"), ("1:2", "--rdzv-endpoint")):
+        with pytest.raises(ValueError, match=fragment):
+            torchrun_args("cpu", "t.py", nnodes=nnodes)
+
+
+def test_init_takes_a_nodes_own_devices_under_nnodes_min_max(monkeypatch):
+    # Three ranks on two nodes of torchrun --nnodes 1:4: this node lists its 2 devices, rank 0 is its local rank 1.
+    for name, value in {"RANK": "0", "WORLD_SIZE": "3", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match="'cuda:7' is not available"):  # the local rank's device, checked here
+        init(devices="cpu,cuda:7")
+    with pytest.raises(ValueError, match="'cuda:7' is not available"):
+        init(devices="cuda:7,cpu,cpu")  # a list of the world's length is the world's: global rank 0's

@@ -141,7 +141,7 @@ PUBLIC = {
     "hetsplit": 14,
     "hetsplit.parallel": 4,  # torch.nn.parallel's verbs for any devices
     "hetsplit.planning": 6,  # plans and profiles as data
-    "hetsplit.distributed": 13,
+    "hetsplit.distributed": 14,
     "hetsplit.lightning": 3,
     "hetsplit.accelerate": 2,
     "hetsplit.transformers": 2,

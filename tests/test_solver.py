@@ -11,6 +11,7 @@ from hetsplit.planning.curve import Curve
 from hetsplit.planning.plan import check_sizes, even_sizes, sizes_from_weights
 from hetsplit.planning.profile import Profile
 from hetsplit.planning.records import DeviceProfile
+from hetsplit.planning.sizes import resolve_plan
 from hetsplit.planning.solver import solve_lockstep
 
 
@@ -359,3 +360,17 @@ def test_lockstep_prices_the_fast_devices_extra_micro_batches():
     # Priced as FSDP2 runs it, the per-device plan is slower than the lockstep one.
     as_run = max(2 * p.curve("fast")(120 / 2), 2 * p.curve("slow")(8 / 2))
     assert lockstep.step_time < as_run
+
+
+@pytest.mark.parametrize("batch, error", [(16.0, TypeError), (True, TypeError), (0, ValueError), (-3, ValueError)])
+def test_every_engine_checks_a_batch_size_with_the_one_rule(batch, error):
+    # solve() and the sizes policy every engine asks (resolve_plan) refuse alike, in the same words.
+    p = Profile.from_measurements({"a": [(1, 1.0)], "b": [(1, 1.0)]})
+    with pytest.raises(error) as solved:
+        solve(p, batch)
+    with pytest.raises(error) as resolved:
+        resolve_plan(batch, ["a", "b"], profile=p)
+    said = [str(e.value).split(" must ", 1)[1] for e in (solved, resolved)]
+    assert said[0] == said[1], said
+    if error is ValueError:
+        assert "an empty batch has nothing to split" in said[0]

@@ -1,9 +1,6 @@
 """Bench: what ``hetsplit bench`` runs: each device alone vs the even and the balanced split, and online rebalancing.
 
-The configurations take turns step by step (:func:`time_steps`); the balanced plan is
-calibrated inside the split first (:func:`calibrate_plan`); ``bench --rebalance`` trains
-from the even split with a rebalancer (:func:`bench_rebalance`). The results and their
-tables are in :mod:`~hetsplit.apps.bench_result`.
+The results and their tables are in :mod:`~hetsplit.apps.bench_result`; docs/cli.md says how it calibrates.
 """
 
 from __future__ import annotations
@@ -42,9 +39,8 @@ _MAX_CALIBRATION_STEPS = 200
 def keep_freed_memory() -> bool:
     """Keep memory freed by torch inside the process (glibc only); True if applied.
 
-    glibc returns large blocks (activations) to the OS on free, so every step faults them in
-    again, which made the same LeNet step vary 2.4-9 ms on a VM; docs/how-it-works.md gives
-    the environment variables that do the same for your own training.
+    glibc returns large blocks to the OS on free, so every step faults them in again: the same
+    LeNet step varied 2.4-9 ms on a VM.
     """
     import ctypes
     import ctypes.util
@@ -113,27 +109,9 @@ def bench(
 ) -> BenchResult:
     """Train ``steps`` steps each on every device alone, on the even split and on the balanced split.
 
-    The balanced split comes from profiling the model on the devices first (at the
-    ladder 2..batch_size). All runs use the same synthetic batch and an SGD step.
-
-    Args:
-        model: A built-in model name, ``package.module:factory``, or a :class:`ModelSpec`.
-        devices: The devices (two or more).
-        batch_size: Samples per step.
-        steps: Timed steps per configuration (the median is kept).
-        warmup: Untimed steps first.
-        mode: ``"gather"`` or ``"local"`` (see :class:`HeteroDataParallel`).
-        profile_budget: Seconds for the profile behind the balanced split.
-        calibrate: Balanced steps that calibrate the plan inside the split before timing
-            (:func:`calibrate_plan`; 0: off).
-        calibrate_seconds: Go on calibrating, ``calibrate`` steps at a time, until they took
-            this long (0: exactly ``calibrate`` steps).
-        seed: Seed of the model and the synthetic data.
-        log: Called with a line of progress per configuration.
-        progress: Show progress bars (tqdm) while profiling and training.
-
-    Returns:
-        The :class:`BenchResult`.
+    The balanced split comes from profiling the model on the devices first, then calibrating
+    it inside the split (:func:`calibrate_plan`, ``calibrate`` steps at a time until
+    ``calibrate_seconds``; 0: off). All runs use the same synthetic batch and an SGD step.
     """
     if mode not in ("gather", "local"):
         raise ValueError(f"mode must be 'gather' or 'local', got {mode!r}")
@@ -276,18 +254,10 @@ def time_steps(
     progress: bool = False,
     samples: dict[str, list[float]] | None = None,
 ) -> dict[str, float]:
-    """Median seconds per call of each step function, timed round-robin.
+    """Median seconds per call of each step function, timed round-robin (``samples``: every step's seconds).
 
-    The configurations take turns step by step, so a machine whose speed drifts (a
-    shared VM, thermal throttling) slows them all alike instead of whichever ran last.
-
-    Args:
-        steps_by_name: One zero-argument step function per configuration.
-        devices: Devices to synchronise after each step, so it is timed whole.
-        steps: Timed steps per configuration.
-        warmup: Untimed steps per configuration first.
-        progress: Show a progress bar (tqdm).
-        samples: If given, receives every step's seconds per configuration.
+    Taking turns step by step, a machine whose speed drifts (a shared VM, thermal throttling) slows
+    them all alike instead of whichever ran last.
     """
     from tqdm.auto import tqdm
 
@@ -326,27 +296,15 @@ def calibrate_plan(
 ) -> tuple[Plan, dict[str, Any]]:
     """Run ``step`` (balanced, on ``plan``) and re-solve from each device's busy time inside the split.
 
-    The factors and the rule for moving are the :class:`~hetsplit.Rebalancer`'s (a gain past
-    1 % and twice the factors' uncertainty); ``rest`` is the median of each step's wall time
-    beyond its busiest device. The predicted step is the median over the steps of each
-    step's scaled busy times, their longest, plus its rest (docs/cli.md says why).
+    The rule for moving is the :class:`~hetsplit.Rebalancer`'s; the predicted step is explained in docs/cli.md.
 
     Args:
-        prof: The devices' profile, which ``plan`` was solved from.
-        plan: The plan ``step`` runs.
         step: One balanced training step; appends the devices' busy seconds to ``busy``.
-        busy: Filled by ``step``, one dict per step (left holding the calibration steps').
-        devs: Devices to synchronise after each step, so it is timed whole.
-        steps: Calibration steps (at least).
-        warmup: Untimed steps first.
-        seconds: Keep calibrating, ``steps`` at a time, until the steps took this long
-            (the factors' noise falls with the number of steps; 0: exactly ``steps``).
-        minimum: The fewest samples a share may hold (a BatchNorm model's:
-            :func:`~hetsplit.planning.sizes.batchnorm_minimum`); none smaller in the result.
+        seconds: Keep calibrating, ``steps`` at a time, until the steps took this long (0: exactly ``steps``).
+        minimum: The fewest samples a share may hold (a BatchNorm model's).
         set_plan: Makes ``step`` run another plan. Given, a calibrated plan that runs another
-            set of devices (a device dropped to 0, or one left alone) is predicted from a
-            second round of its own steps, since scaling the first round's busy times missed
-            by +22 %, +52 % and -27 %.
+            set of devices is predicted from a second round of its own steps, since scaling the
+            first round's busy times missed by +22 %, +52 % and -27 %.
 
     Returns:
         The calibrated plan and what was measured (see ``BenchResult.calibration``).
@@ -461,26 +419,14 @@ def bench_rebalance(
 ) -> RebalanceResult:
     """Train with online rebalancing from an even split; optionally change a device's speed mid-run.
 
-    ``HeteroDataParallel(..., rebalance=Rebalancer(every=every))`` starts from the even
-    split (a deliberately wrong plan on unequal devices) without a profile. At the end,
-    the final split and its neighbours (2.5-10 % of the batch moved between each pair of
-    devices) are timed round-robin; the fastest is the optimum the run is judged against.
+    At the end the final split and its neighbours (:func:`_neighbours`) are timed round-robin; the
+    fastest is the optimum the run is judged against.
 
     Args:
-        model: A built-in model name, ``package.module:factory``, or a :class:`ModelSpec`.
-        devices: The devices (two or more).
-        batch_size: Samples per step.
-        steps: Training steps.
-        every: Steps between re-solves.
         change: ``(device, speed, step)``: the emulated ``device`` runs at ``speed`` from
             ``step`` on (see :func:`parse_change`).
         settle: Steps after the start (or the change) counted as converging.
         sweep_steps: Timed steps per split in the final sweep.
-        seed: Seed of the model and the synthetic data.
-        log: Called with a line of progress now and then.
-
-    Returns:
-        The :class:`RebalanceResult`.
     """
     devs = parse_devices(devices)
     if len(devs) < 2:

@@ -55,23 +55,17 @@ class BenchResult(_Result):
         overhead: HeteroDataParallel's step time on one real device over the plain
             module's, minus 1 (``None`` when no real device is in the set).
         busy: For ``"even"`` and ``"balanced"``: each device's median busy seconds in a
-            step (its forward and backward; the rest of the step it waits, or the caller
-            scatters, gathers, computes the loss and steps the optimizer).
+            step (its forward and backward).
         meta: Date, host, torch version, threads, steps.
-        predicted: The predicted seconds per step of each configuration: each device alone
-            from its profile; the balanced split from the calibration steps (see
-            ``calibration``); the even split from the calibrated curves plus the step's
-            time outside the devices' work measured in calibration.
+        predicted: The predicted seconds per step of each configuration (docs/cli.md says how).
         holdout: Per device, the profile's error at a measured size left out of its fit
             (``batch``, ``predicted``, ``measured``).
         processes: The demo's process engine on the balanced split (``step``, ``steps``, ``allreduce``,
             ``gradient_bytes``, and ``work``: each rank's own step without the all-reduce).
         calibration: How the balanced plan was calibrated inside the split (empty: not
             calibrated): ``steps``, each device's ``factors`` (busy seconds in the split over
-            the profile's prediction) and their ``uncertainty`` (relative standard error),
-            ``rest`` (seconds of a step outside the devices' work), ``step`` (the calibrated
-            plan's predicted seconds a step), and the profile-alone plan's ``sizes`` and
-            ``predicted`` step.
+            the profile's prediction) and their ``uncertainty``, ``rest`` (seconds outside the
+            devices' work), ``step``, and the profile-alone plan's ``sizes`` and ``predicted`` step.
     """
 
     devices: list[str]
@@ -107,9 +101,7 @@ class BenchResult(_Result):
     def ideal_in_split(self) -> float | None:
         """The ideal at the speeds the devices showed inside the split (``None`` uncalibrated).
 
-        Each device's single throughput divided by its calibration factor: what the sum
-        of the devices can reach while they share the host, against which the engine's
-        own losses (plan, hand-offs, the step outside the devices' work) show.
+        What the devices can reach while they share the host: the engine's own losses show against it.
         """
         factors = self.calibration.get("factors") if self.calibration else None
         if not factors:

@@ -261,7 +261,16 @@ def build_parser() -> argparse.ArgumentParser:
         "on every node; node R runs the R-th slice.",
     )
     p.add_argument("--devices", required=True, help="one device per process, e.g. cuda:0,cuda:1,cpu or cpu,cpu@0.25")
-    p.add_argument("--nnodes", type=_positive_int, default=1, help="number of nodes (default 1)")
+    p.add_argument(
+        "--nnodes", default="1", help="number of nodes (default 1), or MIN:MAX for nodes that join and leave"
+    )
+    p.add_argument("--max-restarts", type=int, default=0, help="times torchrun restarts the job (default 0)")
+    p.add_argument(
+        "--rdzv-conf",
+        default="",
+        help="torchrun's rendezvous settings, KEY=VALUE,... (default: with MIN:MAX, a 1 s "
+        "heartbeat and 2 s for late nodes)",
+    )
     p.add_argument("--node-rank", type=int, default=0, help="this node's rank (default 0)")
     p.add_argument("--rdzv-endpoint", help="HOST:PORT of the rendezvous, the same on every node (several nodes)")
     p.add_argument("--rdzv-backend", default="c10d", help="torchrun's rendezvous backend (default c10d)")

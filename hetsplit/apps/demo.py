@@ -42,25 +42,13 @@ def run_demo(
 ) -> BenchResult:
     """Profile a built-in model, train it on each device alone, the even and the balanced split, in both engines.
 
-    The splits run in threads (:class:`~hetsplit.HeteroDataParallel`), then the balanced
-    split once more in processes (one torchrun rank per device, DDP over gloo, as
-    ``hetsplit launch`` runs a script). Prints what it is doing and, at the end,
-    :func:`verdict`. Data is synthetic.
+    The splits run in threads (:class:`~hetsplit.HeteroDataParallel`), then, with ``processes``, the
+    balanced split once more in one torchrun rank per device (:func:`run_processes`); ``say`` gets
+    the progress and, at the end, :func:`verdict`. Data is synthetic.
 
     Args:
-        devices: The devices (default: :func:`demo_devices`).
-        model: A built-in model (``cnn``, ``lenet``, ``mlp``, ``resnet18``) or ``package.module:factory``.
-        batch_size: Samples per step.
-        steps: Timed steps per configuration.
-        profile_budget: Seconds for profiling.
         threads: Torch CPU threads (default: 1 when every device is the CPU, real or
             emulated, as they share its cores; else torch's choice).
-        progress: Show progress bars.
-        processes: Also time the balanced split in processes (:func:`run_processes`).
-        say: Where lines of output go.
-
-    Returns:
-        The :class:`~hetsplit.apps.bench_result.BenchResult`.
     """
     devs = parse_devices(devices if devices is not None else demo_devices())
     if len(devs) < 2:
@@ -177,11 +165,8 @@ def run_processes(
 def _rank_env(devices: Sequence[str], threads: int) -> dict[str, str]:
     """The environment of the demo's ranks: this hetsplit importable, nothing shadowing the standard library.
 
-    The ranks find this hetsplit (also when run from a checkout) through ``PYTHONPATH``;
-    ``PYTHONSAFEPATH`` keeps the current directory and the script's folder off the front of
-    their ``sys.path`` (a ``statistics.py`` here was imported by both ranks). A model module
-    in the current directory still imports: :func:`~hetsplit.apps.models.load_model` puts
-    the directory at the end of the path.
+    ``PYTHONSAFEPATH`` keeps the current directory off the front of their ``sys.path`` (a ``statistics.py``
+    here was imported by both ranks); :func:`~hetsplit.apps.models.load_model` appends it at the end.
     """
     from ..distributed.setup import ENV_DEVICES, rank_devices
     from .launch import local_env
@@ -283,10 +268,8 @@ def _engines(result: BenchResult) -> list[str]:
         if ratio < 1.05
         else f"{winner} win on this machine, {ratio:.2f}x faster than {loser}"
     )
-    # For processes, the step less the slowest rank's own work (the same steps without the
-    # all-reduce); one all-reduce of the gradients, timed alone, says how much of it is that.
-    # DDP overlaps the all-reduce with backward, so it may exceed that difference: then
-    # only the all-reduce is named.
+    # For processes, the step less the slowest rank's own work, of which one all-reduce timed alone;
+    # DDP overlaps the all-reduce with backward, so it may exceed that difference: then only it is named.
     work = proc.get("work")
     beyond, rest = "", ""
     if work and procs - max(work) >= proc["allreduce"]:

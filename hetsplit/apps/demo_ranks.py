@@ -1,8 +1,6 @@
 """Demo ranks: the demo's process engine, one torchrun rank per device training the demo model with DDP.
 
-Run by ``hetsplit demo`` through torchrun (as ``hetsplit launch`` runs a script); not
-meant to be run by hand. Rank 0 writes the step times and the cost of one gradient
-all-reduce to ``--out`` as JSON. The data is synthetic, the same batch as the demo's.
+Run by ``hetsplit demo`` through torchrun, on synthetic data; rank 0 writes the timings to ``--out`` as JSON.
 """
 
 from __future__ import annotations

@@ -20,16 +20,18 @@ def torchrun_args(
     script: str,
     script_args: Sequence[str] = (),
     *,
-    nnodes: int = 1,
+    nnodes: int | str = 1,
     node_rank: int = 0,
     rdzv_endpoint: str | None = None,
     rdzv_backend: str = "c10d",
     max_restarts: int = 0,
+    rdzv_conf: str = "",
 ) -> tuple[list[str], list[str]]:
     """The torchrun command line for one process per listed device, and this node's devices.
 
     ``devices`` lists one device per global rank, the same on every node; each of the
     ``nnodes`` nodes runs ``len(devices) / nnodes`` of them, node ``r`` the ``r``-th slice.
+    With ``nnodes="MIN:MAX"`` (elastic) ``devices`` are this node's, and nodes join and leave.
 
     Raises:
         ValueError: If the devices do not divide evenly over the nodes, a node rank is
@@ -40,6 +42,11 @@ def torchrun_args(
     from ..devices import device_list, parse_devices
     from ..distributed.setup import rank_devices
 
+    if isinstance(nnodes, str) and ":" in nnodes:
+        return _elastic_args(devices, script, script_args, nnodes, rdzv_endpoint, rdzv_backend, max_restarts, rdzv_conf)
+    if not str(nnodes).isdigit():
+        raise ValueError(f"--nnodes {nnodes}: give a number of nodes, or MIN:MAX for nodes that join and leave")
+    nnodes = int(nnodes)
     if nnodes < 1 or not 0 <= node_rank < nnodes:
         raise ValueError(f"node rank {node_rank} is out of range for {nnodes} nodes; give 0 <= --node-rank < --nnodes")
     spec = device_list(devices)
@@ -64,6 +71,38 @@ def torchrun_args(
             _check_endpoint_free(rdzv_endpoint)
         argv += ["--node-rank", str(node_rank), "--rdzv-backend", rdzv_backend, "--rdzv-endpoint", rdzv_endpoint]
     return [*argv, "-m", "hetsplit.distributed._rank_main", script, *script_args], local  # waits for gloo at exit
+
+
+# A dead node is dropped after 3 missed heartbeats (torch's 5 s each: 15 s), and a round waits
+# 30 s for more nodes once MIN are there: 1 s and 2 s restarted this machine's 3-node job in 4-10 s.
+_ELASTIC_CONF = "keep_alive_interval=1,last_call_timeout=2"
+
+
+def _elastic_args(
+    devices: str,
+    script: str,
+    script_args: Sequence[str],
+    nnodes: str,
+    endpoint: str | None,
+    backend: str,
+    max_restarts: int,
+    conf: str,
+) -> tuple[list[str], list[str]]:
+    """torchrun's elastic command line (``--nnodes MIN:MAX``): this node's ``devices``, one process each."""
+    from ..devices import device_list, parse_devices
+    from ..distributed.setup import rank_devices
+
+    low, _, high = nnodes.partition(":")
+    if not (low.isdigit() and high.isdigit() and 1 <= int(low) <= int(high)):
+        raise ValueError(f"--nnodes {nnodes}: give MIN:MAX nodes with 1 <= MIN <= MAX, e.g. 1:4")
+    if endpoint is None:
+        raise ValueError(f"--nnodes {nnodes} needs --rdzv-endpoint HOST:PORT, the same on every node")
+    local = rank_devices(devices, len(device_list(devices)))
+    parse_devices(local)
+    conf = ",".join(c for c in (_ELASTIC_CONF, conf) if c)  # the user's settings come last, and win
+    argv = ["--nnodes", nnodes, "--nproc-per-node", str(len(local)), "--max-restarts", str(max_restarts)]
+    argv += ["--rdzv-backend", backend, "--rdzv-endpoint", endpoint, "--rdzv-conf", conf]
+    return [*argv, "-m", "hetsplit.distributed._rank_main", script, *script_args], local
 
 
 def _check_endpoint_free(endpoint: str) -> None:
@@ -178,6 +217,10 @@ def launch(devices: str, script: str, script_args: Sequence[str] = (), **options
     if "--standalone" in argv:
         local_env(os.environ)
     os.environ[ENV_DEVICES] = ",".join(rank_devices(devices, len(device_list(devices))))
+    if "--rdzv-conf" in argv:
+        # torch's agents share one worker store across rounds, whose stale keys hung the new
+        # world's first collective (and died with the node that hosted it): a fresh store each round.
+        os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     try:
         run(parse_args(argv))
     except ChildFailedError as e:
@@ -201,5 +244,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
         node_rank=args.node_rank,
         rdzv_endpoint=args.rdzv_endpoint,
         rdzv_backend=args.rdzv_backend,
+        max_restarts=args.max_restarts,
+        rdzv_conf=args.rdzv_conf,
     )
     return 0

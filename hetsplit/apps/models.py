@@ -158,19 +158,9 @@ def load_model(name: str, input_shape: tuple[int, ...] | None = None, vocab: int
 def _output_classes(
     factory: Callable[[], nn.Module], shape: tuple[int, ...], vocab: int | None = None
 ) -> tuple[int | None, str, bool]:
-    """The classes of a user model's output, from one forward of two samples.
+    """``(C, "", takes_ids)`` or ``(None, why not, takes_ids)`` for a user model, from one forward of two samples.
 
-    demo and bench draw targets in ``range(C)``; they assumed 10, and a model of 3 outputs
-    failed inside a step (``IndexError: Target 6 is out of bounds``).
-
-    Args:
-        factory: Builds the model.
-        shape: One sample's shape.
-        vocab: Token ids in ``range(vocab)`` as inputs; ``None``: float inputs.
-
-    Returns:
-        ``(C, "", takes_ids)`` or ``(None, why not, takes_ids)``; ``takes_ids`` is whether
-        float inputs failed where integer ones (token ids 0) ran.
+    demo and bench draw targets in ``range(C)``; ``takes_ids``: float inputs failed where token ids ran.
     """
     gen = torch.Generator().manual_seed(0)
     sample = torch.randint(0, vocab, (2, *shape), generator=gen) if vocab else torch.randn(2, *shape, generator=gen)

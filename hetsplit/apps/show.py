@@ -40,41 +40,31 @@ def _label(name: str, emulated: bool) -> str:
     return f"{name} (emulated)" if emulated else name
 
 
-def _save(fig: Any, out: str | Path) -> Path:
-    """Write the figure atomically (a temporary file renamed into place)."""
+def _save(plt: Any, fig: Any, out: str | Path) -> Path:
+    """Write the figure atomically (a temporary file renamed into place), then close it."""
     from ..files import umask
 
     out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=out.suffix or ".png", dir=out.parent)
-    os.close(fd)
     try:
-        os.chmod(tmp, 0o666 & ~umask())  # mkstemp's 0600 made pictures private while JSON followed the umask
-        fig.savefig(tmp, dpi=110, bbox_inches="tight")
-        os.replace(tmp, out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=out.suffix or ".png", dir=out.parent)
+        os.close(fd)
+        try:
+            os.chmod(tmp, 0o666 & ~umask())  # mkstemp's 0600 made pictures private while JSON followed the umask
+            fig.savefig(tmp, dpi=110, bbox_inches="tight")
+            os.replace(tmp, out)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
     finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        plt.close(fig)
     return out
 
 
 def plot_profile(profile: Profile, out: str | Path, *, plan: Plan | None = None, batch_size: int | None = None) -> Path:
-    """Draw a profile: step time and throughput against batch size per device, and a split.
+    """Draw a profile to ``out``: step time and throughput against batch size per device, and a split.
 
-    Top left: each device's measured step times (every repeat as a faint dot, the median
-    as a marker) and its fitted curve, memory caps as dashed lines. Top right:
-    throughput (samples/s) from the same data. Bottom: the split of ``plan`` (or of
-    ``batch_size`` solved on the profile, default the largest measured batch) as a
-    stacked bar, and each device's predicted time at its share.
-
-    Args:
-        profile: The profile.
-        out: The PNG (or any matplotlib format) to write.
-        plan: The split to draw.
-        batch_size: The batch to solve for when no plan is given.
-
-    Returns:
-        The path written.
+    The split is ``plan``'s, else ``batch_size`` solved on the profile (default: the largest measured batch).
 
     Raises:
         MissingPlotExtra: Without matplotlib, with the command that installs it.
@@ -132,10 +122,7 @@ def plot_profile(profile: Profile, out: str | Path, *, plan: Plan | None = None,
     model = profile.model.get("name", "model")
     fig.suptitle(f"{model} on {profile.host} ({profile.created[:10]}); predictions from the fitted curves", fontsize=11)
     fig.tight_layout()
-    try:
-        return _save(fig, out)
-    finally:
-        plt.close(fig)
+    return _save(plt, fig, out)
 
 
 def _draw_split(ax_split: Any, ax_pred: Any, plan: Plan) -> None:
@@ -182,25 +169,14 @@ def _draw_split(ax_split: Any, ax_pred: Any, plan: Plan) -> None:
 
 
 def step_words(plan: Plan) -> str:
-    """``predicted step 1.20 ms``, or whose step it is when the plan's times are a stand-in's (:attr:`Plan.stand_in`).
-
-    A plan split by the quick calibration times the calibration's model, not the user's:
-    its :attr:`Plan.step_time` is NaN, and its slowest time is said as that model's.
-    """
+    """``predicted step 1.20 ms``, or whose step it is when the times are a stand-in's (:attr:`Plan.stand_in`)."""
     if plan.stand_in:
         return f"predicted step of {plan.stand_in} {plan.slowest * 1e3:.2f} ms (a stand-in, not your model)"
     return f"predicted step {plan.step_time * 1e3:.2f} ms"
 
 
 def plot_plan(plan: Plan, out: str | Path) -> Path:
-    """Draw a plan file alone (``hetsplit plan --json``): its split and each device's predicted time.
-
-    Args:
-        plan: The plan.
-        out: The PNG to write.
-
-    Returns:
-        The path written.
+    """Draw a plan file alone (``hetsplit plan --json``) to ``out``: its split and each device's predicted time.
 
     Raises:
         MissingPlotExtra: Without matplotlib, with the command that installs it.
@@ -213,26 +189,13 @@ def plot_plan(plan: Plan, out: str | Path) -> Path:
         fontsize=11,
     )
     fig.tight_layout()
-    try:
-        return _save(fig, out)
-    finally:
-        plt.close(fig)
+    return _save(plt, fig, out)
 
 
 def plot_timeline(result: BenchResult, out: str | Path) -> Path:
-    """Draw one training step per device for the even and the balanced split (from ``hetsplit bench``).
+    """Draw one training step per device for the even and the balanced split (from ``hetsplit bench``) to ``out``.
 
-    Each device's bar shows its busy time (forward and backward on its shard), then the
-    time it waits for the slowest device, then the part of the step outside the
-    replicas that every device waits for (scatter, gather, loss and optimizer step, on
-    the calling thread). Medians over the benchmark's steps.
-
-    Args:
-        result: A :class:`~hetsplit.apps.bench_result.BenchResult`.
-        out: The PNG (or any matplotlib format) to write.
-
-    Returns:
-        The path written.
+    Each device's bar: its busy time, its wait for the slowest device, then the step outside the replicas.
 
     Raises:
         MissingPlotExtra: Without matplotlib, with the command that installs it.
@@ -265,10 +228,7 @@ def plot_timeline(result: BenchResult, out: str | Path) -> Path:
     axes[-1].legend(fontsize=8, loc="center right")
     fig.suptitle(timeline_title(result), fontsize=11)
     fig.tight_layout()
-    try:
-        return _save(fig, out)
-    finally:
-        plt.close(fig)
+    return _save(plt, fig, out)
 
 
 def timeline_title(result: BenchResult) -> str:
@@ -291,15 +251,7 @@ def timeline_title(result: BenchResult) -> str:
 
 
 def plot_rebalance(result: RebalanceResult, out: str | Path) -> Path:
-    """Draw a ``bench --rebalance`` run: step times, each device's share, and every plan change.
-
-    Args:
-        result: A :class:`~hetsplit.apps.bench_result.RebalanceResult`.
-        out: The PNG to write.
-
-    Returns:
-        The path written.
-    """
+    """Draw a ``bench --rebalance`` run to ``out``: step times, each device's share, and every plan change."""
     plt = _pyplot()
     fig, (ax_time, ax_share) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
     steps = range(len(result.step_times))
@@ -319,6 +271,4 @@ def plot_rebalance(result: RebalanceResult, out: str | Path) -> Path:
     ax_share.legend(fontsize=8)
     fig.suptitle(f"{result.model}: online rebalancing every {result.every} steps", fontsize=11)
     fig.tight_layout()
-    path = _save(fig, out)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, out)

@@ -6,7 +6,8 @@ device, rank 0 solves, ``calibrate`` runs real steps; ``report`` says the split 
 step) → ``sampler`` (each rank's share of every global batch, from a dataset or from a
 global batch in hand; ``same_batch`` checks that batch is the same on every rank; ``zero_share`` what
 a rank with a share of 0 runs; ``accumulate`` its micro-batches) → ``comm_hooks`` (gradients
-weighted by shard) → ``rebalance`` (online rebalancing across ranks); ``teardown`` waits at exit for gloo's workers.
+weighted by shard) → ``rebalance`` (online rebalancing across ranks); ``teardown`` waits at exit for gloo's workers;
+``restart`` re-plans and resumes on torchrun's elastic restarts.
 """
 
 from ..version import no_attribute
@@ -16,6 +17,7 @@ from .comm_hooks import weight_gradients
 from .rank_plan import plan
 from .rebalance import DistributedRebalancer
 from .report import SplitReport
+from .restart import Checkpoint
 from .sampler import HeteroDistributedSampler, data_loader, local_batch, shared_batch
 from .setup import init
 from .teardown import drain_at_exit
@@ -35,6 +37,7 @@ __all__ = [
     "guard",
     "DistributedError",
     "drain_at_exit",
+    "Checkpoint",
 ]
 
 # Documented names removed before the first release, and what replaces each: their AttributeError says so.

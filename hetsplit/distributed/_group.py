@@ -107,28 +107,15 @@ def failure_notes(rank: int | None, world: int | None) -> dict[int, str]:
 
 
 def _store_outlives_peers(rank: int | None) -> bool:
-    """Whether reading the store cannot meet a dead host: torchrun's agent holds it, or this rank does.
-
-    Without torchrun's agent the store lives in rank 0's process; when that is the rank
-    that died, reading it only adds torch's connection warnings to the failure's one line.
-    """
+    """Whether reading the store cannot meet a dead host: torchrun's agent holds it, or this rank (rank 0) does."""
     return os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true" or rank == 0
 
 
 def ran_out_of_memory(error: BaseException) -> bool:
     """Whether ``error`` is this rank's own out-of-memory error, not a peer's failure that quotes one.
 
-    A survivor's collective fails with a line that quotes the failed rank's note ("rank 1 ran
-    out of memory ... (CUDA out of memory ...)"), torch wrapping it in a ``RuntimeError``:
-    that is a peer's death, so the survivor must neither note an out-of-memory error of its
-    own nor be told to take a smaller share.
-
-    Args:
-        error: The exception a step raised.
-
-    Returns:
-        ``True`` for torch's ``OutOfMemoryError``, or an error saying "out of memory" that is
-        neither a :class:`DistributedError` nor a communication failure (:func:`is_failure`).
+    A survivor's collective fails quoting the failed rank's note ("rank 1 ran out of memory ..."):
+    that survivor must not note an OOM of its own nor be told to take a smaller share.
     """
     import torch
 
@@ -144,19 +131,12 @@ def note_out_of_memory(error: BaseException, step: int | None = None) -> None:
     note_failure(f"ran out of memory{where} ({first})")
 
 
-# An out-of-memory error in this rank's backward is noted as one in forward is: a rank
-# that runs out of memory in its backward, catches the error and stops (or ends) leaves its
-# peers in a collective it never joins (DDP's all-reduce, FSDP2's reduce-scatter); they could
-# only say that it died. A forward's error is seen by a module hook (``comm_hooks``); a
-# backward's only where torch lets hetsplit see errors leaving autograd's engine
-# (:func:`hetsplit._torch.on_backward_error`); elsewhere the peers say only that it died.
+# A backward's OOM leaves peers in a collective it never joins (DDP's all-reduce, FSDP2's
+# reduce-scatter); a forward's is seen by a module hook (comm_hooks), a backward's only where
+# torch lets hetsplit see errors leaving autograd's engine (_torch.on_backward_error).
 @functools.cache  # once per process
 def note_out_of_memory_in_backward() -> bool:
-    """From now on, an out-of-memory error raised by a backward in this process is noted for the other ranks.
-
-    Returns:
-        Whether the installed torch lets it be noted.
-    """
+    """From now on, note a backward's out-of-memory error for the other ranks; whether this torch allows it."""
     return _torch.on_backward_error(_note_if_out_of_memory)
 
 
@@ -167,13 +147,7 @@ def _note_if_out_of_memory(error: BaseException) -> None:
 
 @functools.cache  # once per process
 def _one_line_for_uncaught_failures() -> None:
-    """An uncaught dead-or-hung-peer error ends the rank with one hetsplit line instead of gloo's traceback.
-
-    A script without :class:`guard` meets the peer's failure as torch's raw ``RuntimeError``
-    (``Connection closed by peer``) from deep inside FSDP2 or DDP; this says what
-    :class:`guard` would have: the rank that failed, and why when it said so. Other
-    exceptions reach the previous hook unchanged.
-    """
+    """An uncaught dead-or-hung-peer error ends the rank with :class:`guard`'s one line instead of gloo's traceback."""
     previous = sys.excepthook
 
     def hook(kind: type[BaseException], error: BaseException, tb: TracebackType | None) -> None:
@@ -295,13 +269,9 @@ def as_error(
 class guard:  # lower case: used like a function, `with hd.guard(step=i):`
     """Turn a dead or hung peer inside the block into one :class:`DistributedError` line.
 
-    Wrap a training step (forward, ``loss.backward()`` — where DDP's all-reduce and the
-    comm hook fail — and the optimizer step), or any code that calls collectives. A
-    communication failure (gloo/NCCL ``RuntimeError``, ``DistBackendError``) becomes a
-    :class:`DistributedError` naming this rank, ``what``, the step (``step``, else the
-    last one the weighting hooks noted), the rank that failed when it is known (the
-    other rank of a two-rank job) and the process group's timeout; it is raised ``from``
-    the original. Any other exception passes through unchanged.
+    The line names this rank, ``what``, the step (``step``, else the last one the weighting hooks
+    noted), the rank that failed when known, and the timeout; other exceptions pass through.
+    An out-of-memory error is noted for the other ranks and raised as one line too.
 
     Example:
         >>> for step, (x, y) in enumerate(loader):
@@ -376,11 +346,8 @@ def _plan_digest(p: Plan) -> str:
 
 
 def verify_plan(p: Plan, group: Any = None) -> None:
-    """Check that every rank holds the same plan; raise on all ranks if not.
+    """Check that every rank holds the same plan; a :class:`DistributedError` on all ranks naming those that differ."""
 
-    Raises:
-        DistributedError: Naming the ranks whose plan differs from rank 0's.
-    """
     digests = all_gather(_plan_digest(p), "comparing plans", group)
     bad = [r for r, d in enumerate(digests) if d != digests[0]]
     if bad:

@@ -1,10 +1,6 @@
 """A rank of ``hetsplit launch``: register the exit wait for gloo's workers, then run the user's script.
 
-``hetsplit launch`` starts each rank as ``python -m hetsplit.distributed._rank_main
-SCRIPT ARGS...`` (torchrun's ``-m``), so every rank waits at exit for gloo's worker
-threads (:func:`hetsplit.distributed.drain_at_exit`) whatever the script does with the
-process group, even when it never calls into hetsplit; and a rank stopped by Ctrl-C ends
-quietly with status 130, leaving the one line to the launcher.
+So every rank waits at exit even when the script never calls hetsplit; Ctrl-C ends it quietly (130).
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
 """Accumulate: a rank's share run as the plan's micro-batches, all but the last under DDP's ``no_sync()``.
 
-The one place where a rank's batch is cut into micro-batches and DDP is told to all-reduce
-once: :func:`micro_batches` (torchrun loops, ``HeteroAccelerator``, ``HeteroDDPStrategy``)
-and ``HeteroTrainer`` (which runs only the pieces that hold items) are built on
-:func:`micro_sizes_for`, :func:`row_pieces` and :func:`all_reduce_once`.
+The one place a rank's batch is cut into micro-batches: every engine and integration uses these.
 """
 
 from __future__ import annotations
@@ -35,23 +32,17 @@ def micro_batches(
 ) -> Iterator[Any]:
     """This rank's batch cut into ``plan.micro_batches[rank]``; all but the last yielded under ``no_sync()``.
 
-    Run forward and backward of each in the loop body: DDP all-reduces once, in the last
-    one's backward, and :func:`~hetsplit.distributed.weight_gradients` with the same
-    ``plan`` weights each by its share of the rank's samples (a mean loss per micro-batch
-    still gives the full-batch gradient). A share that runs whole is yielded once, as it
-    is. An FSDP2 model runs the plan's largest count ``K`` on every rank (its forwards and
-    backwards are collective): fewer samples are cut smaller, too few padded with
-    stand-ins weighted 0 (:mod:`.sharded`).
+    Run forward and backward of each in the loop body; :func:`~hetsplit.distributed.weight_gradients`
+    weights each by its share. An FSDP2 model runs the plan's largest count on every rank
+    (its steps are collective), padded with stand-ins weighted 0 (:mod:`.sharded`).
 
     Args:
-        ddp_model: The ``DistributedDataParallel`` model (anything with ``no_sync()``),
-            or the FSDP2 root module.
+        ddp_model: The DDP model (anything with ``no_sync()``), or the FSDP2 root module.
         batch: This rank's batch of ``plan.sizes[rank]`` samples (a tensor or a nest).
         plan: The plan every rank holds.
         rank: This rank (default: the process group's).
         dim: The batch dimension.
-        device: This rank's device: an emulated memory (``cpu:max64``) raises
-            ``torch.OutOfMemoryError`` for a micro-batch it cannot hold, as a GPU would.
+        device: This rank's device: an emulated memory (``cpu:max64``) raises OOM as a GPU would.
         group: The process group (for the rank).
 
     Raises:
@@ -98,10 +89,7 @@ def micro_batches(
 def micro_sizes_for(plan: Plan | None, rank: int, rows: int) -> list[int]:
     """The micro-batches ``rows`` rows of rank ``rank``'s batch run as (``[rows]``: whole).
 
-    The plan's ``micro_batches[rank]`` when ``rows`` is that share; another number of rows
-    (a loader cut in the plan's proportions, a step outside the training loop) as
-    near-equal pieces no larger than the largest micro-batch the plan gives this rank,
-    so a memory cap the plan respects is respected too.
+    Another number of rows than the share: near-equal pieces within the plan's largest micro-batch (its cap).
     """
     parts = plan.micro_batches[rank] if plan is not None else []
     if len(parts) <= 1 or rows <= 1:
@@ -112,24 +100,15 @@ def micro_sizes_for(plan: Plan | None, rank: int, rows: int) -> list[int]:
 
 
 def row_pieces(batch: Any, sizes: Sequence[int], dim: int = 0) -> list[Any]:
-    """``batch`` as consecutive pieces of ``sizes`` rows (views, no copy).
-
-    Every tensor whose length along ``dim`` is the batch's (``sum(sizes)``) is cut; other
-    values (a 0-dim tensor, ``position_ids`` of one row shared by the batch, a string) go
-    whole to every piece. Containers keep their types, any ``Mapping`` (a tokenizer's
-    ``BatchEncoding``) included (:func:`hetsplit.tree.split_rows`).
-    """
+    """``batch`` as consecutive pieces of ``sizes`` rows (views, as :func:`hetsplit.tree.split_rows` cuts)."""
     if len(sizes) <= 1:
         return [batch]
     return split_rows(batch, sizes, dim=dim, rows=sum(sizes))
 
 
 def all_reduce_once(ddp_model: nn.Module, pieces: Sequence[Any]) -> Iterator[Any]:
-    """Each of ``pieces``, all but the last inside ``ddp_model.no_sync()`` (a model without one: as it is).
+    """Each of ``pieces``, all but the last inside ``ddp_model.no_sync()``: DDP all-reduces once, in the last."""
 
-    The loop body runs each piece's forward and backward: DDP then accumulates locally and
-    all-reduces once, in the last piece's backward.
-    """
     sync = getattr(ddp_model, "no_sync", None)
     for j, piece in enumerate(pieces):
         with sync() if sync is not None and j < len(pieces) - 1 else contextlib.nullcontext():

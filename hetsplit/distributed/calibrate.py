@@ -1,9 +1,6 @@
 """Calibrate: real training steps on a plan's shares, and the step's collectives timed at their real sizes.
 
-The profile times the bare model; a DDP step also pays DDP's own work (its forward,
-gradient bucketing, the all-reduce's CPU time, the weighting's hook), which weighs most on
-a slow rank. ``hd.plan`` runs real steps on the planned shares, corrects each rank's curve
-to pass through what its rank measured, and solves again (docs/torchrun.md).
+The profile times the bare model, not DDP's own work, which weighs most on a slow rank (docs/torchrun.md).
 """
 
 from __future__ import annotations
@@ -57,13 +54,9 @@ def calibration_steps(
 ) -> tuple[list[float], Steps]:
     """Every rank's median compute in real steps of its share of ``plan``, and each step's walls and computes.
 
-    ``steps`` steps after 2 warm-up ones, or more until they took ``seconds``. A sharded
-    model runs its own steps in place, as its profile did (no rank holds a whole copy); any
-    other runs DDP steps of a copy, with the shard weighting's comm hook as training does
-    (:func:`~hetsplit.distributed.weight_gradients`): its Python hook costs a rank a fifth to
-    two fifths of a small model's step on the CPU (measured: Llama 2×64, 30 ms to 37 on the
-    real CPU's share, 33 to 47 on a quarter-speed rank's two samples), and calibrated on
-    plain DDP every plan predicted its step that much too short.
+    ``steps`` steps after 2 warm-up ones, or more until they took ``seconds``. A sharded model runs
+    its own steps in place; any other DDP steps of a copy with the weighting's comm hook, which
+    costs a fifth to two fifths of a small model's CPU step (Llama 2×64: 30 ms to 37).
 
     Raises:
         DistributedError: On every rank, if a step fails on some rank (a sharded model's
@@ -149,11 +142,7 @@ def through_measured(prof: Profile, sizes: Sequence[int], work: Sequence[float])
 
 
 def _through(curve: Curve, size: int, seconds: float) -> Curve:
-    """``curve`` corrected to pass through a measured ``(size, seconds)``.
-
-    Work beyond the prediction is a fixed per-step overhead (what DDP adds to a step);
-    work short of it scales the curve down.
-    """
+    """``curve`` through a measured ``(size, seconds)``: shifted by a per-step overhead, or scaled down."""
     predicted = curve(size)
     if not (math.isfinite(seconds) and seconds > 0 and math.isfinite(predicted) and predicted > 0):
         return curve
@@ -161,13 +150,7 @@ def _through(curve: Curve, size: int, seconds: float) -> Curve:
 
 
 def _stepwise(plan: Plan, work: Sequence[float], steps: Steps) -> float:
-    """The calibration ``steps`` (every rank's wall and compute) as they would have run ``plan``.
-
-    :func:`~hetsplit.planning.plan.scaled_step`: each rank's compute scaled by its planned
-    over its median compute (``work``; the plan's curves pass through it, so the ratio
-    carries the new share) plus its own wall less compute in that step (gloo's all-reduces
-    in DDP's buckets, the hook, its waits), the slowest rank's.
-    """
+    """The calibration ``steps`` as they would have run ``plan``: computes scaled by planned over ``work``."""
     scales = [p / w if w > 0 else None for p, w in zip(plan.times, work)]
     # Each rank keeps what it spent beyond its compute in that step. Not one figure for every
     # rank (the least, exposed()): a rank whose waits its compute absorbs (an emulated one; a
@@ -185,10 +168,7 @@ def beyond_compute(
 ) -> float:
     """What a step of ``plan`` adds to its slowest rank's compute: the communication, and the steps' spread.
 
-    The shares are solved on compute. Calibrated (``measured``: :func:`calibration_steps`'
-    work and steps), the calibration steps scaled to the new shares; not calibrated, or
-    solved again into micro-batches (a step the calibration did not run), the step's
-    collectives timed once at their real sizes (:func:`communication`; FSDP2's once per micro-batch).
+    From the calibration steps (``measured``) scaled to the new shares, else :func:`communication`.
     """
     micro = max(map(len, plan.micro_batches))
     if measured is not None and micro == 1:
@@ -197,18 +177,13 @@ def beyond_compute(
 
 
 def communication(model: nn.Module, device: torch.device, group: Any = None, *, repeats: int = 3) -> float:
-    """Seconds of the collectives of one training step of ``model``, timed once at their real sizes.
+    """Seconds of the collectives of one training step of ``model``, timed once at their real sizes (collective).
 
-    DDP: an all-reduce of the trainable parameters' bytes, in DDP's 25 MB buckets (DDP
-    overlaps them with the backward, so this bounds what they add). FSDP2: for each
-    ``fully_shard`` module, the all-gather of its parameters in the forward, again in the
-    backward (resharded after the forward: every module but the root), and the
-    reduce-scatter of its gradients; counted as not overlapped, as on gloo (on CUDA FSDP2
-    prefetches the all-gathers behind compute: an upper bound). Each distinct collective
-    is timed ``repeats`` times after a barrier (the median), the smallest over the ranks
-    (the last to arrive waited least). Collective: every rank calls it, with its device
-    (the process group's tensors live there).
+    DDP: all-reduces in its 25 MB buckets; FSDP2: each ``fully_shard`` module's all-gathers and
+    reduce-scatter, counted as not overlapped (an upper bound on CUDA). The median of ``repeats``
+    runs, the smallest over the ranks (the last to arrive waited least).
     """
+
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     if world <= 1:
         return 0.0

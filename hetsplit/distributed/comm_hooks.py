@@ -40,11 +40,8 @@ _WEIGHTED = "_hetsplit_weighting"  # on the weighted model: its WeightingState
 class WeightingState:
     """What the comm hook needs: this step's local batch size, the reduction, and the plan's weight.
 
-    ``steps`` counts the optimizer steps of the weighted model: a step starts at the first
-    training forward (with gradients) after one whose backward synchronised the gradients,
-    so the forwards a script accumulates under DDP's ``no_sync()`` (or
-    ``require_backward_grad_sync = False``) and the plan's micro-batches are one step;
-    ``step`` is the one running (from 0), named by a failure in its all-reduce.
+    ``steps`` counts optimizer steps: forwards under ``no_sync()`` and the plan's micro-batches are
+    one step; ``step`` is the one running (from 0), named by a failure in its all-reduce.
     """
 
     def __init__(
@@ -97,12 +94,7 @@ class WeightingState:
         self.weight = self.now = shard_weight(self.planned, plan.batch_size, self.reduction)
 
     def follow(self, local: int) -> None:
-        """Check a step of ``local`` samples against the plan and set its weight (:attr:`now`).
-
-        A step of the plan's sizes is weighted by the plan; an epoch's short last global
-        batch that :func:`~hetsplit.distributed.data_loader` or
-        :func:`~hetsplit.distributed.local_batch` handed out (``pad=False``: every rank's
-        rows cut in the plan's proportions, the same cut on every rank) by those rows.
+        """Check a step of ``local`` samples against the plan (or a short last global batch) and set :attr:`now`.
 
         Raises:
             DistributedError: If the step has neither the plan's size nor the short batch's.
@@ -129,12 +121,7 @@ class WeightingState:
         )
 
     def started(self, syncs: bool = True, batch: bool = True) -> None:
-        """A training forward began: the first after a synchronised one starts this rank's next step.
-
-        Args:
-            syncs: Whether its backward synchronises the gradients (ends the step).
-            batch: Whether it starts a global batch (not a further micro-batch of the plan's).
-        """
+        """A training forward began (``syncs``: its backward ends the step; ``batch``: it starts a global batch)."""
         if not self.open:
             self.step = self.steps
             self.steps += 1
@@ -160,12 +147,7 @@ class WeightingState:
 def _weighted_allreduce(state, bucket):  # type: ignore[no-untyped-def]
     # No annotations: DDP compares them with dist.GradBucket, and this module's postponed
     # annotations would be strings. (state: WeightingState, bucket: GradBucket) -> Future[Tensor]
-    """The comm hook: each bucket becomes ``sum_r b_r * g_r / B`` on every rank.
-
-    Without a plan the count travels with the gradients (``[b_r * g_r, b_r]``, one
-    collective), so every step is weighted by what really ran; a rank with 0 samples sends
-    zeros, whatever its (possibly NaN) gradient holds.
-    """
+    """The comm hook: each bucket becomes ``sum_r b_r * g_r / B``; without a plan as ``[b_r * g_r, b_r]``."""
     grads = bucket.buffer()
     if state.now is not None:
         # Steps follow the plan (checked in the forward pre-hook): the weights are known, so
@@ -203,11 +185,7 @@ def _weighted_allreduce(state, bucket):  # type: ignore[no-untyped-def]
 
 
 def _first(state: WeightingState, fut: torch.futures.Future[Any]) -> torch.Tensor:
-    """The all-reduced tensor; a dead or hung peer raises one line naming the step.
-
-    torch re-raises it from ``loss.backward()`` as a ``RuntimeError`` that quotes it;
-    :class:`hetsplit.distributed.guard` turns that back into the :class:`DistributedError`.
-    """
+    """The all-reduced tensor; a dead or hung peer raises one line naming the step (torch quotes it, guard reads it)."""
     try:
         reduced: torch.Tensor = fut.value()[0]
     except RuntimeError as e:
@@ -243,34 +221,21 @@ def weight_gradients(
 ) -> WeightingState:
     """Make DDP average gradients weighted by each rank's shard: ``sum_r b_r * g_r / B``.
 
-    DDP's own average is the plain mean over ranks, biased when shards differ; with a
-    per-rank mean loss the weighted average is the full-batch gradient. ``method="hook"``
-    (DDP's default) registers a comm hook: with a ``plan`` each bucket is scaled by the
-    constant ``b_r / B`` and summed; without one each bucket travels as ``[b_r * g_r, b_r]``
-    and is divided by the summed count. ``method="outputs"`` (needs a ``plan``) scales the
-    gradient flowing into the outputs by ``world * b_r / B`` and leaves DDP's C++ mean the
-    rest: exact when every per-sample loss term reaches the parameters through the outputs.
-    An FSDP2 model (no comm hook) is weighted at the outputs, with or without a plan
-    (``set_gradient_divide_factor`` is one factor for all ranks; the weights differ per
-    rank). With a ``plan`` every step must follow it; a rank given 0 runs the stand-in
-    :func:`data_loader` serves, weighted 0. docs/torchrun.md says more.
+    DDP's plain mean is biased when shards differ. ``method="hook"`` registers a comm hook;
+    ``"outputs"`` scales the gradient into the outputs by ``world * b_r / B`` (FSDP2's only way:
+    ``set_gradient_divide_factor`` is one factor for all ranks). docs/torchrun.md.
 
     Args:
-        ddp_model: The DistributedDataParallel model, or the FSDP2 root module (call
-            before the first backward).
-        plan: The plan every rank holds (checked to be the same everywhere), or ``None``
-            for steps of any size (``method="hook"`` for DDP; FSDP2 too).
+        ddp_model: The DDP model, or the FSDP2 root module (call before the first backward).
+        plan: The plan every rank holds, or ``None`` for steps of any size (not ``"outputs"`` for DDP).
         method: ``"hook"`` or ``"outputs"`` (default: ``"hook"`` for DDP, ``"outputs"`` for FSDP2).
-        reduction: ``"mean"`` or ``"sum"``: how each rank's loss reduces its samples
-            (``model(x).sum()`` needs ``"sum"``; under ``"mean"`` the first steps warn once
-            where the outputs' gradient shows a sum).
+        reduction: ``"mean"`` or ``"sum"``: how each rank's loss reduces its samples (a summed loss
+            under ``"mean"`` is warned about once).
         dim: The batch dimension of the inputs.
         group: The process group DDP uses (default: the world).
 
     Returns:
-        The weighting's state; ``state.local`` is the last step's local batch size and
-        ``state.set_plan(plan)`` weights the following steps by another plan (what
-        :class:`DistributedRebalancer` does).
+        The weighting's state; its ``set_plan(plan)`` weights the following steps by another plan.
 
     Raises:
         ValueError: On an unknown ``reduction`` or ``method``, ``method="outputs"``
@@ -383,10 +348,7 @@ def weight_gradients(
 def _note_out_of_memory_in_forward(inner: nn.Module, state: WeightingState, *, counted_before: bool) -> None:
     """An out-of-memory error in this rank's forward is noted for the other ranks (see ``_group.note_failure``).
 
-    A user who catches it and carries on leaves the other ranks waiting in a collective
-    this rank never joins; their failure line then says that this rank ran out of memory.
-    ``counted_before``: whether the forward's step was counted before it ran (DDP's
-    pre-hook) or is counted after (FSDP2: a forward that raised was not counted yet).
+    ``counted_before``: the step was counted before the forward (DDP's pre-hook), not after (FSDP2).
     """
 
     def noted(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
@@ -406,11 +368,8 @@ _SUM_CHECKS = 3
 def _watch_for_a_sum(state: WeightingState, output: Any) -> Any:
     """In the first steps under ``reduction="mean"``, warn once if the loss is a sum over the batch.
 
-    ``model(x).sum()`` (pytorch/examples' FSDP2 script trains on it) puts a gradient of
-    exactly 1 in every element of the outputs, and ``out.mean(1).sum()`` ``1/k`` for ``k``
-    elements a sample: a loss summed over the rank's samples, which the mean weighting
-    ``b_r / B`` would weight wrongly (silently off the one-process gradient). A mean over
-    the samples puts ``1/b`` (or less) there. Other losses are not judged.
+    ``model(x).sum()`` puts a gradient of exactly 1 in every output element (``out.mean(1).sum()``:
+    ``1/k``), a mean over the samples ``1/b`` or less; other losses are not judged.
     """
     if state.sum_checks <= 0 or state.planned == 0 or state.local < 2:
         return output
@@ -445,10 +404,8 @@ _PAUSED: set[int] = set()
 
 @contextlib.contextmanager
 def paused(model: nn.Module) -> Iterator[None]:
-    """The weighting hooks on ``model`` and inside it do nothing meanwhile: a profile's steps are not training steps.
+    """The weighting hooks on ``model`` and inside it do nothing meanwhile: a profile's steps are not training steps."""
 
-    They neither check a step's size against the plan nor count it, and weight nothing.
-    """
     ids = {id(m) for m in model.modules()} - _PAUSED
     _PAUSED.update(ids)
     try:

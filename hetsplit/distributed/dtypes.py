@@ -14,9 +14,7 @@ from ._group import DistributedError, all_gather
 def verify_dtypes(model: torch.nn.Module | None, batch: Any = None, group: Any = None) -> None:
     """Check that every rank's floating parameters and batch have the same dtypes; raise on all ranks if not.
 
-    DDP's first broadcast and FSDP2's collectives move every rank's tensors as bytes of
-    one size: a float64 rank beside a float32 one aborts a process inside gloo (signal 6)
-    or hangs, and the others only see a peer gone. One all-gather of the dtypes' names.
+    A float64 rank beside a float32 one aborts a process inside gloo (signal 6) or hangs.
 
     Raises:
         DistributedError: Naming each rank's dtypes and what to do.

@@ -63,14 +63,8 @@ def plan(
 ) -> Plan:
     """One plan for all ranks: each profiles its own device, rank 0 solves, all receive it (collective).
 
-    Its stages: check the arguments and the ranks; profile this rank's device (a model
-    sharded with FSDP2 in place, every rank in the same steps); solve on rank 0; calibrate
-    with real steps on the planned shares and solve again; report. The plan's devices are
-    ``rank{r}:{device}`` in rank order (:func:`~hetsplit.devices.rank_label`), so
-    ``plan.sizes[rank]`` is this rank's local batch. Every time is a rank's compute, apart
-    from its waits for the others; the communication is added to the predicted step.
-    docs/torchrun.md says what each stage measures and why. ``model`` is left as it was;
-    given the DDP model itself, its module is planned and its gradients weighted by the plan.
+    Stages: check, profile, solve on rank 0, calibrate and solve again, report (docs/torchrun.md).
+    The plan's devices are ``rank{r}:{device}``, so ``plan.sizes[rank]`` is this rank's local batch.
 
     Args:
         model: The model (unwrapped, the module inside DDP, an FSDP2 root module, or a
@@ -80,16 +74,12 @@ def plan(
         device: This rank's device (default: ``cuda:LOCAL_RANK`` if CUDA is available, else ``cpu``).
         loss_fn, target: As for :func:`hetsplit.profile`.
         profile: This rank's profile, to skip profiling (one device, or the device named by ``device``).
-        weights: Hand-set shares instead of profiling: one relative throughput per rank, the
-            same on every rank (``[4, 1]``: 80 % to rank 0); nothing is profiled or calibrated.
+        weights: Hand-set relative throughputs, one per rank (``[4, 1]``: 80 % to rank 0): nothing profiled.
         calibrate: Training steps to calibrate with (after 2 warm-up steps); 0 skips it.
-        calibrate_seconds: More steps than ``calibrate`` until they took this long (at most
-            400); 0: exactly ``calibrate`` steps.
-        accumulate: Let a rank with a memory cap run its share as micro-batches
-            (``plan.micro_batches``; :func:`micro_batches`); such a plan is not calibrated.
+        calibrate_seconds: More steps until they took this long (at most 400); 0: exactly ``calibrate``.
+        accumulate: Let a rank with a memory cap run its share as micro-batches (not calibrated).
         group: The process group (default: the world).
-        quiet: Say nothing; otherwise rank 0 says the split and its predicted step in one
-            line (:class:`~hetsplit.distributed.report.SplitReport`; also ``$HETSPLIT_QUIET``).
+        quiet: Say nothing; otherwise rank 0 says the split and its predicted step in one line.
         **profile_kwargs: Passed to :func:`hetsplit.profile` (``time_budget``, ...; a sharded
             model's also ``memory_fraction`` and ``optimizer``).
 
@@ -228,9 +218,7 @@ def _solve(prof: Profile, *, batch_size: int, sharded: bool, accumulate: bool, m
 def _minimum_share(model: Any, sample: Any) -> int:
     """The fewest samples a rank's share of ``model`` may hold (:func:`~hetsplit.planning.sizes.batchnorm_minimum`).
 
-    A sharded model's maps are not traced (its forward gathers parameters across ranks, which
-    a trace on one rank must not start), nor those of a model planned without a sample (the
-    Lightning strategy's, from a given profile): a BatchNorm there gets the floor of 2.
+    A sharded model is not traced (its forward is collective), nor one without a sample: BatchNorm gets 2.
     """
     if not has_batchnorm(model):
         return 1
@@ -243,10 +231,7 @@ def _minimum_share(model: Any, sample: Any) -> int:
 def _no_single(
     plan: Plan, *, profile: Profile | None, accumulate: bool, minimum: int, room: Sequence[float] | None = None
 ) -> Plan:
-    """``plan`` with no share under ``minimum`` samples (:func:`_minimum_share`; 1: as it is).
-
-    A sample moves only where a rank's memory holds it: ``room`` per rank, else the profile's caps.
-    """
+    """``plan`` with no share under ``minimum`` samples, moved only where ``room`` (or the caps) holds them."""
     if minimum <= 1:
         return plan
     return with_minimum_shares(plan, minimum, profile=profile, room=room, accumulate=accumulate)
@@ -275,13 +260,8 @@ def _weighted_plan(
 ) -> Plan:
     """The plan of hand-set ``weights`` (one per rank), the same on every rank; nothing is profiled.
 
-    Its devices are labelled as a profiled plan's, ``rank{r}:{device}`` (each rank's
-    ``device_name``, gathered), so reports and the rebalancer name them alike.
-
-    A share above its rank's emulated memory (``cap``, ``cpu:max2``) runs as micro-batches
-    with ``accumulate``, and is refused without it (on every rank: the caps are gathered).
-    For a BatchNorm model a share under ``minimum`` samples moves to another rank first, only
-    where that rank's memory holds it (anywhere with ``accumulate``: micro-batches are cut after).
+    Devices are labelled ``rank{r}:{device}`` as a profiled plan's. A share above its rank's emulated
+    memory (``cap``) runs as micro-batches with ``accumulate``, and is refused on every rank without it.
     """
     if profile is not None:
         raise ValueError("pass weights= or profile=, not both: weights set the shares without a profile")
@@ -320,10 +300,8 @@ def _with_stand_ins(plan: Plan, prof: Profile | None) -> Plan:
 
 
 def _stand_ins_used(plan: Plan, prof: Profile | None, minimum: int = 1) -> Plan:
-    """``plan`` with each zero share given the samples its rank runs anyway (planning.sizes).
+    """``plan`` with each zero share given the samples its rank runs anyway, unless under ``minimum``."""
 
-    Not where they are fewer than ``minimum`` (a BatchNorm model's smallest share).
-    """
     return plan if minimum > STAND_IN else stand_ins_used(plan, prof, STAND_IN)
 
 

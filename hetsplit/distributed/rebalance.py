@@ -24,26 +24,16 @@ from .zero_share import STAND_IN
 class DistributedRebalancer:
     """Online rebalancing for a torchrun job: all ranks' step times pooled, one switch step for all.
 
-    Wrap each training step's work in :meth:`step`: the rank's compute is timed apart from
-    its waits for the others (:class:`~hetsplit.timing.StepTimer`; by the wall every rank
-    would be as slow as the slowest, and nothing would move), and the step's wall time
-    beyond its slowest rank's compute is the communication (the least of the last
-    ``window`` steps': load only adds to it). Every ``rebalancer.every`` steps the timings
-    are all-gathered, so every rank reaches the same decision; a new plan starts at the
-    first step no rank's sampler has handed out yet, followed by ``sampler`` and
-    ``gradients`` on every rank at once (docs/torchrun.md).
+    Wrap each training step's work in :meth:`step`, which times the rank's compute apart from its
+    waits (by the wall every rank is as slow as the slowest). docs/torchrun.md.
 
     Args:
         plan: The starting plan, the same on every rank (e.g. from :func:`plan`).
-        rebalancer: The policy (default: ``Rebalancer()``: every 10 steps, 5 %
-            threshold, at most half the batch moved at once).
+        rebalancer: The policy (default: ``Rebalancer()``).
         sampler: This rank's :class:`HeteroDistributedSampler`, to follow plan changes.
-        gradients: The state from :func:`weight_gradients` with a plan, to weight each
-            step by the plan in force (without a plan the hook weights by real sizes).
-        model: The model (DDP or FSDP2) whose step is timed: on CUDA its hooks mark where
-            the compute ends (DDP) or pauses (FSDP2).
-        device: This rank's device (default: parsed from the plan's ``rank{r}:DEVICE``
-            label, else the CPU).
+        gradients: The state from :func:`weight_gradients` with a plan, to follow plan changes.
+        model: The model (DDP or FSDP2) whose step is timed: on CUDA its hooks mark the compute's end.
+        device: This rank's device (default: from the plan's ``rank{r}:DEVICE`` label, else the CPU).
         group: The process group (default: the world).
 
     Attributes:
@@ -108,13 +98,10 @@ class DistributedRebalancer:
     def step(self) -> Iterator[Plan]:
         """Measure one training step on this rank; yields the plan in force for it.
 
-        Every ``rebalancer.every`` steps, on leaving, the ranks exchange timings
-        (one small all-gather) and possibly schedule a new plan.
+        Every ``rebalancer.every`` steps the ranks exchange timings and may schedule a new plan.
 
         Raises:
-            DistributedError: One line naming this step, the rank that died or hangs
-                (when known) and the process group's timeout, when a peer fails during
-                the step or the exchange (as :class:`hetsplit.distributed.guard`).
+            DistributedError: When a peer fails during the step or the exchange (as :class:`guard`).
         """
         current = self.plan
         if self.gradients is not None and self.gradients.weight is not None:
@@ -143,8 +130,7 @@ class DistributedRebalancer:
         for j in common:
             sizes = [g["times"][j][0] for g in gathered]
             times = {names[r]: g["times"][j][1] for r, g in enumerate(gathered)}
-            # The plan that ran, micro-batches included: a share run as [2, 2, 2] under a cap
-            # of 2 is timed against three micro-batches, not one batch of 6 beyond the cap.
+            # The plan that ran, micro-batches included: [2, 2, 2] under a cap of 2 is not one batch of 6.
             ran = self.plan_at(j)
             self.rebalancer.record(ran if ran.sizes == sizes else plan_from_sizes(None, names, sizes), times)
             self._exposed.append(exposed([g["times"][j][2] for g in gathered], list(times.values())))

@@ -1,9 +1,6 @@
 """Report: what hetsplit says about a split — the shares and predicted step at the start, the measured step at the end.
 
-One line each, on rank 0, silenced with ``quiet=True`` or ``$HETSPLIT_QUIET``: the same
-lines from :func:`hetsplit.distributed.plan` and from every integration (Lightning,
-accelerate, the HF Trainer), so a user can tell that something uneven happened and how
-close the prediction came.
+One line each, on rank 0, the same from ``hd.plan`` and every integration; silenced with ``$HETSPLIT_QUIET``.
 """
 
 from __future__ import annotations
@@ -27,25 +24,19 @@ WARMUP_STEPS = 1
 class SplitReport:
     """What hetsplit says about a split: one line when training starts, one when it ends (rank 0).
 
-    A step is an optimizer step, however many global batches it accumulates (each counted
-    by :meth:`batch`). At the first step: the split, its predicted step and the emulated
-    devices; at :meth:`end`: the measured step beside the prediction, the median period
-    from one step's start to the next on rank 0 (every rank waits in the gradients'
-    all-reduce, so rank 0's period is the job's), the first step left out (warm-up).
-    :meth:`pause` keeps an evaluation out of the steps timed; a framework that says where a
-    step ends (the HF Trainer's ``on_step_end``) calls :meth:`step_end` there. Each line is
-    said once per run, and nothing with ``quiet`` (:func:`is_quiet`) or on another rank.
-
-    In a script: ``report = hd.SplitReport("train.py", rank)``, ``report.step(plan)`` at
-    the start of every optimizer step, ``report.end(plan)`` after the last (or
-    ``report.end(plan, measured=seconds)``).
+    A step is an optimizer step, however many global batches it accumulates (:meth:`batch`). The
+    end line gives the median period from one step's start to the next on rank 0 (every rank
+    waits in the all-reduce, so it is the job's), the first step left out (warm-up).
 
     Args:
         who: The class or script the user runs (each line starts with it).
         rank: This process's rank.
         quiet: Say nothing.
-        clock: Seconds from some fixed point (default ``time.perf_counter``, looked up at each
-            call); a test passes its own, or sets ``report.clock``.
+        clock: Seconds from some fixed point (default ``time.perf_counter``); a test passes its own.
+
+    Example:
+        >>> report = hd.SplitReport("train.py", rank)
+        >>> report.step(plan)  # at the start of every optimizer step; report.end(plan) after the last
     """
 
     def __init__(self, who: str, rank: int, quiet: bool = False, clock: Callable[[], float] | None = None) -> None:
@@ -62,11 +53,7 @@ class SplitReport:
     def announce(
         self, plan: Plan, devices: Sequence[str] | None = None, *, follow: bool = False, note: str = ""
     ) -> None:
-        """Say the split of ``plan`` and its predicted step now (a plan just made).
-
-        ``follow``: also say the end of the run that trains on ``plan`` (:meth:`following`).
-        ``note``: said at the end of the line (:func:`hetsplit.profiler.fault_note`).
-        """
+        """Say the split of ``plan`` and its predicted step now; ``follow``: also its run's end."""
         if self.on:
             self._said = plan
             self._say(self._start_line(plan, devices) + (f"; {note}" if note else ""))
@@ -76,11 +63,7 @@ class SplitReport:
 
     @staticmethod
     def following(plan: Plan | None) -> SplitReport | None:
-        """The report that said ``plan`` to follow its run (``announce(follow=True)``), else ``None``.
-
-        :func:`~hetsplit.distributed.weight_gradients` times each step of such a plan with it,
-        and the measured step is said at exit: a torchrun script gets both lines by itself.
-        """
+        """The report that said ``plan`` to follow its run (``announce(follow=True)``), else ``None``."""
         return next((report for said, report in reversed(_FOLLOWED) if said is plan), None)
 
     def note(self, line: str) -> None:
@@ -109,9 +92,7 @@ class SplitReport:
         """The running step ended: its time since :meth:`step` is timed, and nothing until the next step.
 
         Args:
-            batches: Global batches the step accumulated (the Trainer's gradient
-                accumulation; default: those :meth:`batch` counted). The whole step is
-                timed; the prediction is multiplied by them.
+            batches: Global batches the step accumulated (default: those :meth:`batch` counted).
         """
         if not self.on or self._last is None:
             return
@@ -131,8 +112,7 @@ class SplitReport:
 
         Args:
             plan: The plan in force at the end (default: the latest step's).
-            measured: A step time in seconds measured by the caller, said instead of the
-                median time between the starts of the steps this report saw.
+            measured: A step time in seconds measured by the caller, said instead of the median.
         """
         if not self.on:
             return
@@ -204,9 +184,7 @@ def _end_at_exit() -> None:
 def split_text(plan: Plan, names: Sequence[str] | None = None) -> str:
     """Each device's share with the time its curve predicts for it: ``cpu 205 (80%, 25.1 ms)``.
 
-    The time is left out where the plan has none for the device (sizes by hand, an unused
-    device); a quick calibration's plan (:attr:`Plan.stand_in`) times the calibration's
-    model, not the user's, and says so (``calibration 25.1 ms``).
+    A quick calibration's plan times another model, and says so (``calibration 25.1 ms``).
     """
     names = list(names) if names is not None else list(plan.devices)
     times = list(plan.times) if len(plan.times) == len(plan.sizes) else [math.nan] * len(plan.sizes)
@@ -241,12 +219,7 @@ def _spread(seconds: Sequence[float]) -> float:
 
 
 def _against(plan: Plan | None, measured: float, first: Plan | None, batches: int = 1, noise: float = math.nan) -> str:
-    """The prediction beside a measured step (and a rebalanced split), as the end line says them.
-
-    The plan predicts one global batch; a step that accumulates ``batches`` is predicted as that many.
-    ``noise``: the measured steps' own (:func:`_spread`); with the plan's, past :data:`NOISE_LIMIT`
-    the prediction is said to be unreliable here instead.
-    """
+    """The prediction (times ``batches``) beside a measured step, or "unreliable" past :data:`NOISE_LIMIT`."""
     one = plan.step_time if plan is not None else math.nan
     unreliable = unreliable_note(noise, plan.noise if plan is not None else math.nan)
     if math.isfinite(one) and one > 0 and unreliable:

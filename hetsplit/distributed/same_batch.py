@@ -1,13 +1,7 @@
-"""Same batch: every rank must cut its share out of the same global batch — a shared random stream, and a check.
+"""Same batch: every rank must cut its share out of the same global batch — a check across ranks.
 
-A script that draws its own global batches (nanoGPT's ``get_batch``: random rows from
-torch's generator) gets the same batch on every rank only while the ranks' generators
-stay in step; one random number drawn on one rank alone (an evaluation on rank 0) and
-every later batch differs, and the ranks train on rows nobody planned, silently.
-:func:`shared_batch` draws from a stream of its own that only training draws use, and
-:func:`check_same_batch` (run by :func:`~hetsplit.distributed.local_batch`) compares a
-fingerprint of the global batch across ranks on the first :data:`CHECK_FIRST` batches and
-every :data:`CHECK_EVERY`-th after.
+One random number drawn on one rank alone (an evaluation on rank 0) and every later drawn
+batch differs across ranks, silently; :func:`check_same_batch` compares fingerprints.
 """
 
 from __future__ import annotations
@@ -36,10 +30,9 @@ _COUNTS: dict[int, tuple[Any, int]] = {}
 
 
 def fingerprint(batch: Any) -> str:
-    """A short digest of ``batch``'s tensors: their shapes and up to 4096 evenly spaced values each, as float64.
+    """A short digest of ``batch``'s tensors: shapes and up to 4096 evenly spaced values each, hashed on the CPU.
 
-    The values go to the CPU before they are hashed, so a rank on a GPU and a rank on the
-    CPU holding the same batch get the same digest (no sum whose rounding differs by device).
+    No sum whose rounding differs by device: a GPU rank and a CPU rank get the same digest.
     """
     digest = hashlib.sha256()
     for leaf in flatten(batch)[0]:
@@ -54,13 +47,10 @@ def fingerprint(batch: Any) -> str:
 
 
 def check_same_batch(batch: Any, group: Any = None) -> None:
-    """On a checked global batch, compare its fingerprint across ranks; raise on every rank if they differ.
-
-    Every rank must call it for every global batch (it is collective on the checked ones).
+    """On a checked global batch, compare its fingerprint across ranks (collective: every rank, every batch).
 
     Raises:
-        DistributedError: On every rank, naming the batch (counted from 0) and the ranks
-            whose batch differs from rank 0's.
+        DistributedError: On every rank, naming the batch and the ranks whose batch differs from rank 0's.
     """
     if not (dist.is_available() and dist.is_initialized()):
         return

@@ -62,13 +62,9 @@ def plan_at(schedule: Sequence[tuple[int, Plan]], step: int) -> Plan:
 class HeteroDistributedSampler(Sampler[list[int]]):
     """This rank's share of every global batch, one step at a time (the uneven ``DistributedSampler``).
 
-    A batch sampler: each epoch's indices (shuffled with ``seed + epoch``) are cut into
-    global batches of ``plan.batch_size``, and each yielded list is this rank's
-    ``plan.sizes[rank]`` indices of one, cut by the plan in force *for that step*
-    (:meth:`set_plan`), so the shares stay disjoint while sizes change, even with a
-    prefetching ``DataLoader``. Every rank runs :attr:`steps` steps an epoch. Use it as
-    ``DataLoader(dataset, batch_sampler=sampler, collate_fn=sampler.collate)``
-    (:func:`data_loader`); docs/torchrun.md.
+    A batch sampler: each step's indices are cut by the plan in force *for that step*
+    (:meth:`set_plan`), so shares stay disjoint while sizes change, even with a prefetching
+    ``DataLoader``. Use it through :func:`data_loader` (docs/torchrun.md).
 
     Args:
         dataset: The dataset (its length; :meth:`collate` also reads one item).
@@ -78,17 +74,13 @@ class HeteroDistributedSampler(Sampler[list[int]]):
         shuffle: Shuffle each epoch.
         seed: Seed of the shuffle, the same on every rank.
         drop_last: Drop the last incomplete global batch instead of completing it.
-        pad: Complete a last incomplete global batch by wrapping around (``True``, as
-            ``DistributedSampler`` pads), or cut what is left in the plan's proportions
-            (``False``: every sample once; evaluation).
-        zero_share: What a rank the plan gives 0 samples gets each step: ``"sample"``,
-            two real samples of the global batch (:data:`~.zero_share.STAND_IN`), weighted 0
-            and counted 0 by :meth:`real_rows` (a model that cannot run 0 rows, or
-            BatchNorm, still runs); or ``"empty"``, an empty batch.
+        pad: Complete a last incomplete global batch by wrapping around (as ``DistributedSampler``),
+            or (``False``: every sample once) cut what is left in the plan's proportions.
+        zero_share: What a rank given 0 samples gets each step: ``"sample"``, two real samples
+            of the global batch weighted 0 (:meth:`real_rows` counts 0), or ``"empty"``.
 
     Raises:
-        ValueError: If the plan's device count differs from ``num_replicas`` or ``rank``
-            is out of range.
+        ValueError: If the plan's device count differs from ``num_replicas`` or ``rank`` is out of range.
     """
 
     def __init__(
@@ -111,6 +103,7 @@ class HeteroDistributedSampler(Sampler[list[int]]):
         self.epoch = 0
         self.yielded = 0  # steps handed out so far, across epochs
         self.epoch_start = 0  # the global step of the current epoch's first batch
+        self.skip = 0  # batches of the next epoch already trained (a resumed run's)
         self.schedule: list[tuple[int, Plan]] = [(0, plan)]
         n, b = len(dataset), plan.batch_size  # type: ignore[arg-type]
         self.steps = n // b if drop_last else math.ceil(n / b)
@@ -147,11 +140,20 @@ class HeteroDistributedSampler(Sampler[list[int]]):
         """Shuffle differently for ``epoch`` (call it on every rank before each epoch)."""
         self.epoch = epoch
 
+    def resume(self, step: int) -> None:
+        """Go on from global batch ``step`` (a checkpoint's), whatever world trained the batches before.
+
+        The next iteration serves epoch ``step // len(self)`` from its ``step % len(self)``-th batch.
+        """
+        self.epoch, self.skip = divmod(step, self.steps)
+        self.yielded = step
+
     def __iter__(self) -> Iterator[list[int]]:
         n = len(self.dataset)  # type: ignore[arg-type]
         order = _epoch_order(n, self._served(n), self.shuffle, self.seed + self.epoch)
-        self.epoch_start = self.yielded
-        for step in range(self.steps):
+        first, self.skip = self.skip, 0
+        self.epoch_start = self.yielded - first
+        for step in range(first, self.steps):
             start, count, _ = self._cut(step, self.plan_at(self.yielded))
             self.yielded += 1
             if count == 0 and self.zero_share == "sample":
@@ -166,10 +168,7 @@ class HeteroDistributedSampler(Sampler[list[int]]):
         return n if not self.pad and not self.drop_last else self.steps * self.batch_size
 
     def _cut(self, step: int, plan: Plan) -> tuple[int, int, int]:
-        """This rank's ``(start, count, real)`` in the epoch's order at epoch step ``step`` under ``plan``.
-
-        ``real`` counts the rows seen once: not the wrap-around padding of a last global batch.
-        """
+        """This rank's ``(start, count, real)`` at epoch step ``step`` under ``plan`` (``real``: no padding)."""
         n = len(self.dataset)  # type: ignore[arg-type]
         cut = self._sizes(step, plan)
         start = step * self.batch_size + sum(cut[: self.rank])
@@ -195,10 +194,7 @@ class HeteroDistributedSampler(Sampler[list[int]]):
         return self.zero_share == "sample" and self._cut(step, self.plan_at(self.epoch_start + step))[1] == 0
 
     def real_rows(self, step: int) -> int:
-        """This rank's rows of batch ``step`` (from the epoch's first) that are data counted once: weight metrics by it.
-
-        0 for a zero share's stand-in; fewer than the batch's rows where wrapping around completed it.
-        """
+        """This rank's rows of batch ``step`` counted once (no stand-in, no padding): weight metrics by it."""
         return self._cut(step, self.plan_at(self.epoch_start + step))[2]
 
     def padded(self, step: int) -> bool:
@@ -227,11 +223,12 @@ class _SharesLoader(DataLoader[Any]):
     # the global generator, and a framework that calls iter() before its hooks (Lightning's fit
     # loop, before on_train_start) must leave the same random stream to them as a plain loader.
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
-        return self._handed(super().__iter__())
+        first = self.shares.skip  # read before torch's iterator runs the sampler (a worker's prefetch)
+        return self._handed(super().__iter__(), first)
 
-    def _handed(self, batches: Iterator[Any]) -> Iterator[Any]:
+    def _handed(self, batches: Iterator[Any], first: int) -> Iterator[Any]:
         try:
-            for step, batch in enumerate(batches):
+            for step, batch in enumerate(batches, first):
                 IN_HAND.hand(self.shares.is_filler(step), self.shares.short_sizes(step))
                 yield batch
         finally:
@@ -259,13 +256,8 @@ def local_batch(
 ) -> Any:
     """This rank's rows of a global batch, cut as :func:`data_loader` cuts it: for scripts that make their own batches.
 
-    Rank ``r`` takes the ``plan.sizes[r]`` rows at its offset; a rank given 0 takes the
-    batch's first two rows, weighted 0 (:mod:`.zero_share`); a shorter global batch (an
-    epoch's last) is cut in the plan's proportions, and :func:`weight_gradients` weights
-    that step by them. Every tensor whose length along ``dim`` is the batch's is cut, in
-    any nest. The first ``CHECK_FIRST`` (10) global batches and every ``CHECK_EVERY``-th
-    (100) are compared across ranks (:mod:`.same_batch`), so every rank calls this for
-    every global batch.
+    A shorter global batch (an epoch's last) is cut in the plan's proportions. Some global batches
+    are compared across ranks (:mod:`.same_batch`), so every rank calls this for every one.
 
     Args:
         batch: The global batch, the same on every rank (a tensor or a nest).
@@ -323,10 +315,7 @@ def data_loader(
 ) -> DataLoader[Any]:
     """This rank's ``DataLoader`` over its shares of every global batch, a share of 0 included.
 
-    ``DataLoader(batch_size=0)`` is refused by torch, so a rank the plan gives nothing is
-    served two real samples each step instead, weighted 0 (``zero_share``). Its
-    ``batch_sampler`` is a :class:`HeteroDistributedSampler`: call
-    ``loader.batch_sampler.set_epoch(epoch)`` before each epoch.
+    Call ``loader.batch_sampler.set_epoch(epoch)`` before each epoch.
 
     Args:
         dataset: A map-style dataset.
@@ -358,17 +347,13 @@ def shared_batch(
 ) -> Any:
     """``draw(*args)``, the global batch, drawn from a random stream every rank shares; this rank's rows of it.
 
-    While ``draw`` runs, torch's CPU generator is swapped for a stream seeded with ``seed``
-    that only these calls advance, so every rank draws the same batch whatever else draws
-    on some ranks only (an evaluation on rank 0, dropout); then :func:`local_batch` cuts
-    and checks it. Another generator (NumPy's, a CUDA one) is not covered: the check then
-    names the batch where the ranks differ.
+    Only these calls advance the stream (torch's CPU generator, swapped in), whatever draws on some
+    ranks only; other generators (NumPy's, CUDA's) are not covered, but the check names the batch.
 
     Args:
         draw: Makes one global batch of ``plan.batch_size`` rows (nanoGPT's ``get_batch``).
         *args: Passed to ``draw`` (``"train"``).
-        plan: The plan every rank holds, or ``None`` (one process: the whole batch, from
-            the same stream, nothing checked).
+        plan: The plan every rank holds, or ``None`` (one process: the whole batch, unchecked).
         seed: The stream's seed, the same on every rank.
         dim: The batch dimension.
         group: The process group.

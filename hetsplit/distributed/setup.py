@@ -28,13 +28,8 @@ class LaunchEnv(NamedTuple):
 def launch_env(*, required: bool = False) -> LaunchEnv:
     """``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK`` from torchrun's environment: the one reader of them.
 
-    Args:
-        required: Whether a missing ``RANK``/``WORLD_SIZE`` is an error (a script that
-            must be launched); else a process started alone is rank 0 of 1.
-
-    Raises:
-        ValueError: If a value is not an integer (naming it), or, with ``required``,
-            ``RANK`` or ``WORLD_SIZE`` is not set.
+    Without ``required`` a process started alone is rank 0 of 1; a value that is not an integer,
+    or a missing one with ``required``, is a ``ValueError``.
     """
     missing = [name for name in ("RANK", "WORLD_SIZE") if name not in os.environ]
     if required and missing:
@@ -55,9 +50,6 @@ def launch_env(*, required: bool = False) -> LaunchEnv:
 def rank_devices(devices: str | Sequence[DeviceLike], world: int) -> list[str]:
     """The per-rank device list (``"cuda:0,cuda:1,cpu"`` or a list), one canonical name per rank: the one rule.
 
-    Every entry's syntax is checked here; whether a device exists is checked by the
-    rank that uses it.
-
     Raises:
         ValueError: If the list is empty, malformed, or its length is not ``world``.
     """
@@ -77,8 +69,7 @@ def rank_devices(devices: str | Sequence[DeviceLike], world: int) -> list[str]:
 def rank_device(devices: str | Sequence[DeviceLike], rank: int | None = None, *, world: int | None = None) -> str:
     """This rank's device of :func:`rank_devices` (``"cuda:0,cpu@0.25"`` gives rank 1 ``cpu@0.25``).
 
-    Call it before ``init_process_group`` to fail before any rendezvous: ``rank`` and
-    ``world`` default to the process group's, else to torchrun's ``RANK`` and ``WORLD_SIZE``.
+    ``rank`` and ``world`` default to the process group's, else torchrun's: it works before any rendezvous.
 
     Raises:
         ValueError: As :func:`rank_devices`, or if the rank or world size cannot be found.
@@ -100,12 +91,9 @@ def rank_device(devices: str | Sequence[DeviceLike], rank: int | None = None, *,
 
 
 def choose_backend(devices: list[str]) -> str:
-    """``"nccl"`` when every rank is a CUDA GPU (and NCCL is built in), else ``"gloo"``.
+    """``"nccl"`` when every rank is a distinct CUDA GPU (and NCCL is built in), else ``"gloo"``.
 
-    NCCL only moves CUDA tensors; one CPU rank among GPUs makes the whole job gloo,
-    which carries both (a GPU rank's tensors are staged through its host memory). NCCL
-    also refuses two ranks on one GPU ("invalid usage", seen on an H200 with
-    ``cuda:0,cuda:0@0.5``): ranks that name the same GPU run over gloo too.
+    NCCL moves only CUDA tensors, and refuses two ranks on one GPU ("invalid usage" on an H200).
     """
     parsed = [parse_device(d, check=False) for d in devices]
     all_gpu = all(d.type == "cuda" for d in parsed)
@@ -119,15 +107,12 @@ def init(
 ) -> Device:
     """Join the job started by ``hetsplit launch`` (or torchrun) on this rank's own device.
 
-    Checks this rank's device exists here, selects it and starts the default process
-    group (:func:`choose_backend`). An emulated device comes back as such: run each step's
-    work under ``device.throttle()``.
+    Starts the default process group; run each step's work under ``device.throttle()``.
 
     Args:
-        timeout: Seconds before a collective waiting for a dead or hung rank fails
-            (default: torch's).
-        devices: The per-rank device list (a string or a list), overriding ``$HETSPLIT_DEVICES``
-            (which ``hetsplit launch --devices`` sets).
+        timeout: Seconds before a collective waiting for a dead or hung rank fails (default: torch's).
+        devices: The per-rank device list, overriding ``$HETSPLIT_DEVICES`` (``hetsplit launch`` sets it);
+            or this node's, one per local rank (``--nnodes MIN:MAX``; the backend then goes by them).
         backend: Force a backend (``"gloo"``, ``"nccl"``) instead of choosing by the mix.
 
     Returns:
@@ -144,9 +129,12 @@ def init(
             f"no device list: start the job with 'hetsplit launch --devices ...', or pass devices= "
             f"(or set ${ENV_DEVICES}) to list one device per rank"
         )
-    rank, world, _ = launch_env(required=True)
-    names = rank_devices(spec, world)
-    device = parse_device(names[rank])  # this machine must have it
+    rank, world, local_rank = launch_env(required=True)
+    # Under torchrun's --nnodes MIN:MAX the world is whichever nodes are present: each node lists its own devices.
+    count = len(device_list(spec) if isinstance(spec, str) else spec)
+    node = count == int(os.environ.get("LOCAL_WORLD_SIZE", world)) != world
+    names = rank_devices(spec, count if node else world)
+    device = parse_device(names[local_rank if node else rank])  # this machine must have it
     if device.type == "cuda":
         torch.cuda.set_device(device.index)
     backend = backend or choose_backend(names)

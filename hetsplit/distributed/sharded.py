@@ -1,18 +1,8 @@
 """Sharded: FSDP2 (``fully_shard``) in the torchrun pieces — what is refused, the micro-batches every rank runs.
 
-The other modules dispatch here for a sharded model: ``comm_hooks`` (weighting: at the
-outputs, the step's sizes exchanged when there is no plan), ``accumulate`` (the
-micro-batches every rank runs), ``rank_plan`` (profiled in place: ``sharded_profile``).
-Only torch's public FSDP2 API is used.
-
-Every rank runs the same number of micro-batches: FSDP2's forwards and backwards are
-collective, so different counts would wait forever. Keeping the parameters gathered
-across a rank's micro-batches instead (``unshard()``, ``set_requires_gradient_sync``)
-would hold the whole model's parameters and unsharded gradients on every rank, what a
-model larger than the smallest device cannot afford (measured: docs/benchmarks.md). So a
-rank with fewer micro-batches runs its share as that many smaller ones, and one with too
-few samples adds two real samples weighted 0 for each missing one; FSDP2 accumulates the
-weighted, sharded gradients: their sum is the full-batch gradient.
+Every rank runs the same number of micro-batches (FSDP2's steps are collective); keeping the
+parameters gathered across them instead (``unshard()``) would hold the whole model on every
+rank, which a model larger than the smallest device cannot afford (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -69,11 +59,7 @@ def is_sharded(model: nn.Module) -> bool:
 
 
 def holds_sharded(model: nn.Module) -> bool:
-    """Whether ``model`` is sharded or holds a sharded module (a LightningModule whose layers ``fully_shard`` sharded).
-
-    Such a model's forward is collective, as a sharded root's is: it is profiled with every
-    rank in the same steps (:mod:`hetsplit.distributed.sharded_profile`) and solved as FSDP2 runs.
-    """
+    """Whether ``model`` is sharded or holds a sharded module (a LightningModule around FSDP2 layers)."""
     return any(is_sharded(m) for m in model.modules())
 
 
@@ -94,9 +80,8 @@ def _describe(model: nn.Module) -> dict[str, Any]:
 def check_sharded(model: nn.Module, group: Any = None) -> None:
     """Check a sharded model on every rank at once: one all-gather, the same error everywhere.
 
-    Refused: FSDP1, hybrid sharding (a 2-D mesh: HSDP, whose replicas would each need
-    their own shares), and a model sharded differently on different ranks (their
-    all-gathers would not match: a hang, not an error).
+    Refused: FSDP1, hybrid sharding (HSDP's replicas would each need their own shares), and a
+    model sharded differently on different ranks (a hang, not an error).
 
     Raises:
         DistributedError: One line naming the rank and what works, on every rank.
@@ -121,22 +106,14 @@ def rank_micro(plan: Plan, rank: int, sharded: bool) -> list[int]:
 
 
 def micro_for_rows(plan: Plan, rank: int, rows: int) -> list[int]:
-    """Rank ``rank``'s micro-batches for a batch of ``rows`` rows of a sharded model: as many as every rank runs.
-
-    Its share: :func:`_even_micro`'s; another number of rows (a last global batch kept
-    short, cut in the plan's proportions): :func:`_cut_into` the same count.
-    """
+    """Rank ``rank``'s micro-batches for a batch of ``rows`` rows of a sharded model: as many as every rank runs."""
     if rows == plan.sizes[rank]:
         return _even_micro(plan)[rank]
     return _cut_into(rows, max([1, *map(len, plan.micro_batches)]))
 
 
 def _even_micro(plan: Plan) -> list[list[int]]:
-    """Every rank's micro-batches for a sharded model: the same count on every rank (see the module's doc).
-
-    The count is the plan's largest, ``K``; a rank whose plan has ``K`` keeps them, any
-    other runs its share :func:`_cut_into` ``K`` (each no larger than before, so under any cap).
-    """
+    """Every rank's micro-batches for a sharded model: the plan's largest count, each no larger (so under any cap)."""
     count = max([1, *map(len, plan.micro_batches)])
     return [
         list(own) if count > 1 and len(own) == count else _cut_into(size, count)
@@ -145,21 +122,14 @@ def _even_micro(plan: Plan) -> list[list[int]]:
 
 
 def _cut_into(rows: int, count: int) -> list[int]:
-    """``rows`` as ``count`` near-equal micro-batches, or (fewer rows) one row each, then a ``0`` per missing one.
-
-    A ``0`` is a filler: two real samples weighted 0 (:func:`micro_pieces`).
-    """
+    """``rows`` as ``count`` near-equal micro-batches, or one row each then a ``0`` (a filler) per missing one."""
     if count == 1:
         return [rows]
     return micro_sizes(rows, count) if rows >= count else [1] * rows + [0] * (count - rows)
 
 
 def micro_pieces(batch: Any, sizes: Sequence[int], dim: int) -> Iterator[tuple[Any, int]]:
-    """``batch`` cut into the real ``sizes`` (in order), then a filler for each ``0``; yields ``(piece, size)``.
-
-    A filler is a zero share's stand-in, the batch's first samples, which the weighting
-    counts as 0 (an empty batch, ``zero_share="empty"``, stays empty).
-    """
+    """``batch`` cut into the real ``sizes``, then a zero share's stand-in for each ``0``; yields ``(piece, size)``."""
     start = 0
     for size in sizes:
         yield (narrow(batch, start, size, dim=dim) if size > 0 else stand_in_batch(batch, dim)), size
@@ -167,12 +137,7 @@ def micro_pieces(batch: Any, sizes: Sequence[int], dim: int) -> Iterator[tuple[A
 
 
 def exchanged_total(local: int, model: nn.Module, group: Any, rank: int) -> int:
-    """The step's global batch: every rank's sample count summed (one all-reduce of one number).
-
-    Without a plan the weights ``b_r / B`` need ``B`` before the backward, so the
-    counts travel in the forward; every rank runs the forward of an FSDP2 step (it is
-    collective), so every rank meets this all-reduce, once per step.
-    """
+    """The step's global batch, every rank's count summed in the forward (collective, as FSDP2's forward is)."""
     count = torch.tensor([float(local)], dtype=torch.float64, device=_device(model))
     collective("exchanging the step's sample counts", lambda: dist.all_reduce(count, group=group), rank, group)
     return round(count.item())

@@ -1,14 +1,7 @@
-"""Sharded profile: each rank's step-time curve measured on the FSDP2 model as the user sharded it.
+"""Sharded profile: each rank's step-time curve measured on the FSDP2 model in place, every rank in the same steps.
 
-In place, because a sharded model may not fit whole on the smallest device. An FSDP2
-forward is collective, so every rank climbs the same ladder at once, each timed by its
-own compute (:class:`~hetsplit.timing.StepTimer`: its waits in the collectives are the
-other ranks' time); measured in the same steps, the ranks see the same load. A rank past
-its memory cap or its budget runs the stand-in (:data:`~hetsplit.distributed.zero_share.STAND_IN`)
-while the others climb on. There is no out-of-memory probe (a rank that ran out inside a
-collective would leave the others waiting): on CUDA each step's peak is fitted as
-``base + per_sample * b`` and the ladder stops before a step predicted to pass 90 % of the
-device, less the room the optimizer's state will take (docs/torchrun.md).
+A rank past its cap or budget runs the stand-in while the others climb on. No out-of-memory probe
+(a rank that ran out inside a collective would leave the others waiting): docs/torchrun.md.
 """
 
 from __future__ import annotations
@@ -49,30 +42,20 @@ def profile_sharded(
 ) -> Profile:
     """This rank's profile of a sharded model, every rank timed in the same steps (collective: every rank calls it).
 
-    The model is left as it was. FSDP2's fixed work per step (its hooks, copying shards in
-    and out of the collectives) sets the time of small batches, and a curve through them
-    alone would extrapolate that floor: so a rank measures every size up to an even share
-    of ``batch_size`` whatever the budget, and beyond it while the time grows less than half
-    as fast as the batch (:meth:`_Turn.flat`).
+    FSDP2's fixed work sets small batches' times, so every size up to an even share of
+    ``batch_size`` is measured whatever the budget (and beyond while :meth:`_Turn.flat`).
 
     Args:
-        memory_fraction: On CUDA, the share of the device's memory a step may be
-            predicted to take (the rest: the allocator's slack).
-        optimizer: The optimizer that will step the model: on CUDA its state's room
-            (:func:`optimizer_state_bytes`) is kept free of the steps' memory.
-        batch_size: The global batch the plan will split (``hd.plan`` passes it): the
-            default ladder runs from 2 up to it, and every size up to ``batch_size / world``
-            is measured.
+        memory_fraction: On CUDA, the share of the device's memory a step may be predicted to take.
+        optimizer: The optimizer that will step the model: on CUDA its state's room is kept free.
+        batch_size: The global batch the plan will split: the default ladder runs up to it.
         group: The process group (default: the world).
-        **settings: :func:`hetsplit.profile`'s, with its defaults (``batch_sizes``, ``target``,
-            ``repeats``, ``time_budget``: the whole profile's, ...; ``progress`` is ignored).
+        **settings: :func:`hetsplit.profile`'s (``progress`` is ignored).
 
     Raises:
         ValueError: On bad settings, before any device work (the same on every rank).
-        DistributedError: On every rank, at once: if a rank cannot run even the ladder's
-            first size, or deciding its next size fails. At the process group's timeout:
-            if a step fails on one rank only (the others are inside FSDP2's collectives),
-            or a rank dies or hangs.
+        DistributedError: On every rank, if a rank cannot run the ladder's first size or its
+            decision fails; at the group's timeout, if a step fails on one rank only.
     """
     # The profile's own signature: its defaults, and a TypeError for a name it does not take.
     bound = inspect.signature(profile).bind(model, sample, [device], loss_fn, **settings)
@@ -141,10 +124,7 @@ def sharded_steps(
     *,
     group: Any = None,
 ) -> Iterator[Callable[[], float]]:
-    """Training steps of ``size`` samples on the sharded ``model`` in place (collective): ``hd.plan``'s calibration.
-
-    Yields ``step()``: one step, returning this rank's compute in it. The model is left as it was.
-    """
+    """Training steps of ``size`` samples on the sharded ``model`` in place (collective); ``step()``: its compute."""
     dev = parse_device(device)
     turn = _Turn(model, dev, sample, target, loss_fn, find_memory_cap=False, memory_fraction=1.0)
     timer = turn.timer = StepTimer(dev, model)
@@ -253,9 +233,7 @@ _STATE_PER_PARAMETER = {"Adam": 2, "AdamW": 2, "Adamax": 2, "NAdam": 2, "RAdam":
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     """The bytes ``optimizer``'s state takes on this rank: what it holds, else what its first step will make.
 
-    Before its first step the state is a known number of tensors the size of each local
-    parameter shard (Adam 2, SGD with momentum 1, RMSprop 1 to 3); another class counts as
-    Adam's 2, erring towards a smaller cap, never a larger one.
+    An unknown class counts as Adam's 2 tensors per parameter, erring towards a smaller cap.
     """
     held = [t for state in optimizer.state.values() for t in state.values() if torch.is_tensor(t)]
     if held:  # FSDP2's state is sharded as its parameters are: count this rank's part

@@ -1,14 +1,8 @@
 """Teardown: at exit, let gloo's worker threads finish with their last collective before the interpreter goes.
 
-A rank whose script ends right after a collective can abort at exit (SIGABRT): gloo's
-worker thread drops the collective's tensors after the caller saw it complete, taking the
-GIL, and a thread that takes it once the interpreter is finalizing is ended through a
-``noexcept`` destructor (pytorch/pytorch#190489); ``destroy_process_group`` leaves the
-threads running while anything holds the group. Measured on the 2-core VM under load: a
-two-rank job exiting right after an all-reduce aborted in 22 of 30 runs. So an ``atexit``
-handler releases the GIL in short sleeps until no gloo worker has run or is runnable
-across one sleep (at most :data:`_EXIT_WAIT_SECONDS`); a worker blocked on a peer counts
-as settled, so a failed rank never waits on the others.
+A gloo worker taking the GIL during finalisation aborts the rank (pytorch/pytorch#190489): a
+two-rank job exiting right after an all-reduce aborted in 22 of 30 runs on the 2-core VM. A
+worker blocked on a peer counts as settled, so a failed rank never waits on the others.
 """
 
 from __future__ import annotations
@@ -28,19 +22,12 @@ _SLICE = 0.005  # seconds the GIL is let go per look: long enough for a waiting 
 
 @functools.cache  # once per process (and names): called from every rank's use of the group
 def drain_at_exit(names: tuple[str, ...] = _WORKER_THREAD_NAMES) -> None:
-    """Register :func:`wait_for_workers` to run at interpreter exit.
-
-    Args:
-        names: Native names of the threads to wait for (gloo's worker by default).
-    """
+    """Register :func:`wait_for_workers` to run at interpreter exit (``names``: the threads' native names)."""
     atexit.register(wait_for_workers, _EXIT_WAIT_SECONDS, names)
 
 
 def thread_states(names: tuple[str, ...] = _WORKER_THREAD_NAMES) -> dict[int, tuple[str, int]] | None:
-    """This process's threads called one of ``names`` (Linux ``comm``): thread id -> (state letter, context switches).
-
-    ``None`` where ``/proc`` is not there (not Linux).
-    """
+    """This process's threads called one of ``names``: thread id -> (state letter, context switches); None off Linux."""
     try:
         tids = os.listdir("/proc/self/task")
     except OSError:
@@ -63,12 +50,8 @@ def thread_states(names: tuple[str, ...] = _WORKER_THREAD_NAMES) -> dict[int, tu
 def wait_for_workers(timeout: float = _EXIT_WAIT_SECONDS, names: tuple[str, ...] = _WORKER_THREAD_NAMES) -> bool:
     """Let the GIL go until the threads ``names`` stay still across one short sleep (at most ``timeout`` seconds).
 
-    Still: none running, runnable or in I/O, and none scheduled during the sleep (a thread
-    waiting for the GIL takes it then: the state alone is not enough).
-
-    Returns:
-        ``True`` if they went still in time (or there are none); ``False`` at the timeout,
-        or without ``/proc``, where it sleeps once (best effort).
+    Still: not running, runnable or in I/O, and not scheduled during the sleep (a thread waiting for
+    the GIL takes it then). ``False`` at the timeout, or without ``/proc`` (after one sleep).
     """
     before = thread_states(names)
     if before is None:

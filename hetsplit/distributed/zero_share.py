@@ -1,11 +1,7 @@
 """Zero share: what a rank the plan gives 0 samples runs each step, and how that stand-in is recognised.
 
-``DataLoader(batch_size=0)`` is refused by torch and many models cannot run 0 rows
-(``x.view(x.size(0), -1)``), yet every rank takes part in every collective: a rank with a
-share of 0 runs :data:`STAND_IN` real samples (the global batch's first rows), weighted 0
-and counted as none. Whoever hands a batch out (the loader's iterator, ``local_batch``;
-not the sampler, which a loader's workers run ahead) says to :data:`IN_HAND` whether it is
-that stand-in, per thread; the weighting reads it in the forward.
+``DataLoader(batch_size=0)`` is refused and many models cannot run 0 rows, yet every rank takes part
+in every collective: such a rank runs :data:`STAND_IN` real samples, weighted 0.
 """
 
 from __future__ import annotations
@@ -27,11 +23,7 @@ ZERO_SHARES = ("sample", "empty")
 
 
 def check_zero_share(zero_share: str) -> str:
-    """``zero_share`` if it is one of :data:`ZERO_SHARES`.
-
-    Raises:
-        ValueError: Naming the value and the accepted ones.
-    """
+    """``zero_share`` if it is one of :data:`ZERO_SHARES`, else a ``ValueError`` naming them."""
     if zero_share not in ZERO_SHARES:
         raise ValueError(f"zero_share={zero_share!r}: use one of {', '.join(map(repr, ZERO_SHARES))}")
     return zero_share
@@ -43,10 +35,7 @@ def stand_in_rows(rows: int) -> int:
 
 
 def is_stand_in(planned: int | None, rows: int) -> bool:
-    """Whether ``rows`` rows run where the plan gives ``planned`` are a zero share's stand-in (or nothing).
-
-    The one test every check of a step against its plan makes before refusing it.
-    """
+    """Whether ``rows`` rows run where the plan gives ``planned`` are a zero share's stand-in (or nothing)."""
     return planned == 0 and rows <= STAND_IN
 
 
@@ -62,34 +51,22 @@ def stand_in_batch(batch: Any, dim: int = 0, *, rows: int | None = None) -> Any:
 
 
 def stand_in_items(dataset: Any) -> list[Any]:
-    """The stand-in drawn from a map-style dataset: its first items, for a framework that collates them itself.
-
-    (The HF Trainer's evaluation of a share of 0 runs these, collated by its own collator.)
-    """
+    """The stand-in drawn from a map-style dataset: its first items, for a framework that collates them itself."""
     return [dataset[i] for i in range(stand_in_rows(len(dataset)))]
 
 
 class HandOff:
     """What the batch handed to the training loop last, on this thread, is: a stand-in, a short batch's share.
 
-    Written by whoever gives a batch to the loop (:func:`~hetsplit.distributed.data_loader`'s
-    iterator, :func:`~hetsplit.distributed.local_batch`) and read by the gradient weighting:
-    made without a plan, it counts a zero share's stand-in as 0 samples, as the plan's
-    weighting does; made with one, it weights an epoch's short last global batch
-    (``pad=False``) by every rank's real rows there, not by the plan's.
+    Written by whoever hands a batch to the loop (not the sampler, which a loader's workers run
+    ahead) and read by the gradient weighting in the forward.
     """
 
     def __init__(self) -> None:
         self._local = threading.local()
 
     def hand(self, stand_in: bool, short: list[int] | None = None) -> None:
-        """The batch now handed out is (``True``) or is not a stand-in.
-
-        Args:
-            stand_in: Whether it is a zero share's stand-in.
-            short: Every rank's rows of a global batch short of the plan's (the same list
-                on every rank), or ``None`` for a batch of the plan's sizes.
-        """
+        """Say whether the batch now handed out is a stand-in; ``short``: every rank's rows of a short global batch."""
         self._local.stand_in = stand_in
         self._local.short = short
 

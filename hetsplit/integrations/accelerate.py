@@ -41,16 +41,9 @@ from .shares_loader import SharesLoader, load_epochs, save_epochs, shuffle_seed
 class HeteroAccelerator(accelerate.Accelerator):  # type: ignore[misc]
     """``accelerate.Accelerator`` whose prepared loaders give each process its share of one hetsplit plan.
 
-    A one-line change for an accelerate script (docs/integrations.md, accelerate):
-    ``prepare(model, optimizer, loader)`` gives each process its share of every global
-    batch instead of accelerate's even sharding, wraps the model as accelerate does (DDP,
-    or FSDP2) and weights its gradients by shard, so an optimizer step equals a full-batch
-    step. The plan is profiled on every process's device at ``prepare``, or given. As
-    with accelerate: the global batch is processes × the loader's ``batch_size`` (its
-    ``batch_size`` with ``split_batches=True``), a last incomplete global batch is completed
-    by wrapping around and :meth:`gather_for_metrics` drops the duplicates; ``accumulate()``
-    and ``backward()`` stay exact. :meth:`gather` and :meth:`reduce` take uneven shards; a
-    plan with micro-batches is followed with :meth:`micro_batches`.
+    ``prepare(model, optimizer, loader)`` wraps the model as accelerate does (DDP, or FSDP2) and
+    weights its gradients by shard, so an optimizer step equals a full-batch step
+    (docs/integrations.md, accelerate); the global batch is accelerate's.
 
     Attributes:
         plan: The plan in force (``None`` until the first loader is prepared without
@@ -63,19 +56,16 @@ class HeteroAccelerator(accelerate.Accelerator):  # type: ignore[misc]
     Args:
         weighting: ``"hook"`` (a DDP comm hook weights every gradient by ``b_r / B``),
             ``"outputs"`` (the gradient into the model's outputs is scaled; no comm hook),
-            or ``"none"`` (DDP's plain mean). The first two are exact for a loss that is
-            each process's mean over its samples; a loss averaged over tokens (a padded
-            language-model loss) would be weighted by samples: normalise it over the
-            global batch's tokens yourself (``loss_sum / global_tokens * processes``) and
-            use ``"none"``, or use :class:`~hetsplit.transformers.HeteroTrainer`.
+            or ``"none"`` (DDP's plain mean). For a loss averaged over tokens, normalise it
+            over the global batch's tokens yourself (``loss_sum / global_tokens * processes``)
+            and use ``"none"``, or use :class:`~hetsplit.transformers.HeteroTrainer`.
         loss_fn: ``loss_fn(output, target)`` for profiling a ``(input, target, ...)``
             batch; default: ``output.loss`` for dict batches (Hugging Face models), the
             sum of the outputs otherwise.
         options: ``devices``, ``plan``, ``profile``, ``global_batch_size``, ``rebalance``,
             ``plan_kwargs``, ``quiet``: the arguments every integration shares, as keywords
             or one :class:`~hetsplit.integrations.options.HeteroOptions`. With ``rebalance``
-            each batch of the training loader (from its yield to the next) is one step;
-            the measured step is said at :meth:`end_training` (or at exit).
+            each batch of the training loader (from its yield to the next) is one step.
         **accelerator_kwargs: Passed to ``accelerate.Accelerator``.
 
     Raises:
@@ -184,17 +174,8 @@ class HeteroAccelerator(accelerate.Accelerator):  # type: ignore[misc]
     def prepare(self, *args: Any, device_placement: Any = None) -> Any:
         """Prepare as accelerate does; loaders get plan shares, models shard-weighted gradients.
 
-        Without a plan, the first loader's global batch is planned here: every process
-        profiles the model passed alongside (or :attr:`model_to_profile`, or the model
-        prepared last) on its device. A loader prepared before any model follows even
-        shares until a model is prepared, and the profiled plan from its next batch on.
-
-        With FSDP2 (``fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2)``, on GPU
-        or CPU processes) accelerate shards the model here; it is weighted at the root's
-        outputs (:func:`hetsplit.distributed.weight_gradients`), the plan is profiled on
-        the sharded model (loaders passed alongside are prepared after it; a loader
-        prepared earlier follows even shares until then), and :meth:`micro_batches` runs
-        as many micro-batches on every process.
+        Without a plan, every process profiles the model passed alongside (or :attr:`model_to_profile`,
+        or the model prepared last) on its device; with FSDP2, as sharded, the loaders prepared after it.
 
         Raises:
             ValueError: For a loader over an iterable dataset, without ``batch_size`` (a
@@ -342,10 +323,8 @@ class HeteroAccelerator(accelerate.Accelerator):  # type: ignore[misc]
         self._dataloaders.append(loader)
         return loader
 
-    # Each batch of the training loader is one step, from its yield to the next (the
-    # rebalancer times it, the split report counts it); a subclass whose framework fetches
-    # several batches before running them (HeteroTrainer, over an accumulation window)
-    # marks its own steps.
+    # Each batch of the training loader is one step, from its yield to the next; a subclass whose
+    # framework fetches several batches first (HeteroTrainer's accumulation window) marks its own.
     steps_in_loader: ClassVar[bool] = True
 
     def _loader_step(self) -> contextlib.AbstractContextManager[Any]:
@@ -368,11 +347,7 @@ class HeteroAccelerator(accelerate.Accelerator):  # type: ignore[misc]
         super().end_training()
 
     def rebalance_step(self) -> contextlib.AbstractContextManager[Any]:
-        """One training step, timed by the rebalancer (nothing without ``rebalance``).
-
-        The rebalancer is made at the first step, over the training loader's sampler, the
-        prepared model's gradient weighting and this process's device.
-        """
+        """One training step, timed by the rebalancer (made at the first step; nothing without ``rebalance``)."""
         if not self.rebalance or self._planned_shares is None or self._plan is None:
             return contextlib.nullcontext()
         rebalancer = self.rebalancer
@@ -408,8 +383,7 @@ class HeteroAccelerator(accelerate.Accelerator):  # type: ignore[misc]
     ) -> torch.nn.Module:
         """Wrap as accelerate does (DDP), then weight the gradients by shard; emulated devices at their speed.
 
-        accelerate shards an FSDP2 model in :meth:`prepare` instead (with its optimizer),
-        where it is weighted the same way (see :meth:`prepare`).
+        accelerate shards an FSDP2 model in :meth:`prepare` instead, where it is weighted the same way.
         """
         if not evaluation_mode and kind(model) == "ddp":  # DDP's first broadcast aborts a rank on a dtype mismatch
             verify_dtypes(model)
@@ -422,9 +396,7 @@ class HeteroAccelerator(accelerate.Accelerator):  # type: ignore[misc]
     def _adopt(self, model: torch.nn.Module) -> None:
         """Weight a prepared model's gradients by shard and run it at this process's speed (once a model).
 
-        It is also what a plan left provisional waits for (a loader prepared before any
-        model, :meth:`_make_plan`): the shares are profiled on it (an FSDP2 model as sharded)
-        and every loader follows them from its next batch.
+        A plan left provisional (:meth:`_make_plan`) is profiled on it, followed from every loader's next batch.
         """
         if model in self._adopted:
             return
@@ -459,12 +431,9 @@ class HeteroAccelerator(accelerate.Accelerator):  # type: ignore[misc]
     def micro_batches(self, model: torch.nn.Module, batch: Any, *, dim: int = 0) -> Iterator[Any]:
         """This process's batch cut into the plan's micro-batches, all but the last under ``no_sync()``.
 
-        Follows ``plan.micro_batches`` (``solve(..., accumulate=True)``: a device with a
-        memory cap runs its share as several micro-batches). Run forward and
-        :meth:`backward` of each in the loop body; each micro-batch's gradient is weighted
-        by its samples, so a mean loss per micro-batch still gives the full-batch step.
-        A share of one micro-batch is yielded whole; an emulated memory cap
-        (``cpu:max64``) raises ``torch.OutOfMemoryError`` above it, as a GPU would.
+        Each micro-batch's gradient is weighted by its samples, so a mean loss per micro-batch
+        still gives the full-batch step; an emulated memory cap (``cpu:max64``) raises
+        ``torch.OutOfMemoryError`` above it, as a GPU would.
 
         Raises:
             ValueError: Without a plan yet, with ``weighting="none"``, or for a batch that
@@ -506,9 +475,7 @@ class HeteroAccelerator(accelerate.Accelerator):  # type: ignore[misc]
     def gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:
         """Every process's rows of the current batch that are data, each sample once, in process order.
 
-        Inside a prepared loader's loop each process sends only its real rows (not the
-        padding of a last global batch, nor the stand-in a share of 0 is served), so
-        the result covers every sample of the data set once, whatever the shares.
+        Inside a prepared loader's loop the padding of a last global batch and a zero share's stand-in are left out.
         """
         loader = getattr(self.gradient_state, "active_dataloader", None)
         if not isinstance(loader, SharesLoader) or loader.current_samples is None or self.num_processes == 1:
@@ -523,11 +490,8 @@ class HeteroAccelerator(accelerate.Accelerator):  # type: ignore[misc]
     def reduce(self, tensor: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
         """Reduce across processes; a ``"mean"`` weights each process by its samples.
 
-        Inside a prepared loader's loop the weights are the current batch's samples, so
-        a per-process batch mean (a loss) reduces to the mean over the global batch, not
-        the plain mean of unequal shards' means; outside one, the plan's shares (a mean
-        over each process's samples of an epoch). ``"sum"``, ``"max"`` and ``"none"``
-        are accelerate's.
+        The current batch's samples inside a prepared loader's loop (a batch mean reduces to the global
+        batch's), the plan's shares outside one; ``"sum"``, ``"max"`` and ``"none"`` are accelerate's.
         """
         loader = getattr(self.gradient_state, "active_dataloader", None)
         samples = getattr(loader, "current_samples", None)

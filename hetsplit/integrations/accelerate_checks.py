@@ -33,14 +33,7 @@ def check_arguments(
 ) -> list[str] | None:
     """Every argument checked before accelerate or a process group starts; the per-process device names.
 
-    Args:
-        options: HeteroAccelerator's shared arguments (:class:`~.options.HeteroOptions`).
-        weighting: How its gradients are weighted.
-        accelerator_kwargs: Those for ``accelerate.Accelerator``.
-        world: The number of processes launched.
-        who: The class the user made (named in every message).
-        loss_weights_micro_batches: The caller's loss weights each micro-batch itself
-            (HeteroTrainer's), so ``weighting="none"`` takes a plan with micro-batches.
+    With ``loss_weights_micro_batches`` (HeteroTrainer's loss) ``weighting="none"`` takes a plan with micro-batches.
     """
     options.check(who, weighting)
     whole = f'{who}(weighting="none")' if weighting == "none" and not loss_weights_micro_batches else None
@@ -106,12 +99,8 @@ def check_arguments(
 def shard_on_cpu(state: Any, plugin: Any) -> None:
     """Make accelerate's state shard with ``plugin`` (FSDP2) in a multi-process CPU job, as it does on GPUs.
 
-    accelerate sets ``DistributedType.FSDP`` for GPU-like process types only; with
-    ``MULTI_CPU`` the plugin is dropped and every process would hold a DDP copy. FSDP2
-    itself runs on CPU processes over gloo, and emulated devices (``cpu,cpu@0.25:max8``)
-    must run the same path as GPUs: the state is set as accelerate sets it on a GPU
-    (the plugin and its mixed precision, the shared distributed type) and from there on
-    accelerate's own FSDP2 code prepares, saves and loads.
+    accelerate drops the plugin under ``MULTI_CPU``, though FSDP2 runs over gloo and emulated devices must
+    run the GPUs' path; from here on accelerate's own FSDP2 code prepares, saves and loads.
     """
     from accelerate.state import PartialState
     from accelerate.utils import DistributedType

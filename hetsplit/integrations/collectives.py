@@ -28,19 +28,8 @@ def weighted_reduce(
 ) -> torch.Tensor:
     """Reduce a value computed on ``samples`` samples of this step, each rank weighted by its samples.
 
-    A mean becomes ``sum_r b_r * v_r / sum_r b_r`` (one all-reduce of ``[b_r * v_r, b_r]``),
-    the mean over the step's global batch; a rank without samples adds nothing (also
-    where its value is NaN, as a mean over no samples is). Sum, max and min are the
-    plain reduction, with a rank without samples contributing the neutral value.
-
-    Args:
-        tensor: This rank's value.
-        samples: This rank's samples in the step.
-        reduce_op: The reduction asked for (``"mean"``, ``"sum"``, ``ReduceOp.SUM``, ...).
-        plain: ``plain(tensor, reduce_op)``: the unweighted reduction (the trainer's own).
-
-    Returns:
-        The reduced value, the same on every rank.
+    A mean becomes ``sum_r b_r * v_r / sum_r b_r`` (one all-reduce through ``plain``, the trainer's own
+    reduction); a rank without samples adds nothing, even a NaN, and the neutral value to sum, max, min.
     """
     op = op_name(reduce_op)
     if op == "mean":
@@ -59,10 +48,8 @@ def weighted_reduce(
 def uneven_gather(data: Any, group: Any = None) -> Any:
     """Every rank's tensors concatenated along dim 0 in rank order, whatever each rank's length.
 
-    Lengths are all-gathered first, each tensor is padded to the longest and gathered,
-    and the padding is cut off, so a rank with 0 rows (or 3 against another's 7) adds
-    exactly its rows. A 0-dim tensor counts as one row. Dicts, lists and tuples are
-    walked; any other object is all-gathered as a list with one entry per rank.
+    A 0-dim tensor counts as one row; dicts, lists and tuples are walked; any other object is
+    all-gathered as a list with one entry per rank.
 
     Raises:
         ValueError: If ranks give tensors whose trailing shapes differ (naming them).
@@ -101,11 +88,7 @@ def uneven_gather(data: Any, group: Any = None) -> Any:
 
 
 def first_rows(data: Any, rows: int, real: int) -> Any:
-    """The first ``real`` rows of everything in ``data`` that has ``rows`` (a tensor, a list); the rest whole.
-
-    A list of ``rows`` plain objects (decoded texts, say) is one object per row and is
-    cut too; containers keep their types (:func:`hetsplit.tree.tree_map`).
-    """
+    """The first ``real`` rows of everything in ``data`` with ``rows`` rows (tensors, lists of texts); the rest kept."""
     if real == rows:
         return data
 

@@ -1,16 +1,6 @@
 """Core: the building block every integration composes, one function per piece, in the order they run.
 
-1. the rank's device: :func:`launched_world`, :func:`device_names`, :func:`labels`, :func:`is_cpu_job`;
-2. the plan: :func:`profiled_plan`, and :func:`shares_for` another global batch;
-3. the loader re-cut: :func:`hetsplit.integrations.loaders.rebuilt_loader`;
-4. the weighting: :func:`check_plan` (the plan against the world and the weighting), then
-   :func:`hetsplit.distributed.weight_gradients`;
-5. the throttle: :func:`throttler` (or :func:`throttle_forward` for a framework that calls the model);
-6. the report: :class:`SplitReport`;
-7. the rebalancer: :func:`rebalancer`.
-
-Each framework keeps only its own wiring (docs/integrations.md, "Adding an integration or
-an engine"); the shared arguments are :mod:`.options`.
+The order and how to wire it: docs/integrations.md, "Adding an integration or an engine".
 """
 
 from __future__ import annotations
@@ -70,12 +60,10 @@ def labels(names: Sequence[str]) -> list[str]:
 
 
 def is_cpu_job(device: Device | None, world: int) -> bool:
-    """Whether this rank of a multi-process job runs on the CPU: its device is one, or, without a
-    device list, the machine has no CUDA.
+    """Whether this rank of a multi-process job runs on the CPU (its device, else no CUDA on the machine).
 
-    The frameworks run such a job as one multi-process CPU job only when told (accelerate's
-    ``cpu=True``, the Trainer's ``use_cpu=True``); otherwise each process believes it is
-    alone and trains its own copy. The integrations tell them.
+    The frameworks run such a job as one job only when told (accelerate's ``cpu=True``, the Trainer's
+    ``use_cpu=True``); otherwise each process believes it is alone and trains its own copy.
     """
     if world <= 1:
         return False
@@ -99,22 +87,15 @@ def profiled_plan(
 ) -> Plan:
     """The plan for every rank, each profiling ``model`` on a batch of ``loader`` on its own device.
 
-    Drawing the batch and profiling draw random numbers: the training run must not see
-    that, so the random state (the CPU's and ``cuda``'s) is put back after. A failure other
-    than a peer's (:class:`~hetsplit.distributed.DistributedError`) becomes one
-    ``RuntimeError`` naming ``who``, ``what`` was profiled, the device and the cause, then ``hint``.
+    The random state (the CPU's and ``cuda``'s) is put back after, so the training run draws what it
+    would have. A failure other than a peer's becomes one ``RuntimeError`` naming ``who``, ``what``
+    was profiled, the device and the cause, then ``hint``.
 
     Args:
-        who: The class the user made.
-        what: What was profiled (``"the model"``, ``"training_step"``).
-        model: The model (or a module whose forward is the loss) to time.
-        loader: The user's training loader (its first batch, on the CPU, is the sample).
         batch_size, device, profile: As for :func:`hetsplit.distributed.plan`.
         plan_kwargs: The other arguments of :func:`hetsplit.distributed.plan` (``HeteroOptions.plan_arguments``).
-        hint: What the user can do instead.
         inputs: ``(sample, keywords)`` for :func:`hetsplit.distributed.plan` from a batch
             (``loss_fn``, ``target``); default: the batch itself.
-        cuda: The GPUs whose random state to keep.
     """
     try:
         with torch.random.fork_rng(devices=list(cuda)):
@@ -131,10 +112,7 @@ def profiled_plan(
 def shares_for(plan: Plan | None, batch_size: int, names: Sequence[str]) -> Plan:
     """``plan``'s shares of a global batch of ``batch_size``: the plan, its proportions, or even shares without one.
 
-    Args:
-        plan: The plan in force (``None``: none yet).
-        batch_size: The global batch to split (an evaluation loader's, a loader prepared later).
-        names: The labels of a plan made here, one per process.
+    ``names`` label a plan made here, one per process.
     """
     if plan is None:
         return even_plan(batch_size, list(names))
@@ -153,14 +131,10 @@ def check_plan(
     """The one check of a plan against what runs it, one message in every integration (every rank, before any step).
 
     Args:
-        who: The class the user made.
-        plan: The plan given or made (``None``: nothing to check).
         world: The number of processes (``None``: not known yet).
-        rebalance: The ``rebalance`` argument: refused with a plan with micro-batches
-            (:func:`hetsplit.planning.rebalance.rebalanced_caps`: the integrations do
-            not follow re-cut micro-batches mid-run).
-        whole_shares: Where each share runs as one batch (a loss the user normalises,
-            ``weighting="none"``): its name, for the message refusing micro-batches.
+        rebalance: Refused with a plan with micro-batches: the integrations do not follow re-cut
+            micro-batches mid-run.
+        whole_shares: Where each share runs as one batch (``weighting="none"``): its name, for the message.
 
     Raises:
         ValueError: A plan for another number of processes; micro-batches with
@@ -206,9 +180,8 @@ _FORWARDS_PAUSED = threading.local()
 def forwards_unthrottled() -> Iterator[None]:
     """Leave the forwards :func:`throttle_forward` slows to an enclosing throttle (this thread).
 
-    Profiling a model already prepared (FSDP2, sharded before its plan is made) throttles
-    each whole step itself; a second throttle around the forward inside it would count the
-    forward twice on a wall clock (an emulated GPU: ``1/speed**2`` instead of ``1/speed``).
+    Profiling a prepared model throttles each whole step itself; a second throttle would slow its
+    forward twice (``1/speed**2`` instead of ``1/speed``).
     """
     before = getattr(_FORWARDS_PAUSED, "on", False)
     _FORWARDS_PAUSED.on = True
@@ -219,10 +192,9 @@ def forwards_unthrottled() -> Iterator[None]:
 
 
 def throttle_forward(model: nn.Module, device: Device | None) -> None:
-    """Run every forward of ``model`` at ``device``'s emulated speed, by :func:`throttler`'s rule.
+    """Run every forward of ``model`` at ``device``'s emulated speed (not inside :func:`forwards_unthrottled`).
 
-    For a framework that calls the model itself (accelerate): its backward is throttled
-    where the framework runs it. Not inside :func:`forwards_unthrottled`.
+    For a framework that calls the model itself (accelerate); its backward is throttled where it runs.
     """
     if device is None or not device.emulated:
         return

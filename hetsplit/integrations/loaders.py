@@ -1,9 +1,6 @@
 """Loaders: a user's DataLoader rebuilt on hetsplit's shares, the same way for Lightning, accelerate and the Trainer.
 
-Each integration decides only which plan the loader follows, whether a last short global
-batch is padded, and how it orders the data (the framework's seed); which loaders can
-be rebuilt, which of their settings are kept and the rebuilding itself are here. The
-Trainer's loaders are rebuilt by its accelerator (``HeteroAccelerator.prepare_data_loader``).
+Each integration decides only the plan, the padding of a last short global batch, and the order's seed.
 """
 
 from __future__ import annotations
@@ -57,16 +54,8 @@ def rebuilt_loader(
 ) -> DataLoader[Any]:
     """``loader`` rebuilt on this rank's shares of ``plan`` (:func:`hetsplit.distributed.data_loader`): the one re-cut.
 
-    The same dataset, ``collate_fn``, ``drop_last`` and :func:`carried_settings`; the
-    order is ``shuffle`` with ``seed``, every rank cutting the same global batches.
-
-    Args:
-        loader: The user's loader (checked by :func:`check_loader` or :func:`lightning_order`).
-        plan: The shares of its global batch.
-        shuffle, seed, pad, num_replicas, rank, zero_share: As for :func:`hetsplit.distributed.data_loader`.
-        make: The framework's loader class over the shares (accelerate's ``SharesLoader``),
-            called with the dataset, ``batch_sampler``, ``collate_fn`` and the carried
-            settings; default: hetsplit's own.
+    The same dataset, ``collate_fn``, ``drop_last`` and :func:`carried_settings`. ``make`` is the
+    framework's loader class over the shares (accelerate's ``SharesLoader``); default: hetsplit's own.
     """
     shares = hd.data_loader(
         loader.dataset,
@@ -99,11 +88,6 @@ def shares_sampler(loader: DataLoader[Any]) -> HeteroDistributedSampler:
 def check_loader(loader: object, who: str, stage: str = "") -> None:
     """A loader ``who`` can rebuild on shares without changing what it means, else one clear error.
 
-    Args:
-        loader: The user's loader.
-        who: The integration's class (named in the message).
-        stage: ``"training"``, ``"validation"``, ... (named in the message; ``""``: none).
-
     Raises:
         ValueError: For anything but a ``DataLoader`` over a map-style dataset with
             ``batch_size`` and a random or sequential sampler.
@@ -116,16 +100,8 @@ def check_loader(loader: object, who: str, stage: str = "") -> None:
 def lightning_order(loader: object, stage: str, *, strict: bool, who: str) -> tuple[bool, int] | None:
     """Whether a loader Lightning hands a strategy shuffles, and with which seed (``None``: it cannot be rebuilt).
 
-    The loader is checked as :func:`check_loader` checks one, except that it may hold the
-    ``DistributedSampler`` Lightning puts in (with its own shuffle and seed); otherwise the
-    user's ``RandomSampler``/``SequentialSampler`` only says whether to shuffle, and the seed
-    is ``$PL_GLOBAL_SEED`` (``seed_everything``).
-
-    Args:
-        loader: The loader Lightning hands the strategy.
-        stage: ``"training"``, ``"validation"``, ... (for the message).
-        strict: Raise when the loader cannot be sharded by index; else return ``None``.
-        who: The strategy's class (named in the message).
+    Checked as :func:`check_loader` checks one, except that it may hold Lightning's ``DistributedSampler``
+    (its shuffle and seed kept); else the seed is ``$PL_GLOBAL_SEED`` (``seed_everything``).
 
     Raises:
         ValueError: With ``strict``, as :func:`check_loader`.

@@ -16,13 +16,7 @@ from hetsplit.tree import samples_in
 def items_in(inputs: Mapping[str, Any], shifted: bool) -> torch.Tensor | int:
     """Items a mean loss averages over in ``inputs``: label tokens that count (not -100, a tensor), else samples.
 
-    Args:
-        inputs: A collated batch.
-        shifted: Whether the loss predicts label ``i + 1`` at position ``i`` (a causal LM):
-            position 0 of ``labels`` then never counts (``shift_labels`` are taken as given).
-
-    Returns:
-        A 0-dim tensor on the labels' device (no synchronisation), or the samples as an int.
+    With ``shifted`` (a causal LM) position 0 of ``labels`` never counts; ``shift_labels`` are taken as given.
     """
     labels = inputs.get("shift_labels", inputs.get("labels")) if isinstance(inputs, Mapping) else None
     if isinstance(labels, torch.Tensor) and labels.dim() > 0:
@@ -33,11 +27,7 @@ def items_in(inputs: Mapping[str, Any], shifted: bool) -> torch.Tensor | int:
 
 
 def piece_items(inputs: Any, sizes: list[int], shifted: bool, device: torch.device) -> torch.Tensor:
-    """The items (:func:`items_in`) of each micro-batch of ``inputs``, ``sizes`` rows one after another.
-
-    Returns:
-        One float64 count per micro-batch, on ``device``, without a synchronisation.
-    """
+    """The items (:func:`items_in`) of each micro-batch of ``inputs``, as float64 on ``device`` (no synchronisation)."""
     out = [items_in(piece, shifted) for piece in row_pieces(inputs, sizes)]
     return torch.cat([torch.as_tensor(n, dtype=torch.float64, device=device).reshape(1) for n in out])
 
@@ -46,13 +36,8 @@ def piece_items(inputs: Any, sizes: list[int], shifted: bool, device: torch.devi
 def zero_gradients(model: nn.Module) -> Iterator[None]:
     """Backward passes inside add an exact 0 to every parameter's gradient, whatever their loss computes.
 
-    Weighting a mean over no items by 0 makes its value 0, not its backward: for
-    ``(l * mask).sum() / mask.sum()`` that is 0 * (1/0), NaN in every parameter (and,
-    through DDP's all-reduce, on every process). The backward still reaches every
-    parameter it would, so DDP's reducer sees the same parameters ready as elsewhere.
-
-    Args:
-        model: The model (DDP-wrapped or not) whose parameters' gradients are held.
+    Weighting a mean over no items by 0 makes its value 0, not its backward (``0 * (1/0)``: NaN, through
+    DDP on every process); the backward still reaches every parameter, as DDP's reducer expects.
     """
     handles = [p.register_hook(torch.zeros_like) for p in model.parameters() if p.requires_grad]
     try:

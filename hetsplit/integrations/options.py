@@ -1,10 +1,6 @@
 """Options: the arguments every integration shares, carried in one object and checked one way.
 
-``HeteroDDPStrategy``, ``HeteroModelParallelStrategy``, ``HeteroAccelerator`` and
-``HeteroTrainer`` take the fields of :class:`HeteroOptions` as keywords, or the object
-whole (``options=``), through one helper (:meth:`HeteroOptions.take`); inside, they carry
-the object. How gradients are weighted (``weighting``) is each integration's own: the
-Trainer weights its loss instead, FSDP2 only at its outputs.
+``weighting`` stays each integration's own: the Trainer weights its loss instead, FSDP2 only at its outputs.
 """
 
 from __future__ import annotations
@@ -38,20 +34,16 @@ class HeteroOptions:
             ``$HETSPLIT_DEVICES``, set by ``hetsplit launch``, else the framework's own
             devices). Emulated devices run at their speed and memory.
         plan: The plan for every process (``plan.sizes[rank]`` samples per step); else one
-            is profiled on every process's device at the first training loader (rank 0
-            solves; :func:`hetsplit.distributed.plan`).
+            is profiled on every process's device at the first training loader.
         profile: A profile to solve the plan from instead of timing the model.
         global_batch_size: Samples per step over all processes (default: the framework's,
             processes × the loader's ``batch_size``).
         rebalance: Re-solve the shares from measured step times every this many steps (0:
-            never), or a :class:`~hetsplit.Rebalancer` policy
-            (:class:`hetsplit.distributed.DistributedRebalancer`). Not with a plan with
-            micro-batches.
+            never), or a :class:`~hetsplit.Rebalancer` policy; not with a plan with micro-batches.
         plan_kwargs: Passed to :func:`hetsplit.distributed.plan` (``time_budget``,
             ``calibrate``, ``batch_sizes``, ``weights``, ``accumulate``, ...), over
             :data:`PLAN_KWARGS`.
-        quiet: Say nothing about the split (else rank 0 prints the split and its predicted
-            step when training starts, the measured step when it ends; ``HETSPLIT_QUIET=1`` too).
+        quiet: Rank 0 says nothing about the split and its steps (``HETSPLIT_QUIET=1`` too).
 
     Example:
         >>> options = HeteroOptions(devices="cpu,cpu@0.25", rebalance=20)
@@ -68,9 +60,7 @@ class HeteroOptions:
 
     @classmethod
     def take(cls, who: str, options: HeteroOptions | None, kwargs: dict[str, Any]) -> HeteroOptions:
-        """The options of an integration made with ``options=`` or with the fields as keywords in ``kwargs``.
-
-        The fields are popped from ``kwargs``; what is left is the framework's own.
+        """The options of an integration made with ``options=`` or with the fields as keywords (popped from ``kwargs``).
 
         Raises:
             TypeError: As :meth:`given`.
@@ -116,7 +106,6 @@ class HeteroOptions:
 
         Args:
             who: The class the user made (named in every message).
-            weighting: The weighting the user gave.
             weightings: The weightings ``who`` offers.
 
         Raises:

@@ -1,8 +1,6 @@
 """The loader HeteroAccelerator prepares: accelerate's DataLoaderShard over hetsplit's shares, and its epochs.
 
-Each prepared loader knows what its current batch holds (the samples the weighting
-counts, the real rows ``gather_for_metrics`` keeps) and keeps its epoch in a checkpoint,
-so a resumed run draws the orders the uninterrupted one would.
+Its epoch is kept in a checkpoint, so a resumed run draws the orders the uninterrupted one would.
 """
 
 from __future__ import annotations
@@ -28,12 +26,11 @@ class SharesLoader(DataLoaderShard):  # type: ignore[misc]
 
     Attributes:
         current_samples: The samples of the current batch the gradient weighting counts
-            (0 for the stand-in a share of 0 is served), ``None`` outside a loop.
+            (0 for a zero share's stand-in), ``None`` outside a loop.
         origin: The loader this one was cut from by ``skip_first_batches``: its epoch
             counter moves on with this one's, so the next epoch draws the next order.
-        step_context: Makes the context each batch is handed out in, from its yield to the
-            next (the accelerator's rebalancer times it as one step); ``None``: none.
-        pass_ended: Called when a pass over the loader ends (the accelerator's split report).
+        step_context: Makes the context each batch is handed out in, from its yield to the next.
+        pass_ended: Called when a pass over the loader ends.
     """
 
     current_samples: int | None = None
@@ -70,11 +67,7 @@ class SharesLoader(DataLoaderShard):  # type: ignore[misc]
             self.pass_ended()
 
     def real_rows(self) -> int:
-        """This process's rows of the current batch that are data counted once.
-
-        Not the padding that completes a last global batch, nor the one sample a share of
-        0 is served (:meth:`HeteroDistributedSampler.real_rows`).
-        """
+        """This process's rows of the current batch that are data counted once (no padding, no zero-share stand-in)."""
         return min(self._rows, self.shares.real_rows(self._index))
 
     def padded(self) -> bool:
@@ -104,11 +97,7 @@ class SharesLoader(DataLoaderShard):  # type: ignore[misc]
 
 
 def shuffle_seed(loader: DataLoader[Any], data_seed: int | None, processes: int) -> int:
-    """The seed every process shuffles with: ``data_seed``, else process 0's (its loader's generator or torch's).
-
-    So ``set_seed`` and a loader's ``generator`` change the order as they would with
-    accelerate, and all processes cut the same order.
-    """
+    """The seed every process shuffles with: ``data_seed``, else process 0's (its loader's generator or torch's)."""
     if data_seed is not None:
         return int(data_seed)
     generator = getattr(loader, "generator", None) or getattr(loader.sampler, "generator", None)

@@ -34,11 +34,9 @@ from .options import HeteroOptions
 class _TrainerPrivates(transformers.Trainer):
     """HeteroTrainer's overrides of ``transformers.Trainer``'s private methods, all here: its version risk.
 
-    A transformers release that renames or changes one of these breaks ``HeteroTrainer``
-    here first (docs/compatibility.md; the floor is in :mod:`.versions`, tested in CI).
-    Also read, not overridden, with a fallback where a release lacks them:
-    ``_get_num_items_in_batch``, ``_prepare_inputs``, ``_loss_shifts_labels``,
-    ``loss_is_scaled_for_ga`` and ``_tr_loss``; ``TrainingArguments._setup_devices``.
+    Also read, not overridden, with a fallback where a release lacks them: ``_get_num_items_in_batch``,
+    ``_prepare_inputs``, ``_loss_shifts_labels``, ``loss_is_scaled_for_ga``, ``_tr_loss`` and
+    ``TrainingArguments._setup_devices``.
     """
 
     accelerator: Any
@@ -52,10 +50,8 @@ class _TrainerPrivates(transformers.Trainer):
     def _finalize_training(self, *args: Any, **kwargs: Any) -> Any:
         """The Trainer's end of training, with the loss it has not logged yet averaged over the processes.
 
-        Each process's loss is its part of the global loss (``world * S_r / N``): only their
-        mean is the global batch's. The Trainer averages the losses it logs so, but adds
-        what is left since the last log (all of it without logging steps) as this
-        process's own to ``train_loss``: 0 on a process whose share is 0.
+        Only the processes' mean is the global batch's loss, but the Trainer adds what is left since
+        the last log as this process's own to ``train_loss`` (0 on a process whose share is 0).
         """
         rest = getattr(self, "_tr_loss", None)
         if torch.is_tensor(rest) and self.accelerator.num_processes > 1:
@@ -68,9 +64,8 @@ class _TrainerPrivates(transformers.Trainer):
     def _save(self, output_dir: str | None = None, state_dict: dict[str, Any] | None = None) -> None:
         """The Trainer's save; a gathered ``state_dict``'s tied weights are one tensor again, saved once.
 
-        ``save_pretrained`` drops a tied weight (GPT-2's ``lm_head.weight``) by finding the
-        tensors that share storage. The whole state dict FSDP2 gathers (``accelerator.get_state_dict``)
-        holds a copy per name, so both were saved, where the plain Trainer saves one.
+        ``save_pretrained`` finds tied weights by shared storage, and FSDP2's gathered state dict
+        holds a copy per name (GPT-2's ``lm_head.weight`` would be saved twice).
         """
         if state_dict is not None and self.model is not None:
             state_dict = _tied_as_one(self.accelerator.unwrap_model(self.model), state_dict)
@@ -80,50 +75,19 @@ class _TrainerPrivates(transformers.Trainer):
 class HeteroTrainer(_TrainerPrivates):
     """``transformers.Trainer`` whose processes each train on their own share of every global batch.
 
-    A one-line change for a Trainer script (docs/integrations.md, Trainer): ``HeteroTrainer(...)``
-    instead of ``Trainer(...)``. The global batch is kept (processes × ``per_device_train_batch_size``,
-    as the Trainer counts it); each process gets the share one hetsplit plan gives its
-    device (``plan=``, or profiled on every process at the first loader), and every
-    step equals a step of the plain model on the whole global batch:
-
-    - Each process computes the model's own mean loss over its items (label tokens that
-      are not ``-100``, shifted by one for a causal LM; else samples) and makes it its
-      part of the global loss, ``world * S_r / N``, with ``N`` the items of the global
-      batch over the accumulation window, counted on every process before the step as
-      the plain Trainer counts them (``num_items_in_batch``: GPT-2's labels unshifted).
-      DDP's plain mean is then the Trainer's global loss: padded token losses are weighted by
-      tokens, models that ignore ``num_items_in_batch`` (sequence classification) are
-      weighted by samples, and gradient accumulation is one mean over the window.
-    - Evaluation: ``eval_loss`` is the plain one-process Trainer's at the same global batch:
-      each global batch's loss summed over the processes, over its items as the plain
-      Trainer counts them (GPT-2's labels unshifted, as in training), then the mean over
-      the batches weighted by their samples (the padding of a last incomplete batch left
-      out; a batch whose loss is not finite too, as the Trainer filters it). For padded
-      batches of different label counts that is not the mean over every item of the set.
-      Predictions and labels reach ``compute_metrics`` with uneven shards, every sample once.
-    - A process whose share is 0 runs two real samples weighted 0 (many models cannot
-      run a batch of 0 rows; DDP needs every process in every backward); one whose share
-      has no items runs its last micro-batch so. Their gradients are held at exact zeros:
-      a mean over no items, ``(l * mask).sum() / mask.sum()``, backpropagates NaN.
-    - A plan with micro-batches is followed, each weighted by its own items
-      (:meth:`training_step`); the Trainer's FSDP2 settings shard as accelerate does, on CPU
-      processes too, with the weighting exact and the plan profiled on the sharded model.
-
-    Launch one process per device: ``hetsplit launch --devices cpu,cpu@0.25 train.py``,
-    torchrun, or ``accelerate launch --multi_gpu --num_processes N``.
+    The global batch (processes × ``per_device_train_batch_size``) is cut by one plan and each
+    process's loss becomes its part of the global loss over items (label tokens, else samples),
+    ``world * S_r / N``, so every step equals the plain model's step on the whole global batch
+    (docs/integrations.md, Trainer). Launch one process per device: ``hetsplit launch --devices
+    cpu,cpu@0.25 train.py``, torchrun, or ``accelerate launch --multi_gpu --num_processes N``.
 
     Args:
         *args: As for ``transformers.Trainer``.
         options: ``devices``, ``plan``, ``profile``, ``global_batch_size``, ``rebalance``,
             ``plan_kwargs``, ``quiet``: the arguments every integration shares, as keywords
-            or one :class:`~hetsplit.integrations.options.HeteroOptions`. With ``rebalance``
-            each ``training_step`` is one step; ``plan_kwargs={"accumulate": True}`` lets a
-            device with a memory cap run its share as micro-batches.
+            or one :class:`~hetsplit.integrations.options.HeteroOptions`. No ``weighting``: the
+            loss weights by items itself, exact for token losses where weighting by samples is not.
         **trainer_kwargs: As for ``transformers.Trainer``.
-
-    The gradients are not weighted by samples (there is no ``weighting`` argument): the
-    loss itself is each process's part of the global batch's mean over items, exact for
-    token losses, where weighting by samples is not.
 
     Raises:
         TypeError, ValueError: As :meth:`~hetsplit.integrations.options.HeteroOptions.check` (the
@@ -213,12 +177,8 @@ class HeteroTrainer(_TrainerPrivates):
     def _counted_items(self, model: nn.Module, inputs: Mapping[str, Any]) -> torch.Tensor | int:
         """The items the plain Trainer divides ``inputs``' summed loss by in evaluation, else the model's own.
 
-        Its ``prediction_step`` passes ``num_items_in_batch`` (``_get_num_items_in_batch``) to
-        a model that takes it, and that count shifts the labels only where the model's
-        ``loss_type`` maps to the causal-LM loss: GPT-2's is None, so its labels count
-        unshifted, position 0 too (16 for a block of 16, where its loss averages 15). The
-        rule is copied, not called: the Trainer's own count all-gathers, once per batch
-        whatever its rows, where these are a process's real rows of a batch cut unevenly.
+        GPT-2's ``loss_type`` is None, so the Trainer counts its labels unshifted (16 for a block of 16,
+        where its loss averages 15). The rule is copied, not called: the Trainer's count all-gathers.
         """
         counts = "labels" in inputs and (self.model_accepts_loss_kwargs or self.compute_loss_func is not None)
         # transformers before _loss_shifts_labels counted every label unshifted.
@@ -249,9 +209,7 @@ class HeteroTrainer(_TrainerPrivates):
     def _count_items(self, batches: list[Any], device: torch.device, counted: Any) -> float:
         """The items of the global batch over ``batches`` (this process's), counted on every process.
 
-        ``counted`` is the Trainer's own count of ``batches`` (``_get_num_items_in_batch``).
-        The items of each batch's micro-batches are kept for :meth:`training_step`, read
-        with the same one synchronisation.
+        ``counted`` is the Trainer's own count; each micro-batch's items are kept for :meth:`training_step`.
         """
         shifted = self._shifts(self._trained_model())
         layout = [(batch, self._micro(samples_in(batch) or 0)) for batch in batches]
@@ -268,16 +226,7 @@ class HeteroTrainer(_TrainerPrivates):
     def _global_items(self, counted: Any, local: torch.Tensor) -> torch.Tensor:
         """What the global batch's summed loss is divided by: the Trainer's count ``counted``, else ``local``'s sum.
 
-        The items a model's own mean averages over (``local``, :func:`items_in`) are not
-        always what the plain Trainer divides by: it counts a model's labels unshifted
-        unless the model's ``loss_type`` maps to the causal-LM loss, so GPT-2 (``loss_type``
-        None, whose loss shifts all the same) is divided by every label, position 0 too.
-        Where the Trainer counts (``counted``, from its own ``_get_num_items_in_batch``),
-        that count is taken as it is; else (the Trainer leaves the model's mean alone,
-        ``num_items_in_batch`` None) the model's own items are.
-
-        Returns:
-            One float64 count on ``local``'s device, summed over the processes.
+        Returns one float64 count on ``local``'s device, summed over the processes (GPT-2: see :meth:`_counted_items`).
         """
         trainers = torch.is_tensor(counted)
         total = (counted if trainers else local).to(local.device, torch.float64).reshape(1)
@@ -309,24 +258,11 @@ class HeteroTrainer(_TrainerPrivates):
     ) -> torch.Tensor:
         """The Trainer's step on this process's batch, run as the plan's micro-batches for this process.
 
-        A share the plan runs as several micro-batches is cut into them (the rows of every
-        tensor whose first dimension is the batch's; other values go whole to each) and
-        each runs the Trainer's forward and backward in turn, all but the last under
-        ``no_sync``, so DDP all-reduces once. :meth:`compute_loss` weights each by its own
-        items against the window's, so their sum is the share's part of the global loss.
-        A batch of another size than the share (a loader cut in the plan's proportions)
-        is cut into near-equal pieces no larger than this process's largest micro-batch.
-        A piece without items adds nothing and is not run, so the last piece run has
-        items; a batch without any runs its last piece (or, empty, two real samples) with
-        every gradient held at an exact 0, as DDP needs a backward on every process.
+        All but the last micro-batch run under ``no_sync``; a piece without items is not run, and a
+        batch without any runs its last piece with every gradient held at an exact 0 (DDP needs a
+        backward on every process).
 
-        Args:
-            model: The model being trained (DDP-wrapped when several processes run).
-            inputs: This process's collated batch.
-            num_items_in_batch: As for ``transformers.Trainer.training_step``.
-
-        Returns:
-            The detached loss: the sum of the micro-batches' losses.
+        Returns the detached loss: the sum of the micro-batches' losses.
 
         Raises:
             torch.OutOfMemoryError: If a micro-batch (or an unsplit share) exceeds this
@@ -368,10 +304,7 @@ class HeteroTrainer(_TrainerPrivates):
     ) -> torch.Tensor:
         """Each piece's forward and backward, each reduce-scattering its gradient (FSDP2).
 
-        A piece without items, or a filler (0 rows: two real samples), adds exact zeros
-        through its outputs (:func:`_zero_through`): FSDP2's gradients bypass the
-        parameter hooks that hold DDP's at zero, and the model's loss over no items may
-        backpropagate NaN.
+        A piece without items adds exact zeros through its outputs (:func:`_zero_through`).
         """
         losses: list[torch.Tensor] = []
         for piece, n in zip(pieces, counts):
@@ -505,11 +438,7 @@ class HeteroTrainer(_TrainerPrivates):
         return bool(padded()) if callable(padded) else False
 
     def _real_mean(self, model: nn.Module, inputs: dict[str, Any], real: int, together: bool = False) -> torch.Tensor:
-        """The model's mean loss over the first ``real`` rows (the rest pad the last batch).
-
-        With ``together`` (FSDP2: every process runs this forward) a forward runs whatever
-        ``real``: over every row when there is none to keep.
-        """
+        """The model's mean loss over the first ``real`` rows; with ``together`` (FSDP2) it runs even when 0."""
         if real == 0 and not together:
             return torch.zeros(())
         with torch.no_grad():
@@ -531,8 +460,7 @@ def _eval_row(
 ) -> torch.Tensor:
     """One process's part of an evaluation batch: (summed loss, items as the Trainer counts, samples), float64.
 
-    ``mean`` is the model's own mean over ``real_items``; over none it may be NaN, and adds 0.
-    Tensors throughout: no synchronisation per batch.
+    Tensors throughout: no synchronisation per batch; a NaN ``mean`` over no items adds 0.
     """
     items = torch.as_tensor(real_items, dtype=torch.float64, device=device)
     summed = torch.where(items > 0, mean.detach().to(device, torch.float64) * items, 0.0)
@@ -543,10 +471,8 @@ def _eval_row(
 def _mean_over_batches(rows: torch.Tensor, drop_not_finite: bool) -> float | None:
     """The plain Trainer's ``eval_loss`` from each global batch's (summed loss, items, samples).
 
-    Its evaluation loop repeats each batch's loss (its summed loss over the items it counts)
-    once per sample and averages: a mean over the batches weighted by samples. A batch whose loss is
-    not finite (no items: 0/0) is left out where the Trainer filters it
-    (``logging_nan_inf_filter``, and some batch is finite). ``None`` without any sample.
+    A mean over the batches weighted by samples, as its loop repeats each batch's loss per sample; a
+    not-finite batch is left out under ``logging_nan_inf_filter``. ``None`` without any sample.
     """
     rows = rows[rows[:, 2] > 0].cpu()
     if not len(rows):
@@ -594,10 +520,8 @@ def _launched_cpu_job(devices: str | None) -> bool:
 def _run_on_cpu(args: Any, devices: str | None) -> None:
     """Make a multi-process job on the CPU one job: ``TrainingArguments(use_cpu=True)``, as it must be.
 
-    Without it (upstream scripts leave ``use_cpu`` out) the Trainer's accelerate state on
-    a machine without CUDA is a single process, so every process would train its own copy.
-    The arguments set up their devices (and accelerate's shared state) when made, in a
-    cached property: that cache is dropped and the devices set up again, with the flag.
+    Without it the Trainer's accelerate state on a machine without CUDA is a single process, so
+    every process would train its own copy; the arguments' cached device set-up is redone.
     """
     if args is None or getattr(args, "use_cpu", True) or not _launched_cpu_job(devices):
         return
@@ -609,9 +533,7 @@ def _run_on_cpu(args: Any, devices: str | None) -> None:
 class _StepTimes(transformers.TrainerCallback):
     """The split report's steps: each optimizer step timed from the Trainer's ``on_step_begin`` to its ``on_step_end``.
 
-    Timed start to start, a step would hold what the Trainer runs after ``on_step_end`` and
-    before the next step: evaluation, checkpoint saving, logging. A step of several
-    accumulated global batches is timed whole, and said with their number.
+    Not start to start, which would hold the evaluation, saving and logging run between steps.
     """
 
     def __init__(self, trainer: HeteroTrainer) -> None:
@@ -639,10 +561,8 @@ class _TrainerAccelerator(HeteroAccelerator):
 def _zero_through(outputs: Any, loss: torch.Tensor) -> torch.Tensor:
     """A loss of exact 0 whose backward reaches every module the outputs came from, with exact-zero gradients.
 
-    For a process without items under FSDP2: its reduce-scatters run in the backward (every
-    process must take part), and a gradient hook on the parameters, as :func:`zero_gradients`
-    holds DDP's at 0, never sees them. The model's own loss over no items can be NaN, and so
-    its backward; its logits are finite, and ``0 * logits.sum()`` backpropagates zeros.
+    For FSDP2, whose gradients bypass :func:`zero_gradients`' parameter hooks: the loss over no items
+    can be NaN, but the logits are finite and ``0 * logits.sum()`` backpropagates zeros.
     """
     leaves = [t for t in flatten(outputs)[0] if torch.is_tensor(t) and t.requires_grad and t is not loss]
     if not leaves:
@@ -678,11 +598,8 @@ def _part(loss: torch.Tensor, factor: float) -> torch.Tensor:
     return torch.nan_to_num(loss, nan=0.0, posinf=0.0, neginf=0.0) * 0.0
 
 
-# Upstream scripts (run_clm.py) make their TrainingArguments and log "distributed training:
-# ..." from them before the Trainer exists; on a launched multi-process CPU job the
-# arguments would set each process up alone until HeteroTrainer fixes them (_run_on_cpu),
-# so the log said False on every rank. accelerate's own switch, read when the arguments set
-# up their devices, makes them right from the start: set here, on the import that is the
-# script's one-line change (a value of the user's is kept).
+# Upstream scripts (run_clm.py) log "distributed training: ..." from their TrainingArguments before
+# the Trainer exists (and fixes them, _run_on_cpu); accelerate's own switch, set on the import that
+# is the script's one-line change, makes them right from the start (a value of the user's is kept).
 if _launched_cpu_job(None):
     os.environ.setdefault("ACCELERATE_USE_CPU", "true")

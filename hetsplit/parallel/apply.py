@@ -61,14 +61,10 @@ class _Worker:
 
 
 class _Workers:
-    """Persistent worker threads for the whole process.
+    """Persistent worker threads for the whole process: one queue put per job, one lock release when done.
 
-    A step hands each job to an idle worker with one queue put and learns it finished
-    from one lock release: no future, no condition variable, no thread start. Each
-    submission reserves an idle worker (one already on the job's cores if there is one)
-    or starts a new one, so a job never waits behind another (nested calls cannot
-    deadlock). Wrappers hold no thread of their own, which keeps them picklable and
-    copyable. A forked child starts with no workers.
+    Each submission reserves an idle worker or starts one, so nested calls cannot deadlock; wrappers
+    hold no thread, which keeps them picklable.
     """
 
     def __init__(self) -> None:
@@ -81,8 +77,7 @@ class _Workers:
     def submit(self, job: Callable[[], None], cores: frozenset[int] | None = None) -> threading.Lock:
         """Run ``job`` (which must not raise) in a worker; the returned lock is released when it is done.
 
-        The worker runs on ``cores`` only if given (set before it wakes: woken on another
-        core, it would wait there for its first instruction), anywhere otherwise.
+        ``cores`` is set before the worker wakes: woken on another core, it would wait there.
         """
         done = threading.Lock()
         done.acquire()
@@ -109,15 +104,9 @@ os.register_at_fork(after_in_child=_reset_workers)
 
 
 class _Context:
-    """The caller's thread-local autograd state, re-entered in a worker thread.
+    """The caller's thread-local grad mode, autocast and saved-tensor hooks, re-entered in a worker thread.
 
-    Grad mode, autocast, and the saved-tensor hooks in force (``saved_tensors_hooks``:
-    packing activations to fp16, offloading them) or their being disabled: torch keeps
-    each per thread, so a replica run in a worker would otherwise save its activations
-    unpacked, unlike the plain module. The hooks were written for the plain module, which
-    calls them from one thread: every replica (the calling thread's too, unless a
-    checkpoint's hooks are on top there) gets them behind one lock, so that a hook keeping
-    a counter or a dict never sees two calls at once.
+    The hooks were written for one thread: every replica gets them behind one lock.
     """
 
     def __init__(self) -> None:
@@ -187,19 +176,11 @@ _CURRENT_CORE = _current_core_reader()
 
 
 def cpu_cores(devices: Sequence[Device], inline: int | None) -> list[int] | None:
-    """The core each job of a step runs on when every job is CPU work, or ``None`` to leave them be.
+    """The core each job of a step runs on when every job is one-thread CPU work, or ``None`` to leave them be.
 
-    CPU jobs (real or emulated CPUs) computing in one thread each get a core of their
-    own, as separate devices would have. Left to itself the scheduler often wakes a
-    worker on the core of the thread that woke it, where the two share one core until it
-    moves one of them: on a 2-vCPU VM a balanced step ran 10 % slower whenever other work
-    had run in between, and the threads moving between cores lose their caches. The
-    cores are chosen once per process, starting from the one the calling thread runs on
-    (so processes beside this one, started on other cores, tend to keep apart), and
-    kept. Nothing is pinned when a job is not CPU work (untested there), when torch
-    computes with several threads (a pinned thread's intra-op threads would share its
-    core), with fewer allowed cores than jobs, where the platform has no thread affinity,
-    or when the environment sets ``HETSPLIT_PIN_CPU=0``.
+    Left alone the scheduler often wakes a worker on its waker's core: on a 2-vCPU VM a balanced
+    step ran 10 % slower. Chosen once per process, from the calling thread's core; off with
+    ``HETSPLIT_PIN_CPU=0``, with too few cores, or where there is no thread affinity.
     """
     placed = _placement(devices, inline)
     return placed[0] if placed else None
@@ -231,12 +212,7 @@ def _placement(devices: Sequence[Device], inline: int | None) -> tuple[list[int]
 
 
 def _reraise(e: BaseException, where: str) -> None:
-    """Raise the replica's own exception in the caller, the replica named in its message.
-
-    The object itself is raised — its class, ``errno``, file name and any attribute of the
-    user's own exception survive. A one-string message gets the replica in front (so
-    ``str(e)`` and ``pytest.raises(match=)`` name it); any other gets a note (PEP 678).
-    """
+    """Raise the replica's own exception object in the caller, the replica named in its message (or a note)."""
     if len(e.args) == 1 and isinstance(e.args[0], str) and not isinstance(e, KeyError | OSError):
         e.args = (f"{where}: {e.args[0]}",)
     elif hasattr(e, "add_note"):  # Python 3.11+
@@ -263,23 +239,15 @@ def run_parallel(
 ) -> list[Any]:
     """Run ``fns[i]()`` for every device concurrently, each at its device's emulated speed.
 
-    Each call runs in a worker thread that carries the caller's grad mode and autocast
-    state. An exception in one call is re-raised in the caller, naming the replica and
-    device.
+    An exception in one call is re-raised in the caller, naming the replica and device.
 
     Args:
         fns: One zero-argument callable per device.
         devices: The devices (``"cpu@0.25"`` or parsed), for throttling and CUDA device selection.
         names: Replica labels for error messages (default: ``0, 1, ...``).
-        laps: If given, receives one :class:`~hetsplit.timing.Lap` per call, in order:
-            its busy time on the device (emulated slowdown included), measured without
-            synchronising a CUDA device.
-        inline: The index of the call to run in the calling thread (by default the
-            first; the others run in workers meanwhile), as the caller would only wait;
-            ``None`` runs every call in a worker. A backward called from inside the
-            autograd engine's thread for a GPU must name the job on that GPU, or
-            ``None`` if there is none: that thread is the only one the engine runs that
-            GPU's backward on, and no other device's work may run there.
+        laps: If given, receives one :class:`~hetsplit.timing.Lap` per call, in order.
+        inline: The index of the call to run in the calling thread (``None``: none). A
+            backward in the autograd engine's thread for a GPU must name the job on that GPU.
 
     Example:
         >>> run_parallel([lambda: 1, lambda: 2], parse_devices("cpu,cpu@0.5"))
@@ -351,9 +319,6 @@ def parallel_apply(
     devices: Sequence[DeviceLike] | None = None,
 ) -> list[Any]:
     """``torch.nn.parallel.parallel_apply`` for any devices, emulated ones included.
-
-    Runs ``modules[i](*inputs[i], **kwargs_tup[i])`` concurrently, each at its device's
-    emulated speed; a non-tuple input is passed as the only argument, as in torch.
 
     Args:
         modules: One module per device.

@@ -49,12 +49,9 @@ _RUNTIME = ("_replicator", "_step", "_log", "_lock", "_mem", "_stray", "_pay")
 class HeteroDataParallel(nn.Module):
     """Data parallelism over mixed devices with uneven shards: a drop-in for ``nn.DataParallel``.
 
-    ``forward`` scatters the batch into shards sized by the plan, runs the replicas
-    concurrently and gathers the outputs on ``output_device``; ``loss.backward()`` runs each
-    replica's backward in its own thread and hands the sum of their gradients to the module:
-    the full-batch gradient. ``forward`` only chains :meth:`scatter`, :meth:`replicate`,
-    :meth:`parallel_apply` and :meth:`gather`, with ``nn.DataParallel``'s signatures.
-    Outputs, buffers and the warning when the split does not pay: docs/one-process.md.
+    ``loss.backward()`` hands the module the sum of the replicas' gradients: the full-batch
+    gradient. ``forward`` chains :meth:`scatter`, :meth:`replicate`, :meth:`parallel_apply`
+    and :meth:`gather`, with torch's signatures (docs/one-process.md).
 
     Args:
         module: The model; all its parameters and buffers on one device.
@@ -65,17 +62,13 @@ class HeteroDataParallel(nn.Module):
         output_device: Where outputs are gathered (default: the module's device).
         dim: The batch dimension.
         rebalance: ``True`` or a :class:`~hetsplit.Rebalancer`: re-solve while training.
-        scalar_outputs: ``"mean"`` (shard-size weights: a mean loss stays the full-batch
-            mean), ``"sum"``, ``"stack"`` (a vector), or ``(args, kwargs) -> weight`` of a
-            shard, e.g. :func:`hetsplit.count_tokens`. ``None`` (the default): ``"mean"``,
-            and a value that is a sum over each shard (``.sum()``, a torch loss with
-            ``reduction="sum"``) is refused, naming ``"sum"``.
-        accumulate: Let a device with a memory cap run its share as micro-batches
-            (``plan.micro_batches``); after an out-of-memory error the device's cap is
-            lowered, the step re-planned and run again (docs/memory.md).
+        scalar_outputs: ``"mean"`` (shard-size weights), ``"sum"``, ``"stack"`` (a vector), or
+            ``(args, kwargs) -> weight`` (:func:`hetsplit.count_tokens`). ``None``: ``"mean"``,
+            refusing a value that is a sum over each shard.
+        accumulate: Let a device with a memory cap run its share as micro-batches; after an
+            out-of-memory error its cap is lowered and the step run again (docs/memory.md).
         quiet: Say nothing about whether the split pays (``HETSPLIT_QUIET=1`` too).
-        sync: Deprecated, ignored: replicas always take the module's parameters through
-            autograd, as ``"copy"`` and ``"broadcast"`` both came to. Removed in hetsplit 0.2.
+        sync: Deprecated and ignored; removed in hetsplit 0.2.
 
     Raises:
         ValueError: If the module spans devices, the plan's devices differ, or the
@@ -209,12 +202,7 @@ class HeteroDataParallel(nn.Module):
     def scatter(
         self, inputs: tuple[Any, ...], kwargs: dict[str, Any] | None, device_ids: Sequence[DeviceLike]
     ) -> tuple[list[tuple[Any, ...]], list[dict[str, Any]]]:
-        """Cut positional and keyword inputs into shards for ``device_ids``.
-
-        Inside :meth:`forward` the shards are this step's (``device_ids``: its active
-        devices); called on its own, the batch is split over ``device_ids`` (all of
-        :attr:`devices`) as :meth:`sizes_for` says, empty shards included.
-        """
+        """Cut positional and keyword inputs into shards for ``device_ids`` (on its own: as :meth:`sizes_for`)."""
         devices = as_devices(device_ids)
         if self._step is not None:
             return scatter_inputs(inputs, kwargs, devices, self._step.sizes, self.dim)
@@ -227,11 +215,7 @@ class HeteroDataParallel(nn.Module):
         return scatter_inputs(inputs, kwargs, devices, sizes, self.dim)
 
     def replicate(self, module: nn.Module, device_ids: Sequence[DeviceLike]) -> list[nn.Module]:
-        """This step's replicas of ``module`` on ``device_ids`` (some of :attr:`devices`).
-
-        Their parameters come from ``module``'s through autograd (see
-        :func:`hetsplit.parallel.replicate`); their buffers start from ``module``'s.
-        """
+        """This step's replicas of ``module`` on ``device_ids``, parameters through autograd."""
         devices = as_devices(device_ids)
         if self._replicator is None or self._replicator.module is not module:
             self._replicator = _Replicator(module)
@@ -246,11 +230,7 @@ class HeteroDataParallel(nn.Module):
     def parallel_apply(
         self, replicas: Sequence[nn.Module], inputs: Sequence[tuple[Any, ...]], kwargs: Sequence[dict[str, Any]]
     ) -> list[Any]:
-        """Run ``replicas[i](*inputs[i], **kwargs[i])`` concurrently, each at its device's speed.
-
-        Called on its own (outside :meth:`forward`), the replicas run on :attr:`devices` in
-        order, as :func:`hetsplit.parallel.parallel_apply` runs them.
-        """
+        """Run ``replicas[i](*inputs[i], **kwargs[i])`` concurrently, each at its device's speed."""
         step = self._step
         if step is None:
             return parallel_apply(replicas, list(inputs), list(kwargs), self.devices[: len(replicas)])
@@ -268,10 +248,7 @@ class HeteroDataParallel(nn.Module):
         return outs if step.split else [o[0] for o in outs]  # micro-batched: a list per replica
 
     def gather(self, outputs: Sequence[Any], output_device: torch.device) -> Any:
-        """Combine the replicas' outputs on ``output_device``; backward reaches the module through autograd.
-
-        Called on its own (outside :meth:`forward`), it is :func:`hetsplit.parallel.gather` along :attr:`dim`.
-        """
+        """Combine the replicas' outputs on ``output_device``; backward reaches the module through autograd."""
         step = self._step
         if step is None:
             return gather(outputs, output_device, self.dim)
@@ -326,18 +303,13 @@ class HeteroDataParallel(nn.Module):
     ) -> torch.Tensor:
         """Local-loss mode: each replica computes its shard's loss and backward; nothing is gathered.
 
-        The step's backward is done when it returns: the gradients are in the module's
-        ``.grad`` (added to what was there, through autograd, so hooks fire) and the
-        returned loss is detached — do not call ``.backward()`` on it.
+        The gradients are in the module's ``.grad`` when it returns; the loss is detached.
 
         Args:
             inputs: A tensor, a tuple of positional inputs, or a dict of keyword inputs.
             target: The targets, split like ``inputs`` (``None``: ``loss_fn(output)``).
             loss_fn: ``loss_fn(output[, target]) -> 0-dim tensor``, e.g. ``F.cross_entropy``.
-            reduction: Each loss's weight: ``"mean"`` (``b_i / B``), ``"sum"`` (1) or a
-                callable as ``scalar_outputs``; the gradients are the full-batch ones.
-                ``None`` (the default): ``"mean"``, refusing a loss that is a sum over its
-                shard (``reduction="sum"``), as ``scalar_outputs`` does.
+            reduction: Each loss's weight, as ``scalar_outputs`` (``"stack"`` aside).
             **kwargs: More keyword inputs of the model, split like the batch.
 
         Returns:
@@ -476,14 +448,10 @@ class HeteroDataParallel(nn.Module):
         return run
 
     def _rebuilt(self, step: Step) -> list[Any]:
-        """Fresh replicas for a backward that builds a graph of the gradients (``create_graph=True``).
+        """Fresh replicas for a ``create_graph=True`` backward, which re-runs the forward on them.
 
-        That graph reaches into the graph it differentiates; a later backward through it
-        (a gradient penalty's) walks there, and walks the replicas' graphs through this
-        node as well: two walks of one graph, the first freeing what the second needs. So
-        such a backward differentiates the same forward run again on replicas of its own,
-        and the graph it builds shares nothing with the one this node walks later. A model
-        that draws random numbers (dropout) cannot be run again identically here.
+        A later backward through the gradients' graph would otherwise walk the replicas'
+        graphs a second time, after this node's walk freed them.
         """
         if step.random:
             raise RuntimeError(
@@ -496,14 +464,9 @@ class HeteroDataParallel(nn.Module):
 
     @contextlib.contextmanager
     def _merge_after(self, step: Step, no_forward_failed: Callable[[], bool]) -> Iterator[None]:
-        """Merge the replicas' buffer updates after the step's work, also when it failed in a backward.
+        """Merge the replicas' buffer updates after the step, also when it failed in a backward (as the plain module).
 
-        A plain module's forward leaves its buffer updates when the step fails later, in its
-        backward: so do the replicas' (a micro-batched replica's, up to the micro-batch whose
-        backward failed). A forward that fails in one replica leaves the buffers
-        as they were: the plain module's would hold, for the whole batch, the updates of the
-        layers before the failure, which no replica computed. Nothing is merged before a
-        step runs again after an out-of-memory error.
+        A forward that failed in one replica leaves the buffers as they were, as does a step re-run after an OOM.
         """
         try:
             yield
@@ -518,15 +481,7 @@ class HeteroDataParallel(nn.Module):
             self._replicator.merge_buffers(step.built, step.sizes, [len(m) for m in step.micro])
 
     def _begin(self, batch_tree: Any, call: tuple[tuple[Any, ...], dict[str, Any]]) -> tuple[Step, torch.device | None]:
-        """Start a step: feed the rebalancer the steps it can read, choose this step's plan.
-
-        ``call`` is the batch as the module takes it, ``(args, kwargs)``: a BatchNorm model's
-        smallest share is traced from it (:meth:`BatchPlans.trace`).
-
-        Returns:
-            The step, and the module's device when the module runs it there itself
-            (:func:`direct_device`), else ``None``.
-        """
+        """Start a step: feed the rebalancer, choose the plan; also the module's device if it runs the step itself."""
         stray, self.__dict__["_stray"] = self._stray, None
         if stray is not None:  # a backward of the last step's activations outside the wrapper's output
             stray()
@@ -647,11 +602,8 @@ def _add_module_prefix(module: nn.Module, state_dict: dict[str, Any], prefix: st
 def engine_job(devices: Sequence[Device], output: torch.device) -> int | None:
     """Which backward job runs in the calling thread (the autograd engine's): ``None`` for none.
 
-    The gathered outputs' backward runs in the autograd engine's thread for their device.
-    On a GPU that thread is the only one the engine runs that GPU's work on, so a replica
-    there must run its backward inline, or the engine waits on itself; no other job may.
-    On the CPU it is the thread that called ``backward``, which would only wait: it runs
-    the first CPU job itself (a GPU replica's backward stays in a worker, as it was tested).
+    On a GPU that thread is the only one the engine runs that GPU's work on, so a replica there
+    must run inline or the engine waits on itself; on the CPU the first CPU job runs there.
     """
     kind = "cuda" if output.type == "cuda" else "cpu"
     target = output if kind == "cuda" else None
@@ -661,17 +613,12 @@ def engine_job(devices: Sequence[Device], output: torch.device) -> int | None:
 
 
 def direct_device(step: Step, module: nn.Module, rebalancing: bool) -> torch.device | None:
-    """The module's device when this step can simply run the module there, else ``None``.
+    """The module's device when one real device, the module's own, has the whole batch, else ``None``.
 
-    That is when one real device, the module's own, has the whole batch (a one-device
-    wrapper, or a plan that leaves the other devices empty), as ``nn.DataParallel`` does
-    with one device: no replica, no thread, no copy. Not while rebalancing: the
-    rebalancer reads every step's busy times, which only the replicas' threads measure.
-    Nor on a slowed device (``cpu@0.25``), whose throttle runs in the replica's thread; an
-    emulated memory alone (``cpu:max64``) is checked here as on the replica path.
-    Nor when the plan cuts the share into micro-batches (a memory cap): those run in a
-    replica, one at a time.
+    Not while rebalancing (only the replicas' threads measure busy times), on a slowed device (its
+    throttle runs in the replica's thread), nor with micro-batches.
     """
+
     if rebalancing or len(step.active) != 1 or step.devices[0].speed != 1.0 or step.split:
         return None
     home = module_device(module)

@@ -1,10 +1,7 @@
 """Grads: the replicas' gradients, computed concurrently, handed to the module through autograd.
 
-A step differentiates the module's parameters and the inputs that require grad (its
-*targets*). Each replica's backward *captures* the gradient at its own stand-ins for them
-with ``torch.autograd.grad``: nothing is written into any ``.grad`` while the replicas
-work, so a failed step leaves nothing behind. The sums per target are handed to the
-targets by torch's engine, so parameter hooks fire once with the full-batch gradient.
+Each replica captures its gradients with ``torch.autograd.grad`` (no ``.grad`` written: a failed
+step leaves nothing behind); the sums reach the *targets* through torch's engine, hooks firing once.
 """
 
 from __future__ import annotations
@@ -24,15 +21,8 @@ Grads = list[torch.Tensor | None]
 class StepGrads:
     """The targets of one step, and each replica's stand-ins for them.
 
-    Args:
-        params: The module's parameters (those that require grad become targets).
-        replicas: The step's replicas, in the order of the active devices.
-        upstream: The step's inputs that require grad, if any.
-        names: The parameters' names, for error messages.
-        outputs: Each replica's output tensors (gather mode): each replica's graph is
-            walked once, here, and parameters no replica's outputs reach are left out of
-            the targets (torch would call their hooks with ``None``, where the plain
-            module never calls them).
+    ``outputs`` (gather mode): parameters no replica's outputs reach are left out of the targets,
+    whose hooks torch would otherwise call with ``None``.
     """
 
     def __init__(
@@ -87,13 +77,7 @@ class StepGrads:
         create_graph: bool,
         inputs: list[torch.Tensor] | None = None,
     ) -> Grads:
-        """Replica ``j``'s gradients at its stand-ins, from ``outputs`` (with ``grads``); run in its thread.
-
-        Args:
-            retain_graph: Keep the replica's graph, as in :func:`torch.autograd.grad`.
-            create_graph: Build a graph of the gradients, as in :func:`torch.autograd.grad`.
-            inputs: Other stand-ins (a replica rebuilt for this backward), else replica ``j``'s.
-        """
+        """Replica ``j``'s gradients at its stand-ins (or ``inputs``: a rebuilt replica's), run in its thread."""
         walked = self._walked[j] if inputs is None and self._walked is not None else None
         inputs = self.inputs[j] if inputs is None else inputs
         if not inputs or not outputs:
@@ -117,15 +101,10 @@ class StepGrads:
         retain_graph: bool,
         create_graph: bool,
     ) -> Grads:
-        """A replica's gradients when its graph holds a reentrant checkpoint.
+        """A replica's gradients when its graph holds a reentrant checkpoint, read from its own leaves' ``.grad``.
 
-        Its own backward, run inside, cannot stop at stand-ins (torch refuses it under
-        ``autograd.grad``): it accumulates into every leaf it reaches. The replica's
-        parameters are leaves of its own (``_param_for``'s ``"leaf"``), so their gradients
-        are read from there and reach the module's through autograd, as in every other step.
-        An input that requires grad is reached through each replica's piece of it: a leaf
-        accumulates them (under its own lock), but the graph in front of a non-leaf would be
-        walked by several replicas at once.
+        torch refuses a reentrant checkpoint under ``autograd.grad``; a non-leaf input's graph
+        would be walked by several replicas at once, so it is refused.
         """
         if self.upstream is not None and not all(s.is_leaf for s in self.upstream.sources):
             raise RuntimeError(
@@ -161,18 +140,10 @@ class StepGrads:
         )
 
     def stray_check(self) -> Callable[[], None]:
-        """The step's one check that no gradient reached a replica's own parameter other than through the engine.
+        """A callable that raises if a gradient reached a replica's own parameter other than through the engine.
 
-        The replicas' parameters are leaves of their own: a loss computed from something a
-        replica made that the wrapper did not return (an activation a forward hook kept) would
-        leave its gradient there, where it can never reach the module. The wrapper runs the
-        check once a backward through the gather is done (the engine's callback), and at the
-        next step's start for a backward of its own. It holds the parameters weakly: such a
-        backward can only happen while something holds what a replica made, and that keeps
-        the replica's parameters alive; the others are let go with the step.
-
-        Returns:
-            A callable that raises ``RuntimeError`` naming the parameter and what to do.
+        Such a gradient (a loss on an activation a hook kept) never reaches the module. The
+        parameters are held weakly: what keeps such a backward possible keeps them alive.
         """
         own = [(k, weakref.ref(t)) for r in self._replicas for k, t in enumerate(r.params) if t.is_leaf]
         own = [(k, ref) for k, ref in own if id(ref()) not in self._names]
@@ -190,10 +161,7 @@ class StepGrads:
         return out
 
     def deliver(self, grads: Grads) -> None:
-        """Hand ``grads`` to the targets through torch's engine (local-loss mode).
-
-        Hooks fire, ``.grad`` accumulates, the caller's graph in front of the inputs is walked once.
-        """
+        """Hand ``grads`` to the targets through torch's engine (local-loss mode): hooks fire, ``.grad`` accumulates."""
         pairs = [(t, g) for t, g in zip(self.targets, grads) if g is not None]
         if pairs:
             torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
@@ -215,12 +183,7 @@ def _check_stray(params: Sequence[tuple[int, torch.Tensor]], names: Sequence[str
 
 
 def _add_all(values: Sequence[torch.Tensor | None]) -> torch.Tensor | None:
-    """The sum of the tensors among ``values`` (``None`` if none).
-
-    Out of place: a captured gradient can be a tensor the caller still holds (the
-    incoming gradient itself, for an output that is an input), and with
-    ``create_graph=True`` the sum is part of a graph.
-    """
+    """The sum of the tensors among ``values`` (``None`` if none), out of place: the caller may hold them."""
     total = None
     for v in values:
         if v is not None:
@@ -238,12 +201,11 @@ def _walk(
 ) -> tuple[bool, list[torch.Tensor], set[int]]:
     """What the replica's graph behind ``outputs`` holds short of its stand-ins (~40 us for ResNet-18).
 
-    Returns whether it holds a reentrant checkpoint; the leaves that require grad it
-    reaches without passing a stand-in: tensors the model computes with that are neither
-    the module's parameters nor the wrapper's inputs (a closure's learnable tensor, a plain
-    attribute), whose gradients no replica could hand back; and the positions in
-    ``stand_ins`` it reaches (behind a reentrant checkpoint nothing is seen).
+    Returns:
+        Whether it holds a reentrant checkpoint, the leaves requiring grad it reaches without a
+        stand-in (gradients no replica could hand back), and the positions of the stand-ins it reaches.
     """
+
     stops = {t.grad_fn: k for k, t in enumerate(stand_ins) if t.grad_fn is not None}
     leaves = {id(t): k for k, t in enumerate(stand_ins) if t.grad_fn is None}  # its AccumulateGrad is its own
     seen, stack, reentrant, foreign = set(), [t.grad_fn for t in outputs if t.grad_fn is not None], False, []

@@ -22,10 +22,9 @@ from .scatter_gather import scatter_to
 def shard_leaves(
     batch: Any, shards: Sequence[Any], keep: Callable[[torch.Tensor], bool]
 ) -> tuple[list[Any], Any, list[int], list[list[Any]]] | None:
-    """The batch's leaves, its structure, the tensor leaves ``keep`` selects, and each shard's leaves.
+    """The batch's leaves, structure, the tensor leaves ``keep`` selects, and each shard's leaves.
 
-    ``None`` when no leaf is kept, or when a shard's structure is not the batch's (an
-    overridden scatter with its own structure: its shards run as they are).
+    ``None`` when no leaf is kept or a shard's structure differs (an overridden scatter's: run as they are).
     """
     leaves, spec = flatten(batch)
     keys = [k for k, x in enumerate(leaves) if isinstance(x, torch.Tensor) and keep(x)]
@@ -38,26 +37,11 @@ def shard_leaves(
 
 
 class Upstream:
-    """The differentiable inputs of one step and each shard's own piece of them.
+    """The differentiable inputs of one step (:attr:`sources`) and each shard's piece of them (:attr:`pieces`).
 
-    Each piece stays connected to its input through autograd (a differentiable split and
-    copy), so a gradient of a gradient still reaches the input; the pieces' gradients,
-    concatenated on the input's device, are handed to the input by torch's engine once, so
-    the caller's graph in front of the wrapper is walked once, as for the plain module.
-
-    Args:
-        batch: The step's whole input (any nest), as given to the wrapper.
-        shards: Its shards, one per active replica, each with ``batch``'s structure.
-        dim: The batch dimension the shards were cut along.
-
-    After construction :attr:`shards` holds the shards to run (the same objects when
-    nothing requires grad, so the common step pays one flatten), :attr:`sources` the
-    inputs that require grad, and :attr:`pieces` ``[j]`` shard ``j``'s piece of each.
-
-    Example:
-        >>> up = Upstream(x, scatter(x, devices, sizes), 0)  # replicas run on up.shards
-        >>> grads = [torch.autograd.grad(out_j, up.pieces[j], g_j) for ...]
-        >>> up.combine(grads)  # one gradient per source
+    Each piece stays connected to its input through autograd, so a gradient of a gradient still
+    reaches it; the pieces' gradients reach the input once, so the caller's graph is walked once.
+    :attr:`shards` holds the shards to run (the same objects when nothing requires grad).
     """
 
     def __init__(self, batch: Any, shards: Sequence[Any], dim: int) -> None:
@@ -86,12 +70,7 @@ class Upstream:
             self.shards = [unflatten(shard, spec) for shard in new]
 
     def combine(self, grads: Sequence[Sequence[torch.Tensor | None]]) -> list[torch.Tensor | None]:
-        """Each source's gradient from its pieces' gradients (``grads[j][s]``: shard ``j``, source ``s``).
-
-        A split input's gradient is its pieces' gradients concatenated along ``dim`` on the
-        input's device (zeros for a piece no gradient reached); a 0-dim input, given whole
-        to every replica, gets their sum. ``None`` where no gradient reached any piece.
-        """
+        """Each source's gradient from its pieces' (``grads[j][s]``): concatenated, or summed for a 0-dim input."""
         out: list[torch.Tensor | None] = []
         for s, source in enumerate(self.sources):
             got = [g[s] for g in grads]
@@ -107,22 +86,11 @@ class Upstream:
 
 
 class InputWrites:
-    """The tensors of one step's shards that stand for the caller's batch, and their versions.
+    """The tensors of one step's shards that stand for the caller's batch, each with a version counter of its own.
 
-    Args:
-        batch: The step's inputs as given: ``(args, kwargs)``, or ``((args, kwargs), target)``.
-        shards: One per active replica, with ``batch``'s structure.
-        sizes: Each shard's samples.
-        dim: The batch dimension the shards were cut along.
-
-    After construction :attr:`shards` holds the shards to run: the same, except that a
-    tensor sharing the caller's version counter (a view on the batch's device) is replaced
-    by an alias with a counter of its own. Views share their base's counter: a model that
-    wrote into its input in place (``x.div_(255)``) moved every other replica's version,
-    and those that saved theirs for backward failed with torch's "modified by an inplace
-    operation", intermittently, as the threads interleaved. The alias's write still lands
-    in the caller's batch; :meth:`pass_back` moves the caller's version as the plain
-    module's write does. An input that requires grad is left to :class:`Upstream`.
+    Views share their base's counter: a model writing into its input (``x.div_(255)``) made other
+    replicas fail intermittently with "modified by an inplace operation". :meth:`pass_back` moves
+    the caller's version as the plain module's write does.
     """
 
     def __init__(self, batch: Any, shards: Sequence[Any], sizes: Sequence[int], dim: int) -> None:
@@ -167,10 +135,7 @@ class InputWrites:
 
 
 def lone_tensor(batch: Any) -> torch.Tensor | None:
-    """The input of ``model(x)``: the tensor of a batch ``((x,), {})``, else ``None``.
-
-    The common case, which a step handles without walking a tree.
-    """
+    """The input of ``model(x)``: the tensor of a batch ``((x,), {})`` (handled without a tree walk), else ``None``."""
     args, kwargs = batch
     if isinstance(kwargs, dict) and not kwargs and isinstance(args, tuple) and len(args) == 1:
         return args[0] if isinstance(args[0], torch.Tensor) else None
@@ -189,15 +154,8 @@ def versions(tree: Any) -> list[int]:
 def cut_upstream(
     batch: tuple[tuple[Any, ...], dict[str, Any]], args: list[Any], kws: list[Any], sizes: Sequence[int], dim: int
 ) -> tuple[Upstream | None, InputWrites, list[tuple[tuple[Any, ...], dict[str, Any]]]]:
-    """The shards the replicas run on, each with version counters of its own.
+    """The :class:`Upstream` (``None`` for a lone tensor without grad), :class:`InputWrites` and each shard."""
 
-    An input that requires grad is cut into pieces connected to it (gather hands their
-    gradients upstream); any other tensor of the batch into aliases (see :class:`InputWrites`).
-
-    Returns:
-        The :class:`Upstream` (``None`` for a lone tensor without grad), the
-        :class:`InputWrites`, and each replica's ``(args, kwargs)``.
-    """
     whole = (tuple(batch[0]), dict(batch[1]))
     lone = lone_tensor(whole)
     shards = list(zip(args, kws))

@@ -36,11 +36,7 @@ def local_inputs(
 
 
 def shard_loss(loss_fn: LossFn, out: Any, target: Any, has_target: bool) -> torch.Tensor:
-    """``loss_fn(out[, target])``, checked to be a scalar tensor.
-
-    Raises:
-        ValueError: Naming the shape of a loss that is not 0-dim.
-    """
+    """``loss_fn(out[, target])``; a loss that is not 0-dim is a ``ValueError`` naming its shape."""
     loss = loss_fn(out, target) if has_target else loss_fn(out)
     if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
         shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
@@ -65,11 +61,8 @@ def _run_pieces(
 ) -> tuple[list[torch.Tensor], list[Any]]:
     """Forward, weighted loss and backward of each micro-batch in turn: the losses (detached) and the gradients.
 
-    The gradients are captured at the replica's stand-ins for the step's targets
-    (``capture``) and summed over the micro-batches; nothing is written into a ``.grad``.
-    Each micro-batch's graph is freed by its backward before the next is built, so the
-    device holds one micro-batch's activations at a time. ``sums``: the batch dimension,
-    when a loss that is a sum over its micro-batch is refused (the default weighting).
+    Each backward frees its micro-batch's graph before the next is built: one micro-batch's activations
+    at a time. ``sums``: the batch dimension, when a loss that sums over its micro-batch is refused.
     """
     losses, total = [], None
     for ((args, kwargs), target), size, w in zip(pieces, sizes, weights):
@@ -92,13 +85,9 @@ def _run_pieces(
 
 
 def local_fns(replicas: Sequence[nn.Module], step: Step, log: MemoryLog, dim: int) -> _Make:
-    """A maker of each active device's work on its micro-shards (``step.pieces``), given each micro-batch's weight.
+    """``make(weights, loss_fn, has_target, captures, refuse_sums)``: each active device's work on its micro-shards.
 
-    Returns:
-        ``make(weights, loss_fn, has_target, captures, refuse_sums)``: one callable per
-        device (``weights`` flat, one per micro-batch in order; ``captures`` one per device,
-        see :func:`_run_pieces`; ``refuse_sums``: the default weighting), returning its
-        losses and gradients. A micro-shard is ``((args, kwargs), target)``.
+    ``weights`` is flat, one per micro-batch; each callable returns its device's losses and gradients.
     """
 
     def make(

@@ -1,9 +1,6 @@
 """Micro-batches in one process: a device's shard run as micro-batches in its worker, and recovery from out of memory.
 
-How each mode runs them (local-loss: forward, loss and backward per micro-batch; gather:
-checkpointed forwards, recomputed in backward): docs/memory.md. Every forward passes
-:meth:`~hetsplit.devices.Device.check_batch` first and records the sizes that ran, which
-:class:`MemoryLog` turns into a lower cap when a device runs out of memory.
+How each mode runs them: docs/memory.md.
 """
 
 from __future__ import annotations
@@ -83,10 +80,7 @@ class OutOfMemoryAt(NamedTuple):
 
 
 class MemoryLog:
-    """Per wrapper: the micro-batch sizes that ran on each device, and the last failure.
-
-    Workers write it from their threads (one device each); the lock keeps it whole.
-    """
+    """Per wrapper: the micro-batch sizes that ran on each device, and the last failure (written from workers)."""
 
     def __init__(self) -> None:
         self.ran: dict[int, int] = {}  # device position -> largest micro-batch that ran there
@@ -133,12 +127,8 @@ def _forward_pieces(
 ) -> list[Any]:
     """The outputs of ``replica`` on each micro-batch, run in turn; checkpointed when there are several.
 
-    A checkpointed micro-batch is recomputed in backward from the random state saved at
-    its forward; when another replica draws from the same generator at the same time
-    (``shared``), that state is not what the forward used, and dropout masks would differ
-    between forward and recompute. Such a step is refused rather than silently wrong, as
-    is a forward that writes into its input in place: the recompute would start from the
-    written values.
+    Refused: drawing random numbers while another replica draws from the same generator (``shared``),
+    or writing into the input, either of which would make the recompute differ from the forward.
     """
     outs = []
     for (args, kwargs), size in zip(pieces, sizes):
@@ -187,11 +177,7 @@ def backward_fn(
     log: MemoryLog,
     capture: Callable[[list[torch.Tensor], list[torch.Tensor]], list[Any]],
 ) -> Callable[[], list[Any]]:
-    """Backward of one device's micro-batches, one after another (each recomputes its own forward).
-
-    ``capture(outputs, grads)`` returns one micro-batch's gradients at the replica's
-    stand-ins for the step's targets; the device's are their sum.
-    """
+    """Backward of one device's micro-batches in turn; the sum of ``capture(outputs, grads)`` over them."""
 
     def run() -> list[Any]:
         total: list[Any] | None = None
@@ -208,13 +194,8 @@ def backward_fn(
 def with_recovery(run: Callable[[], T], log: MemoryLog, plans: Any, devices: Sequence[Device]) -> T:
     """``run()``; after each out-of-memory error, free the attempt, lower the failing device's cap, re-plan, run again.
 
-    As ``find_executable_batch_size`` does, the caps keep coming down within the step
-    until it fits; each attempt starts from scratch (nothing of a failed one reached the
-    module's ``.grad``), and one line is logged for the step. It gives up with
-    :class:`StepOutOfMemory` naming the first failure and the last when a device cannot
-    hold even one sample, or no plan fits. An out-of-memory error on a device whose
-    memory is not tracked (a real CPU, or one raised by the user's own code there) is
-    re-raised as it is: no cap is learned from it.
+    As ``find_executable_batch_size``, within the step, logging one line. Raises :class:`StepOutOfMemory`
+    when a device cannot hold one sample or no plan fits; an OOM on an untracked device is re-raised.
     """
     first: str | None = None
     while True:
@@ -259,9 +240,7 @@ def _oom_line(device: Device, i: int, plan: Plan, cap: int, new: Plan | None) ->
 
 
 def lower_cap(log: MemoryLog, plans: Any, devices: Sequence[Device], error: BaseException, quiet: bool = False) -> str:
-    """After an out-of-memory ``error``: the device that failed gets the cap that last ran there; the new plan.
-
-    Returns the line saying so (logged unless ``quiet``).
+    """Give the device that ran out of memory the cap that last ran there; the line saying so (logged unless quiet).
 
     Raises:
         StepOutOfMemory: If the failing device is unknown or no plan fits the lowered cap.
@@ -285,11 +264,8 @@ def lower_cap(log: MemoryLog, plans: Any, devices: Sequence[Device], error: Base
 
 
 def backward_oom(log: MemoryLog, plans: Any, devices: Sequence[Device], error: BaseException) -> None:
-    """Raise :class:`StepOutOfMemory` for an out-of-memory error in backward, after lowering the cap for next steps.
+    """Raise :class:`StepOutOfMemory` for an OOM in backward (forward has returned: no re-run), lowering the cap."""
 
-    The forward has returned its outputs by then, so the step cannot be re-run here:
-    nothing of it reached the module's ``.grad`` and the caller runs the step again.
-    """
     release_after_oom(devices)
     line = lower_cap(log, plans, devices, error)
     raise StepOutOfMemory(

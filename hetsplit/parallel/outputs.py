@@ -36,11 +36,7 @@ Backward = Callable[[list[tuple[list[torch.Tensor], list[torch.Tensor]]], bool, 
 
 
 def check_policy(policy: ScalarPolicy, what: str = "scalar_outputs") -> ScalarPolicy:
-    """Return ``policy`` if it is ``None``, one of :data:`_SCALAR_POLICIES` or a callable.
-
-    Raises:
-        ValueError: Naming the value and the choices.
-    """
+    """Return ``policy`` if it is ``None``, one of :data:`_SCALAR_POLICIES` or a callable, else a ``ValueError``."""
     if policy is None or callable(policy) or policy in _SCALAR_POLICIES:
         return policy
     raise ValueError(
@@ -52,10 +48,7 @@ def check_policy(policy: ScalarPolicy, what: str = "scalar_outputs") -> ScalarPo
 def policy_weights(
     policy: ScalarPolicy, sizes: Sequence[int], shards: Sequence[tuple[tuple[Any, ...], dict[str, Any]]]
 ) -> list[float] | None:
-    """Each active replica's weight under ``policy`` (``None`` for ``"stack"``).
-
-    ``"mean"`` (and ``None``) weighs replica ``i`` by ``b_i / B`` (a per-shard mean becomes
-    the full-batch mean); ``"sum"`` by 1; a callable's weights are normalised to sum to 1.
+    """Each replica's weight: ``b_i / B`` (``"mean"``), 1 (``"sum"``), a callable's normalised; None for ``"stack"``.
 
     Raises:
         ValueError: If a callable returns a negative or non-finite weight, or all zero.
@@ -80,11 +73,7 @@ def policy_weights(
 def count_tokens(
     key: str | int = "labels", *, ignore_index: int = -100, shift: bool = True
 ) -> Callable[[tuple[Any, ...], dict[str, Any]], int]:
-    """A scalar weighting that counts a shard's non-ignored label tokens.
-
-    For a token loss that averages over non-padded tokens (Hugging Face's causal-LM
-    loss), a shard's weight in the full-batch mean is its token count, not its sample
-    count: ``HeteroDataParallel(model, devices, scalar_outputs=count_tokens("labels"))``.
+    """A scalar weighting that counts a shard's non-ignored label tokens (for a mean over tokens, docs/one-process.md).
 
     Args:
         key: The keyword argument holding the labels, or the index of a positional one.
@@ -105,12 +94,7 @@ def count_tokens(
 
 
 def sums_over_batch(value: torch.Tensor, size: int, dim: int) -> bool:
-    """Whether a replica's 0-dim ``value`` is a sum over its shard of ``size`` samples along ``dim``.
-
-    Read from the operation that made it (a torch loss with ``reduction="sum"``, or a
-    ``.sum()`` of a tensor whose ``dim`` has the shard's length), so a value computed
-    under ``no_grad`` or by anything else is not recognised: only what is certain is.
-    """
+    """Whether a replica's 0-dim ``value`` is certainly a sum over its shard, read from the operation that made it."""
     node = value.grad_fn
     if node is None:
         return False
@@ -123,11 +107,7 @@ def sums_over_batch(value: torch.Tensor, size: int, dim: int) -> bool:
 
 
 def check_sums(values: Sequence[torch.Tensor], sizes: Sequence[int], dim: int, what: str, setting: str) -> None:
-    """Refuse per-shard ``values`` that are all sums over their shards, about to be weighed as means.
-
-    Raises:
-        ValueError: Naming ``what`` and the ``setting`` to use.
-    """
+    """Refuse (``ValueError``) per-shard ``values`` that are all sums over their shards, to be weighed as means."""
     if values and all(sums_over_batch(v, n, dim) for v, n in zip(values, sizes)):
         kind = type(values[0].grad_fn).__name__
         raise ValueError(
@@ -138,18 +118,11 @@ def check_sums(values: Sequence[torch.Tensor], sizes: Sequence[int], dim: int, w
 
 
 class _Gather(torch.autograd.Function):
-    """Combine replica outputs; on backward, compute every replica's gradients concurrently.
+    """Combine replica outputs; on backward, compute every replica's gradients concurrently and return their sums.
 
-    The forward receives *detached* copies of the outputs, so the autograd engine never
-    walks into the replicas' graphs from the caller's thread (where it would run all CPU
-    backward work serially and unthrottled). Its other inputs are the tensors the step
-    differentiates (``targets``: the module's parameters and the step's inputs that
-    require grad). Backward cuts the incoming gradient into one piece per replica, has
-    ``backward`` compute each replica's gradients in its own thread, and *returns* their
-    sums as the targets' gradients: torch's engine delivers them, so parameter hooks fire
-    once with the full-batch gradient, ``autograd.grad`` gets them without touching
-    ``.grad``, and a backward that fails in any replica hands nothing on. Run with
-    ``create_graph=True``, the returned gradients carry their own graph (double backward).
+    The forward takes *detached* outputs, so the engine never walks the replicas' graphs from the
+    caller's thread (serially, unthrottled); its other inputs are the step's targets, whose
+    gradients the engine delivers (hooks fire once; a failed replica hands nothing on).
     """
 
     @staticmethod
@@ -196,12 +169,8 @@ class _Layout:
         weights: Callable[[], list[float] | None],
         sums: Sequence[int] | None = None,
     ) -> None:
-        self.columns, self.paths, self.target, self.dim = (
-            columns,
-            paths,
-            target,
-            dim,
-        )  # columns[k][j]: leaf k of replica j
+        # columns[k][j]: leaf k of replica j
+        self.columns, self.paths, self.target, self.dim = columns, paths, target, dim
         floating = [c[0].dim() == 0 and (c[0].is_floating_point() or c[0].is_complex()) for c in columns]
         if sums is not None and len(sums) > 1:  # the default weighting: a sum over shards is refused, not averaged
             for k, column in enumerate(columns):
@@ -268,13 +237,9 @@ def combine(
 ) -> Any:
     """The replicas' outputs as one output on ``target``; its backward runs ``backward`` (see :class:`_Gather`).
 
-    Tensors are concatenated along ``dim``; 0-dim floating tensors are combined with
-    the replicas' ``weights()`` (stacked when it gives ``None``); other 0-dim tensors are stacked; any other
-    object comes back as a list with one entry per replica. ``targets``: the tensors the
-    step differentiates (the module's parameters, the inputs that require grad), whose
-    gradients ``backward`` computes from the replicas' graphs (see :class:`_Gather`).
-    ``sums``: each replica's samples, when 0-dim floating outputs that are sums over them
-    must be refused (the default weighting, see :func:`check_sums`).
+    Tensors are concatenated along ``dim``; 0-dim floating ones combined with ``weights()`` (stacked
+    for ``None``), other 0-dim ones stacked; other objects come back as a list per replica. ``sums``:
+    each replica's samples, when sums over them must be refused (:func:`check_sums`).
 
     Raises:
         ValueError: If the replicas' outputs differ in structure or cannot be

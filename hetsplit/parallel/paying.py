@@ -23,25 +23,10 @@ class _Timed(Protocol):
 class PayCheck:
     """Whether the split pays: each step's measured time against its fastest device alone, predicted.
 
-    Each split step is timed from the start of its forward to the end of its backward
-    (:attr:`clock`), with each device's busy time in it. The fastest device alone is not
-    run: its time for the whole batch is predicted from its busy time on its share
-    (:func:`alone_times`). After :attr:`WARMUP` steps of a plan its next :attr:`STEPS`
-    decide, once (:func:`unpaid_line`). The prediction leaves out what a step alone still
-    spends beyond its device's work (the loss, the output's copy), and on a GPU a step ends
-    when the host has queued its backward: a split step can look shorter than it was,
-    never longer, so in doubt the check stays quiet.
-
-    Args:
-        who: Who speaks, at the start of the line.
-        clock: Seconds from a fixed point (default ``time.perf_counter``, looked up at each
-            call); a test sets its own.
-
-    Attributes:
-        said: Whether the line was said (nothing more is read).
-        unread: Ended steps not yet read (:meth:`take` has work only while there are some).
-        settled: The last plan whose steps decided: a caller need not time its steps (nor
-            call :meth:`start`, :meth:`end`) again.
+    The prediction leaves out what a step alone still spends beyond its device's work, and a
+    GPU step ends when its backward is queued: a split step can look shorter, never longer, so
+    in doubt the check stays quiet. ``clock``: seconds (default ``time.perf_counter``); a test
+    sets its own. :attr:`settled` is the last plan whose steps decided (not timed again).
     """
 
     WARMUP = 1  # a plan's first steps (allocations, lazy initialisation): not timed
@@ -67,10 +52,7 @@ class PayCheck:
             self._started = (step, self._now())
 
     def end(self, step: object, plan: Plan, laps: Mapping[str, Sequence[_Timed]]) -> None:
-        """``step``, begun at :meth:`start` and running ``plan``, ended; ``laps``: each device's busy laps.
-
-        The laps are read later, once they can be without waiting for a device (:meth:`take`).
-        """
+        """``step``, begun at :meth:`start` and running ``plan``, ended; ``laps`` are read later (:meth:`take`)."""
         started, self._started = self._started, None
         if self.said or started is None or started[0] is not step or not laps:
             return
@@ -105,12 +87,7 @@ class PayCheck:
 
 
 def alone_times(plan: Plan, busy: Mapping[str, float]) -> dict[str, float]:
-    """Each active device's predicted seconds for the whole batch alone, from its busy ``seconds`` on its share.
-
-    Scaled by the device's curve from its share to the batch (the plan's curves, when it has
-    them and the device holds the batch), else in proportion to the samples. A device
-    without a busy time is left out.
-    """
+    """Each active device's predicted seconds for the whole batch alone, scaled from its busy seconds on its share."""
     out = {}
     for i, (name, size) in enumerate(zip(plan.devices, plan.sizes)):
         seconds = busy.get(name)
@@ -128,19 +105,8 @@ def alone_times(plan: Plan, busy: Mapping[str, float]) -> dict[str, float]:
 def unpaid_line(who: str, plan: Plan, steps: Sequence[tuple[float, Mapping[str, float]]], margin: float) -> str | None:
     """One line when the fastest device alone beats the measured steps of ``plan`` beyond their noise, else ``None``.
 
-    Beyond: the median predicted time alone is shorter than the median step by more than
-    the steps' noise (half the interquartile range over the median, of the step times and
-    of the predictions, the larger) and more than ``margin``.
-
-    Args:
-        who: Who speaks, at the start of the line.
-        plan: The plan the steps ran.
-        steps: Per step, its measured seconds and each device's busy seconds.
-        margin: The smallest relative gap said, whatever the noise.
-
-    Returns:
-        The line (without hetsplit's prefix), or ``None`` when the split pays, ties, or
-        the steps are too noisy to tell.
+    Beyond: the medians differ by more than the steps' spread and more than ``margin``.
+    ``steps``: per step, its seconds and each device's busy seconds.
     """
     used = [n for n, s in zip(plan.devices, plan.sizes) if s > 0]
     if len(used) < 2 or not steps:

@@ -8,11 +8,7 @@ import torch
 
 
 def shard_weights(sizes: Sequence[int], reduction: str = "mean") -> list[float]:
-    """Each shard's weight in the combined gradient.
-
-    For a loss that is a mean over its shard, the full-batch gradient is
-    ``sum_i b_i * g_i / B``, so shard ``i`` weighs ``b_i / B``; for a summed loss every
-    shard weighs 1.
+    """Each shard's weight in the combined gradient: ``b_i / B`` for a mean loss, 1 for a summed one.
 
     Raises:
         ValueError: On an unknown ``reduction``, a size that is not a non-negative
@@ -29,11 +25,7 @@ def shard_weights(sizes: Sequence[int], reduction: str = "mean") -> list[float]:
 
 
 def shard_weight(size: float, total: float, reduction: str = "mean") -> float:
-    """One shard's weight (see :func:`shard_weights`) where only its own size and the total are known.
-
-    For the callers that know ``total`` from a plan or a collective and weight once per
-    step or forward: the sizes are not checked here. A step where no shard has a sample
-    (``total`` is 0) weighs nothing.
+    """One shard's weight (see :func:`shard_weights`) from its size and the total (0 when the total is), unchecked.
 
     Raises:
         ValueError: On an unknown ``reduction``.
@@ -93,11 +85,8 @@ def reduce_gradients(
 ) -> None:
     """All-reduce gradients across devices, weighted by shard size, in place.
 
-    The weighted counterpart of the course's ``allreduce``: for every parameter
-    position ``k`` the combined gradient ``sum_i w_i * grad(per_device_params[i][k])``
-    (see :func:`shard_weights`) is written into that parameter's ``.grad`` on every
-    device, the CPU included. A device with a 0-size shard contributes nothing and
-    receives the result. After it, one optimizer step per device keeps the copies equal.
+    Every device's ``.grad`` gets ``sum_i w_i * grad_i`` (:func:`shard_weights`), so one optimizer
+    step per device keeps the copies equal.
 
     Args:
         per_device_params: One list of parameters per device, in the same order; each

@@ -1,12 +1,7 @@
 """Replicas: the module on each device for one step, its parameters taken through autograd, its buffers merged back.
 
-Built afresh each step, as ``torch.nn.parallel.replicate`` does: shallow copies of every
-submodule (``_replicate_for_data_parallel``, so a class's own rule is kept) sharing the
-module's hooks and attributes. In a ``HeteroDataParallel`` step a replica's parameters are
-leaves of its own, whose gradients the engine hands to the module's through autograd;
-replicas built on their own (:func:`replicate`) take their parameters from the module's
-through autograd. Buffers are each replica's own copies, taken afresh every step, so
-replicas running at once never write into one another's.
+Built afresh each step as ``torch.nn.parallel.replicate`` does, sharing the module's hooks; buffers
+are each replica's own copies, so replicas running at once never write into one another's.
 """
 
 from __future__ import annotations
@@ -38,11 +33,8 @@ def module_device(module: nn.Module) -> torch.device:
 def replicate(network: nn.Module, devices: Sequence[DeviceLike], detach: bool = False) -> list[nn.Module]:
     """``torch.nn.parallel.replicate`` for any devices, the CPU and emulated ones included.
 
-    One replica of ``network`` per device (a device may repeat). Each replica's
-    parameters come from ``network``'s through autograd (an alias on ``network``'s
-    device, a copy elsewhere), so a loss computed on a replica back-propagates into
-    ``network``'s parameters; with ``detach=True`` they are detached copies instead.
-    Buffers are copied, and hooks are shared with ``network``.
+    A loss on a replica back-propagates into ``network``'s parameters; buffers are copied,
+    hooks shared.
 
     Args:
         network: The module to replicate (all on one device).
@@ -72,11 +64,7 @@ class _Replica:
 
 
 class _Replicator:
-    """Builds each step's replicas of ``module`` and merges their buffer updates back.
-
-    Args:
-        module: The wrapped module (all on one device).
-    """
+    """Builds each step's replicas of ``module`` (all on one device) and merges their buffer updates back."""
 
     def __init__(self, module: nn.Module) -> None:
         self.module = module
@@ -86,12 +74,7 @@ class _Replicator:
         self._compiled = _torch.Compiled()
 
     def build(self, devices: Sequence[torch.device], link: str = "graph") -> list[_Replica]:
-        """One step's replicas, one per device in ``devices`` (a device may repeat).
-
-        ``link`` says what stands for each parameter that requires grad (see :func:`_param_for`):
-        ``"graph"`` an alias or copy through autograd, ``"leaf"`` a leaf of the replica's
-        own (the engine's steps), ``"detach"`` a detached alias or copy.
-        """
+        """One step's replicas, one per device in ``devices``; ``link`` as :func:`_param_for`'s ``mode``."""
         modules = list(self.module.modules())
         if link == "leaf" and torch.is_grad_enabled():
             check_backward_hooks(self.module, modules)
@@ -138,11 +121,7 @@ class _Replicator:
         return out
 
     def check_unwritten(self, replica: _Replica) -> None:
-        """Refuse a forward that wrote into a parameter (in place): no replica can reproduce the plain module's.
-
-        Raises:
-            RuntimeError: Naming the parameter and what to do.
-        """
+        """Refuse (``RuntimeError``) a forward that wrote into a parameter: no replica reproduces the module's."""
         for name, t, seen in zip(self.names, replica.params, replica.versions):
             if _torch.version(t) != seen:
                 raise RuntimeError(
@@ -164,22 +143,11 @@ class _Replicator:
 
     @torch.no_grad()
     def merge_buffers(self, replicas: Sequence[_Replica], sizes: Sequence[int], runs: Sequence[int]) -> None:
-        """Write the replicas' buffer updates of one step into the module.
+        """Write the replicas' buffer updates of one step into the module (``runs``: each one's forwards).
 
-        The module never ran, so its buffers still hold the step's starting values.
-        Floating-point buffers become the shard-size-weighted average of the replicas'
-        values (a running mean of batch means equals the full-batch one); an element no
-        replica changed keeps its exact value. Integer buffers advance by the sum of the
-        replicas' increments (a counter of samples counts them all), except
-        ``num_batches_tracked``, which advances as in one forward of the module: by the
-        largest increment of one replica per forward it ran (``runs``: its micro-batches).
-        A boolean buffer takes the value a replica changed it to. Nothing is read back
-        from a device, so a GPU is never made to wait here.
-
-        Args:
-            replicas: The step's replicas, in the order of ``sizes``.
-            sizes: Each replica's samples.
-            runs: How many forwards each replica ran (its micro-batches).
+        Floating buffers: the shard-weighted average (a running mean of batch means equals the
+        full-batch one); integers: the sum of increments, ``num_batches_tracked`` as one forward;
+        booleans: what a replica changed. Nothing is read back, so a GPU never waits here.
         """
         if not self.named_buffers:
             return  # the common case for many models: nothing to merge
@@ -215,14 +183,9 @@ class _Replicator:
 def _param_for(p: torch.Tensor, device: torch.device, mode: str) -> torch.Tensor:
     """The tensor that stands for parameter ``p`` in a replica on ``device``.
 
-    ``"graph"``: on ``p``'s device an alias through autograd (a view), elsewhere a
-    differentiable copy, so a loss on the replica back-propagates into ``p``.
-    ``"leaf"`` (the engine's steps): a leaf of the replica's own, sharing ``p``'s storage
-    on its device; the engine captures the replica's gradient there and hands the sum to
-    ``p`` through autograd. A reentrant checkpoint's own backward, which accumulates into
-    whatever leaves it reaches, then fills the replica's leaf, never ``p.grad``.
-    ``"detach"``: a detached alias or copy. ``"none"`` (no graph to build), and any
-    frozen parameter: ``p`` itself, or a plain copy.
+    ``"graph"``: an alias or copy through autograd; ``"leaf"`` (the engine's steps): a leaf of the
+    replica's own sharing ``p``'s storage, so a reentrant checkpoint never fills ``p.grad``;
+    ``"detach"``: a detached alias or copy; ``"none"`` and frozen parameters: ``p`` or a plain copy.
     """
     if mode == "detach":
         return p.detach().to(device, copy=p.device != device)
@@ -234,11 +197,7 @@ def _param_for(p: torch.Tensor, device: torch.device, mode: str) -> torch.Tensor
 
 
 def check_wrappable(module: nn.Module) -> None:
-    """Refuse, before any device work, a module whose parameters are not there yet (lazy modules).
-
-    Raises:
-        ValueError: Naming the uninitialised parameters and what to do.
-    """
+    """Refuse (``ValueError``), before any device work, a module whose parameters are not there yet (lazy modules)."""
     lazy = [n for n, t in (*module.named_parameters(), *module.named_buffers()) if is_lazy(t)]
     if lazy:
         raise ValueError(
@@ -249,15 +208,8 @@ def check_wrappable(module: nn.Module) -> None:
 
 
 def check_backward_hooks(module: nn.Module, modules: Sequence[nn.Module]) -> None:
-    """Refuse a module backward hook before any replica runs: it would fire per replica, with a shard's gradients.
+    """Refuse (``ValueError``) a module backward hook: it would fire per replica, with a shard's gradients."""
 
-    Args:
-        module: The wrapped module.
-        modules: ``module.modules()``, as the caller already listed them.
-
-    Raises:
-        ValueError: Naming the module and what to use instead.
-    """
     found = _torch.backward_hook_owner(module, list(modules))
     if found is None:
         return

@@ -16,10 +16,8 @@ from ..tree import batch_length, flatten, leaf_paths, split_rows, to_device, unf
 def scatter(inputs: Any, devices: Sequence[DeviceLike], sizes: Sequence[int], dim: int = 0) -> list[Any]:
     """Cut a nested batch into shards of the given sizes, each moved to its device.
 
-    Like :func:`torch.nn.parallel.scatter`, but with uneven sizes, any device (the CPU
-    too), zero-size shards and dataclass batches. Every tensor is split along ``dim``;
-    0-dim tensors are copied to every device, other objects are handed to every device
-    as they are. Autograd flows through.
+    :func:`torch.nn.parallel.scatter` with uneven sizes, any device and zero-size shards;
+    0-dim tensors and other objects go to every device whole. Autograd flows through.
 
     Args:
         inputs: A tensor or a nest of tuples, lists, dicts, namedtuples, dataclasses.
@@ -59,11 +57,7 @@ def _check_dim(dim: object) -> None:
 
 
 def concat_column(parts: Sequence[torch.Tensor], target: torch.device, dim: int, path: str) -> torch.Tensor:
-    """Concatenate one output leaf's per-replica pieces on ``target``.
-
-    Raises:
-        ValueError: If the pieces' shapes differ outside ``dim``, naming the output's path.
-    """
+    """Concatenate one output leaf's per-replica pieces on ``target`` (a ``ValueError`` naming ``path`` if not)."""
     moved = [to_device(t, target) for t in parts]
     try:
         return torch.cat(moved, dim=dim)
@@ -78,10 +72,8 @@ def concat_column(parts: Sequence[torch.Tensor], target: torch.device, dim: int,
 def gather(outputs: Sequence[Any], target_device: DeviceLike, dim: int = 0) -> Any:
     """Concatenate per-device outputs on one device, the inverse of :func:`scatter`.
 
-    Tensors are concatenated along ``dim`` (zero-size pieces included); 0-dim tensors,
-    such as per-replica losses, are stacked into a vector as ``nn.DataParallel`` does;
-    any other object comes back as a list with each output's value (never the first
-    output's alone). Autograd flows through.
+    0-dim tensors are stacked as ``nn.DataParallel`` does; other objects come back as a list of
+    every output's value. Autograd flows through.
 
     Args:
         outputs: One output per device, all with the same structure.

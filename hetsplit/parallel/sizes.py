@@ -36,9 +36,7 @@ def split_sizes(
 ) -> list[int]:
     """The per-device sizes :func:`balanced_split` uses for a batch of ``batch`` samples.
 
-    The sources and their order are :func:`~hetsplit.planning.sizes.resolve_plan`'s, with the
-    newest stored profile of the devices (else a quick calibration) as its fallback. A
-    device listed twice gets a share for each copy.
+    As :func:`~hetsplit.planning.sizes.resolve_plan`, falling back on the stored profile or a quick calibration.
 
     Raises:
         TypeError: If ``profile`` is neither a :class:`Profile` nor a :class:`Plan` (a
@@ -62,11 +60,7 @@ def balanced_split(
     profile: Profile | Plan | None = None,
     dim: int = 0,
 ) -> list[torch.Tensor]:
-    """Cut ``X`` into shards sized to each device's speed, each moved to its device.
-
-    The uneven counterpart of ``nn.parallel.scatter(X, devices)``: concatenating the
-    shards (on one device) gives ``X`` back exactly. It always works with just
-    ``(X, devices)``; see :func:`split_sizes` for where the sizes come from.
+    """Cut ``X`` into shards sized to each device's speed, each moved to its device (sizes: :func:`split_sizes`).
 
     Args:
         X: The batch (a tensor, or a nest of tensors of equal length along ``dim``).
@@ -90,22 +84,8 @@ def balanced_split(
 class BatchPlans:
     """The plan of every batch size an engine meets: given, solved once per size, or learned.
 
-    Args:
-        devices: The engine's devices, in shard order.
-        plan: A plan to follow for its batch size.
-        profile: Curves to solve other batch sizes with.
-        weights: Relative throughputs (not with ``plan``/``profile``).
-        rebalancer: Once it has observed the devices, its corrected curves solve new sizes.
-        accumulate: Let capped devices run their share as micro-batches.
-        model: The model being split, whose stored profile (its fingerprint) alone may decide
-            when nothing else is given.
-
-    Attributes:
-        caps: Memory caps learned from out-of-memory errors, by device name; every plan
-            handed out respects them.
-        current: The plan :meth:`for_batch` handed out last. While :attr:`minimum` is 1 it
-            is what ``for_batch(current.batch_size)`` would hand out again, so a step of that
-            size need not ask.
+    :attr:`caps` holds the memory caps learned from out-of-memory errors; :attr:`current` the plan
+    :meth:`for_batch` handed out last (while :attr:`minimum` is 1, what it would hand out again).
     """
 
     def __init__(
@@ -153,10 +133,7 @@ class BatchPlans:
             self.set(plan)
 
     def trace(self, args: tuple[Any, ...], kwargs: dict[str, Any], dim: int) -> None:
-        """Set :attr:`minimum` from a batch the model is about to run (once per per-sample input shape).
-
-        The plans cached under another minimum are dropped (a given plan stays).
-        """
+        """Set :attr:`minimum` from a batch the model is about to run (once per per-sample input shape)."""
         if not self.batchnorm:
             return
         leaves = [x for x in flatten((args, kwargs))[0] if isinstance(x, torch.Tensor) and x.dim() > 0]
@@ -180,12 +157,8 @@ class BatchPlans:
         self.given, self.current, self.by_batch = plan, plan, {plan.batch_size: plan}
 
     def for_batch(self, batch: int) -> Plan:
-        """The plan for a batch of ``batch`` samples, which becomes :attr:`current`.
+        """The plan for a batch of ``batch`` samples (made once per size), which becomes :attr:`current`."""
 
-        Made once per size (:func:`~hetsplit.planning.sizes.resolve_plan`'s order; the
-        rebalancer's corrected profile once it has learned; with nothing given, the stored
-        profile of these devices or a quick calibration, found once for every size).
-        """
         plan = self.by_batch.get(batch)
         if plan is None:
             profile = self._profile_in_use()

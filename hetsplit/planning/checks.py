@@ -21,7 +21,7 @@ def batch_count(value: Any, what: str, *, minimum: int = 1) -> int:
     """``value`` as a batch size: an integer from ``minimum`` to :data:`MAX_BATCH` (no bool, no 16.7).
 
     Raises:
-        ValueError: Naming ``what`` and the value.
+        ValueError: Naming ``what`` and the value (as do the checks below).
     """
     if isinstance(value, bool) or not isinstance(value, int | float | np.integer | np.floating):
         raise ValueError(f"{what} must be a whole number of samples, got {type(value).__name__}: {value!r}")
@@ -33,12 +33,22 @@ def batch_count(value: Any, what: str, *, minimum: int = 1) -> int:
     return count
 
 
-def seconds(value: Any, what: str) -> float:
-    """``value`` as a measured time: a positive, finite number of seconds.
+def batch_size(value: Any, what: str) -> int:
+    """``value`` as the batch a plan splits: an integer (no bool, no 16.0) from 1 to :data:`MAX_BATCH`.
 
     Raises:
-        ValueError: Naming ``what`` and the value.
+        TypeError: On a value that is not an integer.
+        ValueError: On an empty batch, or one beyond any machine.
     """
+    if isinstance(value, bool) or not isinstance(value, int | np.integer):
+        raise TypeError(f"{what} must be an integer, got {type(value).__name__}: {value!r}")
+    if value < 1:
+        raise ValueError(f"{what} must be >= 1, got {value}; an empty batch has nothing to split")
+    return batch_count(value, what)
+
+
+def seconds(value: Any, what: str) -> float:
+    """``value`` as a measured time: a positive, finite number of seconds."""
     if isinstance(value, bool) or not isinstance(value, int | float | np.integer | np.floating):
         raise ValueError(f"{what} must be a number of seconds, got {type(value).__name__}: {value!r}")
     if not (math.isfinite(value) and 0 < value <= MAX_SECONDS):
@@ -47,22 +57,14 @@ def seconds(value: Any, what: str) -> float:
 
 
 def memory_cap(value: Any, what: str) -> int | None:
-    """``value`` as a memory cap: ``None`` (unknown) or a whole number of samples >= 0.
-
-    Raises:
-        ValueError: Naming ``what`` and the value.
-    """
+    """``value`` as a memory cap: ``None`` (unknown) or a whole number of samples >= 0."""
     if value is None:
         return None
     return batch_count(value, what, minimum=0)
 
 
 def device_count(value: Any, what: str) -> int:
-    """``value`` as a number of devices (copies): an integer from 1 to :data:`MAX_DEVICES`.
-
-    Raises:
-        ValueError: Naming ``what`` and the value.
-    """
+    """``value`` as a number of devices (copies): an integer from 1 to :data:`MAX_DEVICES`."""
     if isinstance(value, bool) or not isinstance(value, int | np.integer):
         raise ValueError(f"{what} must be a whole number of devices, got {type(value).__name__}: {value!r}")
     if not 1 <= value <= MAX_DEVICES:
@@ -73,12 +75,7 @@ def device_count(value: Any, what: str) -> int:
 def materialised(model: Any, where: str) -> None:
     """Refuse a model with parameters or buffers on the ``meta`` device (shapes, no data), before any work.
 
-    Args:
-        model: The ``nn.Module`` about to be wrapped, profiled or planned for.
-        where: Who refuses it (``"HeteroDataParallel"``, ``"hetsplit.profile"``, ``"hd.plan"``).
-
-    Raises:
-        ValueError: Naming the first tensor on the meta device and how to materialise the model.
+    ``where`` names who refuses it (``"hd.plan"``); the ValueError names the first such tensor.
     """
     named = [*model.named_parameters(), *model.named_buffers()]
     on_meta = [name for name, t in named if t.is_meta]

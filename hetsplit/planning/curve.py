@@ -17,20 +17,11 @@ from . import checks
 
 @dataclasses.dataclass
 class Curve:
-    """A monotone step-time model ``t(b)`` in seconds for a batch of ``b`` samples.
+    """A monotone step-time model ``t(b)`` in seconds for a batch of ``b`` samples (docs/how-it-works.md).
 
-    The curve is piecewise linear through ``knots`` (measured batch sizes with their
-    isotonic-smoothed median times), falls linearly from the first knot to ``intercept``
-    (the fixed per-step overhead, which dominates small GPU batches), and continues past
-    the last knot with ``slope`` seconds per sample. ``t(0) = 0``: an unused device costs
-    nothing. Above ``memory_cap`` the time is infinite.
-
-    Attributes:
-        batch: Knot batch sizes, strictly increasing, all >= 1.
-        seconds: Knot times, non-decreasing.
-        intercept: Fixed overhead in seconds, ``0 <= intercept <= seconds[0]``.
-        slope: Marginal seconds per sample beyond the last knot (> 0).
-        memory_cap: Largest batch that fits in memory, or ``None`` if unknown/unbounded.
+    Piecewise linear through the knots, falling linearly from the first knot to ``intercept``
+    (the fixed per-step overhead), ``slope`` seconds per sample past the last knot, ``t(0) = 0``
+    and infinite above ``memory_cap`` (``None``: unknown or unbounded).
     """
 
     batch: list[float]
@@ -58,22 +49,11 @@ class Curve:
 
     @classmethod
     def fit(cls, points: Iterable[tuple[int, float]], memory_cap: int | None = None) -> Curve:
-        """Fit a curve to ``(batch size, seconds)`` measurements.
+        """Fit a curve to ``(batch size, seconds)`` measurements (batch >= 1, seconds > 0).
 
-        Times at the same batch size are reduced to their median; medians are made
-        non-decreasing by isotonic regression; the fixed overhead and the slope past the
-        last measurement come from a non-negative fit of ``t = a + s*b`` (relative errors,
-        so small batches count as much as large ones).
-
-        Args:
-            points: Measurements; batch sizes >= 1, times > 0.
-            memory_cap: Largest batch that fits, if known.
-
-        Returns:
-            The fitted curve.
-
-        Raises:
-            ValueError: If there is no valid measurement.
+        Medians per batch size, made non-decreasing by isotonic regression; the overhead and
+        the slope past the last point from a non-negative fit of ``t = a + s*b`` in relative
+        error, so small batches count as much as large ones.
         """
         by_batch: dict[int, list[float]] = {}
         for b, t in points:
@@ -142,9 +122,8 @@ class Curve:
     def repeated(self, count: int) -> Curve:
         """``count * t(b / count)``: ``b`` samples run as ``count`` back-to-back micro-batches of ``b / count``.
 
-        Exact for the piecewise-linear model: knots and times scale by ``count``, the
-        slope past the last knot stays, and the memory cap (per micro-batch) covers
-        ``count`` times the samples.
+        Exact for the piecewise-linear model; the memory cap (per micro-batch) covers ``count``
+        times the samples.
         """
         if isinstance(count, bool) or not isinstance(count, int) or count < 1:
             raise ValueError(f"a curve can only be repeated a whole number >= 1 of times, got {count!r}")
@@ -157,10 +136,7 @@ class Curve:
         )
 
     def shifted(self, seconds: float) -> Curve:
-        """This curve with ``seconds`` (>= 0) of fixed overhead added to every used batch.
-
-        ``t(0)`` stays 0: an unused device pays nothing.
-        """
+        """This curve with ``seconds`` (>= 0) of fixed overhead added to every used batch (``t(0)`` stays 0)."""
         if not (math.isfinite(seconds) and seconds >= 0):
             raise ValueError(f"a curve can only be shifted by a finite overhead >= 0 seconds, got {seconds}")
         return dataclasses.replace(
@@ -173,13 +149,7 @@ class Curve:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Curve:
-        """Build a curve from :meth:`to_dict` output, checking every number (a file may be damaged).
-
-        Raises:
-            ValueError: Naming the bad entry: a knot that is not a finite number (or a
-                string, a bool), a batch beyond :data:`~hetsplit.planning.checks.MAX_BATCH`,
-                a time beyond :data:`~hetsplit.planning.checks.MAX_SECONDS`, a bad memory cap.
-        """
+        """Build a curve from :meth:`to_dict` output, checking every number (a file may be damaged)."""
         if not isinstance(data, Mapping):
             raise ValueError(f"the curve must be a mapping of knots, got {type(data).__name__}: {data!r}")
         knots = {}
@@ -211,11 +181,8 @@ def _number(value: Any, what: str, top: float) -> float:
 class CurveTable:
     """Many curves packed into arrays, evaluated and inverted together (the solver's engine).
 
-    Knot arrays are padded to a common length by repeating each curve's last knot, so
-    one vectorised pass serves 10,000 devices.
-
-    Args:
-        curves: The curves, one per device (a curve may appear several times).
+    Knot arrays are padded to a common length by repeating each curve's last knot, so one
+    vectorised pass serves 10,000 devices.
     """
 
     def __init__(self, curves: Sequence[Curve]) -> None:
@@ -239,10 +206,7 @@ class CurveTable:
         self._rows = np.arange(n)
 
     def evaluate(self, b: np.ndarray, rows: np.ndarray | None = None) -> np.ndarray:
-        """Predicted seconds of curve ``rows[j]`` at batch ``b[j]`` (all curves in order by default).
-
-        ``b`` may also be 2-D, one row per curve, to evaluate several batches per curve.
-        """
+        """Predicted seconds of curve ``rows[j]`` at batch ``b[j]`` (default: all; ``b`` 2-D: a row per curve)."""
         b = np.asarray(b, dtype=float)
         if b.ndim == 2:
             rows2 = np.repeat(self._rows, b.shape[1])
@@ -287,10 +251,7 @@ class CurveTable:
         return cont, np.nan_to_num(rate, nan=0.0, posinf=1e18)
 
     def capacity(self, seconds: float) -> np.ndarray:
-        """For each curve, the largest integer batch with predicted time <= ``seconds``.
-
-        Exact against :meth:`evaluate`; :meth:`bounds` is the cheaper bracket of it.
-        """
+        """For each curve, the largest integer batch with predicted time <= ``seconds`` (exact: :meth:`evaluate`)."""
         c = np.floor(np.minimum(self._inverse(seconds)[0], self.cap))
         # The closed-form inverse can be off by one in floating point: settle it against
         # evaluate(), which is what the solver's optimality is defined by.
@@ -304,11 +265,7 @@ class CurveTable:
         return counts
 
     def bounds(self, seconds: float) -> tuple[np.ndarray, np.ndarray]:
-        """Capacities at ``seconds`` from below and from above, in one closed-form pass.
-
-        They differ only where the inverse lies within rounding of a whole number, so
-        they bracket the exact :meth:`capacity` at the cost of one closed-form pass.
-        """
+        """Capacities at ``seconds`` from below and above in one closed-form pass: a bracket of :meth:`capacity`."""
         cont, rate = self._inverse(seconds)
         return rounded_bounds(cont, rate, seconds, self.cap)
 
@@ -316,21 +273,11 @@ class CurveTable:
 def rounded_bounds(
     cont: np.ndarray, rate: np.ndarray, seconds: float, cap: np.ndarray | float
 ) -> tuple[np.ndarray, np.ndarray]:
-    """``floor`` of a continuous capacity from below and above, widened by its rounding error.
+    """``floor`` of a continuous capacity ``cont`` from below and above, widened by its rounding error.
 
-    The closed forms round like :meth:`CurveTable.evaluate` does up to a few ulps of the
-    time, which becomes ``rate = dx/dt`` times that in samples (large on a nearly flat
-    piece), plus a few ulps of the size itself. Far from a whole number (or from the
-    cap) both are ``floor``; within that error they differ by one.
-
-    Args:
-        cont: Continuous capacities, not yet clipped at the cap.
-        rate: ``dx/dt`` of each at ``seconds``.
-        seconds: The time they are capacities for.
-        cap: The most samples each may hold (clips both bounds).
-
-    Returns:
-        ``(low, high)``: integer capacities, ``low <= exact <= high``.
+    The closed forms round like :meth:`CurveTable.evaluate` up to a few ulps of the time,
+    which is ``rate = dx/dt`` times that in samples (large on a nearly flat piece): within that
+    error of a whole number the two differ by one. Both are clipped at ``cap``.
     """
     tol = rate * (1e-12 * abs(seconds)) + 1e-9 * (1.0 + cont)
     top = np.minimum(cap, 1e18)
@@ -351,12 +298,10 @@ def _affine(xs: np.ndarray, ys: np.ndarray) -> tuple[float, float]:
 def holdout_error(
     points: Sequence[tuple[int, float]], memory_cap: int | None = None
 ) -> tuple[int, float, float] | None:
-    """How well a curve predicts a size it was not fitted on: the middle point left out.
+    """How well a curve predicts a size it was not fitted on: ``(batch, predicted, measured)`` of the middle point.
 
-    Returns:
-        ``(batch, predicted seconds, measured seconds)`` for the middle of ``points``
-        (sorted by batch), predicted by a curve fitted to the others; ``None`` with
-        fewer than three points.
+    The middle of ``points`` (sorted) is predicted by a curve fitted to the others; ``None``
+    with fewer than three points.
     """
     ordered = sorted(points)
     if len(ordered) < 3:

@@ -13,10 +13,7 @@ from .solver import solve
 
 
 def _with_caps(profile: Profile, caps: Mapping[str, int]) -> Profile:
-    """A copy of ``profile`` whose devices named in ``caps`` hold at most that many samples.
-
-    A cap only ever lowers what the profile says (a probed cap stays when it is smaller).
-    """
+    """A copy of ``profile`` whose devices named in ``caps`` hold at most that many samples (a cap only lowers)."""
     entries = []
     for e in profile.entries:
         cap = caps.get(e.name)
@@ -37,14 +34,9 @@ def capped_plan(
 ) -> Plan:
     """``plan`` changed so that no micro-batch exceeds its device's cap in ``caps`` (by device name).
 
-    With a profile the batch is solved again under the caps (micro-batches allowed with
-    ``accumulate``). Without one the shares stay and a device over its cap runs its share
-    as the fewest near-equal micro-batches that fit (``accumulate`` must be on).
-
-    Raises:
-        ValueError: If the caps leave no split (naming the devices and caps): a share
-            on a device that holds no sample, or a batch larger than all caps without
-            ``accumulate``.
+    With a profile the batch is solved again under the caps; without one a device over its
+    cap runs its share as the fewest near-equal micro-batches that fit (``accumulate`` must be
+    on). A ValueError names the devices and caps when they leave no split.
     """
     if fits(plan, caps):
         return plan
@@ -61,11 +53,7 @@ def capped_plan(
 
 
 def micro_batched(plan: Plan, caps: Sequence[int | None]) -> Plan:
-    """``plan`` with each share whose micro-batches break its cap (one per share, ``None``: no cap) cut to fit.
-
-    Such a share runs as the fewest near-equal micro-batches of at most its cap
-    (:func:`~hetsplit.planning.micro.micro_sizes_within`); the shares themselves stay.
-    """
+    """``plan`` with each share over its cap (one per share, ``None``: none) cut into micro-batches; shares stay."""
     micro = [
         micro_sizes_within(s, c) if c is not None and max(m, default=0) > c else list(m)
         for s, c, m in zip(plan.sizes, caps, plan.micro_batches)
@@ -74,10 +62,6 @@ def micro_batched(plan: Plan, caps: Sequence[int | None]) -> Plan:
 
 
 def cap_after_oom(failed: int, succeeded: Sequence[int]) -> int:
-    """The cap to use after a micro-batch of ``failed`` samples ran out of memory.
-
-    The largest size that ran before on that device (below the failed one), else half
-    the failed size.
-    """
+    """The cap after ``failed`` samples ran out of memory: the largest smaller micro-batch that ran, else half."""
     below = [s for s in succeeded if 0 < s < failed]
     return max(below) if below else failed // 2

@@ -1,10 +1,7 @@
 """Micro-batches: a device's time for a share run as near-equal micro-batches under its memory cap.
 
-A device with a memory cap ``c`` runs ``b > c`` samples as ``k >= ceil(b / c)``
-micro-batches differing by at most one (``b = q k + r``), in time
-``T(b) = min_k (k - r) t(q) + r t(q + 1)``. :class:`MicroTable` evaluates and inverts ``T``
-for many devices at once, exactly, so the solver's min-max stays exact; why a handful of
-candidate ``k`` per device suffice (the ends of ``t``'s linear pieces): docs/how-it-works.md.
+``b > c`` samples run as ``k >= ceil(b / c)`` micro-batches in ``T(b) = min_k (k - r) t(q) + r t(q + 1)``
+(``b = q k + r``); :class:`MicroTable` evaluates and inverts ``T`` exactly for many devices at once.
 """
 
 from __future__ import annotations
@@ -17,12 +14,7 @@ from .curve import CurveTable, rounded_bounds
 
 
 def micro_sizes(batch: int, count: int) -> list[int]:
-    """``batch`` samples as ``count`` near-equal micro-batches (larger first; sizes differ by at most 1).
-
-    Example:
-        >>> micro_sizes(191, 3)
-        [64, 64, 63]
-    """
+    """``batch`` samples as ``count`` near-equal micro-batches, larger first (``(191, 3)``: ``[64, 64, 63]``)."""
     if batch <= 0:
         return []
     count = max(1, min(int(count), int(batch)))
@@ -31,25 +23,16 @@ def micro_sizes(batch: int, count: int) -> list[int]:
 
 
 def micro_sizes_within(share: int, cap: int) -> list[int]:
-    """``share`` samples as the fewest near-equal micro-batches of at most ``cap`` samples each.
-
-    The one rule for a share over its device's memory cap, for every engine.
-
-    Example:
-        >>> micro_sizes_within(10, 4)
-        [4, 3, 3]
-    """
+    """``share`` as the fewest near-equal micro-batches of at most ``cap`` samples: the one rule for every engine."""
     return micro_sizes(share, -(-share // cap))
 
 
 def _turning_points(v: np.ndarray, at: object) -> tuple[np.ndarray, np.ndarray]:
     """Of each row's sorted run ends ``v``, those where the best ``k`` can lie; and ``t`` there.
 
-    With whole-number knots the time of ``k`` micro-batches is ``k t(b / k)``, linear in
-    ``k`` on each piece of ``t`` with slope the piece's intercept ``a``. A minimum of time
-    (a maximum of capacity) over ``k`` sits where the piece above a size has ``a <= 0``
-    and the piece below has ``a >= 0`` (a local best throughput), at 1 or at the cap.
-    Keeping those (and any ambiguous one) keeps the optimum exact with fewer candidates.
+    The time of ``k`` micro-batches is linear in ``k`` on each piece of ``t``, with slope the
+    piece's intercept ``a``: a best ``k`` sits where ``a`` turns from >= 0 below to <= 0 above,
+    at 1 or at the cap. Keeping those (and any ambiguous one) keeps the optimum exact.
     """
     rows = np.arange(len(v))
     t = at(v, rows)[0]  # type: ignore[operator]
@@ -71,16 +54,10 @@ def _turning_points(v: np.ndarray, at: object) -> tuple[np.ndarray, np.ndarray]:
 
 
 class MicroTable:
-    """The accumulate=True step time ``T_i(b)`` of every device of a :class:`CurveTable`.
+    """The accumulate=True step time ``T_i(b)`` of every device of a :class:`CurveTable`, read as a table.
 
-    Exposes what the solver reads from a table: ``cap`` (the most samples a device can
-    take: unbounded unless it cannot hold one sample), ``x`` (the knots), :meth:`evaluate`,
-    :meth:`capacity` and :meth:`bounds`, plus :meth:`whole_batch_time` (a first upper
-    bound for the search) and :meth:`times_and_counts` (the micro-batch count behind
-    each time).
-
-    Args:
-        table: The devices' curves, memory caps included.
+    ``cap`` is unbounded unless a device cannot hold one sample; :meth:`times_and_counts`
+    gives the micro-batch count behind each time.
     """
 
     def __init__(self, table: CurveTable) -> None:
@@ -110,10 +87,8 @@ class MicroTable:
     def _segment_lines(self, x: np.ndarray, y: np.ndarray, a: np.ndarray, s: np.ndarray) -> None:
         """Each split device's curve as ``m + 1`` lines through an anchor, flattened row after row.
 
-        Piece ``p`` holds the sizes with ``p`` knots at or below them (as the curve's own
-        evaluation): 0 is below the first knot (from the intercept), ``m`` beyond the
-        last (the fitted slope). Precomputed so a lookup is a few comparisons and one
-        gather, not a search per call; the solver calls these thousands of times over.
+        Piece ``p`` holds the sizes with ``p`` knots at or below them (0: from the intercept,
+        ``m``: the fitted slope); precomputed, as the solver looks pieces up thousands of times.
         """
         n, m = x.shape
         with np.errstate(divide="ignore", invalid="ignore"):
@@ -137,11 +112,7 @@ class MicroTable:
         return flat
 
     def _at(self, q: np.ndarray, j: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """``(t(q), t(q + 1) - t(q))`` on split devices ``j`` (one row of sizes ``1 <= q <= cap`` each).
-
-        ``q`` and ``q + 1`` are taken on the piece that holds ``q`` (for a fractional knot
-        between them the difference is the interpolation the curve's own evaluation uses).
-        """
+        """``(t(q), t(q + 1) - t(q))`` on split devices ``j``, both on the piece that holds ``q``."""
         i = self._segment_of(self.X, q, j)
         xa, ya, s = self.PX[i], self.PY[i], self.PS[i]
         t = ya + s * (q - xa)
@@ -186,12 +157,7 @@ class MicroTable:
         return np.where(zero, np.inf, t), counts
 
     def whole_batch_time(self, batch: int) -> float:
-        """Seconds in which some device surely runs all ``batch`` samples (a bound, no search).
-
-        A split device's time is bounded by :meth:`_split_upper`; whole-batch devices
-        give their time. The solver's search starts from it instead of evaluating every
-        device on the whole batch.
-        """
+        """Seconds in which some device surely runs all ``batch`` samples: the search's first upper bound."""
         plain = self.table.evaluate(np.full(len(self.cap), float(batch)))
         t = np.where(self.capped, np.inf, plain)
         if len(self.rows):
@@ -199,21 +165,15 @@ class MicroTable:
         return float(t.min())
 
     def _split_upper(self, bj: np.ndarray, t_whole: np.ndarray) -> np.ndarray:
-        """An upper bound on the split devices' times for ``bj`` samples.
-
-        ``t(b)`` within the cap (``t_whole``, the plain curve's time), else ``ceil(b / c)``
-        micro-batches of at most ``c``, each at most ``t(c)`` (``t`` does not decrease).
-        """
+        """An upper bound on the split devices' times: ``t(b)`` within the cap, else ``ceil(b / c) t(c)``."""
         c = self.c
         return np.where(bj <= c, t_whole, np.ceil(bj / c) * self.tc)
 
     def extreme(self, b: np.ndarray, *, largest: bool) -> tuple[float, int]:
         """The largest (or smallest) ``T_i(b_i)`` over all devices and its device, exactly.
 
-        Split devices are evaluated only where bounds leave the answer open: ``T(b)`` is at
-        least ``b`` times the curve's best seconds per sample (a turning point) and at most
-        ``t(b)`` within the cap, or ``ceil(b / c) t(c)`` beyond it. The plan's even and
-        single-device times need just the extreme, and most devices are settled by bounds.
+        Split devices are evaluated only where bounds (``b`` times the best seconds per sample;
+        :meth:`_split_upper`) leave the answer open: most are settled by them.
         """
         b = np.asarray(b, dtype=float)
         t = self.table.evaluate(b)
@@ -258,9 +218,8 @@ class MicroTable:
     def _split_inverse(self, seconds: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Continuous capacities of the split devices per candidate micro-batch count, ``dx/dt``, and ``k`` caps.
 
-        For ``k`` micro-batches it is ``k`` times the (continuous) inverse of the curve at
-        ``seconds / k``, at most ``k`` caps; the best ``k`` is at a run's end, so the most
-        samples a device runs in ``seconds`` is the largest ``floor`` of a row.
+        For ``k`` micro-batches: ``k`` times the curve's inverse at ``seconds / k``, at most
+        ``k`` caps; the best ``k`` is at a run's end, so a row's largest ``floor`` is the answer.
         """
         tv = self.tv
         kv = np.floor(seconds / tv)
@@ -282,12 +241,7 @@ class MicroTable:
         return capacity
 
     def bounds(self, seconds: float) -> tuple[np.ndarray, np.ndarray]:
-        """Capacities at ``seconds`` from below and from above (see :meth:`CurveTable.bounds`).
-
-        Whole-batch devices come from the table's closed form; split devices take the
-        best micro-batch count's bounds. With fractional knots the exact capacity serves
-        as both.
-        """
+        """Capacities at ``seconds`` from below and above (:meth:`CurveTable.bounds`; exact with fractional knots)."""
         if self.fractional:
             c = self.capacity(seconds)
             return c, c
@@ -300,11 +254,7 @@ class MicroTable:
         return low, high
 
     def capacity(self, seconds: float) -> np.ndarray:
-        """For each device, the most samples whose micro-batched time is at most ``seconds``.
-
-        Exact against :meth:`evaluate` (the closed forms settled); :meth:`bounds` is the
-        cheaper bracket of it.
-        """
+        """For each device, the most samples whose micro-batched time is at most ``seconds`` (exact)."""
         c = self.table.capacity(seconds).astype(float)
         c = np.where(self.cap == 0, 0.0, c)
         if len(self.rows):

@@ -31,17 +31,13 @@ class Plan:
         micro_batches: Per device, the sizes of the micro-batches its share runs as, one
             after another with gradients accumulated (``[[64, 64, 63], [40]]``; ``[]`` for
             no samples). Default: the share as one batch.
-        noise: The relative ± of the predicted times: the noisiest device's measurements
-            (:attr:`DeviceProfile.noise <hetsplit.planning.records.DeviceProfile.noise>`); NaN where
+        noise: The relative ± of the predicted times (the noisiest device's); NaN where
             unknown (sizes given by hand, timings taken once).
         curves: Per device, the step-time curve the plan was solved from (empty for sizes
-            given by hand): what a rebalancer starts from, where it has no profile of its
-            own (a torchrun job: each rank's curve was measured on its own rank).
-        stand_in: The model whose steps :attr:`times`, :attr:`even_time` and
-            :attr:`single_time` time when it is not the model split (``"calibration-mlp"``:
-            solved from the quick built-in calibration, whose shares follow each device's
-            throughput); :attr:`step_time` is then NaN, since no step of the user's model was
-            predicted. ``""``: the times are the profiled model's own.
+            given by hand): what a rebalancer without a profile starts from (a torchrun job).
+        stand_in: The model whose steps the times time when it is not the model split
+            (``"calibration-mlp"``: the quick built-in calibration); :attr:`step_time` is then
+            NaN. ``""``: the times are the profiled model's own.
         notes: Lines on shares the planner changed after solving, and why (a device sitting
             out because its share was too small for BatchNorm's statistics).
     """
@@ -98,14 +94,10 @@ class Plan:
     def noise_notes(
         self, *, step: float | None = None, even: float | None = None, single: float | None = None
     ) -> list[str]:
-        """One line for each predicted gain that is inside the measurement noise, else nothing.
+        """One line for each predicted gain that is inside the measurement noise (:attr:`noise`), else nothing.
 
-        A gain over the even split, or over :attr:`single_device` alone, no larger than
-        :attr:`noise` may not be there at all: ``"the predicted gain over the even split (3%) is
-        inside the measurement noise (±8%)"``. ``step``, ``even`` and ``single`` replace
-        the predicted step times compared (e.g. with a modelled gradient exchange added).
-        A comparison with itself (the plan is the even split, or one device alone) says
-        nothing.
+        ``step``, ``even`` and ``single`` replace the predicted step times compared (e.g. with
+        a modelled gradient exchange added). A comparison with itself says nothing.
         """
         if not (math.isfinite(self.noise) and self.noise >= 0):
             return []
@@ -177,20 +169,12 @@ def scaled_step(
 ) -> float:
     """The median over measured steps of each step as it would have run another plan.
 
-    ``steps``: per measured step, each device's compute (``None`` where the step did not
-    time it) and what the step lasted beyond its slowest device (communication no
-    compute hid, hand-offs, the loss). ``scales``: each device's time on its new share
-    over its time on the measured one, from the curves (``None``: unknown). A device counts
-    at its compute times its scale, or at its ``planned`` time on the new plan where either
-    is missing; one with nothing planned (no share) not at all. Each step: its slowest
-    device plus the step's rest, or, where the rest is given per device (a torchrun rank's
-    wall less its compute), each device plus its own.
-
-    Taken step by step, not from the medians: a step lasts as long as its slowest device
-    *in that step*, and the slowest of several noisy devices is slower on average than the
-    slowest of their medians (predicted from the medians, balanced plans ran 6-10 % longer:
-    DDP on two ranks, median error -8.3 % over 12 configurations). The one rule for the
-    thread engine's calibration and ``hd.plan``'s.
+    ``steps``: per step, each device's compute (``None``: not timed) and what the step lasted
+    beyond its slowest device (or, per device, a torchrun rank's wall less its compute).
+    ``scales``: each device's time on its new share over the measured one (``None``: unknown,
+    then its ``planned`` time counts). Taken step by step, not from the medians: the slowest
+    of several noisy devices is slower on average than the slowest of their medians
+    (predicted from the medians, balanced DDP plans ran 6-10 % longer).
     """
     out = []
     for computes, rest in steps:
@@ -216,15 +200,7 @@ def _finite_or_none(x: float) -> float | None:
 
 
 def check_sizes(sizes: Sequence[Any], total: int, n_devices: int) -> list[int]:
-    """Validate shard sizes: one non-negative integer per device, summing to ``total``.
-
-    Returns:
-        The sizes as plain ints.
-
-    Raises:
-        TypeError: If a size is not an integer.
-        ValueError: If the count, a sign or the sum is wrong.
-    """
+    """Validate shard sizes: one integer >= 0 per device, summing to ``total``; returned as plain ints."""
     if len(sizes) != n_devices:
         raise ValueError(f"got {len(sizes)} sizes {list(sizes)} for {n_devices} devices; give one size per device")
     arr = np.asarray(sizes)
@@ -246,11 +222,7 @@ def check_sizes(sizes: Sequence[Any], total: int, n_devices: int) -> list[int]:
 
 
 def _check_micro_batches(micro: Sequence[Sequence[Any]], sizes: Sequence[int]) -> list[list[int]]:
-    """Validate micro-batch sizes: per device, whole numbers >= 1 summing to its share.
-
-    Raises:
-        ValueError: Naming the device position, its share and the micro-batches.
-    """
+    """Validate micro-batch sizes: per device, whole numbers >= 1 summing to its share."""
     if isinstance(micro, str | bytes) or len(micro) != len(sizes):
         raise ValueError(f"micro_batches must hold one list per device ({len(sizes)}), got {micro!r}")
     if all(type(p) is list for p in micro):  # the fast path, for the solver's own output
@@ -277,21 +249,9 @@ def even_sizes(total: int, n: int) -> list[int]:
 
 
 def sizes_from_weights(total: int, weights: Sequence[float]) -> list[int]:
-    """Split ``total`` in proportion to ``weights`` with largest-remainder rounding.
+    """Split ``total`` in proportion to ``weights`` (>= 0, not all 0) with largest-remainder rounding.
 
-    Args:
-        total: The number of samples.
-        weights: Relative throughputs, one per device, non-negative, not all zero.
-
-    Returns:
-        Integer sizes summing to ``total``; ties in the remainder go to earlier devices.
-
-    Raises:
-        ValueError: If a weight is negative or not finite, or all are zero.
-
-    Example:
-        >>> sizes_from_weights(100, [4, 1])
-        [80, 20]
+    Ties in the remainder go to earlier devices: ``sizes_from_weights(100, [4, 1])`` is ``[80, 20]``.
     """
     w = np.asarray([float(x) for x in weights], dtype=float)
     if w.size == 0:

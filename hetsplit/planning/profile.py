@@ -29,13 +29,8 @@ def _now() -> str:
 def fingerprint(model: torch.nn.Module) -> str:
     """A short hash of the model's class and parameter/buffer names, shapes and dtypes (not values).
 
-    What a profile records of the model it timed, so that a profile of another model is
-    never used for this one (:func:`hetsplit.planning.sizes.check_profile`). A compiled
-    module (``torch.compile(model)``) has the fingerprint of the module it compiled: the
-    same parameters, the same step, so a profile made before compiling still applies.
-
-    Args:
-        model: The module (compiled or not).
+    What a profile records of the model it timed, so a profile of another model is refused. A
+    compiled module has the fingerprint of the module it compiled (the same step).
 
     Returns:
         16 hex digits.
@@ -76,10 +71,9 @@ class Profile:
     def stand_in(self) -> str:
         """The model whose steps the curves time when it is not the one being split, else ``""``.
 
-        ``"calibration-mlp"`` for the quick built-in calibration (``source`` ``"calibration"``,
-        noisy or not): its curves give each device's throughput, not the user's model's
-        seconds. A calibration corrected by measured steps (``"calibration+calibrated"``,
-        ``"+rebalanced"``) times the model trained: ``""``.
+        ``"calibration-mlp"`` for the quick built-in calibration, whose curves give each
+        device's throughput, not the user's model's seconds; once corrected by measured steps
+        (``"calibration+calibrated"``, ``"+rebalanced"``) it times the model trained: ``""``.
         """
         if not self.source.startswith("calibration") or "+" in self.source:
             return ""
@@ -125,10 +119,7 @@ class Profile:
         raise KeyError(f"device {key!r} is not in this profile; it has {self.devices}")
 
     def table(self, names: Sequence[str], curves: Sequence[Curve] | None = None) -> CurveTable:
-        """The curves of ``names`` packed for the solver, cached on this profile.
-
-        ``curves``, if given, are those of ``names`` (saves looking them up again).
-        """
+        """The curves of ``names`` (given as ``curves``, or looked up) packed for the solver, cached on this profile."""
         cache: dict[tuple[str, ...], CurveTable] = self.__dict__.setdefault("_tables", {})
         key = tuple(names)
         if key not in cache:
@@ -142,10 +133,7 @@ class Profile:
         return self.entry(device).curve
 
     def step_time(self, device: DeviceLike, batch: int) -> float:
-        """Predicted seconds of a training step of ``batch`` samples on ``device``.
-
-        Returns ``0.0`` for a batch of 0 and ``inf`` above the device's memory cap.
-        """
+        """Predicted seconds of a training step of ``batch`` samples on ``device`` (0 at 0, ``inf`` above its cap)."""
         if not batch >= 0:  # NaN too
             raise ValueError(f"batch must be >= 0, got {batch}")
         return self.curve(device)(batch)
@@ -161,18 +149,16 @@ class Profile:
 
     @classmethod
     def merge(cls, parts: Sequence[tuple[Profile, str, int]]) -> Profile:
-        """One profile of devices taken from several profiles, each used one or more times.
+        """One profile of devices taken from several profiles, each used one or more times (what-if planning).
 
-        For what-if planning: ``[(gpu_box, "cuda:0", 8), (old_box, "cpu", 1)]`` is eight
-        copies of one machine's GPU and another machine's CPU. Copies are named
-        ``NAME#1``, ``NAME#2``, ... (a device picked twice from the same profile counts
-        its copies on); a name found in two profiles is prefixed with its profile's host
-        (``hostB/cpu``). At most :data:`~hetsplit.planning.checks.MAX_DEVICES` devices in all.
+        ``[(gpu_box, "cuda:0", 8), (old_box, "cpu", 1)]`` is eight copies of one machine's GPU
+        and another's CPU. Copies are named ``NAME#1``, ``NAME#2``, ...; a name found in two
+        profiles is prefixed with its host (``hostB/cpu``).
 
         Raises:
             KeyError: If a profile lacks the device (the message lists what it has).
-            ValueError: If a count is not a whole number from 1 to ``MAX_DEVICES``, or
-                the devices add up to more than that.
+            ValueError: If a count is not a whole number from 1 to
+                :data:`~hetsplit.planning.checks.MAX_DEVICES`, or the devices add up to more.
         """
         picked = []
         for prof, device, copies in parts:
@@ -208,9 +194,8 @@ class Profile:
     def matched_to_local(self, gpus: Mapping[str, str] | None = None) -> Profile:
         """This profile with its GPUs renamed to their names on this machine, matched by UUID.
 
-        GPU indices change with ``CUDA_VISIBLE_DEVICES`` and driver ordering; UUIDs do
-        not. An entry whose GPU is here under another index gets that index (an emulated
-        one keeps its ``@speed``); other entries are unchanged.
+        GPU indices change with ``CUDA_VISIBLE_DEVICES`` and driver ordering; UUIDs do not. An
+        emulated GPU keeps its ``@speed``.
 
         Args:
             gpus: ``{uuid: "cuda:N"}`` (default: this machine's GPUs).
@@ -228,12 +213,10 @@ class Profile:
         return dataclasses.replace(self, entries=entries)
 
     def calibrated(self, observed: Mapping[str, tuple[int, float]]) -> Profile:
-        """Correct the curves with step times observed in real training.
+        """Correct the curves with step times observed in real training: ``{device: (batch, seconds)}``.
 
-        Each device's curve is scaled so that it predicts the observed seconds at the
-        observed batch: ``{"cpu@0.25": (41, 0.026)}`` multiplies that curve by
-        ``0.026 / t(41)``. Devices not observed (or observed at batch 0) keep their curve.
-        The raw measurements are kept; ``source`` records the calibration.
+        Each observed curve is scaled to predict the observed seconds at the observed batch
+        (``{"cpu@0.25": (41, 0.026)}`` multiplies it by ``0.026 / t(41)``); the others are kept.
         """
         entries = []
         for e in self.entries:
@@ -381,11 +364,8 @@ def latest_profile(
 ) -> Profile | None:
     """The newest profile measured on this machine that covers ``devices``, or ``None``.
 
-    GPUs are matched by UUID, so a profile still serves after ``CUDA_VISIBLE_DEVICES``
-    or the device order changes (see :meth:`Profile.matched_to_local`). Files are read
-    again only when they change; odd or damaged ones are skipped with a warning. A
-    profile measured under another torch version, or when a device's hardware had another
-    description, is still used, with one warning line (once per file and change).
+    GPUs are matched by UUID (:meth:`Profile.matched_to_local`). Damaged files are skipped
+    with a warning; one from another torch or hardware description is used, with one warning.
 
     Args:
         devices: The devices the profile must cover.

@@ -60,24 +60,14 @@ class PlanChange:
 class Rebalancer:
     """Re-solve the split from measured step times, with hysteresis and bounded moves.
 
-    Each step, :meth:`observe` takes every active device's measured busy seconds and
-    records that device's correction (the log of observed over predicted time). A
-    device's factor is the median of its last ``window`` corrections, so outlier steps do
-    not move it. Every ``every`` steps it re-solves the profile scaled by the factors and
-    switches plans only when the predicted gain exceeds ``threshold`` plus twice the
-    estimate's own uncertainty: the corrections' spread, or, where larger, how far each
-    device's estimate wandered by itself over its last 50 steps (a loaded machine's load
-    lasts longer than a window): a steady but noisy mix does not flip back and forth, a
-    real change of speed is followed. The same rule serves
-    :class:`~hetsplit.distributed.DistributedRebalancer`. A switch moves at
-    most ``max_move`` of the batch. Both plans are predicted the same way, as they run
-    (each device's micro-batches one after another, plus :attr:`communication`), so a new
-    plan is never worse than the one in force by the rebalancer's own prediction.
-
-    The times it is fed are each device's own compute, apart from waiting for the others
-    (:func:`hetsplit.timing.lap`; on torchrun :class:`~hetsplit.distributed.DistributedRebalancer`):
-    by the wall, every rank of a DDP or FSDP2 step is as slow as the slowest, and nothing
-    would move.
+    A device's factor is the median of its last ``window`` corrections (log of observed over
+    predicted time). Every ``every`` steps the profile scaled by the factors is re-solved, and
+    plans switch only when the predicted gain exceeds ``threshold`` plus twice the estimate's
+    uncertainty (the corrections' spread, or how far the estimate wandered by itself over 50
+    steps, where larger: a loaded machine's load outlasts a window). Both plans are predicted
+    as they run (micro-batches in turn, plus :attr:`communication`), so a switch is never
+    worse by its own prediction. It must be fed each device's own compute time
+    (:func:`hetsplit.timing.lap`): by the wall, every rank of a DDP step is as slow as the slowest.
 
     Args:
         profile: The devices' profile; without one, each device starts from the curve
@@ -91,16 +81,12 @@ class Rebalancer:
         on_change: Called with each :class:`PlanChange`.
 
     Attributes:
-        accumulate: Re-solve with micro-batches on capped devices (``HeteroDataParallel``
-            sets it from its own ``accumulate``, ``DistributedRebalancer`` when its plan
-            has micro-batches).
+        accumulate: Re-solve with micro-batches on capped devices (set by the engine).
         communication: Seconds every step pays beyond its slowest device's compute, whatever
-            the split (collectives no computing hides; ``DistributedRebalancer`` measures it):
-            added to both predictions, so a gain is the step's, not the compute's alone.
-        stand_in: Samples a device with a share of 0 runs all the same (0 in one process;
-            ``DistributedRebalancer`` sets its ranks' stand-in): priced in the predictions, and
-            a zero share takes that many real samples where the step is no slower, so the
-            device stays timed and its share can come back when it speeds up.
+            the split: added to both predictions, so a gain is the step's, not the compute's alone.
+        stand_in: Samples a device with a share of 0 runs all the same (0 in one process):
+            priced in the predictions, and a zero share takes that many real samples where the
+            step is no slower, so the device stays timed and its share can come back.
 
     Example:
         >>> dp = HeteroDataParallel(net, ["cpu", "cpu@0.25"], profile=prof, rebalance=True)
@@ -182,9 +168,7 @@ class Rebalancer:
         return _observed(name, 0.0, 1.0)
 
     def observe(self, plan: Plan, step_times: Mapping[str, float]) -> Plan | None:
-        """Record one step's measured busy seconds; return a new plan when one is due.
-
-        The same as :meth:`record` followed, every ``every`` steps, by :meth:`propose`.
+        """Record one step's measured busy seconds (:meth:`record`); every ``every`` steps, :meth:`propose`.
 
         Args:
             plan: The plan the step ran with.
@@ -240,12 +224,10 @@ class Rebalancer:
     def _fit(self, name: str, runs: int, samples: int, seconds: float) -> bool:
         """Without a profile: fit ``t = a * runs + s * samples`` to the device's steps; ``True`` once fitted.
 
-        Learning time as proportional to the shard, a device with a fixed cost per step
-        looks slower per sample the smaller its share, and its share would creep down at
-        every switch. Once its steps have run at two sizes (a switch gives them), the fixed
-        cost ``a`` and the cost per sample ``s`` are fitted by least squares over the last
-        ``window`` steps, and the device's curve is that line; its corrections are then
-        the steps' residuals against it (the factor stays near 1 and measures the noise).
+        Time taken as proportional to the shard makes a device with a fixed cost look slower per
+        sample the smaller its share, and its share would creep down at every switch. Once steps
+        ran at two sizes, the line is fitted over the last ``window`` steps and the corrections
+        become the residuals against it.
         """
         # The same window as the corrections': a device whose speed changes is followed as fast.
         seen = self._seen.setdefault(name, deque(maxlen=self.window))
@@ -276,16 +258,12 @@ class Rebalancer:
         return True
 
     def propose(self, plan: Plan, step: int | None = None) -> Plan | None:
-        """Re-solve now; return a better plan than ``plan``, or ``None`` to keep it.
-
-        A plan is returned only when every active device has been observed and its
-        predicted gain beats the threshold and the estimate's uncertainty; it is then
-        recorded in :attr:`history` (and passed to ``on_change``).
+        """Re-solve now; return a better plan than ``plan`` (recorded in :attr:`history`), or ``None`` to keep it.
 
         Args:
             plan: The plan in force.
-            step: The first step the new plan will run (default: the number of steps
-                recorded, i.e. the next one); kept in the :class:`PlanChange`.
+            step: The first step the new plan will run (default: the next one); kept in the
+                :class:`PlanChange`.
         """
         if not all(d in self.log_factors for d, s in zip(plan.devices, plan.sizes) if s > 0):
             return None
@@ -298,11 +276,8 @@ class Rebalancer:
     def _settled(self, plan: Plan) -> bool:
         """Whether the last re-solve proves no switch can pay now, so solving again is wasted.
 
-        If every factor moved by ``d_i`` (in log) since a re-solve of the same sizes that
-        found at best a ratio ``r0`` of current over optimal time, the ratio now is at
-        most ``r0 * exp(max d - min d)``; below ``1 + threshold`` plus the uncertainty
-        margin nothing would switch. (The ratio is of compute alone: communication, the
-        same in both terms, only brings a ratio closer to 1.)
+        If every factor moved by ``d_i`` (log) since a re-solve of the same sizes that found a ratio
+        ``r0`` of current over optimal time, the ratio now is at most ``r0 * exp(max d - min d)``.
         """
         if self._last_check is None:
             return False
@@ -317,10 +292,9 @@ class Rebalancer:
         return bound <= 1.0 + self.threshold + 2.0 * self.uncertainty(active)
 
     def uncertainty(self, devices: Sequence[str]) -> float:
-        """Relative uncertainty of the factors of ``devices``.
+        """Relative uncertainty of the factors of ``devices``, added in quadrature.
 
-        Each device's is the standard error of its factor's median, or its estimate's measured
-        wander (:meth:`_wander_of`) where larger; the devices' are added in quadrature.
+        Each device's is the standard error of its factor's median, or its wander where larger.
         """
         total = 0.0
         for name in dict.fromkeys(devices):
@@ -338,11 +312,8 @@ class Rebalancer:
     def _wander_of(self, name: str) -> float:
         """How far ``name``'s estimate moves in a window's steps on its own: 0 until measured.
 
-        The robust spread of the moves of the device's predicted time over ``window`` steps
-        (÷√2: two estimates' noise), in the older and the newer half of its recent steps, up
-        to the window in force: a machine's load moves it in both halves, a real change of
-        speed (followed, or being shown by the window in force) in one at most; the smaller
-        half is taken.
+        The robust spread of its moves in the older and the newer half of its recent steps, the
+        smaller half taken: a machine's load moves it in both, a real change of speed in one.
         """
         wander = list(self._wander.get(name, ()))[: -self.window]
         moves = [b - a for a, b in zip(wander, wander[self.window :])]
@@ -395,22 +366,12 @@ class Rebalancer:
 
 
 def rebalanced_caps(plan: Plan, profile: Profile | None, *, refuse: str | None = None) -> dict[str, int] | None:
-    """What rebalancing may move under ``plan``, decided once for every engine.
+    """What rebalancing may move under ``plan``, decided once for every engine: ``None`` for whole shares.
 
-    A plan without micro-batches: whole shares (``None``). A plan that runs some share as
-    micro-batches (a memory cap) is re-solved with them, within the caps returned: the
-    profile's, else those of the curves the plan was solved from (which the rebalancer
-    starts from); re-solved without, a capped device would be handed a share it cannot
-    hold, mid-training.
-
-    Args:
-        plan: The starting plan.
-        profile: The rebalancer's profile (``Rebalancer(profile)``), if any.
-        refuse: The engine and argument (``"HeteroTrainer(rebalance=2)"``) when the engine
-            does not follow re-cut micro-batches mid-run (the integrations): refused then.
-
-    Raises:
-        ValueError: With ``refuse``, or with no cap known for a device whose share is split.
+    A plan running some share as micro-batches is re-solved with them, within the caps
+    returned (the profile's, else its curves'); re-solved without, a capped device would get a
+    share it cannot hold, mid-training. ``refuse`` names the engine and argument that cannot
+    follow re-cut micro-batches (the integrations): refused then, as is a split share with no cap known.
     """
     split = [r for r, parts in enumerate(plan.micro_batches) if len(parts) > 1]
     if not split:
@@ -475,10 +436,8 @@ def _bounded(old: Sequence[int], new: Sequence[int], budget: int) -> list[int]:
 def with_communication(plan: Plan, seconds: float) -> Plan:
     """``plan`` with ``seconds`` of communication added to its predicted step (and to the even split's).
 
-    The shares stay as solved on compute: the communication is the same whatever the
-    split. Each working device's predicted time gains it (every rank is in every
-    collective), so ``plan.step_time`` is the slowest device's compute plus the
-    communication; the best single device alone has none.
+    Every working rank is in every collective; the shares stay as solved on compute, and the
+    best single device alone has none.
     """
     if not (seconds > 0 and math.isfinite(seconds)):
         return plan

@@ -38,8 +38,7 @@ class Measurement:
     def spread(self) -> float | None:
         """Half the interquartile range of the repeats over their median: their relative ± (``None``: one repeat).
 
-        The middle half of the repeats, not their extremes: one hiccup of a shared machine
-        does not make a whole profile look noisy, a machine that is slow every other step does.
+        The middle half, not the extremes: one hiccup of a shared machine does not make a whole profile noisy.
         """
         median = self.median
         if len(self.times) < 2 or not (math.isfinite(median) and median > 0):
@@ -53,12 +52,7 @@ class Measurement:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Measurement:
-        """Build a measurement from :meth:`to_dict` output.
-
-        Raises:
-            ValueError: If the batch is not a positive whole number or a time is not
-                positive, finite seconds (a string such as ``"NaN"`` included), quoting it.
-        """
+        """Build a measurement from :meth:`to_dict` output (a ValueError quotes a bad batch or time)."""
         if not isinstance(data, Mapping):
             raise ValueError(f"a measurement must be a mapping with 'batch' and 'times', got {data!r}")
         batch = checks.batch_count(data["batch"], "batch")
@@ -70,17 +64,13 @@ class Measurement:
 
 @dataclasses.dataclass(frozen=True)
 class Noise:
-    """How far one device's measured step times can be trusted, as relative ± figures.
-
-    Derived from the measurements alone (old profile files have it too), never stored as
-    a decision of its own.
+    """How far one device's measured step times can be trusted, as relative ± figures (derived, never stored).
 
     Attributes:
         spread: The median over batch sizes of :attr:`Measurement.spread` (``None``: every
             size was timed once, as in a profile built from external timings).
         residual: The largest relative gap between a size's median and the non-decreasing
-            curve through the medians: a larger batch measured faster than a smaller one
-            is noise, whatever the repeats say.
+            curve through the medians: a larger batch measured faster than a smaller one is noise.
     """
 
     spread: float | None
@@ -143,11 +133,7 @@ class MemoryModel:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> MemoryModel:
-        """Build the model from :meth:`to_dict` output, checking every number.
-
-        Raises:
-            ValueError: On a peak that is not ``[batch >= 1, bytes >= 0]`` or a negative coefficient.
-        """
+        """Build the model from :meth:`to_dict` output, checking every number (ValueError on a bad one)."""
         peaks = []
         for p in data["peaks"]:
             if not (isinstance(p, list) and len(p) == 2 and all(type(v) is int for v in p) and p[0] >= 1 and p[1] >= 0):
@@ -211,12 +197,7 @@ class DeviceProfile:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> DeviceProfile:
-        """Build a device profile from :meth:`to_dict` output, checking every entry.
-
-        Raises:
-            ValueError: Naming the device and the bad entry (a measurement, a curve knot,
-                a memory cap, the device's description).
-        """
+        """Build a device profile from :meth:`to_dict` output, checking every entry (a ValueError names the device)."""
         info = _info(data)
         try:
             measured = data["measurements"]

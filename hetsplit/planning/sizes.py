@@ -22,18 +22,8 @@ from .solver import plan_from_sizes, solve
 def check_source(arg: str, value: object, kinds: tuple[type, ...] = (Profile,), *, hint: str = "") -> None:
     """Refuse a ``plan=``/``profile=`` argument that is none of ``kinds`` (``None`` passes).
 
-    The one check of where shares come from, for every engine and integration: a file
-    name is refused with the way to load it, never silently ignored (which would fall
-    back to a stored profile or a quick calibration).
-
-    Args:
-        arg: The argument as the user wrote it (``"profile"``, ``"HeteroDDPStrategy(plan=...)"``).
-        value: What was given.
-        kinds: The accepted types.
-        hint: What to do instead, said after the message (``"; for fixed shares use ..."``).
-
-    Raises:
-        TypeError: Naming the argument, the accepted types and what was given.
+    A file name is refused with the way to load it, never silently ignored (which would fall
+    back to a stored profile or a quick calibration). ``hint`` is appended to the message.
     """
     if value is None or isinstance(value, kinds):
         return
@@ -43,14 +33,7 @@ def check_source(arg: str, value: object, kinds: tuple[type, ...] = (Profile,), 
 
 
 def check_weights(weights: Sequence[float], n_devices: int) -> list[float]:
-    """Validate relative throughputs: one finite, non-negative number per device, not all zero.
-
-    ``weights`` is a list, a tuple, or a 1-D NumPy array or tensor.
-
-    Raises:
-        TypeError: If ``weights`` is a string or holds booleans or non-numbers.
-        ValueError: On the wrong count or bad values; the message quotes them.
-    """
+    """Validate relative throughputs (a sequence, 1-D array or tensor): one finite number >= 0 per device, not all 0."""
     if getattr(weights, "ndim", None) == 1 and hasattr(weights, "tolist"):  # a NumPy array or a tensor
         weights = weights.tolist()
     if isinstance(weights, (str, bytes)) or not isinstance(weights, Sequence):
@@ -66,21 +49,10 @@ def check_weights(weights: Sequence[float], n_devices: int) -> list[float]:
 
 
 def check_profile(profile: Profile, devices: Sequence[DeviceLike], model: Any = None) -> None:
-    """Refuse a profile that was not recorded for these ``devices`` (and this ``model``), before any work.
+    """Refuse a profile not recorded for these ``devices`` (and this ``model``, unless ``None``), before any work.
 
-    A profile of another model, or one missing a device, must never split a batch
-    silently: its curves would decide shares they know nothing about.
-
-    Args:
-        profile: The profile to use.
-        devices: The devices it must cover (a device listed twice is covered by its one entry).
-        model: The model it will split (an ``nn.Module``), or ``None`` to skip that check.
-            A profile without a recorded fingerprint (timings taken elsewhere, a quick
-            calibration) serves any model.
-
-    Raises:
-        ValueError: Naming the devices the profile lacks, or both models (name and
-            fingerprint), and what to do instead.
+    Its curves would otherwise decide shares they know nothing about. A profile without a
+    recorded fingerprint (timings taken elsewhere, a quick calibration) serves any model.
     """
     names = list(dict.fromkeys(canonical_name(d) for d in devices))
     missing = []
@@ -120,39 +92,14 @@ def resolve_plan(
     fallback: Callable[[], Profile] | None = None,
     accumulate: bool = False,
 ) -> Plan:
-    """The plan for a batch of ``batch`` samples over ``devices``, from whatever was given.
+    """The plan for a batch of ``batch`` samples over ``devices``, from whatever was given: every engine asks here.
 
-    Every engine asks this one function, so the order of sources and the checks are
-    the same everywhere:
-
-    1. ``plan``, if it splits exactly ``batch`` samples;
-    2. ``profile`` (possibly corrected by a rebalancer), solved for ``batch``;
-    3. ``weights`` (relative throughputs), with largest-remainder rounding;
-    4. a ``plan`` for another batch size with nothing to re-solve it is an error;
-    5. ``fallback()`` (a stored profile or a quick calibration), solved for ``batch``.
-
-    Args:
-        batch: Samples to split (>= 1).
-        devices: The devices, in shard order (names or device specs).
-        plan: A plan to follow.
-        profile: Step-time curves to solve.
-        weights: Relative throughputs, one per device (not with ``plan``/``profile``).
-        fallback: Called for a profile when nothing else decides.
-        accumulate: Solve with micro-batches on capped devices (:func:`~hetsplit.solve`).
-
-    Raises:
-        TypeError: If ``plan`` or ``profile`` is of another type (a file name, say).
-        ValueError: On an empty batch or one above :data:`~hetsplit.planning.checks.MAX_BATCH`,
-            weights together with a plan or profile, bad weights, a plan over other devices,
-            a profile missing some of the devices (:func:`check_profile`), or a plan for
-            another batch size with no profile or weights to re-solve it.
+    Sources in order: ``plan`` if it splits exactly ``batch``; ``profile`` solved for ``batch``;
+    ``weights`` (largest-remainder rounding); then a ``plan`` for another batch size is an
+    error; else ``fallback()`` (a stored profile or a quick calibration), solved.
     """
     names = [canonical_name(d) for d in devices]
-    if isinstance(batch, bool) or not isinstance(batch, int | np.integer):
-        raise TypeError(f"the batch size must be an integer, got {type(batch).__name__}: {batch!r}")
-    if batch < 1:
-        raise ValueError(f"the batch is empty (0 samples); nothing to split across {names}")
-    checks.batch_count(batch, "the batch size")
+    checks.batch_size(batch, "the batch size")
     check_source("plan", plan, (Plan,))
     check_source("profile", profile, (Profile,))
     if weights is not None and (plan is not None or profile is not None):
@@ -188,23 +135,11 @@ MIN_BATCHNORM_VALUES = 8
 
 
 def batchnorm_minimum(model: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any] | None, batch: int) -> int:
-    """The fewest samples a share of ``model`` may hold: 1 without BatchNorm.
+    """The fewest samples a share of ``model`` may hold: 1 without BatchNorm, else at least 2.
 
-    With BatchNorm, enough that every BatchNorm layer normalises at least
-    :data:`MIN_BATCHNORM_VALUES` values per channel (samples x the values per channel one
-    sample gives it: H x W for a BatchNorm2d), and never fewer than 2. The map sizes are
-    traced by one forward of ``inputs`` on the meta device (no computation, no parameter or
-    buffer changed); a model that cannot run there gets the floor of 2, with a warning.
-
-    Args:
-        model: The model (an ``nn.Module``; ``None``: no BatchNorm).
-        args: A batch of ``batch`` samples as the model takes it: ``model(*args, **kwargs)``
-            (:func:`model_call` turns a profiler's sample into these).
-        kwargs: The keyword inputs (``None``: none).
-        batch: The samples in the batch.
-
-    Returns:
-        The minimum share in samples (1, or at least 2 with BatchNorm).
+    Enough that every BatchNorm layer normalises at least :data:`MIN_BATCHNORM_VALUES` values
+    per channel, the map sizes traced by one forward of ``model(*args, **kwargs)`` on the meta
+    device; a model that cannot run there gets 2, with a warning.
     """
     if not has_batchnorm(model):
         return 1
@@ -268,26 +203,12 @@ def at_least(
     minimum: int = 2,
     step_time: Callable[[list[int]], float] | None = None,
 ) -> tuple[list[int], list[tuple[int, str]]]:
-    """``sizes`` with no share of fewer than ``minimum`` samples, where memory allows; what moved.
+    """``sizes`` with no share of fewer than ``minimum`` samples, where ``caps`` allow; and what moved.
 
-    For a model holding BatchNorm (:func:`batchnorm_minimum`), whose statistics degenerate on
-    a small share while the plain model trains on the whole batch. Each share under the
-    minimum (the smallest first) either gives its samples away (the device sits out) or
-    takes samples from the largest shares until it holds the minimum, whichever
-    ``step_time`` finds faster; without it, whichever moves fewer samples (giving away on a
-    tie). A sample given away goes to the largest share that is not empty and whose
-    memory cap (``caps``, ``inf`` for none) holds one more; a donor keeps the minimum. A
-    share with nowhere to go stays, and is named.
-
-    Args:
-        sizes: Samples per share.
-        caps: The most samples each share may hold.
-        minimum: The fewest samples a share that is not empty may hold.
-        step_time: The predicted step of a list of sizes (the solver's), to choose by.
-
-    Returns:
-        The new sizes, and for each share changed or left under the minimum its index and
-        what became of it (``(1, "sits out (its 2 samples moved)")``).
+    Each small share (smallest first) either gives its samples to the largest shares with room
+    (the device sits out) or takes samples from the largest shares, each keeping the minimum:
+    whichever ``step_time`` finds faster, else whichever moves fewer samples (giving away on a
+    tie). A share with nowhere to go stays. The notes are ``(index, what became of it)``.
     """
     out = [int(s) for s in sizes]
     notes: list[tuple[int, str]] = []
@@ -346,23 +267,11 @@ def with_minimum_shares(
     room: Sequence[float] | Mapping[str, int] | None = None,
     accumulate: bool = False,
 ) -> Plan:
-    """``plan`` with no share under ``minimum`` samples (:func:`at_least`), re-planned, saying why.
+    """``plan`` with no share under ``minimum`` samples (:func:`at_least`), re-planned, its notes saying why.
 
-    The one BatchNorm rule of every engine: call it with :func:`batchnorm_minimum` of the
-    model. A sample moves only where the receiving device's memory holds it; the profile's
-    predicted step chooses between a small share's device sitting out and its share raised.
-
-    Args:
-        plan: The plan to change.
-        minimum: The fewest samples a share that is not empty may hold.
-        profile: The curves the new shares are timed with (:func:`~hetsplit.planning.solver.plan_from_sizes`).
-        room: The most samples each share may hold: one number per share, or caps by device
-            name (a device not named holds any number); default: the profile's memory caps.
-        accumulate: Let a capped device run its new share as micro-batches.
-
-    Returns:
-        ``plan`` itself when no share is under the minimum; else the new plan, whose
-        :attr:`~hetsplit.planning.plan.Plan.notes` say what moved and why.
+    The one BatchNorm rule of every engine. ``room`` caps each share (a number per share or
+    caps by device name; default: the profile's memory caps); the profile's predicted step
+    chooses between a small share sitting out and being raised.
     """
     if not any(0 < s < minimum for s in plan.sizes):
         return plan
@@ -393,21 +302,10 @@ def has_batchnorm(model: Any) -> bool:
 
 
 def scaled_plan(plan: Plan, batch: int, devices: Sequence[DeviceLike] | None = None) -> Plan:
-    """``plan``'s shares in proportion for a batch of ``batch`` samples (``plan`` itself at its own batch size).
+    """``plan``'s shares in proportion for a batch of ``batch`` samples, with no predicted times.
 
-    What every loader of another global batch than the planned one follows (an evaluation
-    loader, a second training loader, the last short batch of an epoch): the same
-    proportions, rounded by largest remainder (:func:`~hetsplit.planning.plan.sizes_from_weights`),
-    with no predicted times (nothing was solved for ``batch``).
-
-    Args:
-        plan: The plan in force.
-        batch: Samples in the other batch (>= 1).
-        devices: Labels for the scaled plan's shares (default: the plan's devices).
-
-    Raises:
-        ValueError: If ``batch`` is not a positive number of samples, or ``devices`` has
-            another length than the plan's shares.
+    What every loader of another batch than the planned one follows (evaluation, the last short
+    batch); ``devices`` relabels the shares.
     """
     if batch == plan.batch_size and devices is None:
         return plan
@@ -418,23 +316,15 @@ def scaled_plan(plan: Plan, batch: int, devices: Sequence[DeviceLike] | None = N
 
 
 def even_plan(batch: int, devices: Sequence[DeviceLike]) -> Plan:
-    """The even split of ``batch`` samples over ``devices`` (:func:`~hetsplit.planning.plan.even_sizes`), no times.
-
-    What an engine follows before it has a plan (an evaluation loader prepared first).
-
-    Raises:
-        ValueError: If ``batch`` is not a positive number of samples.
-    """
+    """The even split of ``batch`` samples over ``devices``, no times: what an engine follows before it has a plan."""
     return resolve_plan(batch, devices, weights=[1.0] * len(devices))
 
 
 def priced_stand_ins(plan: Plan, prof: Profile | None, stand_in: int) -> Plan:
     """``plan`` with each zero share's predicted time: its rank runs ``stand_in`` samples weighted 0.
 
-    A rank with no share still runs two real samples every step (``hd.data_loader``,
-    ``hd.local_batch``), at its own speed: on a slow rank they can take longer than the
-    fast ranks' whole shares (ResNet-18 at a quarter speed: 1.1 s against 0.4 s), and a
-    prediction that counted them as nothing was 40-80 % low.
+    On a slow rank they can take longer than the fast ranks' whole shares (ResNet-18 at a
+    quarter speed: 1.1 s against 0.4 s): counted as nothing, the prediction was 40-80 % low.
     """
     if prof is None or stand_in <= 0 or all(s > 0 for s in plan.sizes):
         return plan
@@ -446,18 +336,12 @@ def priced_stand_ins(plan: Plan, prof: Profile | None, stand_in: int) -> Plan:
 
 
 def stand_ins_used(plan: Plan, prof: Profile | None, stand_in: int) -> Plan:
-    """``plan`` with each zero share given the samples its rank would run as stand-ins anyway.
+    """``plan`` with each zero share given the samples its rank runs as stand-ins anyway (torchrun).
 
-    (Under torchrun a rank with no share runs ``stand_in`` real samples weighted 0:
-    :mod:`hetsplit.distributed.zero_share`.)
-
-    The solver counts a zero share as free, but its rank runs ``stand_in`` samples every
-    step all the same; when a rank's fixed cost makes those its step, a share of 0 and a
-    share of ``stand_in`` real samples cost that rank the same, and the real samples take
-    work off the busiest ranks. Seen on a loaded machine: two equal CPUs, 8 samples, the
-    plan [8, 0] where [6, 2] is never slower. Samples move one at a time from the rank
-    predicted slowest, and the move is kept only if the step (stand-ins priced) is no
-    slower. Plans of several micro-batches per rank are left as solved.
+    A zero share's rank runs ``stand_in`` samples all the same, so real samples there can take
+    work off the busiest ranks (two equal CPUs, 8 samples: [8, 0] where [6, 2] is never slower).
+    Samples move one at a time from the rank predicted slowest; kept only if the step (stand-ins
+    priced) is no slower. Plans of several micro-batches per rank are left as solved.
     """
     if prof is None or stand_in <= 0 or 0 not in plan.sizes or max(map(len, plan.micro_batches)) > 1:
         return plan

@@ -29,23 +29,16 @@ def solve(
 ) -> Plan:
     """Find the integer split that minimises the predicted step time ``max_i t_i(b_i)``.
 
-    The result is exactly optimal for the profile's curves under their memory caps: a
-    bisection on the step time narrows the candidates, then the remaining
-    (device, sample) increments are ranked by their exact predicted times. A device that
-    would only slow the step gets 0.
-
-    With ``accumulate=True`` a device with a memory cap ``c`` may take more than ``c``
-    samples, run as ``k >= ceil(b / c)`` near-equal micro-batches (gradient
-    accumulation); its time is the best such ``k`` of ``sum t(micro size)``, and the
-    split is exactly optimal for that model. ``plan.micro_batches`` lists each device's
-    micro-batch sizes. A device without a cap runs its share as one batch.
+    Exactly optimal for the profile's curves under their memory caps
+    (docs/how-it-works.md, "Solver"); a device that would only slow the step gets 0.
 
     Args:
         profile: Step-time curves of the devices.
         batch_size: Samples to split (>= 1).
         devices: Devices to use, in shard order (default: all in the profile). A name
             may repeat to plan for several identical devices.
-        accumulate: Let capped devices run their share as several micro-batches.
+        accumulate: Let a capped device run its share as ``k >= ceil(b / cap)`` near-equal
+            micro-batches (listed in ``plan.micro_batches``); still exactly optimal.
 
     Returns:
         The :class:`Plan`.
@@ -59,11 +52,7 @@ def solve(
         >>> solve(p, 100).sizes
         [80, 20]
     """
-    if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)):
-        raise TypeError(f"batch_size must be an integer, got {type(batch_size).__name__}: {batch_size!r}")
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}; an empty batch has nothing to split")
-    checks.batch_count(batch_size, "batch_size")  # bounded: an absurd size is a typo, not hours of solving
+    checks.batch_size(batch_size, "batch_size")  # bounded: an absurd size is a typo, not hours of solving
     entries = profile.entries if devices is None else [profile.entry(d) for d in devices]
     if not entries:
         raise ValueError("no devices to split across; give at least one")
@@ -99,21 +88,13 @@ _MAX_LOCKSTEP = 256
 
 
 def solve_lockstep(profile: Profile, batch_size: int, *, devices: Sequence[DeviceLike] | None = None) -> Plan:
-    """The split when every device runs its share as the same number ``k`` of micro-batches.
+    """The split when every device runs its share as the same number ``k`` of micro-batches (FSDP2).
 
-    Sharded data parallelism (FSDP2) gathers parameters in every forward and
-    reduce-scatters gradients in every backward, so all ranks must run as many
-    micro-batches as each other. A device's time for ``b`` samples is then
-    ``k * t(b / k)`` (:meth:`Curve.repeated`) and its memory cap limits ``b / k``. Each
-    ``k`` from 1 up to what the smallest cap needs is solved exactly (:func:`solve`), and
-    the fastest wins (the smallest ``k`` on a tie): a fast uncapped device pays for extra
-    micro-batches too, so the smallest ``k`` that fits is not always best, nor the largest.
-    ``plan.micro_batches`` lists each device's ``k`` micro-batches (fewer when its share
-    is smaller than ``k``; the rank runs fillers weighted 0 for the rest); ``plan.times``,
-    ``even_time`` and ``single_time`` are predicted for that ``k``.
-
-    Raises:
-        ValueError: If no device holds a sample, as :func:`solve` with ``accumulate=True``.
+    Sharded ranks gather parameters and reduce-scatter gradients per micro-batch, so all run
+    as many as each other: a device's time is ``k * t(b / k)``. Each ``k`` up to what the
+    smallest cap needs is solved and the fastest wins (the smallest on a tie): a fast uncapped
+    device pays for extra micro-batches too, so neither the smallest nor the largest fitting
+    ``k`` is always best. A share smaller than ``k`` gets fewer micro-batches (fillers weighted 0).
     """
     entries = profile.entries if devices is None else [profile.entry(d) for d in devices]
     caps = [e.curve.memory_cap for e in entries if e.curve.memory_cap]
@@ -147,12 +128,7 @@ def solve_lockstep(profile: Profile, batch_size: int, *, devices: Sequence[Devic
 
 @contextlib.contextmanager
 def _collector_paused() -> Iterator[None]:
-    """Pause Python's cyclic garbage collector (if on) for the ``with`` body, then restore it.
-
-    The switch is process-wide: another thread's collections wait too, for the few
-    milliseconds of a solve; a thread that turned the collector off meanwhile finds it
-    back on (nothing in hetsplit does).
-    """
+    """Pause Python's cyclic garbage collector (process-wide, if on) for the ``with`` body, then restore it."""
     was_on = gc.isenabled()
     gc.disable()
     try:
@@ -175,10 +151,9 @@ def plan_from_sizes(
 ) -> Plan:
     """Wrap given sizes in a :class:`Plan`, with predicted times when a profile is given.
 
-    Without a profile, devices are named as given (free-form labels allowed) and the
-    predicted times are NaN. With ``accumulate=True`` (and a profile) a share beyond a
-    device's memory cap runs as the best number of micro-batches, as :func:`solve` would
-    cut it, and its time is theirs.
+    Without a profile, devices are named as given (free-form labels allowed) and the times
+    are NaN. With ``accumulate=True`` a share beyond a device's cap runs as micro-batches, as
+    :func:`solve` would cut it.
     """
     total = sum(int(s) for s in sizes)
     sizes = check_sizes(list(sizes), total, len(devices))
@@ -243,8 +218,8 @@ def _make_plan(
 def _noise(entries: Sequence[DeviceProfile]) -> float:
     """The relative ± of a plan's predictions: its noisiest device's (NaN when none says).
 
-    Copies of one device (a what-if set of 10,000) share their measurements: each list
-    is looked at once. A device whose timings no plan can rest on is refused here.
+    Copies of one device share their measurements, looked at once (a what-if set of 10,000). A
+    device whose timings no plan can rest on is refused here.
     """
     seen: dict[int, float | None] = {}
     for e in entries:
@@ -336,9 +311,8 @@ def _solve_sizes(table: CurveTable | MicroTable, batch: int) -> np.ndarray:
 def _bounds(table: CurveTable | MicroTable, seconds: float, batch: int) -> tuple[np.ndarray, np.ndarray]:
     """Capacities at ``seconds`` from below and above, settled exactly where they disagree about ``batch``.
 
-    Only then does rounding decide which side of the optimum ``seconds`` lies on; the
-    search needs that side right (a lower end past the optimum would force samples
-    costing more than it), so the rare ambiguous pass pays for exact capacities.
+    Only then does rounding decide which side of the optimum ``seconds`` lies on, and the
+    search needs that side right.
     """
     low, high = table.bounds(seconds)
     # More than the whole batch on one device changes nothing here; clipped, the sums of
@@ -350,11 +324,7 @@ def _bounds(table: CurveTable | MicroTable, seconds: float, batch: int) -> tuple
 
 
 def _first_guess(table: CurveTable | MicroTable, batch: int) -> float:
-    """The step time if every device ran an even share at its throughput there (one cheap pass).
-
-    Evaluated on the plain curves at ``min(batch / n, cap)``: a capped device's micro-batched
-    throughput is near its throughput at its cap. Only a starting point for the search.
-    """
+    """The step time if every device ran an even share (at most its cap) at its throughput there: a start."""
     curves = table.table if isinstance(table, MicroTable) else table
     x = np.clip(np.minimum(batch / len(curves.cap), curves.cap), 1.0, None)
     with np.errstate(divide="ignore", invalid="ignore"):
@@ -364,17 +334,10 @@ def _first_guess(table: CurveTable | MicroTable, batch: int) -> float:
 
 
 def allreduce_time(parameter_bytes: float, participants: int, link_gbps: float, *, latency: float = 50e-6) -> float:
-    """Predicted seconds of one ring all-reduce of the gradients, without overlap with compute.
+    """Predicted seconds of one ring all-reduce of ``parameter_bytes`` gradients over ``link_gbps``.
 
-    A ring all-reduce sends ``2 (n - 1) / n`` times the gradient bytes over each
-    participant's link, in ``2 (n - 1)`` rounds of ``latency`` each. DDP overlaps much
-    of it with the backward pass, so this is an upper bound on what it adds to a step.
-
-    Args:
-        parameter_bytes: Bytes of the gradients (the parameters' size).
-        participants: Devices taking part.
-        link_gbps: Bandwidth of the slowest link, in gigabits per second.
-        latency: Seconds per round.
+    A ring sends ``2 (n - 1) / n`` times the bytes over each link in ``2 (n - 1)`` rounds of
+    ``latency``; DDP overlaps much of it with the backward, so this is an upper bound.
     """
     if isinstance(participants, bool) or not isinstance(participants, int | np.integer):
         raise TypeError(f"participants must be an integer, got {type(participants).__name__}: {participants!r}")

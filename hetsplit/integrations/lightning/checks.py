@@ -32,12 +32,6 @@ def check_micro_plan(
 ) -> None:
     """Refuse what a plan with micro-batches cannot run with; every rank checks the same plan before any step.
 
-    Args:
-        plan: The plan the training loader follows.
-        module: The LightningModule (after Lightning's ``sync_batchnorm`` conversion).
-        rebalance: The strategy's ``rebalance`` argument.
-        who: The strategy's class (named in the message).
-
     Raises:
         ValueError: If the plan splits some rank's share and ``rebalance`` is set
             (:func:`~hetsplit.integrations.core.check_plan`), or ranks run different
@@ -64,19 +58,10 @@ def check_micro_plan(
 def rank_devices(
     spec: str, world: int, accelerator: str, here: Sequence[int], *, who: str = "HeteroDDPStrategy"
 ) -> list[str]:
-    """The per-rank device list ``spec``, checked against the world, the accelerator and this node.
+    """The canonical per-rank device names of ``spec``, checked against the world, accelerator and this node.
 
-    Every rank runs the same checks on the same values, so each raises the same error.
-
-    Args:
-        spec: One device per rank (``"cpu,cpu@0.25"``).
-        world: The number of processes.
-        accelerator: The device type Lightning's accelerator runs every rank on.
-        here: The ranks of this node, whose devices must exist here.
-        who: The strategy's class (named in the messages).
-
-    Returns:
-        The canonical device names, one per rank.
+    Every rank runs the same checks on the same values, so each raises the same error; ``here`` are
+    the ranks of this node, whose devices must exist here.
 
     Raises:
         ValueError: On a list of another length, a device of another type than the

@@ -21,12 +21,8 @@ from .strategy import HeteroStrategy
 class StepModule(nn.Module):
     """What DDP wraps: the LightningModule, called exactly once per step (or per micro-batch).
 
-    hetsplit's gradient weighting hooks this module's forward. A ``self(x)`` inside
-    ``training_step`` calls the LightningModule again, never this module, so the hooks
-    see each step once (``weighting="outputs"`` scales the step's loss, not also its logits).
-    State-dict keys of the LightningModule are unchanged (Lightning saves that module).
-    A micro-batched step calls DDP once per micro-batch, each running ``call`` instead
-    (see :meth:`calling`), so the hooks see each micro-batch once.
+    The weighting hooks this module's forward; a ``self(x)`` inside ``training_step`` never reaches
+    it, so ``weighting="outputs"`` scales the step's loss, not also its logits.
     """
 
     def __init__(self, module: nn.Module) -> None:
@@ -58,31 +54,10 @@ class HeteroDDPStrategy(HeteroStrategy, DDPStrategy):
 
     ``L.Trainer(strategy=HeteroDDPStrategy(devices="cpu,cpu@0.25"), accelerator="cpu", devices=2)``
     (two emulated ranks on a CPU-only machine), or ``HeteroDDPStrategy()`` with
-    ``accelerator="gpu", devices=2`` on two unequal GPUs. The guide is docs/integrations.md
-    (Lightning); in short:
-
-    - **Devices**: one per rank (default ``$HETSPLIT_DEVICES``, else the Trainer's), checked
-      against the world, the accelerator and this node on every rank before the process
-      group starts; emulated ranks run their steps and backward throttled.
-    - **One plan**: ``plan``, else solved from ``profile``, else profiled at the first
-      training loader (each rank times a detached copy's ``training_step(batch, 0)`` on its
-      device; :mod:`.profiling`). The global batch is ``plan.batch_size``, else
-      ``global_batch_size``, else world × the loader's ``batch_size``.
-    - **Loaders** are rebuilt on the shares (:func:`~hetsplit.integrations.loaders.rebuilt_loader`):
-      an epoch's last global batch is what is left, cut in the plan's proportions (padded by
-      wrapping around with ``rebalance``, micro-batches or ``accumulate_grad_batches > 1``,
-      whose weights are whole shares); evaluation loaders in the plan's proportions, nothing
-      added; predict loaders untouched.
-    - **Micro-batches** of a plan (``accumulate=True``) run inside one ``training_step``
-      under automatic optimization (:mod:`.micro_batches`); refused with ``rebalance``,
-      uneven counts with SyncBatchNorm (:func:`~.checks.check_micro_plan`), and manual
-      optimization.
-    - **Gradients** are weighted by shard (:func:`hetsplit.distributed.weight_gradients`), so
-      a step equals the full-batch step; a share of 0 runs two real samples weighted 0.
-    - **Metrics**: a mean reduced inside a ``*_step`` is weighted by each rank's samples
-      (:meth:`~.strategy.HeteroStrategy.reduce`).
-    - **Checkpoints** save and resume as with ``DDPStrategy`` (the plan is not saved: pass
-      the same ``plan``/``profile`` to resume on the same shares).
+    ``accelerator="gpu", devices=2`` on two unequal GPUs (docs/integrations.md, Lightning). The
+    plan is ``plan``, else solved from ``profile``, else profiled at the first training loader; the
+    loaders are rebuilt on its shares and the gradients weighted by shard, so a step equals the
+    full-batch step. The plan is not checkpointed: pass the same ``plan``/``profile`` to resume.
 
     Args:
         weighting: ``"hook"`` (a DDP comm hook) or ``"outputs"`` (scales the step's output;

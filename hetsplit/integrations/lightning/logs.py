@@ -18,11 +18,8 @@ _NOT_SET = object()
 def stand_in_logging(module: pl.LightningModule, rows: int) -> Iterator[None]:
     """``self.log`` in a zero share's stand-in step: nothing in what is synced, the rank's own mean elsewhere.
 
-    A value logged with ``sync_dist=True`` counts for nothing (batch size 0: each real
-    sample once across ranks). One logged without it is this rank's own, as under plain
-    DDP, where each rank means over what it ran: here the ``rows`` stand-in samples, so a
-    rank that holds no real sample never logs NaN (0 of 0) into what the user monitors
-    (``EarlyStopping(monitor=...)`` on every rank).
+    Unsynced values mean over the ``rows`` stand-in samples, so a rank without real samples never logs
+    NaN (0 of 0) into what the user monitors (``EarlyStopping(monitor=...)`` on every rank).
     """
     plain = module.log
 
@@ -42,7 +39,7 @@ def stand_in_logging(module: pl.LightningModule, rows: int) -> Iterator[None]:
 @contextlib.contextmanager
 def log_replaced(module: pl.LightningModule, log: Callable[..., None]) -> Iterator[None]:
     """``module.log`` is ``log`` inside (an instance attribute over the class's method; removed after)."""
-    # An instance attribute over the class's method: setattr, as mypy rightly refuses to assign a method.
+    # setattr, as mypy rightly refuses to assign a method.
     own = vars(module).get("log", _NOT_SET)
     setattr(module, "log", log)  # noqa: B010
     try:

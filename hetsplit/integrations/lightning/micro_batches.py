@@ -1,13 +1,7 @@
 """Lightning micro-batches: a rank's share run as the plan's micro-batches inside one training step.
 
-Lightning's automatic optimization calls ``training_step`` once, then ``zero_grad``, then
-one backward. A share the plan splits (``plan.micro_batches[rank]``) is cut with
-:func:`hetsplit.distributed.micro_batches` (all but the last under ``no_sync()``) and each
-micro-batch's ``training_step`` runs through DDP once (under FSDP2 through the
-``fully_shard`` root, as many on every rank); all but the last run their backward inside
-the step, their gradients kept from ``zero_grad`` (:class:`GradientsAside`) until
-Lightning's one backward runs the last and all-reduces the sum. Every forward runs once,
-so buffers and random draws are those of one process running the micro-batches in turn.
+All but the last micro-batch run their backward inside the step, their gradients kept from ``zero_grad``
+(:class:`GradientsAside`) until Lightning's one backward runs the last and all-reduces the sum.
 """
 
 from __future__ import annotations
@@ -62,21 +56,11 @@ class MicroBatchRunner(Protocol):
 def run_training_step(
     strategy: MicroBatchRunner, plain: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Any:
-    """A hetsplit strategy's training step: the share as one batch, or as the plan's micro-batches.
-
-    Args:
-        strategy: The strategy (its plan, rank, module, device and precision plugin).
-        plain: ``DDPStrategy.training_step`` (the share as one batch, through Lightning's forward redirection).
-        args: The arguments Lightning gave ``training_step`` (the share's batch first).
-        kwargs: Its keyword arguments.
-
-    Returns:
-        The step output for Lightning's automatic (or manual) optimization.
+    """A hetsplit strategy's training step: the share as one batch (``plain``), or as the plan's micro-batches.
 
     Raises:
         torch.OutOfMemoryError: If the share, or one of its micro-batches, exceeds the
             rank's emulated memory (``cpu:max4``), as a GPU's would.
-        ValueError: As :func:`share_micro_batches` and :func:`micro_training_step`.
     """
     module, plan, rank, device = strategy.module, strategy.plan, strategy.global_rank, strategy.rank_device
     if share_micro_batches(plan, rank, module, sharded=is_sharded(strategy.micro_model())) is None:
@@ -93,21 +77,8 @@ def share_micro_batches(
 ) -> list[int] | None:
     """This rank's micro-batches when the plan splits its share, else ``None`` (the share runs as one batch).
 
-    For a model sharded with FSDP2 (``sharded``) every rank runs as many micro-batches as
-    the plan's largest count (:func:`hetsplit.distributed.sharded.rank_micro`; a ``0`` is
-    two real samples weighted 0), so a rank whose own share runs whole may still run several.
-
-    Every rank checks the whole plan, so a refusal is raised on every rank at once,
-    before any of them starts the step's collectives.
-
-    Args:
-        plan: The plan in force, or ``None`` before there is one.
-        rank: This rank.
-        module: The LightningModule (its optimization mode is checked).
-        sharded: Whether the model is sharded with FSDP2.
-
-    Returns:
-        This rank's micro-batches when there are several, else ``None``.
+    Under FSDP2 (``sharded``) every rank runs the plan's largest count. Every rank checks the whole
+    plan, so a refusal is raised on every rank before any of them starts the step's collectives.
 
     Raises:
         ValueError: If the plan splits some rank's share and ``module`` uses manual optimization.
@@ -130,28 +101,12 @@ def share_micro_batches(
 def micro_training_step(strategy: MicroBatchRunner, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Run this rank's share as ``plan.micro_batches[rank]``; return the share's step output for Lightning.
 
-    The batch is cut by :func:`hetsplit.distributed.micro_batches` (which also makes an
-    emulated memory such as ``cpu:max64`` raise ``torch.OutOfMemoryError`` for a
-    micro-batch it cannot hold). Each micro-batch goes through DDP once, all but the last
-    under ``no_sync()``, so the strategy's gradient weighting sees each micro-batch and
-    scales its gradient by its share of the rank's samples. All but the last run their
-    backward here (divided by ``accumulate_grad_batches`` and through the precision
-    plugin's gradient scaler, as Lightning's would be), and their gradients wait in
-    ``strategy.aside`` for Lightning's backward. ``self.log`` is recorded and logged once
-    for the share after the last micro-batch (:class:`LogRecorder`).
-
-    Args:
-        strategy: The strategy (its DDP model or FSDP2 root, LightningModule, plan, rank,
-            device, precision plugin and ``aside``).
-        args: The arguments Lightning gave ``training_step`` (the share's batch first).
-        kwargs: Its keyword arguments.
-
-    Returns:
-        The step output, as :func:`share_output` builds it.
+    Each micro-batch goes through DDP once (so the weighting sees it), all but the last under
+    ``no_sync()`` with their backward run here, as Lightning's would be (divided by
+    ``accumulate_grad_batches``, through the gradient scaler); ``self.log`` is logged once for the share.
 
     Raises:
         ValueError: If the batch is not this rank's share, or a micro-batch's step returns no loss.
-        torch.OutOfMemoryError: If a micro-batch exceeds the device's emulated memory.
     """
     synced, module, plan, rank = strategy.micro_model(), strategy.module, strategy.plan, strategy.global_rank
     assert plan is not None, "micro-batches follow a plan"  # share_micro_batches found them in it
@@ -206,16 +161,9 @@ def _loss(out: Any, j: int, sizes: Sequence[int]) -> Tensor:
 class GradientsAside:
     """The gradients of a step's first micro-batches, kept from ``zero_grad`` until Lightning's backward.
 
-    Lightning zeroes the gradients between ``training_step`` and its backward at the first
-    batch of an accumulation window (``batch_idx % accumulate_grad_batches == 0``); other
-    batches accumulate, and nothing needs setting aside. At a window's first batch the
-    gradients held before the step (the last window's) are moved out of the way while the
-    micro-batches run; when nothing reads them before ``zero_grad`` wipes them (no
-    ``on_before_zero_grad`` of the module's or a callback's, no ``optimizer_zero_grad`` of
-    the module's) they are dropped at once, as ``zero_grad`` would drop them, so no
-    memory is spent; otherwise they are put back for those hooks, and the micro-batches'
-    gradients, one gradient-sized copy, wait beside them. :meth:`restore` adds them back
-    before the backward.
+    Only at an accumulation window's first batch does Lightning zero between ``training_step`` and its
+    backward. The old gradients are dropped at once unless a hook may read them before ``zero_grad``
+    (then the micro-batches' wait beside them: one gradient-sized copy).
     """
 
     def __init__(self) -> None:
@@ -279,21 +227,9 @@ class _ShareLoss(torch.autograd.Function):
 def share_output(outs: Sequence[Any], sizes: Sequence[int]) -> Any:
     """The share's training-step output from its micro-batches' outputs (each a loss, or a dict with ``"loss"``).
 
-    The loss's value is the sample-weighted mean of the micro-batches' losses: the mean
-    loss over the share, what one batch gives, so Lightning logs and the strategy's
-    shard weighting see the share as before. Its backward sends the gradient, unweighted,
-    to the last micro-batch's loss, the only one whose backward has not run yet: the
-    strategy's gradient weighting already scales each micro-batch's gradient by its share
-    of the rank's samples. The other entries of a
-    dict are combined by :func:`combine` with ``rows=True`` (per-sample tensors are
-    concatenated in order, scalars averaged by samples).
-
-    Args:
-        outs: Each micro-batch's ``training_step`` output, in order.
-        sizes: Each micro-batch's samples.
-
-    Returns:
-        The loss tensor, or a dict with ``"loss"`` and the combined other entries.
+    The loss's value is the sample-weighted mean (what one batch gives); its backward sends the gradient,
+    unweighted, to the last micro-batch's loss, the only one not yet backpropagated (the weighting scales
+    each micro-batch's gradient already). A dict's other entries go through :func:`combine` with ``rows=True``.
 
     Raises:
         ValueError: If a micro-batch returned no loss (``None``, or a dict without ``"loss"``).
@@ -314,29 +250,15 @@ def share_output(outs: Sequence[Any], sizes: Sequence[int]) -> Any:
 
 
 def _weights(sizes: Sequence[float]) -> list[float]:
-    """What a mean over micro-batches weights each by: its samples; a share of 0's stand-ins (all ``0``) equally.
-
-    A zero share under FSDP2 runs only stand-ins (``[0, 0, 0]``): its values are a
-    stand-in's, as the stand-in a zero share runs whole gives (counted as nothing by
-    the strategy's weighted reductions).
-    """
+    """What a mean over micro-batches weights each by: its samples; a share of 0's stand-ins (all ``0``) equally."""
     return list(sizes) if sum(sizes) > 0 else [1.0] * len(sizes)
 
 
 def combine(values: Sequence[Any], weights: Sequence[float], how: str = "mean", *, rows: bool = False) -> Any:
-    """One value for the share from the values its micro-batches produced.
+    """One value for the share from its micro-batches' values: their sum, max, min or sample-weighted mean (``how``).
 
-    Args:
-        values: One value per micro-batch that produced it, in order.
-        weights: Each one's samples (what a mean is weighted by).
-        how: ``"sum"``, ``"max"``, ``"min"``; anything else is a sample-weighted mean.
-        rows: Concatenate tensors holding one row per sample (``values[j]`` has
-            ``weights[j]`` rows), as one batch's per-sample output would be.
-
-    Returns:
-        Numbers and tensors: their sum, max, min or sample-weighted mean (numbers stay
-        numbers); dicts: combined per key; anything else (a torchmetrics ``Metric``, a
-        string, tensors of differing shapes): the last micro-batch's value.
+    Dicts are combined per key; with ``rows``, tensors of one row per sample are concatenated; anything
+    else (a torchmetrics ``Metric``, a string, tensors of differing shapes) is the last micro-batch's value.
     """
     last = values[-1]
     weights = _weights(weights)
@@ -381,18 +303,8 @@ def _reduction(fx: Any) -> str:
 class LogRecorder:
     """``self.log`` in a micro-batched step: each micro-batch's calls recorded, replayed once for the share.
 
-    Lightning's ``self.log`` acts at once: an ``on_step`` value with ``sync_dist=True``
-    is an all-reduce per call, and the step's value is the last one logged. Logged per
-    micro-batch, ranks running different numbers of micro-batches would issue different
-    numbers of collectives, and the value would be one micro-batch's. So inside each
-    micro-batch's ``training_step`` ``self.log`` (and ``self.log_dict``, which calls it)
-    only records; :meth:`replay` then logs every name once, its values combined by
-    :func:`combine` according to ``reduce_fx`` (a mean by samples, or by the
-    ``batch_size=`` given, which is then summed): the share's value, as one batch would
-    log it.
-
-    Args:
-        module: The LightningModule whose ``log`` is recorded.
+    Logged per micro-batch, ranks running different numbers of micro-batches would issue different
+    numbers of ``sync_dist`` all-reduces, and the value would be one micro-batch's.
     """
 
     def __init__(self, module: pl.LightningModule) -> None:

@@ -27,30 +27,10 @@ class HeteroModelParallelStrategy(HeteroStrategy, ModelParallelStrategy):
     For a model larger than the smallest device (docs/integrations.md, FSDP2):
     ``ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)`` becomes
     ``HeteroModelParallelStrategy(devices="cpu,cpu@0.25")``; the LightningModule shards
-    itself in ``configure_model``. Everything :class:`~hetsplit.lightning.HeteroDDPStrategy`
-    does it does here too, with these differences:
-
-    - **Mesh**: data parallelism only, over a 1-D mesh of every process:
-      ``self.device_mesh["data_parallel"]`` (``data_parallel_size`` is the world size,
-      ``tensor_parallel_size`` 1); tensor parallelism or a 2-D mesh is refused (a
-      ``ValueError`` before the process group starts; a model sharded on a 2-D mesh, HSDP,
-      at setup on every rank).
-    - **Gradients** are weighted at the outputs of the ``fully_shard`` root
-      (:func:`hetsplit.distributed.weight_gradients`: each rank's output gradient scaled by
-      ``world * b_r / B``, then FSDP2's mean), so every per-sample loss term must reach the
-      parameters through that root's outputs (``self.model(x)`` inside ``training_step``,
-      called once per step). ``configure_model`` must leave one ``fully_shard`` root
-      holding every trainable parameter (else a ``ValueError`` at setup, naming them).
-    - **Micro-batches** (a plan solved with ``accumulate=True``): every rank runs the same
-      number, the plan's largest ``K`` (FSDP2 gathers and reduce-scatters in every
-      micro-batch; :func:`hetsplit.distributed.micro_batches`), a rank with fewer samples
-      than ``K`` running two real samples weighted 0 for each missing one.
-    - **Profiling** (no ``plan``/``profile``): the sharded LightningModule's step is
-      timed itself, the ranks in turns (no device holds the whole model), as
-      :func:`hetsplit.distributed.plan` does for an FSDP2 model (not calibrated).
-    - **Checkpoints** save and load as ``ModelParallelStrategy`` does (sharded by default);
-      a fit resumed (``ckpt_path=``) from one saved at an epoch's end continues as the
-      uninterrupted fit: the same shares, epoch order, parameters and optimizer state.
+    itself in ``configure_model`` over ``self.device_mesh["data_parallel"]``, leaving one
+    ``fully_shard`` root that holds every trainable parameter. The gradients are weighted at
+    that root's outputs, so every per-sample loss term must reach the parameters through them;
+    every rank runs the plan's largest number of micro-batches (FSDP2's forwards are collective).
 
     Args:
         weighting: ``"outputs"`` only (FSDP2 has no comm hook to weight).
@@ -145,12 +125,7 @@ class HeteroModelParallelStrategy(HeteroStrategy, ModelParallelStrategy):
 
 
 def _fsdp_root(module: nn.Module) -> nn.Module:
-    """The one outermost ``fully_shard`` module of ``module`` that holds every trainable parameter.
-
-    Raises:
-        ValueError: If nothing is sharded, several outermost modules are, or a trainable
-            parameter is outside the root (nothing would synchronise its gradient).
-    """
+    """The one outermost ``fully_shard`` module of ``module``, holding every trainable parameter (else a ValueError)."""
     roots: list[tuple[str, nn.Module]] = []
     for name, m in module.named_modules():
         if kind(m) == "fsdp2" and not any(name.startswith(f"{r}.") or r == "" for r, _ in roots):

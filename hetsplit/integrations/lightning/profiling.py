@@ -33,13 +33,8 @@ class _Shared:
 class LossModule(nn.Module):
     """A copy of a LightningModule whose forward is its ``training_step``: the loss the profiler times.
 
-    The copy has no trainer, so ``self.log`` in ``training_step`` would warn on every
-    call; those warnings are silenced. The step runs in ``context`` (the precision
-    plugin's training context: autocast for mixed precision).
-
-    Args:
-        module: The detached copy of the LightningModule.
-        context: A callable returning the context manager to run the step in.
+    The step runs in ``context`` (the precision plugin's: autocast for mixed precision); the copy has
+    no trainer, so the warnings of its ``self.log`` are silenced.
     """
 
     def __init__(self, module: pl.LightningModule, context: Callable[[], Any] = contextlib.nullcontext) -> None:
@@ -49,11 +44,7 @@ class LossModule(nn.Module):
 
     @classmethod
     def detached(cls, module: pl.LightningModule, context: Callable[[], Any] = contextlib.nullcontext) -> LossModule:
-        """A :class:`LossModule` over a copy of ``module`` made without its trainer (``module`` keeps it).
-
-        Returns:
-            The loss module (the original module is untouched).
-        """
+        """A :class:`LossModule` over a copy of ``module`` made without its trainer (``module`` keeps it)."""
         trainer = module.trainer
         module.trainer = None  # the copy must not drag the trainer along, nor log through it
         try:
@@ -65,8 +56,7 @@ class LossModule(nn.Module):
     def forward(self, batch: Any) -> torch.Tensor:
         """The loss of ``training_step(batch, 0)`` (its ``"loss"`` entry when it returns a dict).
 
-        Called as Lightning calls it: ``batch_idx`` only where the hook's signature takes
-        one (``training_step(self, batch)`` is allowed; Lightning's own FSDP2 example has it).
+        ``batch_idx`` only where the hook's signature takes one, as Lightning calls it.
         """
         step = self.module.training_step
         args = (batch, 0) if is_param_in_hook_signature(step, "batch_idx", min_args=2) else (batch,)
@@ -95,19 +85,9 @@ def profiled_plan(
     profile: Profile | None,
     plan_kwargs: Mapping[str, Any],
 ) -> Plan:
-    """Profile a detached copy of ``module`` on this rank's device; rank 0 solves for all.
+    """Profile a detached copy of ``module`` on this rank's device (an FSDP2 one in place); rank 0 solves for all.
 
-    A module sharded with ``fully_shard`` is profiled in place, the ranks in turns, as
-    :func:`hetsplit.distributed.plan` does.
-
-    Args:
-        module: The LightningModule.
-        context: The precision plugin's training-step context (autocast for mixed precision).
-        loader: The user's training loader (one batch of it is the profiling sample).
-        batch_size: The global batch to plan.
-        who: The strategy's class (named in the message).
-        root: The device the rank's model lives on (its random state is kept on a GPU).
-        device, profile, plan_kwargs: As for :func:`hetsplit.distributed.plan`.
+    ``root`` is the device the rank's model lives on (its random state is kept on a GPU).
 
     Raises:
         RuntimeError: If ``training_step`` cannot be profiled (naming the device and the cause).
@@ -123,9 +103,8 @@ def profiled_plan(
 
     if not holds_sharded(module):
         return profiled(LossModule.detached(module, context))
-    # torch refuses to copy an FSDP2 module: hetsplit.distributed.plan times the sharded module
-    # itself, the ranks in turns, and leaves it as it was. Detached from the trainer meanwhile,
-    # so the profile's self.log goes nowhere (and syncs nothing).
+    # torch refuses to copy an FSDP2 module: it is timed itself, the ranks in turns, detached from
+    # the trainer meanwhile so the profile's self.log goes nowhere (and syncs nothing).
     trainer = module.trainer
     module.trainer = None
     try:

@@ -1,9 +1,6 @@
 """The strategy base: what every hetsplit Lightning strategy does, whatever synchronises the gradients.
 
-Devices, the plan, the rebuilt loaders, each step's weights, weighted metrics,
-micro-batches and emulated speed are :class:`HeteroStrategy`'s; :class:`~.ddp.HeteroDDPStrategy`
-and :class:`~.model_parallel.HeteroModelParallelStrategy` say how the gradients are
-weighted and how one micro-batch runs.
+Its subclasses (:mod:`.ddp`, :mod:`.model_parallel`) say how the gradients are weighted and how one micro-batch runs.
 """
 
 from __future__ import annotations
@@ -44,20 +41,11 @@ from .profiling import profiled_plan
 class HeteroStrategy(ParallelStrategy):
     """What every hetsplit Lightning strategy does, whatever synchronises the gradients.
 
-    A strategy is ``class S(HeteroStrategy, DDPStrategy)``: this class's hooks come first
-    and their ``super()`` calls reach the Lightning strategy's. A subclass says how the
-    gradients are weighted (:meth:`weighted_model`) and how one micro-batch's step runs
-    (:meth:`micro_model`, :meth:`run_micro_batch`); the docstring of
-    :class:`~.ddp.HeteroDDPStrategy` describes the behaviour.
+    A strategy is ``class S(HeteroStrategy, DDPStrategy)``: this class's hooks come first and
+    their ``super()`` calls reach the Lightning strategy's; a subclass defines :meth:`weighted_model`,
+    :meth:`micro_model` and :meth:`run_micro_batch`.
 
-    Args:
-        weighting: How the gradients are weighted (one of :attr:`weightings`).
-        options: The arguments every integration shares (:class:`~..options.HeteroOptions`),
-            or its fields as keywords in ``strategy_kwargs``.
-        **strategy_kwargs: Passed to the Lightning strategy.
-
-    Raises:
-        TypeError, ValueError: As :meth:`~..options.HeteroOptions.check`.
+    Its arguments are the subclasses' (:class:`~.ddp.HeteroDDPStrategy`).
     """
 
     who: ClassVar[str] = "HeteroStrategy"  # the class the user made, named in every message
@@ -229,9 +217,8 @@ class HeteroStrategy(ParallelStrategy):
             self._plan = self._profiled_plan(loader, batch)
         plan = self._plan if self.rebalancer is None else self.rebalancer.plan
         check_micro_plan(plan, self.module, self.rebalance, who=self.who)  # every rank, before any step
-        # A last global batch short of B is served as it is, cut in the plan's proportions
-        # (DistributedSampler adds no more than world - 1 samples either), and each rank's
-        # gradient weighted by its rows in it (_weigh_step). Rebalancing, micro-batches and
+        # A last global batch short of B is served as it is, cut in the plan's proportions and each
+        # rank's gradient weighted by its rows in it (_weigh_step). Rebalancing, micro-batches and
         # gradient accumulation weight by the plan's whole shares: those keep the padding.
         whole = all(len(parts) <= 1 for parts in plan.micro_batches)
         pad = bool(self.rebalance) or not whole or self.module.trainer.accumulate_grad_batches != 1
@@ -269,9 +256,8 @@ class HeteroStrategy(ParallelStrategy):
     def _eval_loader(self, loader: Any, trainer: pl.Trainer) -> Any:
         """A validation or test loader rebuilt on shares of world × its ``batch_size`` in the plan's proportions.
 
-        Nothing is added: the last batch is what is left, cut in proportion (a padded row
-        would count twice in the logged metrics). A loader that cannot be rebuilt is
-        returned as it is.
+        Nothing is added (a padded row would count twice in the logged metrics); a loader that cannot be
+        rebuilt is returned as it is.
         """
         order = lightning_order(loader, str(trainer.state.stage), strict=False, who=self.who)
         if order is None:
@@ -313,11 +299,7 @@ class HeteroStrategy(ParallelStrategy):
         return core.shares_for(self.plan, total, self._labels)
 
     def _step_sampler(self) -> HeteroDistributedSampler | None:
-        """The hetsplit sampler of the loader the running step's batch comes from, if it has one.
-
-        Evaluation loaders are found where Lightning keeps what ``process_dataloader``
-        returned, in order (each loop's combined loader), by the step's ``dataloader_idx``.
-        """
+        """The hetsplit sampler of the loader the running step's batch comes from, if it has one."""
         trainer = self.module.trainer
         if trainer.state.stage == RunningStage.TRAINING:
             return self.train_sampler
@@ -360,9 +342,7 @@ class HeteroStrategy(ParallelStrategy):
     def _weigh_step(self) -> None:
         """Weight this step's gradients by every rank's rows in it (a short last global batch), else by the plan.
 
-        Set before the step's forward and kept through its backward (the comm hook reads it
-        there); every rank computes the same sizes from the same sampler state. Only where
-        the sizes change (an epoch's last step and the one after) is the weighting reset.
+        Set before the forward (the comm hook reads it in the backward), and reset only where the sizes change.
         """
         sampler, gradients, plan, index = self.train_sampler, self.gradients, self.plan, self._batch_index
         if sampler is None or gradients is None or plan is None or self.rebalancer is not None:
@@ -386,9 +366,7 @@ class HeteroStrategy(ParallelStrategy):
             trainer = module.trainer
             self._seen[trainer.state.stage] = self._seen.get(trainer.state.stage, 0) + self._samples
             # Lightning weights an on_epoch mean by the batch size it reads off the batch
-            # (_ResultCollection.batch_size, reset at every batch start, kept where Lightning's
-            # own loops keep it: trainer._results): the stand-in samples must count as nothing
-            # in what is synced across ranks.
+            # (trainer._results.batch_size, reset at every batch start): the stand-in must count as nothing.
             results = trainer._results
             if stand_in and results is not None:
                 results.batch_size = 0
@@ -422,10 +400,7 @@ class HeteroStrategy(ParallelStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        """The LightningModule's ``training_step`` at the rank's emulated speed and memory (means weighted by samples).
-
-        A share the plan splits runs as its micro-batches (:func:`~.micro_batches.run_training_step`).
-        """
+        """The LightningModule's ``training_step`` at the rank's emulated speed and memory, as its micro-batches."""
         self._weigh_step()
         with self._step(args, kwargs):
             if self._micro_batches() is None and not self._memory_capped:  # the plain step: nothing to cut or check
@@ -448,8 +423,7 @@ class HeteroStrategy(ParallelStrategy):
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
         """Backward as the Lightning strategy does, at the rank's emulated speed (waiting for others is not slowed).
 
-        A micro-batched step's first micro-batches' gradients are put back first
-        (:class:`~.micro_batches.GradientsAside`).
+        A micro-batched step's earlier gradients are put back first (:class:`~.micro_batches.GradientsAside`).
         """
         if self.aside.held is not None:
             self.aside.restore()
@@ -461,23 +435,9 @@ class HeteroStrategy(ParallelStrategy):
     def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
         """Reduce across ranks; inside a ``*_step``, a mean is weighted by each rank's samples.
 
-        ``self.log(..., sync_dist=True)`` reduces through here. An ``on_epoch`` mean is exact
-        as Lightning keeps it (``sum(value * batch_size)`` and ``sum(batch_size)`` per rank,
-        divided after the all-reduce: ``_ResultMetric`` in Lightning's ``result.py``); an
-        ``on_step`` value is synced alone with ``"mean"``, a plain mean of the ranks' values,
-        so here it is weighted by the step's samples (the first tensor's length, as Lightning
-        counts ``batch_size``). ``sum``/``max``/``min`` stay plain; a rank without samples adds
-        nothing. Not weighted: means reduced in other hooks, a ``batch_size=`` given to
-        ``self.log``; a rank whose share moves between 0 and more within an epoch
-        (rebalancing) makes such an epoch mean NaN (``NaN * 0`` in Lightning's sum).
-
-        Args:
-            tensor: The value to reduce (anything else is returned unchanged).
-            group: The process group (default: the world).
-            reduce_op: ``"mean"`` (default), ``"sum"``, ``"max"``, ``"min"`` or a ``ReduceOp``.
-
-        Returns:
-            The reduced tensor, the same on every rank.
+        ``self.log(..., sync_dist=True)`` reduces through here: an ``on_epoch`` mean is exact as Lightning
+        keeps it, an ``on_step`` mean (a plain mean of the ranks' values) is weighted by the step's samples.
+        Not weighted: means reduced in other hooks, a ``batch_size=`` given to ``self.log``.
         """
         # super() reaches the Lightning strategy's reduce (DDPStrategy's, ModelParallelStrategy's),
         # after this class in the MRO; mypy sees only Strategy's abstract one.
@@ -528,14 +488,9 @@ class _EpochSteps:
 class HeteroCallback(pl.Callback):
     """Installed by every hetsplit strategy: each epoch's shuffle for the shares, and the rebalancer around each batch.
 
-    Lightning calls ``set_epoch`` on a loader's ``sampler`` and ``batch_sampler.sampler``
-    only, not on a batch sampler itself, so the strategy's batch sampler gets its epoch
-    here. With ``rebalance=K`` every training batch (forward, backward, optimizer step)
-    runs inside :meth:`hetsplit.distributed.DistributedRebalancer.step`. It lives beside
-    the strategy it drives: a step enters one file for both.
-
-    Args:
-        strategy: The strategy whose sampler and rebalancer to drive.
+    Lightning calls ``set_epoch`` on a loader's ``sampler`` and ``batch_sampler.sampler`` only, not
+    on a batch sampler itself; with ``rebalance=K`` every training batch runs inside
+    :meth:`hetsplit.distributed.DistributedRebalancer.step`.
     """
 
     def __init__(self, strategy: HeteroStrategy) -> None:
