@@ -211,6 +211,12 @@ def test_an_unreachable_lighthouse_is_one_line_naming_it():
     assert "\n" not in str(e.value)
 
 
+def test_a_group_listing_other_than_one_device_per_rank_is_refused_in_one_line():
+    model, opt = elastic_job.model_and_opt("sgd")
+    with pytest.raises(ValueError, match=r"^group 0 lists 2 devices \['cpu', 'cpu@0.5'\] but its torch.distributed"):
+        ElasticGroup(model, opt, batch_size=8, devices=[["cpu", "cpu@0.5"]], group=0, lighthouse="http://127.0.0.1:9")
+
+
 def test_every_group_gone_leaves_the_checkpoint_and_says_how_to_resume(tmp_path):
     lh = lighthouse(1)
     ckpt = tmp_path / "ckpt.pt"

@@ -41,9 +41,11 @@ from .sharded import fsdp2_module, kind
 _FIELDS = 3
 
 
-def _whole(t: Any) -> Any:
-    """A sharded tensor gathered whole (collective), anything else as it is."""
-    return t.full_tensor() if isinstance(t, DTensor) else t
+def _whole(t: Any, copy: bool = False) -> Any:
+    """A sharded tensor gathered whole (collective), any other as it is (or a copy)."""
+    if isinstance(t, DTensor):
+        return t.full_tensor()
+    return t.clone() if copy and isinstance(t, torch.Tensor) else t
 
 
 def _identity(model: torch.nn.Module) -> str:
@@ -167,11 +169,12 @@ class ElasticGroup:
                     m.set_gradient_divide_factor(1.0)
             model.register_forward_hook(lambda _m, _a, out: _scaled(out, float(self.samples)))
         self.manager: Any = None
+        resumed = None
         if checkpoint is not None and os.path.exists(checkpoint):
             state = torch.load(checkpoint, weights_only=True)
             self._load(state["user"])
             self._apply(state["user"])
-            self._healed, self._step = None, int(state["torchft"]["step"])
+            self._healed, resumed, self._step = None, state["torchft"], int(state["torchft"]["step"])
         self._snapshot: dict[str, Any] | None = None
         if self._sharded:  # FSDP2 heals a joiner from a whole copy on rank 0 (torchft asks from its own thread)
             self._keep()
@@ -197,24 +200,26 @@ class ElasticGroup:
             replica_id=f"hetsplit_{group}",
             heartbeat_interval=timedelta(milliseconds=100),
         )
-        self.manager.load_state_dict({"step": self._step, "batches_committed": self._step})
+        if resumed is not None:
+            self.manager.load_state_dict(resumed)
 
     @property
     def step(self) -> int:
         """The index of the global batch the next step trains on (committed steps so far)."""
         return int(self.manager.current_step()) if self.manager is not None else self._step
 
-    def _full(self) -> dict[str, Any]:
+    def _full(self, copy: bool = False) -> dict[str, Any]:
         """The whole model and optimizer state (collective in an FSDP2 group: every rank calls it).
 
-        The optimizer's state is keyed by parameter name, so groups sharded otherwise load it.
+        The optimizer's state is keyed by parameter name, so groups sharded otherwise load it;
+        ``copy`` copies what is not gathered (a kept copy must not follow the training).
         """
         names = {id(p): n for n, p in self.model.named_parameters()}
         order = [names[id(p)] for g in self.optimizer.param_groups for p in g["params"]]
         optim = self.optimizer.state_dict()
-        optim["state"] = {order[i]: {k: _whole(t) for k, t in v.items()} for i, v in optim["state"].items()}
+        optim["state"] = {order[i]: {k: _whole(t, copy) for k, t in v.items()} for i, v in optim["state"].items()}
         optim["param_groups"] = [{**g, "params": [order[i] for i in g["params"]]} for g in optim["param_groups"]]
-        return {"model": {k: _whole(t) for k, t in self.model.state_dict().items()}, "optim": optim}
+        return {"model": {k: _whole(t, copy) for k, t in self.model.state_dict().items()}, "optim": optim}
 
     def _state(self) -> dict[str, Any]:
         """What a joiner is healed with: the model, the optimizer, and what it must match."""
@@ -240,7 +245,7 @@ class ElasticGroup:
             self._keep()
 
     def _keep(self) -> None:
-        whole = self._full()
+        whole = self._full(copy=True)
         self._snapshot = whole if self.rank == 0 else None
 
     def _load(self, state: dict[str, Any]) -> None:
@@ -385,12 +390,13 @@ class ElasticGroup:
             grads = [p.grad.full_tensor() if p.grad is not None else torch.zeros(p.shape) for p in params]
             grads = grads if self.rank == 0 else [torch.zeros_like(g) for g in grads]
         else:
-            grads = [(p.grad if p.grad is not None else torch.zeros_like(p)) * b for p in params]
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         n = sum(g.numel() for g in grads)
         tail = [torch.tensor([float(b)], dtype=torch.float64)]
         if self._async:  # the membership travels with the gradients: the plan used is checked after
             tail.append(self._said().reshape(-1))
-        flat = torch.cat([g.reshape(-1).to(torch.float64) for g in grads] + tail)
+        scale = 1 if self._sharded else b
+        flat = torch.cat([g.reshape(-1).to(torch.float64) * scale for g in grads] + tail)
 
         def decide(flat: torch.Tensor) -> bool:  # on rank 0, the groups' sum in hand
             if self._async and self.manager.errored() is None:  # a failed all-reduce says nothing of who is here
