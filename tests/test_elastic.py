@@ -217,6 +217,16 @@ def test_a_group_listing_other_than_one_device_per_rank_is_refused_in_one_line()
         ElasticGroup(model, opt, batch_size=8, devices=[["cpu", "cpu@0.5"]], group=0, lighthouse="http://127.0.0.1:9")
 
 
+def test_async_quorum_in_a_group_of_several_ranks_is_refused_in_one_line(monkeypatch):
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)  # as in a group's rank 0 of 2
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda: 2)
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda: 0)
+    model, opt = elastic_job.model_and_opt("sgd")
+    with pytest.raises(ValueError, match=r"^use_async_quorum=True is for groups of one rank; group 0 has 2$"):
+        ElasticGroup(model, opt, batch_size=8, devices=[["cpu", "cpu@0.5"]], group=0, lighthouse="http://127.0.0.1:9",
+                     use_async_quorum=True)  # fmt: skip
+
+
 def test_every_group_gone_leaves_the_checkpoint_and_says_how_to_resume(tmp_path):
     lh = lighthouse(1)
     ckpt = tmp_path / "ckpt.pt"

@@ -102,7 +102,8 @@ class ElasticGroup:
         quorum_timeout: Seconds to wait for a quorum of ``min_groups``.
         use_async_quorum: Overlap the quorum with the forward; the groups then learn the
             membership from the step's own all-reduce, so new shares apply one step late
-            and the step at a change is discarded and re-run (exact, one step lost).
+            and the step at a change is discarded and re-run (exact, one step lost). For
+            groups of one rank only.
         measure: Steps a device missing from the profile is timed on.
         checkpoint: A file :meth:`save` writes (atomically: a checkpoint on disk always
             loads); one that exists is resumed from, at its global-batch position.
@@ -144,6 +145,8 @@ class ElasticGroup:
                 f"group {group} lists {len(layout[group])} devices {layout[group]} but its torch.distributed world has "
                 f"{self.world} ranks; give one device per rank"
             )
+        if use_async_quorum and self.world > 1:  # its quorum thread hung connecting to the PG's store (torchft 0.2.0)
+            raise ValueError(f"use_async_quorum=True is for groups of one rank; group {group} has {self.world}")
         self._owner = [i for i, names in enumerate(layout) for _ in names]  # slot -> group
         self.slot = sum(map(len, layout[:group])) + self.rank
         if batch_size < len(self._owner):
