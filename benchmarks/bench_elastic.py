@@ -151,15 +151,19 @@ def _event(text: str) -> tuple[int, int]:
     return int(g), int(k)
 
 
-def _throughput(steps: list[dict], lo: int, hi: int) -> float:
-    """Samples per second over committed steps lo+1..hi (their commit times; the step at lo starts the clock)."""
+def _throughput(steps: list[dict], lo: int, hi: int) -> float | None:
+    """Samples per second over committed steps lo+1..hi (their commit times; the step at lo starts the clock).
+
+    ``None`` (JSON ``null``) where the phase has no such step: a joiner that arrived at the run's end.
+    """
     t = {s["step"]: s["t"] for s in steps}
     if lo not in t or hi not in t or hi <= lo:
-        return float("nan")
+        return None
     return BATCH * (hi - lo) / (t[hi] - t[lo])
 
 
 def run_torchft(a: argparse.Namespace, out: Path) -> dict:
+    from hetsplit.devices import parse_device
     from hetsplit.distributed.elastic import lighthouse
 
     devices = a.devices.split(",")
@@ -221,7 +225,7 @@ def run_torchft(a: argparse.Namespace, out: Path) -> dict:
         opt.step()
     got = torch.load(str(main) + ".pt")
     diff = max(float((p.detach() - q).abs().max()) for p, q in zip(model.parameters(), got))
-    speeds = {d: __import__("hetsplit.devices", fromlist=["x"]).parse_device(d).speed for d in devices}
+    speeds = {d: parse_device(d).speed for d in devices}
     before = _throughput(steps, 2, leave_k)
     present = sum(speeds[d] for i, d in enumerate(devices) if i != leave_g) / sum(speeds.values())
     return {
@@ -238,7 +242,7 @@ def run_torchft(a: argparse.Namespace, out: Path) -> dict:
             "before": before,
             "during": _throughput(steps, after_leave["step"] + 1, join_m),
             "after": _throughput(steps, after_join["step"] + 1, a.steps - 1),
-            "ideal_during": before * present,
+            "ideal_during": before * present if before is not None else None,
         },
     }
 
@@ -379,7 +383,7 @@ def run_torchrun(a: argparse.Namespace, out: Path) -> dict:
             "before": before,
             "during": _throughput(steps, after_leave["step"] + 1, join_m),
             "after": _throughput(steps, after_join["step"] + 1, a.steps - 1),
-            "ideal_during": before * present,
+            "ideal_during": before * present if before is not None else None,
         },
     }
 
