@@ -287,6 +287,35 @@ def test_every_group_gone_leaves_the_checkpoint_and_says_how_to_resume(tmp_path)
         torch.testing.assert_close(a.detach(), b, rtol=1e-12, atol=1e-14)
 
 
+def test_a_group_killed_inside_its_checkpoint_save_leaves_the_last_one_whole(tmp_path, monkeypatch):
+    # save() as a committed step calls it; the writer dies once half the new file is on disk.
+    import hetsplit.distributed.elastic as elastic
+
+    class _Manager:
+        step = 3
+
+        def state_dict(self):
+            return {"step": self.step}
+
+    group = ElasticGroup.__new__(ElasticGroup)  # only save()'s own state: no torchft servers
+    group.checkpoint, group.manager = str(tmp_path / "ckpt.pt"), _Manager()
+    group._state = lambda: {"model": {"w": torch.full((4,), float(group.manager.step))}}
+    group.save()
+    real_save = torch.save
+
+    def dies_midway(obj, path):
+        real_save(obj, path)
+        Path(path).write_bytes(Path(path).read_bytes()[:40])  # half written
+        raise KeyboardInterrupt("killed inside the save")
+
+    group.manager.step = 4
+    monkeypatch.setattr(elastic.torch, "save", dies_midway)
+    with pytest.raises(KeyboardInterrupt):
+        group.save()
+    saved = torch.load(tmp_path / "ckpt.pt", weights_only=True)  # step 3's, whole
+    assert saved["torchft"]["step"] == 3 and torch.equal(saved["user"]["model"]["w"], torch.full((4,), 3.0))
+
+
 def test_global_indices_cover_each_epoch_once_in_whole_batches():
     lh = lighthouse(1)
     model, opt = elastic_job.model_and_opt("sgd")
