@@ -162,8 +162,45 @@ def _throughput(steps: list[dict], lo: int, hi: int) -> float | None:
     return BATCH * (hi - lo) / (t[hi] - t[lo])
 
 
-def run_torchft(a: argparse.Namespace, out: Path) -> dict:
+def _summary(a: argparse.Namespace, steps: list[dict], params: Path, events: dict, first: int) -> dict:
+    """What both engines report: the committed steps, the seconds to the first commit after each event,
+    the parameters against one plain process over the same global batches, each phase's throughput.
+
+    ``events``: ``leave`` and ``join`` (group, step), ``t_leave``/``t_join`` and the first committed
+    step after each (``after_leave``/``after_join``); ``first``: the step whose commit starts "before".
+    """
     from hetsplit.devices import parse_device
+
+    (leave_g, leave_k), (_, join_m) = events["leave"], events["join"]
+    after_leave, after_join = events["after_leave"], events["after_join"]
+    model, opt = _model()
+    for k in range(a.steps):
+        opt.zero_grad()
+        _step(model, *_batch(k))
+        opt.step()
+    got = torch.load(str(params) + ".pt")
+    diff = max(float((p.detach() - q).abs().max()) for p, q in zip(model.parameters(), got))
+    speeds = [parse_device(d).speed for d in a.devices.split(",")]
+    before = _throughput(steps, first, leave_k)
+    present = sum(v for i, v in enumerate(speeds) if i != leave_g) / sum(speeds)
+    return {
+        "steps": [
+            {"step": s["step"], "members": s["members"], "sizes": s["sizes"], "global_batch": sum(s["sizes"])}
+            for s in steps
+        ],
+        "seconds_to_first_commit_after_leave": round(after_leave["t"] - events["t_leave"], 3),
+        "seconds_to_first_commit_after_join": round(after_join["t"] - events["t_join"], 3),
+        "max_param_diff_vs_plain": diff,
+        "throughput": {
+            "before": before,
+            "during": _throughput(steps, after_leave["step"] + 1, join_m),
+            "after": _throughput(steps, after_join["step"] + 1, a.steps - 1),
+            "ideal_during": before * present if before is not None else None,
+        },
+    }
+
+
+def run_torchft(a: argparse.Namespace, out: Path) -> dict:
     from hetsplit.distributed.elastic import lighthouse
 
     devices = a.devices.split(",")
@@ -216,34 +253,18 @@ def run_torchft(a: argparse.Namespace, out: Path) -> dict:
 
     steps = [s for s in _read(main) if "step" in s]
     every = {s["step"] for f in out.glob("*.jsonl") for s in _read(f) if "step" in s}  # committed by any group
-    after_leave = next(s for s in steps if s["t"] > t_leave)
-    after_join = next(s for s in steps if join_g in s["members"] and s["t"] > t_join)
-    model, opt = _model()
-    for k in range(a.steps):
-        opt.zero_grad()
-        _step(model, *_batch(k))
-        opt.step()
-    got = torch.load(str(main) + ".pt")
-    diff = max(float((p.detach() - q).abs().max()) for p, q in zip(model.parameters(), got))
-    speeds = {d: parse_device(d).speed for d in devices}
-    before = _throughput(steps, 2, leave_k)
-    present = sum(speeds[d] for i, d in enumerate(devices) if i != leave_g) / sum(speeds.values())
+    events = {
+        "leave": (leave_g, leave_k),
+        "join": (join_g, join_m),
+        "t_leave": t_leave,
+        "t_join": t_join,
+        "after_leave": next(s for s in steps if s["t"] > t_leave),
+        "after_join": next(s for s in steps if join_g in s["members"] and s["t"] > t_join),
+    }
     return {
-        "steps": [
-            {"step": s["step"], "members": s["members"], "sizes": s["sizes"], "global_batch": sum(s["sizes"])}
-            for s in steps
-        ],
+        **_summary(a, steps, main, events, 2),
         "steps_lost": a.steps - len(every),
         "steps_rerun": steps[-1]["tries"] - len(steps),
-        "seconds_to_first_commit_after_leave": round(after_leave["t"] - t_leave, 3),
-        "seconds_to_first_commit_after_join": round(after_join["t"] - t_join, 3),
-        "max_param_diff_vs_plain": diff,
-        "throughput": {
-            "before": before,
-            "during": _throughput(steps, after_leave["step"] + 1, join_m),
-            "after": _throughput(steps, after_join["step"] + 1, a.steps - 1),
-            "ideal_during": before * present if before is not None else None,
-        },
     }
 
 
@@ -303,8 +324,6 @@ def run_torchrun(a: argparse.Namespace, out: Path) -> dict:
     """Agents of ``hetsplit launch --nnodes 1:N`` (one device each) at a rendezvous store hosted here."""
     from torch.distributed import TCPStore
 
-    from hetsplit.devices import parse_device
-
     devices = a.devices.split(",")
     (out / "profile.json").write_text(json.dumps(_profile(devices)))
     (leave_g, leave_k), (join_g, join_m) = _event(a.leave), _event(a.join)
@@ -351,40 +370,24 @@ def run_torchrun(a: argparse.Namespace, out: Path) -> dict:
     lines = _read(log)
     last = {s["step"]: s for s in lines if "step" in s}  # a step run again after a restart: its last commit
     steps = [last[k] for k in sorted(last)]
-    after_leave = next(s for s in steps if s["t"] > t_leave and leave_g not in s["members"])
-    after_join = next(s for s in steps if s["t"] > t_join and join_g in s["members"])
-    model, opt = _model()
-    for k in range(a.steps):
-        opt.zero_grad()
-        _step(model, *_batch(k))
-        opt.step()
-    got = torch.load(str(log) + ".pt")
-    diff = max(float((p.detach() - q).abs().max()) for p, q in zip(model.parameters(), got))
-    speeds = {d: parse_device(d).speed for d in devices}
+    events = {
+        "leave": (leave_g, leave_k),
+        "join": (join_g, join_m),
+        "t_leave": t_leave,
+        "t_join": t_join,
+        "after_leave": next(s for s in steps if s["t"] > t_leave and leave_g not in s["members"]),
+        "after_join": next(s for s in steps if s["t"] > t_join and join_g in s["members"]),
+    }
     full = next(s["step"] for s in steps if len(s["members"]) == len(devices))  # every node has met
-    before = _throughput(steps, full + 2, leave_k)
-    present = sum(speeds[d] for i, d in enumerate(devices) if i != leave_g) / sum(speeds.values())
     starts = [s for s in lines if "start" in s and s["from"] > 0]
     return {
-        "steps": [
-            {"step": s["step"], "members": s["members"], "sizes": s["sizes"], "global_batch": sum(s["sizes"])}
-            for s in steps
-        ],
+        **_summary(a, steps, log, events, full + 2),
         "steps_lost": a.steps - len(steps),
         "steps_rerun": sum("step" in s for s in lines) - len(steps),
         "agents_exit_codes": codes,
-        "seconds_to_first_commit_after_leave": round(after_leave["t"] - t_leave, 3),
-        "seconds_to_first_commit_after_join": round(after_join["t"] - t_join, 3),
         "replan_seconds": [round(s["replan"], 3) for s in starts],
         "replanned_from_stored_curves": all(s["stored"] for s in starts),
         "checkpoint_load_seconds": [round(s["load"], 3) for s in starts],
-        "max_param_diff_vs_plain": diff,
-        "throughput": {
-            "before": before,
-            "during": _throughput(steps, after_leave["step"] + 1, join_m),
-            "after": _throughput(steps, after_join["step"] + 1, a.steps - 1),
-            "ideal_during": before * present if before is not None else None,
-        },
     }
 
 
