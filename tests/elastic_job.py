@@ -62,6 +62,17 @@ def profile() -> Profile:
     return Profile.from_measurements({**curves, "cpu@0.25": [(8, 0.032), (32, 0.128)]})
 
 
+def _dying(collective, group, step):
+    """``collective``, but this process ends as it enters it at ``step``."""
+
+    def dying(*args, **kwargs):
+        if group.step == step:
+            os._exit(0)
+        return collective(*args, **kwargs)
+
+    return dying
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     for name in ("out", "group", "devices", "lighthouse", "steps", "optim"):
@@ -107,14 +118,10 @@ def run(a: argparse.Namespace) -> None:
     if a.ready and group.rank == 0:  # rank 0 holds the group's place in torchft's quorum
         Path(a.ready).touch()
     if a.die_in_reduce_scatter >= 0:  # gone as this rank enters the reduce-scatter: its peers are inside it
-        reduce_scatter = dist.reduce_scatter_single
-
-        def dying(*args, **kwargs):
-            if group.step == a.die_in_reduce_scatter:
-                os._exit(0)
-            return reduce_scatter(*args, **kwargs)
-
-        dist.reduce_scatter_single = dying
+        # FSDP2 calls reduce_scatter_single in newer torch, reduce_scatter_tensor in 2.8.
+        for name in ("reduce_scatter_single", "reduce_scatter_tensor"):
+            if hasattr(dist, name):
+                setattr(dist, name, _dying(getattr(dist, name), group, a.die_in_reduce_scatter))
     log, tries = [], 0
     while group.step < int(a.steps):
         for at, path in [w for w in a.wait_at if int(w[0]) == group.step]:
