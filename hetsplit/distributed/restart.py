@@ -99,6 +99,8 @@ class Checkpoint:
         rank = _place(group)[0] or 0  # one process without a group: rank 0
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)  # a save that died before
+        if dist.is_initialized():
+            dist.barrier(group)  # no rank writes into the folder before that one is gone
         dcp_save({"model": msd, "optim": osd, "step": step}, checkpoint_id=tmp, process_group=group)
         if rank == 0:
             shutil.rmtree(final, ignore_errors=True)
